@@ -1,0 +1,240 @@
+"""EPBuffer: the communication buffer of one MoE layer shape, and its dispatch/combine calls."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from . import combine as _combine
+from . import dispatch as _dispatch
+from .errors import BufferBrokenError, CapacityError, CommTimeoutError
+from .fp8 import num_scale_blocks
+from .group import EPGroup
+from .layout import WorkspaceLayout
+from .memory import SymmetricWorkspace
+
+_PHASES = {0: "dispatch", 1: "combine"}
+CHUNKS = 64  # routing histogram chunks (see kernels/route.py)
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@dataclass
+class DispatchResult:
+    """What ``EPBuffer.dispatch`` returns; the tensors are views of buffer memory, valid until the
+    next dispatch on the same buffer.
+
+    Attributes:
+        expert_x: masked ``[E_local, R*max_tokens, H]``; packed ``[capacity, H]``; dispatch dtype.
+        expert_scales: fp8 only: float32 ``[..., ceil(H/128)]`` with expert_x's leading dims; else None.
+        expert_counts: int32 ``[E_local]`` on the device: valid rows per local expert.
+        expert_offsets: packed only: int32 ``[E_local + 1]``; expert e's rows start at offsets[e].
+    """
+
+    expert_x: torch.Tensor
+    expert_scales: Optional[torch.Tensor]
+    expert_counts: torch.Tensor
+    expert_offsets: Optional[torch.Tensor]
+    num_tokens: int = 0
+    topk_idx: Optional[torch.Tensor] = field(default=None, repr=False)
+    _buffer: object = field(default=None, repr=False)
+    _serial: int = field(default=0, repr=False)
+
+
+class EPBuffer:
+    """Buffers and kernels for expert-parallel dispatch and combine of one layer shape.
+
+    Args:
+        group: the ``EPGroup``; rank r owns experts ``[r*E/R, (r+1)*E/R)``.
+        num_experts: E, a multiple of R.
+        hidden: H, a multiple of 16.
+        max_tokens: the most tokens any rank passes to one dispatch.
+        topk: K, selections per token.
+        dispatch_dtype: ``torch.bfloat16`` or ``torch.float8_e4m3fn`` (quantized in-kernel,
+            float32 scale per 128 channels, see ``moe_ep.fp8``).
+        combine_dtype: ``torch.bfloat16``.
+        layout: ``"masked"`` or ``"packed"``.
+        expert_alignment: packed only: each expert's block starts at a multiple of this.
+        timeout_s: deadline of every wait for a peer; on expiry ``CommTimeoutError``.
+        num_programs: Triton programs per launch (default: SM count on GPU, 2 on CPU).
+
+    All calls on one buffer must be issued on one CUDA stream (the current one), in the same
+    order on every rank.
+    """
+
+    def __init__(self, group: EPGroup, num_experts: int, hidden: int, max_tokens: int, topk: int,
+                 dispatch_dtype: torch.dtype = torch.bfloat16, combine_dtype: torch.dtype = torch.bfloat16,
+                 layout: str = "masked", expert_alignment: int = 1, timeout_s: float = 30.0,
+                 num_programs: Optional[int] = None):
+        if not isinstance(group, EPGroup):
+            raise TypeError(f"group: expected moe_ep.EPGroup, got {type(group).__name__}")
+        R = group.world_size
+        for name, v in (("num_experts", num_experts), ("hidden", hidden), ("max_tokens", max_tokens),
+                        ("topk", topk), ("expert_alignment", expert_alignment)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name}: expected a positive int, got {v!r}")
+        if num_experts % R != 0:
+            raise ValueError(f"num_experts: expected a multiple of world_size={R}, got {num_experts}")
+        if hidden % 16 != 0:
+            raise ValueError(f"hidden: expected a multiple of 16, got {hidden}")
+        if dispatch_dtype not in (torch.bfloat16, torch.float8_e4m3fn):
+            raise TypeError(f"dispatch_dtype: expected torch.bfloat16 or torch.float8_e4m3fn, got {dispatch_dtype}")
+        if combine_dtype != torch.bfloat16:
+            raise TypeError(f"combine_dtype: expected torch.bfloat16, got {combine_dtype}")
+        if layout not in ("masked", "packed"):
+            raise ValueError(f"layout: expected 'masked' or 'packed', got {layout!r}")
+        if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+            raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
+        if group.node_size != R:
+            raise NotImplementedError(
+                f"node_size={group.node_size} < world_size={R}: the inter-node path is not built yet; "
+                f"all ranks must share one node")
+        self.group = group
+        self.rank, self.world_size = group.rank, R
+        self.device = group.device
+        self.num_experts, self.hidden, self.max_tokens, self.topk = num_experts, hidden, max_tokens, topk
+        self.num_local_experts = num_experts // R
+        self.dispatch_dtype, self.combine_dtype = dispatch_dtype, combine_dtype
+        self.layout, self.expert_alignment = layout, expert_alignment
+        self.timeout_s = float(timeout_s)
+        self.fp8 = dispatch_dtype == torch.float8_e4m3fn
+        self.interp = interpreting()
+        if self.device.type == "cpu" and not self.interp:
+            raise RuntimeError("moe_ep on CPU runs its Triton kernels in the interpreter: set TRITON_INTERPRET=1 "
+                               "before importing triton")
+        if num_programs is None:
+            num_programs = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                            if self.device.type == "cuda" else 2)
+        self.num_programs = int(num_programs)
+
+        dev, EL, N, M = self.device, self.num_local_experts, R, max_tokens
+        self.num_scale_blocks = num_scale_blocks(hidden) if self.fp8 else 0
+        esize = 1 if self.fp8 else 2
+        self.ws_layout = WorkspaceLayout(N=N, M=M, K=topk, EL=EL, H=hidden,
+                                         payload_bytes=hidden * esize + 4 * self.num_scale_blocks)
+        self.off = self.ws_layout.offsets()
+        self.workspace = SymmetricWorkspace(group, self.off["total"])
+        # Local state: [0] dispatch epoch, [1] combine epoch, [2..5] arrival counters of the kernels.
+        self.state = torch.zeros(8, dtype=torch.int64, device=dev)
+        # Error record read by the host without a device sync: pinned host memory on GPU.
+        self.err = torch.zeros(8, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        self.hist = torch.zeros(num_experts, CHUNKS, dtype=torch.int32, device=dev)
+        self.recv_pos = torch.zeros(N, M, topk, dtype=torch.int32, device=dev)
+        self.block_el = max(2, 1 << (EL - 1).bit_length())
+        self.scratch = torch.zeros(self.num_programs, self.block_el, dtype=torch.int32, device=dev)
+        if layout == "masked":
+            self.capacity = N * M  # rows per expert
+            lead = (EL, N * M)
+        else:
+            self.capacity = N * M * topk + EL * (expert_alignment - 1)  # total rows: never overflows
+            lead = (self.capacity,)
+        self.expert_x = torch.empty(*lead, hidden, dtype=dispatch_dtype, device=dev)
+        self.expert_scales = (torch.empty(*lead, self.num_scale_blocks, dtype=torch.float32, device=dev)
+                              if self.fp8 else None)
+        self.expert_counts = torch.zeros(EL, dtype=torch.int32, device=dev)
+        self.expert_offsets = torch.zeros(EL + 1, dtype=torch.int32, device=dev) if layout == "packed" else None
+        self._serial = 0
+        self._epochs = [0, 0]  # host mirror of the device epochs, for error messages and CPU waits
+        self._closed = False
+        self._broken: Optional[BaseException] = None
+        group.barrier()
+
+    # ------------------------------------------------------------------ public API
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                 x_scales: Optional[torch.Tensor] = None) -> DispatchResult:
+        """Sends each token to the ranks owning its top-k experts; returns the expert layout.
+
+        Args:
+            x: ``[T, H]`` bfloat16 on ``group.device`` (or float8_e4m3fn with ``x_scales``), 0 <= T <= max_tokens.
+            topk_idx: ``[T, K]`` int32/int64; -1 = no expert.
+            topk_weights: ``[T, K]`` float32, applied in ``combine``.
+            x_scales: ``[T, ceil(H/128)]`` float32, only with pre-quantized fp8 ``x``.
+        Returns:
+            ``DispatchResult`` (views of buffer memory, valid until the next dispatch).
+        """
+        self._check_usable()
+        return _dispatch.dispatch(self, x, topk_idx, topk_weights, x_scales)
+
+    def combine(self, expert_y: torch.Tensor, handle: DispatchResult) -> torch.Tensor:
+        """Weighted sum of the expert outputs back on each token's rank.
+
+        Args:
+            expert_y: bfloat16, the layout and shape of ``handle.expert_x``; only the first
+                ``expert_counts[e]`` rows of each expert are read.
+            handle: the latest ``DispatchResult`` of this buffer.
+        Returns:
+            ``[T, H]`` bfloat16: ``out[t] = sum_k w[t,k] * y(t, topk_idx[t,k])``; 0 for tokens with no expert.
+        """
+        self._check_usable()
+        return _combine.combine(self, expert_y, handle)
+
+    def synchronize(self) -> None:
+        """Waits for this buffer's work on the device, then raises any error a kernel recorded."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._check_usable()
+
+    def close(self) -> None:
+        """Releases the workspace (after the device is done with it)."""
+        if self._closed:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.workspace.close()
+        self._closed = True
+
+    def __enter__(self) -> "EPBuffer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise RuntimeError("EPBuffer is closed")
+        if self._broken is not None:
+            raise BufferBrokenError(f"this buffer is unusable after an earlier error: {self._broken}")
+        code = int(self.err[0])
+        if code != 0:
+            self._broken = self._error_from_record()
+            raise self._broken
+
+    def _error_from_record(self) -> BaseException:
+        code, peer, phase, epoch, detail = (int(v) for v in self.err[:5])
+        phase_name = _PHASES.get(phase, str(phase))
+        if code == 1:
+            return CommTimeoutError(self.rank, peer, phase_name, epoch, self.timeout_s)
+        if code == 2:
+            return ValueError(f"topk_idx: {detail} expert ids outside [-1, {self.num_experts}) in {phase_name} "
+                              f"epoch {epoch} (treated as -1; nothing was written out of bounds)")
+        if code == 3:
+            return CapacityError(f"rank {self.rank}: an expert received {detail} rows in {phase_name} epoch {epoch}, "
+                                 f"more than the masked layout holds ({self.capacity}); only possible when tokens "
+                                 f"list an expert more than once. Use layout='packed'.")
+        return RuntimeError(f"moe_ep kernel error code {code}")
+
+    def _fail(self, exc: BaseException) -> None:
+        self._broken = exc
+        raise exc
+
+    def _host_wait(self, region: str, epoch: int, phase: str) -> None:
+        """CPU only: waits on the host for every peer's flag (the interpreter cannot spin)."""
+        start = self.off[region]
+        flags = self.workspace.local[start:start + 8 * self.world_size].view(torch.int64)
+        deadline = time.monotonic() + self.timeout_s
+        delay = 1e-4
+        while True:
+            missing = (flags < epoch).nonzero()
+            if missing.numel() == 0:
+                return
+            if time.monotonic() > deadline:
+                self._fail(CommTimeoutError(self.rank, int(missing[0, 0]), phase, epoch, self.timeout_s))
+            time.sleep(delay)
+            delay = min(delay * 2, 5e-3)

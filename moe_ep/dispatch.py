@@ -1,0 +1,104 @@
+"""Dispatch: validation and the three launches (routing histogram, send, receive)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .kernels.dispatch import dispatch_recv_kernel, dispatch_send_kernel
+from .kernels.route import route_hist_kernel
+
+
+def _pow2(n: int, lo: int = 1) -> int:
+    return max(lo, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _check_tensor(name: str, t, dtypes, shape, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name}: expected dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    if t.dim() != len(shape) or any(s is not None and a != s for a, s in zip(t.shape, shape)):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device}, got {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor")
+
+
+def validate(buf, x, topk_idx, topk_weights, x_scales) -> int:
+    """Checks every input against the buffer; returns T. Raises before any memory is touched."""
+    dev, H, K = buf.device, buf.hidden, buf.topk
+    if x_scales is None:
+        _check_tensor("x", x, (torch.bfloat16,), (None, H), dev)
+    else:
+        if not buf.fp8:
+            raise TypeError("x_scales: pre-quantized fp8 input needs an EPBuffer with dispatch_dtype=torch.float8_e4m3fn")
+        _check_tensor("x", x, (torch.float8_e4m3fn,), (None, H), dev)
+    T = x.shape[0]
+    if T > buf.max_tokens:
+        raise ValueError(f"x: expected at most max_tokens={buf.max_tokens} tokens, got {T}")
+    if x_scales is not None:
+        _check_tensor("x_scales", x_scales, (torch.float32,), (T, buf.num_scale_blocks), dev)
+    _check_tensor("topk_idx", topk_idx, (torch.int32, torch.int64), (None, None), dev)
+    if topk_idx.shape != (T, K):
+        raise ValueError(f"topk_idx: expected shape [{T}, {K}] (tokens of x, topk of the buffer), got {list(topk_idx.shape)}")
+    _check_tensor("topk_weights", topk_weights, (torch.float32,), (T, K), dev)
+    if dev.type == "cpu" and T > 0:
+        # On CPU this costs no device sync; on GPU the routing kernel checks and the error comes
+        # at the next call or synchronize() (out-of-range ids are treated as -1 there).
+        bad = (topk_idx < -1) | (topk_idx >= buf.num_experts)
+        if bool(bad.any()):
+            v = topk_idx[bad][0].item()
+            raise ValueError(f"topk_idx: expected expert ids in [-1, {buf.num_experts}), got {v}")
+    return T
+
+
+def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = None):
+    from .buffer import CHUNKS, DispatchResult
+
+    T = validate(buf, x, topk_idx, topk_weights, x_scales)
+    N, M, K, E, EL, H = buf.world_size, buf.max_tokens, buf.topk, buf.num_experts, buf.num_local_experts, buf.hidden
+    lay, off = buf.ws_layout, buf.off
+    BT = max(1, -(-T // CHUNKS))
+    NC = -(-T // BT) if T else 0
+    BLOCK_K = _pow2(K, 2)
+    interp = buf.interp
+    if T > 0:
+        route_hist_kernel[(NC,)](
+            topk_idx, buf.hist, buf.state, buf.err, T, BT,
+            E=E, K=K, CMAX=CHUNKS, BLOCK_T=_pow2(BT), BLOCK_K=BLOCK_K, BLOCK_E=_pow2(E, 2))
+    fp8_in = x_scales is not None
+    block_h = min(_pow2(H, 128 if buf.fp8 else 16), 2048)
+    dispatch_send_kernel[(max(1, min(T, buf.num_programs)),)](
+        x.view(torch.uint8) if fp8_in else x, x_scales if fp8_in else buf.err, topk_idx, topk_weights,
+        buf.hist, buf.workspace.peer_ptrs, buf.state,
+        T, BT, NC,
+        off["disp_flag"], off["hdr"], off["meta_i"], off["meta_w"], off["rows"],
+        RANK=buf.rank, N=N, M=M, K=K, E=E, EL=EL, H=H, NB=max(1, buf.num_scale_blocks), RB=lay.RB,
+        HDR=lay.HDR, CMAX=CHUNKS, FP8=buf.fp8, PREQ=fp8_in,
+        BLOCK_N=_pow2(N, 2), BLOCK_K=BLOCK_K, BLOCK_C=CHUNKS, BLOCK_S=_pow2(BT * K, 2),
+        BLOCK_H=block_h, BLOCK_E=_pow2(E, 2), INTERP=interp)
+    epoch = buf._epochs[0] + 1
+    if interp:
+        buf._host_wait("disp_flag", epoch, "dispatch")
+    W = H * (1 if buf.fp8 else 2) // 4
+    nb = max(1, buf.num_scale_blocks)
+    dispatch_recv_kernel[(buf.num_programs,)](
+        buf.workspace.local.data_ptr(), buf.state, buf.err,
+        buf.expert_x.view(torch.uint8).view(torch.int32),
+        buf.expert_scales if buf.fp8 else buf.err,
+        buf.expert_counts, buf.expert_offsets if buf.expert_offsets is not None else buf.expert_counts,
+        buf.recv_pos, buf.scratch, int(buf.timeout_s * 1e9),
+        off["disp_flag"], off["hdr"], off["meta_i"], off["rows"],
+        N=N, M=M, K=K, EL=EL, W=W, H=H, NB=nb, RB=lay.RB, HDR=lay.HDR,
+        ALIGN=buf.expert_alignment, CAP=buf.capacity, PACKED=buf.layout == "packed", FP8=buf.fp8,
+        BLOCK_N=_pow2(N, 2), BLOCK_K=BLOCK_K, BLOCK_EL=buf.block_el, BLOCK_W=min(_pow2(W, 16), 1024),
+        BLOCK_NB=_pow2(nb, 2), INTERP=interp)
+    buf._epochs[0] = epoch
+    buf._serial += 1
+    if interp:
+        buf._check_usable()
+    return DispatchResult(buf.expert_x, buf.expert_scales, buf.expert_counts, buf.expert_offsets,
+                          num_tokens=T, topk_idx=topk_idx, _buffer=buf, _serial=buf._serial)

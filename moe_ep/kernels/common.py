@@ -1,0 +1,109 @@
+"""Triton helpers shared by the kernels: flags with deadlines, error records, rounding casts.
+
+Every helper runs on a GPU and under TRITON_INTERPRET=1 on a CPU; ``INTERP`` (constexpr) picks
+the form that is right in each place.
+"""
+import triton
+import triton.language as tl
+
+# Error record (int64[8], host-visible): [code, peer, phase, epoch, detail, ...].
+ERR_NONE = tl.constexpr(0)
+ERR_TIMEOUT = tl.constexpr(1)
+ERR_BAD_EXPERT = tl.constexpr(2)
+ERR_CAPACITY = tl.constexpr(3)
+
+PHASE_DISPATCH = tl.constexpr(0)
+PHASE_COMBINE = tl.constexpr(1)
+
+
+@triton.jit
+def record_error(err_ptr, code, peer, phase, epoch, detail):
+    """First error wins: later ones (other programs, other kernels) leave the record alone."""
+    old = tl.atomic_cas(err_ptr, tl.full([], 0, tl.int64), tl.full([], code, tl.int64), sem="relaxed",
+                        scope="sys")
+    if old == 0:
+        tl.store(err_ptr + 1, peer)
+        tl.store(err_ptr + 2, phase)
+        tl.store(err_ptr + 3, epoch)
+        tl.store(err_ptr + 4, detail)
+
+
+@triton.jit
+def raise_flag(flag_ptr, epoch):
+    """Publishes everything this program wrote before, then the flag (single writer, monotonic)."""
+    tl.atomic_xchg(flag_ptr, epoch.to(tl.int64), sem="release", scope="sys")
+
+
+@triton.jit
+def wait_flag(flag_ptr, epoch, timeout_ns, err_ptr, peer, phase, INTERP: tl.constexpr):
+    """Waits until ``*flag_ptr >= epoch`` (acquire, system scope) or the deadline passes.
+
+    Returns 1 when the flag arrived, 0 on timeout (the error record names peer and phase).
+    Under the interpreter the host has already waited with its own deadline, so one look suffices
+    (programs run one after another there: spinning could never see a later write).
+    """
+    v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    ok = (v >= epoch).to(tl.int32)
+    if not INTERP:
+        start = tl.extra.cuda.globaltimer()
+        late = tl.full([], 0, tl.int32)
+        while (ok == 0) & (late == 0):
+            v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+            ok = (v >= epoch).to(tl.int32)
+            late = ((tl.extra.cuda.globaltimer() - start) > timeout_ns).to(tl.int32)
+    if ok == 0:
+        record_error(err_ptr, ERR_TIMEOUT, peer, phase, epoch, 0)
+    return ok
+
+
+@triton.jit
+def last_arrival(counter_ptr):
+    """True in exactly one program of the launch: the last to get here (it also re-arms the counter).
+
+    The barrier makes every thread's earlier stores part of what the release publishes; the last
+    program's acquire then sees them all, so it may signal peers on behalf of the whole launch.
+    """
+    tl.debug_barrier()
+    old = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="sys")
+    last = old == tl.num_programs(0) - 1
+    if last:
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="sys")
+    return last
+
+
+@triton.jit
+def to_bf16(x, INTERP: tl.constexpr):
+    """float32 -> bfloat16 rounded to nearest even (the interpreter's own cast truncates)."""
+    if INTERP:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(tl.bfloat16)
+
+
+@triton.jit
+def to_fp8_bits(v, INTERP: tl.constexpr):
+    """float32 (|v| <= 448) -> float8_e4m3fn bits (uint8), rounded to nearest even.
+
+    The interpreter's fp8 cast drops the carry into the exponent, so there the rounding is done
+    on the integer bits: adding 0x7FFFF + lsb to the float32 magnitude rounds its mantissa to 3
+    bits and carries into the exponent; rebias by (127 - 7) << 3. Subnormals (< 2^-6) are
+    multiples of 2^-9, rounded half to even by hand.
+    """
+    if INTERP:
+        bits = v.to(tl.uint32, bitcast=True)
+        sign = ((bits >> 31) & 1).to(tl.uint32)
+        a = tl.abs(v)
+        mag = bits & 0x7FFFFFFF
+        normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - 960
+        y = a * 512.0
+        r = tl.floor(y)
+        frac = y - r
+        ri = r.to(tl.uint32)
+        up = (frac > 0.5) | ((frac == 0.5) & ((ri & 1) == 1))
+        sub = ri + up.to(tl.uint32)
+        code = tl.where(a < 0.015625, sub, normal.to(tl.uint32))
+        return ((sign << 7) | code).to(tl.uint8)
+    else:
+        return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)

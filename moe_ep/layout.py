@@ -1,0 +1,60 @@
+"""Byte layout of each rank's symmetric workspace (identical on every rank of a node).
+
+Regions, each 256-byte aligned; ``par`` = epoch & 1 double-buffers everything peers write:
+  disp_flag  int64 [N]                   written by source rank s at [s]
+  comb_flag  int64 [N]                   written by expert owner o at [o]
+  hdr        int32 [2][N][HDR]           [0] tokens of the source, [1 + e] selections of local expert e
+  meta_i     int32 [2][N][M][2K]         local expert id (or -1) and position j, per (source, slot)
+  meta_w     f32   [2][N][M][K]          weights
+  rows       u8    [2][N][M][RB]         dispatch payload (+ fp8 scales)
+  comb       bf16  [2][N][M][H]          pre-reduced combine rows, per (owner, slot)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class WorkspaceLayout:
+    """Offsets (bytes) of the workspace regions for N node ranks, M slots, top-K, EL local experts."""
+
+    N: int
+    M: int
+    K: int
+    EL: int
+    H: int
+    payload_bytes: int   # H * element size, plus 4 * ceil(H/128) scale bytes for fp8
+
+    @property
+    def HDR(self) -> int:
+        return _align(1 + self.EL, 4)
+
+    @property
+    def RB(self) -> int:
+        return _align(self.payload_bytes, 16)
+
+    def _regions(self):
+        N, M, K = self.N, self.M, self.K
+        sizes = [
+            ("disp_flag", 8 * N),
+            ("comb_flag", 8 * N),
+            ("hdr", 4 * 2 * N * self.HDR),
+            ("meta_i", 4 * 2 * N * M * 2 * K),
+            ("meta_w", 4 * 2 * N * M * K),
+            ("rows", 2 * N * M * self.RB),
+            ("comb", 2 * 2 * N * M * self.H),
+        ]
+        off, out = 0, {}
+        for name, size in sizes:
+            out[name] = off
+            off = _align(off + size, 256)
+        out["total"] = off
+        return out
+
+    def offsets(self) -> dict:
+        """{region name: byte offset, 'total': bytes}."""
+        return self._regions()

@@ -1,0 +1,1 @@
+"""Host proxy for peers on other nodes (inter-node path); not built yet."""
