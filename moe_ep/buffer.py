@@ -11,13 +11,13 @@ import torch
 from . import combine as _combine
 from . import dispatch as _dispatch
 from .errors import BufferBrokenError, CapacityError, CommTimeoutError
+from .dispatch import _pow2
 from .fp8 import num_scale_blocks
 from .group import EPGroup
 from .layout import WorkspaceLayout
 from .memory import SymmetricWorkspace
 
 _PHASES = {0: "dispatch", 1: "combine"}
-CHUNKS = 64  # routing histogram chunks (see kernels/route.py)
 
 
 def interpreting() -> bool:
@@ -112,6 +112,7 @@ class EPBuffer:
             num_programs = (torch.cuda.get_device_properties(self.device).multi_processor_count
                             if self.device.type == "cuda" else 2)
         self.num_programs = int(num_programs)
+        self.num_warps = 8 if self.device.type == "cuda" else 4
 
         dev, EL, N, M = self.device, self.num_local_experts, R, max_tokens
         self.num_scale_blocks = num_scale_blocks(hidden) if self.fp8 else 0
@@ -124,7 +125,10 @@ class EPBuffer:
         self.state = torch.zeros(8, dtype=torch.int64, device=dev)
         # Error record read by the host without a device sync: pinned host memory on GPU.
         self.err = torch.zeros(8, dtype=torch.int64, pin_memory=dev.type == "cuda")
-        self.hist = torch.zeros(num_experts, CHUNKS, dtype=torch.int32, device=dev)
+        # Routing chunks: one token each at decode sizes (many programs), 16 tokens at prefill
+        # sizes (a chunk is one tile of the send kernel; see kernels/dispatch.py).
+        self.chunks = max(_pow2(-(-max_tokens // 16)), min(_pow2(max_tokens), 256))
+        self.hist = torch.zeros(num_experts, self.chunks, dtype=torch.int32, device=dev)
         self.recv_pos = torch.zeros(N, M, topk, dtype=torch.int32, device=dev)
         self.block_el = max(2, 1 << (EL - 1).bit_length())
         self.scratch = torch.zeros(self.num_programs, self.block_el, dtype=torch.int32, device=dev)
@@ -135,6 +139,7 @@ class EPBuffer:
             self.capacity = N * M * topk + EL * (expert_alignment - 1)  # total rows: never overflows
             lead = (self.capacity,)
         self.expert_x = torch.empty(*lead, hidden, dtype=dispatch_dtype, device=dev)
+        self.expert_x_words = self.expert_x.view(torch.uint8).view(torch.int32)  # row copies move 4-byte words
         self.expert_scales = (torch.empty(*lead, self.num_scale_blocks, dtype=torch.float32, device=dev)
                               if self.fp8 else None)
         self.expert_counts = torch.zeros(EL, dtype=torch.int32, device=dev)

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import _check_tensor, _pow2
+from .dispatch import _check_tensor, _pow2, tile_rows
 from .kernels.combine import combine_recv_kernel, combine_send_kernel
+from .kernels.launch import launch
 
 
 def combine(buf, expert_y: torch.Tensor, handle) -> torch.Tensor:
@@ -19,21 +20,24 @@ def combine(buf, expert_y: torch.Tensor, handle) -> torch.Tensor:
     N, M, K, E, EL, H = buf.world_size, buf.max_tokens, buf.topk, buf.num_experts, buf.num_local_experts, buf.hidden
     off, T, interp = buf.off, handle.num_tokens, buf.interp
     BLOCK_K = _pow2(K, 2)
-    block_h = min(_pow2(H, 16), 2048)
-    combine_send_kernel[(buf.num_programs,)](
-        expert_y, buf.workspace.local.data_ptr(), buf.workspace.peer_ptrs, buf.state, buf.recv_pos,
-        off["comb_flag"], off["hdr"], off["meta_w"], off["comb"],
-        RANK=buf.rank, N=N, M=M, K=K, H=H, HDR=buf.ws_layout.HDR,
-        BLOCK_K=BLOCK_K, BLOCK_H=block_h, INTERP=interp)
+    block_r = tile_rows(N * max(T, 1), buf.num_programs)
+    launch(combine_send_kernel, buf.num_programs,
+           (expert_y, buf.workspace.local.data_ptr(), buf.workspace.peer_ptrs, buf.state, buf.recv_pos,
+            off["comb_flag"], off["hdr"], off["meta_w"], off["comb"]),
+           dict(RANK=buf.rank, N=N, M=M, K=K, H=H, HDR=buf.ws_layout.HDR,
+                BLOCK_R=block_r, BLOCK_K=BLOCK_K, BLOCK_H=max(16, min(_pow2(H), 2048, 8192 // block_r)),
+                INTERP=interp, num_warps=buf.num_warps))
     epoch = buf._epochs[1] + 1
     if interp:
         buf._host_wait("comb_flag", epoch, "combine")
     out = torch.empty(T, H, dtype=torch.bfloat16, device=buf.device)
-    combine_recv_kernel[(max(1, min(T, buf.num_programs)),)](
-        handle.topk_idx, out, buf.workspace.local.data_ptr(), buf.state, buf.err,
-        int(buf.timeout_s * 1e9), T, off["comb_flag"], off["comb"],
-        N=N, M=M, K=K, E=E, EL=EL, H=H,
-        BLOCK_N=_pow2(N, 2), BLOCK_K=BLOCK_K, BLOCK_H=block_h, INTERP=interp)
+    block_t = tile_rows(T, buf.num_programs)
+    launch(combine_recv_kernel, max(1, min(-(-T // block_t), buf.num_programs)),
+           (handle.topk_idx, out, buf.workspace.local.data_ptr(), buf.state, buf.err,
+            int(buf.timeout_s * 1e9), T, off["comb_flag"], off["comb"]),
+           dict(N=N, M=M, K=K, E=E, EL=EL, H=H,
+                BLOCK_T=block_t, BLOCK_K=BLOCK_K, BLOCK_H=max(16, min(_pow2(H), 2048, 8192 // block_t)),
+                INTERP=interp, num_warps=buf.num_warps))
     buf._epochs[1] = epoch
     if interp:
         buf._check_usable()

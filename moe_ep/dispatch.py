@@ -6,6 +6,7 @@ from typing import Optional
 import torch
 
 from .kernels.dispatch import dispatch_recv_kernel, dispatch_send_kernel
+from .kernels.launch import launch
 from .kernels.route import route_hist_kernel
 
 
@@ -55,47 +56,52 @@ def validate(buf, x, topk_idx, topk_weights, x_scales) -> int:
     return T
 
 
+def tile_rows(rows: int, programs: int, cap: int = 8) -> int:
+    """Rows per tile: enough tiles for every program, at most ``cap`` rows in flight each."""
+    return min(cap, _pow2(-(-rows // max(1, programs))))
+
+
 def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = None):
-    from .buffer import CHUNKS, DispatchResult
+    from .buffer import DispatchResult
 
     T = validate(buf, x, topk_idx, topk_weights, x_scales)
     N, M, K, E, EL, H = buf.world_size, buf.max_tokens, buf.topk, buf.num_experts, buf.num_local_experts, buf.hidden
-    lay, off = buf.ws_layout, buf.off
-    BT = max(1, -(-T // CHUNKS))
+    lay, off, CMAX = buf.ws_layout, buf.off, buf.chunks
+    BT = max(1, -(-T // CMAX))
     NC = -(-T // BT) if T else 0
     BLOCK_K = _pow2(K, 2)
+    BLOCK_T = _pow2(BT)
     interp = buf.interp
     if T > 0:
-        route_hist_kernel[(NC,)](
-            topk_idx, buf.hist, buf.state, buf.err, T, BT,
-            E=E, K=K, CMAX=CHUNKS, BLOCK_T=_pow2(BT), BLOCK_K=BLOCK_K, BLOCK_E=_pow2(E, 2))
+        launch(route_hist_kernel, NC, (topk_idx, buf.hist, buf.state, buf.err, T, BT),
+               dict(E=E, K=K, CMAX=CMAX, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, BLOCK_E=_pow2(E, 2)))
     fp8_in = x_scales is not None
-    block_h = min(_pow2(H, 128 if buf.fp8 else 16), 2048)
-    dispatch_send_kernel[(max(1, min(T, buf.num_programs)),)](
-        x.view(torch.uint8) if fp8_in else x, x_scales if fp8_in else buf.err, topk_idx, topk_weights,
-        buf.hist, buf.workspace.peer_ptrs, buf.state,
-        T, BT, NC,
-        off["disp_flag"], off["hdr"], off["meta_i"], off["meta_w"], off["rows"],
-        RANK=buf.rank, N=N, M=M, K=K, E=E, EL=EL, H=H, NB=max(1, buf.num_scale_blocks), RB=lay.RB,
-        HDR=lay.HDR, CMAX=CHUNKS, FP8=buf.fp8, PREQ=fp8_in,
-        BLOCK_N=_pow2(N, 2), BLOCK_K=BLOCK_K, BLOCK_C=CHUNKS, BLOCK_S=_pow2(BT * K, 2),
-        BLOCK_H=block_h, BLOCK_E=_pow2(E, 2), INTERP=interp)
+    block_h = max(128 if buf.fp8 else 16, min(_pow2(H), 2048, 8192 // BLOCK_T))
+    launch(dispatch_send_kernel, max(1, min(NC, buf.num_programs)),
+           (x.view(torch.uint8) if fp8_in else x, x_scales if fp8_in else buf.err, topk_idx, topk_weights,
+            buf.hist, buf.workspace.peer_ptrs, buf.state, T, BT, NC,
+            off["disp_flag"], off["hdr"], off["meta_i"], off["meta_w"], off["rows"]),
+           dict(RANK=buf.rank, N=N, M=M, K=K, E=E, EL=EL, H=H, NB=max(1, buf.num_scale_blocks), RB=lay.RB,
+                HDR=lay.HDR, CMAX=CMAX, FP8=buf.fp8, PREQ=fp8_in,
+                BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, BLOCK_C=min(CMAX, 64), BLOCK_H=block_h,
+                BLOCK_E=_pow2(E, 2), INTERP=interp, num_warps=buf.num_warps))
     epoch = buf._epochs[0] + 1
     if interp:
         buf._host_wait("disp_flag", epoch, "dispatch")
     W = H * (1 if buf.fp8 else 2) // 4
     nb = max(1, buf.num_scale_blocks)
-    dispatch_recv_kernel[(buf.num_programs,)](
-        buf.workspace.local.data_ptr(), buf.state, buf.err,
-        buf.expert_x.view(torch.uint8).view(torch.int32),
-        buf.expert_scales if buf.fp8 else buf.err,
-        buf.expert_counts, buf.expert_offsets if buf.expert_offsets is not None else buf.expert_counts,
-        buf.recv_pos, buf.scratch, int(buf.timeout_s * 1e9),
-        off["disp_flag"], off["hdr"], off["meta_i"], off["rows"],
-        N=N, M=M, K=K, EL=EL, W=W, H=H, NB=nb, RB=lay.RB, HDR=lay.HDR,
-        ALIGN=buf.expert_alignment, CAP=buf.capacity, PACKED=buf.layout == "packed", FP8=buf.fp8,
-        BLOCK_N=_pow2(N, 2), BLOCK_K=BLOCK_K, BLOCK_EL=buf.block_el, BLOCK_W=min(_pow2(W, 16), 1024),
-        BLOCK_NB=_pow2(nb, 2), INTERP=interp)
+    block_r = tile_rows(N * max(T, 1), buf.num_programs)
+    launch(dispatch_recv_kernel, buf.num_programs,
+           (buf.workspace.local.data_ptr(), buf.state, buf.err, buf.expert_x_words,
+            buf.expert_scales if buf.fp8 else buf.err,
+            buf.expert_counts, buf.expert_offsets if buf.expert_offsets is not None else buf.expert_counts,
+            buf.recv_pos, buf.scratch, int(buf.timeout_s * 1e9),
+            off["disp_flag"], off["hdr"], off["meta_i"], off["rows"]),
+           dict(N=N, M=M, K=K, EL=EL, W=W, H=H, NB=nb, RB=lay.RB, HDR=lay.HDR,
+                ALIGN=buf.expert_alignment, CAP=buf.capacity, PACKED=buf.layout == "packed", FP8=buf.fp8,
+                BLOCK_R=block_r, BLOCK_K=BLOCK_K, BLOCK_EL=buf.block_el,
+                BLOCK_W=max(16, min(_pow2(W), 2048, 8192 // block_r)),
+                BLOCK_NB=_pow2(nb, 2), INTERP=interp, num_warps=buf.num_warps))
     buf._epochs[0] = epoch
     buf._serial += 1
     if interp:

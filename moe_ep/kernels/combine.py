@@ -10,7 +10,7 @@ import triton.language as tl
 from .common import PHASE_COMBINE, last_arrival, raise_flag, to_bf16, wait_flag
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["ws", "off_comb_flag", "off_hdr", "off_meta_w", "off_comb"])
 def combine_send_kernel(
     y_ptr,             # bf16 [rows, H]: expert outputs in the layout of expert_x
     ws,                # int: address of this rank's workspace
@@ -20,39 +20,47 @@ def combine_send_kernel(
     off_comb_flag, off_hdr, off_meta_w, off_comb,
     RANK: tl.constexpr, N: tl.constexpr, M: tl.constexpr, K: tl.constexpr, H: tl.constexpr,
     HDR: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, INTERP: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, INTERP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     dpar = tl.load(state_ptr) & 1
     epoch = tl.load(state_ptr + 1) + 1
     par = epoch & 1
+    rr = tl.arange(0, BLOCK_R)
     kk = tl.arange(0, BLOCK_K)
     km = kk < K
     hdr = (ws + off_hdr).to(tl.pointer_type(tl.int32)) + dpar * N * HDR
     meta_w = (ws + off_meta_w).to(tl.pointer_type(tl.float32))
     for s in range(N):
         ts = tl.load(hdr + s * HDR)
-        base = tl.load(peer_ptr + s)
-        for t in range(pid, ts, nprog):
-            r = tl.load(recv_pos_ptr + (s * M + t) * K + kk, mask=km, other=-1).to(tl.int64)
-            valid = r >= 0
-            if tl.max(valid.to(tl.int32)) > 0:
-                w = tl.load(meta_w + ((dpar * N + s) * M + t) * K + kk, mask=valid, other=0.0)
-                dst = (base + off_comb).to(tl.pointer_type(tl.bfloat16)) + ((par * N + RANK) * M + t).to(tl.int64) * H
-                for h0 in range(0, H, BLOCK_H):
-                    hh = h0 + tl.arange(0, BLOCK_H)
-                    hm = hh < H
-                    y = tl.load(y_ptr + r[:, None] * H + hh[None, :], mask=valid[:, None] & hm[None, :], other=0.0)
-                    acc = tl.sum(y.to(tl.float32) * w[:, None], axis=0)
-                    tl.store(dst + hh, to_bf16(acc, INTERP), mask=hm)
+        dst = (tl.load(peer_ptr + s) + off_comb).to(tl.pointer_type(tl.bfloat16))
+        for t0 in range(pid * BLOCK_R, ts, nprog * BLOCK_R):
+            t = t0 + rr
+            tm = t < ts
+            m2 = tm[:, None] & km[None, :]
+            r = tl.load(recv_pos_ptr + (s * M + t)[:, None] * K + kk[None, :], mask=m2, other=-1)
+            w = tl.load(meta_w + ((dpar * N + s) * M + t)[:, None] * K + kk[None, :], mask=m2 & (r >= 0), other=0.0)
+            go = tl.max((r >= 0).to(tl.int32), axis=1) > 0
+            out = dst + ((par * N + RANK) * M + t).to(tl.int64) * H
+            for h0 in range(0, H, BLOCK_H):
+                hh = h0 + tl.arange(0, BLOCK_H)
+                hm = hh[None, :] < H
+                acc = tl.zeros((BLOCK_R, BLOCK_H), tl.float32)
+                for k in tl.static_range(K):
+                    # Pre-reduction: this rank's experts of a token sum here, one row goes back.
+                    rk = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1).to(tl.int64)
+                    wk = tl.sum(tl.where(kk[None, :] == k, w, 0.0), axis=1)
+                    y = tl.load(y_ptr + rk[:, None] * H + hh[None, :], mask=(rk[:, None] >= 0) & hm, other=0.0)
+                    acc += y.to(tl.float32) * wk[:, None]
+                tl.store(out[:, None] + hh[None, :], to_bf16(acc, INTERP), mask=go[:, None] & hm)
     if last_arrival(state_ptr + 4):
         for d in tl.static_range(N):
             b = tl.load(peer_ptr + d)
             raise_flag((b + off_comb_flag).to(tl.pointer_type(tl.int64)) + RANK, epoch)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["ws", "timeout_ns", "T", "off_comb_flag", "off_comb"])
 def combine_recv_kernel(
     topk_ptr,          # [T, K] int32/int64: the routing given to dispatch
     out_ptr,           # bf16 [T, H]
@@ -63,7 +71,7 @@ def combine_recv_kernel(
     off_comb_flag, off_comb,
     N: tl.constexpr, M: tl.constexpr, K: tl.constexpr, E: tl.constexpr, EL: tl.constexpr,
     H: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, INTERP: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, INTERP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -74,19 +82,23 @@ def combine_recv_kernel(
         ok = ok & wait_flag((ws + off_comb_flag).to(tl.pointer_type(tl.int64)) + d, epoch, timeout_ns,
                             err_ptr, d, PHASE_COMBINE, INTERP)
     if ok != 0:
+        tt = tl.arange(0, BLOCK_T)
         kk = tl.arange(0, BLOCK_K)
-        nn = tl.arange(0, BLOCK_N)
         comb = (ws + off_comb).to(tl.pointer_type(tl.bfloat16))
-        for t in range(pid, T, nprog):
-            ids = tl.load(topk_ptr + t * K + kk, mask=kk < K, other=-1).to(tl.int32)
+        for t0 in range(pid * BLOCK_T, T, nprog * BLOCK_T):
+            t = t0 + tt
+            tm = t < T
+            ids = tl.load(topk_ptr + t[:, None] * K + kk[None, :], mask=tm[:, None] & (kk[None, :] < K),
+                          other=-1).to(tl.int32)
             dst = tl.where((ids >= 0) & (ids < E), ids // EL, -1)
-            go = tl.max((dst[None, :] == nn[:, None]).to(tl.int32), axis=1) > 0
-            src = comb + ((par * N + nn) * M + t).to(tl.int64) * H
             for h0 in range(0, H, BLOCK_H):
                 hh = h0 + tl.arange(0, BLOCK_H)
-                hm = hh < H
-                p = tl.load(src[:, None] + hh[None, :], mask=go[:, None] & hm[None, :], other=0.0)
-                acc = tl.sum(p.to(tl.float32), axis=0)
-                tl.store(out_ptr + t * H + hh, to_bf16(acc, INTERP), mask=hm)
+                hm = tm[:, None] & (hh[None, :] < H)
+                acc = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)
+                for d in tl.static_range(N):
+                    go = tl.max((dst == d).to(tl.int32), axis=1) > 0
+                    src = comb + ((par * N + d) * M + t).to(tl.int64) * H
+                    acc += tl.load(src[:, None] + hh[None, :], mask=hm & go[:, None], other=0.0).to(tl.float32)
+                tl.store(out_ptr + t[:, None] * H + hh[None, :], to_bf16(acc, INTERP), mask=hm)
     if last_arrival(state_ptr + 5):
         tl.store(state_ptr + 1, epoch)

@@ -16,7 +16,7 @@ from .common import (ERR_CAPACITY, PHASE_DISPATCH, last_arrival, raise_flag, rec
                      to_fp8_bits, wait_flag)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "BT", "NC", "off_flag", "off_hdr", "off_meta_i", "off_meta_w", "off_rows"])
 def dispatch_send_kernel(
     x_ptr,             # [T, H] bf16, or uint8 (fp8 bytes) when PREQ
     xs_ptr,            # [T, NB] float32 scales when PREQ (else unused)
@@ -25,82 +25,84 @@ def dispatch_send_kernel(
     hist_ptr,          # int32 [E, CMAX] from route_hist_kernel
     peer_ptr,          # int64 [N]: workspace base of each node peer
     state_ptr,         # int64 [8]: [0] dispatch epoch, [2] arrival counter of this kernel
-    T, BT, NC,
+    T, BT, NC,         # tokens, tokens per chunk, chunks
     off_flag, off_hdr, off_meta_i, off_meta_w, off_rows,
     RANK: tl.constexpr, N: tl.constexpr, M: tl.constexpr, K: tl.constexpr, E: tl.constexpr,
     EL: tl.constexpr, H: tl.constexpr, NB: tl.constexpr, RB: tl.constexpr, HDR: tl.constexpr,
     CMAX: tl.constexpr,
     FP8: tl.constexpr, PREQ: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, INTERP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     epoch = tl.load(state_ptr) + 1
     par = epoch & 1
+    S: tl.constexpr = BLOCK_T * BLOCK_K
+    tt = tl.arange(0, BLOCK_T)
     kk = tl.arange(0, BLOCK_K)
-    km = kk < K
-    nn = tl.arange(0, BLOCK_N)
-    nm = nn < N
+    ff = tl.arange(0, S)
     cc = tl.arange(0, BLOCK_C)
-    ss = tl.arange(0, BLOCK_S)
-    bases = tl.load(peer_ptr + nn, mask=nm, other=0)
-    for t in range(pid, T, nprog):
-        ids = tl.load(topk_ptr + t * K + kk, mask=km, other=-1).to(tl.int32)
-        valid = km & (ids >= 0) & (ids < E)
+    # One routing chunk (BT tokens) per iteration: the tile is the chunk, so a selection's
+    # position j = selections of its expert in earlier chunks (histogram) + earlier in this tile.
+    for c in range(pid, NC, nprog):
+        t = c * BT + tt
+        tm = (tt < BT) & (t < T)
+        m2 = tm[:, None] & (kk[None, :] < K)
+        ids = tl.load(topk_ptr + t[:, None] * K + kk[None, :], mask=m2, other=-1).to(tl.int32)
+        valid = m2 & (ids >= 0) & (ids < E)
         ids = tl.where(valid, ids, -1)
-        w = tl.load(w_ptr + t * K + kk, mask=km, other=0.0)
-        # j = selections of the same expert before (t, k) on this rank, in (token, k) order:
-        # earlier chunks (histogram) + earlier tokens of this chunk + earlier k of this token.
-        c = t // BT
-        c0 = c * BT
-        pre = tl.sum(tl.load(hist_ptr + ids[:, None] * CMAX + cc[None, :],
-                             mask=valid[:, None] & (cc[None, :] < c), other=0), axis=1)
-        prev = tl.load(topk_ptr + c0 * K + ss, mask=ss < (t - c0) * K, other=-1).to(tl.int32)
-        within = tl.sum((ids[:, None] == prev[None, :]).to(tl.int32), axis=1)
-        same = tl.sum(((ids[:, None] == ids[None, :]) & (kk[None, :] < kk[:, None])).to(tl.int32), axis=1)
-        j = pre + within + same
+        w = tl.load(w_ptr + t[:, None] * K + kk[None, :], mask=m2, other=0.0)
+        idf = tl.reshape(ids, (S,))
+        vf = idf >= 0
+        pre = tl.zeros((S,), tl.int32)
+        for c1 in range(0, c, BLOCK_C):
+            pre += tl.sum(tl.load(hist_ptr + idf[:, None] * CMAX + c1 + cc[None, :],
+                                  mask=vf[:, None] & (c1 + cc[None, :] < c), other=0), axis=1)
+        within = tl.sum(((idf[:, None] == idf[None, :]) & (ff[None, :] < ff[:, None])).to(tl.int32), axis=1)
+        j = tl.reshape(pre + within, (BLOCK_T, BLOCK_K))
         dst = tl.where(valid, ids // EL, -1)
-        # Metadata goes to every peer (ids -1 where the token is not for it): it is how the
-        # receiver tells this epoch's rows from stale ones without any reset.
-        lid = tl.where(dst[None, :] == nn[:, None], ids[None, :] - nn[:, None] * EL, -1)
-        go = tl.max((lid >= 0).to(tl.int32), axis=1) > 0
-        slot = ((par * N + RANK) * M + t).to(tl.int64)
-        m2 = nm[:, None] & km[None, :]
-        mi = (bases[:, None] + off_meta_i + slot * (8 * K)).to(tl.pointer_type(tl.int32))
-        tl.store(mi + kk[None, :], lid, mask=m2)
-        tl.store(mi + K + kk[None, :], tl.broadcast_to(j[None, :], (BLOCK_N, BLOCK_K)), mask=m2)
-        mw = (bases[:, None] + off_meta_w + slot * (4 * K)).to(tl.pointer_type(tl.float32))
-        tl.store(mw + kk[None, :], tl.broadcast_to(w[None, :], (BLOCK_N, BLOCK_K)), mask=m2)
-        # Payload: read (and quantize) each chunk once, store it to every destination rank.
-        row = bases + off_rows + slot * RB
-        gm = go & nm
+        slot = (RANK * M + t).to(tl.int64) + par * (N * M)
+        for d in tl.static_range(N):
+            base = tl.load(peer_ptr + d)
+            # Metadata goes to every peer (ids -1 where the token is not for it): it is how the
+            # receiver tells this epoch's rows from stale ones without any reset.
+            lid = tl.where(dst == d, ids - d * EL, -1)
+            mi = (base + off_meta_i).to(tl.pointer_type(tl.int32)) + slot[:, None] * (2 * K) + kk[None, :]
+            tl.store(mi, lid, mask=m2)
+            tl.store(mi + K, j, mask=m2)
+            mw = (base + off_meta_w).to(tl.pointer_type(tl.float32)) + slot[:, None] * K + kk[None, :]
+            tl.store(mw, w, mask=m2)
+        # Payload: read (and quantize) each tile once, store it to every destination rank.
         for h0 in range(0, H, BLOCK_H):
             hh = h0 + tl.arange(0, BLOCK_H)
-            hm = hh < H
-            m2h = gm[:, None] & hm[None, :]
+            hm = tm[:, None] & (hh[None, :] < H)
             if FP8:
+                bb = h0 // 128 + tl.arange(0, BLOCK_H // 128)
+                bm = tm[:, None] & (bb[None, :] < NB)
                 if PREQ:
-                    q = tl.load(x_ptr + t * H + hh, mask=hm, other=0)
-                    bb = h0 // 128 + tl.arange(0, BLOCK_H // 128)
-                    sc = tl.load(xs_ptr + t * NB + bb, mask=bb < NB, other=0.0)
+                    q = tl.load(x_ptr + t[:, None] * H + hh[None, :], mask=hm, other=0)
+                    sc = tl.load(xs_ptr + t[:, None] * NB + bb[None, :], mask=bm, other=0.0)
                 else:
-                    v = tl.load(x_ptr + t * H + hh, mask=hm, other=0.0).to(tl.float32)
-                    vb = tl.reshape(v, (BLOCK_H // 128, 128))
+                    v = tl.load(x_ptr + t[:, None] * H + hh[None, :], mask=hm, other=0.0).to(tl.float32)
+                    vb = tl.reshape(v, (BLOCK_T * BLOCK_H // 128, 128))
                     amax = tl.maximum(tl.max(tl.abs(vb), axis=1), 1e-4)
-                    sc = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
-                    qf = tl.math.div_rn(vb, tl.broadcast_to(sc[:, None], vb.shape))
-                    q = tl.reshape(to_fp8_bits(qf, INTERP), (BLOCK_H,))
-                    bb = h0 // 128 + tl.arange(0, BLOCK_H // 128)
-                dq = (row[:, None] + hh[None, :]).to(tl.pointer_type(tl.uint8))
-                tl.store(dq, tl.broadcast_to(q[None, :], (BLOCK_N, BLOCK_H)), mask=m2h)
-                ds = (row[:, None] + H + bb[None, :] * 4).to(tl.pointer_type(tl.float32))
-                tl.store(ds, tl.broadcast_to(sc[None, :], (BLOCK_N, BLOCK_H // 128)),
-                         mask=gm[:, None] & (bb[None, :] < NB))
+                    scf = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+                    qf = tl.math.div_rn(vb, tl.broadcast_to(scf[:, None], vb.shape))
+                    q = tl.reshape(to_fp8_bits(qf, INTERP), (BLOCK_T, BLOCK_H))
+                    sc = tl.reshape(scf, (BLOCK_T, BLOCK_H // 128))
             else:
-                v = tl.load(x_ptr + t * H + hh, mask=hm, other=0.0)
-                dv = (row[:, None] + hh[None, :] * 2).to(tl.pointer_type(tl.bfloat16))
-                tl.store(dv, tl.broadcast_to(v[None, :], (BLOCK_N, BLOCK_H)), mask=m2h)
+                v = tl.load(x_ptr + t[:, None] * H + hh[None, :], mask=hm, other=0.0)
+            for d in tl.static_range(N):
+                go = tl.max((dst == d).to(tl.int32), axis=1) > 0
+                row = tl.load(peer_ptr + d) + off_rows + slot * RB
+                if FP8:
+                    tl.store((row[:, None] + hh[None, :]).to(tl.pointer_type(tl.uint8)), q, mask=hm & go[:, None])
+                    tl.store((row[:, None] + H + bb[None, :] * 4).to(tl.pointer_type(tl.float32)), sc,
+                             mask=bm & go[:, None])
+                else:
+                    tl.store((row[:, None] + hh[None, :] * 2).to(tl.pointer_type(tl.bfloat16)), v,
+                             mask=hm & go[:, None])
     if last_arrival(state_ptr + 2):
         # The last program publishes the per-expert counts and raises every peer's flag.
         ee = tl.arange(0, BLOCK_E)
@@ -119,7 +121,7 @@ def dispatch_send_kernel(
             raise_flag((base + off_flag).to(tl.pointer_type(tl.int64)) + RANK, epoch)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["ws", "timeout_ns", "off_flag", "off_hdr", "off_meta_i", "off_rows"])
 def dispatch_recv_kernel(
     ws,                # int: address of this rank's workspace
     state_ptr,         # int64 [8]: [0] dispatch epoch, [3] arrival counter of this kernel
@@ -135,7 +137,7 @@ def dispatch_recv_kernel(
     N: tl.constexpr, M: tl.constexpr, K: tl.constexpr, EL: tl.constexpr,
     W: tl.constexpr, H: tl.constexpr, NB: tl.constexpr, RB: tl.constexpr, HDR: tl.constexpr,
     ALIGN: tl.constexpr, CAP: tl.constexpr, PACKED: tl.constexpr, FP8: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_EL: tl.constexpr, BLOCK_W: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_EL: tl.constexpr, BLOCK_W: tl.constexpr,
     BLOCK_NB: tl.constexpr, INTERP: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -169,42 +171,48 @@ def dispatch_recv_kernel(
         if pid == 0:
             tl.store(counts_ptr + ee, tot, mask=em)
         tl.debug_barrier()
+        rr = tl.arange(0, BLOCK_R)
         kk = tl.arange(0, BLOCK_K)
         km = kk < K
-        nn = tl.arange(0, BLOCK_N)
         meta = (ws + off_meta_i).to(tl.pointer_type(tl.int32))
-        rows = ws + off_rows
         for s in range(N):
             ts = tl.load(hdr + s * HDR)
-            for t in range(pid, ts, nprog):
-                slot = ((par * N + s) * M + t).to(tl.int64)
-                lid = tl.load(meta + slot * 2 * K + kk, mask=km, other=-1)
-                j = tl.load(meta + slot * 2 * K + K + kk, mask=km, other=0)
-                valid = km & (lid >= 0)
+            # A tile of BLOCK_R slots of source s per iteration: many rows in flight.
+            for t0 in range(pid * BLOCK_R, ts, nprog * BLOCK_R):
+                t = t0 + rr
+                tm = t < ts
+                m2 = tm[:, None] & km[None, :]
+                slot = (s * M + t).to(tl.int64) + par * (N * M)
+                lid = tl.load(meta + slot[:, None] * (2 * K) + kk[None, :], mask=m2, other=-1)
+                j = tl.load(meta + slot[:, None] * (2 * K) + K + kk[None, :], mask=m2, other=0)
+                valid = m2 & (lid >= 0)
                 # Rows of expert e from sources below s come first (deterministic order).
-                below = tl.sum(tl.load(hdr + nn[:, None] * HDR + 1 + lid[None, :],
-                                       mask=(nn[:, None] < s) & valid[None, :], other=0), axis=0)
-                pos = below + j
+                pos = j
+                for s2 in range(s):
+                    pos += tl.load(hdr + s2 * HDR + 1 + lid, mask=valid, other=0)
                 if PACKED:
                     r = tl.load(scratch_ptr + pid * BLOCK_EL + lid, mask=valid, other=0) + pos
                     valid = valid & (r < CAP)
                 else:
                     valid = valid & (pos < CAP)
                     r = lid * CAP + pos
-                r = tl.where(valid, r, -1).to(tl.int64)
-                tl.store(recv_pos_ptr + (s * M + t) * K + kk, r.to(tl.int32), mask=km)
-                src = (rows + slot * RB).to(tl.pointer_type(tl.int32))
+                r = tl.where(valid, r, -1)
+                tl.store(recv_pos_ptr + (s * M + t)[:, None] * K + kk[None, :], r, mask=m2)
+                r = r.to(tl.int64)
+                src = (ws + off_rows + slot * RB)
                 for w0 in range(0, W, BLOCK_W):
                     ww = w0 + tl.arange(0, BLOCK_W)
-                    wm = ww < W
-                    v = tl.load(src + ww, mask=wm)
-                    tl.store(out_x_ptr + r[:, None] * W + ww[None, :],
-                             tl.broadcast_to(v[None, :], (BLOCK_K, BLOCK_W)), mask=valid[:, None] & wm[None, :])
+                    wm = tm[:, None] & (ww[None, :] < W)
+                    v = tl.load((src[:, None] + ww[None, :] * 4).to(tl.pointer_type(tl.int32)), mask=wm)
+                    for k in tl.static_range(K):
+                        rk = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1)
+                        tl.store(out_x_ptr + rk[:, None] * W + ww[None, :], v, mask=wm & (rk[:, None] >= 0))
                 if FP8:
                     bb = tl.arange(0, BLOCK_NB)
-                    sv = tl.load((rows + slot * RB + H).to(tl.pointer_type(tl.float32)) + bb,
-                                 mask=bb < NB)
-                    tl.store(out_s_ptr + r[:, None] * NB + bb[None, :],
-                             tl.broadcast_to(sv[None, :], (BLOCK_K, BLOCK_NB)), mask=valid[:, None] & (bb[None, :] < NB))
+                    bm = tm[:, None] & (bb[None, :] < NB)
+                    sv = tl.load((src[:, None] + H + bb[None, :] * 4).to(tl.pointer_type(tl.float32)), mask=bm)
+                    for k in tl.static_range(K):
+                        rk = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1)
+                        tl.store(out_s_ptr + rk[:, None] * NB + bb[None, :], sv, mask=bm & (rk[:, None] >= 0))
     if last_arrival(state_ptr + 3):
         tl.store(state_ptr, epoch)

@@ -11,7 +11,7 @@ import triton.language as tl
 from .common import ERR_BAD_EXPERT, PHASE_DISPATCH, record_error
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['T', 'BT'])
 def route_hist_kernel(
     topk_ptr,          # int32/int64 [T, K]
     hist_ptr,          # int32 [E, CMAX]: hist[e, c] = selections of e in chunk c
