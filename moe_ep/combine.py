@@ -22,9 +22,8 @@ def combine(buf, expert_y: torch.Tensor, handle) -> torch.Tensor:
     BLOCK_K = _pow2(K, 2)
     block_r = tile_rows(N * max(T, 1), buf.num_programs)
     launch(combine_send_kernel, buf.num_programs,
-           (expert_y, buf.workspace.local.data_ptr(), buf.workspace.peer_ptrs, buf.state, buf.recv_pos,
-            off["comb_flag"], off["hdr"], off["meta_w"], off["comb"]),
-           dict(RANK=buf.rank, N=N, M=M, K=K, H=H, HDR=buf.ws_layout.HDR,
+           (expert_y, buf.workspace.local.data_ptr(), buf.workspace.peer_ptrs, buf.state, buf.recv_pos),
+           dict(off_comb_flag=off["comb_flag"], off_hdr=off["hdr"], off_meta_w=off["meta_w"], off_comb=off["comb"], RANK=buf.rank, N=N, M=M, K=K, H=H, HDR=buf.ws_layout.HDR,
                 BLOCK_R=block_r, BLOCK_K=BLOCK_K, BLOCK_H=max(16, min(_pow2(H), 2048, 8192 // block_r)),
                 INTERP=interp, num_warps=buf.num_warps))
     epoch = buf._epochs[1] + 1
@@ -34,8 +33,8 @@ def combine(buf, expert_y: torch.Tensor, handle) -> torch.Tensor:
     block_t = tile_rows(T, buf.num_programs)
     launch(combine_recv_kernel, max(1, min(-(-T // block_t), buf.num_programs)),
            (handle.topk_idx, out, buf.workspace.local.data_ptr(), buf.state, buf.err,
-            int(buf.timeout_s * 1e9), T, off["comb_flag"], off["comb"]),
-           dict(N=N, M=M, K=K, E=E, EL=EL, H=H,
+            int(buf.timeout_s * 1e9), T),
+           dict(off_comb_flag=off["comb_flag"], off_comb=off["comb"], N=N, M=M, K=K, E=E, EL=EL, H=H,
                 BLOCK_T=block_t, BLOCK_K=BLOCK_K, BLOCK_H=max(16, min(_pow2(H), 2048, 8192 // block_t)),
                 INTERP=interp, num_warps=buf.num_warps))
     buf._epochs[1] = epoch

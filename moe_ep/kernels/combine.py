@@ -7,17 +7,17 @@ Workspace of each rank, ``par`` = combine epoch & 1:
 import triton
 import triton.language as tl
 
-from .common import PHASE_COMBINE, last_arrival, raise_flag, to_bf16, wait_flag
+from .common import PHASE_COMBINE, last_arrival, ptr_at, raise_flag, to_bf16, wait_flag
 
 
-@triton.jit(do_not_specialize=["ws", "off_comb_flag", "off_hdr", "off_meta_w", "off_comb"])
+@triton.jit(do_not_specialize=['ws'])
 def combine_send_kernel(
     y_ptr,             # bf16 [rows, H]: expert outputs in the layout of expert_x
     ws,                # int: address of this rank's workspace
     peer_ptr,          # int64 [N]: workspace base of each node peer
     state_ptr,         # int64 [8]: [0] dispatch epoch, [1] combine epoch, [4] arrival counter
     recv_pos_ptr,      # int32 [N, M, K] from dispatch_recv_kernel
-    off_comb_flag, off_hdr, off_meta_w, off_comb,
+    off_comb_flag: tl.constexpr, off_hdr: tl.constexpr, off_meta_w: tl.constexpr, off_comb: tl.constexpr,
     RANK: tl.constexpr, N: tl.constexpr, M: tl.constexpr, K: tl.constexpr, H: tl.constexpr,
     HDR: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, INTERP: tl.constexpr,
@@ -30,11 +30,11 @@ def combine_send_kernel(
     rr = tl.arange(0, BLOCK_R)
     kk = tl.arange(0, BLOCK_K)
     km = kk < K
-    hdr = (ws + off_hdr).to(tl.pointer_type(tl.int32)) + dpar * N * HDR
-    meta_w = (ws + off_meta_w).to(tl.pointer_type(tl.float32))
+    hdr = ptr_at(ws, off_hdr, tl.int32) + dpar * N * HDR
+    meta_w = ptr_at(ws, off_meta_w, tl.float32)
     for s in range(N):
         ts = tl.load(hdr + s * HDR)
-        dst = (tl.load(peer_ptr + s) + off_comb).to(tl.pointer_type(tl.bfloat16))
+        dst = ptr_at(tl.load(peer_ptr + s), off_comb, tl.bfloat16)
         for t0 in range(pid * BLOCK_R, ts, nprog * BLOCK_R):
             t = t0 + rr
             tm = t < ts
@@ -57,10 +57,10 @@ def combine_send_kernel(
     if last_arrival(state_ptr + 4):
         for d in tl.static_range(N):
             b = tl.load(peer_ptr + d)
-            raise_flag((b + off_comb_flag).to(tl.pointer_type(tl.int64)) + RANK, epoch)
+            raise_flag(ptr_at(b, off_comb_flag, tl.int64) + RANK, epoch)
 
 
-@triton.jit(do_not_specialize=["ws", "timeout_ns", "T", "off_comb_flag", "off_comb"])
+@triton.jit(do_not_specialize=['ws', 'timeout_ns', 'T'])
 def combine_recv_kernel(
     topk_ptr,          # [T, K] int32/int64: the routing given to dispatch
     out_ptr,           # bf16 [T, H]
@@ -68,7 +68,7 @@ def combine_recv_kernel(
     state_ptr,         # int64 [8]: [1] combine epoch, [5] arrival counter
     err_ptr,           # int64 [8] error record
     timeout_ns, T,
-    off_comb_flag, off_comb,
+    off_comb_flag: tl.constexpr, off_comb: tl.constexpr,
     N: tl.constexpr, M: tl.constexpr, K: tl.constexpr, E: tl.constexpr, EL: tl.constexpr,
     H: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, INTERP: tl.constexpr,
@@ -78,13 +78,13 @@ def combine_recv_kernel(
     epoch = tl.load(state_ptr + 1) + 1
     par = epoch & 1
     ok = tl.full([], 1, tl.int32)
-    for d in range(N):
-        ok = ok & wait_flag((ws + off_comb_flag).to(tl.pointer_type(tl.int64)) + d, epoch, timeout_ns,
-                            err_ptr, d, PHASE_COMBINE, INTERP)
+    for owner in range(N):
+        ok = ok & wait_flag(ptr_at(ws, off_comb_flag, tl.int64) + owner, epoch, timeout_ns,
+                            err_ptr, owner, PHASE_COMBINE, INTERP)
     if ok != 0:
         tt = tl.arange(0, BLOCK_T)
         kk = tl.arange(0, BLOCK_K)
-        comb = (ws + off_comb).to(tl.pointer_type(tl.bfloat16))
+        comb = ptr_at(ws, off_comb, tl.bfloat16)
         for t0 in range(pid * BLOCK_T, T, nprog * BLOCK_T):
             t = t0 + tt
             tm = t < T

@@ -17,6 +17,14 @@ PHASE_COMBINE = tl.constexpr(1)
 
 
 @triton.jit
+def ptr_at(base, off: tl.constexpr, TYPE: tl.constexpr):
+    """Pointer to TYPE at byte address ``base + off``. Workspaces are 256-byte aligned and so are
+    region offsets: saying so lets the compiler use 16-byte vector loads and stores (without the
+    hint every element of a peer store is its own NVLink transaction)."""
+    return tl.multiple_of((base + off).to(tl.pointer_type(TYPE)), 16)
+
+
+@triton.jit
 def record_error(err_ptr, code, peer, phase, epoch, detail):
     """First error wins: later ones (other programs, other kernels) leave the record alone."""
     old = tl.atomic_cas(err_ptr, tl.full([], 0, tl.int64), tl.full([], code, tl.int64), sem="relaxed",

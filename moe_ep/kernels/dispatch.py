@@ -12,11 +12,11 @@ double-buffers every region, so a rank one epoch ahead never overwrites rows sti
 import triton
 import triton.language as tl
 
-from .common import (ERR_CAPACITY, PHASE_DISPATCH, last_arrival, raise_flag, record_error,
+from .common import (ERR_CAPACITY, PHASE_DISPATCH, last_arrival, ptr_at, raise_flag, record_error,
                      to_fp8_bits, wait_flag)
 
 
-@triton.jit(do_not_specialize=["T", "BT", "NC", "off_flag", "off_hdr", "off_meta_i", "off_meta_w", "off_rows"])
+@triton.jit(do_not_specialize=['T', 'BT', 'NC'])
 def dispatch_send_kernel(
     x_ptr,             # [T, H] bf16, or uint8 (fp8 bytes) when PREQ
     xs_ptr,            # [T, NB] float32 scales when PREQ (else unused)
@@ -26,7 +26,8 @@ def dispatch_send_kernel(
     peer_ptr,          # int64 [N]: workspace base of each node peer
     state_ptr,         # int64 [8]: [0] dispatch epoch, [2] arrival counter of this kernel
     T, BT, NC,         # tokens, tokens per chunk, chunks
-    off_flag, off_hdr, off_meta_i, off_meta_w, off_rows,
+    off_flag: tl.constexpr, off_hdr: tl.constexpr, off_meta_i: tl.constexpr, off_meta_w: tl.constexpr,
+    off_rows: tl.constexpr,
     RANK: tl.constexpr, N: tl.constexpr, M: tl.constexpr, K: tl.constexpr, E: tl.constexpr,
     EL: tl.constexpr, H: tl.constexpr, NB: tl.constexpr, RB: tl.constexpr, HDR: tl.constexpr,
     CMAX: tl.constexpr,
@@ -68,10 +69,10 @@ def dispatch_send_kernel(
             # Metadata goes to every peer (ids -1 where the token is not for it): it is how the
             # receiver tells this epoch's rows from stale ones without any reset.
             lid = tl.where(dst == d, ids - d * EL, -1)
-            mi = (base + off_meta_i).to(tl.pointer_type(tl.int32)) + slot[:, None] * (2 * K) + kk[None, :]
+            mi = ptr_at(base, off_meta_i, tl.int32) + slot[:, None] * (2 * K) + kk[None, :]
             tl.store(mi, lid, mask=m2)
             tl.store(mi + K, j, mask=m2)
-            mw = (base + off_meta_w).to(tl.pointer_type(tl.float32)) + slot[:, None] * K + kk[None, :]
+            mw = ptr_at(base, off_meta_w, tl.float32) + slot[:, None] * K + kk[None, :]
             tl.store(mw, w, mask=m2)
         # Payload: read (and quantize) each tile once, store it to every destination rank.
         for h0 in range(0, H, BLOCK_H):
@@ -95,13 +96,14 @@ def dispatch_send_kernel(
                 v = tl.load(x_ptr + t[:, None] * H + hh[None, :], mask=hm, other=0.0)
             for d in tl.static_range(N):
                 go = tl.max((dst == d).to(tl.int32), axis=1) > 0
-                row = tl.load(peer_ptr + d) + off_rows + slot * RB
+                base = tl.load(peer_ptr + d)
                 if FP8:
-                    tl.store((row[:, None] + hh[None, :]).to(tl.pointer_type(tl.uint8)), q, mask=hm & go[:, None])
-                    tl.store((row[:, None] + H + bb[None, :] * 4).to(tl.pointer_type(tl.float32)), sc,
-                             mask=bm & go[:, None])
+                    tl.store(ptr_at(base, off_rows, tl.uint8) + slot[:, None] * RB + hh[None, :], q,
+                             mask=hm & go[:, None])
+                    tl.store(ptr_at(base, off_rows, tl.float32) + slot[:, None] * (RB // 4) + H // 4 + bb[None, :],
+                             sc, mask=bm & go[:, None])
                 else:
-                    tl.store((row[:, None] + hh[None, :] * 2).to(tl.pointer_type(tl.bfloat16)), v,
+                    tl.store(ptr_at(base, off_rows, tl.bfloat16) + slot[:, None] * (RB // 2) + hh[None, :], v,
                              mask=hm & go[:, None])
     if last_arrival(state_ptr + 2):
         # The last program publishes the per-expert counts and raises every peer's flag.
@@ -112,16 +114,16 @@ def dispatch_send_kernel(
                                   mask=(ee[:, None] < E) & (c1 + cc[None, :] < NC), other=0), axis=1)
         for d in tl.static_range(N):
             base = tl.load(peer_ptr + d)
-            hdr = (base + off_hdr).to(tl.pointer_type(tl.int32)) + (par * N + RANK) * HDR
+            hdr = ptr_at(base, off_hdr, tl.int32) + (par * N + RANK) * HDR
             tl.store(hdr, T)
             el = ee - d * EL
             tl.store(hdr + 1 + el, tot, mask=(el >= 0) & (el < EL))
         for d in tl.static_range(N):
             base = tl.load(peer_ptr + d)
-            raise_flag((base + off_flag).to(tl.pointer_type(tl.int64)) + RANK, epoch)
+            raise_flag(ptr_at(base, off_flag, tl.int64) + RANK, epoch)
 
 
-@triton.jit(do_not_specialize=["ws", "timeout_ns", "off_flag", "off_hdr", "off_meta_i", "off_rows"])
+@triton.jit(do_not_specialize=['ws', 'timeout_ns'])
 def dispatch_recv_kernel(
     ws,                # int: address of this rank's workspace
     state_ptr,         # int64 [8]: [0] dispatch epoch, [3] arrival counter of this kernel
@@ -133,7 +135,7 @@ def dispatch_recv_kernel(
     recv_pos_ptr,      # int32 [N, M, K]: row of each (source, slot, k) in the expert layout, or -1
     scratch_ptr,       # int32 [programs, BLOCK_EL]
     timeout_ns,
-    off_flag, off_hdr, off_meta_i, off_rows,
+    off_flag: tl.constexpr, off_hdr: tl.constexpr, off_meta_i: tl.constexpr, off_rows: tl.constexpr,
     N: tl.constexpr, M: tl.constexpr, K: tl.constexpr, EL: tl.constexpr,
     W: tl.constexpr, H: tl.constexpr, NB: tl.constexpr, RB: tl.constexpr, HDR: tl.constexpr,
     ALIGN: tl.constexpr, CAP: tl.constexpr, PACKED: tl.constexpr, FP8: tl.constexpr,
@@ -146,10 +148,10 @@ def dispatch_recv_kernel(
     par = epoch & 1
     ok = tl.full([], 1, tl.int32)
     for s in range(N):
-        ok = ok & wait_flag((ws + off_flag).to(tl.pointer_type(tl.int64)) + s,
+        ok = ok & wait_flag(ptr_at(ws, off_flag, tl.int64) + s,
                             epoch, timeout_ns, err_ptr, s, PHASE_DISPATCH, INTERP)
     if ok != 0:
-        hdr = (ws + off_hdr).to(tl.pointer_type(tl.int32)) + par * N * HDR
+        hdr = ptr_at(ws, off_hdr, tl.int32) + par * N * HDR
         ee = tl.arange(0, BLOCK_EL)
         em = ee < EL
         tot = tl.zeros((BLOCK_EL,), tl.int32)
@@ -174,7 +176,7 @@ def dispatch_recv_kernel(
         rr = tl.arange(0, BLOCK_R)
         kk = tl.arange(0, BLOCK_K)
         km = kk < K
-        meta = (ws + off_meta_i).to(tl.pointer_type(tl.int32))
+        meta = ptr_at(ws, off_meta_i, tl.int32)
         for s in range(N):
             ts = tl.load(hdr + s * HDR)
             # A tile of BLOCK_R slots of source s per iteration: many rows in flight.
@@ -199,18 +201,18 @@ def dispatch_recv_kernel(
                 r = tl.where(valid, r, -1)
                 tl.store(recv_pos_ptr + (s * M + t)[:, None] * K + kk[None, :], r, mask=m2)
                 r = r.to(tl.int64)
-                src = (ws + off_rows + slot * RB)
+                src = ptr_at(ws, off_rows, tl.int32) + slot * (RB // 4)
                 for w0 in range(0, W, BLOCK_W):
                     ww = w0 + tl.arange(0, BLOCK_W)
                     wm = tm[:, None] & (ww[None, :] < W)
-                    v = tl.load((src[:, None] + ww[None, :] * 4).to(tl.pointer_type(tl.int32)), mask=wm)
+                    v = tl.load(src[:, None] + ww[None, :], mask=wm)
                     for k in tl.static_range(K):
                         rk = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1)
                         tl.store(out_x_ptr + rk[:, None] * W + ww[None, :], v, mask=wm & (rk[:, None] >= 0))
                 if FP8:
                     bb = tl.arange(0, BLOCK_NB)
                     bm = tm[:, None] & (bb[None, :] < NB)
-                    sv = tl.load((src[:, None] + H + bb[None, :] * 4).to(tl.pointer_type(tl.float32)), mask=bm)
+                    sv = tl.load(src[:, None].to(tl.pointer_type(tl.float32)) + H // 4 + bb[None, :], mask=bm)
                     for k in tl.static_range(K):
                         rk = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1)
                         tl.store(out_s_ptr + rk[:, None] * NB + bb[None, :], sv, mask=bm & (rk[:, None] >= 0))
