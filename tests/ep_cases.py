@@ -1,0 +1,460 @@
+"""Inputs, expert functions and checks shared by the multi-rank tests.
+
+Every rank builds the inputs of *all* ranks from one seed (cheap, and it lets the routing respect
+global limits), then uses its own slice. Rank-side functions here return lists of failure strings
+rather than stopping at the first, so one run reports every bad configuration precisely.
+
+Data kinds:
+- ``tagged``: integer-valued rows that bf16 and fp8 hold exactly: ``x[t,0] = source rank``,
+  ``x[t,1] = token index``, one channel of 28 in each 128-channel block (so the fp8 scale is
+  exactly 1/16), the rest random integers in [-8, 8]. Weights are +-{1/4, 1/2, 1, 2} and the exact
+  expert function keeps every partial sum representable in bf16, so combine is checked exactly.
+- ``random``: bf16 normals of varied magnitude per row (one all-zero row per rank), weights in
+  [0, 1), a float expert function; combine is checked against a bf16 tolerance.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+DTYPES = {"bf16": torch.bfloat16, "fp8": FP8, "fp8pre": FP8}
+MAX_REPORT = 6
+
+
+# ---------------------------------------------------------------------------- cases
+@dataclass
+class Case:
+    """One buffer configuration and the sequence of calls made on it.
+
+    ``calls``: routing kinds in order; ``"repeat"`` repeats call 0's inputs exactly (determinism).
+    ``dtype``: ``bf16``, ``fp8`` (bf16 input quantized in-kernel) or ``fp8pre`` (fp8 input + scales).
+    """
+
+    R: int
+    E: int
+    K: int
+    dtype: str = "bf16"
+    layout: str = "masked"
+    align: int = 1
+    H: int = 128
+    M: int = 8
+    data: str = "tagged"
+    calls: Sequence[str] = ("uniform", "skewed", "sparse", "repeat")
+    seed: int = 0
+
+    @property
+    def name(self) -> str:
+        return (f"R{self.R}-E{self.E}-K{self.K}-{self.dtype}-{self.layout}-a{self.align}-H{self.H}-M{self.M}-"
+                f"{self.data}-s{self.seed}")
+
+    def token_counts(self, call: int) -> List[int]:
+        """Ragged T per rank: each call mixes max_tokens, 0 and an in-between count."""
+        g = torch.Generator().manual_seed(self.seed * 7919 + call * 31 + 5)
+        mid = int(torch.randint(1, max(2, self.M), (1,), generator=g)) if self.M > 1 else 1
+        choices = [self.M, 0, mid]
+        return [choices[(call + r) % 3] for r in range(self.R)]
+
+
+@dataclass
+class RankInputs:
+    x: torch.Tensor  # [T, H] bf16, or fp8 for fp8pre
+    topk_idx: torch.Tensor
+    topk_weights: torch.Tensor
+    x_scales: Optional[torch.Tensor] = None
+
+
+def _route(kind: str, Ts: List[int], E: int, K: int, g: torch.Generator) -> List[torch.Tensor]:
+    out = []
+    hot = int(torch.randint(0, E, (1,), generator=g))
+    subset = torch.randperm(E, generator=g)[: max(1, E // 4)]
+    for T in Ts:
+        idx = torch.full((T, K), -1, dtype=torch.int64)
+        for t in range(T):
+            if kind == "uniform":
+                row = (torch.randperm(E, generator=g)[:K] if K <= E
+                       else torch.randint(0, E, (K,), generator=g))
+            elif kind == "skewed":  # every token selects the hot expert
+                others = torch.randperm(E - 1, generator=g)[: K - 1]
+                others = others + (others >= hot).long()
+                if K - 1 > E - 1:
+                    others = torch.cat([others, torch.randint(0, E, (K - 1 - (E - 1),), generator=g)])
+                row = torch.cat([torch.tensor([hot]), others])[torch.randperm(K, generator=g)]
+            elif kind == "sparse":  # few experts used (empty experts and ranks), -1 ids, duplicates
+                row = subset[torch.randint(0, len(subset), (K,), generator=g)]
+                if K >= 2 and t % 3 == 0:
+                    row[1] = row[0]  # a duplicate within the token
+                row = torch.where(torch.rand(K, generator=g) < 0.35, torch.tensor(-1), row)
+                if t % 5 == 4:
+                    row[:] = -1  # a token with no expert at all
+            elif kind == "none":
+                row = torch.full((K,), -1, dtype=torch.int64)
+            else:
+                raise ValueError(kind)
+            idx[t] = row
+        out.append(idx)
+    return out
+
+
+def _cap(idxs: List[torch.Tensor], E: int, cap: int) -> None:
+    """Drops selections (to -1) beyond ``cap`` per expert, over all ranks (the masked layout's
+    rows per expert; only reachable with duplicates)."""
+    seen = Counter()
+    for idx in idxs:
+        for t in range(idx.shape[0]):
+            for k in range(idx.shape[1]):
+                e = int(idx[t, k])
+                if e >= 0:
+                    seen[e] += 1
+                    if seen[e] > cap:
+                        idx[t, k] = -1
+
+
+def make_inputs(case: Case, call: int) -> List[RankInputs]:
+    """Inputs of every rank for call ``call`` of ``case`` (CPU tensors)."""
+    if call > 0 and case.calls[call] == "repeat":
+        return make_inputs(case, 0)
+    kind = case.calls[call]
+    g = torch.Generator().manual_seed(case.seed * 1_000_003 + call * 101 + case.R)
+    Ts = case.token_counts(call)
+    idxs = _route(kind, Ts, case.E, case.K, g)
+    _cap(idxs, case.E, case.R * case.M)
+    out = []
+    H = case.H
+    for r, T in enumerate(Ts):
+        if case.data == "tagged":
+            x = torch.randint(-8, 9, (T, H), generator=g).float()
+            x[:, 2::128] = 28.0  # block max 28: fp8 scale exactly 1/16
+            x[:, 0] = r
+            x[:, 1] = torch.arange(T, dtype=torch.float32)
+            vals = torch.tensor([0.25, 0.5, 1.0, 2.0])
+            w = vals[torch.randint(0, 4, (T, case.K), generator=g)]
+            w = w * (torch.randint(0, 2, (T, case.K), generator=g) * 2 - 1)
+        else:
+            mag = torch.exp(torch.randn(T, 1, generator=g) * 2)
+            x = torch.randn(T, H, generator=g) * mag
+            if T:
+                x[T // 2] = 0.0
+            w = torch.rand(T, case.K, generator=g)
+        x = x.to(torch.bfloat16)
+        idx = idxs[r]
+        if r % 2 == 1:
+            idx = idx.to(torch.int32)  # both index dtypes are accepted
+        inp = RankInputs(x, idx.contiguous(), w.float().contiguous())
+        if case.dtype == "fp8pre":
+            from moe_ep.fp8 import quantize_fp8
+
+            q, s = quantize_fp8(x)
+            # Scales the kernel cannot re-derive: the given (q, scales) must travel untouched.
+            inp.x, inp.x_scales = q, (s * 2.0).contiguous()
+        out.append(inp)
+    return out
+
+
+# ---------------------------------------------------------------------------- expert functions
+_TABLES: Dict[Tuple[str, int, int, str], torch.Tensor] = {}
+
+
+def _table(kind: str, e: int, H: int, device) -> torch.Tensor:
+    """Per-expert constants, cached per device (so a CUDA graph captures no host copy)."""
+    key = (kind, e, H, str(device))
+    if key not in _TABLES:
+        if kind == "offsets":
+            t = torch.randint(0, 7, (H,), generator=torch.Generator().manual_seed(1000 + e)).float()
+        else:
+            t = torch.randn(H, generator=torch.Generator().manual_seed(2000 + e))
+        _TABLES[key] = t.to(device)
+    return _TABLES[key]
+
+
+def exact_expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+    """Integer rows -> integers in [-3, 3], a different function per expert (bf16 holds every
+    weighted sum of <= 8 of them with weights +-{1/4..2} exactly)."""
+    return torch.remainder(rows.float() + _table("offsets", e, rows.shape[-1], rows.device), 7.0) - 3.0
+
+
+def float_expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+    """A float expert, rounded to bf16 as the expert output handed to combine is."""
+    b = _table("bias", e, rows.shape[-1], rows.device)
+    return (rows.float() * (0.5 + 0.125 * (e % 7)) + b).to(torch.bfloat16).float()
+
+
+def expert_fn_for(case: Case):
+    return exact_expert if case.data == "tagged" else float_expert
+
+
+# ---------------------------------------------------------------------------- reading a dispatch result
+def received(handle, case: Case, e: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The valid rows (and scales) of local expert ``e`` in the implementation's output (CPU)."""
+    c = int(handle.expert_counts[e])
+    if case.layout == "masked":
+        x = handle.expert_x[e, :c]
+        s = handle.expert_scales[e, :c] if handle.expert_scales is not None else None
+    else:
+        o = int(handle.expert_offsets[e])
+        x = handle.expert_x[o:o + c]
+        s = handle.expert_scales[o:o + c] if handle.expert_scales is not None else None
+    return x.cpu().clone(), (s.cpu().clone() if s is not None else None)
+
+
+def _key_rows(x: torch.Tensor, s: Optional[torch.Tensor]) -> List[bytes]:
+    xb = x.contiguous().view(torch.uint8).numpy()
+    if s is None:
+        return [xb[i].tobytes() for i in range(xb.shape[0])]
+    sb = s.contiguous().float().view(torch.uint8).numpy()
+    return [xb[i].tobytes() + sb[i].tobytes() for i in range(xb.shape[0])]
+
+
+def _as_float(x: torch.Tensor, s: Optional[torch.Tensor]) -> torch.Tensor:
+    if s is None:
+        return x.float()
+    from moe_ep.fp8 import dequantize_fp8
+
+    return dequantize_fp8(x, s.float())
+
+
+def poison(handle, out: Optional[torch.Tensor] = None) -> None:
+    """NaN-fills what the caller may read, so a later call that leaves rows unwritten is caught."""
+    if handle.expert_x.dtype == FP8:
+        handle.expert_x.view(torch.uint8).fill_(0x7F)  # e4m3fn NaN
+        handle.expert_scales.fill_(float("nan"))
+    else:
+        handle.expert_x.fill_(float("nan"))
+    if out is not None and out.numel():
+        out.fill_(float("nan"))
+
+
+def check_dispatch(handle, ref, case: Case, where: str) -> List[str]:
+    """Compares one rank's dispatch result with the oracle; returns failure strings."""
+    fails: List[str] = []
+    R, E, H = case.R, case.E, case.H
+    EL = E // R
+    dt = DTYPES[case.dtype]
+    fp8 = dt == FP8
+    nb = -(-H // 128)
+    x = handle.expert_x
+    if x.dtype != dt:
+        fails.append(f"{where}: expert_x dtype {x.dtype}, expected {dt}")
+    if case.layout == "masked":
+        if tuple(x.shape) != (EL, R * case.M, H):
+            fails.append(f"{where}: masked expert_x shape {list(x.shape)}, expected {[EL, R * case.M, H]}")
+    elif x.dim() != 2 or x.shape[1] != H:
+        fails.append(f"{where}: packed expert_x shape {list(x.shape)}, expected [capacity, {H}]")
+    if fp8:
+        s = handle.expert_scales
+        if s is None or s.dtype != torch.float32 or tuple(s.shape) != tuple(x.shape[:-1]) + (nb,):
+            fails.append(f"{where}: expert_scales {None if s is None else (s.dtype, list(s.shape))}, "
+                         f"expected float32 {list(x.shape[:-1]) + [nb]}")
+    elif handle.expert_scales is not None:
+        fails.append(f"{where}: expert_scales should be None for bf16 dispatch")
+    counts = handle.expert_counts
+    if counts.dtype != torch.int32 or tuple(counts.shape) != (EL,) or counts.device != x.device:
+        fails.append(f"{where}: expert_counts {counts.dtype} {list(counts.shape)} on {counts.device}, "
+                     f"expected int32 [{EL}] on {x.device}")
+    got_counts = [int(c) for c in counts.cpu()]
+    if got_counts != ref.counts:
+        fails.append(f"{where}: expert_counts {got_counts}, expected {ref.counts}")
+    if case.layout == "packed":
+        off = handle.expert_offsets
+        if off is None or off.dtype != torch.int32 or tuple(off.shape) != (EL + 1,):
+            fails.append(f"{where}: expert_offsets {None if off is None else (off.dtype, list(off.shape))}, "
+                         f"expected int32 [{EL + 1}]")
+        else:
+            o = [int(v) for v in off.cpu()]
+            a = case.align
+            want = [0]
+            for c in got_counts:
+                want.append(want[-1] + -(-c // a) * a)
+            if o != want:
+                fails.append(f"{where}: expert_offsets {o}, expected {want} (counts {got_counts} rounded up "
+                             f"to {a}, from 0)")
+            if o[-1] > x.shape[0]:
+                fails.append(f"{where}: expert_offsets[-1]={o[-1]} beyond the packed capacity {x.shape[0]}")
+    elif handle.expert_offsets is not None:
+        pass  # allowed to exist for masked, but unused
+    if fails:
+        return fails
+    for e in range(EL):
+        gx, gs = received(handle, case, e)
+        if fp8:
+            exp_keys = _key_rows(ref.q[e].cpu(), ref.scales[e].cpu())
+        else:
+            exp_keys = _key_rows(ref.rows[e].cpu().to(torch.bfloat16), None)
+        got_keys = _key_rows(gx, gs)
+        if Counter(got_keys) == Counter(exp_keys):
+            continue
+        fails.append(f"{where}: local expert {e} (global {ref.first_expert + e}): received rows differ from the "
+                     f"oracle: {_explain(gx, gs, got_keys, exp_keys, ref, e, case)}")
+    return fails
+
+
+def _explain(gx, gs, got_keys, exp_keys, ref, e, case) -> str:
+    miss = Counter(exp_keys) - Counter(got_keys)
+    extra = Counter(got_keys) - Counter(exp_keys)
+    exp_src = {}
+    for i, k in enumerate(exp_keys):
+        exp_src.setdefault(k, []).append((int(ref.src_rank[e][i]), int(ref.src_token[e][i]), int(ref.src_k[e][i])))
+    parts = [f"{sum(miss.values())} expected rows missing, {sum(extra.values())} unexpected rows"]
+    missing = [exp_src[k][0] for k in list(miss)[:MAX_REPORT]]
+    parts.append(f"missing (src_rank, token, k): {missing}")
+    if case.data == "tagged":
+        gf = _as_float(gx, gs)
+        by_tag = {}
+        for i in range(ref.rows[e].shape[0]):
+            by_tag[(int(ref.src_rank[e][i]), int(ref.src_token[e][i]))] = i
+        shown = 0
+        for i, k in enumerate(got_keys):
+            if k not in extra or shown >= MAX_REPORT:
+                continue
+            shown += 1
+            row = gf[i]
+            tag = (row[0].item(), row[1].item())
+            tkey = (int(tag[0]), int(tag[1])) if all(v == v for v in tag) else None
+            if tkey in by_tag:
+                j = by_tag[tkey]
+                want = ref.rows[e][j].cpu()
+                bad = (row != want) & ~(torch.isnan(row) & torch.isnan(want))
+                ch = bad.nonzero().flatten()[:4].tolist()
+                note = f"row {i} tagged {tkey}: {int(bad.sum())} channels differ, e.g. ch {ch}: got " \
+                       f"{row[ch].tolist()} expected {want[ch].tolist()}"
+                if gs is not None:
+                    note += f"; scales got {gs[i].tolist()} expected {ref.scales[e][j].tolist()}"
+                parts.append(note)
+            else:
+                parts.append(f"row {i} has tag {tag} which is not expected here (NaN = unwritten row)")
+    return "; ".join(parts)
+
+
+def make_expert_y(handle, case: Case, fn, first_expert: int) -> torch.Tensor:
+    EL = case.E // case.R
+    y = torch.full(handle.expert_x.shape, float("nan"), dtype=torch.bfloat16, device=handle.expert_x.device)
+    for e in range(EL):
+        c = int(handle.expert_counts[e])
+        if c == 0:
+            continue
+        if case.layout == "masked":
+            x, s = handle.expert_x[e, :c], (handle.expert_scales[e, :c] if handle.expert_scales is not None else None)
+        else:
+            o = int(handle.expert_offsets[e])
+            x, s = handle.expert_x[o:o + c], (handle.expert_scales[o:o + c] if handle.expert_scales is not None else None)
+        vals = _as_float(x, s)
+        yy = fn(first_expert + e, vals).to(torch.bfloat16)
+        if case.layout == "masked":
+            y[e, :c] = yy
+        else:
+            y[o:o + c] = yy
+    return y
+
+
+def check_combine(out: torch.Tensor, ref: torch.Tensor, ref_abs: torch.Tensor, T: int, case: Case,
+                  where: str) -> List[str]:
+    if out.dtype != torch.bfloat16 or tuple(out.shape) != (T, case.H):
+        return [f"{where}: combine returned {out.dtype} {list(out.shape)}, expected bfloat16 [{T}, {case.H}]"]
+    got = out.float().cpu()
+    ref, ref_abs = ref.cpu(), ref_abs.cpu()
+    if case.data == "tagged":
+        assert torch.equal(ref.to(torch.bfloat16).float(), ref), "test data bug: oracle not bf16-exact"
+        bad = got != ref
+    else:
+        # Two bf16 roundings (the pre-reduced partials and the output; the interpreter truncates):
+        # each <= 2^-7 relative to the magnitude of what is rounded.
+        bad = ~((got - ref).abs() <= 2e-2 * ref_abs + 1e-30)
+    if not bool(bad.any()):
+        return []
+    rows = bad.any(dim=1).nonzero().flatten().tolist()
+    t = rows[0]
+    ch = bad[t].nonzero().flatten()[:4].tolist()
+    return [f"{where}: combine output differs on tokens {rows[:12]}{'...' if len(rows) > 12 else ''} "
+            f"({'exact' if case.data == 'tagged' else 'tolerance'} check); token {t} ch {ch}: got "
+            f"{got[t, ch].tolist()} expected {ref[t, ch].tolist()}"]
+
+
+# ---------------------------------------------------------------------------- rank-side runners
+def make_buffer(group, case: Case, timeout_s: float = 60.0):
+    """The EPBuffer of ``case``, or None where the contract lets the implementation refuse it."""
+    import moe_ep
+
+    dt = DTYPES[case.dtype]
+    try:
+        return moe_ep.EPBuffer(group, case.E, case.H, case.M, case.K, dispatch_dtype=dt,
+                               combine_dtype=torch.bfloat16, layout=case.layout, expert_alignment=case.align,
+                               timeout_s=timeout_s)
+    except ValueError as exc:
+        if dt == FP8 and case.H % 128 and "hidden" in str(exc):
+            return None  # the contract allows refusing fp8 with hidden not a multiple of 128
+        raise
+
+
+def run_calls(group, buf, case: Case) -> List[str]:
+    """All calls of ``case`` on ``buf``, each checked against the oracle; returns failure strings."""
+    from moe_ep.reference import moe_local, reference_dispatch, reference_moe
+
+    r, dev = group.rank, group.device
+    dt = DTYPES[case.dtype]
+    fn = expert_fn_for(case)
+    fails: List[str] = []
+    first = None
+    for call in range(len(case.calls)):
+        where = f"[{case.name} rank {r} call {call} {case.calls[call]}]"
+        inp = make_inputs(case, call)[r]
+        x = inp.x.to(dev)
+        idx = inp.topk_idx.to(dev)
+        w = inp.topk_weights.to(dev)
+        sc = inp.x_scales.to(dev) if inp.x_scales is not None else None
+        ref = reference_dispatch(group, case.E, x, idx, w, x_scales=sc, dispatch_dtype=dt)
+        h = buf.dispatch(x, idx, w, x_scales=sc) if sc is not None else buf.dispatch(x, idx, w)
+        f = check_dispatch(h, ref, case, where)
+        fails += f
+        if not f:
+            snap = [received(h, case, e) for e in range(case.E // case.R)]
+            snap_meta = ([int(c) for c in h.expert_counts.cpu()],
+                         [int(v) for v in h.expert_offsets.cpu()] if h.expert_offsets is not None else None)
+            if call == 0:
+                first = (snap, snap_meta)
+            elif case.calls[call] == "repeat" and first is not None:
+                same = snap_meta == first[1] and all(
+                    torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and
+                    (a[1] is None or torch.equal(a[1], b[1])) for a, b in zip(snap, first[0]))
+                if not same:
+                    fails.append(f"{where}: not deterministic: the same inputs as call 0 gave rows in a "
+                                 f"different order (or different counts/offsets)")
+        # Combine runs even after a bad dispatch, so every rank makes the same calls.
+        y = make_expert_y(h, case, fn, ref.first_expert) if not f else \
+            torch.full(h.expert_x.shape, float("nan"), dtype=torch.bfloat16, device=dev)
+        out = buf.combine(y, h)
+        exp = reference_moe(group, case.E, x, idx, w, fn, x_scales=sc, dispatch_dtype=dt)
+        if not f:
+            exp_abs = moe_local(case.E, x, idx, w.abs(), lambda e, rows: fn(e, rows).abs(),
+                                x_scales=sc, dispatch_dtype=dt)
+            fails += check_combine(out, exp, exp_abs, x.shape[0], case, where)
+        # Poison what the caller can see, so the next call must rewrite it.
+        poison(h, out)
+        h.expert_counts.fill_(-7)
+    return fails
+
+
+def run_case(group, case: Case, timeout_s: float = 60.0) -> List[str]:
+    """A fresh buffer for ``case`` and all its calls; returns this rank's failure strings."""
+    buf = make_buffer(group, case, timeout_s)
+    if buf is None:
+        return []
+    with buf:
+        return run_calls(group, buf, case)
+
+
+def matrix_worker(rank: int, world_size: int, cases: List[Case], timeout_s: float = 60.0):
+    """Runs ``cases`` in order on this rank; returns ``(failures, seconds per case)``."""
+    import moe_ep
+
+    group = moe_ep.EPGroup()
+    assert group.world_size == world_size and group.rank == rank
+    fails, times = [], {}
+    for case in cases:
+        t0 = time.monotonic()
+        fails += run_case(group, case, timeout_s)
+        times[case.name] = round(time.monotonic() - t0, 2)
+    return fails, times

@@ -1,0 +1,431 @@
+"""EPBuffer.dispatch / combine against the oracle, on CPU ranks (gloo, Triton interpreter) and GPUs.
+
+Every configuration runs several calls on one buffer (uniform, skewed, sparse routing, then the
+first call's inputs again for determinism), with ragged T per rank including 0 and max_tokens.
+Per local expert: counts, offsets/layout, the multiset of received rows (bit-exact: bf16 values,
+or fp8 bytes and scales), then combine of a known expert function against the oracle (exact on
+integer data, a bf16 tolerance on random data). Outputs are NaN-poisoned after each call.
+"""
+from __future__ import annotations
+
+import itertools
+import re
+import time
+
+import pytest
+import torch
+
+import dist_util
+from ep_cases import DTYPES, FP8, Case, make_buffer, make_inputs, matrix_worker, run_calls
+
+RANKS = [1, 2, 3, 4]
+KS = [1, 2, 8]
+LOCAL_EXPERTS = [1, 2, 4]
+
+
+def matrix_cases(R: int, dtype: str):
+    """A covering design: every (layout, alignment) for the dtype, with K, experts per rank and the
+    data kind rotating so each R x dtype sees every K, several E and both data kinds."""
+    d = list(DTYPES).index(dtype)
+    cases = []
+    for i, (layout, align) in enumerate(itertools.product(["masked", "packed"], [1, 16])):
+        K = KS[(i + R + d) % 3]
+        EL = LOCAL_EXPERTS[(i + 2 * d + R) % 3]
+        E = EL * R
+        data = "tagged" if (i + d) % 2 == 0 else "random"
+        cases.append(Case(R=R, E=E, K=K, dtype=dtype, layout=layout, align=align, data=data, seed=10 * R + i + 100 * d))
+    return cases
+
+
+def edge_cases(R: int):
+    """Sizes and sequences the rotation does not reach."""
+    long_calls = ("uniform", "none", "skewed", "sparse", "uniform", "repeat")
+    return [
+        Case(R=R, E=4 * R if 4 * R <= 16 else R * (16 // R), K=8, dtype="bf16", layout="packed", align=16, H=256, M=16,
+             calls=long_calls, seed=1 + R),
+        Case(R=R, E=R, K=2, dtype="fp8", layout="masked", H=144, M=3, data="random", seed=2 + R),  # partial fp8 block
+        Case(R=R, E=2 * R, K=2, dtype="fp8pre", layout="packed", align=16, H=256, M=1, seed=3 + R),  # max_tokens 1
+        Case(R=R, E=2 * R, K=1, dtype="fp8", layout="packed", align=1, H=256, M=16, calls=long_calls, seed=4 + R),
+    ]
+
+
+def _run_matrix(R, cases, backend="gloo", timeout=600):
+    results = dist_util.run(R, matrix_worker, cases, 60.0, timeout=timeout, backend=backend)
+    fails = [f for rank_fails, _ in results for f in rank_fails]
+    assert not fails, f"{len(fails)} failed checks:\n" + "\n".join(fails[:40])
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("R", RANKS)
+def test_matrix(R, dtype):
+    _run_matrix(R, matrix_cases(R, dtype))
+
+
+@pytest.mark.parametrize("R", RANKS)
+def test_edges(R):
+    _run_matrix(R, edge_cases(R))
+
+
+def test_matrix_covers_the_contract():
+    """The rotation really reaches every value the issue lists."""
+    cases = [c for R in RANKS for d in DTYPES for c in matrix_cases(R, d)] + [c for R in RANKS for c in edge_cases(R)]
+    assert {c.R for c in cases} == set(RANKS)
+    assert {c.K for c in cases} == set(KS)
+    for R in RANKS:
+        for d in DTYPES:
+            mine = matrix_cases(R, d)
+            assert {c.K for c in mine} == set(KS), (R, d)
+            assert {(c.layout, c.align) for c in mine} == {("masked", 1), ("masked", 16), ("packed", 1), ("packed", 16)}
+            assert {c.data for c in mine} == {"tagged", "random"}
+        assert len({c.E for d in DTYPES for c in matrix_cases(R, d)}) >= 2 or R == 1
+    for c in cases:
+        assert c.E % c.R == 0 and c.E <= 16 and c.M <= 16
+        Ts = [T for call in range(len(c.calls)) for T in c.token_counts(call)]
+        assert 0 in Ts and c.M in Ts
+        assert len(set(c.calls) - {"repeat"}) >= 3 and "repeat" in c.calls
+
+
+# ---------------------------------------------------------------------------- GPUs
+GPU_RANKS = [1, 2, 4, 8]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R", GPU_RANKS)
+def test_matrix_gpu(R):
+    n = dist_util.cuda_device_count()
+    if n < R:
+        pytest.skip(f"needs {R} CUDA GPUs, found {n}")
+    cases = [c for d in DTYPES for c in matrix_cases(min(R, 4), d)] + edge_cases(min(R, 4))
+    cases = [Case(**{**c.__dict__, "R": R, "E": c.E // c.R * R if c.E // c.R * R <= 64 else R}) for c in cases]
+    _run_matrix(R, cases, backend="nccl")
+
+
+def _graph_worker(rank, world_size, case_kw):
+    """Captures dispatch -> expert -> combine into a CUDA graph once, replays with new routing."""
+    import moe_ep
+    from ep_cases import check_combine, check_dispatch, expert_fn_for
+    from moe_ep.reference import moe_local, reference_dispatch, reference_moe
+
+    group = moe_ep.EPGroup()
+    dev = group.device
+    fails = []
+    # Fixed T per rank (shapes are static in a graph); routing changes per replay.
+    calls = ("uniform", "skewed", "sparse", "uniform", "none", "skewed")
+    case = Case(**{**case_kw, "calls": calls})
+    first = rank * (case.E // case.R)
+    fn = expert_fn_for(case)
+    dt = DTYPES[case.dtype]
+    inputs = [make_inputs(case, c)[rank] for c in range(len(calls))]
+    T = case.M
+    pad = [_pad_inputs(i, T, case) for i in inputs]
+    buf = make_buffer(group, case, 60.0)
+    with buf:
+        sx, sidx, sw = (pad[0][0].to(dev), pad[0][1].to(dev), pad[0][2].to(dev))
+        ssc = pad[0][3].to(dev) if pad[0][3] is not None else None
+
+        def step():
+            h = buf.dispatch(sx, sidx, sw, x_scales=ssc) if ssc is not None else buf.dispatch(sx, sidx, sw)
+            vals = h.expert_x.float()
+            if h.expert_scales is not None:
+                vals = vals * h.expert_scales.repeat_interleave(128, dim=-1)[..., :case.H]
+            y = _expert_all_rows(fn, vals, h, case, first)
+            return h, buf.combine(y, h)
+
+        step()  # warm-up (compiles the kernels) outside the graph
+        from ep_cases import _table
+        for e in range(EL):  # expert constants live on the device before capture (no host copies inside)
+            for kind in ("offsets", "bias"):
+                _table(kind, first + e, case.H, dev)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            h, out = step()
+        for c in range(len(calls)):
+            x, idx, w, sc = pad[c]
+            sx.copy_(x.to(dev)); sidx.copy_(idx.to(dev)); sw.copy_(w.to(dev))
+            if ssc is not None:
+                ssc.copy_(sc.to(dev))
+            g.replay()
+            torch.cuda.synchronize()
+            where = f"[graph {case.name} rank {rank} replay {c} {calls[c]}]"
+            ref = reference_dispatch(group, case.E, sx, sidx, sw, x_scales=ssc, dispatch_dtype=dt)
+            f = check_dispatch(h, ref, case, where)
+            fails += f
+            exp = reference_moe(group, case.E, sx, sidx, sw, fn, x_scales=ssc, dispatch_dtype=dt)
+            if not f:
+                exp_abs = moe_local(case.E, sx, sidx, sw.abs(), lambda e, r: fn(e, r).abs(), x_scales=ssc,
+                                    dispatch_dtype=dt)
+                fails += check_combine(out, exp, exp_abs, T, case, where)
+    return fails
+
+
+def _pad_inputs(inp, T, case):
+    """Inputs with exactly T tokens (extra tokens select no expert)."""
+    n = inp.x.shape[0]
+    x = torch.zeros(T, case.H, dtype=inp.x.dtype)
+    x[:n] = inp.x
+    idx = torch.full((T, case.K), -1, dtype=torch.int64)
+    idx[:n] = inp.topk_idx
+    w = torch.ones(T, case.K)
+    w[:n] = inp.topk_weights
+    sc = None
+    if inp.x_scales is not None:
+        sc = torch.ones(T, inp.x_scales.shape[1])
+        sc[:n] = inp.x_scales
+    return x.contiguous(), idx.contiguous(), w.contiguous(), sc
+
+
+def _expert_all_rows(fn, vals, h, case, first):
+    """The expert function on every row of the layout (no host sync; invalid rows are ignored)."""
+    EL = case.E // case.R
+    if case.layout == "masked":
+        return torch.stack([fn(first + e, vals[e]) for e in range(EL)]).to(torch.bfloat16)
+    rows = torch.arange(vals.shape[0], device=vals.device)
+    owner = (torch.bucketize(rows, h.expert_offsets[1:].long(), right=True)).clamp(max=EL - 1)
+    y = torch.zeros_like(vals)
+    for e in range(EL):
+        y = torch.where((owner == e).unsqueeze(1), fn(first + e, vals), y)
+    return y.to(torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R", [1, 2])
+@pytest.mark.parametrize("kw", [dict(dtype="fp8", layout="masked", K=8, data="random"),
+                                dict(dtype="bf16", layout="packed", align=16, K=2, data="tagged")],
+                         ids=["fp8-masked", "bf16-packed"])
+def test_cuda_graph_replay(R, kw):
+    n = dist_util.cuda_device_count()
+    if n < R:
+        pytest.skip(f"needs {R} CUDA GPUs, found {n}")
+    case_kw = dict(R=R, E=4 * R, H=256, M=16, seed=77, **kw)
+    results = dist_util.run(R, _graph_worker, case_kw, timeout=600, backend="nccl")
+    fails = [f for r in results for f in r]
+    assert not fails, "\n".join(fails[:40])
+
+
+# ---------------------------------------------------------------------------- input validation
+def _expect(log, what, fn, words, types=(ValueError, TypeError)):
+    """Records in ``log`` whether ``fn()`` raised one of ``types`` naming one of ``words``."""
+    try:
+        fn()
+    except types as exc:
+        if not any(re.search(rf"(?<![A-Za-z0-9_]){re.escape(w)}(?![A-Za-z0-9_])", str(exc)) for w in words):
+            log.append(f"{what}: {type(exc).__name__} does not name {' or '.join(words)}: {exc}")
+    except Exception as exc:  # noqa: BLE001
+        log.append(f"{what}: raised {type(exc).__name__} (expected ValueError/TypeError): {exc}")
+    else:
+        log.append(f"{what}: did not raise")
+
+
+def _bad_dispatch_calls(buf, case, log):
+    """Every kind of bad dispatch / combine argument, on one rank, on a usable buffer."""
+    T, H, K, M = 4, case.H, case.K, case.M
+    fp8 = DTYPES[case.dtype] == FP8
+    x = torch.zeros(T, H, dtype=torch.bfloat16)
+    idx = torch.zeros(T, K, dtype=torch.int64)
+    w = torch.ones(T, K)
+    kw = {}
+    if fp8 and case.dtype == "fp8pre":
+        from moe_ep.fp8 import quantize_fp8
+
+        x, s = quantize_fp8(x)
+        kw = {"x_scales": s}
+    d = buf.dispatch
+    tag = f"[{case.dtype} {case.layout}]"
+    if not fp8 or case.dtype == "fp8":
+        _expect(log, f"{tag} x float32", lambda: d(x.float(), idx, w), ["x"])
+        _expect(log, f"{tag} x float16", lambda: d(x.half(), idx, w), ["x"])
+    _expect(log, f"{tag} x 1-D", lambda: d(x.flatten(), idx, w, **kw), ["x"])
+    _expect(log, f"{tag} x 3-D", lambda: d(x.unsqueeze(0), idx, w, **kw), ["x"])
+    _expect(log, f"{tag} x wrong hidden", lambda: d(torch.zeros(T, H + 16, dtype=x.dtype), idx, w, **kw), ["x", "hidden"])
+    _expect(log, f"{tag} x non-contiguous",
+            lambda: d(torch.zeros(T, 2 * H, dtype=x.dtype)[:, ::2], idx, w, **kw), ["x", "contiguous"])
+    _expect(log, f"{tag} x on meta device", lambda: d(x.to("meta"), idx, w, **kw), ["x"])
+    _expect(log, f"{tag} x not a tensor", lambda: d(x.tolist(), idx, w, **kw), ["x"])
+    xb = torch.zeros(M + 1, H, dtype=x.dtype)
+    kwb = {"x_scales": torch.ones(M + 1, kw["x_scales"].shape[1])} if kw else {}
+    _expect(log, f"{tag} T > max_tokens",
+            lambda: d(xb, torch.zeros(M + 1, K, dtype=torch.int64), torch.ones(M + 1, K), **kwb), ["max_tokens"])
+    _expect(log, f"{tag} topk_idx float", lambda: d(x, idx.float(), w, **kw), ["topk_idx"])
+    _expect(log, f"{tag} topk_idx int16", lambda: d(x, idx.short(), w, **kw), ["topk_idx"])
+    _expect(log, f"{tag} topk_idx K+1 columns",
+            lambda: d(x, torch.zeros(T, K + 1, dtype=torch.int64), torch.ones(T, K + 1), **kw), ["topk", "topk_idx"])
+    _expect(log, f"{tag} topk_idx K+1 columns (weights right)",
+            lambda: d(x, torch.zeros(T, K + 1, dtype=torch.int64), w, **kw), ["topk", "topk_idx"])
+    _expect(log, f"{tag} topk_idx T mismatch", lambda: d(x, idx[:T - 1].contiguous(), w, **kw), ["topk_idx"])
+    _expect(log, f"{tag} topk_idx non-contiguous",
+            lambda: d(x, torch.zeros(T, 2 * K, dtype=torch.int64)[:, ::2], w, **kw), ["topk_idx"])
+    _expect(log, f"{tag} topk_idx on meta", lambda: d(x, idx.to("meta"), w, **kw), ["topk_idx"])
+    _expect(log, f"{tag} topk_weights bf16", lambda: d(x, idx, w.bfloat16(), **kw), ["topk_weights"])
+    _expect(log, f"{tag} topk_weights float64", lambda: d(x, idx, w.double(), **kw), ["topk_weights"])
+    _expect(log, f"{tag} topk_weights K+1",
+            lambda: d(x, idx, torch.ones(T, K + 1), **kw), ["topk_weights"])
+    _expect(log, f"{tag} topk_weights T mismatch", lambda: d(x, idx, w[:T - 1].contiguous(), **kw), ["topk_weights"])
+    _expect(log, f"{tag} topk_weights non-contiguous",
+            lambda: d(x, idx, torch.ones(T, 2 * K)[:, ::2], **kw), ["topk_weights"])
+    _expect(log, f"{tag} topk_weights on meta", lambda: d(x, idx, w.to("meta"), **kw), ["topk_weights"])
+    if case.dtype == "bf16":
+        from moe_ep.fp8 import quantize_fp8
+
+        q, s = quantize_fp8(x)
+        _expect(log, f"{tag} x_scales with a bf16 buffer", lambda: d(q, idx, w, x_scales=s), ["x_scales", "x"])
+        _expect(log, f"{tag} x_scales with bf16 x on a bf16 buffer", lambda: d(x, idx, w, x_scales=s),
+                ["x_scales", "x"])
+    if case.dtype == "fp8pre":
+        s = kw["x_scales"]
+        nb = s.shape[1]
+        _expect(log, f"{tag} fp8 x without x_scales", lambda: d(x, idx, w), ["x_scales", "x"])
+        _expect(log, f"{tag} x_scales float16", lambda: d(x, idx, w, x_scales=s.half()), ["x_scales"])
+        _expect(log, f"{tag} x_scales wrong blocks", lambda: d(x, idx, w, x_scales=torch.ones(T, nb + 1)), ["x_scales"])
+        _expect(log, f"{tag} x_scales T mismatch", lambda: d(x, idx, w, x_scales=torch.ones(T + 1, nb)), ["x_scales"])
+        _expect(log, f"{tag} x_scales non-contiguous",
+                lambda: d(x, idx, w, x_scales=torch.ones(T, 2 * nb)[:, ::2]), ["x_scales"])
+        _expect(log, f"{tag} x_scales on meta", lambda: d(x, idx, w, x_scales=s.to("meta")), ["x_scales"])
+        _expect(log, f"{tag} x_scales with bf16 x",
+                lambda: d(torch.zeros(T, H, dtype=torch.bfloat16), idx, w, x_scales=s), ["x_scales", "x"])
+
+
+def _bad_combine_calls(buf, h, log, tag):
+    shape = tuple(h.expert_x.shape)
+    c = buf.combine
+    y = torch.zeros(shape, dtype=torch.bfloat16)
+    _expect(log, f"{tag} expert_y float16", lambda: c(y.half(), h), ["expert_y"])
+    _expect(log, f"{tag} expert_y wrong shape", lambda: c(y[:-1].contiguous(), h), ["expert_y"])
+    _expect(log, f"{tag} expert_y wrong hidden",
+            lambda: c(torch.zeros(shape[:-1] + (shape[-1] + 16,), dtype=torch.bfloat16), h), ["expert_y"])
+    _expect(log, f"{tag} expert_y non-contiguous",
+            lambda: c(torch.zeros(shape[:-1] + (2 * shape[-1],), dtype=torch.bfloat16)[..., ::2], h), ["expert_y"])
+    _expect(log, f"{tag} handle not a dispatch result", lambda: c(y, object()), ["handle"])
+
+
+def _validation_worker(rank, world_size):
+    """Bad arguments on rank 0 only, then a correct round trip on every rank: a bad call must raise
+    before anything reaches a peer (else the next call's flags would not match)."""
+    import moe_ep
+
+    group = moe_ep.EPGroup()
+    R = world_size
+    log = []
+    # Construction (every rank, before any collective).
+    mk = lambda **kw: moe_ep.EPBuffer(group, **{**dict(num_experts=2 * R, hidden=128, max_tokens=8, topk=2), **kw})
+    if R > 1:
+        _expect(log, "E % R != 0", lambda: mk(num_experts=2 * R + 1), ["num_experts"])
+    _expect(log, "hidden % 16 != 0", lambda: mk(hidden=100), ["hidden"])
+    _expect(log, "layout unknown", lambda: mk(layout="ragged"), ["layout"])
+    _expect(log, "dispatch_dtype float16", lambda: mk(dispatch_dtype=torch.float16), ["dispatch_dtype"])
+    _expect(log, "dispatch_dtype float32", lambda: mk(dispatch_dtype=torch.float32), ["dispatch_dtype"])
+    _expect(log, "combine_dtype int32", lambda: mk(combine_dtype=torch.int32), ["combine_dtype"])
+    _expect(log, "expert_alignment 0", lambda: mk(expert_alignment=0), ["expert_alignment"])
+    _expect(log, "num_experts 0", lambda: mk(num_experts=0), ["num_experts"])
+    _expect(log, "topk 0", lambda: mk(topk=0), ["topk", "topk_idx"])
+    _expect(log, "group not an EPGroup", lambda: moe_ep.EPBuffer(None, 2 * R, 128, 8, 2), ["group"])
+    fails = []
+    for case in (Case(R=R, E=2 * R, K=2, dtype="bf16", layout="masked", calls=("uniform", "skewed", "sparse")),
+                 Case(R=R, E=2 * R, K=8, dtype="fp8pre", layout="packed", align=16, calls=("sparse", "uniform", "skewed")),
+                 Case(R=R, E=4 * R, K=2, dtype="fp8", layout="packed", calls=("skewed", "sparse", "uniform"))):
+        buf = make_buffer(group, case, 20.0)
+        with buf:
+            if rank == 0:
+                _bad_dispatch_calls(buf, case, log)
+            fails += run_calls(group, buf, case)
+            # Combine validation needs a live handle: one more (correct) dispatch on every rank.
+            inp = make_inputs(case, 0)[rank]
+            h = buf.dispatch(inp.x, inp.topk_idx, inp.topk_weights, x_scales=inp.x_scales) \
+                if inp.x_scales is not None else buf.dispatch(inp.x, inp.topk_idx, inp.topk_weights)
+            if rank == 0:
+                _bad_combine_calls(buf, h, log, f"[{case.dtype} {case.layout}]")
+            y = torch.zeros(h.expert_x.shape, dtype=torch.bfloat16)
+            out = buf.combine(y, h)
+            if out.shape != (inp.x.shape[0], case.H) or (out != 0).any():
+                fails.append(f"[{case.name}] combine of zero expert outputs after bad calls is not 0")
+    return log, fails
+
+
+@pytest.mark.parametrize("R", [1, 2])
+def test_validation(R):
+    results = dist_util.run(R, _validation_worker, timeout=600)
+    log = [m for lg, _ in results for m in lg]
+    fails = [f for _, fl in results for f in fl]
+    assert not log, f"{len(log)} validation problems:\n" + "\n".join(log)
+    assert not fails, "round trip after rejected calls failed:\n" + "\n".join(fails[:40])
+
+
+def _bad_ids_worker(rank, world_size):
+    """Out-of-range expert ids raise ValueError naming topk_idx (at dispatch, or at the latest at
+    the buffer's next synchronize on CPU) and never write out of bounds."""
+    import moe_ep
+
+    group = moe_ep.EPGroup()
+    log = []
+    E, H, M, K = 4, 128, 8, 2
+    for bad in (E, E + 100, -2, -1000):
+        for layout in ("masked", "packed"):
+            buf = moe_ep.EPBuffer(group, E, H, M, K, layout=layout, timeout_s=10)
+            with buf:
+                x = torch.ones(3, H, dtype=torch.bfloat16)
+                idx = torch.tensor([[0, 1], [2, bad], [3, -1]], dtype=torch.int64)
+                w = torch.ones(3, K)
+
+                def call():
+                    buf.dispatch(x, idx, w)
+                    if hasattr(buf, "synchronize"):
+                        buf.synchronize()
+
+                _expect(log, f"expert id {bad} ({layout})", call, ["topk_idx"], types=(ValueError,))
+    return log
+
+
+def test_bad_expert_ids():
+    log = dist_util.run(1, _bad_ids_worker, timeout=300)[0]
+    assert not log, "\n".join(log)
+
+
+# ---------------------------------------------------------------------------- deadlines
+def _timeout_worker(rank, world_size, phase, timeout_s):
+    """Rank R-1 never calls ``phase``; the others must raise CommTimeoutError in about timeout_s."""
+    import moe_ep
+
+    group = moe_ep.EPGroup()
+    silent = world_size - 1
+    case = Case(R=world_size, E=2 * world_size, K=2, calls=("uniform",), M=4)
+    inp = make_inputs(case, 0)[rank]
+    res = {"rank": rank}
+    buf = moe_ep.EPBuffer(group, case.E, case.H, case.M, case.K, timeout_s=timeout_s)
+    try:
+        if phase == "combine":
+            h = buf.dispatch(inp.x, inp.topk_idx, inp.topk_weights)
+        if rank != silent:
+            t0 = time.monotonic()
+            try:
+                if phase == "dispatch":
+                    buf.dispatch(inp.x, inp.topk_idx, inp.topk_weights)
+                else:
+                    buf.combine(torch.zeros(h.expert_x.shape, dtype=torch.bfloat16), h)
+                if hasattr(buf, "synchronize"):
+                    buf.synchronize()
+                res["error"] = None
+            except moe_ep.CommTimeoutError as exc:
+                res["error"] = dict(rank=exc.rank, peer=exc.peer, phase=exc.phase, msg=str(exc))
+            except Exception as exc:  # noqa: BLE001
+                res["error"] = dict(other=f"{type(exc).__name__}: {exc}")
+            res["elapsed"] = time.monotonic() - t0
+    finally:
+        group.barrier()  # the silent rank waits here until the others have given up
+        buf.close()
+    return res
+
+
+@pytest.mark.parametrize("phase", ["dispatch", "combine"])
+def test_timeout(phase):
+    R, timeout_s, slack = 3, 3.0, 20.0
+    t0 = time.monotonic()
+    results = dist_util.run(R, _timeout_worker, phase, timeout_s, timeout=120)
+    assert time.monotonic() - t0 < 120
+    for res in results[:-1]:
+        err = res["error"]
+        assert err is not None, f"rank {res['rank']}: {phase} returned although rank {R - 1} never called it"
+        assert "other" not in err, f"rank {res['rank']}: expected CommTimeoutError, got {err['other']}"
+        assert (err["rank"], err["peer"], err["phase"]) == (res["rank"], R - 1, phase), err
+        assert timeout_s * 0.9 <= res["elapsed"] <= timeout_s + slack, res
+    # The pool (and a fresh buffer) still work afterwards.
+    _run_matrix(R, [Case(R=R, E=R, K=2, M=4, calls=("uniform", "sparse", "repeat"), seed=99)], timeout=300)

@@ -1,0 +1,63 @@
+"""The multi-process runner itself: results, remote errors, deadlines, and recovery."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+import dist_util
+
+
+def _identity(rank, world_size, value):
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([rank + 1])
+    dist.all_reduce(t)
+    return rank, world_size, value, int(t), os.environ.get("TRITON_INTERPRET")
+
+
+def _boom(rank, world_size):
+    if rank == 1:
+        raise KeyError("rank one broke")
+    return rank
+
+
+def _hang(rank, world_size):
+    if rank == 0:
+        time.sleep(3600)
+    return rank
+
+
+def _die(rank, world_size):
+    if rank == 1:
+        os._exit(3)
+    return rank
+
+
+def test_results_in_rank_order():
+    out = dist_util.run(2, _identity, "v")
+    assert out == [(0, 2, "v", 3, "1"), (1, 2, "v", 3, "1")]
+
+
+def test_remote_exception_carries_traceback():
+    with pytest.raises(dist_util.RankError) as info:
+        dist_util.run(2, _boom)
+    assert info.value.rank == 1 and info.value.exc_type == "KeyError"
+    assert "rank one broke" in str(info.value) and "_boom" in info.value.remote_traceback
+    assert dist_util.run(2, _identity, 1)[1][3] == 3  # the pool is still usable
+
+
+def test_deadline_kills_and_pool_restarts():
+    t0 = time.monotonic()
+    with pytest.raises(dist_util.RunTimeout, match=r"ranks \[0\]"):
+        dist_util.run(2, _hang, timeout=3)
+    assert time.monotonic() - t0 < 30
+    assert dist_util.run(2, _identity, 2)[0][3] == 3
+
+
+def test_dead_rank_is_reported_and_pool_restarts():
+    with pytest.raises(dist_util.PoolDied, match=r"\[1\]"):
+        dist_util.run(2, _die, timeout=60)
+    assert dist_util.run(2, _identity, 3)[1][:3] == (1, 2, 3)
