@@ -129,6 +129,7 @@ class EPBuffer:
         # sizes (a chunk is one tile of the send kernel; see kernels/dispatch.py).
         self.chunks = max(_pow2(-(-max_tokens // 16)), min(_pow2(max_tokens), 256))
         self.hist = torch.zeros(num_experts, self.chunks, dtype=torch.int32, device=dev)
+        self.tot = torch.zeros(num_experts, dtype=torch.int32, device=dev)  # kept zero between calls
         self.recv_pos = torch.zeros(N, M, topk, dtype=torch.int32, device=dev)
         self.block_el = max(2, 1 << (EL - 1).bit_length())
         self.scratch = torch.zeros(self.num_programs, self.block_el, dtype=torch.int32, device=dev)

@@ -72,17 +72,18 @@ def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = 
     BLOCK_K = _pow2(K, 2)
     BLOCK_T = _pow2(BT)
     interp = buf.interp
-    if T > 0:
+    direct = T * K <= 2048  # decode sizes: the send kernel counts earlier selections itself
+    if T > 0 and not direct:
         launch(route_hist_kernel, NC, (topk_idx, buf.hist, buf.state, buf.err, T, BT),
                dict(E=E, K=K, CMAX=CMAX, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, BLOCK_E=_pow2(E, 2)))
     fp8_in = x_scales is not None
-    block_h = max(128 if buf.fp8 else 16, min(_pow2(H), 2048, 8192 // BLOCK_T))
+    block_h = max(128 if buf.fp8 else 16, min(_pow2(H), 8192 // BLOCK_T))
     launch(dispatch_send_kernel, max(1, min(NC, buf.num_programs)),
            (x.view(torch.uint8) if fp8_in else x, x_scales if fp8_in else buf.err, topk_idx, topk_weights,
-            buf.hist, buf.workspace.peer_ptrs, buf.state, T, BT, NC),
+            buf.hist, buf.tot, buf.workspace.peer_ptrs, buf.state, T, BT, NC),
            dict(off_flag=off["disp_flag"], off_hdr=off["hdr"], off_meta_i=off["meta_i"], off_meta_w=off["meta_w"],
                 off_rows=off["rows"], RANK=buf.rank, N=N, M=M, K=K, E=E, EL=EL, H=H, NB=max(1, buf.num_scale_blocks), RB=lay.RB,
-                HDR=lay.HDR, CMAX=CMAX, FP8=buf.fp8, PREQ=fp8_in,
+                HDR=lay.HDR, CMAX=CMAX, FP8=buf.fp8, PREQ=fp8_in, DIRECT=direct,
                 BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, BLOCK_C=min(CMAX, 64), BLOCK_H=block_h,
                 BLOCK_E=_pow2(E, 2), INTERP=interp, num_warps=buf.num_warps))
     epoch = buf._epochs[0] + 1
@@ -99,7 +100,7 @@ def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = 
            dict(off_flag=off["disp_flag"], off_hdr=off["hdr"], off_meta_i=off["meta_i"], off_rows=off["rows"], N=N, M=M, K=K, EL=EL, W=W, H=H, NB=nb, RB=lay.RB, HDR=lay.HDR,
                 ALIGN=buf.expert_alignment, CAP=buf.capacity, PACKED=buf.layout == "packed", FP8=buf.fp8,
                 BLOCK_R=block_r, BLOCK_K=BLOCK_K, BLOCK_EL=buf.block_el,
-                BLOCK_W=max(16, min(_pow2(W), 2048, 8192 // block_r)),
+                BLOCK_W=max(16, min(_pow2(W), 2048, 4096 // block_r)),
                 BLOCK_NB=_pow2(nb, 2), INTERP=interp, num_warps=buf.num_warps))
     buf._epochs[0] = epoch
     buf._serial += 1

@@ -26,7 +26,9 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     pad = nb * FP8_BLOCK - h
     blocks = torch.nn.functional.pad(xf, (0, pad)).view(t, nb, FP8_BLOCK)
     amax = blocks.abs().amax(dim=-1).clamp_min(AMAX_FLOOR)
-    scales = amax / FP8_MAX
+    # A tensor divisor on purpose: torch on CUDA turns division by a Python scalar into a multiply
+    # by its reciprocal (one bit less exact), while the kernel and torch on CPU divide exactly.
+    scales = amax / torch.full_like(amax, FP8_MAX)
     q = (blocks / scales.unsqueeze(-1)).view(t, nb * FP8_BLOCK)[:, :h].to(torch.float8_e4m3fn)
     return q.contiguous(), scales.contiguous()
 

@@ -56,7 +56,7 @@ def test_kernels_compile_for_sm90(monkeypatch, tmp_path):
     rec = _record(monkeypatch, [(128, 7168, torch.float8_e4m3fn, "masked"),
                                 (512, 7168, torch.bfloat16, "packed"),
                                 (512, 2048, torch.float8_e4m3fn, "packed")])
-    assert len(rec) == 15
+    assert len(rec) == 14  # decode (T*K <= 2048) needs no routing-histogram launch
     path = tmp_path / "launches.pkl"
     pickle.dump(rec, open(path, "wb"))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -22,7 +22,8 @@ def dispatch_send_kernel(
     xs_ptr,            # [T, NB] float32 scales when PREQ (else unused)
     topk_ptr,          # [T, K] int32/int64
     w_ptr,             # [T, K] float32
-    hist_ptr,          # int32 [E, CMAX] from route_hist_kernel
+    hist_ptr,          # int32 [E, CMAX] from route_hist_kernel (unused when DIRECT)
+    tot_ptr,           # int32 [E] zeros: selections per expert, summed here and re-zeroed
     peer_ptr,          # int64 [N]: workspace base of each node peer
     state_ptr,         # int64 [8]: [0] dispatch epoch, [2] arrival counter of this kernel
     T, BT, NC,         # tokens, tokens per chunk, chunks
@@ -31,7 +32,7 @@ def dispatch_send_kernel(
     RANK: tl.constexpr, N: tl.constexpr, M: tl.constexpr, K: tl.constexpr, E: tl.constexpr,
     EL: tl.constexpr, H: tl.constexpr, NB: tl.constexpr, RB: tl.constexpr, HDR: tl.constexpr,
     CMAX: tl.constexpr,
-    FP8: tl.constexpr, PREQ: tl.constexpr,
+    FP8: tl.constexpr, PREQ: tl.constexpr, DIRECT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, INTERP: tl.constexpr,
 ):
@@ -57,9 +58,17 @@ def dispatch_send_kernel(
         idf = tl.reshape(ids, (S,))
         vf = idf >= 0
         pre = tl.zeros((S,), tl.int32)
-        for c1 in range(0, c, BLOCK_C):
-            pre += tl.sum(tl.load(hist_ptr + idf[:, None] * CMAX + c1 + cc[None, :],
-                                  mask=vf[:, None] & (c1 + cc[None, :] < c), other=0), axis=1)
+        if DIRECT:
+            # Few tokens (decode): count the earlier selections directly; no histogram launch.
+            for f0 in range(0, c * BT * K, 256):
+                ff2 = f0 + tl.arange(0, 256)
+                prev = tl.load(topk_ptr + ff2, mask=ff2 < c * BT * K, other=-1).to(tl.int32)
+                pre += tl.sum((idf[:, None] == prev[None, :]).to(tl.int32), axis=1)
+        else:
+            for c1 in range(0, c, BLOCK_C):
+                pre += tl.sum(tl.load(hist_ptr + idf[:, None] * CMAX + c1 + cc[None, :],
+                                      mask=vf[:, None] & (c1 + cc[None, :] < c), other=0), axis=1)
+        tl.atomic_add(tot_ptr + idf, 1, mask=vf, sem="relaxed", scope="gpu")
         within = tl.sum(((idf[:, None] == idf[None, :]) & (ff[None, :] < ff[:, None])).to(tl.int32), axis=1)
         j = tl.reshape(pre + within, (BLOCK_T, BLOCK_K))
         dst = tl.where(valid, ids // EL, -1)
@@ -108,10 +117,8 @@ def dispatch_send_kernel(
     if last_arrival(state_ptr + 2):
         # The last program publishes the per-expert counts and raises every peer's flag.
         ee = tl.arange(0, BLOCK_E)
-        tot = tl.zeros((BLOCK_E,), tl.int32)
-        for c1 in range(0, CMAX, BLOCK_C):
-            tot += tl.sum(tl.load(hist_ptr + ee[:, None] * CMAX + c1 + cc[None, :],
-                                  mask=(ee[:, None] < E) & (c1 + cc[None, :] < NC), other=0), axis=1)
+        tot = tl.load(tot_ptr + ee, mask=ee < E, other=0)
+        tl.store(tot_ptr + ee, tl.zeros((BLOCK_E,), tl.int32), mask=ee < E)  # ready for the next call
         for d in tl.static_range(N):
             base = tl.load(peer_ptr + d)
             hdr = ptr_at(base, off_hdr, tl.int32) + (par * N + RANK) * HDR
