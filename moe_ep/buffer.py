@@ -112,7 +112,8 @@ class EPBuffer:
             num_programs = (torch.cuda.get_device_properties(self.device).multi_processor_count
                             if self.device.type == "cuda" else 2)
         self.num_programs = int(num_programs)
-        self.num_warps = 8 if self.device.type == "cuda" else 4
+        # Warps per program (tile sizes assume 8; MOE_EP_NUM_WARPS overrides, for tuning).
+        self.num_warps = int(os.environ.get("MOE_EP_NUM_WARPS", 8 if self.device.type == "cuda" else 4))
 
         dev, EL, N, M = self.device, self.num_local_experts, R, max_tokens
         self.num_scale_blocks = num_scale_blocks(hidden) if self.fp8 else 0

@@ -24,7 +24,7 @@ def combine(buf, expert_y: torch.Tensor, handle) -> torch.Tensor:
     launch(combine_send_kernel, buf.num_programs,
            (expert_y, buf.workspace.local.data_ptr(), buf.workspace.peer_ptrs, buf.state, buf.recv_pos),
            dict(off_comb_flag=off["comb_flag"], off_hdr=off["hdr"], off_meta_w=off["meta_w"], off_comb=off["comb"], RANK=buf.rank, N=N, M=M, K=K, H=H, HDR=buf.ws_layout.HDR,
-                BLOCK_R=block_r, BLOCK_K=BLOCK_K, BLOCK_H=max(16, min(_pow2(H), 16384 // (block_r * BLOCK_K))),
+                BLOCK_R=block_r, BLOCK_K=BLOCK_K, BLOCK_H=max(16, min(_pow2(H), 2048, 8192 // block_r)),
                 INTERP=interp, num_warps=buf.num_warps))
     epoch = buf._epochs[1] + 1
     if interp:

@@ -133,7 +133,7 @@ def _graph_worker(rank, world_size, case_kw):
 
         step()  # warm-up (compiles the kernels) outside the graph
         from ep_cases import _table
-        for e in range(EL):  # expert constants live on the device before capture (no host copies inside)
+        for e in range(case.E // case.R):  # expert constants on the device before capture (no host copies)
             for kind in ("offsets", "bias"):
                 _table(kind, first + e, case.H, dev)
         torch.cuda.synchronize()

@@ -43,15 +43,18 @@ def combine_send_kernel(
             w = tl.load(meta_w + ((dpar * N + s) * M + t)[:, None] * K + kk[None, :], mask=m2 & (r >= 0), other=0.0)
             go = tl.max((r >= 0).to(tl.int32), axis=1) > 0
             out = dst + ((par * N + RANK) * M + t).to(tl.int64) * H
-            # All K expert rows of a tile are loaded at once ([rows, K, H-chunk]) so their reads
-            # overlap; pre-reduction: this rank's experts of a token sum here, one row goes back.
-            yrow = y_ptr + r.to(tl.int64)[:, :, None] * H
             for h0 in range(0, H, BLOCK_H):
                 hh = h0 + tl.arange(0, BLOCK_H)
-                hm = hh[None, None, :] < H
-                y = tl.load(yrow + hh[None, None, :], mask=(r[:, :, None] >= 0) & hm, other=0.0)
-                acc = tl.sum(y.to(tl.float32) * w[:, :, None], axis=1)
-                tl.store(out[:, None] + hh[None, :], to_bf16(acc, INTERP), mask=go[:, None] & (hh[None, :] < H))
+                hm = hh[None, :] < H
+                acc = tl.zeros((BLOCK_R, BLOCK_H), tl.float32)
+                for k in tl.static_range(K):
+                    # Pre-reduction: this rank's experts of a token sum here, one row goes back.
+                    # (A [rows, K, H] block load measured slower: 360 vs 284 us at prefill.)
+                    rk = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1).to(tl.int64)
+                    wk = tl.sum(tl.where(kk[None, :] == k, w, 0.0), axis=1)
+                    y = tl.load(y_ptr + rk[:, None] * H + hh[None, :], mask=(rk[:, None] >= 0) & hm, other=0.0)
+                    acc += y.to(tl.float32) * wk[:, None]
+                tl.store(out[:, None] + hh[None, :], to_bf16(acc, INTERP), mask=go[:, None] & hm)
     if last_arrival(state_ptr + 4):
         for d in tl.static_range(N):
             b = tl.load(peer_ptr + d)
