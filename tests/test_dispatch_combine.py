@@ -389,18 +389,20 @@ def _timeout_worker(rank, world_size, phase, timeout_s):
     silent = world_size - 1
     case = Case(R=world_size, E=2 * world_size, K=2, calls=("uniform",), M=4)
     inp = make_inputs(case, 0)[rank]
+    dev = group.device
+    x, idx, w = inp.x.to(dev), inp.topk_idx.to(dev), inp.topk_weights.to(dev)
     res = {"rank": rank}
     buf = moe_ep.EPBuffer(group, case.E, case.H, case.M, case.K, timeout_s=timeout_s)
     try:
         if phase == "combine":
-            h = buf.dispatch(inp.x, inp.topk_idx, inp.topk_weights)
+            h = buf.dispatch(x, idx, w)
         if rank != silent:
             t0 = time.monotonic()
             try:
                 if phase == "dispatch":
-                    buf.dispatch(inp.x, inp.topk_idx, inp.topk_weights)
+                    buf.dispatch(x, idx, w)
                 else:
-                    buf.combine(torch.zeros(h.expert_x.shape, dtype=torch.bfloat16), h)
+                    buf.combine(torch.zeros(h.expert_x.shape, dtype=torch.bfloat16, device=dev), h)
                 if hasattr(buf, "synchronize"):
                     buf.synchronize()
                 res["error"] = None
@@ -413,6 +415,22 @@ def _timeout_worker(rank, world_size, phase, timeout_s):
         group.barrier()  # the silent rank waits here until the others have given up
         buf.close()
     return res
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("phase", ["dispatch", "combine"])
+def test_timeout_gpu(phase):
+    """On GPUs the kernel itself gives up (globaltimer deadline) and the host raises at synchronize()."""
+    R, timeout_s, slack = 2, 3.0, 20.0
+    n = dist_util.cuda_device_count()
+    if n < R:
+        pytest.skip(f"needs {R} CUDA GPUs, found {n}")
+    results = dist_util.run(R, _timeout_worker, phase, timeout_s, timeout=120, backend="nccl")
+    for res in results[:-1]:
+        err = res["error"]
+        assert err is not None and "other" not in err, (res["rank"], err)
+        assert (err["rank"], err["peer"], err["phase"]) == (res["rank"], R - 1, phase), err
+        assert timeout_s * 0.9 <= res["elapsed"] <= timeout_s + slack, res
 
 
 @pytest.mark.parametrize("phase", ["dispatch", "combine"])
