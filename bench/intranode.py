@@ -471,6 +471,8 @@ def environment(device: torch.device) -> dict:
         commit = (commit + ("-dirty" if dirty else "")) if commit else None
     except OSError:
         commit = None
+    # A copy of the tree without .git (e.g. shipped to a GPU box) names its commit by environment.
+    commit = commit or os.environ.get("MOE_EP_COMMIT") or None
     return dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         host=socket.gethostname(), commit=commit, torch=torch.__version__, triton=triton.__version__,

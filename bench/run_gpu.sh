@@ -10,6 +10,7 @@ set -euo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 unset TRITON_INTERPRET
 export PYTHONUNBUFFERED=1
+# Where the tree has no .git (copied to a GPU machine), pass MOE_EP_COMMIT=<sha> for the JSON.
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${PYTHON:-python3}
