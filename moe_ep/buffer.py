@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -14,6 +13,7 @@ from .errors import BufferBrokenError, CapacityError, CommTimeoutError
 from .dispatch import _pow2
 from .fp8 import num_scale_blocks
 from .group import EPGroup
+from .handle import DispatchResult
 from .layout import WorkspaceLayout
 from .memory import SymmetricWorkspace
 
@@ -23,28 +23,6 @@ _PHASES = {0: "dispatch", 1: "combine"}
 def interpreting() -> bool:
     """True when Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-@dataclass
-class DispatchResult:
-    """What ``EPBuffer.dispatch`` returns; the tensors are views of buffer memory, valid until the
-    next dispatch on the same buffer.
-
-    Attributes:
-        expert_x: masked ``[E_local, R*max_tokens, H]``; packed ``[capacity, H]``; dispatch dtype.
-        expert_scales: fp8 only: float32 ``[..., ceil(H/128)]`` with expert_x's leading dims; else None.
-        expert_counts: int32 ``[E_local]`` on the device: valid rows per local expert.
-        expert_offsets: packed only: int32 ``[E_local + 1]``; expert e's rows start at offsets[e].
-    """
-
-    expert_x: torch.Tensor
-    expert_scales: Optional[torch.Tensor]
-    expert_counts: torch.Tensor
-    expert_offsets: Optional[torch.Tensor]
-    num_tokens: int = 0
-    topk_idx: Optional[torch.Tensor] = field(default=None, repr=False)
-    _buffer: object = field(default=None, repr=False)
-    _serial: int = field(default=0, repr=False)
 
 
 class EPBuffer:
@@ -129,6 +107,7 @@ class EPBuffer:
         self.state = torch.zeros(8, dtype=torch.int64, device=dev)
         # Error record read by the host without a device sync: pinned host memory on GPU.
         self.err = torch.zeros(8, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        self._err_host = self.err.numpy()  # same memory: reading it costs no tensor op
         # Routing chunks: one token each at decode sizes (many programs), 16 tokens at prefill
         # sizes (a chunk is one tile of the send kernel; see kernels/dispatch.py).
         self.chunks = max(_pow2(-(-max_tokens // 16)), min(_pow2(max_tokens), 256))
@@ -211,13 +190,13 @@ class EPBuffer:
             raise RuntimeError("EPBuffer is closed")
         if self._broken is not None:
             raise BufferBrokenError(f"this buffer is unusable after an earlier error: {self._broken}")
-        code = int(self.err[0])
+        code = int(self._err_host[0])
         if code != 0:
             self._broken = self._error_from_record()
             raise self._broken
 
     def _error_from_record(self) -> BaseException:
-        code, peer, phase, epoch, detail = (int(v) for v in self.err[:5])
+        code, peer, phase, epoch, detail = (int(v) for v in self._err_host[:5])
         phase_name = _PHASES.get(phase, str(phase))
         if code == 1:
             return CommTimeoutError(self.rank, peer, phase_name, epoch, self.timeout_s)

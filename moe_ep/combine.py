@@ -5,12 +5,11 @@ import torch
 
 from .dispatch import _check_tensor, _pow2, tile_rows
 from .kernels.combine import combine_recv_kernel, combine_send_kernel
+from .handle import DispatchResult
 from .kernels.launch import launch
 
 
 def combine(buf, expert_y: torch.Tensor, handle) -> torch.Tensor:
-    from .buffer import DispatchResult
-
     if not isinstance(handle, DispatchResult) or handle._buffer is not buf:
         raise TypeError("handle: expected the DispatchResult returned by this buffer's dispatch")
     if handle._serial != buf._serial:

@@ -6,6 +6,7 @@ from typing import Optional
 import torch
 
 from .kernels.dispatch import dispatch_recv_kernel, dispatch_send_kernel
+from .handle import DispatchResult
 from .kernels.launch import launch
 from .kernels.route import route_hist_kernel
 
@@ -62,8 +63,6 @@ def tile_rows(rows: int, programs: int, cap: int = 8) -> int:
 
 
 def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = None):
-    from .buffer import DispatchResult
-
     T = validate(buf, x, topk_idx, topk_weights, x_scales)
     N, M, K, E, EL, H = buf.world_size, buf.max_tokens, buf.topk, buf.num_experts, buf.num_local_experts, buf.hidden
     lay, off, CMAX = buf.ws_layout, buf.off, buf.chunks
