@@ -12,7 +12,7 @@ double-buffers every region, so a rank one epoch ahead never overwrites rows sti
 import triton
 import triton.language as tl
 
-from .common import (ERR_CAPACITY, PHASE_DISPATCH, last_arrival, ptr_at, raise_flag, record_error,
+from .common import (ERR_BAD_EXPERT, ERR_CAPACITY, PHASE_DISPATCH, last_arrival, ptr_at, raise_flag, record_error,
                      to_fp8_bits, wait_flag)
 
 
@@ -26,6 +26,7 @@ def dispatch_send_kernel(
     tot_ptr,           # int32 [E] zeros: selections per expert, summed here and re-zeroed
     peer_ptr,          # int64 [N]: workspace base of each node peer
     state_ptr,         # int64 [8]: [0] dispatch epoch, [2] arrival counter of this kernel
+    err_ptr,           # int64 [8] error record
     T, BT, NC,         # tokens, tokens per chunk, chunks
     off_flag: tl.constexpr, off_hdr: tl.constexpr, off_meta_i: tl.constexpr, off_meta_w: tl.constexpr,
     off_rows: tl.constexpr,
@@ -53,6 +54,10 @@ def dispatch_send_kernel(
         m2 = tm[:, None] & (kk[None, :] < K)
         ids = tl.load(topk_ptr + t[:, None] * K + kk[None, :], mask=m2, other=-1).to(tl.int32)
         valid = m2 & (ids >= 0) & (ids < E)
+        if DIRECT:  # no routing-histogram launch checked the ids: out-of-range ones count as -1, reported
+            bad = tl.sum((m2 & ((ids < -1) | (ids >= E))).to(tl.int32))
+            if bad > 0:
+                record_error(err_ptr, ERR_BAD_EXPERT, -1, PHASE_DISPATCH, epoch, bad)
         ids = tl.where(valid, ids, -1)
         w = tl.load(w_ptr + t[:, None] * K + kk[None, :], mask=m2, other=0.0)
         idf = tl.reshape(ids, (S,))
