@@ -1,5 +1,17 @@
-"""Build script. Metadata lives in pyproject.toml; this file lists the packages (and, later, the
-native proxy extension under csrc/)."""
-from setuptools import setup
+"""Build script. Metadata lives in pyproject.toml; this file lists the packages and the native
+proxy engine (csrc/proxy, plain C++17 with a C API loaded through ctypes: no Python headers,
+no CUDA, no RDMA libraries needed)."""
+import glob
 
-setup(packages=["moe_ep", "moe_ep.kernels", "moe_ep.proxy", "bench"])
+from setuptools import Extension, setup
+
+proxy_native = Extension(
+    "moe_ep.proxy._native",
+    sources=sorted(glob.glob("csrc/proxy/*.cc")),
+    depends=sorted(glob.glob("csrc/proxy/*.h")),
+    language="c++",
+    extra_compile_args=["-O2", "-std=c++17", "-pthread", "-fvisibility=hidden"],
+    extra_link_args=["-pthread"],
+)
+
+setup(packages=["moe_ep", "moe_ep.kernels", "moe_ep.proxy", "bench"], ext_modules=[proxy_native])

@@ -1,0 +1,159 @@
+// C API for ctypes (moe_ep/proxy/native.py). Every function returns a code from imm_counter.h
+// (0 ok, 1 timeout, 2 peer lost, <0 invalid/system) unless noted; on failure the message, naming
+// rank, peer and what failed, is available from moe_ep_last_error() on the same thread.
+#include <cstring>
+#include <exception>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "imm_counter.h"
+#include "transport.h"
+
+using moe_ep::Completion;
+using moe_ep::ImmCounter;
+using moe_ep::Transport;
+
+namespace {
+template <class F>
+int guarded(F&& f) {
+  try {
+    return f();
+  } catch (const std::exception& e) {
+    return moe_ep::set_error(moe_ep::kErrSystem, std::string("native exception: ") + e.what());
+  }
+}
+int copy_str(const std::string& s, char* buf, size_t len) {
+  if (buf && len) {
+    const size_t n = std::min(s.size(), len - 1);
+    std::memcpy(buf, s.data(), n);
+    buf[n] = 0;
+  }
+  return int(s.size());
+}
+}  // namespace
+
+#pragma GCC visibility push(default)
+extern "C" {
+
+int moe_ep_abi_version() { return 1; }
+
+// Copies the last error of this thread into buf (NUL-terminated); returns its full length.
+int moe_ep_last_error(char* buf, size_t len) { return copy_str(moe_ep::thread_error(), buf, len); }
+
+// ---- ImmCounter (standalone, or an engine's via moe_ep_engine_imm) ----
+void* moe_ep_imm_create() { return new (std::nothrow) ImmCounter(); }
+void moe_ep_imm_destroy(void* c) { delete static_cast<ImmCounter*>(c); }
+
+int moe_ep_imm_add(void* c, uint32_t imm, int64_t n) {
+  return guarded([&] {
+    static_cast<ImmCounter*>(c)->add(imm, n);
+    return 0;
+  });
+}
+
+int moe_ep_imm_wait(void* c, uint32_t imm, int64_t expected, int64_t timeout_ns) {
+  return guarded([&] {
+    std::string err;
+    const int rc = static_cast<ImmCounter*>(c)->wait(imm, expected, timeout_ns, &err);
+    if (rc == moe_ep::kErrTimeout)
+      return moe_ep::set_error(rc, "wait for immediate " + std::to_string(imm) + " (expected " + std::to_string(expected) +
+                                       ") timed out after " + std::to_string(double(timeout_ns) / 1e9) + " s");
+    if (rc != 0) return moe_ep::set_error(rc, err);
+    return 0;
+  });
+}
+
+int64_t moe_ep_imm_value(void* c, uint32_t imm) { return static_cast<ImmCounter*>(c)->value(imm); }
+
+// Stress helper: `threads` native threads each add 1 to `imm`, `adds_per_thread` times.
+int moe_ep_imm_stress(void* c, uint32_t imm, int threads, int64_t adds_per_thread) {
+  return guarded([&] {
+    auto* ic = static_cast<ImmCounter*>(c);
+    std::vector<std::thread> ts;
+    for (int t = 0; t < threads; ++t)
+      ts.emplace_back([ic, imm, adds_per_thread] {
+        for (int64_t i = 0; i < adds_per_thread; ++i) ic->add(imm, 1);
+      });
+    for (auto& t : ts) t.join();
+    return 0;
+  });
+}
+
+// ---- Engine (a transport plus its ImmCounter) ----
+// transport: "tcp" (the only one so far). bind_host: IPv4 address to listen on (null: 127.0.0.1).
+// Returns null on failure (see moe_ep_last_error).
+void* moe_ep_engine_create(const char* transport, int rank, int world, int streams, const char* bind_host) {
+  try {
+    const std::string kind = transport ? transport : "tcp";
+    if (kind != "tcp") {
+      moe_ep::set_error(moe_ep::kErrInvalid, "rank " + std::to_string(rank) + ": unknown transport '" + kind + "'");
+      return nullptr;
+    }
+    return moe_ep::create_tcp_transport(rank, world, streams, bind_host ? bind_host : "127.0.0.1");
+  } catch (const std::exception& e) {
+    moe_ep::set_error(moe_ep::kErrSystem, std::string("native exception: ") + e.what());
+    return nullptr;
+  }
+}
+
+void moe_ep_engine_destroy(void* e) { delete static_cast<Transport*>(e); }
+
+void* moe_ep_engine_imm(void* e) { return &static_cast<Transport*>(e)->imm_counter(); }
+
+int moe_ep_register(void* e, void* ptr, uint64_t len, uint32_t* key) {
+  return guarded([&] { return static_cast<Transport*>(e)->register_memory(ptr, len, key); });
+}
+
+// Returns the endpoint's full length; copies it into buf.
+int moe_ep_endpoint(void* e, char* buf, size_t len) { return copy_str(static_cast<Transport*>(e)->endpoint(), buf, len); }
+
+int moe_ep_connect(void* e, const char** endpoints, int n, int64_t timeout_ns) {
+  return guarded([&] {
+    std::vector<std::string> eps;
+    for (int i = 0; i < n; ++i) eps.emplace_back(endpoints[i] ? endpoints[i] : "");
+    return static_cast<Transport*>(e)->connect(eps, timeout_ns);
+  });
+}
+
+int moe_ep_post_write(void* e, int peer, uint32_t local_key, uint64_t local_off, uint32_t remote_key, uint64_t remote_off,
+                      uint64_t len, int has_imm, uint32_t imm, uint64_t* wr_id) {
+  return guarded([&] {
+    return static_cast<Transport*>(e)->post_write(peer, local_key, local_off, remote_key, remote_off, len, has_imm != 0,
+                                                  imm, wr_id);
+  });
+}
+
+// Returns the number of completions (>= 0) written to out, or a negative code.
+int moe_ep_poll(void* e, Completion* out, int max, int64_t timeout_ns) {
+  return guarded([&] { return static_cast<Transport*>(e)->poll(out, max, timeout_ns); });
+}
+
+// delay_us: random per-shard delay up to this many microseconds (0: off); reorder: 0/1;
+// cut_peer: -1 off, else cut every connection with that peer when write number cut_after+1 to
+// it is posted.
+int moe_ep_set_fault(void* e, int64_t delay_us, int reorder, int cut_peer, int64_t cut_after) {
+  moe_ep::FaultConfig f;
+  f.delay_us = delay_us;
+  f.reorder = reorder != 0;
+  f.cut_peer = cut_peer;
+  f.cut_after = cut_after;
+  static_cast<Transport*>(e)->set_fault(f);
+  return 0;
+}
+
+int moe_ep_set_op_timeout(void* e, int64_t timeout_ns) {
+  static_cast<Transport*>(e)->set_op_timeout(timeout_ns);
+  return 0;
+}
+
+// Copies why the peer was lost (empty when healthy); returns the message length.
+int moe_ep_peer_error(void* e, int peer, char* buf, size_t len) {
+  return copy_str(static_cast<Transport*>(e)->peer_error(peer), buf, len);
+}
+
+int moe_ep_rank(void* e) { return static_cast<Transport*>(e)->rank(); }
+int moe_ep_world(void* e) { return static_cast<Transport*>(e)->world(); }
+
+}  // extern "C"
+#pragma GCC visibility pop

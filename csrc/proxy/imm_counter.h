@@ -1,0 +1,47 @@
+// ImmCounter: one signed 64-bit counter per 32-bit immediate value.
+//
+// Producers (transport receive threads, tests) call add(imm, n) from any thread. A waiter calls
+// wait(imm, expected, timeout_ns): it blocks until the counter is >= expected and then subtracts
+// `expected`, so counts may run ahead of their waiter and nothing is lost. A counter that has
+// been failed (a peer's connection was lost) makes every waiter whose count is not yet reached
+// return kImmPeerError with the failure message; a count that is already reached still succeeds.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+namespace moe_ep {
+
+// Return codes shared by the native API (capi.cc).
+enum : int {
+  kOk = 0,
+  kErrTimeout = 1,    // a deadline passed
+  kErrPeer = 2,       // a peer's connection was lost (cut, closed, dead)
+  kErrInvalid = -1,   // bad argument (unknown key, out of bounds, bad peer, ...)
+  kErrSystem = -2,    // a system call failed (socket, bind, connect, thread)
+};
+
+class ImmCounter {
+ public:
+  void add(uint32_t imm, int64_t n = 1);
+  // 0 on success; kErrTimeout when the deadline passed (the counter is left unchanged);
+  // kErrPeer when fail() was called and the count is not reached. `err` (optional) receives the
+  // failure message.
+  int wait(uint32_t imm, int64_t expected, int64_t timeout_ns, std::string* err = nullptr);
+  int64_t value(uint32_t imm);
+  // Records the first failure (later ones are ignored) and wakes every waiter.
+  void fail(const std::string& msg);
+  bool failed(std::string* msg = nullptr);
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::unordered_map<uint32_t, int64_t> counts_;
+  bool failed_ = false;
+  std::string fail_msg_;
+};
+
+}  // namespace moe_ep

@@ -1,0 +1,91 @@
+// Transport interface for the proxy engine: one-sided writes with an optional 32-bit immediate,
+// reliable but unordered delivery, completion known by polling (sender) and by counting
+// immediates (receiver). Implemented by TcpTransport (tcp_transport.cc); RDMA transports
+// (verbs RC, EFA SRD) implement the same interface.
+//
+// Contract:
+//  - register_memory(ptr, len) returns a key; a peer addresses that memory as (key, offset).
+//    Keys are small integers assigned in registration order (1, 2, ...), so ranks that register
+//    the same regions in the same order get the same keys.
+//  - endpoint() is an opaque string (tcp: "host:port") that peers pass to connect().
+//  - connect(endpoints, timeout_ns): endpoints[r] for every rank r (own entry ignored).
+//  - post_write(...) copies len bytes from local (key, off) into the peer's (key, off). The local
+//    bytes must stay unchanged until the write's completion. The write's completion (poll) has
+//    status kCqOk once every byte has landed in the peer's memory; an error status otherwise.
+//    Writes are not ordered with respect to each other, not even to the same peer.
+//  - has_imm: once all bytes of the write have landed, the receiver adds 1 to imm_counter()
+//    at `imm`. Zero-byte writes carry immediates too.
+//  - A lost peer (cut, closed, dead) fails its pending and later writes with kCqPeerLost and
+//    fails the receiver's ImmCounter, so waiters return kErrPeer with a message naming the peer.
+//  - Every blocking call takes a deadline.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "imm_counter.h"
+
+namespace moe_ep {
+
+// Completion status (Completion::status).
+enum : int32_t {
+  kCqOk = 0,
+  kCqTimeout = 1,       // not acknowledged within the op timeout
+  kCqPeerLost = 2,      // connection to the peer lost (cut, closed, dead)
+  kCqRemoteAccess = 3,  // the peer rejected the write (unknown key or out of bounds)
+};
+
+struct Completion {
+  uint64_t wr_id;
+  int32_t peer;
+  int32_t status;
+};
+static_assert(sizeof(Completion) == 16, "Completion is part of the C ABI");
+
+// Fault injection, off by default; may be changed at run time.
+struct FaultConfig {
+  int64_t delay_us = 0;   // each shard is held back by a random 0..delay_us microseconds
+  bool reorder = false;   // random stream per shard, random pick from each stream's queue
+  int cut_peer = -1;      // -1: off; otherwise cut every connection with this peer ...
+  int64_t cut_after = 0;  // ... when the (cut_after+1)-th write to it (since start) is posted
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual int rank() const = 0;
+  virtual int world() const = 0;
+  virtual int register_memory(void* ptr, uint64_t len, uint32_t* key) = 0;
+  virtual std::string endpoint() const = 0;
+  virtual int connect(const std::vector<std::string>& endpoints, int64_t timeout_ns) = 0;
+  virtual int post_write(int peer, uint32_t local_key, uint64_t local_off, uint32_t remote_key,
+                         uint64_t remote_off, uint64_t len, bool has_imm, uint32_t imm,
+                         uint64_t* wr_id) = 0;
+  // Returns the number of completions written to out (0..max), waiting up to timeout_ns for the
+  // first one (0: do not wait); negative on error.
+  virtual int poll(Completion* out, int max, int64_t timeout_ns) = 0;
+  virtual ImmCounter& imm_counter() = 0;
+  virtual void set_fault(const FaultConfig& f) = 0;
+  // Writes not acknowledged within this time complete with kCqTimeout (default 30 s).
+  virtual void set_op_timeout(int64_t ns) = 0;
+  // Empty when the peer is healthy; otherwise why it was lost.
+  virtual std::string peer_error(int peer) = 0;
+};
+
+// TCP transport: `streams` sockets per direction per peer; listens on bind_host (an IPv4
+// address; "0.0.0.0" listens on all interfaces and advertises this host's name). Returns null
+// and sets the thread's error on failure.
+Transport* create_tcp_transport(int rank, int world, int streams, const std::string& bind_host);
+
+// The message of the last failed call on this thread (set by every failing call).
+inline std::string& thread_error() {
+  static thread_local std::string msg;
+  return msg;
+}
+inline int set_error(int code, const std::string& msg) {
+  thread_error() = msg;
+  return code;
+}
+
+}  // namespace moe_ep
