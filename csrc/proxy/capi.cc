@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "imm_counter.h"
+#include "proxy.h"
 #include "transport.h"
 
 using moe_ep::Completion;
@@ -36,7 +37,7 @@ int copy_str(const std::string& s, char* buf, size_t len) {
 #pragma GCC visibility push(default)
 extern "C" {
 
-int moe_ep_abi_version() { return 1; }
+int moe_ep_abi_version() { return 2; }
 
 // Copies the last error of this thread into buf (NUL-terminated); returns its full length.
 int moe_ep_last_error(char* buf, size_t len) { return copy_str(moe_ep::thread_error(), buf, len); }
@@ -154,6 +155,58 @@ int moe_ep_peer_error(void* e, int peer, char* buf, size_t len) {
 
 int moe_ep_rank(void* e) { return static_cast<Transport*>(e)->rank(); }
 int moe_ep_world(void* e) { return static_cast<Transport*>(e)->world(); }
+
+// ---- Proxy (docs/ARCHITECTURE.md §10) on a transport from moe_ep_engine_create ----
+// Writes the mailbox word indices into out (order: disp_doorbell, disp_ready, comb_doorbell,
+// comb_ready, err_code, err_peer, err_phase, err_epoch, n_words); returns how many it wrote.
+int moe_ep_proxy_mailbox_layout(int64_t* out, int n) {
+  const int64_t v[] = {moe_ep::kMbDispDoorbell, moe_ep::kMbDispReady, moe_ep::kMbCombDoorbell,
+                       moe_ep::kMbCombReady,    moe_ep::kMbErrCode,   moe_ep::kMbErrPeer,
+                       moe_ep::kMbErrPhase,     moe_ep::kMbErrEpoch,  moe_ep::kMbWords};
+  int k = 0;
+  for (; k < n && k < int(sizeof(v) / sizeof(v[0])); ++k) out[k] = v[k];
+  return k;
+}
+
+int64_t moe_ep_proxy_hdr_bytes(int64_t world, int64_t num_local_experts) {
+  return moe_ep::proxy_hdr_bytes(world, num_local_experts);
+}
+
+// Minimum region sizes for a config, in registration order (5 values).
+int moe_ep_proxy_region_bytes(const moe_ep::ProxyConfig* cfg, uint64_t* out) {
+  moe_ep::proxy_region_bytes(*cfg, out);
+  return 0;
+}
+
+// Registers the 5 regions with the engine (in order) and returns the proxy (null on failure).
+void* moe_ep_proxy_create(void* engine, const moe_ep::ProxyConfig* cfg, void* const* regions, const uint64_t* lens,
+                          int64_t* mailbox, uint64_t mailbox_words) {
+  try {
+    return moe_ep::Proxy::create(static_cast<Transport*>(engine), *cfg, regions, lens, mailbox, mailbox_words);
+  } catch (const std::exception& e) {
+    moe_ep::set_error(moe_ep::kErrSystem, std::string("native exception: ") + e.what());
+    return nullptr;
+  }
+}
+
+int moe_ep_proxy_keys(void* p, uint32_t* out) {
+  for (int i = 0; i < moe_ep::kNumRegions; ++i) out[i] = static_cast<moe_ep::Proxy*>(p)->keys()[i];
+  return 0;
+}
+
+int moe_ep_proxy_start(void* p) {
+  return guarded([&] { return static_cast<moe_ep::Proxy*>(p)->start(); });
+}
+
+// Stops and joins the proxy thread (prompt: its waits run in short slices), then frees it.
+void moe_ep_proxy_destroy(void* p) { delete static_cast<moe_ep::Proxy*>(p); }
+
+// The message of the error record (empty while healthy); returns its full length.
+int moe_ep_proxy_error_message(void* p, char* buf, size_t len) {
+  return copy_str(static_cast<moe_ep::Proxy*>(p)->error_message(), buf, len);
+}
+
+int64_t moe_ep_proxy_phases_done(void* p) { return static_cast<moe_ep::Proxy*>(p)->phases_done(); }
 
 }  // extern "C"
 #pragma GCC visibility pop

@@ -3,6 +3,9 @@
 ``ImmCounter``: a signed counter per 32-bit immediate; ``wait`` subtracts what it expects.
 ``Engine`` (``TcpTransport``): registered memory, one-sided writes with immediates to peers,
 completions by ``poll``, the receiver's immediates counted in ``engine.imm``.
+``Proxy``: the host side of the inter-node protocol (docs/ARCHITECTURE.md §10) on an engine,
+driven by the mailbox words (``MAILBOX``); ``Proxy.wait_ready`` turns its error record into
+``CommTimeoutError`` / ``PeerLostError`` / ``moe_ep.CapacityError``.
 
 Native calls release the GIL (ctypes.CDLL), so a blocking ``wait`` or ``poll`` does not stop
 other Python threads. Timeouts raise ``moe_ep.CommTimeoutError``; a lost peer raises
@@ -19,7 +22,7 @@ import subprocess
 import threading
 from typing import NamedTuple, Sequence
 
-from ..errors import CommTimeoutError
+from ..errors import CapacityError, CommTimeoutError
 
 # Return codes (csrc/proxy/imm_counter.h) and completion status (csrc/proxy/transport.h).
 OK, ERR_TIMEOUT, ERR_PEER, ERR_INVALID, ERR_SYSTEM = 0, 1, 2, -1, -2
@@ -117,7 +120,17 @@ def lib() -> ctypes.CDLL:
             _c(L, "moe_ep_peer_error", i32, vp, i32, cp, sz)
             _c(L, "moe_ep_rank", i32, vp)
             _c(L, "moe_ep_world", i32, vp)
-            if L.moe_ep_abi_version() != 1:
+            _c(L, "moe_ep_proxy_mailbox_layout", i32, ctypes.POINTER(i64), i32)
+            _c(L, "moe_ep_proxy_hdr_bytes", i64, i64, i64)
+            _c(L, "moe_ep_proxy_region_bytes", i32, ctypes.POINTER(ProxyConfig), ctypes.POINTER(u64))
+            _c(L, "moe_ep_proxy_create", vp, vp, ctypes.POINTER(ProxyConfig), ctypes.POINTER(vp),
+               ctypes.POINTER(u64), ctypes.POINTER(i64), u64)
+            _c(L, "moe_ep_proxy_keys", i32, vp, ctypes.POINTER(u32))
+            _c(L, "moe_ep_proxy_start", i32, vp)
+            _c(L, "moe_ep_proxy_destroy", None, vp)
+            _c(L, "moe_ep_proxy_error_message", i32, vp, cp, sz)
+            _c(L, "moe_ep_proxy_phases_done", i64, vp)
+            if L.moe_ep_abi_version() != 2:
                 raise NativeError("native proxy library has an unexpected ABI version; rebuild moe_ep")
             _lib = L
         return _lib
@@ -359,3 +372,189 @@ class TcpTransport(Engine):
 
     def __init__(self, rank: int, world: int, streams: int = 4, bind_host: str = "127.0.0.1"):
         super().__init__(rank, world, streams, bind_host, transport="tcp")
+
+
+# ---------------------------------------------------------------- Proxy (§10)
+
+# Mailbox word indices (int64 words), mirrored from csrc/proxy/proxy.h (kMb*); the kernel side
+# writes the doorbells, the proxy the ready words and the error record.
+MAILBOX = {
+    "disp_doorbell": 0,
+    "disp_ready": 1,
+    "comb_doorbell": 2,
+    "comb_ready": 3,
+    "err_code": 4,
+    "err_peer": 5,
+    "err_phase": 6,
+    "err_epoch": 7,
+}
+MAILBOX_WORDS = 8
+# Error codes (mailbox["err_code"]) and phases (immediate bits 31..30, mailbox["err_phase"]).
+PROXY_OK, PROXY_TIMEOUT, PROXY_PEER_LOST, PROXY_CAPACITY, PROXY_INVALID, PROXY_TRANSPORT = 0, 1, 2, 3, 4, 5
+PHASE_D1, PHASE_D2, PHASE_C = 0, 1, 2
+PHASE_NAMES = {PHASE_D1: "dispatch", PHASE_D2: "dispatch", PHASE_C: "combine"}
+REGION_NAMES = ("disp_send", "round1", "overflow", "comb_send", "comb_recv")  # registration order
+
+
+def make_imm(phase: int, epoch: int) -> int:
+    """The 32-bit immediate of (phase, epoch): phase in bits 31..30, epoch mod 2^30 below."""
+    return (phase << 30) | (epoch & 0x3FFFFFFF)
+
+
+def native_mailbox_layout() -> dict[str, int]:
+    """The word indices as the native library defines them (plus ``"n_words"``)."""
+    out = (ctypes.c_int64 * 16)()
+    n = lib().moe_ep_proxy_mailbox_layout(out, 16)
+    return dict(zip([*MAILBOX, "n_words"], out[:n]))
+
+
+def hdr_bytes(world: int, num_local_experts: int) -> int:
+    """HDR: int32[world] counts + int32[EL] local-expert counts, padded to 16 bytes."""
+    return (4 * (world + num_local_experts) + 15) // 16 * 16
+
+
+class ProxyConfig(ctypes.Structure):
+    """csrc/proxy/proxy.h ProxyConfig (all int64)."""
+    _fields_ = [(n, ctypes.c_int64) for n in (
+        "rank", "world_size", "node_size", "num_local_experts", "row_bytes", "comb_row_bytes", "private_capacity",
+        "overflow_capacity", "max_send_rows", "timeout_ns", "spin_ns", "sleep_ns")]
+
+
+class Proxy:
+    """One rank's §10 proxy on a (not yet or already connected) ``Engine``.
+
+    The five regions (``disp_send``, ``round1``, ``overflow``, ``comb_send``, ``comb_recv``: uint8
+    numpy arrays, allocated here unless given) and the int64 ``mailbox`` are owned by this
+    object; they are registered with the engine at construction, in that order, so the engine
+    must see the same registrations in the same order on every rank. Then ``engine.connect``,
+    then ``start()``. The kernel side packs the send buffer (``disp_offsets``), calls
+    ``ring("dispatch", e)``, polls ``wait_ready("dispatch", e, timeout_s)``, and the same for
+    ``"combine"``. Any error stops the proxy; ``wait_ready`` then raises. ``close()`` before the
+    engine is closed.
+    """
+
+    def __init__(self, engine: Engine, *, node_size: int, num_local_experts: int, row_bytes: int,
+                 comb_row_bytes: int, private_capacity: int, overflow_capacity: int, max_send_rows: int,
+                 timeout_s: float = 30.0, spin_us: float = 50.0, sleep_us: float = 20.0,
+                 regions: dict | None = None, mailbox=None):
+        import numpy as np
+
+        self._lib = lib()
+        self.engine = engine
+        self.rank, self.world = engine.rank, engine.world
+        self.node_size, self.timeout_s = node_size, timeout_s
+        self.cfg = ProxyConfig(self.rank, self.world, node_size, num_local_experts, row_bytes, comb_row_bytes,
+                               private_capacity, overflow_capacity, max_send_rows, _ns(timeout_s),
+                               int(spin_us * 1e3), int(sleep_us * 1e3))
+        self.hdr_bytes = hdr_bytes(self.world, num_local_experts)
+        self.row_bytes, self.comb_row_bytes = row_bytes, comb_row_bytes
+        self.private_capacity, self.overflow_capacity = private_capacity, overflow_capacity
+        self.slot_bytes = self.hdr_bytes + private_capacity * row_bytes  # one round-1 slot
+        need = (ctypes.c_uint64 * 5)()
+        self._lib.moe_ep_proxy_region_bytes(ctypes.byref(self.cfg), need)
+        self.region_bytes = dict(zip(REGION_NAMES, need))
+        regions = dict(regions or {})
+        for name in REGION_NAMES:
+            if name not in regions:
+                regions[name] = np.zeros(max(int(self.region_bytes[name]), 16), np.uint8)
+            setattr(self, name, regions[name])
+        self.mailbox = np.zeros(MAILBOX_WORDS, np.int64) if mailbox is None else mailbox
+        addrs = [_address(regions[n]) for n in REGION_NAMES]
+        ptrs = (ctypes.c_void_p * 5)(*[a[0] for a in addrs])
+        lens = (ctypes.c_uint64 * 5)(*[a[1] for a in addrs])
+        mb_ptr, mb_len = _address(self.mailbox)
+        self._h = self._lib.moe_ep_proxy_create(engine._h, ctypes.byref(self.cfg), ptrs, lens,
+                                                ctypes.cast(mb_ptr, ctypes.POINTER(ctypes.c_int64)), mb_len // 8)
+        if not self._h:
+            _raise(ERR_INVALID, f"rank {self.rank}: creating the proxy failed")
+        keys = (ctypes.c_uint32 * 5)()
+        self._lib.moe_ep_proxy_keys(self._h, keys)
+        self.keys = dict(zip(REGION_NAMES, keys))
+
+    def remote(self, p: int) -> bool:
+        return p // self.node_size != self.rank // self.node_size
+
+    def disp_offsets(self, counts: Sequence[int]) -> dict[int, int]:
+        """Byte offset of ``[HDR_p | rows_p]`` in the send buffer for each peer p != rank (rank
+        order; rows only for remote p), from this rank's count vector."""
+        out, o = {}, 0
+        for p in range(self.world):
+            if p != self.rank:
+                out[p] = o
+                o += self.hdr_bytes + (counts[p] * self.row_bytes if self.remote(p) else 0)
+        return out
+
+    def start(self) -> None:
+        rc = self._lib.moe_ep_proxy_start(self._h)
+        if rc != OK:
+            _raise(rc)
+
+    def ring(self, phase: str, epoch: int) -> None:
+        """Kernel stand-in: writes the doorbell of ``phase`` ("dispatch" / "combine")."""
+        self.mailbox[MAILBOX["disp_doorbell" if phase == "dispatch" else "comb_doorbell"]] = epoch
+
+    def error_record(self) -> tuple[int, int, int, int]:
+        """(code, peer, phase, epoch); code 0 while healthy."""
+        code = int(self.mailbox[MAILBOX["err_code"]])  # read first: the proxy writes it last
+        return (code, int(self.mailbox[MAILBOX["err_peer"]]), int(self.mailbox[MAILBOX["err_phase"]]),
+                int(self.mailbox[MAILBOX["err_epoch"]]))
+
+    @property
+    def error_message(self) -> str:
+        return _str(self._lib.moe_ep_proxy_error_message, self._h) if self._h else ""
+
+    @property
+    def phases_done(self) -> int:
+        return self._lib.moe_ep_proxy_phases_done(self._h)
+
+    def check_error(self) -> None:
+        """Raises the exception of the error record, if there is one."""
+        code, peer, phase, epoch = self.error_record()
+        if code == PROXY_OK:
+            return
+        msg = self.error_message or f"rank {self.rank}: proxy error {code}"
+        name = PHASE_NAMES.get(phase, "proxy")
+        if code == PROXY_TIMEOUT:
+            err = CommTimeoutError(self.rank, peer, name, epoch, self.timeout_s)
+            err.args = (f"{err.args[0]} [{msg}]",)
+            raise err
+        if code == PROXY_PEER_LOST:
+            raise PeerLostError(msg, ERR_PEER, peer)
+        if code == PROXY_CAPACITY:
+            err = CapacityError(msg)
+            err.rank, err.peer, err.phase, err.epoch = self.rank, peer, name, epoch
+            raise err
+        raise NativeError(msg, ERR_INVALID, peer)
+
+    def wait_ready(self, phase: str, epoch: int, timeout_s: float) -> None:
+        """Kernel stand-in: polls the ready word of ``phase`` until it reaches ``epoch``; raises
+        the error record's exception as soon as there is one, CommTimeoutError at the deadline."""
+        import time
+
+        w = MAILBOX["disp_ready" if phase == "dispatch" else "comb_ready"]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.check_error()
+            if self.mailbox[w] >= epoch:
+                return
+            if time.monotonic() >= deadline:
+                raise CommTimeoutError(self.rank, -1, phase, epoch, timeout_s)
+            time.sleep(0.0002)
+
+    def close(self) -> None:
+        """Stops and joins the proxy thread. Call before closing the engine."""
+        if getattr(self, "_h", None):
+            self._lib.moe_ep_proxy_destroy(self._h)
+            self._h = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

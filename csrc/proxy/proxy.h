@@ -1,0 +1,129 @@
+// Proxy: the host side of the inter-node protocol (docs/ARCHITECTURE.md §10).
+//
+// One per rank, on top of a connected Transport. Python owns the memory (regions and mailbox)
+// and passes pointers; the proxy registers the five regions with the transport in the fixed
+// order of §10, so every rank's keys agree. A thread started once polls the mailbox doorbells
+// (short spin, then sleep), runs the dispatch rounds (D1, D2) and the combine write (C), and
+// raises the ready words; on any failure it writes the error record and stops (it serves no
+// later doorbell). Every wait has the phase deadline; nothing blocks without one.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "transport.h"
+
+namespace moe_ep {
+
+// ---- Mailbox: int64 words, single writer each, epoch valued, never reset. ----
+// The kernel side writes the doorbells; the proxy writes the ready words and the error record.
+// Mirrored in moe_ep/proxy/native.py (MAILBOX) and checked against moe_ep_proxy_mailbox_layout.
+enum : int {
+  kMbDispDoorbell = 0,  // kernel: counts and send buffer packed for dispatch epoch e -> e
+  kMbDispReady = 1,     // proxy: every D1/D2 of epoch e landed, own writes completed -> e
+  kMbCombDoorbell = 2,  // kernel: combine send buffer packed for epoch e -> e
+  kMbCombReady = 3,     // proxy: every C of epoch e landed, own writes completed -> e
+  kMbErrCode = 4,       // error record: written last (release); 0 while healthy
+  kMbErrPeer = 5,       //   the peer concerned (-1: none / unknown)
+  kMbErrPhase = 6,      //   kPhaseD1 / kPhaseD2 / kPhaseC
+  kMbErrEpoch = 7,      //   the epoch of the failed phase
+  kMbWords = 8,         // mailbox length in int64 words
+};
+
+// Error codes (mailbox word kMbErrCode).
+enum : int64_t {
+  kProxyOk = 0,
+  kProxyTimeout = 1,    // a phase deadline passed
+  kProxyPeerLost = 2,   // a peer's connection was lost (or its write was not acknowledged)
+  kProxyCapacity = 3,   // some rank's total overflow exceeds overflow_capacity (all ranks agree)
+  kProxyInvalid = 4,    // bad counts or protocol misuse (e.g. combine for an epoch not dispatched)
+  kProxyTransport = 5,  // any other transport failure (remote access error, post failed)
+};
+
+// Phases: the immediate's bits 31..30.
+enum : int { kPhaseD1 = 0, kPhaseD2 = 1, kPhaseC = 2 };
+
+inline uint32_t make_imm(int phase, int64_t epoch) {
+  return (uint32_t(phase) << 30) | (uint32_t(uint64_t(epoch)) & 0x3FFFFFFFu);
+}
+
+// Region order (registration order, hence the key order on every rank).
+enum : int { kRegDispSend = 0, kRegRound1 = 1, kRegOverflow = 2, kRegCombSend = 3, kRegCombRecv = 4, kNumRegions = 5 };
+
+// Part of the C ABI (moe_ep_proxy_create): all fields int64.
+struct ProxyConfig {
+  int64_t rank;
+  int64_t world_size;
+  int64_t node_size;            // node(r) = r / node_size; world_size % node_size == 0
+  int64_t num_local_experts;    // EL: the header holds int32[R] + int32[EL], padded to 16 bytes
+  int64_t row_bytes;            // RB: one dispatch row (payload + trailer)
+  int64_t comb_row_bytes;       // one combine row
+  int64_t private_capacity;     // cap: rows per source in the round-1 region
+  int64_t overflow_capacity;    // rows in the shared overflow region
+  int64_t max_send_rows;        // rows in the dispatch send buffer (sum over remote peers)
+  int64_t timeout_ns;           // per-phase deadline, from the doorbell
+  int64_t spin_ns;              // doorbell polling: spin this long after the last work ...
+  int64_t sleep_ns;             // ... then sleep this long between polls
+};
+static_assert(sizeof(ProxyConfig) == 12 * 8, "ProxyConfig is part of the C ABI");
+
+inline int64_t proxy_hdr_bytes(int64_t world, int64_t el) { return (4 * (world + el) + 15) / 16 * 16; }
+// Minimum byte size of each region for a config (kReg* order).
+void proxy_region_bytes(const ProxyConfig& c, uint64_t out[kNumRegions]);
+
+class Proxy {
+ public:
+  // Registers the regions (in kReg* order) with `t`, which the caller keeps alive and connects
+  // before start(). Returns null and sets the thread's error on a bad config or short region.
+  static Proxy* create(Transport* t, const ProxyConfig& cfg, void* const regions[kNumRegions],
+                       const uint64_t lens[kNumRegions], int64_t* mailbox, uint64_t mailbox_words);
+  ~Proxy();  // stops and joins the thread
+
+  int start();
+  void stop();
+  const uint32_t* keys() const { return keys_; }
+  std::string error_message();
+  int64_t phases_done() const { return phases_done_.load(); }
+
+ private:
+  Proxy() = default;
+  void loop();
+  bool run_dispatch(int64_t epoch);  // false: error recorded
+  bool run_combine(int64_t epoch);
+  bool fail(int64_t code, int peer, int phase, int64_t epoch, const std::string& msg);
+  // Waits for `n` immediates `imm` until the deadline, in slices (so stop() is prompt).
+  bool wait_imm(int phase, int64_t epoch, int64_t n, int64_t deadline);
+  // Waits for the completions of every posted write of the phase.
+  bool wait_writes(int phase, int64_t epoch, int64_t deadline);
+  bool post(int phase, int64_t epoch, int peer, int lreg, uint64_t loff, int rreg, uint64_t roff, uint64_t len);
+  bool remote(int p) const { return p / cfg_.node_size != cfg_.rank / cfg_.node_size; }
+  int lost_peer();
+  int64_t load(int w) const { return __atomic_load_n(&mb_[w], __ATOMIC_ACQUIRE); }
+  void store(int w, int64_t v) { __atomic_store_n(&mb_[w], v, __ATOMIC_RELEASE); }
+
+  Transport* t_ = nullptr;
+  ProxyConfig cfg_{};
+  int64_t hdr_ = 0;
+  char* reg_[kNumRegions] = {};
+  uint64_t len_[kNumRegions] = {};
+  uint32_t keys_[kNumRegions] = {};
+  int64_t* mb_ = nullptr;
+
+  std::vector<int32_t> counts_;  // [R][R] count matrix of the last dispatch
+  int64_t counts_epoch_ = -1;
+  int64_t last_disp_ = 0, last_comb_ = 0;
+  int n_posted_ = 0;
+
+  std::thread thr_;
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> started_{false};
+  std::atomic<int64_t> phases_done_{0};
+  std::mutex msg_mu_;
+  std::string msg_;
+};
+
+}  // namespace moe_ep

@@ -1,0 +1,323 @@
+"""§10 inter-node protocol, proxy side (csrc/proxy/proxy.cc), on CPU over TCP loopback.
+
+Every rank is a process with a TcpTransport and a Proxy; the kernels are stood in for by numpy:
+they pack the send buffers, ring the mailbox doorbells and poll the ready words. Every row is
+checked byte for byte where §10 puts it (round-1 slot, overflow offset, combine offset), with
+delay and reorder injection on, over several epochs; plus the capacity decision and a rank
+killed mid-dispatch.
+"""
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+
+import numpy as np
+import pytest
+
+from moe_ep import CapacityError, CommTimeoutError
+from moe_ep.proxy import MAILBOX, MAILBOX_WORDS, NativeError, PeerLostError, Proxy, TcpTransport, make_imm
+from moe_ep.proxy import native
+
+RB, CRB, EL = 40, 24, 3  # dispatch row bytes, combine row bytes, local experts per rank
+MAXC = 9                 # per-destination counts are drawn from 0..MAXC-1
+
+
+def _counts(seed, epoch, R, maxc=MAXC):
+    """The count matrix C[s][p] of an epoch (every rank derives the same one)."""
+    rng = np.random.default_rng([seed, epoch])
+    C = rng.integers(0, maxc, (R, R))
+    C[rng.random((R, R)) < 0.25] = 0    # zero-row peers
+    if epoch % 3 == 2:
+        C[rng.integers(R)] = 0           # a rank sending nothing at all
+    return C.astype(np.int32)
+
+
+def _rows(seed, epoch, s, p, n):
+    return np.random.default_rng([seed, epoch, s, p, 7]).integers(0, 256, (n, RB), dtype=np.uint8)
+
+
+def _el(epoch, s, p):
+    return (np.arange(EL) + 1000 * s + 100 * p + epoch).astype(np.int32)
+
+
+def _comb(owner, rows):
+    """The owner's combine row for each received row (order-dependent content)."""
+    return rows[:, :CRB] ^ np.uint8(16 * owner + 3)
+
+
+def _remote_before(px, C, p, upto, axis):
+    """Sum over remote ranks q < upto (relative to p's node) of C[q][p] (axis 0) or C[p][q] (axis 1)."""
+    tot = 0
+    for q in range(upto):
+        if q != p and q // px.node_size != p // px.node_size:
+            tot += C[q, p] if axis == 0 else C[p, q]
+    return int(tot)
+
+
+def _wait_node_peers(rank, node_size, done, epoch, timeout_s):
+    """Stands in for the NVLink path's per-epoch handshake among node peers (§10): a rank starts
+    dispatch e only once its node peers finished epoch e-1."""
+    node = rank // node_size
+    deadline = time.monotonic() + timeout_s
+    for q in range(node * node_size, (node + 1) * node_size):
+        while q != rank and done[q] < epoch - 1:
+            if time.monotonic() > deadline:
+                raise CommTimeoutError(rank, q, "node handshake", epoch, timeout_s)
+            time.sleep(0.0005)
+
+
+def _rank_main(rank, R, node_size, cap, ovcap, epochs, seed, fault, maxc, plan, timeout_s, done, conn):
+    try:
+        eng = TcpTransport(rank, R, streams=2)
+        if fault:
+            eng.set_fault(delay_us=200, reorder=True)
+        px = Proxy(eng, node_size=node_size, num_local_experts=EL, row_bytes=RB, comb_row_bytes=CRB,
+                   private_capacity=cap, overflow_capacity=ovcap, max_send_rows=R * maxc, timeout_s=timeout_s,
+                   spin_us=20, sleep_us=200)
+        assert list(px.keys.values()) == [1, 2, 3, 4, 5]
+        conn.send(eng.endpoint)
+        eng.connect(conn.recv(), timeout_s=10)
+        px.start()
+        HDR = px.hdr_bytes
+        log = []
+        stats = {"round1_rows": 0, "overflow_rows": 0, "combine_rows": 0}
+        for e in range(1, epochs + 1):
+            C = _counts(seed, e, R, maxc)
+            if plan and plan.get("big_epoch") == e:
+                C[:, plan["big_dst"]] = maxc + 5
+                np.fill_diagonal(C, 0)
+            _wait_node_peers(rank, node_size, done, e, timeout_s)
+            # ---- dispatch send "kernel": [HDR_p | rows_p] per peer p != rank, rank order
+            offs = px.disp_offsets(C[rank])
+            for p, off in offs.items():
+                hdr = px.disp_send[off:off + HDR].view(np.int32)
+                hdr[:R] = C[rank]
+                hdr[R:R + EL] = _el(e, rank, p)
+                if px.remote(p):
+                    n = int(C[rank, p])
+                    px.disp_send[off + HDR:off + HDR + n * RB] = _rows(seed, e, rank, p, n).reshape(-1)
+            victim = plan and plan.get("victim") == rank and plan.get("epoch") == e
+            if victim and plan["when"] == "before_ring":
+                conn.send(("dying", e, time.monotonic()))
+                os.kill(os.getpid(), signal.SIGKILL)
+            t0 = time.monotonic()
+            px.ring("dispatch", e)
+            if victim:  # after the doorbell: its proxy may have posted some round-1 writes
+                conn.send(("dying", e, time.monotonic()))
+                os.kill(os.getpid(), signal.SIGKILL)
+            try:
+                px.wait_ready("dispatch", e, timeout_s + 5)
+            except Exception as ex:  # noqa: BLE001 - reported to the parent
+                log.append(("error", e, type(ex).__name__, str(ex), time.monotonic() - t0, px.error_record()))
+                break
+            # ---- dispatch receive "kernel": every row where §10 puts it
+            received = {}
+            for s in range(R):
+                if s == rank:
+                    continue
+                base = s * px.slot_bytes
+                hdr = px.round1[base:base + HDR].view(np.int32)
+                np.testing.assert_array_equal(hdr[:R], C[s], err_msg=f"epoch {e}: header counts from {s}")
+                np.testing.assert_array_equal(hdr[R:R + EL], _el(e, s, rank))
+                if not px.remote(s):
+                    continue
+                c = int(C[s, rank])
+                n1, ov = min(c, cap), max(0, c - cap)
+                want = _rows(seed, e, s, rank, c)
+                got1 = px.round1[base + HDR:base + HDR + n1 * RB].reshape(n1, RB)
+                np.testing.assert_array_equal(got1, want[:n1], err_msg=f"epoch {e}: round-1 rows from {s}")
+                o = sum(max(0, int(C[q, rank]) - cap) for q in range(s) if q != rank and px.remote(q))
+                got2 = px.overflow[o * RB:(o + ov) * RB].reshape(ov, RB)
+                np.testing.assert_array_equal(got2, want[n1:], err_msg=f"epoch {e}: overflow rows from {s}")
+                received[s] = np.concatenate([got1, got2])
+                stats["round1_rows"] += n1
+                stats["overflow_rows"] += ov
+            # ---- combine send "kernel": per remote source, one row per received row, in order
+            o = 0
+            for s in sorted(received):
+                rows = _comb(rank, received[s])
+                px.comb_send[o:o + rows.nbytes] = rows.reshape(-1)
+                o += rows.nbytes
+            px.ring("combine", e)
+            try:
+                px.wait_ready("combine", e, timeout_s + 5)
+            except Exception as ex:  # noqa: BLE001
+                log.append(("error", e, type(ex).__name__, str(ex), time.monotonic() - t0, px.error_record()))
+                break
+            # ---- combine receive "kernel": owner p's rows at sum of c_{rank,p'} over remote p' < p
+            for p in range(R):
+                if p == rank or not px.remote(p):
+                    continue
+                o = _remote_before(px, C, rank, p, axis=1)
+                n = int(C[rank, p])
+                got = px.comb_recv[o * CRB:(o + n) * CRB].reshape(n, CRB)
+                np.testing.assert_array_equal(got, _comb(p, _rows(seed, e, rank, p, n)),
+                                              err_msg=f"epoch {e}: combine rows from owner {p}")
+                stats["combine_rows"] += n
+            done[rank] = e
+            log.append(("ok", e))
+        log.append(stats)
+        conn.send(("done", log))
+        conn.recv()  # every rank finished before any closes
+        px.close()
+        eng.close()
+    except BaseException:  # noqa: BLE001
+        conn.send(("exception", traceback.format_exc()))
+        raise
+
+
+def _run(R, node_size, cap, *, epochs=3, seed=0, ovcap=None, fault=True, maxc=MAXC, plan=None, timeout_s=10.0,
+         wall_s=60.0):
+    ctx = mp.get_context("fork")
+    done = ctx.Array("q", R, lock=False)
+    if ovcap is None:
+        ovcap = R * (maxc + 6)
+    procs = []
+    for r in range(R):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_rank_main, daemon=True,
+                        args=(r, R, node_size, cap, ovcap, epochs, seed, fault, maxc, plan, timeout_s, done, child))
+        p.start()
+        procs.append((p, parent))
+    try:
+        eps = []
+        for p, c in procs:
+            assert c.poll(30), "rank did not start"
+            msg = c.recv()
+            assert isinstance(msg, str), msg
+            eps.append(msg)
+        for _, c in procs:
+            c.send(eps)
+        deadline = time.monotonic() + wall_s
+        out = {}
+        for r, (p, c) in enumerate(procs):
+            assert c.poll(max(0.0, deadline - time.monotonic())), f"rank {r} hung"
+            msg = c.recv()
+            if msg[0] == "dying":  # the victim: it sends nothing more
+                out["dying"] = msg
+                continue
+            assert msg[0] != "exception", f"rank {r}:\n{msg[1]}"
+            out[r] = msg[1]
+        for r, (p, c) in enumerate(procs):
+            if r in out:
+                c.send("close")
+        for r, (p, _) in enumerate(procs):
+            if r in out:
+                p.join(20)
+                assert p.exitcode == 0, f"rank {r} exit code {p.exitcode}"
+        return out
+    finally:
+        for p, _ in procs:
+            if p.is_alive():
+                p.kill()
+
+
+# ---------------------------------------------------------------- in one process
+
+def test_mailbox_layout_and_imm():
+    assert native.native_mailbox_layout() == {**MAILBOX, "n_words": MAILBOX_WORDS}
+    assert make_imm(0, 5) == 5 and make_imm(1, 5) == (1 << 30) | 5 and make_imm(2, 5) == (2 << 30) | 5
+    assert make_imm(2, (1 << 30) + 7) == (2 << 30) | 7  # epoch mod 2^30
+    assert native.hdr_bytes(4, 3) == 32 and native.hdr_bytes(3, 1) == 16 and native.hdr_bytes(4, 4) == 32
+
+
+def test_config_errors_and_combine_misuse():
+    a, b = TcpTransport(0, 2, streams=1), TcpTransport(1, 2, streams=1)
+    kw = dict(node_size=1, num_local_experts=2, row_bytes=RB, comb_row_bytes=CRB, private_capacity=2,
+              overflow_capacity=4, max_send_rows=8, timeout_s=2.0)
+    try:
+        with pytest.raises(NativeError, match="round-1 region has 16 bytes"):
+            Proxy(a, **kw, regions={"round1": np.zeros(16, np.uint8)})
+        with pytest.raises(NativeError, match="bad config"):
+            Proxy(a, **{**kw, "node_size": 3})
+        pa, pb = Proxy(a, **kw), Proxy(b, **kw)
+        a.connect([a.endpoint, b.endpoint], 10)
+        b.connect([a.endpoint, b.endpoint], 10)
+        pa.start()
+        pb.start()
+        # one good epoch: 3 rows each way (2 in round 1, 1 overflow), headers and rows checked
+        for px, me in ((pa, 0), (pb, 1)):
+            hdr = px.disp_send[:px.hdr_bytes].view(np.int32)
+            hdr[:2] = [0, 3] if me == 0 else [3, 0]
+            hdr[2:4] = [me, me]
+            px.disp_send[px.hdr_bytes:px.hdr_bytes + 3 * RB] = 10 + me
+            px.ring("dispatch", 1)
+        for px, me in ((pa, 0), (pb, 1)):
+            px.wait_ready("dispatch", 1, 10)
+            s = 1 - me
+            slot = px.round1[s * px.slot_bytes:(s + 1) * px.slot_bytes]
+            assert list(slot[:px.hdr_bytes].view(np.int32)[:4]) == ([0, 3] if s == 0 else [3, 0]) + [s, s]
+            assert (slot[px.hdr_bytes:px.hdr_bytes + 2 * RB] == 10 + s).all()
+            assert (px.overflow[:RB] == 10 + s).all() and not px.overflow[RB:].any()
+        # a combine doorbell for an epoch that was never dispatched: an invalid-use error
+        pa.ring("combine", 2)
+        with pytest.raises(NativeError, match="combine doorbell for epoch 2"):
+            pa.wait_ready("combine", 2, 5)
+        assert pa.error_record()[0] == native.PROXY_INVALID
+        # pb now waits for an immediate pa will never send: a timeout within the deadline
+        pb.ring("combine", 1)
+        t0 = time.monotonic()
+        with pytest.raises((CommTimeoutError, PeerLostError)):
+            pb.wait_ready("combine", 1, 10)
+        assert time.monotonic() - t0 < 5
+        pa.close()
+        pb.close()
+    finally:
+        a.close()
+        b.close()
+
+
+# ---------------------------------------------------------------- multi-process
+
+CASES = [(4, 2), (4, 1), (3, 1)]  # (ranks, node_size): 2 nodes x 2, 4 nodes x 1, 3 nodes x 1
+
+
+@pytest.mark.parametrize("cap", [0, 1, 64], ids=["cap0", "cap1", "cap_large"])
+@pytest.mark.parametrize("R,node_size", CASES, ids=["2x2", "4x1", "3x1"])
+def test_dispatch_combine_rows(R, node_size, cap):
+    epochs = 6
+    out = _run(R, node_size, cap, epochs=epochs, seed=100 * R + 10 * node_size + cap)
+    for r in range(R):
+        assert out[r][:-1] == [("ok", e) for e in range(1, epochs + 1)], out[r]
+    stats = [out[r][-1] for r in range(R)]
+    assert sum(st["round1_rows"] for st in stats) > 0 if cap else True
+    # round 2 carries rows when cap is small, none (0-byte writes only) when it is large
+    assert (sum(st["overflow_rows"] for st in stats) > 0) == (cap < MAXC)
+    assert sum(st["combine_rows"] for st in stats) == sum(st["round1_rows"] + st["overflow_rows"] for st in stats)
+
+
+@pytest.mark.parametrize("R,node_size", [(4, 1), (4, 2)], ids=["4x1", "2x2"])
+def test_overflow_capacity_exceeded_every_rank(R, node_size):
+    # epochs 1-2 fit (counts < 4, cap 1: at most 3 x 3 overflow rows per rank); epoch 3 sends
+    # maxc+5 rows from every rank to rank 1: every rank raises CapacityError for epoch 3.
+    ovcap = 9
+    out = _run(R, node_size, 1, epochs=4, seed=5, ovcap=ovcap, maxc=4, plan={"big_epoch": 3, "big_dst": 1})
+    for r in range(R):
+        log = out[r]
+        assert log[:2] == [("ok", 1), ("ok", 2)], log
+        kind, e, name, msg, dt, rec = log[2]
+        assert (kind, e, name) == ("error", 3, "CapacityError"), log
+        assert rec == (native.PROXY_CAPACITY, 1, native.PHASE_D2, 3), rec
+        assert "overflow_capacity is 9" in msg and len(log) == 4
+
+
+@pytest.mark.parametrize("when", ["before_ring", "after_ring"])
+def test_rank_killed_mid_dispatch(when):
+    R, timeout_s = 4, 6.0
+    t0 = time.monotonic()
+    out = _run(R, 1, 1, epochs=3, seed=9, plan={"victim": 3, "epoch": 2, "when": when}, timeout_s=timeout_s,
+               wall_s=40)
+    assert out["dying"][1] == 2
+    for r in range(3):
+        log = out[r]
+        assert log[0] == ("ok", 1), log
+        kind, e, name, msg, dt, rec = log[1]
+        # epoch 2 fails on every survivor (in dispatch, or in combine if the victim's round-1 and
+        # round-2 writes all landed before it died), within the deadline: no hang
+        assert (kind, e) == ("error", 2) and name in ("PeerLostError", "CommTimeoutError"), log
+        assert dt < timeout_s + 1, log
+        assert rec[0] in (native.PROXY_PEER_LOST, native.PROXY_TIMEOUT) and rec[3] == 2, rec
+        if rec[0] == native.PROXY_PEER_LOST:
+            assert rec[1] == 3 and "peer 3" in msg, (rec, msg)
+    assert time.monotonic() - t0 < 30
