@@ -247,7 +247,23 @@ def _address(obj) -> tuple[int, int]:
     return (ctypes.addressof((ctypes.c_char * n).from_buffer(obj)) if n else 0), n
 
 
-class Engine:
+class _Closable:
+    """Context manager and finalizer around ``close()``."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Engine(_Closable):
     """One rank's proxy engine: a transport (``"tcp"``) plus the ImmCounter its receives feed.
 
     Usage: ``key = e.register(buf)`` (every rank registers its regions in the same order, so keys
@@ -354,18 +370,6 @@ class Engine:
             self._h = None
             self.imm._h = None
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
-
 
 class TcpTransport(Engine):
     """Engine over TCP: ``streams`` sockets per peer and direction, each write sharded across them."""
@@ -420,7 +424,7 @@ class ProxyConfig(ctypes.Structure):
         "overflow_capacity", "max_send_rows", "timeout_ns", "spin_ns", "sleep_ns")]
 
 
-class Proxy:
+class Proxy(_Closable):
     """One rank's §10 proxy on a (not yet or already connected) ``Engine``.
 
     The five regions (``disp_send``, ``round1``, ``overflow``, ``comb_send``, ``comb_recv``: uint8
@@ -546,15 +550,3 @@ class Proxy:
         if getattr(self, "_h", None):
             self._lib.moe_ep_proxy_destroy(self._h)
             self._h = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
