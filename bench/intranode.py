@@ -337,6 +337,17 @@ def run_bench(args: argparse.Namespace) -> dict:
     stream = torch.cuda.Stream(device) if device.type == "cuda" else None
     timer = Timer(device, stream)
 
+    def measure(mode, d_fn, c_fn, pair_fn, programs_used):
+        """Times dispatch and combine alone (alternating), then the pair; appends three rows."""
+        sync(device)
+        t_d, t_c = timer.run([d_fn, c_fn], args.iters)
+        sync(device)
+        (t_p,) = timer.run([pair_fn], args.iters)
+        sync(device)
+        results.append(stats("dispatch", mode, t_d, device, d_bytes, programs_used))
+        results.append(stats("combine", mode, t_c, device, c_bytes, programs_used))
+        results.append(stats("dispatch+combine", mode, t_p, device, pair_bytes, programs_used))
+
     x, topk_idx, topk_weights = make_inputs(args, rank, device)
     scale = expert_scale(args.num_experts, device)
     ref = reference_out(x, topk_idx, topk_weights, fp8, scale)
@@ -379,13 +390,7 @@ def run_bench(args: argparse.Namespace) -> dict:
         checks["moe_ep"] = max_over_ranks([rel_err(state["out"], ref)], device)[0]
 
         # eager pair first: captured graphs advance the buffer's device-side epochs
-        sync(device)
-        t_d, t_c = timer.run([dispatch, combine], args.iters)
-        sync(device)
-        (t_pair,) = timer.run([pair], args.iters)
-        results.append(stats("dispatch", "eager", t_d, device, d_bytes, programs))
-        results.append(stats("combine", "eager", t_c, device, c_bytes, programs))
-        results.append(stats("dispatch+combine", "eager", t_pair, device, pair_bytes, programs))
+        measure("eager", dispatch, combine, pair, programs)
 
         if args.graph and device.type == "cuda":
             g_d, g_c, g_p = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
@@ -402,15 +407,8 @@ def run_bench(args: argparse.Namespace) -> dict:
                     g_d.replay()
                     g_c.replay()
                     g_p.replay()
-            sync(device)
-            t_d, t_c = timer.run([g_d.replay, g_c.replay], args.iters)
-            sync(device)
-            (t_p,) = timer.run([g_p.replay], args.iters)
-            sync(device)
+            measure("graph", g_d.replay, g_c.replay, g_p.replay, programs)
             checks["moe_ep_graph"] = max_over_ranks([rel_err(state["out"], ref)], device)[0]
-            results.append(stats("dispatch", "graph", t_d, device, d_bytes, programs))
-            results.append(stats("combine", "graph", t_c, device, c_bytes, programs))
-            results.append(stats("dispatch+combine", "graph", t_p, device, pair_bytes, programs))
         sync(device)
 
     if args.baseline:
@@ -436,14 +434,7 @@ def run_bench(args: argparse.Namespace) -> dict:
                 n_pair()
         sync(device)
         checks["nccl"] = max_over_ranks([rel_err(nstate["out"], ref)], device)[0]
-        sync(device)
-        t_d, t_c = timer.run([n_dispatch, n_combine], args.iters)
-        sync(device)
-        (t_p,) = timer.run([n_pair], args.iters)
-        sync(device)
-        results.append(stats("dispatch", "nccl", t_d, device, d_bytes, None))
-        results.append(stats("combine", "nccl", t_c, device, c_bytes, None))
-        results.append(stats("dispatch+combine", "nccl", t_p, device, pair_bytes, None))
+        measure("nccl", n_dispatch, n_combine, n_pair, None)
 
     return dict(
         config=dict(preset="cpu-smoke" if args.cpu_smoke else args.preset,
