@@ -55,19 +55,68 @@ def _remote_before(px, C, p, upto, axis):
     return int(tot)
 
 
-def _wait_node_peers(rank, node_size, done, epoch, timeout_s):
-    """Stands in for the NVLink path's per-epoch handshake among node peers (§10): a rank starts
-    dispatch e only once its node peers finished epoch e-1."""
-    node = rank // node_size
+def _combine_epochs(plan, epochs):
+    """The epochs followed by a combine: every one, or with plan["runs"] = [n1, n2, ...] the last
+    of each run of n dispatches in a row (dispatch 1..n1, combine n1, ...)."""
+    if not plan or "runs" not in plan:
+        return set(range(1, epochs + 1))
+    ends = np.cumsum(plan["runs"])
+    assert ends[-1] == epochs
+    return {int(x) for x in ends}
+
+
+def _check_dispatch(px, seed, e, R, maxc, cap, plan, stats=None):
+    """Dispatch receive "kernel": every header and row of epoch e where §10 puts it (in the
+    epoch's parity copy); returns the rows received from each remote source."""
+    rank, HDR = px.rank, px.hdr_bytes
+    C = _epoch_counts(seed, e, R, maxc, plan)
+    received = {}
+    ov_base = px.overflow_offset(e)
+    for s in range(R):
+        if s == rank:
+            continue
+        base = px.round1_offset(e, s)
+        hdr = px.round1[base:base + HDR].view(np.int32)
+        np.testing.assert_array_equal(hdr[:R], C[s], err_msg=f"epoch {e}: header counts from {s}")
+        np.testing.assert_array_equal(hdr[R:R + EL], _el(e, s, rank))
+        if not px.remote(s):
+            continue
+        c = int(C[s, rank])
+        n1, ov = min(c, cap), max(0, c - cap)
+        want = _rows(seed, e, s, rank, c)
+        got1 = px.round1[base + HDR:base + HDR + n1 * RB].reshape(n1, RB)
+        np.testing.assert_array_equal(got1, want[:n1], err_msg=f"epoch {e}: round-1 rows from {s}")
+        o = ov_base + RB * sum(max(0, int(C[q, rank]) - cap) for q in range(s) if q != rank and px.remote(q))
+        got2 = px.overflow[o:o + ov * RB].reshape(ov, RB)
+        np.testing.assert_array_equal(got2, want[n1:], err_msg=f"epoch {e}: overflow rows from {s}")
+        received[s] = np.concatenate([got1, got2])
+        if stats is not None:
+            stats["round1_rows"] += n1
+            stats["overflow_rows"] += ov
+    return received
+
+
+def _wait_headers(px, e, timeout_s):
+    """Waits until every peer's round-1 header of epoch e has landed (its EL part is unique per epoch)."""
     deadline = time.monotonic() + timeout_s
-    for q in range(node * node_size, (node + 1) * node_size):
-        while q != rank and done[q] < epoch - 1:
+    R = px.world
+    for s in range(R):
+        o = px.round1_offset(e, s) + 4 * R
+        while s != px.rank and not np.array_equal(px.round1[o:o + 4 * EL].view(np.int32), _el(e, s, px.rank)):
             if time.monotonic() > deadline:
-                raise CommTimeoutError(rank, q, "node handshake", epoch, timeout_s)
-            time.sleep(0.0005)
+                raise CommTimeoutError(px.rank, s, "run-ahead header", e, timeout_s)
+            time.sleep(0.001)
 
 
-def _rank_main(rank, R, node_size, cap, ovcap, epochs, seed, fault, maxc, plan, timeout_s, done, conn):
+def _epoch_counts(seed, e, R, maxc, plan):
+    C = _counts(seed, e, R, maxc)
+    if plan and plan.get("big_epoch") == e:
+        C[:, plan["big_dst"]] = maxc + 5
+        np.fill_diagonal(C, 0)
+    return C
+
+
+def _rank_main(rank, R, node_size, cap, ovcap, epochs, seed, fault, maxc, plan, timeout_s, conn):
     try:
         eng = TcpTransport(rank, R, streams=2)
         if fault:
@@ -81,13 +130,10 @@ def _rank_main(rank, R, node_size, cap, ovcap, epochs, seed, fault, maxc, plan, 
         px.start()
         HDR = px.hdr_bytes
         log = []
-        stats = {"round1_rows": 0, "overflow_rows": 0, "combine_rows": 0}
+        stats = {"round1_rows": 0, "overflow_rows": 0, "combine_rows": 0, "ran_ahead": 0}
+        combine_at = _combine_epochs(plan, epochs)
         for e in range(1, epochs + 1):
-            C = _counts(seed, e, R, maxc)
-            if plan and plan.get("big_epoch") == e:
-                C[:, plan["big_dst"]] = maxc + 5
-                np.fill_diagonal(C, 0)
-            _wait_node_peers(rank, node_size, done, e, timeout_s)
+            C = _epoch_counts(seed, e, R, maxc, plan)
             # ---- dispatch send "kernel": [HDR_p | rows_p] per peer p != rank, rank order
             offs = px.disp_offsets(C[rank])
             for p, off in offs.items():
@@ -111,28 +157,15 @@ def _rank_main(rank, R, node_size, cap, ovcap, epochs, seed, fault, maxc, plan, 
             except Exception as ex:  # noqa: BLE001 - reported to the parent
                 log.append(("error", e, type(ex).__name__, str(ex), time.monotonic() - t0, px.error_record()))
                 break
-            # ---- dispatch receive "kernel": every row where §10 puts it
-            received = {}
-            for s in range(R):
-                if s == rank:
-                    continue
-                base = s * px.slot_bytes
-                hdr = px.round1[base:base + HDR].view(np.int32)
-                np.testing.assert_array_equal(hdr[:R], C[s], err_msg=f"epoch {e}: header counts from {s}")
-                np.testing.assert_array_equal(hdr[R:R + EL], _el(e, s, rank))
-                if not px.remote(s):
-                    continue
-                c = int(C[s, rank])
-                n1, ov = min(c, cap), max(0, c - cap)
-                want = _rows(seed, e, s, rank, c)
-                got1 = px.round1[base + HDR:base + HDR + n1 * RB].reshape(n1, RB)
-                np.testing.assert_array_equal(got1, want[:n1], err_msg=f"epoch {e}: round-1 rows from {s}")
-                o = sum(max(0, int(C[q, rank]) - cap) for q in range(s) if q != rank and px.remote(q))
-                got2 = px.overflow[o * RB:(o + ov) * RB].reshape(ov, RB)
-                np.testing.assert_array_equal(got2, want[n1:], err_msg=f"epoch {e}: overflow rows from {s}")
-                received[s] = np.concatenate([got1, got2])
-                stats["round1_rows"] += n1
-                stats["overflow_rows"] += ov
+            if plan and plan.get("lag") == rank and e not in combine_at and e < epochs:
+                # dispatches in a row: the others run ahead into dispatch e+1 and write its headers
+                # into the other parity copy while this rank has not read epoch e yet
+                _wait_headers(px, e + 1, timeout_s)
+                stats["ran_ahead"] += 1
+            received = _check_dispatch(px, seed, e, R, maxc, cap, plan, stats)
+            if e not in combine_at:
+                log.append(("ok", e))
+                continue
             # ---- combine send "kernel": per remote source, one row per received row, in order
             o = 0
             for s in sorted(received):
@@ -146,16 +179,16 @@ def _rank_main(rank, R, node_size, cap, ovcap, epochs, seed, fault, maxc, plan, 
                 log.append(("error", e, type(ex).__name__, str(ex), time.monotonic() - t0, px.error_record()))
                 break
             # ---- combine receive "kernel": owner p's rows at sum of c_{rank,p'} over remote p' < p
+            cbase = px.comb_recv_offset(e)
             for p in range(R):
                 if p == rank or not px.remote(p):
                     continue
-                o = _remote_before(px, C, rank, p, axis=1)
+                o = cbase + CRB * _remote_before(px, C, rank, p, axis=1)
                 n = int(C[rank, p])
-                got = px.comb_recv[o * CRB:(o + n) * CRB].reshape(n, CRB)
+                got = px.comb_recv[o:o + n * CRB].reshape(n, CRB)
                 np.testing.assert_array_equal(got, _comb(p, _rows(seed, e, rank, p, n)),
                                               err_msg=f"epoch {e}: combine rows from owner {p}")
                 stats["combine_rows"] += n
-            done[rank] = e
             log.append(("ok", e))
         log.append(stats)
         conn.send(("done", log))
@@ -170,14 +203,13 @@ def _rank_main(rank, R, node_size, cap, ovcap, epochs, seed, fault, maxc, plan, 
 def _run(R, node_size, cap, *, epochs=3, seed=0, ovcap=None, fault=True, maxc=MAXC, plan=None, timeout_s=10.0,
          wall_s=60.0):
     ctx = mp.get_context("fork")
-    done = ctx.Array("q", R, lock=False)
     if ovcap is None:
         ovcap = R * (maxc + 6)
     procs = []
     for r in range(R):
         parent, child = ctx.Pipe()
         p = ctx.Process(target=_rank_main, daemon=True,
-                        args=(r, R, node_size, cap, ovcap, epochs, seed, fault, maxc, plan, timeout_s, done, child))
+                        args=(r, R, node_size, cap, ovcap, epochs, seed, fault, maxc, plan, timeout_s, child))
         p.start()
         procs.append((p, parent))
     try:
@@ -236,30 +268,39 @@ def test_config_errors_and_combine_misuse():
         b.connect([a.endpoint, b.endpoint], 10)
         pa.start()
         pb.start()
-        # one good epoch: 3 rows each way (2 in round 1, 1 overflow), headers and rows checked
-        for px, me in ((pa, 0), (pb, 1)):
-            hdr = px.disp_send[:px.hdr_bytes].view(np.int32)
-            hdr[:2] = [0, 3] if me == 0 else [3, 0]
-            hdr[2:4] = [me, me]
-            px.disp_send[px.hdr_bytes:px.hdr_bytes + 3 * RB] = 10 + me
-            px.ring("dispatch", 1)
-        for px, me in ((pa, 0), (pb, 1)):
-            px.wait_ready("dispatch", 1, 10)
-            s = 1 - me
-            slot = px.round1[s * px.slot_bytes:(s + 1) * px.slot_bytes]
-            assert list(slot[:px.hdr_bytes].view(np.int32)[:4]) == ([0, 3] if s == 0 else [3, 0]) + [s, s]
-            assert (slot[px.hdr_bytes:px.hdr_bytes + 2 * RB] == 10 + s).all()
-            assert (px.overflow[:RB] == 10 + s).all() and not px.overflow[RB:].any()
-        # a combine doorbell for an epoch that was never dispatched: an invalid-use error
-        pa.ring("combine", 2)
-        with pytest.raises(NativeError, match="combine doorbell for epoch 2"):
-            pa.wait_ready("combine", 2, 5)
+        # two dispatches in a row, 3 rows each way (2 in round 1, 1 overflow); each epoch's headers
+        # and rows land in its own parity copy, and epoch 1's copy survives epoch 2
+        for e in (1, 2):
+            for px, me in ((pa, 0), (pb, 1)):
+                hdr = px.disp_send[:px.hdr_bytes].view(np.int32)
+                hdr[:2] = [0, 3] if me == 0 else [3, 0]
+                hdr[2:4] = [me, 10 * e]
+                px.disp_send[px.hdr_bytes:px.hdr_bytes + 3 * RB] = 10 * e + me
+                px.ring("dispatch", e)
+            for px, me in ((pa, 0), (pb, 1)):
+                px.wait_ready("dispatch", e, 10)
+        for e in (1, 2):
+            for px, me in ((pa, 0), (pb, 1)):
+                s = 1 - me
+                o = px.round1_offset(e, s)
+                slot = px.round1[o:o + px.slot_bytes]
+                assert list(slot[:px.hdr_bytes].view(np.int32)[:4]) == ([0, 3] if s == 0 else [3, 0]) + [s, 10 * e]
+                assert (slot[px.hdr_bytes:px.hdr_bytes + 2 * RB] == 10 * e + s).all()
+                ov = px.overflow[px.overflow_offset(e):px.overflow_offset(e) + 4 * RB]
+                assert (ov[:RB] == 10 * e + s).all() and not ov[RB:].any()
+        assert px.round1_offset(1, 0) == 2 * px.slot_bytes and px.overflow_offset(2) == 0
+        assert dict(px.region_bytes) == {"disp_send": px.hdr_bytes + 8 * RB, "round1": 2 * 2 * px.slot_bytes,
+                                         "overflow": 2 * 4 * RB, "comb_send": (2 + 4) * CRB, "comb_recv": 2 * 8 * CRB}
+        # a combine doorbell for an older dispatch than the last one: refused as stale
+        pa.ring("combine", 1)
+        with pytest.raises(NativeError, match="combine doorbell for epoch 1 but the last dispatch was epoch 2"):
+            pa.wait_ready("combine", 1, 5)
         assert pa.error_record()[0] == native.PROXY_INVALID
         # pb now waits for an immediate pa will never send: a timeout within the deadline
-        pb.ring("combine", 1)
+        pb.ring("combine", 2)
         t0 = time.monotonic()
         with pytest.raises((CommTimeoutError, PeerLostError)):
-            pb.wait_ready("combine", 1, 10)
+            pb.wait_ready("combine", 2, 10)
         assert time.monotonic() - t0 < 5
         pa.close()
         pb.close()
@@ -285,6 +326,24 @@ def test_dispatch_combine_rows(R, node_size, cap):
     # round 2 carries rows when cap is small, none (0-byte writes only) when it is large
     assert (sum(st["overflow_rows"] for st in stats) > 0) == (cap < MAXC)
     assert sum(st["combine_rows"] for st in stats) == sum(st["round1_rows"] + st["overflow_rows"] for st in stats)
+
+
+@pytest.mark.parametrize("R,node_size,cap", [(4, 1, 1), (4, 2, 0)], ids=["4x1", "2x2"])
+def test_dispatches_in_a_row(R, node_size, cap):
+    # dispatch 1, 2, 3, combine 3; dispatch 4, combine 4; dispatch 5, 6, combine 6. Rank 0 lags
+    # after each dispatch followed by another, so the others post the next epoch's rows meanwhile;
+    # it checks epoch e byte for byte only once every peer's epoch e+1 header has landed.
+    runs = [3, 1, 2]
+    out = _run(R, node_size, cap, epochs=6, seed=31 + R + node_size, plan={"runs": runs, "lag": 0})
+    for r in range(R):
+        assert out[r][:-1] == [("ok", e) for e in range(1, 7)], out[r]
+        assert out[r][-1]["overflow_rows"] > 0, out[r][-1]
+    assert out[0][-1]["ran_ahead"] == 3  # after dispatches 1, 2 and 5
+    stats = [out[r][-1] for r in range(R)]
+    # a combine returns exactly the rows of its own dispatch (epochs 3, 4 and 6)
+    rows_at = {e: sum(int(_counts(31 + R + node_size, e, R)[s, p]) for s in range(R) for p in range(R)
+                      if s // node_size != p // node_size) for e in (3, 4, 6)}
+    assert sum(st["combine_rows"] for st in stats) == sum(rows_at.values()) > 0
 
 
 @pytest.mark.parametrize("R,node_size", [(4, 1), (4, 2)], ids=["4x1", "2x2"])

@@ -41,15 +41,16 @@ def _session_worker(rank, R, node_size, cap):
             for s in range(R):
                 if s == rank:
                     continue
-                base = s * px.slot_bytes
+                base = px.round1_offset(e, s)
                 hdr = px.round1[base:base + HDR].view(np.int32)
                 assert hdr[:R].tolist() == C[s].tolist() and hdr[R:R + EL].tolist() == [e] * EL
                 if px.remote(s):
                     c = int(C[s, rank])
                     n1 = min(c, cap)
                     o = sum(max(0, int(C[q, rank]) - cap) for q in range(s) if q != rank and px.remote(q))
+                    o = px.overflow_offset(e) + o * RB
                     rows = np.concatenate([px.round1[base + HDR:base + HDR + n1 * RB].reshape(n1, RB),
-                                           px.overflow[o * RB:(o + c - n1) * RB].reshape(c - n1, RB)])
+                                           px.overflow[o:o + (c - n1) * RB].reshape(c - n1, RB)])
                     assert np.array_equal(rows, _rows(e, s, rank, c)), (e, s)
                     received[s] = rows
             # combine: one CRB-byte row back per received row (its first CRB bytes), in order
@@ -58,10 +59,9 @@ def _session_worker(rank, R, node_size, cap):
                 back = received[s][:, :CRB].reshape(-1)
                 px.comb_send[o:o + back.size] = back
                 o += back.size
-            group.barrier()  # node peers' headers are single-buffered: no epoch overtakes another
             px.ring("combine", e)
             px.wait_ready("combine", e, 20)
-            o = 0
+            o = px.comb_recv_offset(e) // CRB
             for p in range(R):
                 if p != rank and px.remote(p):
                     c = int(C[rank, p])

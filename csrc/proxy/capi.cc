@@ -37,7 +37,7 @@ int copy_str(const std::string& s, char* buf, size_t len) {
 #pragma GCC visibility push(default)
 extern "C" {
 
-int moe_ep_abi_version() { return 2; }
+int moe_ep_abi_version() { return 3; }
 
 // Copies the last error of this thread into buf (NUL-terminated); returns its full length.
 int moe_ep_last_error(char* buf, size_t len) { return copy_str(moe_ep::thread_error(), buf, len); }
@@ -207,6 +207,11 @@ int moe_ep_proxy_error_message(void* p, char* buf, size_t len) {
 }
 
 int64_t moe_ep_proxy_phases_done(void* p) { return static_cast<moe_ep::Proxy*>(p)->phases_done(); }
+
+// Copies up to `max` of the most recent phase records (oldest first); returns how many.
+int moe_ep_proxy_phase_records(void* p, moe_ep::PhaseRecord* out, int max) {
+  return static_cast<moe_ep::Proxy*>(p)->phase_records(out, max);
+}
 
 }  // extern "C"
 #pragma GCC visibility pop

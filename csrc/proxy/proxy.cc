@@ -7,6 +7,10 @@
 #include <exception>
 #include <algorithm>
 
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
+
 namespace moe_ep {
 
 namespace {
@@ -21,10 +25,11 @@ void proxy_region_bytes(const ProxyConfig& c, uint64_t out[kNumRegions]) {
   const int64_t hdr = proxy_hdr_bytes(c.world_size, c.num_local_experts);
   const int64_t n_remote = c.world_size - c.node_size;
   out[kRegDispSend] = uint64_t((c.world_size - 1) * hdr + c.max_send_rows * c.row_bytes);
-  out[kRegRound1] = uint64_t(c.world_size * (hdr + c.private_capacity * c.row_bytes));
-  out[kRegOverflow] = uint64_t(c.overflow_capacity * c.row_bytes);
+  // The three regions peers write into hold two copies each, picked by epoch & 1 (§10).
+  out[kRegRound1] = uint64_t(2 * c.world_size * (hdr + c.private_capacity * c.row_bytes));
+  out[kRegOverflow] = uint64_t(2 * c.overflow_capacity * c.row_bytes);
   out[kRegCombSend] = uint64_t((n_remote * c.private_capacity + c.overflow_capacity) * c.comb_row_bytes);
-  out[kRegCombRecv] = uint64_t(c.max_send_rows * c.comb_row_bytes);
+  out[kRegCombRecv] = uint64_t(2 * c.max_send_rows * c.comb_row_bytes);
 }
 
 Proxy* Proxy::create(Transport* t, const ProxyConfig& cfg, void* const regions[kNumRegions],
@@ -105,7 +110,24 @@ int Proxy::lost_peer() {
   return -1;
 }
 
+void Proxy::record(int64_t kind, int64_t epoch, int64_t seen, int64_t mid, int64_t ready) {
+  std::lock_guard<std::mutex> lk(rec_mu_);
+  if (rec_.empty()) rec_.resize(kMaxRecords);
+  rec_[size_t(n_rec_ % kMaxRecords)] = PhaseRecord{kind, epoch, seen, mid, ready};
+  ++n_rec_;
+}
+
+int Proxy::phase_records(PhaseRecord* out, int max) {
+  std::lock_guard<std::mutex> lk(rec_mu_);
+  const int64_t n = std::min<int64_t>({int64_t(std::max(max, 0)), n_rec_, int64_t(kMaxRecords)});
+  for (int64_t i = 0; i < n; ++i) out[i] = rec_[size_t((n_rec_ - n + i) % kMaxRecords)];
+  return int(n);
+}
+
 void Proxy::loop() {
+#ifdef __linux__
+  prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // idle polls sleep sleep_ns, not sleep_ns + 50 us
+#endif
   int64_t idle_since = mono_ns();
   while (!stop_) {
     if (load(kMbErrCode) != kProxyOk) break;  // an error stops the proxy (the buffer is broken)
@@ -114,8 +136,11 @@ void Proxy::loop() {
     // A combine for the latest dispatch goes first; dispatch epochs only grow.
     if (cd != last_comb_ && cd > last_comb_ && cd == counts_epoch_) {
       last_comb_ = cd;
+      const int64_t t0 = mono_ns();
       if (!run_combine(cd)) break;
       store(kMbCombReady, cd);
+      const int64_t t1 = mono_ns();
+      record(1, cd, t0, t1, t1);
       phases_done_++;
       worked = true;
     } else if (dd != last_disp_) {
@@ -125,8 +150,10 @@ void Proxy::loop() {
         break;
       }
       last_disp_ = dd;
+      const int64_t t0 = mono_ns();
       if (!run_dispatch(dd)) break;
       store(kMbDispReady, dd);
+      record(0, dd, t0, mid_ns_, mono_ns());
       phases_done_++;
       worked = true;
     } else if (cd != last_comb_) {
@@ -200,6 +227,9 @@ bool Proxy::run_dispatch(int64_t epoch) {
   const int64_t deadline = mono_ns() + cfg_.timeout_ns;
   const int R = int(cfg_.world_size), me = int(cfg_.rank);
   const int64_t RB = cfg_.row_bytes, cap = cfg_.private_capacity, slot = hdr_ + cap * RB;
+  // Parity copies: round-1 slots of epoch e at (e & 1) * R * slot, overflow at (e & 1) * ovcap.
+  const uint64_t r1_base = uint64_t((epoch & 1) * R * slot);
+  const uint64_t ov_base = uint64_t((epoch & 1) * cfg_.overflow_capacity * RB);
   n_posted_ = 0;
   // Own count vector: HDR of the first peer, at offset 0 of the send buffer.
   std::vector<int32_t> C(size_t(R) * R);
@@ -225,13 +255,14 @@ bool Proxy::run_dispatch(int64_t epoch) {
   for (int p = 0; p < R; ++p) {
     if (p == me) continue;
     const int64_t n1 = remote(p) ? std::min<int64_t>(C[size_t(me) * R + p], cap) : 0;
-    if (!post(kPhaseD1, epoch, p, kRegDispSend, off[p], kRegRound1, uint64_t(me * slot), uint64_t(hdr_ + n1 * RB)))
+    if (!post(kPhaseD1, epoch, p, kRegDispSend, off[p], kRegRound1, r1_base + uint64_t(me * slot), uint64_t(hdr_ + n1 * RB)))
       return false;
   }
   if (!wait_imm(kPhaseD1, epoch, R - 1, deadline)) return false;
+  mid_ns_ = mono_ns();
   for (int s = 0; s < R; ++s) {
     if (s == me) continue;
-    std::memcpy(&C[size_t(s) * R], reg_[kRegRound1] + s * slot, 4 * size_t(R));
+    std::memcpy(&C[size_t(s) * R], reg_[kRegRound1] + r1_base + uint64_t(s * slot), 4 * size_t(R));
     for (int p = 0; p < R; ++p)
       if (C[size_t(s) * R + p] < 0)
         return fail(kProxyInvalid, s, kPhaseD1, epoch, "peer " + std::to_string(s) + " sent a negative count");
@@ -258,7 +289,7 @@ bool Proxy::run_dispatch(int64_t epoch) {
     for (int s = 0; s < me; ++s)
       if (s != p && s / cfg_.node_size != p / cfg_.node_size) roff += std::max<int64_t>(0, C[size_t(s) * R + p] - cap);
     const uint64_t loff = off[p] + uint64_t(hdr_ + std::min(c, cap) * RB);
-    if (!post(kPhaseD2, epoch, p, kRegDispSend, ov ? loff : 0, kRegOverflow, uint64_t(roff * RB), uint64_t(ov * RB)))
+    if (!post(kPhaseD2, epoch, p, kRegDispSend, ov ? loff : 0, kRegOverflow, ov_base + uint64_t(roff * RB), uint64_t(ov * RB)))
       return false;
   }
   if (!wait_imm(kPhaseD2, epoch, n_remote, deadline)) return false;
@@ -272,6 +303,7 @@ bool Proxy::run_combine(int64_t epoch) {
   const int64_t deadline = mono_ns() + cfg_.timeout_ns;
   const int R = int(cfg_.world_size), me = int(cfg_.rank);
   const int64_t CRB = cfg_.comb_row_bytes;
+  const uint64_t cr_base = uint64_t((epoch & 1) * cfg_.max_send_rows * CRB);  // parity copy of s's region
   const auto& C = counts_;
   n_posted_ = 0;
   int n_remote = 0;
@@ -283,7 +315,7 @@ bool Proxy::run_combine(int64_t epoch) {
     int64_t roff = 0;  // in s's combine receive region: sum of c_{s,p'} over remote p' < me
     for (int p = 0; p < me; ++p)
       if (p != s && p / cfg_.node_size != s / cfg_.node_size) roff += C[size_t(s) * R + p];
-    if (!post(kPhaseC, epoch, s, kRegCombSend, n ? loff : 0, kRegCombRecv, uint64_t(roff * CRB), uint64_t(n * CRB)))
+    if (!post(kPhaseC, epoch, s, kRegCombSend, n ? loff : 0, kRegCombRecv, cr_base + uint64_t(roff * CRB), uint64_t(n * CRB)))
       return false;
     loff += uint64_t(n * CRB);
   }

@@ -51,7 +51,9 @@ inline uint32_t make_imm(int phase, int64_t epoch) {
   return (uint32_t(phase) << 30) | (uint32_t(uint64_t(epoch)) & 0x3FFFFFFFu);
 }
 
-// Region order (registration order, hence the key order on every rank).
+// Region order (registration order, hence the key order on every rank). The regions peers write
+// into (round-1, overflow, combine receive) hold two copies each; epoch e uses copy e & 1, at
+// (e & 1) * (the copy's size), so several dispatches in a row are safe (§10).
 enum : int { kRegDispSend = 0, kRegRound1 = 1, kRegOverflow = 2, kRegCombSend = 3, kRegCombRecv = 4, kNumRegions = 5 };
 
 // Part of the C ABI (moe_ep_proxy_create): all fields int64.
@@ -75,6 +77,16 @@ inline int64_t proxy_hdr_bytes(int64_t world, int64_t el) { return (4 * (world +
 // Minimum byte size of each region for a config (kReg* order).
 void proxy_region_bytes(const ProxyConfig& c, uint64_t out[kNumRegions]);
 
+// One served phase, for measurements (moe_ep_proxy_phase_times): steady-clock ns.
+struct PhaseRecord {
+  int64_t kind;      // 0 dispatch (D1 + D2), 1 combine
+  int64_t epoch;
+  int64_t seen_ns;   // the proxy saw the doorbell
+  int64_t mid_ns;    // dispatch: every D1 immediate counted; combine: = ready_ns
+  int64_t ready_ns;  // the ready word was written
+};
+static_assert(sizeof(PhaseRecord) == 5 * 8, "PhaseRecord is part of the C ABI");
+
 class Proxy {
  public:
   // Registers the regions (in kReg* order) with `t`, which the caller keeps alive and connects
@@ -88,6 +100,8 @@ class Proxy {
   const uint32_t* keys() const { return keys_; }
   std::string error_message();
   int64_t phases_done() const { return phases_done_.load(); }
+  // Copies up to `max` of the most recent phase records (oldest first); returns how many.
+  int phase_records(PhaseRecord* out, int max);
 
  private:
   Proxy() = default;
@@ -117,6 +131,13 @@ class Proxy {
   int64_t counts_epoch_ = -1;
   int64_t last_disp_ = 0, last_comb_ = 0;
   int n_posted_ = 0;
+
+  static constexpr int kMaxRecords = 8192;  // ring of the most recent phases
+  std::mutex rec_mu_;
+  std::vector<PhaseRecord> rec_;
+  int64_t n_rec_ = 0;
+  int64_t mid_ns_ = 0;  // set by run_dispatch after round 1
+  void record(int64_t kind, int64_t epoch, int64_t seen, int64_t mid, int64_t ready);
 
   std::thread thr_;
   std::atomic<bool> stop_{false};

@@ -130,7 +130,11 @@ def lib() -> ctypes.CDLL:
             _c(L, "moe_ep_proxy_destroy", None, vp)
             _c(L, "moe_ep_proxy_error_message", i32, vp, cp, sz)
             _c(L, "moe_ep_proxy_phases_done", i64, vp)
-            if L.moe_ep_abi_version() != 2:
+            _c(L, "moe_ep_proxy_phase_records", i32, vp, ctypes.POINTER(PhaseRecord), i32)
+            _c(L, "moe_ep_bench_post", i32, vp, i32, u32, u64, u32, u64, u64, u32, i64, i64, i64,
+               ctypes.POINTER(i64))
+            _c(L, "moe_ep_bench_drive", i32, ctypes.POINTER(i64), i64, i64, i32, i64, i64, ctypes.POINTER(i64))
+            if L.moe_ep_abi_version() != 3:
                 raise NativeError("native proxy library has an unexpected ABI version; rebuild moe_ep")
             _lib = L
         return _lib
@@ -424,6 +428,11 @@ class ProxyConfig(ctypes.Structure):
         "overflow_capacity", "max_send_rows", "timeout_ns", "spin_ns", "sleep_ns")]
 
 
+class PhaseRecord(ctypes.Structure):
+    """csrc/proxy/proxy.h PhaseRecord: one served phase (steady-clock ns)."""
+    _fields_ = [(n, ctypes.c_int64) for n in ("kind", "epoch", "seen_ns", "mid_ns", "ready_ns")]
+
+
 class Proxy(_Closable):
     """One rank's §10 proxy on a (not yet or already connected) ``Engine``.
 
@@ -435,6 +444,10 @@ class Proxy(_Closable):
     ``ring("dispatch", e)``, polls ``wait_ready("dispatch", e, timeout_s)``, and the same for
     ``"combine"``. Any error stops the proxy; ``wait_ready`` then raises. ``close()`` before the
     engine is closed.
+
+    The regions peers write into hold two copies, picked by the epoch's parity (§10): epoch ``e``
+    finds its round-1 slot of source ``s`` at ``round1_offset(e, s)``, its overflow rows from
+    ``overflow_offset(e)`` and its combine rows from ``comb_recv_offset(e)``.
     """
 
     def __init__(self, engine: Engine, *, node_size: int, num_local_experts: int, row_bytes: int,
@@ -453,6 +466,7 @@ class Proxy(_Closable):
         self.hdr_bytes = hdr_bytes(self.world, num_local_experts)
         self.row_bytes, self.comb_row_bytes = row_bytes, comb_row_bytes
         self.private_capacity, self.overflow_capacity = private_capacity, overflow_capacity
+        self.max_send_rows = max_send_rows
         self.slot_bytes = self.hdr_bytes + private_capacity * row_bytes  # one round-1 slot
         need = (ctypes.c_uint64 * 5)()
         self._lib.moe_ep_proxy_region_bytes(ctypes.byref(self.cfg), need)
@@ -477,6 +491,18 @@ class Proxy(_Closable):
 
     def remote(self, p: int) -> bool:
         return p // self.node_size != self.rank // self.node_size
+
+    def round1_offset(self, epoch: int, s: int) -> int:
+        """Byte offset of source s's round-1 slot ``[HDR | min(c, cap) rows]`` for ``epoch``."""
+        return ((epoch & 1) * self.world + s) * self.slot_bytes
+
+    def overflow_offset(self, epoch: int) -> int:
+        """Byte offset of ``epoch``'s overflow copy (rows at sum of o_{s'p} over remote s' < s)."""
+        return (epoch & 1) * self.overflow_capacity * self.row_bytes
+
+    def comb_recv_offset(self, epoch: int) -> int:
+        """Byte offset of ``epoch``'s combine receive copy (rows at sum of c_{rank,p'}, remote p' < p)."""
+        return (epoch & 1) * self.max_send_rows * self.comb_row_bytes
 
     def disp_offsets(self, counts: Sequence[int]) -> dict[int, int]:
         """Byte offset of ``[HDR_p | rows_p]`` in the send buffer for each peer p != rank (rank
@@ -510,6 +536,13 @@ class Proxy(_Closable):
     @property
     def phases_done(self) -> int:
         return self._lib.moe_ep_proxy_phases_done(self._h)
+
+    def phase_records(self, max_n: int = 8192) -> list[tuple[str, int, int, int, int]]:
+        """The most recent served phases, oldest first: (``"dispatch"``/``"combine"``, epoch,
+        doorbell seen, round 1 done (dispatch; = ready for combine), ready written), steady-clock ns."""
+        buf = (PhaseRecord * max(1, max_n))()
+        n = self._lib.moe_ep_proxy_phase_records(self._h, buf, max(1, max_n))
+        return [("dispatch" if r.kind == 0 else "combine", r.epoch, r.seen_ns, r.mid_ns, r.ready_ns) for r in buf[:n]]
 
     def check_error(self) -> None:
         """Raises the exception of the error record, if there is one."""
