@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Optional
+import warnings
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -16,7 +17,10 @@ class EPGroup:
         pg: the process group; ``None`` means WORLD when torch.distributed is initialised,
             and a single rank (R=1) when it is not.
         node_size: ranks per node (sharing NVLink on GPU, shared memory on CPU). Default: the
-            ranks on this host, or ``MOE_EP_NODE_SIZE`` when set.
+            ranks on this host, or ``MOE_EP_NODE_SIZE`` when set. On GPU the default also needs
+            every pair of those ranks' devices to reach each other peer to peer
+            (``torch.cuda.can_device_access_peer``); if one pair cannot, it is 1 (with a warning
+            naming the pair), so the proxy carries everything.
 
     Attributes:
         rank, world_size: this rank and R within ``pg``.
@@ -53,9 +57,27 @@ class EPGroup:
                 hosts = [None] * self.world_size
                 dist.all_gather_object(hosts, socket.gethostname(), group=self.pg)
                 node_size = hosts.count(hosts[0])
+                if self.device.type == "cuda" and node_size > 1 and self.world_size % node_size == 0:
+                    node_size, msg = p2p_node_size(node_size, self._p2p_matrix(node_size))
+                    if msg:
+                        warnings.warn(msg, RuntimeWarning, stacklevel=3)
         if node_size < 1 or self.world_size % node_size != 0:
             raise ValueError(f"node_size: expected a divisor of world_size={self.world_size}, got {node_size}")
         return node_size
+
+    def _p2p_matrix(self, node_size: int) -> list:
+        """[i][j]: rank i's GPU can access rank j's peer to peer (None for ranks of other nodes),
+        gathered over the process group; each rank fills its own row."""
+        devs = [None] * self.world_size
+        dist.all_gather_object(devs, self.device.index, group=self.pg)
+        node = self.rank // node_size
+        row = [None] * self.world_size
+        for j in range(node * node_size, (node + 1) * node_size):
+            row[j] = j == self.rank or devs[j] == self.device.index or \
+                bool(torch.cuda.can_device_access_peer(self.device.index, devs[j]))
+        rows = [None] * self.world_size
+        dist.all_gather_object(rows, row, group=self.pg)
+        return [[rows[i][j] for j in range(self.world_size)] for i in range(self.world_size)]
 
     @property
     def num_nodes(self) -> int:
@@ -80,3 +102,18 @@ class EPGroup:
     def __repr__(self) -> str:
         return (f"EPGroup(rank={self.rank}, world_size={self.world_size}, node_size={self.node_size}, "
                 f"device={self.device})")
+
+
+def p2p_node_size(node_size: int, can_access: Sequence[Sequence[Optional[bool]]]) -> tuple:
+    """The default node size given peer-to-peer reachability: ``(node_size, None)`` when
+    ``can_access[i][j]`` and ``can_access[j][i]`` hold for every pair of ranks i != j of one node
+    (ranks ``[n*node_size, (n+1)*node_size)``), else ``(1, warning)`` naming the first pair that
+    cannot reach each other. Entries for ranks of different nodes are not looked at."""
+    R = len(can_access)
+    for n in range(R // node_size):
+        for i in range(n * node_size, (n + 1) * node_size):
+            for j in range(i + 1, (n + 1) * node_size):
+                if not (can_access[i][j] and can_access[j][i]):
+                    return 1, (f"moe_ep: ranks {i} and {j} share a host but their GPUs cannot access each "
+                               f"other peer to peer; using node_size=1 (set MOE_EP_NODE_SIZE to override)")
+    return node_size, None
