@@ -1,0 +1,6 @@
+"""``python -m bench`` (under torchrun): the bench CLI, same as the ``moe-ep-bench`` command."""
+import sys
+
+from .cli import main
+
+sys.exit(main())

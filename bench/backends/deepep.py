@@ -1,0 +1,148 @@
+"""Backend ``deepep``: DeepEP V1 (``deep_ep.Buffer``), normal mode and low-latency mode.
+
+Written from DeepEP's documented Python API:
+- ``normal``: ``Buffer(group, num_nvl_bytes, num_rdma_bytes)`` sized by the dispatch/combine
+  configs' size hints; ``Buffer.set_num_sms(--num-sms)``; dispatch = ``get_dispatch_layout`` +
+  ``dispatch`` (fp8: the input is quantized beforehand, outside the timed region, as DeepEP takes
+  ``(x_fp8, scales)``); tokens arrive un-expanded, one row per (token, rank), with local expert
+  ids and weights; the fake experts sum ``w * y_e`` per received row; ``combine`` sums rows back.
+- ``low_latency``: ``Buffer(group, 0, low-latency RDMA size hint, low_latency_mode=True,
+  num_qps_per_rank=E/R)`` sized for the sweep's largest token count; ``low_latency_dispatch``
+  (in-kernel fp8 when the dispatch dtype is fp8) into ``[E_local, R*max_tokens, H]``, then
+  ``low_latency_combine`` (weighted). DeepEP chooses its SMs itself in this mode.
+On one node, DeepEP's low-latency mode needs ``NVSHMEM_REMOTE_TRANSPORT=none`` when there is no
+RDMA NIC; bench/compare.sh sets it for single-node runs.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..workloads import Inputs, Workload
+from . import base
+from .base import Backend, NotAvailable, Runner, fake_expert_rows
+
+
+def _call(what: str, fn, *args, **kwargs):
+    """Runs a DeepEP call; a refusal (RuntimeError/AssertionError) becomes NotAvailable with its message."""
+    try:
+        return fn(*args, **kwargs)
+    except (RuntimeError, AssertionError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise NotAvailable(f"DeepEP {what} refused: {first}") from e
+
+
+class NormalRunner(Runner):
+    def __init__(self, buf, wl: Workload, inputs: Inputs, ctx: base.Context, sms: int):
+        self.buf, self.wl, self.inp, self.ctx = buf, wl, inputs, ctx
+        self.sms = sms
+        if wl.fp8:
+            from moe_ep.fp8 import quantize_fp8
+
+            self.x = quantize_fp8(inputs.x)
+        else:
+            self.x = inputs.x
+        self.recv = None
+        self.y: Optional[torch.Tensor] = None
+
+    def dispatch(self) -> None:
+        b, inp = self.buf, self.inp
+        n_rank, n_rdma, n_expert, in_rank, _ = _call("get_dispatch_layout", b.get_dispatch_layout,
+                                                     inp.topk_idx, self.wl.num_experts)
+        self.recv = _call("dispatch", b.dispatch, self.x, topk_idx=inp.topk_idx, topk_weights=inp.topk_weights,
+                          num_tokens_per_rank=n_rank, num_tokens_per_rdma_rank=n_rdma,
+                          is_token_in_rank=in_rank, num_tokens_per_expert=n_expert)
+
+    def make_expert_output(self) -> None:
+        recv_x, recv_idx, recv_w = self.recv[0], self.recv[1], self.recv[2]
+        q, s = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
+        ne = self.wl.num_experts // self.ctx.world_size
+        local = recv_idx.long()
+        scale = self.inp.expert_scale[self.ctx.rank * ne + local.clamp(0, ne - 1)]
+        factor = torch.where((local >= 0) & (local < ne), recv_w.float() * scale, 0.0).sum(dim=1)
+        self.y = fake_expert_rows(q, s, factor[:, None])
+
+    def combine(self) -> None:
+        self.out = _call("combine", self.buf.combine, self.y, self.recv[4])[0]
+
+
+class LowLatencyRunner(Runner):
+    def __init__(self, buf, max_tokens: int, wl: Workload, inputs: Inputs, ctx: base.Context):
+        self.buf, self.max_tokens, self.wl, self.inp, self.ctx = buf, max_tokens, wl, inputs, ctx
+        self.recv = None
+        self.y: Optional[torch.Tensor] = None
+
+    def dispatch(self) -> None:
+        self.recv = _call("low_latency_dispatch", self.buf.low_latency_dispatch, self.inp.x, self.inp.topk_idx,
+                          self.max_tokens, self.wl.num_experts, use_fp8=self.wl.fp8, async_finish=False,
+                          return_recv_hook=False)
+
+    def make_expert_output(self) -> None:
+        recv_x = self.recv[0]
+        q, s = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
+        ne = self.wl.num_experts // self.ctx.world_size
+        factor = self.inp.expert_scale[self.ctx.rank * ne + torch.arange(ne, device=self.ctx.device)]
+        self.y = fake_expert_rows(q, s, factor[:, None, None])
+
+    def combine(self) -> None:
+        self.out = _call("low_latency_combine", self.buf.low_latency_combine, self.y, self.inp.topk_idx,
+                         self.inp.topk_weights, self.recv[2], async_finish=False, return_recv_hook=False)[0]
+
+
+class DeepEPBackend(Backend):
+    name = "deepep"
+    variants = ("normal", "low_latency")
+
+    def __init__(self, ctx: base.Context):
+        super().__init__(ctx)
+        self._buffers: dict[tuple, object] = {}
+
+    def unavailable(self) -> Optional[str]:
+        if self.ctx.device.type != "cuda":
+            return "needs CUDA GPUs (DeepEP's kernels are CUDA-only)"
+        try:
+            import deep_ep  # noqa: F401
+        except Exception as e:  # noqa: BLE001 - any import failure means: not here
+            return f"deep_ep is not importable ({type(e).__name__}: {e})"
+        return None
+
+    def _buffer(self, key: tuple, make):
+        if key not in self._buffers:
+            self._buffers[key] = _call("Buffer()", make)
+        return self._buffers[key]
+
+    def open(self, variant: str, wl: Workload, inputs: Inputs) -> Runner:
+        from deep_ep import Buffer
+
+        group, R = dist.group.WORLD, self.ctx.world_size
+        if variant == "normal":
+            sms = self.ctx.num_sms if self.ctx.num_sms is not None else int(Buffer.num_sms)
+            if sms % 2:
+                raise NotAvailable(f"DeepEP normal mode needs an even SM count, got --num-sms {sms}")
+            Buffer.set_num_sms(sms)
+            hidden_bytes = 2 * wl.hidden
+
+            def make():
+                nvl = rdma = 0
+                for cfg in (Buffer.get_dispatch_config(R), Buffer.get_combine_config(R)):
+                    nvl = max(nvl, cfg.get_nvl_buffer_size_hint(hidden_bytes, R))
+                    rdma = max(rdma, cfg.get_rdma_buffer_size_hint(hidden_bytes, R))
+                return Buffer(group, nvl, rdma)
+
+            return NormalRunner(self._buffer(("normal", hidden_bytes), make), wl, inputs, self.ctx, sms)
+        why = base.claim("nvshmem", "deep_ep", self.name)
+        if why is not None:
+            raise NotAvailable(why)
+        max_tokens = self.ctx.max_tokens
+
+        def make_ll():
+            nbytes = Buffer.get_low_latency_rdma_size_hint(max_tokens, wl.hidden, R, wl.num_experts)
+            return Buffer(group, 0, nbytes, low_latency_mode=True, num_qps_per_rank=wl.num_experts // R)
+
+        buf = self._buffer(("low_latency", max_tokens, wl.hidden, wl.num_experts), make_ll)
+        return LowLatencyRunner(buf, max_tokens, wl, inputs, self.ctx)
+
+    def close(self) -> None:
+        self._buffers.clear()
