@@ -14,7 +14,7 @@ from .dispatch import _pow2
 from .fp8 import num_scale_blocks
 from .group import EPGroup
 from .handle import DispatchResult
-from .layout import WorkspaceLayout
+from .layout import WorkspaceLayout, chunking
 from .memory import SymmetricWorkspace
 
 _PHASES = {0: "dispatch", 1: "combine"}
@@ -86,10 +86,22 @@ class EPBuffer:
         if self.device.type == "cpu" and not self.interp:
             raise RuntimeError("moe_ep on CPU runs its Triton kernels in the interpreter: set TRITON_INTERPRET=1 "
                                "before importing triton")
+        sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+               if self.device.type == "cuda" else 2)
         if num_programs is None:
-            num_programs = (torch.cuda.get_device_properties(self.device).multi_processor_count
-                            if self.device.type == "cuda" else 2)
-        self.num_programs = int(num_programs)
+            num_programs = sms
+        if not isinstance(num_programs, int) or isinstance(num_programs, bool) or num_programs < 1:
+            raise ValueError(f"num_programs: expected a positive int, got {num_programs!r}")
+        progs = group.all_gather_object(num_programs)
+        if len(set(progs)) != 1:
+            raise ValueError(f"num_programs: expected the same value on every rank (program p serves chunks "
+                             f"p, p+P, ... on every rank), got {progs}")
+        self.num_programs = num_programs
+        # One launch per dispatch / combine on a GPU when every program can be resident at once
+        # (its programs wait for their peers' counterparts); else, and under the interpreter, the
+        # send and receive halves go as two launches. MOE_EP_SPLIT=1 forces two launches.
+        self.fused = (self.device.type == "cuda" and num_programs <= sms
+                      and os.environ.get("MOE_EP_SPLIT", "0") in ("", "0"))
         # Warps per program: few programs need more warps each to keep enough bytes in flight
         # (measured at 32 programs, prefill: 16 warps 523/524 us vs 8 warps 663/774 us for
         # dispatch/combine). MOE_EP_NUM_WARPS overrides, for tuning.
@@ -103,16 +115,15 @@ class EPBuffer:
                                          payload_bytes=hidden * esize + 4 * self.num_scale_blocks)
         self.off = self.ws_layout.offsets()
         self.workspace = SymmetricWorkspace(group, self.off["total"])
-        # Local state: [0] dispatch epoch, [1] combine epoch, [2..5] arrival counters of the kernels.
-        self.state = torch.zeros(8, dtype=torch.int64, device=dev)
+        # Local state: [0, p] / [1, p] the dispatch / combine epoch program p has completed. Each
+        # program keeps its own copy, so no launch needs a cross-program step to advance it.
+        self.state = torch.zeros(2, self.num_programs, dtype=torch.int64, device=dev)
         # Error record read by the host without a device sync: pinned host memory on GPU.
         self.err = torch.zeros(8, dtype=torch.int64, pin_memory=dev.type == "cuda")
         self._err_host = self.err.numpy()  # same memory: reading it costs no tensor op
-        # Routing chunks: one token each at decode sizes (many programs), 16 tokens at prefill
-        # sizes (a chunk is one tile of the send kernel; see kernels/dispatch.py).
-        self.chunks = max(_pow2(-(-max_tokens // 16)), min(_pow2(max_tokens), 256))
+        self.chunks = self.ws_layout.CMAX
+        self.block_t = _pow2(-(-max_tokens // self.chunks))  # the largest chunk of any source
         self.hist = torch.zeros(num_experts, self.chunks, dtype=torch.int32, device=dev)
-        self.tot = torch.zeros(num_experts, dtype=torch.int32, device=dev)  # kept zero between calls
         self.recv_pos = torch.zeros(N, M, topk, dtype=torch.int32, device=dev)
         self.block_el = max(2, 1 << (EL - 1).bit_length())
         self.scratch = torch.zeros(self.num_programs, self.block_el, dtype=torch.int32, device=dev)
@@ -213,17 +224,49 @@ class EPBuffer:
         self._broken = exc
         raise exc
 
-    def _host_wait(self, region: str, epoch: int, phase: str) -> None:
-        """CPU only: waits on the host for every peer's flag (the interpreter cannot spin)."""
+    def _flags(self, region: str, count: int):
         start = self.off[region]
-        flags = self.workspace.local[start:start + 8 * self.world_size].view(torch.int64)
+        return self.workspace.local[start:start + 8 * count].view(torch.int64)
+
+    def _host_wait(self, missing, epoch: int, phase: str) -> None:
+        """CPU only: the interpreter cannot spin in a kernel, so the host waits (deadline
+        ``timeout_s``, backoff up to 5 ms) until ``missing()`` names no peer; it returns the first
+        peer whose flag is not there yet, or None."""
         deadline = time.monotonic() + self.timeout_s
         delay = 1e-4
         while True:
-            missing = (flags < epoch).nonzero()
-            if missing.numel() == 0:
+            peer = missing()
+            if peer is None:
                 return
             if time.monotonic() > deadline:
-                self._fail(CommTimeoutError(self.rank, int(missing[0, 0]), phase, epoch, self.timeout_s))
+                self._fail(CommTimeoutError(self.rank, peer, phase, epoch, self.timeout_s))
             time.sleep(delay)
             delay = min(delay * 2, 5e-3)
+
+    def _host_wait_dispatch(self, epoch: int) -> None:
+        """Every source's header flag, then the flag of each chunk its header announces."""
+        N, C = self.world_size, self.chunks
+        hflag, dflag = self._flags("hdr_flag", N), self._flags("disp_flag", N * C).view(N, C)
+        hoff = self.off["hdr"] // 4 + (epoch & 1) * N * self.ws_layout.HDR
+        hdr = self.workspace.local.view(torch.int32)
+
+        def missing():
+            for s in range(N):
+                if int(hflag[s]) < epoch:
+                    return s
+                nc = chunking(int(hdr[hoff + s * self.ws_layout.HDR]), C)[1]
+                if nc and int(dflag[s, :nc].min()) < epoch:
+                    return s
+            return None
+        self._host_wait(missing, epoch, "dispatch")
+
+    def _host_wait_combine(self, epoch: int, T: int) -> None:
+        """Every owner's flag of each chunk of this rank's tokens (chunk 0 at least)."""
+        N, C = self.world_size, self.chunks
+        cflag = self._flags("comb_flag", N * C).view(N, C)
+        nc = max(1, chunking(T, C)[1])
+
+        def missing():
+            lag = (cflag[:, :nc].min(dim=1).values < epoch).nonzero()
+            return int(lag[0, 0]) if lag.numel() else None
+        self._host_wait(missing, epoch, "combine")

@@ -1,12 +1,12 @@
-"""Combine: validation and the two launches (pre-reduce + send, receive + sum)."""
+"""Combine: validation and the combine kernel (one launch on a GPU; its send and receive halves as
+two launches under the interpreter)."""
 from __future__ import annotations
 
 import torch
 
-from .dispatch import _check_tensor, _pow2, tile_rows
-from .kernels.combine import combine_recv_kernel, combine_send_kernel
+from .dispatch import _check_tensor, _pow2, launch_halves
+from .kernels.combine import combine_kernel
 from .handle import DispatchResult
-from .kernels.launch import launch
 
 
 def combine(buf, expert_y: torch.Tensor, handle) -> torch.Tensor:
@@ -17,26 +17,18 @@ def combine(buf, expert_y: torch.Tensor, handle) -> torch.Tensor:
                          "(combine the latest dispatch, or use one buffer per in-flight layer)")
     _check_tensor("expert_y", expert_y, (torch.bfloat16,), tuple(buf.expert_x.shape), buf.device)
     N, M, K, E, EL, H = buf.world_size, buf.max_tokens, buf.topk, buf.num_experts, buf.num_local_experts, buf.hidden
-    off, T, interp = buf.off, handle.num_tokens, buf.interp
-    BLOCK_K = _pow2(K, 2)
-    block_r = tile_rows(N * max(T, 1), buf.num_programs)
-    launch(combine_send_kernel, buf.num_programs,
-           (expert_y, buf.workspace.local.data_ptr(), buf.workspace.peer_ptrs, buf.state, buf.recv_pos),
-           dict(off_comb_flag=off["comb_flag"], off_hdr=off["hdr"], off_meta_w=off["meta_w"], off_comb=off["comb"], RANK=buf.rank, N=N, M=M, K=K, H=H, HDR=buf.ws_layout.HDR,
-                BLOCK_R=block_r, BLOCK_K=BLOCK_K, BLOCK_H=max(16, min(_pow2(H), 2048, 8192 // block_r)),
-                INTERP=interp, num_warps=buf.num_warps))
-    epoch = buf._epochs[1] + 1
-    if interp:
-        buf._host_wait("comb_flag", epoch, "combine")
+    off, T = buf.off, handle.num_tokens
     out = torch.empty(T, H, dtype=torch.bfloat16, device=buf.device)
-    block_t = tile_rows(T, buf.num_programs)
-    launch(combine_recv_kernel, max(1, min(-(-T // block_t), buf.num_programs)),
-           (handle.topk_idx, out, buf.workspace.local.data_ptr(), buf.state, buf.err,
-            int(buf.timeout_s * 1e9), T),
-           dict(off_comb_flag=off["comb_flag"], off_comb=off["comb"], N=N, M=M, K=K, E=E, EL=EL, H=H,
-                BLOCK_T=block_t, BLOCK_K=BLOCK_K, BLOCK_H=max(16, min(_pow2(H), 2048, 8192 // block_t)),
-                INTERP=interp, num_warps=buf.num_warps))
+    BLOCK_T = buf.block_t
+    args = (expert_y, handle.topk_idx, out, buf.workspace.local.data_ptr(), buf.workspace.peer_ptrs, buf.state,
+            buf.err, buf.recv_pos, int(buf.timeout_s * 1e9), T)
+    consts = dict(off_cflag=off["comb_flag"], off_hdr=off["hdr"], off_meta_w=off["meta_w"], off_comb=off["comb"],
+                  RANK=buf.rank, N=N, M=M, K=K, E=E, EL=EL, H=H, HDR=buf.ws_layout.HDR, CMAX=buf.chunks,
+                  BLOCK_T=BLOCK_T, BLOCK_K=_pow2(K, 2), BLOCK_H=max(16, min(_pow2(H), 2048, 8192 // BLOCK_T)),
+                  INTERP=buf.interp, num_warps=buf.num_warps)
+    epoch = buf._epochs[1] + 1
+    launch_halves(buf, combine_kernel, args, consts, lambda: buf._host_wait_combine(epoch, T))
     buf._epochs[1] = epoch
-    if interp:
+    if buf.interp:
         buf._check_usable()
     return out

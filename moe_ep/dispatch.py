@@ -1,13 +1,15 @@
-"""Dispatch: validation and the three launches (routing histogram, send, receive)."""
+"""Dispatch: validation and the launches (routing histogram at prefill sizes; the dispatch kernel:
+one launch on a GPU, its send and receive halves as two launches under the interpreter)."""
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
 
-from .kernels.dispatch import dispatch_recv_kernel, dispatch_send_kernel
+from .kernels.dispatch import dispatch_kernel
 from .handle import DispatchResult
 from .kernels.launch import launch
+from .layout import chunking
 from .kernels.route import route_hist_kernel
 
 
@@ -62,53 +64,50 @@ def validate(buf, x, topk_idx, topk_weights, x_scales) -> int:
     return T
 
 
-def tile_rows(rows: int, programs: int, cap: int = 8) -> int:
-    """Rows per tile: enough tiles for every program, at most ``cap`` rows in flight each."""
-    return min(cap, _pow2(-(-rows // max(1, programs))))
+def launch_halves(buf, kernel, args: tuple, consts: dict, host_wait) -> None:
+    """One launch doing both halves (``SEND`` and ``RECV``) where ``buf.fused``; else the send half,
+    ``host_wait()`` under the interpreter (which cannot spin in a kernel), then the receive half."""
+    if buf.fused:
+        launch(kernel, buf.num_programs, args, dict(consts, SEND=True, RECV=True))
+        return
+    launch(kernel, buf.num_programs, args, dict(consts, SEND=True, RECV=False))
+    if buf.interp:
+        host_wait()
+    launch(kernel, buf.num_programs, args, dict(consts, SEND=False, RECV=True))
 
 
 def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = None):
     T = validate(buf, x, topk_idx, topk_weights, x_scales)
     N, M, K, E, EL, H = buf.world_size, buf.max_tokens, buf.topk, buf.num_experts, buf.num_local_experts, buf.hidden
     lay, off, CMAX = buf.ws_layout, buf.off, buf.chunks
-    BT = max(1, -(-T // CMAX))
-    NC = -(-T // BT) if T else 0
+    BT, NC = chunking(T, CMAX)
     BLOCK_K = _pow2(K, 2)
-    BLOCK_T = _pow2(BT)
-    interp = buf.interp
-    direct = T * K <= 2048  # decode sizes: the send kernel counts earlier selections itself
+    BLOCK_T = buf.block_t
+    direct = T * K <= 2048  # decode sizes: the send half counts earlier selections itself
     if T > 0 and not direct:
         launch(route_hist_kernel, NC, (topk_idx, buf.hist, buf.state, buf.err, T, BT),
-               dict(E=E, K=K, CMAX=CMAX, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, BLOCK_E=_pow2(E, 2)))
+               dict(E=E, K=K, CMAX=CMAX, BLOCK_T=_pow2(BT), BLOCK_K=BLOCK_K, BLOCK_E=_pow2(E, 2)))
     fp8_in = x_scales is not None
-    block_h = max(128 if buf.fp8 else 16, min(_pow2(H), 8192 // BLOCK_T))
-    launch(dispatch_send_kernel, max(1, min(NC, buf.num_programs)),
-           (x.view(torch.uint8) if fp8_in else x, x_scales if fp8_in else buf.err, topk_idx, topk_weights,
-            buf.hist, buf.tot, buf.workspace.peer_ptrs, buf.state, buf.err, T, BT, NC),
-           dict(off_flag=off["disp_flag"], off_hdr=off["hdr"], off_meta_i=off["meta_i"], off_meta_w=off["meta_w"],
-                off_rows=off["rows"], RANK=buf.rank, N=N, M=M, K=K, E=E, EL=EL, H=H, NB=max(1, buf.num_scale_blocks), RB=lay.RB,
-                HDR=lay.HDR, CMAX=CMAX, FP8=buf.fp8, PREQ=fp8_in, DIRECT=direct,
-                BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, BLOCK_C=min(CMAX, 64), BLOCK_H=block_h,
-                BLOCK_E=_pow2(E, 2), INTERP=interp, num_warps=buf.num_warps))
-    epoch = buf._epochs[0] + 1
-    if interp:
-        buf._host_wait("disp_flag", epoch, "dispatch")
     W = H * (1 if buf.fp8 else 2) // 4
     nb = max(1, buf.num_scale_blocks)
-    block_r = tile_rows(N * max(T, 1), buf.num_programs)
-    launch(dispatch_recv_kernel, buf.num_programs,
-           (buf.workspace.local.data_ptr(), buf.state, buf.err, buf.expert_x_words,
-            buf.expert_scales if buf.fp8 else buf.err,
-            buf.expert_counts, buf.expert_offsets if buf.expert_offsets is not None else buf.expert_counts,
-            buf.recv_pos, buf.scratch, int(buf.timeout_s * 1e9)),
-           dict(off_flag=off["disp_flag"], off_hdr=off["hdr"], off_meta_i=off["meta_i"], off_rows=off["rows"], N=N, M=M, K=K, EL=EL, W=W, H=H, NB=nb, RB=lay.RB, HDR=lay.HDR,
-                ALIGN=buf.expert_alignment, CAP=buf.capacity, PACKED=buf.layout == "packed", FP8=buf.fp8,
-                BLOCK_R=block_r, BLOCK_K=BLOCK_K, BLOCK_EL=buf.block_el,
-                BLOCK_W=max(16, min(_pow2(W), 2048, 4096 // block_r)),
-                BLOCK_NB=_pow2(nb, 2), INTERP=interp, num_warps=buf.num_warps))
+    args = (x.view(torch.uint8) if fp8_in else x, x_scales if fp8_in else buf.err, topk_idx, topk_weights,
+            buf.hist, buf.workspace.peer_ptrs, buf.workspace.local.data_ptr(), buf.state, buf.err,
+            buf.expert_x_words, buf.expert_scales if buf.fp8 else buf.err, buf.expert_counts,
+            buf.expert_offsets if buf.expert_offsets is not None else buf.expert_counts,
+            buf.recv_pos, buf.scratch, T, BT, NC, int(buf.timeout_s * 1e9))
+    consts = dict(off_hflag=off["hdr_flag"], off_dflag=off["disp_flag"], off_hdr=off["hdr"], off_meta_i=off["meta_i"],
+                  off_meta_w=off["meta_w"], off_rows=off["rows"], RANK=buf.rank, N=N, M=M, K=K, E=E, EL=EL, H=H,
+                  W=W, NB=nb, RB=lay.RB, HDR=lay.HDR, CMAX=CMAX, ALIGN=buf.expert_alignment, CAP=buf.capacity,
+                  FP8=buf.fp8, PREQ=fp8_in, DIRECT=direct, PACKED=buf.layout == "packed",
+                  BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, BLOCK_C=min(CMAX, 64),
+                  BLOCK_H=max(128 if buf.fp8 else 16, min(_pow2(H), 8192 // BLOCK_T)),
+                  BLOCK_EL=buf.block_el, BLOCK_W=max(16, min(_pow2(W), 2048, 4096 // BLOCK_T)),
+                  BLOCK_NB=_pow2(nb, 2), INTERP=buf.interp, num_warps=buf.num_warps)
+    epoch = buf._epochs[0] + 1
+    launch_halves(buf, dispatch_kernel, args, consts, lambda: buf._host_wait_dispatch(epoch))
     buf._epochs[0] = epoch
     buf._serial += 1
-    if interp:
+    if buf.interp:
         buf._check_usable()
     return DispatchResult(buf.expert_x, buf.expert_scales, buf.expert_counts, buf.expert_offsets,
                           num_tokens=T, topk_idx=topk_idx, _buffer=buf, _serial=buf._serial)

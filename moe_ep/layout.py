@@ -1,8 +1,9 @@
 """Byte layout of each rank's symmetric workspace (identical on every rank of a node).
 
 Regions, each 256-byte aligned; ``par`` = epoch & 1 double-buffers everything peers write:
-  disp_flag  int64 [N]                   written by source rank s at [s]
-  comb_flag  int64 [N]                   written by expert owner o at [o]
+  hdr_flag   int64 [N]                   written by source rank s at [s]: its header is in place
+  disp_flag  int64 [N][CMAX]             written by source rank s at [s][c]: its chunk c is in place
+  comb_flag  int64 [N][CMAX]             written by expert owner o at [o][c]: chunk c of this rank's tokens
   hdr        int32 [2][N][HDR]           [0] tokens of the source, [1 + e] selections of local expert e
   meta_i     int32 [2][N][M][2K]         local expert id (or -1) and position j, per (source, slot)
   meta_w     f32   [2][N][M][K]          weights
@@ -18,6 +19,22 @@ def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
+def _pow2(n: int) -> int:
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
+def max_chunks(max_tokens: int) -> int:
+    """CMAX, the most chunks a source's tokens are cut into: one token per chunk at decode sizes
+    (many programs share few tokens), at most 16 tokens per chunk at prefill sizes."""
+    return max(_pow2(-(-max_tokens // 16)), min(_pow2(max_tokens), 256))
+
+
+def chunking(T: int, cmax: int) -> tuple:
+    """(tokens per chunk, chunks) of a source with T tokens; the kernels' ``chunking`` rule."""
+    bt = max(1, -(-T // cmax))
+    return bt, -(-T // bt)
+
+
 @dataclass(frozen=True)
 class WorkspaceLayout:
     """Offsets (bytes) of the workspace regions for N node ranks, M slots, top-K, EL local experts."""
@@ -30,6 +47,10 @@ class WorkspaceLayout:
     payload_bytes: int   # H * element size, plus 4 * ceil(H/128) scale bytes for fp8
 
     @property
+    def CMAX(self) -> int:
+        return max_chunks(self.M)
+
+    @property
     def HDR(self) -> int:
         return _align(1 + self.EL, 4)
 
@@ -40,8 +61,9 @@ class WorkspaceLayout:
     def _regions(self):
         N, M, K = self.N, self.M, self.K
         sizes = [
-            ("disp_flag", 8 * N),
-            ("comb_flag", 8 * N),
+            ("hdr_flag", 8 * N),
+            ("disp_flag", 8 * N * self.CMAX),
+            ("comb_flag", 8 * N * self.CMAX),
             ("hdr", 4 * 2 * N * self.HDR),
             ("meta_i", 4 * 2 * N * M * 2 * K),
             ("meta_w", 4 * 2 * N * M * K),

@@ -43,40 +43,43 @@ def raise_flag(flag_ptr, epoch):
 
 
 @triton.jit
-def wait_flag(flag_ptr, epoch, timeout_ns, err_ptr, peer, phase, INTERP: tl.constexpr):
-    """Waits until ``*flag_ptr >= epoch`` (acquire, system scope) or the deadline passes.
+def deadline_start(INTERP: tl.constexpr):
+    """The launch's start on the GPU's global timer (ns), from which every wait's deadline runs
+    (0 under the interpreter, where the host keeps the deadline)."""
+    if INTERP:
+        return tl.full([], 0, tl.int64)
+    else:
+        return tl.extra.cuda.globaltimer()
 
-    Returns 1 when the flag arrived, 0 on timeout (the error record names peer and phase).
-    Under the interpreter the host has already waited with its own deadline, so one look suffices
-    (programs run one after another there: spinning could never see a later write).
+
+@triton.jit
+def wait_flag(flag_ptr, epoch, t0_ns, timeout_ns, err_ptr, peer, phase, INTERP: tl.constexpr):
+    """Waits until ``*flag_ptr >= epoch`` (acquire, system scope) or ``timeout_ns`` after ``t0_ns``.
+
+    Returns 1 when the flag arrived, 0 on timeout (the error record names peer and phase). One
+    deadline for the whole launch, however many flags it waits for. Under the interpreter the host
+    has already waited with its own deadline, so one look suffices (programs run one after another
+    there: spinning could never see a later write).
     """
     v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
     ok = (v >= epoch).to(tl.int32)
     if not INTERP:
-        start = tl.extra.cuda.globaltimer()
         late = tl.full([], 0, tl.int32)
         while (ok == 0) & (late == 0):
             v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
             ok = (v >= epoch).to(tl.int32)
-            late = ((tl.extra.cuda.globaltimer() - start) > timeout_ns).to(tl.int32)
+            late = ((tl.extra.cuda.globaltimer() - t0_ns) > timeout_ns).to(tl.int32)
     if ok == 0:
         record_error(err_ptr, ERR_TIMEOUT, peer, phase, epoch, 0)
     return ok
 
 
 @triton.jit
-def last_arrival(counter_ptr):
-    """True in exactly one program of the launch: the last to get here (it also re-arms the counter).
-
-    The barrier makes every thread's earlier stores part of what the release publishes; the last
-    program's acquire then sees them all, so it may signal peers on behalf of the whole launch.
-    """
-    tl.debug_barrier()
-    old = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="sys")
-    last = old == tl.num_programs(0) - 1
-    if last:
-        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="sys")
-    return last
+def chunking(T, CMAX: tl.constexpr):
+    """(tokens per chunk, chunks) of a source with ``T`` tokens: ``BT = max(1, ceil(T / CMAX))``,
+    ``NC = ceil(T / BT)``; the same rule as ``moe_ep.layout.chunking`` on the host."""
+    BT = tl.maximum((T + CMAX - 1) // CMAX, 1)
+    return BT, (T + BT - 1) // BT
 
 
 @triton.jit
