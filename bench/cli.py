@@ -111,7 +111,7 @@ def run_parser() -> argparse.ArgumentParser:
                    help="cuda: NCCL, one GPU per rank; cpu: gloo and the Triton interpreter. Default: cuda if present")
     o = p.add_argument_group("output")
     o.add_argument("--output", metavar="JSON", default=None,
-                   help="write the results (schema: bench/schema.json), updated after every backend")
+                   help="write the results (schema: bench/schema.json), rewritten after every entry")
     o.add_argument("--plot", metavar="PNG", default=None, help="write the plots (needs matplotlib; else a message)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
@@ -212,7 +212,7 @@ def run(a: argparse.Namespace) -> int:
                       file=sys.stderr)
             return 2
         ctx = Context(group=group, device=group.device, rank=rank, world_size=world, num_sms=None,
-                      node_size=a.node_size, max_tokens=max(a.tokens), timeout_s=a.timeout_s)
+                      node_size=a.node_size, tokens=sorted(a.tokens), timeout_s=a.timeout_s)
         stream = torch.cuda.Stream(group.device) if group.device.type == "cuda" else None
         opts = harness.Options(iters=a.iters, warmup=a.warmup, graph=a.graph)
         routing = Routing(kind=a.routing, zipf_s=a.zipf_s, holes=a.holes)
@@ -241,9 +241,9 @@ def run(a: argparse.Namespace) -> int:
                     if t not in inputs_cache:
                         inputs_cache[t] = make_inputs(wl, group)
                     entries += harness.run_variant(backend, variant, wl, inputs_cache[t], ctx, opts, stream)
+                    if rank == 0 and a.output:  # after every entry: a crash later leaves what was measured
+                        report.write_json(a.output, report.document(cfg, env, entries, command))
             backend.close()
-            if rank == 0 and a.output:
-                report.write_json(a.output, report.document(cfg, env, entries, command))
         progress.finish()
         failed = [e for e in entries if e["status"] == "failed"]
         if rank == 0:

@@ -41,7 +41,7 @@ class Context:
     world_size: int
     num_sms: Optional[int]        # --num-sms: SMs / Triton programs, where a backend lets us choose
     node_size: Optional[int]      # --node-size: moe_ep's ranks per node (None: the real hosts)
-    max_tokens: int               # the largest token count of the sweep (buffers sized once)
+    tokens: list[int]             # the sweep's token counts (buffers kept across points are sized for them)
     timeout_s: float
 
 

@@ -25,6 +25,9 @@ from . import base
 from .base import Backend, NotAvailable, Runner, fake_expert_rows
 
 
+LL_MAX_TOKENS = 256  # DeepEP recommends its low-latency mode for decode batches below 256 tokens per rank
+
+
 def _call(what: str, fn, *args, **kwargs):
     """Runs a DeepEP call; a refusal (RuntimeError/AssertionError) becomes NotAvailable with its message."""
     try:
@@ -98,6 +101,7 @@ class DeepEPBackend(Backend):
     def __init__(self, ctx: base.Context):
         super().__init__(ctx)
         self._buffers: dict[tuple, object] = {}
+        self._ll_limits: tuple = (None, {}, 0)
 
     def unavailable(self) -> Optional[str]:
         if self.ctx.device.type != "cuda":
@@ -132,17 +136,36 @@ class DeepEPBackend(Backend):
                 return Buffer(group, nvl, rdma)
 
             return NormalRunner(self._buffer(("normal", hidden_bytes), make), wl, inputs, self.ctx, sms)
+        return self._open_low_latency(wl, inputs)
+
+    def _open_low_latency(self, wl: Workload, inputs: Inputs) -> Runner:
+        """One low-latency buffer per launch (NVSHMEM is initialised once), sized for the largest
+        token count of the sweep whose buffer takes at most half of the free GPU memory."""
+        from deep_ep import Buffer
+
         why = base.claim("nvshmem", "deep_ep", self.name)
         if why is not None:
             raise NotAvailable(why)
-        max_tokens = self.ctx.max_tokens
-
-        def make_ll():
-            nbytes = Buffer.get_low_latency_rdma_size_hint(max_tokens, wl.hidden, R, wl.num_experts)
-            return Buffer(group, 0, nbytes, low_latency_mode=True, num_qps_per_rank=wl.num_experts // R)
-
-        buf = self._buffer(("low_latency", max_tokens, wl.hidden, wl.num_experts), make_ll)
-        return LowLatencyRunner(buf, max_tokens, wl, inputs, self.ctx)
+        if wl.num_tokens > LL_MAX_TOKENS:
+            raise NotAvailable(f"DeepEP recommends its low-latency mode for decode batches (below 256 tokens "
+                               f"per rank); T={wl.num_tokens} is above the {LL_MAX_TOKENS} this bench allows")
+        R = self.ctx.world_size
+        key = ("low_latency", wl.hidden, wl.num_experts)
+        if key not in self._buffers:
+            free = min(self.ctx.group.all_gather_object(torch.cuda.mem_get_info(self.ctx.device)[0]))
+            tokens = [t for t in self.ctx.tokens if t <= LL_MAX_TOKENS]
+            sizes = {t: Buffer.get_low_latency_rdma_size_hint(max(1, t), wl.hidden, R, wl.num_experts) for t in tokens}
+            fits = [t for t in tokens if sizes[t] <= free // 2]
+            self._ll_limits = (fits[-1] if fits else None, sizes, free)
+            if fits:
+                self._buffer(key, lambda: Buffer(dist.group.WORLD, 0, sizes[fits[-1]], low_latency_mode=True,
+                                                 num_qps_per_rank=wl.num_experts // R))
+        max_tokens, sizes, free = self._ll_limits
+        if max_tokens is None or wl.num_tokens > max_tokens:
+            raise NotAvailable(f"DeepEP's low-latency buffer for T={wl.num_tokens} would take "
+                               f"{sizes[wl.num_tokens] / 2**30:.1f} GiB per rank, more than half of the "
+                               f"{free / 2**30:.1f} GiB free (the mode is meant for decode batches)")
+        return LowLatencyRunner(self._buffers[key], max(1, max_tokens), wl, inputs, self.ctx)
 
     def close(self) -> None:
         self._buffers.clear()

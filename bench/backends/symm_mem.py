@@ -13,6 +13,7 @@ reports why); ``bench/compare.sh`` runs each backend in its own launch.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -21,6 +22,10 @@ import torch.distributed as dist
 from ..workloads import Inputs, Workload
 from . import base
 from .base import Backend, NotAvailable, Runner, fake_expert_rows
+
+
+# NVSHMEM memory is kept until the process exits (freeing it is collective; the sweep's points are few).
+_KEEP: list[torch.Tensor] = []
 
 
 def _payload(x: torch.Tensor, fp8: bool) -> torch.Tensor:
@@ -52,6 +57,9 @@ class SymmMemRunner(Runner):
         self.y_buf = symm_mem.empty(n_out, h, dtype=torch.bfloat16, device=dev)
         self.back_buf = symm_mem.empty(n_in, h, dtype=torch.bfloat16, device=dev)
         self.back_so = symm_mem.empty(2, R * self.ne, dtype=torch.int64, device=dev)
+        for t in (self.inp_buf, self.out_buf, self.in_splits, self.out_so, self.y_buf, self.back_buf, self.back_so):
+            symm_mem.rendezvous(t, self.group_name)
+            _KEEP.append(t)
         self._sorted: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
 
     def _op(self, name: str, *args) -> None:
@@ -126,4 +134,6 @@ class SymmMemBackend(Backend):
         except Exception as e:  # noqa: BLE001 - torch refuses once another backend has allocated
             raise NotAvailable(f"torch symmetric memory cannot switch to NVSHMEM in this process ({e}); "
                                f"run symm_mem in its own launch (bench/compare.sh)") from e
+        with contextlib.suppress(Exception):  # needed by older torch, deprecated by newer
+            symm_mem.enable_symm_mem_for_group(dist.group.WORLD.group_name)
         return SymmMemRunner(wl, inputs, self.ctx)

@@ -1,0 +1,169 @@
+"""The bench CLI end to end on 2 CPU ranks (torchrun, gloo, Triton interpreter) with tiny shapes.
+
+One sweep (2 token counts, every backend, zipf routing with -1 holes) serves most assertions: the
+run exits 0, its JSON validates against bench/schema.json, moe_ep and nccl ran (pre-check, timing,
+stats) while symm_mem, deepep and CUDA graphs say why they are not available, the table and the
+progress bar are printed, and the plot is a PNG. Times on CPU are meaningless and not checked.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from bench import cli, report
+from bench.schema import validate_document
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+TINY = ["--device", "cpu", "--tokens", "4,8", "--hidden", "128", "--num-experts", "4", "--topk", "2",
+        "--iters", "2", "--warmup", "1", "--routing", "zipf", "--zipf-s", "1.2", "--holes", "0.1"]
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    json_path, png_path = out / "r.json", out / "r.png"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "bench",
+           *TINY, "--output", str(json_path), "--plot", str(png_path)]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return p, json_path, png_path
+
+
+def test_sweep_exits_0_and_json_validates(sweep):
+    p, json_path, _ = sweep
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    doc = json.loads(json_path.read_text())
+    assert validate_document(doc) == []
+    assert doc["config"]["tokens"] == [4, 8] and doc["config"]["routing"] == dict(kind="zipf", zipf_s=1.2, holes=0.1)
+    assert doc["env"]["world_size"] == 2 and doc["env"]["torch"]
+
+
+def test_sweep_runs_moe_ep_and_nccl_and_says_why_others_cannot(sweep):
+    p, json_path, _ = sweep
+    doc = json.loads(json_path.read_text())
+    by = {(e["backend"], e["variant"], e["launch"], e["num_tokens"]): e for e in doc["results"]}
+    for t in (4, 8):
+        for key in (("moe_ep", None, "eager", t), ("nccl", None, "eager", t)):
+            e = by[key]
+            assert e["status"] == "ok", e
+            assert e["check_rel_err"] <= 3e-2
+            for op in ("dispatch", "combine", "pair"):
+                s = e["ops"][op]
+                assert 0 < s["p50_us"] <= s["p90_us"] <= s["p99_us"]
+                assert s["gbps_all"] >= s["gbps_xgpu"] > 0
+        assert by[("moe_ep", None, "eager", t)]["sms"] == 2  # CPU default: 2 programs
+        graph = by[("moe_ep", None, "graph", t)]
+        assert graph["status"] == "not available" and "GPU" in graph["reason"]
+        for key in (("symm_mem", None, "eager", t), ("deepep", "normal", "eager", t),
+                    ("deepep", "low_latency", "eager", t)):
+            assert by[key]["status"] == "not available" and by[key]["reason"], by[key]
+    assert "not available: needs CUDA GPUs" in p.stdout
+    assert "dispatch+combine" in p.stdout and "pre-check" in p.stdout
+    assert "10/10" in p.stderr  # the progress bar: 5 backend variants x 2 token counts
+
+
+def test_sweep_plot_is_a_png(sweep):
+    if not _has_matplotlib():
+        pytest.skip("matplotlib is not installed (the CLI then prints how to plot later)")
+    _, _, png_path = sweep
+    data = png_path.read_bytes()
+    assert data.startswith(PNG_SIGNATURE) and len(data) > 10_000
+
+
+def test_plot_table_merge_subcommands_on_result_files(sweep, tmp_path, capsys):
+    _, json_path, _ = sweep
+    doc = json.loads(json_path.read_text())
+    other = copy.deepcopy(doc)  # the same results as if measured at EP size 4: the EP-size panel
+    for e in other["results"]:
+        e["world_size"] = 4
+    other_path = tmp_path / "r4.json"
+    other_path.write_text(json.dumps(other))
+    merged = tmp_path / "merged.json"
+    assert cli.main(["merge", str(json_path), str(other_path), "--output", str(merged)]) == 0
+    merged_doc = json.loads(merged.read_text())
+    assert validate_document(merged_doc) == [] and len(merged_doc["merged"]) == 2
+    assert cli.main(["table", str(merged)]) == 0
+    assert "R=4 T=8" in capsys.readouterr().out
+    if _has_matplotlib():
+        png = tmp_path / "sweep.png"
+        assert cli.main(["plot", str(json_path), str(other_path), "-o", str(png)]) == 0
+        assert png.read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_plot_without_matplotlib_says_so(sweep, tmp_path, monkeypatch, capsys):
+    _, json_path, _ = sweep
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    png = tmp_path / "none.png"
+    assert cli.main(["plot", str(json_path), "-o", str(png)]) == 3
+    assert "matplotlib is not installed" in capsys.readouterr().err and not png.exists()
+
+
+def test_wrong_flag_gives_a_clear_error():
+    p = subprocess.run([sys.executable, "-m", "bench", "--tokkens", "4"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2 and "unrecognized arguments: --tokkens" in p.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tokens", "4,x"], "--tokens: expected a comma-separated list of non-negative integers"),
+    (["--backends", "moe_ep,foo"], "--backends: expected a comma-separated list of moe_ep, nccl, symm_mem, deepep"),
+    (["--holes", "1.5"], "--holes: expected a probability in [0, 1), got 1.5"),
+    (["--topk", "9", "--num-experts", "8"], "--topk: expected at most --num-experts (8)"),
+    (["--preset", "train"], "argument --preset: invalid choice: 'train'"),
+])
+def test_bad_values_name_the_flag(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_run_args(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_presets_and_models_resolve():
+    a = cli.parse_run_args(["--preset", "prefill"])
+    assert (a.tokens, a.hidden, a.topk, a.num_experts, a.dispatch_dtype, a.layout) == \
+        ([4096], 7168, 8, 256, "fp8", "packed")
+    a = cli.parse_run_args(["--model", "mixtral-8x7b", "--tokens", "1,16,128", "--topk", "1"])
+    assert (a.tokens, a.hidden, a.topk, a.num_experts, a.layout) == ([1, 16, 128], 4096, 1, 8, "masked")
+
+
+def test_schema_validator_names_the_problem(sweep):
+    _, json_path, _ = sweep
+    doc = json.loads(json_path.read_text())
+    doc["results"][0]["status"] = "great"
+    del doc["env"]["commit"]
+    problems = validate_document(doc)
+    assert any("$.results[0].status: expected one of" in p for p in problems)
+    assert any("$.env: missing required key 'commit'" in p for p in problems)
+    with pytest.raises(ValueError, match="not a moe-ep-bench result"):
+        bad = json_path.with_name("bad.json")
+        bad.write_text(json.dumps(doc))
+        report.load([str(bad)])
+
+
+def test_console_script_entry():
+    import importlib
+
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib")
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        target = tomllib.load(f)["project"]["scripts"]["moe-ep-bench"]
+    module, func = target.split(":")
+    assert callable(getattr(importlib.import_module(module), func))
+    exe = shutil.which("moe-ep-bench")
+    if exe is not None:  # installed (pip install -e .): the script itself
+        p = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0 and "--backends" in p.stdout
