@@ -1,0 +1,122 @@
+"""Where the time of one dispatch / combine goes, on a GPU: host and device, per kernel.
+
+    torchrun --nproc-per-node=1 -m bench.profile_ops --preset decode
+    torchrun --nproc-per-node=2 -m bench.profile_ops --preset prefill --num-programs 32
+
+Prints, for rank 0: the host time of a call (Python and launch, no device sync; the mean over
+many calls), the top host functions of those calls (cProfile), the launch cost of an empty Triton
+kernel through ``moe_ep.kernels.launch`` and through ``kernel[grid]``, and the device time of each
+kernel (torch.profiler, mean over calls). Not a benchmark of record: ``bench.intranode`` is.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+from bench.intranode import PRESETS
+
+
+@triton.jit
+def _empty_kernel(p, n):
+    pass
+
+
+def _host_us(fn, n: int) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for i in range(n):
+        fn()
+        if i % 50 == 49:
+            torch.cuda.synchronize()  # keep the queue short: measure issue cost, not back-pressure
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) * 1e6 / n
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.profile_ops", description=__doc__.split("\n")[0])
+    p.add_argument("--preset", choices=["decode", "prefill"], default="decode")
+    p.add_argument("--dispatch-dtype", choices=["fp8", "bf16"], default="fp8")
+    p.add_argument("--layout", choices=["masked", "packed"], default=None)
+    p.add_argument("--num-programs", type=int, default=None)
+    p.add_argument("--calls", type=int, default=200)
+    args = p.parse_args(argv)
+    import moe_ep
+    from moe_ep.kernels.launch import launch
+
+    dist.init_process_group("nccl")
+    group = moe_ep.EPGroup()
+    dev, rank, R = group.device, group.rank, group.world_size
+    cfg = PRESETS[args.preset]
+    T, H, K, E = cfg["num_tokens"], cfg["hidden"], cfg["topk"], cfg["num_experts"]
+    layout = args.layout or ("masked" if args.preset == "decode" else "packed")
+    g = torch.Generator(device="cpu").manual_seed(rank)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(dev)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(dev)
+    w = torch.rand(T, K, generator=g).to(dev)
+    kw = dict(dispatch_dtype=torch.float8_e4m3fn if args.dispatch_dtype == "fp8" else torch.bfloat16, layout=layout)
+    if args.num_programs:
+        kw["num_programs"] = args.num_programs
+    lines = []
+    with moe_ep.EPBuffer(group, E, H, T, K, **kw) as buf:
+        d = buf.dispatch(x, idx, w)
+        y = torch.zeros(d.expert_x.shape, dtype=torch.bfloat16, device=dev)
+        buf.combine(y, d)
+        st = {}
+
+        def disp():
+            st["d"] = buf.dispatch(x, idx, w)
+
+        def comb():
+            buf.combine(y, st["d"])
+
+        def pair():
+            disp()
+            comb()
+
+        for _ in range(20):
+            pair()
+        hd = _host_us(pair, args.calls)
+        # host time of each half alone would desynchronise the ranks: time the pair, then profile
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(args.calls):
+            pair()
+        pr.disable()
+        torch.cuda.synchronize()
+        s = io.StringIO()
+        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(14)
+        lines.append(f"host per dispatch+combine pair (no sync): {hd:.1f} us   "
+                     f"[programs={buf.num_programs} fused={buf.fused} warps={buf.num_warps}]")
+        lines.append("cProfile, by own time (" + str(args.calls) + " pairs):")
+        lines += ["    " + ln for ln in s.getvalue().splitlines()[6:26] if ln.strip()]
+        a = torch.zeros(16, device=dev)
+        e1 = _host_us(lambda: launch(_empty_kernel, 1, (a, 3), {}), 1000)
+        e2 = _host_us(lambda: _empty_kernel[(1,)](a, 3), 1000)
+        lines.append(f"empty kernel launch, host: moe_ep launch() {e1:.1f} us, kernel[grid] {e2:.1f} us")
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(50):
+                pair()
+            torch.cuda.synchronize()
+        lines.append("device time per call (torch.profiler, mean of 50):")
+        for ev in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
+            if ev.count and "kernel" in ev.key:
+                lines.append(f"    {ev.key[:60]:60s} {ev.device_time_total / ev.count:9.1f} us  x{ev.count}")
+    dist.barrier()
+    if rank == 0:
+        print(f"== profile_ops {args.preset} R={R} T={T} H={H} K={K} E={E} {args.dispatch_dtype} {layout} "
+              f"[{torch.cuda.get_device_name(dev)}]")
+        print("\n".join(lines))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
