@@ -167,3 +167,43 @@ def test_console_script_entry():
     if exe is not None:  # installed (pip install -e .): the script itself
         p = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=120)
         assert p.returncode == 0 and "--backends" in p.stdout
+
+
+def test_node_size_below_ep_size_is_reported_not_fatal(tmp_path):
+    """--node-size 1 on 2 ranks asks for moe_ep's inter-node path: it runs, or says why it cannot."""
+    out = tmp_path / "ns.json"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "bench",
+           "--device", "cpu", "--tokens", "4", "--hidden", "128", "--num-experts", "4", "--topk", "2",
+           "--iters", "1", "--warmup", "0", "--backends", "moe_ep", "--node-size", "1", "--no-progress",
+           "--output", str(out)]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    (entry, *_) = json.loads(out.read_text())["results"]
+    assert entry["status"] in ("ok", "not available"), entry
+    if entry["status"] == "not available":
+        assert "node_size" in entry["reason"]
+
+
+def test_routing_is_seeded_skewed_and_has_holes():
+    from bench.workloads import Routing, Workload, make_routing
+
+    def wl(kind: str, holes: float, seed: int = 0) -> Workload:
+        return Workload(num_tokens=512, hidden=16, topk=4, num_experts=16, dispatch_dtype="bf16",
+                        combine_dtype="bf16", layout="masked", expert_alignment=1,
+                        routing=Routing(kind=kind, zipf_s=1.5, holes=holes), seed=seed)
+
+    x0, idx0, w0 = make_routing(wl("zipf", 0.25), rank=1)
+    x1, idx1, _ = make_routing(wl("zipf", 0.25), rank=1)
+    assert x0.equal(x1) and idx0.equal(idx1)                      # same seed and rank: same inputs
+    assert not make_routing(wl("zipf", 0.25), rank=0)[1].equal(idx0)
+    assert abs(float((idx0 == -1).float().mean()) - 0.25) < 0.05
+    valid = idx0[idx0 >= 0]
+    counts = valid.bincount(minlength=16)
+    assert counts[0] > 3 * counts[15]                             # expert 0 is the hottest
+    for row in idx0.tolist():                                     # distinct experts per token
+        picked = [e for e in row if e >= 0]
+        assert len(picked) == len(set(picked))
+    _, uni, _ = make_routing(wl("uniform", 0.0), rank=0)
+    assert (uni >= 0).all() and all(len(set(r)) == 4 for r in uni.tolist())
+    assert w0.sum(dim=1).sub(1).abs().max() < 1e-5
