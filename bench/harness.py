@@ -39,8 +39,15 @@ class EntryError(Exception):
         self.status, self.reason = status, reason
 
 
-def agree(step: Callable[[], object], what: str):
-    """Runs ``step`` on every rank; if it raised anywhere, raises the same EntryError on every rank."""
+def agree(step: Callable[[], object], what: str) -> list:
+    """Runs ``step`` on every rank and returns every rank's value (indexed by rank; numbers only,
+    else None); if it raised anywhere, raises the same EntryError on every rank.
+
+    Failures that stop every rank at the same step (a shape a backend refuses, a missing library)
+    are the common case. A rank that fails inside a collective that the others go on with (the
+    backend's own, or the timing barriers) leaves them waiting there until that collective's own
+    deadline (moe_ep's ``--timeout-s``, the process group's 10 minutes); so the pre-check reads
+    its error locally and reduces it here, outside any step."""
     outcome: Optional[tuple[str, str]] = None
     value = None
     try:
@@ -52,13 +59,18 @@ def agree(step: Callable[[], object], what: str):
     except Exception as e:  # noqa: BLE001 - any error of a backend ends its entry, not the sweep
         last = traceback.extract_tb(e.__traceback__)[-1]
         outcome = ("failed", f"{what}: {type(e).__name__}: {e} ({last.filename.split('/')[-1]}:{last.lineno})")
-    outcomes = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, outcome)
-    for rank, o in enumerate(outcomes):
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (outcome, value if outcome is None and _small(value) else None))
+    for rank, (o, _) in enumerate(gathered):
         if o is not None:
             reason = o[1] if o[0] == "not available" else f"rank {rank}: {o[1]}"
             raise EntryError(o[0], reason)
-    return value
+    return [v for _, v in gathered]
+
+
+def _small(value: object) -> bool:
+    """Plain numbers travel to every rank; anything else (runners, time lists) stays local."""
+    return isinstance(value, (int, float))
 
 
 def op_stats(times_us: list[float], nbytes: tuple[float, float], device: torch.device) -> dict:
@@ -77,8 +89,15 @@ def _op_bytes(traffic: dict) -> dict[str, tuple[float, float]]:
     return {"dispatch": d, "combine": c, "pair": (d[0] + c[0], d[1] + c[1])}
 
 
-def _check(runner: Runner, inputs: Inputs, device: torch.device) -> float:
-    err = max_over_ranks([rel_err(runner.output(), inputs.ref)], device)[0]
+def _local_error(runner: Runner, inputs: Inputs, device: torch.device) -> float:
+    """This rank's max rel. error of the latest combine vs the oracle (after the device is done)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return rel_err(runner.output(), inputs.ref)
+
+
+def _checked(errors: list[float]) -> float:
+    err = max(errors)
     if not err <= CHECK_TOL:  # NaN fails too
         raise EntryError("failed", f"pre-check: max rel. error vs the oracle {err:.3g} > {CHECK_TOL:g}")
     return err
@@ -127,7 +146,9 @@ def run_variant(backend: Backend, variant: str, wl: Workload, inputs: Inputs, ct
     runner: Optional[Runner] = None
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         try:
-            runner = agree(lambda: backend.open(variant, wl, inputs), "open")
+            opened: list[Runner] = []
+            agree(lambda: opened.append(backend.open(variant, wl, inputs)), "open")
+            runner = opened[0]
             for e in entries.values():
                 e["sms"] = runner.sms
 
@@ -139,10 +160,9 @@ def run_variant(backend: Backend, variant: str, wl: Workload, inputs: Inputs, ct
                 runner.dispatch()
                 runner.make_expert_output()
                 runner.combine()
-                sync(device)
-                return _check(runner, inputs, device)
+                return _local_error(runner, inputs, device)
 
-            err = agree(precheck, "pre-check")
+            err = _checked(agree(precheck, "pre-check"))
             for e in entries.values():
                 e["check_rel_err"] = err
 
@@ -151,7 +171,9 @@ def run_variant(backend: Backend, variant: str, wl: Workload, inputs: Inputs, ct
                     pair()
                 return _time(timer, runner.dispatch, runner.combine, pair, opts.iters, device)
 
-            times = agree(eager, "eager timing")
+            timed: list[dict] = []
+            agree(lambda: timed.append(eager()), "eager timing")
+            times = timed[0]
             entries["eager"]["ops"] = {op: op_stats(times[op], nbytes[op], device) for op in OPS}
         except EntryError as e:
             stop(launches, e)
@@ -187,13 +209,15 @@ def _graph_entry(runner: Runner, inputs: Inputs, opts: Options, timer: Timer, nb
     agree(capture, "graph capture")
     g_d, g_c, g_p = graphs
 
+    timed: list[dict] = []
+
     def run():
         for _ in range(opts.warmup):
             g_d.replay()
             g_c.replay()
             g_p.replay()
-        times = _time(timer, g_d.replay, g_c.replay, g_p.replay, opts.iters, device)
-        return times, _check(runner, inputs, device)
+        timed.append(_time(timer, g_d.replay, g_c.replay, g_p.replay, opts.iters, device))
+        return _local_error(runner, inputs, device)
 
-    times, err = agree(run, "graph timing")
-    return {"check_rel_err": err, "ops": {op: op_stats(times[op], nbytes[op], device) for op in OPS}}
+    err = _checked(agree(run, "graph timing"))
+    return {"check_rel_err": err, "ops": {op: op_stats(timed[0][op], nbytes[op], device) for op in OPS}}

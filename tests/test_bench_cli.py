@@ -207,3 +207,74 @@ def test_routing_is_seeded_skewed_and_has_holes():
     _, uni, _ = make_routing(wl("uniform", 0.0), rank=0)
     assert (uni >= 0).all() and all(len(set(r)) == 4 for r in uni.tolist())
     assert w0.sum(dim=1).sub(1).abs().max() < 1e-5
+
+
+def _harness_probe() -> None:
+    """One gloo rank: fake backends that refuse, crash and give wrong outputs; prints the entries."""
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PROBE_PORT"])
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    import moe_ep
+    from bench import harness
+    from bench.backends import Backend, Context, NotAvailable, Runner
+    from bench.workloads import Routing, Workload, make_inputs
+
+    class Fake(Runner):
+        def __init__(self, inputs, mode):
+            self.inputs, self.mode = inputs, mode
+
+        def dispatch(self):
+            if self.mode == "crash":
+                raise RuntimeError("boom")
+
+        def make_expert_output(self):
+            pass
+
+        def combine(self):
+            self.out = self.inputs.ref * (2 if self.mode == "wrong" else 1)
+
+    class FakeBackend(Backend):
+        name = "nccl"
+        variants = ("refuse", "crash", "wrong", "right")
+
+        def open(self, variant, wl, inputs):
+            if variant == "refuse":
+                raise NotAvailable("not on this machine")
+            return Fake(inputs, variant)
+
+    group = moe_ep.EPGroup()
+    ctx = Context(group=group, device=torch.device("cpu"), rank=0, world_size=1, num_sms=None, node_size=None,
+                  tokens=[8], timeout_s=10.0)
+    wl = Workload(num_tokens=8, hidden=32, topk=2, num_experts=4, dispatch_dtype="bf16", combine_dtype="bf16",
+                  layout="masked", expert_alignment=1, routing=Routing(), seed=0)
+    inputs = make_inputs(wl, group)
+    backend = FakeBackend(ctx)
+    out = {v: harness.run_variant(backend, v, wl, inputs, ctx, harness.Options(2, 1, True), None)
+           for v in backend.variants}
+    print("PROBE" + json.dumps(out))
+    dist.destroy_process_group()
+
+
+def test_harness_reports_refusals_crashes_and_wrong_outputs():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = (f"import sys; sys.path[:0] = [{ROOT!r}, {os.path.join(ROOT, 'tests')!r}]; "
+            "import test_bench_cli as t; t._harness_probe()")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PROBE_PORT=str(port), TRITON_INTERPRET="1"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.split("PROBE", 1)[1])
+    (refuse,) = out["refuse"]
+    assert refuse["status"] == "not available" and refuse["reason"] == "not on this machine"
+    (crash,) = out["crash"]
+    assert crash["status"] == "failed" and "pre-check: RuntimeError: boom" in crash["reason"]
+    (wrong,) = out["wrong"]
+    assert wrong["status"] == "failed" and "max rel. error vs the oracle 1 > 0.03" in wrong["reason"]
+    assert wrong["ops"] is None  # a backend that fails its pre-check is not timed
+    (right,) = out["right"]
+    assert right["status"] == "ok" and right["check_rel_err"] == 0 and right["ops"]["pair"]["p50_us"] > 0

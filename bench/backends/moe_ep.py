@@ -55,4 +55,6 @@ class MoeEpBackend(Backend):
             buf = moe_ep.EPBuffer(group, wl.num_experts, wl.hidden, max(1, wl.num_tokens), wl.topk, **kwargs)
         except NotImplementedError as e:
             raise NotAvailable(str(e)) from e
+        except (TypeError, ValueError) as e:  # EPBuffer names the argument it refuses, before any memory
+            raise NotAvailable(f"moe_ep refuses this configuration: {e}") from e
         return MoeEpRunner(buf, wl, inputs, ctx.rank)
