@@ -126,6 +126,8 @@ def parse_run_args(argv: Sequence[str]) -> argparse.Namespace:
     a.hidden = shape["hidden"] if a.hidden is None else a.hidden
     a.topk = shape["topk"] if a.topk is None else a.topk
     a.num_experts = shape["num_experts"] if a.num_experts is None else a.num_experts
+    if (a.hidden, a.topk, a.num_experts) != (shape["hidden"], shape["topk"], shape["num_experts"]):
+        a.model = None  # a shape of its own: the config names no model
     a.tokens = a.tokens or list(preset["tokens"])
     a.dispatch_dtype = a.dispatch_dtype or preset["dispatch_dtype"]
     a.combine_dtype = a.combine_dtype or preset["combine_dtype"]

@@ -30,7 +30,8 @@ def environment(device: torch.device, world_size: int) -> dict:
                cuda=torch.version.cuda, nccl=None, deep_ep=None,
                gpus_per_host=torch.cuda.device_count() if device.type == "cuda" else 0)
     if device.type == "cuda":
-        env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        v = torch.cuda.nccl.version()
+        env["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
     try:
         from importlib.metadata import version
 
@@ -91,7 +92,7 @@ def _fmt(v: Optional[float], width: int = 9) -> str:
 def format_table(doc: dict) -> str:
     """Every entry side by side, grouped by EP size, token count and requested SMs."""
     c, env = doc["config"], doc["env"]
-    lines = [f"moe-ep-bench  H={c['hidden']} K={c['topk']} E={c['num_experts']} dispatch={c['dispatch_dtype']} "
+    lines = [f"moe-ep-bench  {c['model'] or 'custom shape'}: H={c['hidden']} K={c['topk']} E={c['num_experts']} dispatch={c['dispatch_dtype']} "
              f"combine={c['combine_dtype']} layout={c['layout']} routing={c['routing']['kind']} "
              f"iters={c['iters']}  [{env.get('device')}, torch {env.get('torch')}, {env.get('commit')}]"]
     groups: dict[tuple, list[dict]] = {}

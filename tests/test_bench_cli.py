@@ -134,10 +134,13 @@ def test_bad_values_name_the_flag(argv, message, capsys):
 
 def test_presets_and_models_resolve():
     a = cli.parse_run_args(["--preset", "prefill"])
-    assert (a.tokens, a.hidden, a.topk, a.num_experts, a.dispatch_dtype, a.layout) == \
-        ([4096], 7168, 8, 256, "fp8", "packed")
-    a = cli.parse_run_args(["--model", "mixtral-8x7b", "--tokens", "1,16,128", "--topk", "1"])
-    assert (a.tokens, a.hidden, a.topk, a.num_experts, a.layout) == ([1, 16, 128], 4096, 1, 8, "masked")
+    assert (a.tokens, a.hidden, a.topk, a.num_experts, a.dispatch_dtype, a.layout, a.model) == \
+        ([4096], 7168, 8, 256, "fp8", "packed", "deepseek-v3")
+    a = cli.parse_run_args(["--model", "qwen3-30b", "--tokens", "1,16,128", "--dispatch-dtype", "bf16"])
+    assert (a.tokens, a.hidden, a.topk, a.num_experts, a.dispatch_dtype, a.model) == \
+        ([1, 16, 128], 2048, 8, 128, "bf16", "qwen3-30b")
+    a = cli.parse_run_args(["--model", "mixtral-8x7b", "--topk", "1"])
+    assert (a.hidden, a.topk, a.num_experts, a.layout, a.model) == (4096, 1, 8, "masked", None)
 
 
 def test_schema_validator_names_the_problem(sweep):

@@ -107,9 +107,11 @@ class DeepEPBackend(Backend):
         if self.ctx.device.type != "cuda":
             return "needs CUDA GPUs (DeepEP's kernels are CUDA-only)"
         try:
-            import deep_ep  # noqa: F401
+            import deep_ep
         except Exception as e:  # noqa: BLE001 - any import failure means: not here
             return f"deep_ep is not importable ({type(e).__name__}: {e})"
+        if not hasattr(deep_ep, "Buffer"):
+            return "this deep_ep has no V1 Buffer API (deep_ep.Buffer), which this backend uses"
         return None
 
     def _buffer(self, key: tuple, make):
@@ -135,7 +137,8 @@ class DeepEPBackend(Backend):
                     rdma = max(rdma, cfg.get_rdma_buffer_size_hint(hidden_bytes, R))
                 return Buffer(group, nvl, rdma)
 
-            return NormalRunner(self._buffer(("normal", hidden_bytes), make), wl, inputs, self.ctx, sms)
+            # the buffer size hints grow with the SM count (channels): one buffer per (hidden, SMs)
+            return NormalRunner(self._buffer(("normal", hidden_bytes, sms), make), wl, inputs, self.ctx, sms)
         return self._open_low_latency(wl, inputs)
 
     def _open_low_latency(self, wl: Workload, inputs: Inputs) -> Runner:
