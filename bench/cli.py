@@ -180,75 +180,95 @@ def _init_distributed(device_kind: str):
         dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
 
 
-def run(a: argparse.Namespace) -> int:
-    """One rank of a sweep: every backend variant on every point; rank 0 prints and writes."""
-    device_kind = a.device
-    if device_kind == "auto":
-        import torch
+def _select_device(requested: str) -> str:
+    """``cuda`` or ``cpu``, with the environment each needs set before triton is imported."""
+    import torch
 
-        device_kind = "cuda" if torch.cuda.is_available() else "cpu"
-    if device_kind == "cpu":
+    kind = requested
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    elif kind == "cuda" and not torch.cuda.is_available():
+        print(f"{PROG}: error: --device cuda: no CUDA GPU is visible (use --device cpu)", file=sys.stderr)
+        raise SystemExit(2)
+    if kind == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (through moe_ep)
     else:
         os.environ.pop("TRITON_INTERPRET", None)
-        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-    _init_distributed(device_kind)
+        for var, value in (("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NCCL_NVLS_ENABLE", "0"),
+                           ("NVSHMEM_DISABLE_NVLS", "1")):  # NVLink multicast stays off
+            os.environ.setdefault(var, value)
+    return kind
+
+
+def sweep(a: argparse.Namespace, group, on_entry) -> list[dict]:
+    """Every backend variant on every point (backend by backend); ``on_entry(entries)`` after each."""
     import torch
-    import torch.distributed as dist
 
-    import moe_ep
-
-    from . import harness, report
+    from . import harness
     from .backends import BACKENDS, Context
     from .progress import Progress
     from .workloads import make_inputs
 
+    ctx = Context(group=group, device=group.device, rank=group.rank, world_size=group.world_size, num_sms=None,
+                  node_size=a.node_size, tokens=sorted(a.tokens), timeout_s=a.timeout_s)
+    stream = torch.cuda.Stream(group.device) if group.device.type == "cuda" else None
+    opts = harness.Options(iters=a.iters, warmup=a.warmup, graph=a.graph)
+    routing = Routing(kind=a.routing, zipf_s=a.zipf_s, holes=a.holes)
+    points = list(itertools.product(a.tokens, a.num_sms or [None]))
+    backends = [BACKENDS[name](ctx) for name in a.backends]
+    progress = Progress(sum(len(b.variants) for b in backends) * len(points),
+                        enabled=group.rank == 0 and not a.no_progress)
+    inputs_cache: dict = {}
+    entries: list[dict] = []
+    for backend in backends:
+        why = group.all_gather_object(backend.unavailable())[0]
+        for variant, (t, sms) in itertools.product(backend.variants, points):
+            wl = Workload(num_tokens=t, hidden=a.hidden, topk=a.topk, num_experts=a.num_experts,
+                          dispatch_dtype=a.dispatch_dtype, combine_dtype=a.combine_dtype, layout=a.layout,
+                          expert_alignment=a.expert_alignment, routing=routing, seed=a.seed)
+            progress.step(backend.name + (f"/{variant}" if variant else "") + f" T={t}" +
+                          (f" SMs={sms}" if sms else ""))
+            ctx.num_sms = sms
+            if why is not None:
+                entries += harness.not_available(backend, variant, wl, ctx, opts, why)
+                continue
+            if t not in inputs_cache:
+                inputs_cache[t] = make_inputs(wl, group)
+            entries += harness.run_variant(backend, variant, wl, inputs_cache[t], ctx, opts, stream)
+            on_entry(entries)
+        backend.close()
+    progress.finish()
+    return entries
+
+
+def run(a: argparse.Namespace) -> int:
+    """One rank of a sweep; rank 0 prints the table and writes the JSON (after every entry) and the plot."""
+    device_kind = _select_device(a.device)
+    _init_distributed(device_kind)
+    import torch.distributed as dist
+
+    import moe_ep
+
+    from . import report
+
     try:
         group = moe_ep.EPGroup()
-        rank, world = group.rank, group.world_size
-        if a.num_experts % world:
-            if rank == 0:
-                print(f"{PROG}: error: --num-experts: expected a multiple of the EP size {world}, got {a.num_experts}",
-                      file=sys.stderr)
+        if a.num_experts % group.world_size:
+            if group.rank == 0:
+                print(f"{PROG}: error: --num-experts: expected a multiple of the EP size {group.world_size}, "
+                      f"got {a.num_experts}", file=sys.stderr)
             return 2
-        ctx = Context(group=group, device=group.device, rank=rank, world_size=world, num_sms=None,
-                      node_size=a.node_size, tokens=sorted(a.tokens), timeout_s=a.timeout_s)
-        stream = torch.cuda.Stream(group.device) if group.device.type == "cuda" else None
-        opts = harness.Options(iters=a.iters, warmup=a.warmup, graph=a.graph)
-        routing = Routing(kind=a.routing, zipf_s=a.zipf_s, holes=a.holes)
-        points = list(itertools.product(a.tokens, a.num_sms or [None]))
-        backends = [BACKENDS[name](ctx) for name in a.backends]
-        total = sum(len(b.variants) for b in backends) * len(points)
-        progress = Progress(total, enabled=rank == 0 and not a.no_progress)
         cfg = config_of(a, group.device.type)
-        env = report.environment(group.device, world)
+        env = report.environment(group.device, group.world_size)
         command = " ".join([PROG] + sys.argv[1:])
-        inputs_cache: dict = {}
-        entries: list[dict] = []
-        for backend in backends:
-            why = group.all_gather_object(backend.unavailable())[0]
-            for variant in backend.variants:
-                for t, sms in points:
-                    wl = Workload(num_tokens=t, hidden=a.hidden, topk=a.topk, num_experts=a.num_experts,
-                                  dispatch_dtype=a.dispatch_dtype, combine_dtype=a.combine_dtype, layout=a.layout,
-                                  expert_alignment=a.expert_alignment, routing=routing, seed=a.seed)
-                    name = backend.name + (f"/{variant}" if variant else "")
-                    progress.step(f"{name} T={t}" + (f" SMs={sms}" if sms else ""))
-                    ctx.num_sms = sms
-                    if why is not None:
-                        entries += harness.not_available(backend, variant, wl, ctx, opts, why)
-                        continue
-                    if t not in inputs_cache:
-                        inputs_cache[t] = make_inputs(wl, group)
-                    entries += harness.run_variant(backend, variant, wl, inputs_cache[t], ctx, opts, stream)
-                    if rank == 0 and a.output:  # after every entry: a crash later leaves what was measured
-                        report.write_json(a.output, report.document(cfg, env, entries, command))
-            backend.close()
-        progress.finish()
+
+        def save(entries: list[dict]) -> None:  # a crash later leaves what was measured
+            if group.rank == 0 and a.output:
+                report.write_json(a.output, report.document(cfg, env, entries, command))
+
+        entries = sweep(a, group, save)
         failed = [e for e in entries if e["status"] == "failed"]
-        if rank == 0:
+        if group.rank == 0:
             doc = report.document(cfg, env, entries, command)
             print(report.format_table(doc), flush=True)
             if a.output:
