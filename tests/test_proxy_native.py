@@ -134,10 +134,14 @@ def _recv_all(eng, dst, plan, payload, timeout_s=20.0):
     assert not dst[end:].any()
 
 
-def _pair(streams=4, **fault):
+def _pair(streams=4, min_shard=1, **fault):
+    """Two connected engines; min_shard=1 spreads every write of >= streams bytes over all streams
+    (None: the default 16 KiB shards)."""
     a, b = TcpTransport(0, 2, streams=streams), TcpTransport(1, 2, streams=streams)
     bufs = {}
     for e in (a, b):
+        if min_shard is not None:
+            e.set_min_shard_bytes(min_shard)
         src, dst = np.zeros(REGION, np.uint8), np.zeros(REGION, np.uint8)
         bufs[e.rank] = (src, dst, e.register(src), e.register(dst))
         if fault:
@@ -150,10 +154,10 @@ def _pair(streams=4, **fault):
 
 # ---------------------------------------------------------------- TCP: in one process
 
-@pytest.mark.parametrize("streams,fault", [(1, {}), (4, {}), (4, dict(delay_us=300, reorder=True)),
-                                           (3, dict(reorder=True))])
-def test_tcp_integrity_in_process(streams, fault):
-    a, b, bufs = _pair(streams, **fault)
+@pytest.mark.parametrize("streams,fault,min_shard", [(1, {}, 1), (4, {}, 1), (4, dict(delay_us=300, reorder=True), 1),
+                                                     (3, dict(reorder=True), 1), (4, dict(reorder=True), None)])
+def test_tcp_integrity_in_process(streams, fault, min_shard):
+    a, b, bufs = _pair(streams, min_shard, **fault)
     try:
         plans = {0: _plan(1, 300), 1: _plan(2, 300)}
         for r in (0, 1):  # sources
@@ -281,6 +285,7 @@ def test_tcp_connect_deadline():
 def _proc_main(rank, conn, n_writes, fault, die_after_connect):
     try:
         e = TcpTransport(rank, 2, streams=4)
+        e.set_min_shard_bytes(1)
         src, dst = np.zeros(REGION, np.uint8), np.zeros(REGION, np.uint8)
         ks, kd = e.register(src), e.register(dst)
         e.set_fault(**fault)

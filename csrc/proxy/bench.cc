@@ -1,10 +1,14 @@
 // Measurement entry points (bench/proxy_cost.py): loops that run in native code, so the numbers
 // are the engine's own cost and not that of the ctypes calls around them.
 #include <sched.h>
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
 
 #include <algorithm>
 #include <chrono>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "proxy.h"
@@ -84,18 +88,26 @@ int moe_ep_bench_post(void* engine, int peer, uint32_t lkey, uint64_t loff, uint
 
 // Stands in for the kernels of `n` epochs on a proxy's mailbox: for e = first .. first+n-1, writes
 // disp_doorbell = e, waits for disp_ready >= e, then (combine != 0) comb_doorbell = e and waits for
-// comb_ready >= e. Waits spin for spin_ns, then yield. out[2i], out[2i+1]: ns doorbell -> ready of
-// dispatch and combine of epoch first+i. Returns 0; 1 at the deadline (timeout_ns per phase);
-// -1 when the proxy wrote its error record (read it from the mailbox).
+// comb_ready >= e. Waits spin for spin_ns, then sleep sleep_ns between looks (0: yield).
+// out[2i], out[2i+1]: ns doorbell -> ready of dispatch and combine of epoch first+i. Returns 0;
+// 1 at the deadline (timeout_ns per phase); -1 when the proxy wrote its error record (read it
+// from the mailbox).
 int moe_ep_bench_drive(int64_t* mailbox, int64_t first, int64_t n, int combine, int64_t timeout_ns, int64_t spin_ns,
-                       int64_t* out) {
+                       int64_t sleep_ns, int64_t* out) {
+#ifdef __linux__
+  prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+#endif
   auto ld = [&](int w) { return __atomic_load_n(&mailbox[w], __ATOMIC_ACQUIRE); };
   auto wait = [&](int w, int64_t e, int64_t t0) {
     while (ld(w) < e) {
       if (ld(moe_ep::kMbErrCode) != moe_ep::kProxyOk) return -1;
       const int64_t now = now_ns();
       if (now - t0 > timeout_ns) return 1;
-      if (now - t0 > spin_ns) sched_yield();
+      if (now - t0 <= spin_ns) continue;
+      if (sleep_ns > 0)
+        std::this_thread::sleep_for(std::chrono::nanoseconds(sleep_ns));
+      else
+        sched_yield();
     }
     return 0;
   };

@@ -148,6 +148,11 @@ int moe_ep_set_op_timeout(void* e, int64_t timeout_ns) {
   return 0;
 }
 
+int moe_ep_set_min_shard_bytes(void* e, uint64_t n) {
+  static_cast<Transport*>(e)->set_min_shard_bytes(n);
+  return 0;
+}
+
 // Copies why the peer was lost (empty when healthy); returns the message length.
 int moe_ep_peer_error(void* e, int peer, char* buf, size_t len) {
   return copy_str(static_cast<Transport*>(e)->peer_error(peer), buf, len);

@@ -12,6 +12,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 namespace moe_ep {
 
@@ -39,7 +40,12 @@ class ImmCounter {
  private:
   std::mutex mu_;
   std::condition_variable cv_;
-  std::unordered_map<uint32_t, int64_t> counts_;
+  struct Waiter {
+    uint32_t imm;
+    int64_t expected;
+  };
+  std::unordered_map<uint32_t, int64_t> counts_;  // nonzero counts only
+  std::vector<Waiter> waiters_;                   // blocked wait() calls (add wakes them when one can return)
   bool failed_ = false;
   std::string fail_msg_;
 };

@@ -300,7 +300,10 @@ class TcpTransport final : public Transport {
     if (cut_peer_.load() == peer && n >= cut_after_.load())
       lose_peer(peer, "connection cut by fault injection after " + std::to_string(n) + " writes");
 
-    const uint32_t nshards = uint32_t(len == 0 ? 1 : std::min<uint64_t>(uint64_t(nstreams_), len));
+    // Shards of at least min_shard_bytes (a small write is one message on one stream; successive
+    // writes still go to different streams, so they stay unordered).
+    const uint64_t ms = std::max<uint64_t>(min_shard_.load(), 1);
+    const uint32_t nshards = uint32_t(std::min<uint64_t>(uint64_t(nstreams_), std::max<uint64_t>((len + ms - 1) / ms, 1)));
     {
       std::lock_guard<std::mutex> lk(cq_mu_);
       if (pr.lost) {
@@ -362,6 +365,7 @@ class TcpTransport final : public Transport {
   }
 
   void set_op_timeout(int64_t ns) override { op_timeout_ns_ = ns; }
+  void set_min_shard_bytes(uint64_t n) override { min_shard_ = std::max<uint64_t>(n, 1); }
 
   std::string peer_error(int peer) override {
     if (peer < 0 || peer >= world_) return "";
@@ -647,6 +651,7 @@ class TcpTransport final : public Transport {
   std::atomic<int> cut_peer_{-1};
   std::atomic<int64_t> cut_after_{0};
   std::atomic<int64_t> op_timeout_ns_{30'000'000'000LL};
+  std::atomic<uint64_t> min_shard_{kDefaultMinShardBytes};
   std::atomic<int64_t> last_timeout_check_ns_{0};
   std::atomic<bool> stop_{false};
   std::atomic<bool> connected_{false};

@@ -51,6 +51,8 @@ struct FaultConfig {
   int64_t cut_after = 0;  // ... when the (cut_after+1)-th write to it (since start) is posted
 };
 
+constexpr uint64_t kDefaultMinShardBytes = 16384;
+
 class Transport {
  public:
   virtual ~Transport() = default;
@@ -69,6 +71,9 @@ class Transport {
   virtual void set_fault(const FaultConfig& f) = 0;
   // Writes not acknowledged within this time complete with kCqTimeout (default 30 s).
   virtual void set_op_timeout(int64_t ns) = 0;
+  // Transports that split a write into shards make none smaller than this (default
+  // kDefaultMinShardBytes; 1: a shard per stream for any write of at least `streams` bytes).
+  virtual void set_min_shard_bytes(uint64_t) {}
   // Empty when the peer is healthy; otherwise why it was lost.
   virtual std::string peer_error(int peer) = 0;
 };

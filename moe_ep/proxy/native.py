@@ -117,6 +117,7 @@ def lib() -> ctypes.CDLL:
             _c(L, "moe_ep_poll", i32, vp, ctypes.POINTER(_CCompletion), i32, i64)
             _c(L, "moe_ep_set_fault", i32, vp, i64, i32, i32, i64)
             _c(L, "moe_ep_set_op_timeout", i32, vp, i64)
+            _c(L, "moe_ep_set_min_shard_bytes", i32, vp, u64)
             _c(L, "moe_ep_peer_error", i32, vp, i32, cp, sz)
             _c(L, "moe_ep_rank", i32, vp)
             _c(L, "moe_ep_world", i32, vp)
@@ -133,7 +134,7 @@ def lib() -> ctypes.CDLL:
             _c(L, "moe_ep_proxy_phase_records", i32, vp, ctypes.POINTER(PhaseRecord), i32)
             _c(L, "moe_ep_bench_post", i32, vp, i32, u32, u64, u32, u64, u64, u32, i64, i64, i64,
                ctypes.POINTER(i64))
-            _c(L, "moe_ep_bench_drive", i32, ctypes.POINTER(i64), i64, i64, i32, i64, i64, ctypes.POINTER(i64))
+            _c(L, "moe_ep_bench_drive", i32, ctypes.POINTER(i64), i64, i64, i32, i64, i64, i64, ctypes.POINTER(i64))
             if L.moe_ep_abi_version() != 3:
                 raise NativeError("native proxy library has an unexpected ABI version; rebuild moe_ep")
             _lib = L
@@ -354,6 +355,19 @@ class Engine(_Closable):
                               ERR_PEER if lost else ERR_INVALID, c.peer)
         return out
 
+    def bench_post(self, peer: int, local_key: int, remote_key: int, nbytes: int, *, n: int, n_serial: int,
+                   imm: int = 0x3000, timeout_s: float = 60.0) -> dict:
+        """Measurement loop in native code (bench/proxy_cost.py): ``n`` writes of ``nbytes`` posted
+        back to back, then ``n_serial`` posted one at a time, each waited for. Nanoseconds."""
+        out = (ctypes.c_int64 * 8)()
+        rc = self._lib.moe_ep_bench_post(self._h, peer, local_key, 0, remote_key, 0, nbytes, imm, n, n_serial,
+                                         _ns(timeout_s), out)
+        if rc != OK:
+            _raise(rc)
+        return dict(post_total_ns=out[0], complete_total_ns=out[1], serial_post_p50_ns=out[2],
+                    serial_post_p99_ns=out[3], serial_latency_p50_ns=out[4], serial_latency_p99_ns=out[5],
+                    failed=out[6])
+
     def set_fault(self, delay_us: int = 0, reorder: bool = False, cut_peer: int = -1, cut_after: int = 0) -> None:
         """Fault injection (off by default): random per-shard delay up to delay_us; reorder (random
         stream, random pick from the stream's queue); cut every connection with cut_peer when
@@ -363,6 +377,11 @@ class Engine(_Closable):
     def set_op_timeout(self, timeout_s: float) -> None:
         """A write not acknowledged within this time completes with CQ_TIMEOUT and its peer is lost."""
         self._lib.moe_ep_set_op_timeout(self._h, _ns(timeout_s))
+
+    def set_min_shard_bytes(self, nbytes: int) -> None:
+        """Shards of a write are at least this large (default 16 KiB; 1: every write of at least
+        ``streams`` bytes is spread over all streams)."""
+        self._lib.moe_ep_set_min_shard_bytes(self._h, nbytes)
 
     def peer_error(self, peer: int) -> str:
         """Why the peer was lost ('' while it is healthy)."""
@@ -543,6 +562,20 @@ class Proxy(_Closable):
         buf = (PhaseRecord * max(1, max_n))()
         n = self._lib.moe_ep_proxy_phase_records(self._h, buf, max(1, max_n))
         return [("dispatch" if r.kind == 0 else "combine", r.epoch, r.seen_ns, r.mid_ns, r.ready_ns) for r in buf[:n]]
+
+    def bench_drive(self, first: int, n: int, *, combine: bool = True, timeout_s: float = 30.0,
+                    spin_us: float = 20.0, sleep_us: float = 5.0) -> tuple[list[int], list[int]]:
+        """Kernel stand-in in native code (bench/proxy_cost.py): rings dispatch (and combine) for
+        epochs first .. first+n-1, each after the previous ready; returns the ns doorbell -> ready
+        of every dispatch and every combine. The send buffers are used as they are."""
+        out = (ctypes.c_int64 * (2 * max(1, n)))()
+        mb = ctypes.cast(_address(self.mailbox)[0], ctypes.POINTER(ctypes.c_int64))
+        rc = self._lib.moe_ep_bench_drive(mb, first, n, int(combine), _ns(timeout_s), int(spin_us * 1e3),
+                                          int(sleep_us * 1e3), out)
+        if rc != 0:
+            self.check_error()
+            raise CommTimeoutError(self.rank, -1, "bench", first, timeout_s)
+        return list(out[0:2 * n:2]), list(out[1:2 * n:2])
 
     def check_error(self) -> None:
         """Raises the exception of the error record, if there is one."""

@@ -1,0 +1,272 @@
+"""Proxy cost on CPU over TCP loopback: time per posted write and per protocol phase.
+
+    python -m bench.proxy_cost                          # both parts, table + JSON on stdout
+    python -m bench.proxy_cost --json out.json --ranks 2 4 8 16 --streams 4 1 --epochs 200
+
+Part "post" (one process, two TCP engines): for each write size, the native loop
+``moe_ep_bench_post`` posts ``n`` writes back to back and reports the time per ``post_write`` call
+and per completed write (first post to last completion, divided by n); then it posts writes one
+at a time and reports the p50/p99 of one ``post_write`` call and of post -> completion. Every
+number is measured in native code, so it is the engine's cost, not that of ctypes.
+
+Part "phase" (one process per rank, node_size=1 so every peer is remote, 16-byte rows, one row
+to every peer, round 2 empty): each rank's native kernel stand-in ``moe_ep_bench_drive`` rings
+dispatch and combine for ``warmup + epochs`` epochs, each doorbell right after the previous ready
+word. Reported over all ranks and measured epochs:
+  - proxy dispatch / combine: doorbell seen -> ready written, by the proxy thread (its own
+    phase time: posting, waiting for the peers' immediates and its own completions);
+  - proxy D1: doorbell seen -> every round-1 immediate counted;
+  - kernel dispatch / combine: doorbell written -> ready seen, as a kernel polling the mailbox
+    would see it (adds the proxy's doorbell polling and the stand-in's own polling).
+A phase is a collective: its time includes waiting for the slowest peer, so on a machine with
+fewer cores than ranks it measures scheduling as much as the proxy.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+SIZES = [0, 4096, 65536, 1 << 20]
+POST_N = {0: 20000, 4096: 20000, 65536: 4000, 1 << 20: 300}
+SERIAL_N = {0: 2000, 4096: 2000, 65536: 1000, 1 << 20: 100}
+RB = CRB = 16
+
+
+def _meta(argv) -> dict:
+    cpu = "?"
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+            if line.startswith("Model name:"):
+                cpu = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    commit = os.environ.get("MOE_EP_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "?"
+        except OSError:
+            commit = "?"
+    return dict(cpu=cpu, cores=os.cpu_count(), kernel=platform.release(), load=os.getloadavg(),
+                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), commit=commit,
+                command="python -m bench.proxy_cost " + " ".join(argv))
+
+
+# ----------------------------------------------------------------------------- post cost
+
+def post_cost(streams: int, sizes=SIZES, scale: float = 1.0, transport: str = "tcp") -> list[dict]:
+    from moe_ep.proxy import Engine
+
+    a, b = (Engine(r, 2, streams=streams, transport=transport) for r in (0, 1))
+    src, dst = np.ones(max(sizes) or 16, np.uint8), np.zeros(max(sizes) or 16, np.uint8)
+    try:
+        for e, buf in ((a, src), (b, np.zeros(16, np.uint8))):
+            e.register(buf)
+        for e, buf in ((a, np.zeros(16, np.uint8)), (b, dst)):
+            e.register(buf)
+        a.connect([a.endpoint, b.endpoint], 10)
+        b.connect([a.endpoint, b.endpoint], 10)
+        rows = []
+        for size in sizes:
+            n, ns = max(10, int(POST_N[size] * scale)), max(10, int(SERIAL_N[size] * scale))
+            a.bench_post(1, 1, 2, size, n=min(n, 100), n_serial=10)  # warm-up
+            r = a.bench_post(1, 1, 2, size, n=n, n_serial=ns)
+            assert r["failed"] == 0, r
+            rows.append(dict(transport=transport, streams=streams, bytes=size, n=n, n_serial=ns,
+                             post_us=r["post_total_ns"] / n / 1e3,
+                             complete_us=r["complete_total_ns"] / n / 1e3,
+                             gbps=size * n / r["complete_total_ns"] if size else 0.0,
+                             serial_post_p50_us=r["serial_post_p50_ns"] / 1e3,
+                             serial_post_p99_us=r["serial_post_p99_ns"] / 1e3,
+                             serial_latency_p50_us=r["serial_latency_p50_ns"] / 1e3,
+                             serial_latency_p99_us=r["serial_latency_p99_ns"] / 1e3))
+        return rows
+    finally:
+        a.close()
+        b.close()
+
+
+# ----------------------------------------------------------------------------- phase time
+
+def _rank_main(rank, R, transport, streams, warmup, epochs, poll, conn):
+    try:
+        from moe_ep.proxy import Engine, Proxy
+
+        eng = Engine(rank, R, streams=streams, transport=transport)
+        px = Proxy(eng, node_size=1, num_local_experts=1, row_bytes=RB, comb_row_bytes=CRB, private_capacity=2,
+                   overflow_capacity=R, max_send_rows=R, timeout_s=30, spin_us=poll["proxy_spin_us"],
+                   sleep_us=poll["proxy_sleep_us"])
+        conn.send(eng.endpoint)
+        eng.connect(conn.recv(), timeout_s=30)
+        counts = np.ones(R, np.int32)
+        counts[rank] = 0
+        for p, off in px.disp_offsets(counts).items():  # one 16-byte row to every peer, every epoch
+            hdr = px.disp_send[off:off + px.hdr_bytes].view(np.int32)
+            hdr[:R] = counts
+            hdr[R] = 1
+            px.disp_send[off + px.hdr_bytes:off + px.hdr_bytes + RB] = p
+        px.comb_send[:(R - 1) * CRB] = rank
+        px.start()
+        conn.send("ready")
+        assert conn.recv() == "go"
+        disp, comb = px.bench_drive(1, warmup + epochs, spin_us=poll["drive_spin_us"], sleep_us=poll["drive_sleep_us"])
+        recs = px.phase_records()
+        first = warmup + 1
+        prox = {"dispatch": [], "d1": [], "combine": []}
+        for kind, e, seen, mid, ready in recs:
+            if e >= first:
+                prox[kind].append(ready - seen)
+                if kind == "dispatch":
+                    prox["d1"].append(mid - seen)
+        # epochs' rows really arrived (last epoch: one row from every peer, in its parity copy)
+        for s in range(R):
+            if s != rank:
+                o = px.round1_offset(warmup + epochs, s) + px.hdr_bytes
+                assert (px.round1[o:o + RB] == rank).all(), s
+        conn.send(("done", disp[warmup:], comb[warmup:], prox))
+        conn.recv()
+        px.close()
+        eng.close()
+    except BaseException as ex:  # noqa: BLE001 - reported to the parent
+        import traceback
+
+        conn.send(("exception", f"{type(ex).__name__}: {ex}\n{traceback.format_exc()}"))
+
+
+def _pct(v, q):
+    return float(np.percentile(np.asarray(v, np.float64), q)) / 1e3 if len(v) else float("nan")
+
+
+POLL = dict(proxy_spin_us=0.0, proxy_sleep_us=50.0, drive_spin_us=0.0, drive_sleep_us=50.0)
+
+
+def phase_time(R: int, streams: int, epochs: int, warmup: int = 20, poll: dict = POLL, wall_s: float = 300.0,
+               transport: str = "tcp") -> dict:
+    ctx = mp.get_context("fork")
+    procs = []
+    for r in range(R):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_rank_main, daemon=True,
+                        args=(r, R, transport, streams, warmup, epochs, poll, child))
+        p.start()
+        procs.append((p, parent))
+    try:
+        def recv(c, what):
+            if not c.poll(wall_s):
+                raise TimeoutError(f"a rank did not answer ({what}) within {wall_s} s")
+            m = c.recv()
+            if isinstance(m, tuple) and m[0] == "exception":
+                raise RuntimeError(m[1])
+            return m
+
+        eps = [recv(c, "endpoint") for _, c in procs]
+        for _, c in procs:
+            c.send(eps)
+        for _, c in procs:
+            assert recv(c, "connect") == "ready"
+        for _, c in procs:
+            c.send("go")
+        res = [recv(c, "epochs") for _, c in procs]
+        for _, c in procs:
+            c.send("close")
+        for p, _ in procs:
+            p.join(30)
+    finally:
+        for p, _ in procs:
+            if p.is_alive():
+                p.kill()
+    disp = [x for r in res for x in r[1]]
+    comb = [x for r in res for x in r[2]]
+    prox = {k: [x for r in res for x in r[3][k]] for k in ("dispatch", "d1", "combine")}
+    out = dict(transport=transport, ranks=R, peers=R - 1, streams=streams, epochs=epochs,
+               threads_per_rank=3 * streams * (R - 1) + 3, **poll)
+    for name, v in (("proxy_dispatch", prox["dispatch"]), ("proxy_d1", prox["d1"]),
+                    ("proxy_combine", prox["combine"]), ("kernel_dispatch", disp), ("kernel_combine", comb)):
+        out[name + "_p50_us"], out[name + "_p99_us"] = _pct(v, 50), _pct(v, 99)
+    return out
+
+
+# ----------------------------------------------------------------------------- output
+
+def _md(cols, rows) -> str:
+    """A markdown table: header cells, then one list of cells per row (numbers right-aligned)."""
+    out = ["| " + " | ".join(cols) + " |", "|" + " ---: |" * len(cols)]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def _pp(r, name, digits=0):
+    return f"{r[name + '_p50_us']:.{digits}f} / {r[name + '_p99_us']:.{digits}f}"
+
+
+def post_table(rows) -> str:
+    return _md(["transport", "streams", "bytes", "post_write (µs, back to back)", "per completed write (µs)", "GB/s",
+                "serial post p50 (µs)", "serial post→completion p50 / p99 (µs)"],
+               [[r["transport"], r["streams"], r["bytes"], f"{r['post_us']:.2f}", f"{r['complete_us']:.2f}",
+                 f"{r['gbps']:.2f}", f"{r['serial_post_p50_us']:.2f}", _pp(r, "serial_latency", 1)] for r in rows])
+
+
+def phase_table(rows) -> str:
+    return _md(["transport", "streams", "ranks (peers)", "proxy dispatch p50 / p99 (µs)", "proxy D1 p50 (µs)",
+                "proxy combine p50 / p99 (µs)", "kernel-view dispatch p50 / p99 (µs)",
+                "kernel-view combine p50 / p99 (µs)"],
+               [[r["transport"], r["streams"], f"{r['ranks']} ({r['peers']})", _pp(r, "proxy_dispatch"),
+                 f"{r['proxy_d1_p50_us']:.0f}", _pp(r, "proxy_combine"), _pp(r, "kernel_dispatch"),
+                 _pp(r, "kernel_combine")] for r in rows])
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(prog="python -m bench.proxy_cost", description=__doc__.split("\n")[0])
+    ap.add_argument("--part", choices=["post", "phase", "all"], default="all")
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 16])
+    ap.add_argument("--streams", type=int, nargs="+", default=[4, 1])
+    ap.add_argument("--transports", nargs="+", default=["tcp"])
+    ap.add_argument("--epochs", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--repeat", type=int, default=1, help="runs per phase row; the one with the best p50 is kept")
+    ap.add_argument("--post-scale", type=float, default=1.0, help="scales the number of posted writes")
+    for k, v in POLL.items():
+        ap.add_argument("--" + k.replace("_", "-"), type=float, default=v,
+                        help="doorbell polling of the proxy thread / ready polling of the kernel stand-in")
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args(argv)
+    res = dict(meta=_meta(argv), post=[], phase=[])
+    if args.part in ("post", "all"):
+        for t in args.transports:
+            for s in args.streams:
+                res["post"] += post_cost(s, scale=args.post_scale, transport=t)
+        print(post_table(res["post"]), flush=True)
+    if args.part in ("phase", "all"):
+        poll = {k: getattr(args, k) for k in POLL}
+        for t in args.transports:
+            for s in args.streams:
+                for R in args.ranks:
+                    runs = [phase_time(R, s, args.epochs, args.warmup, poll, transport=t) for _ in range(args.repeat)]
+                    best = min(runs, key=lambda r: r["proxy_dispatch_p50_us"] + r["proxy_combine_p50_us"])
+                    best["repeats"] = args.repeat
+                    res["phase"].append(best)
+                    print(f"{t} streams={s} ranks={R}: proxy dispatch p50 {best['proxy_dispatch_p50_us']:.0f} us, "
+                          f"combine p50 {best['proxy_combine_p50_us']:.0f} us", file=sys.stderr, flush=True)
+        print(phase_table(res["phase"]), flush=True)
+    res["meta"]["load_after"] = os.getloadavg()
+    text = json.dumps(res, indent=1)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
