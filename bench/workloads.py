@@ -7,14 +7,14 @@ its combine output is checked against the oracle (``moe_ep.reference``) with fak
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from .intranode import expert_scale, mean_over_ranks, rel_err, row_bytes, traffic  # noqa: F401 (re-exported)
+from .intranode import expert_scale, mean_over_ranks, rel_err, row_bytes, traffic  # noqa: F401 (rel_err: for harness)
 
 # Preset: tokens per rank and dtypes/layout; the shape is DeepSeek-V3's unless --model/flags say otherwise.
 PRESETS: dict[str, dict] = {
@@ -70,9 +70,6 @@ class Workload:
     @property
     def fp8(self) -> bool:
         return self.dispatch_dtype == "fp8"
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass
