@@ -38,6 +38,7 @@ def plot(docs: list[dict], path: str, title: Optional[str] = None) -> str:
                               "and run `moe-ep-bench plot RESULT.json --output PLOT.png` later") from e
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import ScalarFormatter
 
     entries = [e for d in docs for e in d["results"]]
     sizes = sorted({e["world_size"] for e in entries})
@@ -67,6 +68,8 @@ def plot(docs: list[dict], path: str, title: Optional[str] = None) -> str:
                 ax.plot(*zip(*pts), marker="o", label=name)
         ax.set(title=f"dispatch+combine p50 vs EP size (T={tokens})", xlabel="EP size (ranks)", ylabel="µs")
         ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes)
+        ax.xaxis.set_major_formatter(ScalarFormatter())
         ax.set_yscale("log")
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
@@ -74,8 +77,6 @@ def plot(docs: list[dict], path: str, title: Optional[str] = None) -> str:
         ax.axis("off")
         ax.text(0.5, 0.5, f"one EP size (R={sizes[0]}):\nmerge runs at other sizes\n(moe-ep-bench plot a.json b.json)",
                 ha="center", va="center")
-    from matplotlib.ticker import ScalarFormatter
-
     for ax in list(axes[0]) + list(axes[1][:2]):
         if len({e["num_tokens"] for e in entries}) > 1:
             ax.set_xscale("log", base=2)
