@@ -1,0 +1,320 @@
+"""MoELayer against a dense single-process MoE with the same weights.
+
+The reference (this file, written independently of the layer) routes with the published
+formulas, runs every selected expert on the values dispatch delivers (bf16, or the fp8 round trip
+of ``moe_ep.fp8``) in float32, sums with the routing weights and adds the shared experts. Every
+rank builds the same dense weights from one seed, loads them into an EP layer (each rank keeps
+its experts) and checks its own tokens: forward under no_grad, and forward + backward against
+the reference's autograd (x, router, shared experts on every rank; routed experts summed over
+ranks, each rank's slice). Ragged tokens per rank, including 0 and more than max_tokens (chunks).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dist_util
+
+FP8 = torch.float8_e4m3fn
+
+
+@dataclass
+class LayerCase:
+    router: str = "softmax"
+    shared: int = 0
+    dtype: str = "bf16"
+    layout: str = "packed"
+    train: bool = True
+    grouped_mm: object = None
+    H: int = 128
+    F: int = 64
+    E: int = 8
+    M: int = 8
+    seed: int = 0
+
+    @property
+    def K(self) -> int:
+        return 2 if self.router == "softmax" else 3
+
+    @property
+    def name(self) -> str:
+        return f"{self.router}-shared{self.shared}-{self.dtype}-{self.layout}-train{int(self.train)}-gmm{self.grouped_mm}"
+
+    def layer_kwargs(self):
+        kw = dict(router=self.router, shared_experts=self.shared, dispatch_dtype=self.dtype, layout=self.layout,
+                  max_tokens=self.M, grouped_mm=self.grouped_mm)
+        if self.router == "sigmoid":
+            kw.update(n_group=4, topk_group=2, routed_scaling_factor=2.5)
+        return kw
+
+
+def cases(R: int):
+    """Every (router, shared, dtype) with the layout, training and GEMM path rotating."""
+    out, i = [], 0
+    for router in ("softmax", "sigmoid"):
+        for shared in (0, 1):
+            for dtype in ("bf16", "fp8"):
+                out.append(LayerCase(router=router, shared=shared, dtype=dtype,
+                                     layout=("packed", "masked")[(i + R) % 2], train=(i + R) % 4 != 3,
+                                     grouped_mm=(None, True)[i % 2], seed=100 * R + i))
+                i += 1
+    return out
+
+
+# ---------------------------------------------------------------------------- the dense reference
+def dense_weights(c: LayerCase):
+    g = torch.Generator().manual_seed(c.seed)
+    sd = {"gate.weight": torch.randn(c.E, c.H, generator=g) * c.H ** -0.5,
+          "experts.gate_up_proj": torch.randn(c.E, 2 * c.F, c.H, generator=g) * c.H ** -0.5,
+          "experts.down_proj": torch.randn(c.E, c.H, c.F, generator=g) * c.F ** -0.5}
+    if c.router == "sigmoid":
+        sd["gate.e_score_correction_bias"] = torch.randn(c.E, generator=g) * 0.1
+    if c.shared:
+        sF = c.shared * c.F
+        sd["shared_experts.gate_proj.weight"] = torch.randn(sF, c.H, generator=g) * c.H ** -0.5
+        sd["shared_experts.up_proj.weight"] = torch.randn(sF, c.H, generator=g) * c.H ** -0.5
+        sd["shared_experts.down_proj.weight"] = torch.randn(c.H, sF, generator=g) * sF ** -0.5
+    return sd
+
+
+def ref_route(c: LayerCase, sd, x):
+    """(weights [T, K] float32, ids [T, K]) by the Mixtral/Qwen3 and DeepSeek-V3 formulas."""
+    logits = x.float() @ sd["gate.weight"].float().t()
+    if c.router == "softmax":
+        p = logits.softmax(-1)
+        w, idx = p.topk(c.K, dim=-1)
+        return w / w.sum(-1, keepdim=True), idx
+    s = logits.sigmoid()
+    biased = s.detach() + sd["gate.e_score_correction_bias"]
+    T, G = x.shape[0], 4
+    per = biased.view(T, G, c.E // G)
+    best_groups = per.topk(2, dim=-1).values.sum(-1).topk(2, dim=-1).indices
+    allowed = torch.zeros(T, G, dtype=torch.bool).scatter(1, best_groups, True)
+    idx = per.masked_fill(~allowed[..., None], -float("inf")).view(T, c.E).topk(c.K, dim=-1).indices
+    w = s.gather(1, idx)
+    return 2.5 * w / (w.sum(-1, keepdim=True) + 1e-20), idx
+
+
+def ref_delivered(c: LayerCase, x):
+    """What the experts receive: bf16(x), or its fp8 round trip; gradients pass straight through."""
+    from moe_ep.fp8 import dequantize_fp8, quantize_fp8
+
+    xb = x.to(torch.bfloat16)
+    v = xb.float() if c.dtype == "bf16" else dequantize_fp8(*quantize_fp8(xb))
+    return x + (v - x).detach()
+
+
+def ref_moe(c: LayerCase, sd, x):
+    w, idx = ref_route(c, sd, x)
+    xq = ref_delivered(c, x)
+    out = x * 0.0  # keeps the graph when no token picks an expert
+    for e in range(c.E):
+        t, k = (idx == e).nonzero(as_tuple=True)
+        if t.numel() == 0:
+            continue
+        gate, up = (xq[t] @ sd["experts.gate_up_proj"][e].t()).chunk(2, dim=-1)
+        y = (F.silu(gate) * up) @ sd["experts.down_proj"][e].t()
+        out = out.index_add(0, t, w[t, k, None] * y)
+    if c.shared:
+        h = F.silu(x @ sd["shared_experts.gate_proj.weight"].t()) * (x @ sd["shared_experts.up_proj.weight"].t())
+        out = out + h @ sd["shared_experts.down_proj.weight"].t()
+    return out, idx
+
+
+def close(name, got, want, rtol=2e-2):
+    """A failure string unless ``max|got - want| <= rtol * max|want|`` (bf16 rounding, float32 sums)."""
+    got, want = got.float(), want.float()
+    if got.shape != want.shape:
+        return [f"{name}: shape {list(got.shape)} != {list(want.shape)}"]
+    if not torch.isfinite(got).all():
+        return [f"{name}: non-finite values"]
+    err, scale = (got - want).abs().max().item() if got.numel() else 0.0, want.abs().max().item() if want.numel() else 0.0
+    return [] if err <= rtol * max(scale, 1e-6) else [f"{name}: max error {err:.3g} > {rtol} x {scale:.3g}"]
+
+
+# ---------------------------------------------------------------------------- rank side
+def token_counts(c: LayerCase, R: int):
+    """Per rank: more than max_tokens (two chunks), 0, a partial chunk, exactly max_tokens."""
+    return [(c.M + 3, 0, 5, c.M)[(r + c.seed) % 4] for r in range(R)]
+
+
+def check_case(rank: int, R: int, c: LayerCase, group=None):
+    import torch.distributed as dist
+
+    import moe_ep
+
+    fails = []
+    sd = dense_weights(c)
+    layer = moe_ep.MoELayer.from_dense(sd, c.H, c.F, c.E, c.K, group=group, **c.layer_kwargs())
+    EL = c.E // R
+    assert layer.experts.gate_up_proj.shape[0] == EL
+    T = token_counts(c, R)[rank]
+    g = torch.Generator().manual_seed(c.seed * 31 + rank)
+    x = torch.randn(T, c.H, generator=g)
+    with torch.no_grad():
+        out = layer(x.view(1, T, c.H)).view(T, c.H)
+    want, _ = ref_moe(c, sd, x)
+    fails += close("forward", out, want)
+    # state_dict gives the dense weights back (collective), exactly.
+    back = layer.state_dict()
+    for k, v in sd.items():
+        if k not in back or not torch.equal(back[k], v):
+            fails.append(f"state_dict[{k}] differs from the dense weights loaded")
+    if c.train:
+        xg = x.clone().requires_grad_(True)
+        gy = torch.randn(T, c.H, generator=g)
+        (layer(xg) * gy).sum().backward()
+        ref = {k: v.clone().requires_grad_(True) for k, v in sd.items() if not k.endswith("bias")}
+        ref.update({k: v for k, v in sd.items() if k.endswith("bias")})
+        xr = x.clone().requires_grad_(True)
+        (ref_moe(c, ref, xr)[0] * gy).sum().backward()
+        fails += close("grad x", xg.grad, xr.grad, 3e-2)
+        for name, p in layer.named_parameters():
+            want_g = ref[name].grad if ref[name].grad is not None else torch.zeros_like(ref[name])
+            if name.startswith("experts."):
+                if R > 1:
+                    dist.all_reduce(want_g)  # routed experts see every rank's tokens
+                want_g = want_g[rank * EL:(rank + 1) * EL]
+            fails += close(f"grad {name}", p.grad, want_g, 3e-2)
+    layer.close()
+    return [f"R{R} rank {rank} {c.name}: {f}" for f in fails]
+
+
+def layer_worker(rank: int, R: int, case_list):
+    fails = []
+    for c in case_list:
+        fails += check_case(rank, R, c)
+    return fails
+
+
+# ---------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("R", [2, 4])
+def test_layer_matches_dense(R):
+    fails = [f for r in dist_util.run(R, layer_worker, cases(R)) for f in r]
+    assert not fails, "\n".join(fails)
+
+
+def test_layer_single_rank_without_process_group():
+    """R=1 with torch.distributed not initialised: the same matrix in this process."""
+    import torch.distributed as dist
+
+    assert not (dist.is_available() and dist.is_initialized())
+    fails = [f for c in cases(1) for f in check_case(0, 1, c)]
+    assert not fails, "\n".join(fails)
+
+
+def test_cases_cover_the_matrix():
+    for R in (1, 2, 4):
+        cs = cases(R)
+        assert {(c.router, c.shared, c.dtype) for c in cs} == {(r, s, d) for r in ("softmax", "sigmoid")
+                                                              for s in (0, 1) for d in ("bf16", "fp8")}
+        assert {c.layout for c in cs} == {"packed", "masked"} and any(c.train for c in cs)
+        assert {c.router for c in cs if c.train} == {"softmax", "sigmoid"}
+        Ts = token_counts(cs[0], max(R, 4))
+        assert 0 in Ts and max(Ts) > cs[0].M
+
+
+def test_reference_catches_a_wrong_layer():
+    """The comparison can fail: the layer with one expert's weights perturbed does not pass."""
+    import moe_ep
+
+    c = LayerCase(seed=7)
+    sd = dense_weights(c)
+    bad = dict(sd)
+    bad["experts.down_proj"] = sd["experts.down_proj"].clone()
+    bad["experts.down_proj"][3] *= 1.2
+    layer = moe_ep.MoELayer.from_dense(bad, c.H, c.F, c.E, c.K, **c.layer_kwargs())
+    x = torch.randn(c.M, c.H, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        got = layer(x)
+    want, idx = ref_moe(c, sd, x)
+    assert (idx == 3).any()
+    assert close("forward", got, want)
+    layer.close()
+
+
+def test_bad_arguments():
+    import moe_ep
+
+    with pytest.raises(ValueError, match="hidden"):
+        moe_ep.MoELayer(100, 64, 8, 2)
+    with pytest.raises(ValueError, match="router"):
+        moe_ep.MoELayer(128, 64, 8, 2, router="relu")
+    with pytest.raises(ValueError, match="topk"):
+        moe_ep.MoELayer(128, 64, 8, 9)
+    with pytest.raises(ValueError, match="n_group"):
+        moe_ep.MoELayer(128, 64, 8, 2, router="sigmoid", n_group=3)
+    with pytest.raises(ValueError, match="n_group"):
+        moe_ep.MoELayer(128, 64, 8, 2, n_group=2)
+    with pytest.raises(ValueError, match="topk_group"):
+        moe_ep.MoELayer(128, 64, 8, 2, router="sigmoid", n_group=4, topk_group=5)
+    with pytest.raises(TypeError, match="dispatch_dtype"):
+        moe_ep.MoELayer(128, 64, 8, 2, dispatch_dtype=torch.float16)
+    with pytest.raises(ValueError, match="layout"):
+        moe_ep.MoELayer(128, 64, 8, 2, layout="dense")
+    with pytest.raises(ValueError, match="activation"):
+        moe_ep.MoELayer(128, 64, 8, 2, activation="relu")
+    with pytest.raises(ValueError, match="shared_experts"):
+        moe_ep.MoELayer(128, 64, 8, 2, shared_experts=-1)
+    with pytest.raises(TypeError, match="group"):
+        moe_ep.MoELayer(128, 64, 8, 2, group="world")
+    layer = moe_ep.MoELayer(128, 64, 8, 2)
+    with pytest.raises(ValueError, match="x: expected a floating point tensor"):
+        layer(torch.zeros(4, 64))
+    with pytest.raises(TypeError, match="x"):
+        layer([1.0])
+
+
+# ---------------------------------------------------------------------------- GPUs
+def _gpu_worker(rank: int, R: int, case_list):
+    import moe_ep
+
+    group = moe_ep.EPGroup()
+    fails = []
+    for c in case_list:
+        fails += check_case_gpu(rank, R, c, group)
+    return fails
+
+
+def check_case_gpu(rank, R, c, group):
+    """The CPU check, run with CUDA tensors: the layer on the GPU, the reference on the CPU."""
+    import moe_ep
+
+    sd = dense_weights(c)
+    layer = moe_ep.MoELayer.from_dense(sd, c.H, c.F, c.E, c.K, group=group, dtype=torch.bfloat16,
+                                       **c.layer_kwargs())
+    T = token_counts(c, R)[rank]
+    x = torch.randn(T, c.H, generator=torch.Generator().manual_seed(c.seed * 31 + rank))
+    with torch.no_grad():
+        out = layer(x.to(group.device, torch.bfloat16)).cpu()
+    bf = {k: v.to(torch.bfloat16).float() for k, v in sd.items()}
+    want, _ = ref_moe(c, bf, x.to(torch.bfloat16).float())
+    fails = close("forward", out, want, 3e-2)
+    if c.train:
+        xg = x.to(group.device, torch.bfloat16).requires_grad_(True)
+        layer(xg).float().square().sum().backward()
+        if not torch.isfinite(xg.grad).all() or not torch.isfinite(layer.experts.gate_up_proj.grad).all():
+            fails.append("non-finite gradients")
+    layer.close()
+    return [f"R{R} rank {rank} {c.name}: {f}" for f in fails]
+
+
+def _gpu_cases():
+    big = dict(H=512, F=256, E=16, M=64)
+    return [LayerCase(router=r, shared=s, dtype=d, layout=lay, **big, seed=i)
+            for i, (r, s, d, lay) in enumerate([("softmax", 0, "bf16", "packed"), ("softmax", 1, "fp8", "masked"),
+                                                ("sigmoid", 1, "bf16", "masked"), ("sigmoid", 0, "fp8", "packed")])]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R", [1, 2])
+def test_layer_gpu(R):
+    n = dist_util.cuda_device_count()
+    if n < R:
+        pytest.skip(f"needs {R} CUDA GPUs, found {n}")
+    fails = [f for r in dist_util.run(R, _gpu_worker, _gpu_cases(), backend="nccl") for f in r]
+    assert not fails, "\n".join(fails)
