@@ -72,7 +72,7 @@ def row_groups(d, layout: str, num_rows: Optional[int] = None, host: bool = Fals
     else:
         n = d.expert_x.shape[0] if num_rows is None else num_rows
         starts_t = d.expert_offsets[:-1].long()
-        ends = d.expert_offsets[1:].to(torch.int32)
+        ends = d.expert_offsets[1:].to(torch.int32, copy=True)  # buffer memory: rewritten by the next dispatch
         rows = torch.arange(n, device=dev)
         expert = torch.searchsorted(ends.long(), rows, right=True).clamp_(max=EL - 1)
         valid = ((rows - starts_t[expert]) < counts[expert]) & (rows >= starts_t[expert])
