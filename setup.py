@@ -14,4 +14,4 @@ proxy_native = Extension(
     extra_link_args=["-pthread"],
 )
 
-setup(packages=["moe_ep", "moe_ep.kernels", "moe_ep.proxy", "bench"], ext_modules=[proxy_native])
+setup(packages=["moe_ep", "moe_ep.kernels", "moe_ep.proxy", "moe_ep.integrations", "bench"], ext_modules=[proxy_native])

@@ -1,0 +1,107 @@
+"""HF transformers models with their MoE blocks replaced by MoELayer (moe_ep.integrations.hf).
+
+Tiny models of each family are built from configs (no downloads), with the same weights on every
+rank; each rank runs its own tokens through the unmodified model and through its expert-parallel
+copy: logits, loss gradients (embeddings, routers, shared experts on every rank; routed experts
+summed over ranks, each rank's slice) and the state dict must agree. The tiny models
+(``moe_ep.integrations.hf_tiny``) place their MoE block where the routers of both models see
+bit-identical inputs, so routing cannot differ by a rounding and the comparison is sharp.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import dist_util
+
+pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers==5.23.0)")
+
+from moe_ep.integrations.hf_tiny import FAMILIES, VOCAB, tiny_model  # noqa: E402
+
+
+def _close(name, got, want, rtol):
+    got, want = got.float(), want.float()
+    err, scale = (got - want).abs().max().item(), want.abs().max().item()
+    return [] if err <= rtol * max(scale, 1e-6) else [f"{name}: max error {err:.3g} > {rtol} x {scale:.3g}"]
+
+
+def hf_worker(rank: int, R: int, families, train: bool = True):
+    import torch.distributed as dist
+
+    import moe_ep
+    from moe_ep.integrations.hf import apply_expert_parallel
+
+    fails = []
+    for fam in families:
+        ref = tiny_model(fam)
+        model = copy.deepcopy(ref)
+        apply_expert_parallel(model, max_tokens=32)
+        layers = {n: m for n, m in model.named_modules() if isinstance(m, moe_ep.MoELayer)}
+        if not layers:
+            fails.append(f"{fam}: no MoE block replaced")
+            continue
+        if set(model.state_dict()) != set(ref.state_dict()):
+            fails.append(f"{fam}: state_dict keys changed")
+        sd = model.state_dict()
+        for k, v in ref.state_dict().items():
+            if ".mlp." in k and not torch.equal(sd[k], v):
+                fails.append(f"{fam}: state_dict[{k}] differs after expert parallelism")
+        ids = torch.randint(0, VOCAB, (2, 5 + 3 * rank), generator=torch.Generator().manual_seed(rank))
+        with torch.no_grad():
+            fails += _close(f"{fam} logits (no_grad)", model(ids).logits, ref(ids).logits, 1e-2)
+        if train:
+            out, want = model(ids, labels=ids), ref(ids, labels=ids)
+            fails += _close(f"{fam} loss", out.loss, want.loss, 1e-3)
+            out.loss.backward()
+            want.loss.backward()
+            ref_params = dict(ref.named_parameters())
+            for name, p in model.named_parameters():
+                w = ref_params[name].grad
+                w = torch.zeros_like(p) if w is None else w
+                if name.split(".")[-1] in ("gate_up_proj", "down_proj") and ".experts." in name:
+                    if R > 1:
+                        dist.all_reduce(w)
+                    EL = p.shape[0]
+                    w = w[rank * EL:(rank + 1) * EL]
+                if p.grad is None:
+                    fails.append(f"{fam}: no gradient for {name}")
+                    continue
+                fails += _close(f"{fam} grad {name}", p.grad, w, 3e-2)
+        for layer in layers.values():
+            layer.close()
+    return [f"R{R} rank {rank} {f}" for f in fails]
+
+
+def test_hf_models_single_rank_without_process_group():
+    fails = hf_worker(0, 1, FAMILIES, train=False)
+    assert not fails, "\n".join(fails)
+
+
+def test_hf_models_two_ranks():
+    fails = [f for r in dist_util.run(2, hf_worker, FAMILIES) for f in r]
+    assert not fails, "\n".join(fails)
+
+
+def test_apply_expert_parallel_bad_input():
+    from moe_ep.integrations.hf import apply_expert_parallel
+
+    with pytest.raises(TypeError, match="model"):
+        apply_expert_parallel("mixtral")
+    with pytest.raises(ValueError, match="no MoE block"):
+        apply_expert_parallel(torch.nn.Linear(4, 4))
+
+
+def test_comparison_can_fail():
+    """A wrong expert weight after the replacement shows in the logits comparison."""
+    from moe_ep.integrations.hf import apply_expert_parallel
+
+    ref = tiny_model("mixtral")
+    model = apply_expert_parallel(copy.deepcopy(ref))
+    layer = next(m for m in model.modules() if type(m).__name__ == "MoELayer")
+    with torch.no_grad():
+        layer.experts.down_proj.mul_(1.25)
+        ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+        assert _close("logits", model(ids).logits, ref(ids).logits, 1e-2)
+    layer.close()
