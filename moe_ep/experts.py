@@ -63,6 +63,8 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, groups: RowGroups, grouped_
     Returns:
         ``[N, Hout]``; rows that are not valid hold zeros (loop) or whatever the GEMM made of them.
     """
+    if x.shape[0] == 0:
+        return x.new_zeros(0, w.shape[-2])
     if grouped_mm is None:
         grouped_mm = use_grouped_mm(x, w) or groups.starts is None
     if grouped_mm:
