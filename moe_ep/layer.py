@@ -142,7 +142,7 @@ class MoELayer(nn.Module):
             raise ValueError(f"x: expected a tensor on {self.gate.weight.device}, got {x.device}")
         xt = x.reshape(-1, self.hidden)
         _, topk_weights, topk_idx = self.gate(xt)
-        out = self._routed(xt, topk_weights, topk_idx)
+        out = self._routed(xt, topk_weights.float(), topk_idx)
         if self.shared_experts is not None:
             out = out + self.shared_experts(xt)
         return out.view(x.shape)

@@ -5,8 +5,9 @@
 uses the blocks' own parameter names, so ``model.state_dict()`` keeps its keys and dense shapes
 (gathered from the ranks: collective). Needs transformers 5 (fused ``gate_up_proj`` experts).
 
-Not carried over: Mixtral's router jitter noise (refused when set), and the recording of router
-logits for the auxiliary load-balancing loss (``output_router_logits``).
+The blocks' own router modules are kept (``keep_router``), so HF's recording of router logits
+for the auxiliary load-balancing loss still works. Not carried over: Mixtral's router jitter
+noise (refused when set).
 """
 from __future__ import annotations
 
@@ -62,13 +63,17 @@ def find_moe_blocks(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if type(m).__name__ in BLOCKS]
 
 
-def apply_expert_parallel(model: nn.Module, group=None, **kw) -> nn.Module:
+def apply_expert_parallel(model: nn.Module, group=None, keep_router: bool = True, **kw) -> nn.Module:
     """Replaces the model's MoE blocks in place by ``MoELayer``s holding the same weights.
 
     Args:
         model: an HF transformers Mixtral, Qwen3-MoE or DeepSeek-V3 model (any head), with the
             same weights on every rank (e.g. the same checkpoint, or the same seed).
         group: ``None`` (WORLD, or a single rank), an ``EPGroup`` or a ``ProcessGroup``.
+        keep_router: the layer routes with the block's own router module (its output contract,
+            ``(logits, weights, ids)``, is the one of ``moe_ep.router.Router``), so routing is
+            bit-identical and HF's recording of router logits (``output_router_logits``, the
+            auxiliary loss) keeps working; False: ``moe_ep.router.Router`` with the same weights.
         **kw: passed to every ``MoELayer`` (``dispatch_dtype``, ``layout``, ``max_tokens``, ...).
     Returns:
         ``model``, whose MoE blocks now run on ``group.device`` with expert parallelism; move
@@ -86,6 +91,8 @@ def apply_expert_parallel(model: nn.Module, group=None, **kw) -> nn.Module:
         dtype = block.gate.weight.dtype if "dtype" not in kw else kw["dtype"]
         layer = MoELayer(**spec, group=group, activation=activation, **{"dtype": dtype, **kw})
         layer.load_state_dict(block.state_dict())
+        if keep_router:
+            layer.gate = block.gate.to(device=layer.gate.weight.device)
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, layer)
