@@ -1,13 +1,17 @@
-// TCP transport: several streams (sockets) per peer and direction; every write is sharded across
-// the streams, so delivery is really unordered. Wire format and threading: docs/ARCHITECTURE.md,
-// "Proxy engine (native)".
+// TCP transport: several streams (sockets) per peer and direction; writes are spread (and large
+// ones sharded) across the streams, so delivery is really unordered. One epoll I/O thread per
+// engine serves every socket (sends, receives, acks). Wire format and threading:
+// docs/ARCHITECTURE.md, "Proxy engine (native)".
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <sys/timerfd.h>
 #include <sys/types.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -73,25 +77,6 @@ int64_t now_ns() {
 
 std::string errno_str(int e) { return std::string(strerror(e)); }
 
-// 1: all n bytes read; 0: clean EOF before the first byte; -1: error or EOF mid-message (errno).
-int read_all(int fd, void* buf, size_t n) {
-  char* p = static_cast<char*>(buf);
-  size_t got = 0;
-  while (got < n) {
-    ssize_t r = recv(fd, p + got, n - got, 0);
-    if (r > 0) {
-      got += size_t(r);
-    } else if (r == 0) {
-      if (got == 0) return 0;
-      errno = ECONNRESET;
-      return -1;
-    } else if (errno != EINTR) {
-      return -1;
-    }
-  }
-  return 1;
-}
-
 bool write_all(int fd, iovec* iov, int cnt) {
   while (cnt > 0) {
     msghdr m{};
@@ -136,12 +121,33 @@ struct Shard {
   const char* src;
 };
 
-struct Stream {
-  int out_fd = -1;  // we connected: shards out, acks in
+// One socket. Outgoing (this rank connected): shards out, acks in. Incoming (the peer connected):
+// hello and shards in, acks out. Everything but `q` belongs to the I/O thread; posters push
+// shards into `q` under `mu`.
+struct Conn {
+  int fd = -1;
+  int peer = -1;  // incoming: known after the hello
+  bool outgoing = false;
+  bool dead = false;  // removed from the epoll set
+  // receiving
+  enum State { kHello, kHeader, kPayload } st = kHeader;
+  std::vector<char> rbuf;  // staging; [rpos, rend) not parsed yet
+  size_t rpos = 0, rend = 0;
+  WireHeader w{};
+  char* dst = nullptr;  // where the payload goes (null: drained, the shard was rejected)
+  uint64_t left = 0;    // payload bytes still to come
+  bool ok = false;
+  int64_t hello_deadline = 0;
+  // sending
   std::mutex mu;
-  std::condition_variable cv;
-  std::deque<Shard> q;
-  std::thread sender, acker;
+  std::deque<Shard> q;  // outgoing: shards waiting for this stream
+  bool busy = false;    // `cur` partly sent
+  Shard cur{};
+  uint64_t cur_off = 0;     // bytes of header + payload of `cur` sent
+  int64_t hold_until = 0;   // delay injection: the next message leaves at this time
+  std::vector<char> obuf;   // incoming: acks not yet sent, from opos
+  size_t opos = 0;
+  bool want_out = false;    // EPOLLOUT armed
 };
 
 struct Partial {
@@ -150,14 +156,14 @@ struct Partial {
 };
 
 struct Peer {
-  std::vector<std::unique_ptr<Stream>> streams;
+  std::vector<std::unique_ptr<Conn>> out;  // one per stream; fd set by connect()
   std::atomic<bool> lost{false};
   std::atomic<int64_t> writes_posted{0};
   std::atomic<uint32_t> next_stream{0};
-  std::mutex mu;                // guards err, in_fds, partial
+  std::mutex mu;            // guards err, in_fds and the out fds
   std::string err;
-  std::vector<int> in_fds;      // the peer connected: shards in, acks out
-  std::unordered_map<uint64_t, Partial> partial;  // writes with shards still to land
+  std::vector<int> in_fds;  // the peer's connections to us
+  std::unordered_map<uint64_t, Partial> partial;  // I/O thread: writes with shards still to land
 };
 
 struct Pending {
@@ -167,17 +173,25 @@ struct Pending {
   int64_t posted_ns;
 };
 
+constexpr size_t kInBuf = 64 << 10, kAckBuf = 4 << 10, kDirectRecv = 8 << 10;
+
 class TcpTransport final : public Transport {
  public:
   TcpTransport(int rank, int world, int streams) : rank_(rank), world_(world), nstreams_(streams) {
     for (int p = 0; p < world; ++p) {
       peers_.emplace_back(new Peer);
-      for (int s = 0; s < streams; ++s) peers_.back()->streams.emplace_back(new Stream);
+      for (int s = 0; s < streams; ++s) {
+        peers_.back()->out.emplace_back(new Conn);
+        Conn& c = *peers_.back()->out.back();
+        c.peer = p;
+        c.outgoing = true;
+        c.rbuf.resize(kAckBuf);
+      }
     }
   }
 
   int start(const std::string& bind_host) {
-    listen_fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    listen_fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (listen_fd_ < 0) return set_error(kErrSystem, prefix() + "socket() failed: " + errno_str(errno));
     int one = 1;
     setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
@@ -199,39 +213,34 @@ class TcpTransport final : public Transport {
       host = name;
     }
     endpoint_ = host + ":" + std::to_string(ntohs(a.sin_port));
-    accept_thread_ = std::thread([this] { accept_loop(); });
+    ep_ = epoll_create1(EPOLL_CLOEXEC);
+    wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    timer_fd_ = timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
+    if (ep_ < 0 || wake_fd_ < 0 || timer_fd_ < 0)
+      return set_error(kErrSystem, prefix() + "epoll/eventfd/timerfd failed: " + errno_str(errno));
+    listen_tag_.fd = listen_fd_;
+    wake_tag_.fd = wake_fd_;
+    timer_tag_.fd = timer_fd_;
+    for (Conn* c : {&listen_tag_, &wake_tag_, &timer_tag_}) ep_add(c);
+    try {
+      io_thread_ = std::thread([this] { io_loop(); });
+    } catch (const std::exception& e) {
+      return set_error(kErrSystem, prefix() + "I/O thread: " + e.what());
+    }
     return kOk;
   }
 
   ~TcpTransport() override {
     stop_ = true;
-    if (listen_fd_ >= 0) shutdown(listen_fd_, SHUT_RDWR);
-    {
-      std::lock_guard<std::mutex> lk(thr_mu_);
-      for (int fd : accepted_fds_) shutdown(fd, SHUT_RDWR);
-    }
-    for (auto& pr : peers_) {
-      std::lock_guard<std::mutex> lk(pr->mu);
-      for (auto& s : pr->streams) {
-        if (s->out_fd >= 0) shutdown(s->out_fd, SHUT_RDWR);
-        std::lock_guard<std::mutex> lq(s->mu);
-        s->cv.notify_all();
-      }
-    }
-    if (accept_thread_.joinable()) accept_thread_.join();
-    {
-      std::lock_guard<std::mutex> lk(thr_mu_);
-      for (int fd : accepted_fds_) shutdown(fd, SHUT_RDWR);  // accepted after the first sweep
-    }
-    for (auto& t : recv_threads_) t.join();
+    wake();
+    if (io_thread_.joinable()) io_thread_.join();
+    for (auto& c : in_)
+      if (c->fd >= 0) shutdown(c->fd, SHUT_RDWR), close(c->fd);
     for (auto& pr : peers_)
-      for (auto& s : pr->streams) {
-        if (s->sender.joinable()) s->sender.join();
-        if (s->acker.joinable()) s->acker.join();
-        if (s->out_fd >= 0) close(s->out_fd);
-      }
-    for (int fd : accepted_fds_) close(fd);
-    if (listen_fd_ >= 0) close(listen_fd_);
+      for (auto& c : pr->out)
+        if (c->fd >= 0) shutdown(c->fd, SHUT_RDWR), close(c->fd);
+    for (int fd : {listen_fd_, ep_, wake_fd_, timer_fd_})
+      if (fd >= 0) close(fd);
   }
 
   int rank() const override { return rank_; }
@@ -265,16 +274,14 @@ class TcpTransport final : public Transport {
           close(fd);
           return set_error(kErrSystem, prefix() + "peer " + std::to_string(p) + ": sending hello failed: " + errno_str(e));
         }
-        std::lock_guard<std::mutex> lk(peers_[p]->mu);
-        peers_[p]->streams[s]->out_fd = fd;
-      }
-    }
-    for (int p = 0; p < world_; ++p) {
-      if (p == rank_) continue;
-      for (auto& sp : peers_[p]->streams) {
-        Stream* s = sp.get();
-        s->sender = std::thread([this, p, s] { send_loop(p, s); });
-        s->acker = std::thread([this, p, s] { ack_loop(p, s); });
+        fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+        Conn* c = peers_[p]->out[s].get();
+        {
+          std::lock_guard<std::mutex> lk(peers_[p]->mu);
+          c->fd = fd;
+          if (peers_[p]->lost) shutdown(fd, SHUT_RDWR);
+        }
+        ep_add(c);
       }
     }
     connected_ = true;
@@ -325,14 +332,12 @@ class TcpTransport final : public Transport {
       sh.src = src + off;
       off += slen;
       const uint32_t si = reorder ? uint32_t(rng() % uint64_t(nstreams_)) : (start + i) % uint32_t(nstreams_);
-      Stream& s = *pr.streams[si];
-      {
-        std::lock_guard<std::mutex> lk(s.mu);
-        if (pr.lost) break;  // pending already failed by lose_peer
-        s.q.push_back(sh);
-      }
-      s.cv.notify_one();
+      Conn& s = *pr.out[si];
+      std::lock_guard<std::mutex> lk(s.mu);
+      if (pr.lost) break;  // pending already failed by lose_peer
+      s.q.push_back(sh);
     }
+    wake();
     return kOk;
   }
 
@@ -431,24 +436,40 @@ class TcpTransport final : public Transport {
                                       " did not succeed before the deadline (" + last + ")");
   }
 
-  void accept_loop() {
-    while (!stop_) {
-      int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-      if (fd < 0) {
-        if (stop_) return;
-        if (errno == EINTR || errno == ECONNABORTED) continue;
-        std::this_thread::sleep_for(std::chrono::milliseconds(10));
-        continue;
-      }
-      set_nodelay(fd);
-      std::lock_guard<std::mutex> lk(thr_mu_);
-      if (stop_) {
-        close(fd);
-        return;
-      }
-      accepted_fds_.push_back(fd);
-      recv_threads_.emplace_back([this, fd] { recv_loop(fd); });
+  void wake() {
+    if (!wake_pending_.exchange(true)) {
+      const uint64_t one = 1;
+      (void)!write(wake_fd_, &one, sizeof(one));
     }
+  }
+
+  void ep_add(Conn* c) {
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.ptr = c;
+    epoll_ctl(ep_, EPOLL_CTL_ADD, c->fd, &ev);
+  }
+
+  void arm_out(Conn* c, bool on) {
+    if (c->want_out == on || c->dead) return;
+    c->want_out = on;
+    epoll_event ev{};
+    ev.events = EPOLLIN | (on ? EPOLLOUT : 0u);
+    ev.data.ptr = c;
+    epoll_ctl(ep_, EPOLL_CTL_MOD, c->fd, &ev);
+  }
+
+  void drop(Conn* c) {
+    if (c->dead) return;
+    c->dead = true;
+    epoll_ctl(ep_, EPOLL_CTL_DEL, c->fd, nullptr);
+    shutdown(c->fd, SHUT_RDWR);
+  }
+
+  // A socket failed: its peer is lost (first reason wins) and the socket leaves the epoll set.
+  void fail(Conn* c, const std::string& why) {
+    if (c->peer >= 0 && !stop_ && (c->outgoing || c->st != Conn::kHello)) lose_peer(c->peer, why);
+    drop(c);
   }
 
   // Marks the peer lost (first reason wins): shuts its sockets down both ways, fails its pending
@@ -462,13 +483,12 @@ class TcpTransport final : public Transport {
       pr.err = msg;
       pr.lost = true;
       for (int fd : pr.in_fds) shutdown(fd, SHUT_RDWR);
-      for (auto& s : pr.streams)
-        if (s->out_fd >= 0) shutdown(s->out_fd, SHUT_RDWR);
+      for (auto& c : pr.out)
+        if (c->fd >= 0) shutdown(c->fd, SHUT_RDWR);
     }
-    for (auto& s : pr.streams) {
-      std::lock_guard<std::mutex> lk(s->mu);
-      s->q.clear();
-      s->cv.notify_all();
+    for (auto& c : pr.out) {
+      std::lock_guard<std::mutex> lk(c->mu);
+      c->q.clear();
     }
     {
       std::lock_guard<std::mutex> lk(cq_mu_);
@@ -508,136 +528,289 @@ class TcpTransport final : public Transport {
                 kCqTimeout);
   }
 
-  void send_loop(int p, Stream* s) {
-    Peer& pr = *peers_[p];
-    std::minstd_rand rng(std::random_device{}());
-    for (;;) {
-      Shard sh;
-      {
-        std::unique_lock<std::mutex> lk(s->mu);
-        s->cv.wait(lk, [&] { return stop_ || pr.lost || !s->q.empty(); });
-        if (stop_ || pr.lost) return;
-        size_t i = 0;
-        if (reorder_ && s->q.size() > 1) i = rng() % s->q.size();
-        sh = s->q[i];
-        s->q.erase(s->q.begin() + long(i));
-      }
-      const int64_t d = delay_us_.load();
-      if (d > 0) std::this_thread::sleep_for(std::chrono::microseconds(rng() % uint64_t(d + 1)));
-      if (stop_ || pr.lost) return;
-      iovec iov[2] = {{&sh.h, sizeof(sh.h)}, {const_cast<char*>(sh.src), size_t(sh.h.len)}};
-      if (!write_all(s->out_fd, iov, sh.h.len ? 2 : 1)) {
-        const int e = errno;
-        if (!stop_) lose_peer(p, "send failed: " + errno_str(e));
-        return;
-      }
-    }
-  }
+  // ---- the I/O thread: every socket of the engine, one epoll loop ----
 
-  void ack_loop(int p, Stream* s) {
-    for (;;) {
-      WireAck a;
-      const int r = read_all(s->out_fd, &a, sizeof(a));
-      if (r != 1) {
-        const int e = errno;
-        if (!stop_) lose_peer(p, r == 0 ? "the peer closed the connection" : "receiving acks failed: " + errno_str(e));
-        return;
+  void io_loop() {
+    epoll_event ev[64];
+    while (!stop_) {
+      const int n = epoll_wait(ep_, ev, 64, 10);  // the timeout is only a safety net
+      if (stop_) break;
+      if (n < 0 && errno != EINTR) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        continue;
       }
-      std::lock_guard<std::mutex> lk(cq_mu_);
-      auto it = pending_.find(a.wr_id);
-      if (it == pending_.end()) continue;  // already failed
-      if (a.status != 0) it->second.status = kCqRemoteAccess;
-      if (--it->second.remaining == 0) {
-        cq_.push_back(Completion{a.wr_id, p, it->second.status});
-        pending_.erase(it);
-        cq_cv_.notify_all();
-      }
-    }
-  }
-
-  void recv_loop(int fd) {
-    // Handshake, with a deadline so a silent connector cannot hold this thread.
-    timeval tv{10, 0};
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-    WireHello h{};
-    if (read_all(fd, &h, sizeof(h)) != 1 || h.magic != kMagicHello || h.world != world_ || h.src_rank < 0 ||
-        h.src_rank >= world_ || h.src_rank == rank_) {
-      shutdown(fd, SHUT_RDWR);
-      return;
-    }
-    tv = timeval{0, 0};
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-    const int p = h.src_rank;
-    Peer& pr = *peers_[p];
-    {
-      std::lock_guard<std::mutex> lk(pr.mu);
-      if (pr.lost || stop_) {
-        shutdown(fd, SHUT_RDWR);
-        return;
-      }
-      pr.in_fds.push_back(fd);
-    }
-    std::vector<char> scratch;
-    for (;;) {
-      WireHeader w;
-      int r = read_all(fd, &w, sizeof(w));
-      if (r != 1) {
-        const int e = errno;
-        if (!stop_) lose_peer(p, r == 0 ? "the peer closed the connection" : "receive failed: " + errno_str(e));
-        return;
-      }
-      if (w.magic != kMagicWrite || w.nshards == 0 || w.shard >= w.nshards) {
-        if (!stop_) lose_peer(p, "protocol error (bad write header)");
-        return;
-      }
-      Region reg;
-      const bool ok = lookup(w.rkey, w.roff, w.len, &reg);
-      if (ok) {
-        r = w.len ? read_all(fd, reg.ptr + w.roff, size_t(w.len)) : 1;
-      } else {  // reject: drain the payload, ack with an error
-        uint64_t left = w.len;
-        scratch.resize(1 << 16);
-        r = 1;
-        while (left > 0 && r == 1) {
-          const size_t n = size_t(std::min<uint64_t>(left, scratch.size()));
-          r = read_all(fd, scratch.data(), n);
-          left -= n;
+      for (int i = 0; i < n; ++i) {
+        Conn* c = static_cast<Conn*>(ev[i].data.ptr);
+        if (c == &wake_tag_) {
+          uint64_t v;
+          (void)!read(wake_fd_, &v, sizeof(v));
+          // After draining, before pump(): a post that saw the flag set queued its shards before
+          // this store, so pump() sends them; a later post finds it clear and signals again.
+          wake_pending_ = false;
+        } else if (c == &timer_tag_) {
+          uint64_t v;
+          (void)!read(timer_fd_, &v, sizeof(v));
+        } else if (c == &listen_tag_) {
+          accept_all();
+        } else if (!c->dead) {
+          if (ev[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR)) on_readable(c);
+          if (!c->dead && (ev[i].events & EPOLLOUT)) c->outgoing ? send_some(c) : flush_acks(c);
         }
       }
-      if (r != 1) {
-        const int e = errno;
-        if (!stop_) lose_peer(p, "connection lost in the middle of a write: " + errno_str(e));
+      pump();
+      expire_hellos();
+    }
+  }
+
+  void accept_all() {
+    for (;;) {
+      const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (fd < 0) return;  // EAGAIN (or a transient error; epoll reports the next one)
+      set_nodelay(fd);
+      in_.emplace_back(new Conn);
+      Conn* c = in_.back().get();
+      c->fd = fd;
+      c->st = Conn::kHello;
+      c->hello_deadline = now_ns() + 10'000'000'000LL;  // a silent connector cannot stay forever
+      c->rbuf.resize(kInBuf);
+      ep_add(c);
+    }
+  }
+
+  void expire_hellos() {
+    const int64_t now = now_ns();
+    if (now - last_hello_check_ < 100'000'000) return;
+    last_hello_check_ = now;
+    for (auto& c : in_)
+      if (!c->dead && c->st == Conn::kHello && now > c->hello_deadline) drop(c.get());
+  }
+
+  void on_readable(Conn* c) {
+    for (int round = 0; round < 64 && !c->dead; ++round) {
+      if (c->st == Conn::kPayload && c->dst && c->rpos == c->rend && c->left >= kDirectRecv) {
+        const ssize_t r = recv(c->fd, c->dst, size_t(c->left), MSG_DONTWAIT);  // large payload: no staging copy
+        if (r > 0) {
+          c->dst += r;
+          c->left -= uint64_t(r);
+          if (c->left == 0) land(c);
+          continue;
+        }
+        if (!read_failed(c, r)) break;
         return;
       }
-      bool count = false;
-      if (w.nshards == 1) {
-        count = ok;
-      } else {
+      if (c->rpos == c->rend) c->rpos = c->rend = 0;
+      if (c->rend == c->rbuf.size()) {  // keep the unparsed tail, make room after it
+        std::memmove(c->rbuf.data(), c->rbuf.data() + c->rpos, c->rend - c->rpos);
+        c->rend -= c->rpos;
+        c->rpos = 0;
+      }
+      const size_t room = c->rbuf.size() - c->rend;
+      const ssize_t r = recv(c->fd, c->rbuf.data() + c->rend, room, MSG_DONTWAIT);
+      if (r <= 0) {
+        if (!read_failed(c, r)) break;
+        return;
+      }
+      c->rend += size_t(r);
+      if (!parse(c)) return;
+      if (size_t(r) < room) break;  // drained (level-triggered: epoll reports more)
+    }
+    if (!c->dead && !c->outgoing) flush_acks(c);
+  }
+
+  // r <= 0 from recv. Returns false for "would block" (nothing lost), true when the socket failed.
+  bool read_failed(Conn* c, ssize_t r) {
+    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return false;
+    const int e = errno;
+    std::string why;
+    if (r == 0 && !c->outgoing && (c->st == Conn::kPayload || c->rpos != c->rend))
+      why = "connection lost in the middle of a write: " + errno_str(ECONNRESET);
+    else if (r == 0)
+      why = "the peer closed the connection";
+    else
+      why = std::string(c->outgoing ? "receiving acks failed: " : "receive failed: ") + errno_str(e);
+    fail(c, why);
+    return true;
+  }
+
+  // Consumes the staged bytes. False when the connection was dropped.
+  bool parse(Conn* c) {
+    if (c->outgoing) return parse_acks(c);
+    for (;;) {
+      const size_t avail = c->rend - c->rpos;
+      const char* p = c->rbuf.data() + c->rpos;
+      if (c->st == Conn::kHello) {
+        if (avail < sizeof(WireHello)) return true;
+        WireHello h;
+        std::memcpy(&h, p, sizeof(h));
+        c->rpos += sizeof(h);
+        if (h.magic != kMagicHello || h.world != world_ || h.src_rank < 0 || h.src_rank >= world_ ||
+            h.src_rank == rank_)
+          return drop(c), false;
+        Peer& pr = *peers_[h.src_rank];
         std::lock_guard<std::mutex> lk(pr.mu);
-        auto [it, fresh] = pr.partial.try_emplace(w.wr_id, Partial{w.nshards, false});
-        (void)fresh;
-        it->second.bad |= !ok;
-        if (--it->second.remaining == 0) {
-          count = !it->second.bad;
-          pr.partial.erase(it);
+        if (pr.lost || stop_) return drop(c), false;
+        pr.in_fds.push_back(c->fd);
+        c->peer = h.src_rank;
+        c->st = Conn::kHeader;
+      } else if (c->st == Conn::kHeader) {
+        if (avail < sizeof(WireHeader)) return true;
+        std::memcpy(&c->w, p, sizeof(WireHeader));
+        c->rpos += sizeof(WireHeader);
+        const WireHeader& w = c->w;
+        if (w.magic != kMagicWrite || w.nshards == 0 || w.shard >= w.nshards)
+          return fail(c, "protocol error (bad write header)"), false;
+        Region reg;
+        c->ok = lookup(w.rkey, w.roff, w.len, &reg);
+        c->dst = c->ok ? reg.ptr + w.roff : nullptr;  // rejected: drained, acknowledged with an error
+        c->left = w.len;
+        c->st = Conn::kPayload;
+        if (c->left == 0) land(c);
+      } else {
+        if (avail == 0) return true;
+        const size_t n = size_t(std::min<uint64_t>(avail, c->left));
+        if (c->dst) {
+          std::memcpy(c->dst, p, n);
+          c->dst += n;
         }
-      }
-      // The immediate is counted before the ack goes out: a sender that saw its completion knows
-      // the receiver's counter already includes the write.
-      if (count && (w.flags & kFlagImm)) imm_.add(w.imm, 1);
-      WireAck a{w.wr_id, ok ? 0u : 1u, w.shard};
-      if (!write_all(fd, &a, sizeof(a))) {
-        const int e = errno;
-        if (!stop_) lose_peer(p, "sending ack failed: " + errno_str(e));
-        return;
+        c->rpos += n;
+        c->left -= n;
+        if (c->left == 0) land(c);
       }
     }
+  }
+
+  // Every byte of the current shard is in place: count it, add the immediate when it was the
+  // write's last shard, queue the ack.
+  void land(Conn* c) {
+    const WireHeader& w = c->w;
+    Peer& pr = *peers_[c->peer];
+    bool count = false;
+    if (w.nshards == 1) {
+      count = c->ok;
+    } else {
+      auto [it, fresh] = pr.partial.try_emplace(w.wr_id, Partial{w.nshards, false});
+      (void)fresh;
+      it->second.bad |= !c->ok;
+      if (--it->second.remaining == 0) {
+        count = !it->second.bad;
+        pr.partial.erase(it);
+      }
+    }
+    // The immediate is counted before the ack goes out: a sender that saw its completion knows
+    // the receiver's counter already includes the write.
+    if (count && (w.flags & kFlagImm)) imm_.add(w.imm, 1);
+    const WireAck a{w.wr_id, c->ok ? 0u : 1u, w.shard};
+    const char* b = reinterpret_cast<const char*>(&a);
+    c->obuf.insert(c->obuf.end(), b, b + sizeof(a));
+    c->st = Conn::kHeader;
+  }
+
+  bool parse_acks(Conn* c) {
+    const size_t n = (c->rend - c->rpos) / sizeof(WireAck);
+    if (n == 0) return true;
+    bool notify = false;
+    {
+      std::lock_guard<std::mutex> lk(cq_mu_);
+      for (size_t i = 0; i < n; ++i) {
+        WireAck a;
+        std::memcpy(&a, c->rbuf.data() + c->rpos + i * sizeof(WireAck), sizeof(a));
+        auto it = pending_.find(a.wr_id);
+        if (it == pending_.end()) continue;  // already failed
+        if (a.status != 0) it->second.status = kCqRemoteAccess;
+        if (--it->second.remaining == 0) {
+          cq_.push_back(Completion{a.wr_id, c->peer, it->second.status});
+          pending_.erase(it);
+          notify = true;
+        }
+      }
+    }
+    c->rpos += n * sizeof(WireAck);
+    if (notify) cq_cv_.notify_all();
+    return true;
+  }
+
+  void flush_acks(Conn* c) {
+    while (c->opos < c->obuf.size()) {
+      const ssize_t r = send(c->fd, c->obuf.data() + c->opos, c->obuf.size() - c->opos, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (r < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) return arm_out(c, true);
+        return fail(c, "sending ack failed: " + errno_str(errno));
+      }
+      c->opos += size_t(r);
+    }
+    c->obuf.clear();
+    c->opos = 0;
+    arm_out(c, false);
+  }
+
+  // Sends what the posters queued on every outgoing stream, as far as the sockets take it.
+  void pump() {
+    if (!connected_) return;
+    next_hold_ = 0;
+    for (int p = 0; p < world_; ++p)
+      if (p != rank_)
+        for (auto& c : peers_[p]->out)
+          if (c->fd >= 0 && !c->dead) send_some(c.get());
+    if (next_hold_) {  // delay injection: wake up when the earliest held message may leave
+      itimerspec ts{};
+      ts.it_value.tv_sec = time_t(next_hold_ / 1'000'000'000);
+      ts.it_value.tv_nsec = long(next_hold_ % 1'000'000'000);
+      timerfd_settime(timer_fd_, TFD_TIMER_ABSTIME, &ts, nullptr);
+    }
+  }
+
+  void send_some(Conn* c) {
+    Peer& pr = *peers_[c->peer];
+    for (;;) {
+      if (pr.lost || stop_) return;
+      if (!c->busy) {
+        std::lock_guard<std::mutex> lk(c->mu);
+        if (c->q.empty()) break;
+        if (const int64_t d = delay_us_.load(); d > 0) {
+          const int64_t now = now_ns();
+          if (c->hold_until == 0) c->hold_until = now + int64_t(rng_() % uint64_t(d + 1)) * 1000;
+          if (now < c->hold_until) {
+            if (!next_hold_ || c->hold_until < next_hold_) next_hold_ = c->hold_until;
+            return;
+          }
+        }
+        size_t i = 0;
+        if (reorder_ && c->q.size() > 1) i = rng_() % c->q.size();
+        c->cur = c->q[i];
+        c->q.erase(c->q.begin() + long(i));
+        c->hold_until = 0;
+        c->busy = true;
+        c->cur_off = 0;
+      }
+      const uint64_t hl = sizeof(WireHeader), total = hl + c->cur.h.len;
+      iovec iov[2];
+      int cnt = 0;
+      if (c->cur_off < hl)
+        iov[cnt++] = {reinterpret_cast<char*>(&c->cur.h) + c->cur_off, size_t(hl - c->cur_off)};
+      const uint64_t poff = c->cur_off > hl ? c->cur_off - hl : 0;
+      if (c->cur.h.len > poff) iov[cnt++] = {const_cast<char*>(c->cur.src) + poff, size_t(c->cur.h.len - poff)};
+      msghdr m{};
+      m.msg_iov = iov;
+      m.msg_iovlen = size_t(cnt);
+      const ssize_t r = sendmsg(c->fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (r < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) return arm_out(c, true);
+        return fail(c, "send failed: " + errno_str(errno));
+      }
+      c->cur_off += uint64_t(r);
+      if (c->cur_off == total) c->busy = false;
+    }
+    arm_out(c, false);
   }
 
   const int rank_, world_, nstreams_;
-  int listen_fd_ = -1;
+  int listen_fd_ = -1, ep_ = -1, wake_fd_ = -1, timer_fd_ = -1;
+  Conn listen_tag_, wake_tag_, timer_tag_;  // epoll tags of the listening socket, eventfd, timerfd
   std::string endpoint_;
   std::vector<std::unique_ptr<Peer>> peers_;
+  std::vector<std::unique_ptr<Conn>> in_;  // I/O thread: accepted connections
   std::mutex reg_mu_;
   std::vector<Region> regions_;
   ImmCounter imm_;
@@ -655,10 +828,11 @@ class TcpTransport final : public Transport {
   std::atomic<int64_t> last_timeout_check_ns_{0};
   std::atomic<bool> stop_{false};
   std::atomic<bool> connected_{false};
-  std::thread accept_thread_;
-  std::mutex thr_mu_;
-  std::vector<std::thread> recv_threads_;
-  std::vector<int> accepted_fds_;
+  std::atomic<bool> wake_pending_{false};
+  std::minstd_rand rng_{std::random_device{}()};  // I/O thread
+  int64_t next_hold_ = 0;                          // I/O thread
+  int64_t last_hello_check_ = 0;                   // I/O thread
+  std::thread io_thread_;
 };
 
 }  // namespace
