@@ -14,6 +14,8 @@ What is timed (GPU), all on one CUDA stream, CUDA events around each call, after
   - eager: dispatch alone, combine alone, and the pair, as a caller without CUDA graphs runs them;
   - graph: dispatch alone and combine alone (two captured graphs replayed alternately, so every
     combine follows its dispatch), and the pair captured as one graph;
+  - kernel: the device time of each dispatch and combine call (the sum of its kernels' durations
+    from torch.profiler, graph replays): what the GPU spends, without launch gaps;
   - nccl: the baseline a user would write (all_to_all_single of counts, host sync, permute once
     per (token, rank), all_to_all_single of rows and of metadata, expand per expert; combine:
     weighted index_add_ per received row, all_to_all_single back, index_add_ per token). Eager.
@@ -127,6 +129,32 @@ class Timer:
                     end.record()
         torch.cuda.synchronize()
         return [[s.elapsed_time(e) * 1e3 for s, e in per_fn] for per_fn in events]
+
+
+def kernel_times(d_fn, c_fn, iters: int, stream) -> tuple[list[float], list[float]]:
+    """Device time of each call (the sum of its kernels' durations, torch.profiler), for ``iters``
+    alternating dispatch / combine calls: what the GPU spends, without launch gaps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof, torch.cuda.stream(stream):
+        for _ in range(iters):
+            d_fn()
+            c_fn()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                      and ("dispatch" in e.name or "route" in e.name or "combine" in e.name)),
+                     key=lambda e: e.time_range.start)
+    d, c = [], []
+    last = None
+    for e in kernels:  # consecutive kernels of one op belong to one call
+        op = "c" if "combine" in e.name else "d"
+        out = c if op == "c" else d
+        if op == last:
+            out[-1] += e.device_time
+        else:
+            out.append(e.device_time)
+        last = op
+    return d, c
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -408,6 +436,11 @@ def run_bench(args: argparse.Namespace) -> dict:
                     g_c.replay()
                     g_p.replay()
             measure("graph", g_d.replay, g_c.replay, g_p.replay, programs)
+            t_d, t_c = kernel_times(g_d.replay, g_c.replay, args.iters, stream)
+            results.append(stats("dispatch", "kernel", t_d, device, d_bytes, programs))
+            results.append(stats("combine", "kernel", t_c, device, c_bytes, programs))
+            results.append(stats("dispatch+combine", "kernel", [a + b for a, b in zip(t_d, t_c)], device,
+                                 pair_bytes, programs))
             checks["moe_ep_graph"] = max_over_ranks([rel_err(state["out"], ref)], device)[0]
         sync(device)
 

@@ -14,6 +14,7 @@ from .dispatch import _pow2
 from .fp8 import num_scale_blocks
 from .group import EPGroup
 from .handle import DispatchResult
+from .kernels.launch import Launcher
 from .layout import WorkspaceLayout, chunking
 from .memory import SymmetricWorkspace
 
@@ -139,6 +140,12 @@ class EPBuffer:
                               if self.fp8 else None)
         self.expert_counts = torch.zeros(EL, dtype=torch.int32, device=dev)
         self.expert_offsets = torch.zeros(EL + 1, dtype=torch.int32, device=dev) if layout == "packed" else None
+        # What every launch passes and never changes, ready for the cheap launch path.
+        self._launch = Launcher(dev)
+        self._ws_ptr = self.workspace.local.data_ptr()
+        self._timeout_ns = int(self.timeout_s * 1e9)
+        self._out_scales = self.expert_scales if self.fp8 else self.err
+        self._out_offsets = self.expert_offsets if self.expert_offsets is not None else self.expert_counts
         self._serial = 0
         self._epochs = [0, 0]  # host mirror of the device epochs, for error messages and CPU waits
         self._closed = False

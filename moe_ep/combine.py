@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import _check_tensor, _pow2, launch_halves
+from .dispatch import _aligned, _check_tensor, _pow2, launch_halves
 from .kernels.combine import combine_kernel
 from .handle import DispatchResult
 
@@ -16,19 +16,26 @@ def combine(buf, expert_y: torch.Tensor, handle) -> torch.Tensor:
         raise ValueError("handle: stale; a later dispatch on this buffer replaced its routing "
                          "(combine the latest dispatch, or use one buffer per in-flight layer)")
     _check_tensor("expert_y", expert_y, (torch.bfloat16,), tuple(buf.expert_x.shape), buf.device)
-    N, M, K, E, EL, H = buf.world_size, buf.max_tokens, buf.topk, buf.num_experts, buf.num_local_experts, buf.hidden
-    off, T = buf.off, handle.num_tokens
-    out = torch.empty(T, H, dtype=torch.bfloat16, device=buf.device)
-    BLOCK_T = buf.block_t
-    args = (expert_y, handle.topk_idx, out, buf.workspace.local.data_ptr(), buf.workspace.peer_ptrs, buf.state,
-            buf.err, buf.recv_pos, int(buf.timeout_s * 1e9), T)
-    consts = dict(off_cflag=off["comb_flag"], off_hdr=off["hdr"], off_meta_w=off["meta_w"], off_comb=off["comb"],
-                  RANK=buf.rank, N=N, M=M, K=K, E=E, EL=EL, H=H, HDR=buf.ws_layout.HDR, CMAX=buf.chunks,
-                  BLOCK_T=BLOCK_T, BLOCK_K=_pow2(K, 2), BLOCK_H=max(16, min(_pow2(H), 2048, 8192 // BLOCK_T)),
-                  INTERP=buf.interp, num_warps=buf.num_warps)
+    T = handle.num_tokens
+    out = torch.empty(T, buf.hidden, dtype=torch.bfloat16, device=buf.device)
+    idx = handle.topk_idx
+    args = (expert_y, idx, out, buf._ws_ptr, buf.workspace.peer_ptrs, buf.state, buf.err, buf.recv_pos,
+            buf._timeout_ns, T)
+    key = ("combine", idx.dtype, _aligned(expert_y), _aligned(idx), _aligned(out))
     epoch = buf._epochs[1] + 1
-    launch_halves(buf, combine_kernel, args, consts, lambda: buf._host_wait_combine(epoch, T))
+    launch_halves(buf, key, combine_kernel, args, (0, 1, 2, 9), lambda: _combine_consts(buf),
+                  lambda: buf._host_wait_combine(epoch, T))
     buf._epochs[1] = epoch
     if buf.interp:
         buf._check_usable()
     return out
+
+
+def _combine_consts(buf) -> dict:
+    """The combine kernel's constexprs (all fixed by the buffer)."""
+    off, H, BLOCK_T = buf.off, buf.hidden, buf.block_t
+    return dict(off_cflag=off["comb_flag"], off_hdr=off["hdr"], off_meta_w=off["meta_w"], off_comb=off["comb"],
+                RANK=buf.rank, N=buf.world_size, M=buf.max_tokens, K=buf.topk, E=buf.num_experts,
+                EL=buf.num_local_experts, H=H, HDR=buf.ws_layout.HDR, CMAX=buf.chunks, BLOCK_T=BLOCK_T,
+                BLOCK_K=_pow2(buf.topk, 2), BLOCK_H=max(16, min(_pow2(H), 2048, 8192 // BLOCK_T)),
+                INTERP=buf.interp, num_warps=buf.num_warps)

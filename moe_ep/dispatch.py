@@ -8,7 +8,6 @@ import torch
 
 from .kernels.dispatch import dispatch_kernel
 from .handle import DispatchResult
-from .kernels.launch import launch
 from .layout import chunking
 from .kernels.route import route_hist_kernel
 
@@ -22,7 +21,15 @@ def _pow2(n: int, lo: int = 1) -> int:
     return max(lo, 1 << (max(n, 1) - 1).bit_length())
 
 
+def _on(t: torch.Tensor, device: torch.device) -> bool:
+    # Cheaper than comparing torch.device objects (this runs on every eager call).
+    return t.is_cuda and t.get_device() == device.index if device.type == "cuda" else t.device == device
+
+
 def _check_tensor(name: str, t, dtypes, shape, device) -> None:
+    if (isinstance(t, torch.Tensor) and t.dtype in dtypes and len(t.shape) == len(shape)
+            and all(s is None or a == s for a, s in zip(t.shape, shape)) and _on(t, device) and t.is_contiguous()):
+        return  # the common case, checked cheaply; below, the same checks one by one for the message
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
@@ -30,7 +37,7 @@ def _check_tensor(name: str, t, dtypes, shape, device) -> None:
     if t.dim() != len(shape) or any(s is not None and a != s for a, s in zip(t.shape, shape)):
         want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
         raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
-    if t.device != device:
+    if not _on(t, device):
         raise ValueError(f"{name}: expected a tensor on {device}, got {t.device}")
     if not t.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor")
@@ -64,50 +71,64 @@ def validate(buf, x, topk_idx, topk_weights, x_scales) -> int:
     return T
 
 
-def launch_halves(buf, kernel, args: tuple, consts: dict, host_wait) -> None:
+def launch_halves(buf, key: tuple, kernel, args: tuple, dynamic: tuple, consts, host_wait) -> None:
     """One launch doing both halves (``SEND`` and ``RECV``) where ``buf.fused``; else the send half,
-    ``host_wait()`` under the interpreter (which cannot spin in a kernel), then the receive half."""
-    if buf.fused:
-        launch(kernel, buf.num_programs, args, dict(consts, SEND=True, RECV=True))
-        return
-    launch(kernel, buf.num_programs, args, dict(consts, SEND=True, RECV=False))
-    if buf.interp:
-        host_wait()
-    launch(kernel, buf.num_programs, args, dict(consts, SEND=False, RECV=True))
+    ``host_wait()`` under the interpreter (which cannot spin in a kernel), then the receive half.
+    ``consts()`` gives the constexprs without SEND/RECV; ``key`` names what can change them;
+    ``dynamic``: positions in ``args`` that may differ between calls (the rest is the buffer's)."""
+    halves = ((True, True),) if buf.fused else ((True, False), (False, True))
+    for n, (send, recv) in enumerate(halves):
+        if n == 1 and buf.interp:
+            host_wait()
+        buf._launch(key + (send, recv), kernel, buf.num_programs, args, lambda: dict(consts(), SEND=send, RECV=recv),
+                    dynamic)
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return (t.data_ptr() & 15) == 0
 
 
 def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = None):
     T = validate(buf, x, topk_idx, topk_weights, x_scales)
-    N, M, K, E, EL, H = buf.world_size, buf.max_tokens, buf.topk, buf.num_experts, buf.num_local_experts, buf.hidden
-    lay, off, CMAX = buf.ws_layout, buf.off, buf.chunks
+    CMAX = buf.chunks
     BT, NC = chunking(T, CMAX)
-    BLOCK_K = _pow2(K, 2)
-    BLOCK_T = buf.block_t
-    direct = T * K <= 2048  # decode sizes: the send half counts earlier selections itself
-    if T > 0 and not direct:
-        launch(route_hist_kernel, NC, (topk_idx, buf.hist, buf.state, buf.err, T, BT),
-               dict(E=E, K=K, CMAX=CMAX, BLOCK_T=_pow2(BT), BLOCK_K=BLOCK_K, BLOCK_E=_pow2(E, 2)))
+    direct = T * buf.topk <= 2048  # decode sizes: the send half counts earlier selections itself
     fp8_in = x_scales is not None
-    W = H * (1 if buf.fp8 else 2) // 4
-    nb = max(1, buf.num_scale_blocks)
-    args = (x.view(torch.uint8) if fp8_in else x, x_scales if fp8_in else buf.err, topk_idx, topk_weights,
-            buf.hist, buf.workspace.peer_ptrs, buf.workspace.local.data_ptr(), buf.state, buf.err,
-            buf.expert_x_words, buf.expert_scales if buf.fp8 else buf.err, buf.expert_counts,
-            buf.expert_offsets if buf.expert_offsets is not None else buf.expert_counts,
-            buf.recv_pos, buf.scratch, T, BT, NC, int(buf.timeout_s * 1e9))
-    consts = dict(off_hflag=off["hdr_flag"], off_dflag=off["disp_flag"], off_hdr=off["hdr"], off_meta_i=off["meta_i"],
-                  off_meta_w=off["meta_w"], off_rows=off["rows"], RANK=buf.rank, N=N, M=M, K=K, E=E, EL=EL, H=H,
-                  W=W, NB=nb, RB=lay.RB, HDR=lay.HDR, CMAX=CMAX, ALIGN=buf.expert_alignment, CAP=buf.capacity,
-                  FP8=buf.fp8, PREQ=fp8_in, DIRECT=direct, PACKED=buf.layout == "packed",
-                  BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, BLOCK_C=min(CMAX, 64),
-                  BLOCK_H=max(128 if buf.fp8 else 16, min(_pow2(H), 8192 // BLOCK_T)),
-                  BLOCK_EL=buf.block_el, BLOCK_W=max(16, min(_pow2(W), 2048, 4096 // BLOCK_T)),
-                  BLOCK_NB=_pow2(nb, 2), INTERP=buf.interp, num_warps=buf.num_warps)
+    if T > 0 and not direct:
+        buf._launch(("hist", NC, _pow2(BT), topk_idx.dtype, _aligned(topk_idx)), route_hist_kernel, NC,
+                    (topk_idx, buf.hist, buf.state, buf.err, T, BT),
+                    lambda: dict(E=buf.num_experts, K=buf.topk, CMAX=CMAX, BLOCK_T=_pow2(BT),
+                                 BLOCK_K=_pow2(buf.topk, 2), BLOCK_E=_pow2(buf.num_experts, 2)), (0, 4, 5))
+    xs = x_scales if fp8_in else buf.err
+    args = (x.view(torch.uint8) if fp8_in else x, xs, topk_idx, topk_weights, buf.hist, buf.workspace.peer_ptrs,
+            buf._ws_ptr, buf.state, buf.err, buf.expert_x_words, buf._out_scales, buf.expert_counts, buf._out_offsets,
+            buf.recv_pos, buf.scratch, T, BT, NC, buf._timeout_ns)
+    key = ("dispatch", fp8_in, direct, topk_idx.dtype, _aligned(x), _aligned(xs), _aligned(topk_idx),
+           _aligned(topk_weights))
     epoch = buf._epochs[0] + 1
-    launch_halves(buf, dispatch_kernel, args, consts, lambda: buf._host_wait_dispatch(epoch))
+    launch_halves(buf, key, dispatch_kernel, args, _DISPATCH_DYNAMIC, lambda: _dispatch_consts(buf, fp8_in, direct),
+                  lambda: buf._host_wait_dispatch(epoch))
     buf._epochs[0] = epoch
     buf._serial += 1
     if buf.interp:
         buf._check_usable()
     return DispatchResult(buf.expert_x, buf.expert_scales, buf.expert_counts, buf.expert_offsets,
                           num_tokens=T, topk_idx=topk_idx, _buffer=buf, _serial=buf._serial)
+
+
+_DISPATCH_DYNAMIC = (0, 1, 2, 3, 15, 16, 17)  # x, x_scales, topk_idx, topk_weights, T, BT, NC
+
+
+def _dispatch_consts(buf, fp8_in: bool, direct: bool) -> dict:
+    """The dispatch kernel's constexprs (all fixed by the buffer, except PREQ and DIRECT)."""
+    off, lay, H, BLOCK_T = buf.off, buf.ws_layout, buf.hidden, buf.block_t
+    W = H * (1 if buf.fp8 else 2) // 4
+    nb = max(1, buf.num_scale_blocks)
+    return dict(off_hflag=off["hdr_flag"], off_dflag=off["disp_flag"], off_hdr=off["hdr"], off_meta_i=off["meta_i"],
+                off_meta_w=off["meta_w"], off_rows=off["rows"], RANK=buf.rank, N=buf.world_size, M=buf.max_tokens,
+                K=buf.topk, E=buf.num_experts, EL=buf.num_local_experts, H=H, W=W, NB=nb, RB=lay.RB, HDR=lay.HDR,
+                CMAX=buf.chunks, ALIGN=buf.expert_alignment, CAP=buf.capacity, FP8=buf.fp8, PREQ=fp8_in,
+                DIRECT=direct, PACKED=buf.layout == "packed", BLOCK_T=BLOCK_T, BLOCK_K=_pow2(buf.topk, 2),
+                BLOCK_C=min(buf.chunks, 64), BLOCK_H=max(128 if buf.fp8 else 16, min(_pow2(H), 8192 // BLOCK_T)),
+                BLOCK_EL=buf.block_el, BLOCK_W=max(16, min(_pow2(W), 2048, 4096 // BLOCK_T)),
+                BLOCK_NB=_pow2(nb, 2), INTERP=buf.interp, num_warps=buf.num_warps)

@@ -1,5 +1,6 @@
 """The cached launch path (kernels/launch.py), which only GPUs take, checked on CPU with a stand-in
-for Triton's compiled kernel: argument order, and which changes make a new compile."""
+for Triton's compiled kernel: argument order, constexprs built only to compile, and which changes
+make a new compile."""
 import pytest
 import torch
 import triton
@@ -27,9 +28,8 @@ class _Compiled:
 def fake_gpu(monkeypatch):
     compiled = []
 
-    class _Launcher:  # what kernel[grid] returns: the compiled kernel (after launching it)
-        def __init__(self, fn):
-            self.fn = fn
+    class _Jit:  # what kernel[grid] returns: the compiled kernel (after launching it)
+        arg_names = _k.arg_names
 
         def __getitem__(self, grid):
             def go(*args, **consts):
@@ -39,37 +39,61 @@ def fake_gpu(monkeypatch):
             return go
 
     monkeypatch.setattr(L, "_interpreting", lambda: False)
-    monkeypatch.setattr(L, "_CACHE", {})
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda dev: 1000 + dev, raising=False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda dev: 1234, raising=False)
-    return compiled, _Launcher
+    monkeypatch.setattr(L, "_GLOBAL", L.Launcher())
+    return compiled, _Jit()
 
 
 def test_cached_launch_passes_raw_args_in_signature_order(fake_gpu):
-    compiled, Launcher = fake_gpu
-    fn = Launcher(_k)
-    fn.arg_names = _k.arg_names
+    compiled, fn = fake_gpu
+    la = L.Launcher(torch.device("cuda", 3))
     a, b = torch.zeros(64), torch.zeros(64, dtype=torch.int32)
-    consts = dict(FLAG=True, BLOCK=16)  # deliberately not in signature order
-    L.launch(fn, 3, (a, b, 5), consts)            # first: compiles through kernel[grid]
-    assert len(compiled) == 1 and compiled[0][0] == (3,)
-    L.launch(fn, 3, (a, b, 9), consts)            # then: straight to the C launcher
-    assert len(compiled) == 1
+    built = []
+
+    def consts():
+        built.append(1)
+        return dict(FLAG=True, BLOCK=16)  # deliberately not in signature order
+
+    la(("k",), fn, 3, (a, b, 5), consts)             # first: compiles through kernel[grid]
+    assert len(compiled) == 1 and compiled[0][0] == (3,) and compiled[0][2] == dict(FLAG=True, BLOCK=16)
+    la(("k",), fn, 3, (a, b, 9), consts)             # then: straight to the C launcher
+    assert len(compiled) == 1 and len(built) == 1    # constexprs are not even built again
     call = compiled[0][3].calls[-1]
-    assert call[:9] == (3, 1, 1, 1234, 7, (1, 2), None, None, None)
+    assert call[:9] == (3, 1, 1, 1003, 7, (1, 2), None, None, None)   # the buffer's device's stream
     assert call[9:] == (a.data_ptr(), b.data_ptr(), 9, 16, True)
 
 
-def test_new_compile_when_code_would_change(fake_gpu):
-    compiled, Launcher = fake_gpu
-    fn = Launcher(_k)
-    fn.arg_names = _k.arg_names
+def test_keys_decide_compiles(fake_gpu):
+    compiled, fn = fake_gpu
+    la = L.Launcher(torch.device("cuda", 0))
+    a, b = torch.zeros(64), torch.zeros(64, dtype=torch.int32)
+    la(("x", 1), fn, 3, (a, b, 5), dict(BLOCK=16, FLAG=True))
+    la(("x", 2), fn, 3, (a, b, 5), dict(BLOCK=16, FLAG=True))   # another key: another compile
+    la(("x", 1), fn, 3, (a, b, 6), dict(BLOCK=16, FLAG=True))   # same key: none
+    assert len(compiled) == 2
+    assert L.Launcher(torch.device("cuda", 0))._plans == {}     # caches are per launcher (per buffer)
+
+
+def test_global_launch_keys_on_every_argument(fake_gpu):
+    compiled, fn = fake_gpu
     a, b = torch.zeros(64), torch.zeros(64, dtype=torch.int32)
     L.launch(fn, 3, (a, b, 5), dict(BLOCK=16, FLAG=True))
     L.launch(fn, 4, (a, b, 5), dict(BLOCK=16, FLAG=True))          # grid
     L.launch(fn, 3, (a, b, 5), dict(BLOCK=32, FLAG=True))          # constexpr
     L.launch(fn, 3, (a[1:], b, 5), dict(BLOCK=16, FLAG=True))      # pointer no longer 16-byte aligned
+    L.launch(fn, 3, (a, b.long(), 5), dict(BLOCK=16, FLAG=True))   # pointer dtype
     L.launch(fn, 3, (a, b, 2**40), dict(BLOCK=16, FLAG=True))      # int needs 64 bits
-    assert len(compiled) == 5
+    assert len(compiled) == 6
     L.launch(fn, 3, (a, b, 77), dict(BLOCK=16, FLAG=True))         # same code: no compile
-    assert len(compiled) == 5
+    assert len(compiled) == 6
+
+
+def test_only_dynamic_positions_are_read_again(fake_gpu):
+    compiled, fn = fake_gpu
+    la = L.Launcher(torch.device("cuda", 0))
+    a, b, c = torch.zeros(64), torch.zeros(64, dtype=torch.int32), torch.zeros(64, dtype=torch.int32)
+    la(("k",), fn, 3, (a, b, 5), dict(BLOCK=16, FLAG=True), dynamic=(0, 2))
+    la(("k",), fn, 3, (torch.zeros(64), c, 6), dict(BLOCK=16, FLAG=True), dynamic=(0, 2))
+    call = compiled[0][3].calls[-1]
+    assert call[10] == b.data_ptr() and call[11] == 6  # position 1 is fixed: read when compiled
