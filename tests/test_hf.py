@@ -19,6 +19,7 @@ import dist_util
 pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers==5.23.0)")
 
 from moe_ep.integrations.hf_tiny import FAMILIES, VOCAB, tiny_model  # noqa: E402
+from test_layer import run_on_gpus  # noqa: E402
 
 
 def _close(name, got, want, rtol):
@@ -138,8 +139,4 @@ def _hf_gpu_worker(rank: int, R: int):
 @pytest.mark.gpu
 @pytest.mark.parametrize("R", [1, 2])
 def test_hf_models_gpu(R):
-    n = dist_util.cuda_device_count()
-    if n < R:
-        pytest.skip(f"needs {R} CUDA GPUs, found {n}")
-    fails = [f for r in dist_util.run(R, _hf_gpu_worker, backend="nccl") for f in r]
-    assert not fails, "\n".join(fails)
+    run_on_gpus(R, _hf_gpu_worker)

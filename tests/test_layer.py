@@ -340,21 +340,32 @@ def _gpu_cases():
                                                 ("sigmoid", 1, "bf16", "masked"), ("sigmoid", 0, "fp8", "packed")])]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("R", [1, 2])
-def test_layer_gpu(R):
+def run_on_gpus(R: int, fn, *args):
+    """Runs ``fn`` on R GPU ranks (skipped with a reason where there are fewer); fails on any failure string."""
     n = dist_util.cuda_device_count()
     if n < R:
         pytest.skip(f"needs {R} CUDA GPUs, found {n}")
-    fails = [f for r in dist_util.run(R, _gpu_worker, _gpu_cases(), backend="nccl") for f in r]
+    fails = [f for r in dist_util.run(R, fn, *args, backend="nccl") for f in r]
     assert not fails, "\n".join(fails)
 
 
-def _graph_worker(rank: int, R: int, layout: str):
+@pytest.mark.gpu
+@pytest.mark.parametrize("R", [1, 2])
+def test_layer_gpu(R):
+    run_on_gpus(R, _gpu_worker, _gpu_cases())
+
+
+def _graph_worker(rank: int, R: int, layouts):
     """Inference captured into a CUDA graph equals eager, replayed with new tokens."""
     import moe_ep
 
     group = moe_ep.EPGroup()
+    return [f for layout in layouts for f in _graph_check(group, layout)]
+
+
+def _graph_check(group, layout: str):
+    import moe_ep
+
     c = LayerCase(router="sigmoid", shared=1, dtype="fp8", layout=layout, H=512, F=256, E=16, M=64, seed=5)
     layer = moe_ep.MoELayer.from_dense(dense_weights(c), c.H, c.F, c.E, c.K, group=group, dtype=torch.bfloat16,
                                        sync_chunks=False, **c.layer_kwargs())
@@ -381,8 +392,4 @@ def _graph_worker(rank: int, R: int, layout: str):
 @pytest.mark.gpu
 @pytest.mark.parametrize("R", [1, 2])
 def test_layer_cuda_graph_gpu(R):
-    n = dist_util.cuda_device_count()
-    if n < R:
-        pytest.skip(f"needs {R} CUDA GPUs, found {n}")
-    fails = [f for lay in ("packed", "masked") for r in dist_util.run(R, _graph_worker, lay, backend="nccl") for f in r]
-    assert not fails, "\n".join(fails)
+    run_on_gpus(R, _graph_worker, ("packed", "masked"))
