@@ -17,7 +17,10 @@ word. Reported over all ranks and measured epochs:
     phase time: posting, waiting for the peers' immediates and its own completions);
   - proxy D1: doorbell seen -> every round-1 immediate counted;
   - kernel dispatch / combine: doorbell written -> ready seen, as a kernel polling the mailbox
-    would see it (adds the proxy's doorbell polling and the stand-in's own polling).
+    would see it (adds the proxy's doorbell polling and the stand-in's own polling);
+  - CPU per epoch and rank: CPU time of the proxy thread in a dispatch and in a combine (p50),
+    plus that of the transport's thread per epoch (mean): the work one rank's proxy needs
+    per dispatch + combine, whatever the scheduling.
 A phase is a collective: its time includes waiting for the slowest peer, so on a machine with
 fewer cores than ranks it measures scheduling as much as the proxy.
 """
@@ -118,13 +121,16 @@ def _rank_main(rank, R, transport, streams, warmup, epochs, poll, conn):
         px.start()
         conn.send("ready")
         assert conn.recv() == "go"
-        disp, comb = px.bench_drive(1, warmup + epochs, spin_us=poll["drive_spin_us"], sleep_us=poll["drive_sleep_us"])
-        recs = px.phase_records()
-        first = warmup + 1
-        prox = {"dispatch": [], "d1": [], "combine": []}
-        for kind, e, seen, mid, ready in recs:
-            if e >= first:
+        kw = dict(spin_us=poll["drive_spin_us"], sleep_us=poll["drive_sleep_us"])
+        px.bench_drive(1, warmup, **kw)
+        io0 = eng.cpu_ns()
+        disp, comb = px.bench_drive(warmup + 1, epochs, **kw)
+        io_cpu = (eng.cpu_ns() - io0) / epochs
+        prox = {"dispatch": [], "d1": [], "combine": [], "dispatch_cpu": [], "combine_cpu": []}
+        for kind, e, seen, mid, ready, cpu in px.phase_records():
+            if e > warmup:
                 prox[kind].append(ready - seen)
+                prox[kind + "_cpu"].append(cpu)
                 if kind == "dispatch":
                     prox["d1"].append(mid - seen)
         # epochs' rows really arrived (last epoch: one row from every peer, in its parity copy)
@@ -132,7 +138,7 @@ def _rank_main(rank, R, transport, streams, warmup, epochs, poll, conn):
             if s != rank:
                 o = px.round1_offset(warmup + epochs, s) + px.hdr_bytes
                 assert (px.round1[o:o + RB] == rank).all(), s
-        conn.send(("done", disp[warmup:], comb[warmup:], prox))
+        conn.send(("done", disp, comb, prox, io_cpu))
         conn.recv()
         px.close()
         eng.close()
@@ -186,12 +192,18 @@ def phase_time(R: int, streams: int, epochs: int, warmup: int = 20, poll: dict =
                 p.kill()
     disp = [x for r in res for x in r[1]]
     comb = [x for r in res for x in r[2]]
-    prox = {k: [x for r in res for x in r[3][k]] for k in ("dispatch", "d1", "combine")}
+    prox = {k: [x for r in res for x in r[3][k]] for k in res[0][3]}
     out = dict(transport=transport, ranks=R, peers=R - 1, streams=streams, epochs=epochs,
                threads_per_rank=3 * streams * (R - 1) + 3, **poll)
     for name, v in (("proxy_dispatch", prox["dispatch"]), ("proxy_d1", prox["d1"]),
                     ("proxy_combine", prox["combine"]), ("kernel_dispatch", disp), ("kernel_combine", comb)):
         out[name + "_p50_us"], out[name + "_p99_us"] = _pct(v, 50), _pct(v, 99)
+    # CPU per epoch (dispatch + combine) of one rank: its proxy thread plus its transport's thread
+    out["cpu_proxy_dispatch_p50_us"] = _pct(prox["dispatch_cpu"], 50)
+    out["cpu_proxy_combine_p50_us"] = _pct(prox["combine_cpu"], 50)
+    out["cpu_io_per_epoch_us"] = float(np.mean([r[4] for r in res])) / 1e3
+    out["cpu_per_epoch_us"] = out["cpu_proxy_dispatch_p50_us"] + out["cpu_proxy_combine_p50_us"] + \
+        out["cpu_io_per_epoch_us"]
     return out
 
 
@@ -218,10 +230,12 @@ def post_table(rows) -> str:
 def phase_table(rows) -> str:
     return _md(["transport", "streams", "ranks (peers)", "proxy dispatch p50 / p99 (µs)", "proxy D1 p50 (µs)",
                 "proxy combine p50 / p99 (µs)", "kernel-view dispatch p50 / p99 (µs)",
-                "kernel-view combine p50 / p99 (µs)"],
+                "kernel-view combine p50 / p99 (µs)",
+                "CPU per epoch and rank (µs): proxy dispatch + proxy combine + transport"],
                [[r["transport"], r["streams"], f"{r['ranks']} ({r['peers']})", _pp(r, "proxy_dispatch"),
                  f"{r['proxy_d1_p50_us']:.0f}", _pp(r, "proxy_combine"), _pp(r, "kernel_dispatch"),
-                 _pp(r, "kernel_combine")] for r in rows])
+                 _pp(r, "kernel_combine"), f"{r['cpu_proxy_dispatch_p50_us']:.0f} + {r['cpu_proxy_combine_p50_us']:.0f}"
+                 f" + {r['cpu_io_per_epoch_us']:.0f} = {r['cpu_per_epoch_us']:.0f}"] for r in rows])
 
 
 def main(argv=None) -> int:

@@ -323,7 +323,7 @@ def test_dispatch_combine_rows(R, node_size, cap):
         assert out[r][:-1] == [("ok", e) for e in range(1, epochs + 1)], out[r]
     stats = [out[r][-1] for r in range(R)]
     assert sum(st["round1_rows"] for st in stats) > 0 if cap else True
-    # round 2 carries rows when cap is small, none (0-byte writes only) when it is large
+    # round 2 carries rows when cap is small, and has no writes at all when it is large
     assert (sum(st["overflow_rows"] for st in stats) > 0) == (cap < MAXC)
     assert sum(st["combine_rows"] for st in stats) == sum(st["round1_rows"] + st["overflow_rows"] for st in stats)
 

@@ -158,6 +158,9 @@ int moe_ep_peer_error(void* e, int peer, char* buf, size_t len) {
   return copy_str(static_cast<Transport*>(e)->peer_error(peer), buf, len);
 }
 
+// CPU ns used so far by the engine's own threads (-1: unknown).
+int64_t moe_ep_engine_cpu_ns(void* e) { return static_cast<Transport*>(e)->cpu_ns(); }
+
 int moe_ep_rank(void* e) { return static_cast<Transport*>(e)->rank(); }
 int moe_ep_world(void* e) { return static_cast<Transport*>(e)->world(); }
 

@@ -24,11 +24,10 @@ int ImmCounter::wait(uint32_t imm, int64_t expected, int64_t timeout_ns, std::st
     auto it = counts_.find(imm);
     const int64_t c = it == counts_.end() ? 0 : it->second;
     if (c < expected) return false;
-    if (c == expected && it != counts_.end()) {
-      counts_.erase(it);  // spent: the table holds only immediates with a count
-    } else {
+    if (c != expected)
       counts_[imm] = c - expected;
-    }
+    else if (it != counts_.end())
+      counts_.erase(it);  // spent: the table holds only immediates with a count
     return true;
   };
   if (take()) return kOk;

@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <ctime>
 #include <exception>
 #include <algorithm>
 
@@ -17,6 +18,11 @@ namespace {
 int64_t mono_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
+}
+int64_t thread_cpu_ns() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return int64_t(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
 }
 const char* phase_name(int ph) { return ph == kPhaseD1 ? "dispatch round 1" : ph == kPhaseD2 ? "dispatch round 2" : "combine"; }
 }  // namespace
@@ -110,10 +116,10 @@ int Proxy::lost_peer() {
   return -1;
 }
 
-void Proxy::record(int64_t kind, int64_t epoch, int64_t seen, int64_t mid, int64_t ready) {
+void Proxy::record(int64_t kind, int64_t epoch, int64_t seen, int64_t mid, int64_t ready, int64_t cpu) {
   std::lock_guard<std::mutex> lk(rec_mu_);
   if (rec_.empty()) rec_.resize(kMaxRecords);
-  rec_[size_t(n_rec_ % kMaxRecords)] = PhaseRecord{kind, epoch, seen, mid, ready};
+  rec_[size_t(n_rec_ % kMaxRecords)] = PhaseRecord{kind, epoch, seen, mid, ready, cpu};
   ++n_rec_;
 }
 
@@ -136,11 +142,11 @@ void Proxy::loop() {
     // A combine for the latest dispatch goes first; dispatch epochs only grow.
     if (cd != last_comb_ && cd > last_comb_ && cd == counts_epoch_) {
       last_comb_ = cd;
-      const int64_t t0 = mono_ns();
+      const int64_t t0 = mono_ns(), c0 = thread_cpu_ns();
       if (!run_combine(cd)) break;
       store(kMbCombReady, cd);
       const int64_t t1 = mono_ns();
-      record(1, cd, t0, t1, t1);
+      record(1, cd, t0, t1, t1, thread_cpu_ns() - c0);
       phases_done_++;
       worked = true;
     } else if (dd != last_disp_) {
@@ -150,10 +156,10 @@ void Proxy::loop() {
         break;
       }
       last_disp_ = dd;
-      const int64_t t0 = mono_ns();
+      const int64_t t0 = mono_ns(), c0 = thread_cpu_ns();
       if (!run_dispatch(dd)) break;
       store(kMbDispReady, dd);
-      record(0, dd, t0, mid_ns_, mono_ns());
+      record(0, dd, t0, mid_ns_, mono_ns(), thread_cpu_ns() - c0);
       phases_done_++;
       worked = true;
     } else if (cd != last_comb_) {
@@ -279,20 +285,25 @@ bool Proxy::run_dispatch(int64_t epoch) {
                       " overflow rows, overflow_capacity is " + std::to_string(cfg_.overflow_capacity));
     }
   }
-  // Round 2: the overflow rows to each remote p at sum of o_{s'p} over remote s' < me.
-  int n_remote = 0;
+  // Round 2: the overflow rows to each remote p at sum of o_{s'p} over remote s' < me. Every rank
+  // knows every o_{sp} from the count matrix, so only pairs with overflow exchange a write: p
+  // expects one D2 immediate from each remote s with o_{sp} > 0 (none at all in a batch that
+  // fits the private slots).
   for (int p = 0; p < R; ++p) {
     if (p == me || !remote(p)) continue;
-    ++n_remote;
     const int64_t c = C[size_t(me) * R + p], ov = std::max<int64_t>(0, c - cap);
+    if (ov == 0) continue;
     int64_t roff = 0;
     for (int s = 0; s < me; ++s)
       if (s != p && s / cfg_.node_size != p / cfg_.node_size) roff += std::max<int64_t>(0, C[size_t(s) * R + p] - cap);
     const uint64_t loff = off[p] + uint64_t(hdr_ + std::min(c, cap) * RB);
-    if (!post(kPhaseD2, epoch, p, kRegDispSend, ov ? loff : 0, kRegOverflow, ov_base + uint64_t(roff * RB), uint64_t(ov * RB)))
+    if (!post(kPhaseD2, epoch, p, kRegDispSend, loff, kRegOverflow, ov_base + uint64_t(roff * RB), uint64_t(ov * RB)))
       return false;
   }
-  if (!wait_imm(kPhaseD2, epoch, n_remote, deadline)) return false;
+  int n_from = 0;
+  for (int s = 0; s < R; ++s)
+    if (s != me && remote(s) && C[size_t(s) * R + me] > cap) ++n_from;
+  if (!wait_imm(kPhaseD2, epoch, n_from, deadline)) return false;
   if (!wait_writes(kPhaseD2, epoch, deadline)) return false;
   counts_.swap(C);
   counts_epoch_ = epoch;
@@ -306,20 +317,24 @@ bool Proxy::run_combine(int64_t epoch) {
   const uint64_t cr_base = uint64_t((epoch & 1) * cfg_.max_send_rows * CRB);  // parity copy of s's region
   const auto& C = counts_;
   n_posted_ = 0;
-  int n_remote = 0;
+  // One write per remote pair with rows (both ends know c_{s,me}): s expects one C immediate
+  // from each remote owner p with c_{s,p} > 0.
   uint64_t loff = 0;  // per remote source s, in rank order: c_{s,me} rows received from s
   for (int s = 0; s < R; ++s) {
     if (s == me || !remote(s)) continue;
-    ++n_remote;
     const int64_t n = C[size_t(s) * R + me];
+    if (n == 0) continue;
     int64_t roff = 0;  // in s's combine receive region: sum of c_{s,p'} over remote p' < me
     for (int p = 0; p < me; ++p)
       if (p != s && p / cfg_.node_size != s / cfg_.node_size) roff += C[size_t(s) * R + p];
-    if (!post(kPhaseC, epoch, s, kRegCombSend, n ? loff : 0, kRegCombRecv, cr_base + uint64_t(roff * CRB), uint64_t(n * CRB)))
+    if (!post(kPhaseC, epoch, s, kRegCombSend, loff, kRegCombRecv, cr_base + uint64_t(roff * CRB), uint64_t(n * CRB)))
       return false;
     loff += uint64_t(n * CRB);
   }
-  if (!wait_imm(kPhaseC, epoch, n_remote, deadline)) return false;
+  int n_from = 0;
+  for (int p = 0; p < R; ++p)
+    if (p != me && remote(p) && C[size_t(me) * R + p] > 0) ++n_from;
+  if (!wait_imm(kPhaseC, epoch, n_from, deadline)) return false;
   return wait_writes(kPhaseC, epoch, deadline);
 }
 

@@ -84,8 +84,9 @@ struct PhaseRecord {
   int64_t seen_ns;   // the proxy saw the doorbell
   int64_t mid_ns;    // dispatch: every D1 immediate counted; combine: = ready_ns
   int64_t ready_ns;  // the ready word was written
+  int64_t cpu_ns;    // CPU time of the proxy thread in the phase (the transport's own threads not included)
 };
-static_assert(sizeof(PhaseRecord) == 5 * 8, "PhaseRecord is part of the C ABI");
+static_assert(sizeof(PhaseRecord) == 6 * 8, "PhaseRecord is part of the C ABI");
 
 class Proxy {
  public:
@@ -137,7 +138,7 @@ class Proxy {
   std::vector<PhaseRecord> rec_;
   int64_t n_rec_ = 0;
   int64_t mid_ns_ = 0;  // set by run_dispatch after round 1
-  void record(int64_t kind, int64_t epoch, int64_t seen, int64_t mid, int64_t ready);
+  void record(int64_t kind, int64_t epoch, int64_t seen, int64_t mid, int64_t ready, int64_t cpu);
 
   std::thread thr_;
   std::atomic<bool> stop_{false};

@@ -8,6 +8,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <pthread.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -21,6 +22,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <ctime>
 #include <deque>
 #include <memory>
 #include <mutex>
@@ -371,6 +373,15 @@ class TcpTransport final : public Transport {
 
   void set_op_timeout(int64_t ns) override { op_timeout_ns_ = ns; }
   void set_min_shard_bytes(uint64_t n) override { min_shard_ = std::max<uint64_t>(n, 1); }
+
+  int64_t cpu_ns() override {
+    clockid_t cid;
+    timespec ts{};
+    if (!io_thread_.joinable() || pthread_getcpuclockid(io_thread_.native_handle(), &cid) != 0 ||
+        clock_gettime(cid, &ts) != 0)
+      return -1;
+    return int64_t(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
+  }
 
   std::string peer_error(int peer) override {
     if (peer < 0 || peer >= world_) return "";

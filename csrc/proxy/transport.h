@@ -74,6 +74,8 @@ class Transport {
   // Transports that split a write into shards make none smaller than this (default
   // kDefaultMinShardBytes; 1: a shard per stream for any write of at least `streams` bytes).
   virtual void set_min_shard_bytes(uint64_t) {}
+  // CPU time the transport's own threads have used so far (ns; -1 when it cannot tell).
+  virtual int64_t cpu_ns() { return -1; }
   // Empty when the peer is healthy; otherwise why it was lost.
   virtual std::string peer_error(int peer) = 0;
 };

@@ -119,6 +119,7 @@ def lib() -> ctypes.CDLL:
             _c(L, "moe_ep_set_op_timeout", i32, vp, i64)
             _c(L, "moe_ep_set_min_shard_bytes", i32, vp, u64)
             _c(L, "moe_ep_peer_error", i32, vp, i32, cp, sz)
+            _c(L, "moe_ep_engine_cpu_ns", i64, vp)
             _c(L, "moe_ep_rank", i32, vp)
             _c(L, "moe_ep_world", i32, vp)
             _c(L, "moe_ep_proxy_mailbox_layout", i32, ctypes.POINTER(i64), i32)
@@ -378,6 +379,10 @@ class Engine(_Closable):
         """A write not acknowledged within this time completes with CQ_TIMEOUT and its peer is lost."""
         self._lib.moe_ep_set_op_timeout(self._h, _ns(timeout_s))
 
+    def cpu_ns(self) -> int:
+        """CPU ns used so far by the transport's own threads (-1 when unknown)."""
+        return self._lib.moe_ep_engine_cpu_ns(self._h)
+
     def set_min_shard_bytes(self, nbytes: int) -> None:
         """Shards of a write are at least this large (default 16 KiB; 1: every write of at least
         ``streams`` bytes is spread over all streams)."""
@@ -449,7 +454,7 @@ class ProxyConfig(ctypes.Structure):
 
 class PhaseRecord(ctypes.Structure):
     """csrc/proxy/proxy.h PhaseRecord: one served phase (steady-clock ns)."""
-    _fields_ = [(n, ctypes.c_int64) for n in ("kind", "epoch", "seen_ns", "mid_ns", "ready_ns")]
+    _fields_ = [(n, ctypes.c_int64) for n in ("kind", "epoch", "seen_ns", "mid_ns", "ready_ns", "cpu_ns")]
 
 
 class Proxy(_Closable):
@@ -556,12 +561,14 @@ class Proxy(_Closable):
     def phases_done(self) -> int:
         return self._lib.moe_ep_proxy_phases_done(self._h)
 
-    def phase_records(self, max_n: int = 8192) -> list[tuple[str, int, int, int, int]]:
+    def phase_records(self, max_n: int = 8192) -> list[tuple[str, int, int, int, int, int]]:
         """The most recent served phases, oldest first: (``"dispatch"``/``"combine"``, epoch,
-        doorbell seen, round 1 done (dispatch; = ready for combine), ready written), steady-clock ns."""
+        doorbell seen, round 1 done (dispatch; = ready for combine), ready written: steady-clock
+        ns; the proxy thread's CPU ns in the phase)."""
         buf = (PhaseRecord * max(1, max_n))()
         n = self._lib.moe_ep_proxy_phase_records(self._h, buf, max(1, max_n))
-        return [("dispatch" if r.kind == 0 else "combine", r.epoch, r.seen_ns, r.mid_ns, r.ready_ns) for r in buf[:n]]
+        return [("dispatch" if r.kind == 0 else "combine", r.epoch, r.seen_ns, r.mid_ns, r.ready_ns, r.cpu_ns)
+                for r in buf[:n]]
 
     def bench_drive(self, first: int, n: int, *, combine: bool = True, timeout_s: float = 30.0,
                     spin_us: float = 20.0, sleep_us: float = 5.0) -> tuple[list[int], list[int]]:
