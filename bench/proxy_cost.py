@@ -10,7 +10,8 @@ at a time and reports the p50/p99 of one ``post_write`` call and of post -> comp
 number is measured in native code, so it is the engine's cost, not that of ctypes.
 
 Part "phase" (one process per rank, node_size=1 so every peer is remote, 16-byte rows, one row
-to every peer, round 2 empty): each rank's native kernel stand-in ``moe_ep_bench_drive`` rings
+to every peer; private capacity 2, so round 2 is empty, or 0 with --private-capacity 0, so every
+row goes in round 2): each rank's native kernel stand-in ``moe_ep_bench_drive`` rings
 dispatch and combine for ``warmup + epochs`` epochs, each doorbell right after the previous ready
 word. Reported over all ranks and measured epochs:
   - proxy dispatch / combine: doorbell seen -> ready written, by the proxy thread (its own
@@ -100,12 +101,12 @@ def post_cost(streams: int, sizes=SIZES, scale: float = 1.0, transport: str = "t
 
 # ----------------------------------------------------------------------------- phase time
 
-def _rank_main(rank, R, transport, streams, warmup, epochs, poll, conn):
+def _rank_main(rank, R, transport, streams, warmup, epochs, poll, cap, conn):
     try:
         from moe_ep.proxy import Engine, Proxy
 
         eng = Engine(rank, R, streams=streams, transport=transport)
-        px = Proxy(eng, node_size=1, num_local_experts=1, row_bytes=RB, comb_row_bytes=CRB, private_capacity=2,
+        px = Proxy(eng, node_size=1, num_local_experts=1, row_bytes=RB, comb_row_bytes=CRB, private_capacity=cap,
                    overflow_capacity=R, max_send_rows=R, timeout_s=30, spin_us=poll["proxy_spin_us"],
                    sleep_us=poll["proxy_sleep_us"])
         conn.send(eng.endpoint)
@@ -133,11 +134,16 @@ def _rank_main(rank, R, transport, streams, warmup, epochs, poll, conn):
                 prox[kind + "_cpu"].append(cpu)
                 if kind == "dispatch":
                     prox["d1"].append(mid - seen)
-        # epochs' rows really arrived (last epoch: one row from every peer, in its parity copy)
+        # the rows really arrived (last epoch: one row from every peer, in its parity copy; in
+        # round 1, or with no private capacity in the overflow region in source order)
+        e = warmup + epochs
         for s in range(R):
             if s != rank:
-                o = px.round1_offset(warmup + epochs, s) + px.hdr_bytes
-                assert (px.round1[o:o + RB] == rank).all(), s
+                if cap:
+                    got = px.round1[px.round1_offset(e, s) + px.hdr_bytes:][:RB]
+                else:
+                    got = px.overflow[px.overflow_offset(e) + RB * (s - (s > rank)):][:RB]
+                assert (got == rank).all(), s
         conn.send(("done", disp, comb, prox, io_cpu))
         conn.recv()
         px.close()
@@ -156,13 +162,13 @@ POLL = dict(proxy_spin_us=0.0, proxy_sleep_us=50.0, drive_spin_us=0.0, drive_sle
 
 
 def phase_time(R: int, streams: int, epochs: int, warmup: int = 20, poll: dict = POLL, wall_s: float = 300.0,
-               transport: str = "tcp") -> dict:
+               transport: str = "tcp", private_capacity: int = 2) -> dict:
     ctx = mp.get_context("fork")
     procs = []
     for r in range(R):
         parent, child = ctx.Pipe()
         p = ctx.Process(target=_rank_main, daemon=True,
-                        args=(r, R, transport, streams, warmup, epochs, poll, child))
+                        args=(r, R, transport, streams, warmup, epochs, poll, private_capacity, child))
         p.start()
         procs.append((p, parent))
     try:
@@ -194,6 +200,7 @@ def phase_time(R: int, streams: int, epochs: int, warmup: int = 20, poll: dict =
     comb = [x for r in res for x in r[2]]
     prox = {k: [x for r in res for x in r[3][k]] for k in res[0][3]}
     out = dict(transport=transport, ranks=R, peers=R - 1, streams=streams, epochs=epochs,
+               private_capacity=private_capacity,
                threads_per_rank=3 * streams * (R - 1) + 3, **poll)
     for name, v in (("proxy_dispatch", prox["dispatch"]), ("proxy_d1", prox["d1"]),
                     ("proxy_combine", prox["combine"]), ("kernel_dispatch", disp), ("kernel_combine", comb)):
@@ -252,6 +259,8 @@ def main(argv=None) -> int:
     for k, v in POLL.items():
         ap.add_argument("--" + k.replace("_", "-"), type=float, default=v,
                         help="doorbell polling of the proxy thread / ready polling of the kernel stand-in")
+    ap.add_argument("--private-capacity", type=int, default=2,
+                    help="round-1 rows per peer: 2 (default) leaves round 2 empty, 0 sends every row in round 2")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
     res = dict(meta=_meta(argv), post=[], phase=[])
@@ -265,7 +274,8 @@ def main(argv=None) -> int:
         for t in args.transports:
             for s in args.streams:
                 for R in args.ranks:
-                    runs = [phase_time(R, s, args.epochs, args.warmup, poll, transport=t) for _ in range(args.repeat)]
+                    runs = [phase_time(R, s, args.epochs, args.warmup, poll, transport=t,
+                                       private_capacity=args.private_capacity) for _ in range(args.repeat)]
                     best = min(runs, key=lambda r: r["proxy_dispatch_p50_us"] + r["proxy_combine_p50_us"])
                     best["repeats"] = args.repeat
                     res["phase"].append(best)
