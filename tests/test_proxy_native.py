@@ -73,6 +73,30 @@ def test_imm_waiter_wakes_without_gil():
     assert c.value(5) == 0
 
 
+def test_imm_waiters_woken_only_when_reachable_still_all_return():
+    """add() wakes waiters only when one can return: several waiters on one immediate with
+    different expectations, and one on another immediate, all return with exact counts."""
+    c = ImmCounter()
+    done = {}
+
+    def waiter(name, imm, n):
+        c.wait(imm, n, timeout_s=10.0)
+        done[name] = time.monotonic()
+
+    ts = [threading.Thread(target=waiter, args=a) for a in (("one", 9, 1), ("three", 9, 3), ("other", 10, 2))]
+    for t in ts:
+        t.start()
+    time.sleep(0.05)
+    for i in range(4):
+        c.add(9)
+        c.add(10, 1 if i < 2 else 0)
+        time.sleep(0.01)
+    for t in ts:
+        t.join(10.0)
+    assert sorted(done) == ["one", "other", "three"] and not any(t.is_alive() for t in ts)
+    assert c.value(9) == 0 and c.value(10) == 0
+
+
 def test_imm_concurrent_producers():
     c = ImmCounter()
     n_threads, per = 4, 2000

@@ -400,7 +400,9 @@ class Engine(_Closable):
 
 
 class TcpTransport(Engine):
-    """Engine over TCP: ``streams`` sockets per peer and direction, each write sharded across them."""
+    """Engine over TCP: ``streams`` sockets per peer and direction; successive writes go to
+    successive streams and a large one is sharded across them (shards of at least 16 KiB,
+    ``set_min_shard_bytes``), so delivery is unordered. One epoll I/O thread per engine."""
 
     def __init__(self, rank: int, world: int, streams: int = 4, bind_host: str = "127.0.0.1"):
         super().__init__(rank, world, streams, bind_host, transport="tcp")
