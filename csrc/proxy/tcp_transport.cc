@@ -576,7 +576,12 @@ class TcpTransport final : public Transport {
   void accept_all() {
     for (;;) {
       const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-      if (fd < 0) return;  // EAGAIN (or a transient error; epoll reports the next one)
+      if (fd < 0) {
+        if (errno == EINTR || errno == ECONNABORTED) continue;
+        // Out of descriptors or memory: the socket stays readable, so back off instead of spinning.
+        if (errno != EAGAIN && errno != EWOULDBLOCK) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        return;
+      }
       set_nodelay(fd);
       in_.emplace_back(new Conn);
       Conn* c = in_.back().get();
