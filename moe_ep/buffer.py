@@ -103,10 +103,12 @@ class EPBuffer:
         # send and receive halves go as two launches. MOE_EP_SPLIT=1 forces two launches.
         self.fused = (self.device.type == "cuda" and num_programs <= sms
                       and os.environ.get("MOE_EP_SPLIT", "0") in ("", "0"))
-        # Warps per program: few programs need more warps each to keep enough bytes in flight
-        # (measured at 32 programs, prefill: 16 warps 523/524 us vs 8 warps 663/774 us for
-        # dispatch/combine). MOE_EP_NUM_WARPS overrides, for tuning.
-        warps = (16 if self.num_programs <= 64 else 8) if self.device.type == "cuda" else 4
+        # Warps per program: few programs, or few tokens each, need more warps each to keep enough
+        # bytes in flight (measured on H200: 32 programs at prefill, 16 warps 523/524 us vs 8 warps
+        # 663/774 us for dispatch/combine; 132 programs at decode, 12.0/7.3 us vs 12.6/8.3 us).
+        # MOE_EP_NUM_WARPS overrides, for tuning.
+        few = self.num_programs <= 64 or max_tokens * topk <= 2048
+        warps = (16 if few else 8) if self.device.type == "cuda" else 4
         self.num_warps = int(os.environ.get("MOE_EP_NUM_WARPS", warps))
 
         dev, EL, N, M = self.device, self.num_local_experts, R, max_tokens

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .common import (ERR_BAD_EXPERT, ERR_CAPACITY, PHASE_DISPATCH, chunking, deadline_start, ptr_at, raise_flag,
-                     record_error, to_fp8_bits, wait_flag)
+                     record_error, to_fp8, wait_flag)
 
 
 @triton.jit
@@ -51,7 +51,7 @@ def _send_chunk(c, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, 
                 RANK: tl.constexpr, N: tl.constexpr, M: tl.constexpr, K: tl.constexpr, E: tl.constexpr,
                 EL: tl.constexpr, H: tl.constexpr, NB: tl.constexpr, RB: tl.constexpr, CMAX: tl.constexpr,
                 FP8: tl.constexpr, PREQ: tl.constexpr, DIRECT: tl.constexpr, BLOCK_T: tl.constexpr,
-                BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr):
+                BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, INTERP: tl.constexpr):
     """Chunk ``c`` (tokens [c*BT, (c+1)*BT)): metadata to every peer, the payload once per
     destination rank, then the chunk's flag in every peer."""
     S: tl.constexpr = BLOCK_T * BLOCK_K
@@ -99,47 +99,36 @@ def _send_chunk(c, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, 
         mw = ptr_at(base, off_meta_w, tl.float32) + slot[:, None] * K + kk[None, :]
         tl.store(mw, w, mask=m2)
     # Payload: read (and quantize) each tile once, store it to every destination rank.
-    NBLK: tl.constexpr = BLOCK_H // 128
     for h0 in range(0, H, BLOCK_H):
-        if FP8 and not PREQ:
-            # A [tokens, blocks, 128] tile: each 128-channel block's max is a reduction over the
-            # last axis, with no reshape (a reshape costs a layout conversion through shared memory).
-            bb = h0 // 128 + tl.arange(0, NBLK)
+        hh = h0 + tl.arange(0, BLOCK_H)
+        hm = tm[:, None] & (hh[None, :] < H)
+        if FP8:
+            bb = h0 // 128 + tl.arange(0, BLOCK_H // 128)
             bm = tm[:, None] & (bb[None, :] < NB)
-            h3 = (h0 + tl.arange(0, NBLK) * 128)[None, :, None] + tl.arange(0, 128)[None, None, :]
-            m3 = tm[:, None, None] & (h3 < H)
-            v = tl.load(x_ptr + t[:, None, None] * H + h3, mask=m3, other=0.0).to(tl.float32)
-            amax = tl.maximum(tl.max(tl.abs(v), axis=2), 1e-4)
-            sc = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
-            q = to_fp8_bits(tl.math.div_rn(v, tl.broadcast_to(sc[:, :, None], v.shape)))
-            for d in tl.static_range(N):
-                go = tl.max((dst == d).to(tl.int32), axis=1) > 0
-                base = tl.load(peer_ptr + d)
-                tl.store(ptr_at(base, off_rows, tl.uint8) + slot[:, None, None] * RB + h3, q,
-                         mask=m3 & go[:, None, None])
-                tl.store(ptr_at(base, off_rows, tl.float32) + slot[:, None] * (RB // 4) + H // 4 + bb[None, :],
-                         sc, mask=bm & go[:, None])
-        else:
-            hh = h0 + tl.arange(0, BLOCK_H)
-            hm = tm[:, None] & (hh[None, :] < H)
-            if FP8:
-                bb = h0 // 128 + tl.arange(0, NBLK)
-                bm = tm[:, None] & (bb[None, :] < NB)
+            if PREQ:
                 q = tl.load(x_ptr + t[:, None] * H + hh[None, :], mask=hm, other=0)
                 sc = tl.load(xs_ptr + t[:, None] * NB + bb[None, :], mask=bm, other=0.0)
             else:
-                v = tl.load(x_ptr + t[:, None] * H + hh[None, :], mask=hm, other=0.0)
-            for d in tl.static_range(N):
-                go = tl.max((dst == d).to(tl.int32), axis=1) > 0
-                base = tl.load(peer_ptr + d)
-                if FP8:
-                    tl.store(ptr_at(base, off_rows, tl.uint8) + slot[:, None] * RB + hh[None, :], q,
-                             mask=hm & go[:, None])
-                    tl.store(ptr_at(base, off_rows, tl.float32) + slot[:, None] * (RB // 4) + H // 4 + bb[None, :],
-                             sc, mask=bm & go[:, None])
-                else:
-                    tl.store(ptr_at(base, off_rows, tl.bfloat16) + slot[:, None] * (RB // 2) + hh[None, :], v,
-                             mask=hm & go[:, None])
+                v = tl.load(x_ptr + t[:, None] * H + hh[None, :], mask=hm, other=0.0).to(tl.float32)
+                vb = tl.reshape(v, (BLOCK_T * BLOCK_H // 128, 128))
+                amax = tl.maximum(tl.max(tl.abs(vb), axis=1), 1e-4)
+                scf = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+                qf = tl.math.div_rn(vb, tl.broadcast_to(scf[:, None], vb.shape))
+                q = tl.reshape(to_fp8(qf, INTERP), (BLOCK_T, BLOCK_H))
+                sc = tl.reshape(scf, (BLOCK_T, BLOCK_H // 128))
+        else:
+            v = tl.load(x_ptr + t[:, None] * H + hh[None, :], mask=hm, other=0.0)
+        for d in tl.static_range(N):
+            go = tl.max((dst == d).to(tl.int32), axis=1) > 0
+            base = tl.load(peer_ptr + d)
+            if FP8:
+                tl.store(ptr_at(base, off_rows, tl.uint8) + slot[:, None] * RB + hh[None, :], q,
+                         mask=hm & go[:, None])
+                tl.store(ptr_at(base, off_rows, tl.float32) + slot[:, None] * (RB // 4) + H // 4 + bb[None, :],
+                         sc, mask=bm & go[:, None])
+            else:
+                tl.store(ptr_at(base, off_rows, tl.bfloat16) + slot[:, None] * (RB // 2) + hh[None, :], v,
+                         mask=hm & go[:, None])
     tl.debug_barrier()  # every thread's stores happen before the flag's release
     for d in tl.static_range(N):
         raise_flag(ptr_at(tl.load(peer_ptr + d), off_dflag, tl.int64) + RANK * CMAX + c, epoch)
@@ -249,7 +238,7 @@ def dispatch_kernel(
         if pid < NC:
             _send_chunk(pid, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, T, BT, epoch, par,
                         off_dflag, off_meta_i, off_meta_w, off_rows, RANK, N, M, K, E, EL, H, NB, RB, CMAX,
-                        FP8, PREQ, DIRECT, BLOCK_T, BLOCK_K, BLOCK_C, BLOCK_H)
+                        FP8, PREQ, DIRECT, BLOCK_T, BLOCK_K, BLOCK_C, BLOCK_H, INTERP)
     ok = tl.full([], 1, tl.int32)
     nrecv = 0
     if RECV:
@@ -288,7 +277,7 @@ def dispatch_kernel(
             if i < NC:
                 _send_chunk(i, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, T, BT, epoch, par,
                             off_dflag, off_meta_i, off_meta_w, off_rows, RANK, N, M, K, E, EL, H, NB, RB, CMAX,
-                            FP8, PREQ, DIRECT, BLOCK_T, BLOCK_K, BLOCK_C, BLOCK_H)
+                            FP8, PREQ, DIRECT, BLOCK_T, BLOCK_K, BLOCK_C, BLOCK_H, INTERP)
         if RECV:
             if ok != 0:
                 for s in range(N):
