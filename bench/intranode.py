@@ -495,8 +495,8 @@ def environment(device: torch.device) -> dict:
         commit = (commit + ("-dirty" if dirty else "")) if commit else None
     except OSError:
         commit = None
-    # A copy of the tree without .git (e.g. shipped to a GPU box) names its commit by environment.
-    commit = commit or os.environ.get("MOE_EP_COMMIT") or None
+    # A copy of the tree (e.g. shipped to a GPU box, maybe with a stale .git) names its commit by environment.
+    commit = os.environ.get("MOE_EP_COMMIT") or commit or None  # an explicit name wins
     return dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         host=socket.gethostname(), commit=commit, torch=torch.__version__, triton=triton.__version__,
