@@ -1,0 +1,425 @@
+"""Kernels of the inter-node path (docs/ARCHITECTURE.md §10): pack rows for remote peers into the
+proxy's send buffer, expand what the proxy delivered, and the combine rows both ways.
+
+Remote row (``RB`` bytes, a multiple of 16; ``moe_ep.remote.RemoteSpec``): payload (bf16 ``H``
+elements, or fp8 ``H`` bytes + ``NB`` float32 scales) at word 0, then the trailer at word ``PW``
+(= payload bytes / 4): ``[token, lid[K], j[K], w[K]]`` int32 (``w`` as float32 bits): the source
+token index, per k the local expert id at the destination (-1: not for it), the position ``j``
+among the source's selections of that expert, the routing weight.
+
+Launches (every grid is fixed by the host, no program waits for another of its launch):
+  remote_count_kernel      grid NC chunks: per chunk, rows per destination rank, selections per expert
+  remote_pack_kernel       grid P: [HDR_p | rows_p] for every p != rank into the send buffer
+  remote_sel_kernel        grid 1: the count matrix sel[R, EL] from the round-1 headers (+ own counts)
+  remote_unpack_kernel     grid P: remote sources' rows -> expert layout, recv_pos of each received row
+  remote_combine_pack_kernel    grid P: one pre-reduced bf16 row per received row -> combine send buffer
+  remote_combine_unpack_kernel  grid P: out[t] = base[t] + the partial rows of t's remote owners
+The epoch (for the parity copies of the regions peers write) is read on the device from
+``epoch_ptr``, so the launches replay in a CUDA graph.
+"""
+import triton
+import triton.language as tl
+
+from .common import ERR_BAD_EXPERT, ERR_CAPACITY, PHASE_COMBINE, PHASE_DISPATCH, record_error, to_bf16, to_fp8
+
+
+@triton.jit
+def _excl(v):
+    """Exclusive prefix sum of a 1-D tensor."""
+    return tl.cumsum(v, 0) - v
+
+
+@triton.jit
+def _pick(v, rr, i):
+    """``v[i]`` of a 1-D register tensor indexed by ``rr`` (a scalar; 0 when out of range)."""
+    return tl.sum(tl.where(rr == i, v, 0), axis=0)
+
+
+@triton.jit
+def _gather(v, ee, idx):
+    """``v[idx]`` for a 2-D index tile into a 1-D register tensor indexed by ``ee`` (0 where idx is
+    out of range): a compare-and-sum, since registers cannot be indexed and scratch memory would
+    need a barrier between programs."""
+    return tl.sum(tl.where(idx[:, :, None] == ee[None, None, :], v[None, None, :], 0), axis=2)
+
+
+@triton.jit
+def _chunk_sum(hist_ptr, row, rmask, upto, CMAX: tl.constexpr, BLOCK_C: tl.constexpr):
+    """``sum(hist[row, :upto])`` per entry of the 1-D ``row`` (int32)."""
+    cc = tl.arange(0, BLOCK_C)
+    acc = tl.zeros(row.shape, tl.int32)
+    for c0 in range(0, upto, BLOCK_C):
+        m = rmask[:, None] & (c0 + cc[None, :] < upto)
+        acc += tl.sum(tl.load(hist_ptr + row[:, None] * CMAX + c0 + cc[None, :], mask=m, other=0), axis=1)
+    return acc
+
+
+@triton.jit
+def _routing(topk_ptr, w_ptr, t, tm, E: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(ids with out-of-range ones as -1, weights, count of out-of-range ids) of the tokens ``t``."""
+    kk = tl.arange(0, BLOCK_K)
+    m2 = tm[:, None] & (kk[None, :] < K)
+    ids = tl.load(topk_ptr + t[:, None] * K + kk[None, :], mask=m2, other=-1).to(tl.int32)
+    bad = tl.sum((m2 & ((ids < -1) | (ids >= E))).to(tl.int32))
+    ids = tl.where(m2 & (ids >= 0) & (ids < E), ids, -1)
+    w = tl.load(w_ptr + t[:, None] * K + kk[None, :], mask=m2, other=0.0)
+    return ids, w, bad
+
+
+@triton.jit(do_not_specialize=['T', 'BT'])
+def remote_count_kernel(
+    topk_ptr,          # [T, K] int32/int64
+    w_ptr,             # [T, K] float32 (only for the shared routing loader)
+    rhist_ptr,         # int32 [R, CMAX]: rows (one per token and destination rank) of chunk c to rank d
+    ehist_ptr,         # int32 [E, CMAX]: selections of global expert e in chunk c
+    err_ptr,           # int64 [8] error record
+    epoch_ptr,         # int64 [1]: the epoch of this dispatch
+    T, BT,
+    R: tl.constexpr, E: tl.constexpr, EL: tl.constexpr, K: tl.constexpr, CMAX: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    c = tl.program_id(0)
+    S: tl.constexpr = BLOCK_T * BLOCK_K
+    tt = tl.arange(0, BLOCK_T)
+    kk = tl.arange(0, BLOCK_K)
+    t = c * BT + tt
+    tm = (tt < BT) & (t < T)
+    ids, w, bad = _routing(topk_ptr, w_ptr, t, tm, E, K, BLOCK_K)
+    if bad > 0:
+        record_error(err_ptr, ERR_BAD_EXPERT, -1, PHASE_DISPATCH, tl.load(epoch_ptr), bad)
+    valid = ids >= 0
+    eh = tl.histogram(tl.reshape(tl.where(valid, ids, 0), [S]), BLOCK_E, mask=tl.reshape(valid, [S]))
+    ee = tl.arange(0, BLOCK_E)
+    tl.store(ehist_ptr + ee * CMAX + c, eh, mask=ee < E)
+    dst = tl.where(valid, ids // EL, -1)
+    # One row per (token, destination rank): count only a token's first selection on each rank.
+    dup = tl.max(((dst[:, :, None] == dst[:, None, :]) & (kk[None, None, :] < kk[None, :, None])).to(tl.int32),
+                 axis=2) > 0
+    first = valid & (dup == 0)
+    rh = tl.histogram(tl.reshape(tl.where(first, dst, 0), [S]), BLOCK_R, mask=tl.reshape(first, [S]))
+    rr = tl.arange(0, BLOCK_R)
+    tl.store(rhist_ptr + rr * CMAX + c, rh, mask=rr < R)
+
+
+@triton.jit
+def _quantize(v, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, INTERP: tl.constexpr):
+    """float32 [BLOCK_T, BLOCK_H] -> (fp8 bits uint8 [BLOCK_T, BLOCK_H], float32 scales
+    [BLOCK_T, BLOCK_H // 128]) with the intranode send's formula (``moe_ep.fp8``):
+    ``scale = max(amax, 1e-4) / 448`` per 128 channels, round to nearest even."""
+    vb = tl.reshape(v, (BLOCK_T * BLOCK_H // 128, 128))
+    amax = tl.maximum(tl.max(tl.abs(vb), axis=1), 1e-4)
+    # div_rn: the exact quotient, as torch's quantize_fp8 computes it (no reciprocal multiply).
+    scale = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+    q = to_fp8(tl.math.div_rn(vb, tl.broadcast_to(scale[:, None], vb.shape)), INTERP)
+    return tl.reshape(q, (BLOCK_T, BLOCK_H)), tl.reshape(scale, (BLOCK_T, BLOCK_H // 128))
+
+
+@triton.jit(do_not_specialize=['T', 'BT', 'NC'])
+def remote_pack_kernel(
+    x_ptr,             # [T, H] bf16
+    topk_ptr,          # [T, K] int32/int64
+    w_ptr,             # [T, K] float32
+    rhist_ptr,         # int32 [R, CMAX] from remote_count_kernel
+    ehist_ptr,         # int32 [E, CMAX] from remote_count_kernel
+    send_ptr,          # uint8: the proxy's dispatch send buffer
+    send_counts_ptr,   # int32 [R]: out, rows this rank sends to each rank (its count vector)
+    send_pos_ptr,      # int32 [M, R]: out, row index of token t in rows_p (-1: none, or p not remote)
+    err_ptr,           # int64 [8] error record
+    epoch_ptr,         # int64 [1]
+    T, BT, NC,         # tokens, tokens per chunk, chunks (as for remote_count_kernel)
+    RANK: tl.constexpr, R: tl.constexpr, G: tl.constexpr, E: tl.constexpr, EL: tl.constexpr, K: tl.constexpr,
+    H: tl.constexpr, NB: tl.constexpr, PW: tl.constexpr, RB: tl.constexpr, HDR: tl.constexpr,
+    MAXROWS: tl.constexpr, CMAX: tl.constexpr, FP8: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_EL: tl.constexpr, INTERP: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    S: tl.constexpr = BLOCK_T * BLOCK_K
+    rr = tl.arange(0, BLOCK_R)
+    rmask = rr < R
+    kk = tl.arange(0, BLOCK_K)
+    km = kk < K
+    words = send_ptr.to(tl.pointer_type(tl.int32))
+    # Every program derives the whole layout from the chunk histograms (no program waits for another).
+    cnt = _chunk_sum(rhist_ptr, rr, rmask, NC, CMAX, BLOCK_C)
+    remote = rmask & (rr // G != RANK // G)
+    rows = tl.where(remote, cnt, 0)
+    rbase = _excl(rows)                                                     # first row index of each peer
+    # Offsets in 16-byte units (HDR and RB are multiples of 16): an address formed as ``units * 16``
+    # is known to be 16-byte aligned, so row stores become 16-byte vectors.
+    seg = tl.where(rmask & (rr != RANK), HDR // 16 + rows.to(tl.int64) * (RB // 16), 0)
+    off = _excl(seg)                                                        # [HDR_p | rows_p] of each peer
+    total = tl.sum(rows)
+    if total > MAXROWS:
+        record_error(err_ptr, ERR_CAPACITY, -1, PHASE_DISPATCH, tl.load(epoch_ptr), total)
+    if pid == 0:
+        tl.store(send_counts_ptr + rr, cnt, mask=rmask)
+    ee = tl.arange(0, BLOCK_EL)
+    for d in range(pid, R, P):
+        if d != RANK:
+            hp = words + _pick(off, rr, d) * 4
+            tl.store(hp + rr, cnt, mask=rmask)
+            ecnt = _chunk_sum(ehist_ptr, d * EL + ee, ee < EL, NC, CMAX, BLOCK_C)
+            tl.store(hp + R + ee, ecnt, mask=ee < EL)
+    tt = tl.arange(0, BLOCK_T)
+    ff = tl.arange(0, S)
+    for c in range(pid, NC, P):
+        t = c * BT + tt
+        tm = (tt < BT) & (t < T)
+        ids, w, bad = _routing(topk_ptr, w_ptr, t, tm, E, K, BLOCK_K)
+        # Position j of each selection among this rank's selections of its expert (order (token, k)):
+        # earlier chunks from the histogram, plus earlier selections of this chunk.
+        idf = tl.reshape(ids, (S,))
+        pre = _chunk_sum(ehist_ptr, idf, idf >= 0, c, CMAX, BLOCK_C)
+        within = tl.sum(((idf[:, None] == idf[None, :]) & (ff[None, :] < ff[:, None])).to(tl.int32), axis=1)
+        j = tl.reshape(pre + within, (BLOCK_T, BLOCK_K))
+        dst = tl.where(ids >= 0, ids // EL, -1)
+        go = tl.max((dst[:, :, None] == rr[None, None, :]).to(tl.int32), axis=1)     # [BLOCK_T, BLOCK_R]
+        # Row of token t in rows_p: rows to p from earlier chunks + earlier tokens of this chunk.
+        # (A compare-and-sum, not tl.cumsum: a scan over a tile this small fails to lower for sm_90.)
+        before = tl.sum(tl.where(tt[None, :, None] < tt[:, None, None], go[None, :, :], 0), axis=1)
+        pos = _chunk_sum(rhist_ptr, rr, rmask, c, CMAX, BLOCK_C)[None, :] + before
+        send = (go > 0) & remote[None, :] & tm[:, None]
+        tl.store(send_pos_ptr + t[:, None] * R + rr[None, :], tl.where(send, pos, -1), mask=tm[:, None] & rmask[None, :])
+        ok = send & (rbase[None, :] + pos < MAXROWS)                     # never past the send buffer
+        row16 = off[None, :] + HDR // 16 + pos.to(tl.int64) * (RB // 16)  # each (token, peer) row
+        for d in range(R):
+            if (d // G) != (RANK // G):
+                okd = tl.max(tl.where(rr[None, :] == d, ok.to(tl.int32), 0), axis=1) > 0
+                rw = tl.sum(tl.where(rr[None, :] == d, row16, 0), axis=1) * 4
+                tw = words + rw + PW
+                tl.store(tw, t, mask=okd)
+                m2 = okd[:, None] & km[None, :]
+                tl.store(tw[:, None] + 1 + kk[None, :], tl.where(dst == d, ids - d * EL, -1), mask=m2)
+                tl.store(tw[:, None] + 1 + K + kk[None, :], j, mask=m2)
+                tl.store(tw[:, None] + 1 + 2 * K + kk[None, :], w.to(tl.int32, bitcast=True), mask=m2)
+        # Payload: each tile read (and quantized) once, stored to every remote destination.
+        for h0 in range(0, H, BLOCK_H):
+            hh = h0 + tl.arange(0, BLOCK_H)
+            hm = tm[:, None] & (hh[None, :] < H)
+            v = tl.load(x_ptr + t[:, None] * H + hh[None, :], mask=hm, other=0.0)
+            if FP8:
+                q, sc = _quantize(v.to(tl.float32), BLOCK_T, BLOCK_H, INTERP)
+                bb = h0 // 128 + tl.arange(0, BLOCK_H // 128)
+                bm = tm[:, None] & (bb[None, :] < NB)
+            for d in range(R):
+                if (d // G) != (RANK // G):
+                    okd = tl.max(tl.where(rr[None, :] == d, ok.to(tl.int32), 0), axis=1) > 0
+                    rw = tl.sum(tl.where(rr[None, :] == d, row16, 0), axis=1) * 4
+                    if FP8:
+                        tl.store(send_ptr + rw[:, None] * 4 + hh[None, :], q, mask=hm & okd[:, None])
+                        tl.store((words + rw + H // 4)[:, None].to(tl.pointer_type(tl.float32)) + bb[None, :], sc,
+                                 mask=bm & okd[:, None])
+                    else:
+                        tl.store((words + rw)[:, None].to(tl.pointer_type(tl.bfloat16)) + hh[None, :], v,
+                                 mask=hm & okd[:, None])
+
+
+@triton.jit(do_not_specialize=['NC'])
+def remote_sel_kernel(
+    round1_ptr,        # uint8: this rank's round-1 region (after every D1 of the epoch landed)
+    ehist_ptr,         # int32 [E, CMAX] of this rank's dispatch
+    sel_ptr,           # int32 [R, EL]: out, selections of each local expert from each source
+    epoch_ptr,         # int64 [1]
+    NC,
+    RANK: tl.constexpr, R: tl.constexpr, EL: tl.constexpr, HDR: tl.constexpr, SLOT: tl.constexpr,
+    CMAX: tl.constexpr, BLOCK_EL: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    # Every source s != RANK, node peers included, sent its HDR in round 1; row RANK is our own.
+    par = tl.load(epoch_ptr) & 1
+    ee = tl.arange(0, BLOCK_EL)
+    em = ee < EL
+    words = round1_ptr.to(tl.pointer_type(tl.int32))
+    for s in range(R):
+        if s == RANK:
+            v = _chunk_sum(ehist_ptr, RANK * EL + ee, em, NC, CMAX, BLOCK_C)
+        else:
+            v = tl.load(words + ((par * R + s) * SLOT) // 4 + R + ee, mask=em, other=0)
+        tl.store(sel_ptr + s * EL + ee, v, mask=em)
+
+
+@triton.jit
+def _scatter(ptr, r, kk, width: tl.constexpr, cols, v, m, K: tl.constexpr):
+    """Stores the tile ``v`` [rows, cols] at row ``r[:, k]`` (row width ``width``) of ``ptr`` for
+    every k with ``r[:, k] >= 0``."""
+    for k in tl.static_range(K):
+        rk = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1)
+        tl.store(ptr + rk[:, None] * width + cols[None, :], v, mask=m & (rk[:, None] >= 0))
+
+
+@triton.jit
+def remote_unpack_kernel(
+    round1_ptr,        # uint8: round-1 region, [2][R][HDR + PCAP*RB]
+    overflow_ptr,      # uint8: overflow region, [2][OVCAP*RB]
+    sel_ptr,           # int32 [R, EL]: count matrix (remote_sel_kernel)
+    out_x_ptr,         # int32 view of expert_x: [rows, W]
+    out_s_ptr,         # float32 [rows, NB] expert_scales (FP8 only)
+    counts_ptr,        # int32 [EL]: out, rows of each local expert (every source)
+    offsets_ptr,       # int32 [EL + 1]: out (PACKED only)
+    rpos_ptr,          # int32 [ROWS, K]: out, row in the expert layout of each received (row, k), or -1
+    rw_ptr,            # float32 [ROWS, K]: out, its weight (0 where rpos is -1)
+    recv_rows_ptr,     # int32 [R]: out, rows received from each remote source (0 for the others)
+    err_ptr,           # int64 [8]
+    epoch_ptr,         # int64 [1]
+    RANK: tl.constexpr, R: tl.constexpr, G: tl.constexpr, EL: tl.constexpr, K: tl.constexpr, H: tl.constexpr,
+    W: tl.constexpr, NB: tl.constexpr, PW: tl.constexpr, RB: tl.constexpr, HDR: tl.constexpr,
+    PCAP: tl.constexpr, OVCAP: tl.constexpr, ROWS: tl.constexpr, CAP: tl.constexpr, ALIGN: tl.constexpr,
+    PACKED: tl.constexpr, FP8: tl.constexpr, BLOCK_RW: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_EL: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_NB: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    SLOT: tl.constexpr = HDR + PCAP * RB
+    epoch = tl.load(epoch_ptr)
+    par = epoch & 1
+    r1w = round1_ptr.to(tl.pointer_type(tl.int32))
+    ovw = overflow_ptr.to(tl.pointer_type(tl.int32))
+    rr = tl.arange(0, BLOCK_R)
+    remote = (rr < R) & (rr // G != RANK // G)
+    # c_{s,RANK} from each remote source's round-1 header; the protocol's offsets follow from it.
+    c = tl.load(r1w + ((par * R + rr) * SLOT) // 4 + RANK, mask=remote, other=0)
+    ovoff = _excl(tl.maximum(c - PCAP, 0))     # first overflow row of each source (remote s' < s)
+    goff = _excl(c)                            # first received-row index (combine order) of each source
+    ee = tl.arange(0, BLOCK_EL)
+    em = ee < EL
+    tot = tl.zeros((BLOCK_EL,), tl.int32)
+    for s in range(R):
+        tot += tl.load(sel_ptr + s * EL + ee, mask=em, other=0)
+    if PACKED:
+        padded = (tot + ALIGN - 1) // ALIGN * ALIGN
+        eoff = _excl(padded)
+        over = tl.sum(padded) > CAP
+    else:
+        eoff = ee * CAP
+        over = tl.max(tot) > CAP
+    if over | (tl.sum(c) > ROWS):
+        record_error(err_ptr, ERR_CAPACITY, -1, PHASE_DISPATCH, epoch, tl.max(tot))
+    if pid == 0:
+        tl.store(counts_ptr + ee, tot, mask=em)
+        tl.store(recv_rows_ptr + rr, c, mask=rr < R)
+        if PACKED:
+            tl.store(offsets_ptr + ee, eoff, mask=em)
+            tl.store(offsets_ptr + EL, tl.sum(padded))
+    ii = tl.arange(0, BLOCK_RW)
+    kk = tl.arange(0, BLOCK_K)
+    below = tl.zeros((BLOCK_EL,), tl.int32)    # rows of each expert from sources below s
+    for s in range(R):
+        n = _pick(c, rr, s)
+        ov0 = _pick(ovoff, rr, s)
+        g0 = _pick(goff, rr, s)
+        for b in range(pid, tl.cdiv(n, BLOCK_RW), P):
+            i = b * BLOCK_RW + ii
+            g = g0 + i
+            im = (i < n) & (g < ROWS)
+            # Row i of source s: its round-1 slot for i < PCAP, else the shared overflow region.
+            in1 = i < PCAP
+            w1 = ((par * R + s) * SLOT + HDR + i.to(tl.int64) * RB) // 4
+            w2 = (par * OVCAP * RB + (ov0 + i - PCAP).to(tl.int64) * RB) // 4
+            src = tl.where(in1, r1w + tl.multiple_of(tl.where(in1, w1, 0), 4),
+                           ovw + tl.multiple_of(tl.where(in1, 0, w2), 4))
+            m2 = im[:, None] & (kk[None, :] < K)
+            lid = tl.load(src[:, None] + PW + 1 + kk[None, :], mask=m2, other=-1)
+            j = tl.load(src[:, None] + PW + 1 + K + kk[None, :], mask=m2, other=0)
+            wt = tl.load(src[:, None] + PW + 1 + 2 * K + kk[None, :], mask=m2, other=0).to(tl.float32, bitcast=True)
+            valid = m2 & (lid >= 0) & (lid < EL)
+            # Order (source rank, token, k): rows of the expert from lower sources, then j.
+            pos = _gather(below, ee, lid) + j
+            if PACKED:
+                valid = valid & (_gather(eoff, ee, lid) + pos < CAP)
+            else:
+                valid = valid & (pos < CAP)
+            r = tl.where(valid, _gather(eoff, ee, lid) + pos, -1)
+            tl.store(rpos_ptr + g[:, None] * K + kk[None, :], r, mask=m2)
+            tl.store(rw_ptr + g[:, None] * K + kk[None, :], tl.where(valid, wt, 0.0), mask=m2)
+            r = r.to(tl.int64)
+            # Payload words, then (fp8) the scales: each row read once, stored once per selection.
+            for w0 in range(0, W, BLOCK_W):
+                ww = w0 + tl.arange(0, BLOCK_W)
+                wm = im[:, None] & (ww[None, :] < W)
+                _scatter(out_x_ptr, r, kk, W, ww, tl.load(src[:, None] + ww[None, :], mask=wm), wm, K)
+            if FP8:
+                bb = tl.arange(0, BLOCK_NB)
+                bm = im[:, None] & (bb[None, :] < NB)
+                sv = tl.load(src[:, None].to(tl.pointer_type(tl.float32)) + H // 4 + bb[None, :], mask=bm)
+                _scatter(out_s_ptr, r, kk, NB, bb, sv, bm, K)
+        below += tl.load(sel_ptr + s * EL + ee, mask=em, other=0)
+
+
+@triton.jit
+def remote_combine_pack_kernel(
+    y_ptr,             # bf16 [rows, H]: expert outputs in the layout of expert_x
+    rpos_ptr,          # int32 [ROWS, K] from remote_unpack_kernel
+    rw_ptr,            # float32 [ROWS, K]
+    recv_rows_ptr,     # int32 [R]
+    comb_send_ptr,     # uint8: the proxy's combine send buffer, [ROWS][2H]
+    R: tl.constexpr, K: tl.constexpr, H: tl.constexpr, BLOCK_RW: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, INTERP: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    rr = tl.arange(0, BLOCK_R)
+    total = tl.sum(tl.load(recv_rows_ptr + rr, mask=rr < R, other=0))
+    out = comb_send_ptr.to(tl.pointer_type(tl.bfloat16))
+    ii = tl.arange(0, BLOCK_RW)
+    kk = tl.arange(0, BLOCK_K)
+    for b in range(pid, tl.cdiv(total, BLOCK_RW), P):
+        g = b * BLOCK_RW + ii
+        gm = g < total
+        m2 = gm[:, None] & (kk[None, :] < K)
+        r = tl.load(rpos_ptr + g[:, None] * K + kk[None, :], mask=m2, other=-1)
+        w = tl.load(rw_ptr + g[:, None] * K + kk[None, :], mask=m2, other=0.0)
+        for h0 in range(0, H, BLOCK_H):
+            hh = h0 + tl.arange(0, BLOCK_H)
+            hm = hh[None, :] < H
+            acc = tl.zeros((BLOCK_RW, BLOCK_H), tl.float32)
+            for k in tl.static_range(K):
+                # Pre-reduction: this rank's experts of the row sum here (float32), one bf16 row goes back.
+                rk = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1).to(tl.int64)
+                wk = tl.sum(tl.where(kk[None, :] == k, w, 0.0), axis=1)
+                y = tl.load(y_ptr + rk[:, None] * H + hh[None, :], mask=(rk[:, None] >= 0) & hm, other=0.0)
+                acc += y.to(tl.float32) * wk[:, None]
+            tl.store(out + g.to(tl.int64)[:, None] * H + hh[None, :], to_bf16(acc, INTERP), mask=gm[:, None] & hm)
+
+
+@triton.jit(do_not_specialize=['T'])
+def remote_combine_unpack_kernel(
+    comb_recv_ptr,     # uint8: the combine receive region, [2][MAXROWS][2H]
+    send_pos_ptr,      # int32 [M, R] from remote_pack_kernel
+    send_counts_ptr,   # int32 [R] from remote_pack_kernel
+    base_ptr,          # float32 [T, H]: the node owners' sum (HAS_BASE), else unused
+    out_ptr,           # bf16 [T, H]: out
+    epoch_ptr,         # int64 [1]
+    T,
+    RANK: tl.constexpr, R: tl.constexpr, G: tl.constexpr, H: tl.constexpr, MAXROWS: tl.constexpr,
+    HAS_BASE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    par = tl.load(epoch_ptr) & 1
+    comb = comb_recv_ptr.to(tl.pointer_type(tl.bfloat16))
+    rr = tl.arange(0, BLOCK_R)
+    rmask = rr < R
+    remote = rmask & (rr // G != RANK // G)
+    # Owner p's rows start at sum of c_{RANK,p'} over remote p' < p, in the epoch's parity copy.
+    roff = _excl(tl.where(remote, tl.load(send_counts_ptr + rr, mask=rmask, other=0), 0))
+    tt = tl.arange(0, BLOCK_T)
+    for c in range(pid, tl.cdiv(T, BLOCK_T), P):
+        t = c * BLOCK_T + tt
+        tm = t < T
+        sp = tl.load(send_pos_ptr + t[:, None] * R + rr[None, :], mask=tm[:, None] & remote[None, :], other=-1)
+        row = tl.where(sp >= 0, par * MAXROWS + roff[None, :] + sp, -1).to(tl.int64)
+        for h0 in range(0, H, BLOCK_H):
+            hh = h0 + tl.arange(0, BLOCK_H)
+            hm = tm[:, None] & (hh[None, :] < H)
+            if HAS_BASE:
+                acc = tl.load(base_ptr + t[:, None] * H + hh[None, :], mask=hm, other=0.0)
+            else:
+                acc = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)
+            for p in range(R):
+                if (p // G) != (RANK // G):
+                    rp = tl.sum(tl.where(rr[None, :] == p, row, 0), axis=1)
+                    acc += tl.load(comb + rp[:, None] * H + hh[None, :], mask=hm & (rp[:, None] >= 0),
+                                   other=0.0).to(tl.float32)
+            tl.store(out_ptr + t[:, None] * H + hh[None, :], to_bf16(acc, INTERP), mask=hm)

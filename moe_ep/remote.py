@@ -1,0 +1,280 @@
+"""Host side of the inter-node kernels (docs/ARCHITECTURE.md §10, "Remote row format"): sizes, the
+row trailer, the device state, and the launches of ``moe_ep.kernels.remote``.
+
+Not yet wired into ``EPBuffer``: these functions take the proxy's regions as plain uint8 tensors
+(``moe_ep.proxy.Proxy`` owns them in a real run) and run in this order for dispatch epoch ``e``
+(``state.epoch[0] == e`` on the device):
+
+1. ``pack``: count launch + pack launch fill the dispatch send buffer; then the kernel side rings
+   ``disp_doorbell = e`` and waits for ``disp_ready >= e``;
+2. ``fill_count_matrix`` (the count matrix ``sel`` from the round-1 headers), ``unpack``;
+3. after the experts, ``combine_pack`` fills the combine send buffer; ``comb_doorbell = e``, wait
+   for ``comb_ready >= e``; ``combine_unpack`` adds the remote owners' rows to each token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .fp8 import num_scale_blocks
+from .kernels.remote import (remote_combine_pack_kernel, remote_combine_unpack_kernel, remote_count_kernel,
+                             remote_pack_kernel, remote_sel_kernel, remote_unpack_kernel)
+from .layout import chunking, max_chunks
+
+REGIONS = ("disp_send", "round1", "overflow", "comb_send", "comb_recv")  # the proxy's registration order
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def _pow2(n: int, lo: int = 2) -> int:
+    return max(lo, 1 << (max(n, 1) - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class RemoteSpec:
+    """One rank's shapes for the inter-node path.
+
+    ``rank``/``world`` R/``node_size`` G; ``num_experts`` E (``EL = E / R`` local); ``topk`` K;
+    ``hidden`` H (a multiple of 16); ``max_tokens`` M; ``fp8`` (fp8 dispatch, quantized in-kernel);
+    ``private_capacity`` (rows per source in the round-1 slot), ``overflow_capacity``;
+    ``max_send_rows`` (rows in the send buffer; default every token to every remote rank);
+    ``layout`` ``"masked"``/``"packed"`` and ``expert_alignment`` as in ``EPBuffer``.
+    """
+
+    rank: int
+    world: int
+    node_size: int
+    num_experts: int
+    topk: int
+    hidden: int
+    max_tokens: int
+    fp8: bool
+    private_capacity: int
+    overflow_capacity: int
+    max_send_rows: Optional[int] = None
+    layout: str = "masked"
+    expert_alignment: int = 1
+
+    def __post_init__(self):
+        if self.world % self.node_size or self.num_experts % self.world or self.hidden % 16:
+            raise ValueError("RemoteSpec: node_size must divide world, world num_experts, 16 hidden")
+        if self.max_send_rows is None:
+            object.__setattr__(self, "max_send_rows", self.n_remote * self.max_tokens)
+
+    # -------------------------------------------------------------- the row format
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.world
+
+    @property
+    def n_remote(self) -> int:
+        """Ranks on other nodes."""
+        return self.world - self.node_size
+
+    def remote(self, p: int) -> bool:
+        return p // self.node_size != self.rank // self.node_size
+
+    @property
+    def num_scale_blocks(self) -> int:
+        return num_scale_blocks(self.hidden) if self.fp8 else 0
+
+    @property
+    def payload_bytes(self) -> int:
+        """bf16 ``2H``, or fp8 ``H + 4 * NB`` (H % 16 == 0, so the scales are 4-byte aligned)."""
+        return self.hidden * (1 if self.fp8 else 2) + 4 * self.num_scale_blocks
+
+    @property
+    def trailer_words(self) -> int:
+        """int32 words after the payload: token, lid[K], j[K], w[K] (float32 bits)."""
+        return 1 + 3 * self.topk
+
+    @property
+    def row_bytes(self) -> int:
+        """RB, the proxy's ``row_bytes``: payload + trailer, 16-byte aligned (rows move as 16-byte vectors)."""
+        return _align(self.payload_bytes + 4 * self.trailer_words, 16)
+
+    @property
+    def comb_row_bytes(self) -> int:
+        """One bf16 combine row."""
+        return 2 * self.hidden
+
+    @property
+    def hdr_bytes(self) -> int:
+        """HDR: int32[R] count vector + int32[EL], padded to 16 bytes (the proxy's ``proxy_hdr_bytes``)."""
+        return _align(4 * (self.world + self.num_local_experts), 16)
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.hdr_bytes + self.private_capacity * self.row_bytes
+
+    @property
+    def recv_rows(self) -> int:
+        """The most rows one dispatch delivers from remote sources (the combine send buffer's rows)."""
+        return self.n_remote * self.private_capacity + self.overflow_capacity
+
+    @property
+    def expert_capacity(self) -> int:
+        """Masked: rows per expert (``R * M``); packed: rows in all (``R*M*K + EL*(alignment-1)``)."""
+        R, M = self.world, self.max_tokens
+        if self.layout == "masked":
+            return R * M
+        return R * M * self.topk + self.num_local_experts * (self.expert_alignment - 1)
+
+    def region_bytes(self) -> dict:
+        """Minimum byte size of each proxy region (``moe_ep_proxy_region_bytes``, in ``REGIONS`` order)."""
+        R, hdr, rb, crb = self.world, self.hdr_bytes, self.row_bytes, self.comb_row_bytes
+        return {"disp_send": (R - 1) * hdr + self.max_send_rows * rb,
+                "round1": 2 * R * self.slot_bytes,
+                "overflow": 2 * self.overflow_capacity * rb,
+                "comb_send": self.recv_rows * crb,
+                "comb_recv": 2 * self.max_send_rows * crb}
+
+    def proxy_kwargs(self) -> dict:
+        """The ``moe_ep.proxy.Proxy`` arguments that must agree with these kernels."""
+        return dict(node_size=self.node_size, num_local_experts=self.num_local_experts, row_bytes=self.row_bytes,
+                    comb_row_bytes=self.comb_row_bytes, private_capacity=self.private_capacity,
+                    overflow_capacity=self.overflow_capacity, max_send_rows=self.max_send_rows)
+
+    @property
+    def chunks(self) -> int:
+        """CMAX of the count histograms (``moe_ep.layout.max_chunks``)."""
+        return max_chunks(self.max_tokens)
+
+
+class RemoteState:
+    """Device tensors of one rank's inter-node path (all int32 unless said; on ``device``).
+
+    ``epoch`` int64 [1]: the dispatch epoch of the current call (the kernels read it for the
+    parity copies); ``rhist`` [R, CMAX] / ``ehist`` [E, CMAX]: per chunk, rows per destination rank
+    and selections per global expert; ``send_counts`` [R]: this rank's count vector;
+    ``send_pos`` [M, R]: row of each token in ``rows_p`` (-1: none); ``sel`` [R, EL]: the count
+    matrix (selections of each local expert per source); ``rpos`` [recv_rows, K] / ``rw`` float32
+    [recv_rows, K]: expert-layout row and weight of each received (row, k); ``recv_rows`` [R]: rows
+    received from each remote source; ``err`` int64 [8] error record.
+    """
+
+    def __init__(self, spec: RemoteSpec, device: torch.device | str = "cpu"):
+        R, E, EL, K, M = spec.world, spec.num_experts, spec.num_local_experts, spec.topk, spec.max_tokens
+        z = lambda *s, dt=torch.int32: torch.zeros(*s, dtype=dt, device=device)  # noqa: E731
+        self.spec = spec
+        self.epoch = z(1, dt=torch.int64)
+        self.rhist, self.ehist = z(R, spec.chunks), z(E, spec.chunks)
+        self.send_counts, self.send_pos = z(R), z(M, R)
+        self.sel = z(R, EL)
+        self.rpos, self.rw = z(max(1, spec.recv_rows), K), z(max(1, spec.recv_rows), K, dt=torch.float32)
+        self.recv_rows = z(R)
+        self.err = z(8, dt=torch.int64)
+        self.num_chunks = 0  # chunks of the last pack (the host knows T)
+
+
+def _interp() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _launch(fn, grid: int, args: tuple, consts: dict) -> None:
+    """Every launch of this module goes through here (tests replace it to record launches)."""
+    fn[(grid,)](*args, **consts)
+
+
+def _common(spec: RemoteSpec) -> dict:
+    return dict(RANK=spec.rank, R=spec.world, BLOCK_R=_pow2(spec.world), BLOCK_K=_pow2(spec.topk))
+
+
+def pack(spec: RemoteSpec, st: RemoteState, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+         send: torch.Tensor, num_programs: int = 2, num_warps: int = 4) -> None:
+    """Dispatch send side for remote destinations: fills ``send`` (uint8, at least
+    ``region_bytes()["disp_send"]``) with ``[HDR_p | rows_p]`` for every ``p != rank`` in rank
+    order, ``st.send_counts`` and ``st.send_pos``. Two launches: per-chunk counts (grid = chunks),
+    then the pack (grid ``num_programs``); counts stay on the device.
+
+    x: bf16 [T, H]; topk_idx: int32/int64 [T, K] (-1: none); topk_weights: float32 [T, K].
+    """
+    T = x.shape[0]
+    CMAX = spec.chunks
+    BT, NC = chunking(T, CMAX)
+    NC = NC if T > 0 else 0
+    st.num_chunks = NC
+    E, K, EL = spec.num_experts, spec.topk, spec.num_local_experts
+    BLOCK_T = _pow2(BT)
+    if NC:
+        _launch(remote_count_kernel, NC, (topk_idx, topk_weights, st.rhist, st.ehist, st.err, st.epoch, T, BT),
+                dict(R=spec.world, E=E, EL=EL, K=K, CMAX=CMAX, BLOCK_T=BLOCK_T, BLOCK_K=_pow2(K), BLOCK_E=_pow2(E),
+                     BLOCK_R=_pow2(spec.world), num_warps=num_warps))
+    H = spec.hidden
+    _launch(remote_pack_kernel, num_programs,
+            (x, topk_idx, topk_weights, st.rhist, st.ehist, send, st.send_counts, st.send_pos, st.err, st.epoch,
+             T, BT, NC),
+            dict(_common(spec), G=spec.node_size, E=E, EL=EL, K=K, H=H, NB=max(1, spec.num_scale_blocks),
+                 PW=spec.payload_bytes // 4, RB=spec.row_bytes, HDR=spec.hdr_bytes, MAXROWS=spec.max_send_rows,
+                 CMAX=CMAX, FP8=spec.fp8, BLOCK_T=BLOCK_T, BLOCK_C=min(CMAX, 64),
+                 BLOCK_H=max(128, min(_pow2(H), 4096 // BLOCK_T)), BLOCK_EL=_pow2(EL), INTERP=_interp(),
+                 num_warps=num_warps))
+
+
+def fill_count_matrix(spec: RemoteSpec, st: RemoteState, round1: torch.Tensor) -> None:
+    """``st.sel[s, e]`` = selections of local expert ``e`` from source ``s``: rows ``s != rank``
+    from the round-1 headers of epoch ``st.epoch`` (every source, node peers included, writes
+    one there), row ``rank`` from this rank's own histogram. Run after ``disp_ready``, after ``pack``."""
+    EL = spec.num_local_experts
+    _launch(remote_sel_kernel, 1, (round1, st.ehist, st.sel, st.epoch, st.num_chunks),
+            dict(RANK=spec.rank, R=spec.world, EL=EL, HDR=spec.hdr_bytes, SLOT=spec.slot_bytes, CMAX=spec.chunks,
+                 BLOCK_EL=_pow2(EL), BLOCK_C=min(spec.chunks, 64)))
+
+
+def unpack(spec: RemoteSpec, st: RemoteState, round1: torch.Tensor, overflow: torch.Tensor,
+           expert_x: torch.Tensor, expert_scales: Optional[torch.Tensor], expert_counts: torch.Tensor,
+           expert_offsets: Optional[torch.Tensor], num_programs: int = 2, num_warps: int = 4) -> None:
+    """Dispatch receive side: every remote source's rows (round-1 slot, then overflow) expanded into
+    the expert layout, at ``rows of the expert from lower sources + j`` (``st.sel``, every source).
+
+    expert_x: masked ``[EL, R*M, H]`` or packed ``[R*M*K + EL*(align-1), H]`` (bf16 or fp8);
+    expert_scales: float32 ``[..., NB]`` (fp8); expert_counts int32 [EL] and expert_offsets int32
+    [EL + 1] (packed) are written for every source. Records ``st.rpos``/``st.rw``/``st.recv_rows``.
+    """
+    EL, H, K = spec.num_local_experts, spec.hidden, spec.topk
+    W = H * (1 if spec.fp8 else 2) // 4
+    nb = max(1, spec.num_scale_blocks)
+    words = expert_x.view(torch.uint8).view(torch.int32)
+    _launch(remote_unpack_kernel, num_programs,
+            (round1, overflow, st.sel, words, expert_scales if spec.fp8 else st.rw, expert_counts,
+             expert_offsets if expert_offsets is not None else expert_counts, st.rpos, st.rw, st.recv_rows, st.err,
+             st.epoch),
+            dict(_common(spec), G=spec.node_size, EL=EL, K=K, H=H, W=W, NB=nb, PW=spec.payload_bytes // 4,
+                 RB=spec.row_bytes, HDR=spec.hdr_bytes, PCAP=spec.private_capacity, OVCAP=spec.overflow_capacity,
+                 ROWS=spec.recv_rows, CAP=spec.expert_capacity, ALIGN=spec.expert_alignment,
+                 PACKED=spec.layout == "packed", FP8=spec.fp8, BLOCK_RW=16, BLOCK_EL=_pow2(EL),
+                 BLOCK_W=max(16, min(_pow2(W), 256)), BLOCK_NB=_pow2(nb), num_warps=num_warps))
+
+
+def combine_pack(spec: RemoteSpec, st: RemoteState, expert_y: torch.Tensor, comb_send: torch.Tensor,
+                 num_programs: int = 2, num_warps: int = 4) -> None:
+    """Owner side: one pre-reduced bf16 row per received row (``sum_k w * y[rpos]`` in float32, one
+    rounding) into ``comb_send`` (uint8), in the order received. expert_y: bf16, the layout of expert_x."""
+    H = spec.hidden
+    _launch(remote_combine_pack_kernel, num_programs, (expert_y, st.rpos, st.rw, st.recv_rows, comb_send),
+            dict(R=spec.world, K=spec.topk, H=H, BLOCK_RW=16, BLOCK_K=_pow2(spec.topk),
+                 BLOCK_H=max(16, min(_pow2(H), 512)), BLOCK_R=_pow2(spec.world), INTERP=_interp(),
+                 num_warps=num_warps))
+
+
+def combine_unpack(spec: RemoteSpec, st: RemoteState, comb_recv: torch.Tensor, out: torch.Tensor,
+                   base: Optional[torch.Tensor] = None, num_programs: int = 2, num_warps: int = 4) -> None:
+    """Source side: ``out[t] = bf16(base[t] + sum over remote owners p of row(p, t))`` in float32,
+    ``row(p, t)`` at ``sum of c_{rank,p'} over remote p' < p + send_pos[t, p]`` in the epoch's copy
+    of ``comb_recv`` (uint8). out: bf16 [T, H]; base: float32 [T, H] (the node owners' sum) or None."""
+    T, H = out.shape
+    _launch(remote_combine_unpack_kernel, num_programs,
+            (comb_recv, st.send_pos, st.send_counts, base if base is not None else st.rw, out, st.epoch, T),
+            dict(RANK=spec.rank, R=spec.world, G=spec.node_size, H=H, MAXROWS=spec.max_send_rows,
+                 HAS_BASE=base is not None, BLOCK_R=_pow2(spec.world),
+                 BLOCK_T=16, BLOCK_H=max(16, min(_pow2(H), 512)), INTERP=_interp(), num_warps=num_warps))
+
+
+__all__ = ["RemoteSpec", "RemoteState", "REGIONS", "pack", "fill_count_matrix", "unpack", "combine_pack",
+           "combine_unpack"]
