@@ -246,61 +246,166 @@ def _check_combine(cfg, specs, inputs, outs_c):
         torch.testing.assert_close(out.float(), ref, atol=0.5, rtol=2 ** -7)
 
 
-def _run(cfg: Cfg, epochs=(("uniform", 1), ("skewed", 2)), swap_overflow=False, sel_local_only=False):
-    R, EL = cfg.R, cfg.EL
+def _specs(cfg: Cfg) -> list:
     fp8 = cfg.dtype == "fp8"
-    ovcap = R * cfg.M  # every batch fits (the proxy's capacity error is tested in test_proxy_protocol.py)
-    specs = [RemoteSpec(rank=r, world=R, node_size=cfg.G, num_experts=R * EL, topk=cfg.K, hidden=cfg.H,
-                        max_tokens=cfg.M, fp8=fp8, private_capacity=cfg.cap, overflow_capacity=ovcap,
-                        layout=cfg.layout, expert_alignment=cfg.align) for r in range(R)]
+    ovcap = cfg.R * cfg.M  # every batch fits (the proxy's capacity error is tested in test_proxy_protocol.py)
+    return [RemoteSpec(rank=r, world=cfg.R, node_size=cfg.G, num_experts=cfg.R * cfg.EL, topk=cfg.K, hidden=cfg.H,
+                       max_tokens=cfg.M, fp8=fp8, private_capacity=cfg.cap, overflow_capacity=ovcap,
+                       layout=cfg.layout, expert_alignment=cfg.align) for r in range(cfg.R)]
+
+
+def _regions(sp: RemoteSpec) -> dict:
+    """The five proxy regions, poisoned; never reset between epochs (as in a real run)."""
+    return {n: torch.full((max(16, b),), 0xFF, dtype=torch.uint8) for n, b in sp.region_bytes().items()}
+
+
+def _seed(cfg: Cfg, e: int) -> int:
+    return 97 * e + 13 * cfg.R + 7 * cfg.G + cfg.cap
+
+
+def _unpack_rank(cfg, sp, st, reg, sel_local_only=False):
+    """Count matrix + unpack into a poisoned expert layout; returns (expert_x, scales, counts, offsets)."""
+    EL, fp8 = cfg.EL, cfg.dtype == "fp8"
+    lead = (EL, sp.expert_capacity) if sp.layout == "masked" else (sp.expert_capacity,)
+    x = _poison(torch.empty(*lead, cfg.H, dtype=FP8 if fp8 else torch.bfloat16))
+    sc = _poison(torch.empty(*lead, sp.num_scale_blocks)) if fp8 else None
+    counts = torch.full((EL,), -7, dtype=torch.int32)
+    offsets = torch.full((EL + 1,), -7, dtype=torch.int32) if sp.layout == "packed" else None
+    remote.fill_count_matrix(sp, st, reg["round1"])
+    if sel_local_only:  # a wrong count matrix (node peers' counts missing) must be caught
+        for s in range(cfg.R):
+            if not sp.remote(s) and s != sp.rank:
+                st.sel[s] = 0
+    remote.unpack(sp, st, reg["round1"], reg["overflow"], x, sc, counts, offsets)
+    assert int(st.err[0]) == 0, st.err
+    return x, sc, counts, offsets
+
+
+def _combine_recv_rank(cfg, specs, st, reg, inp):
+    """combine_unpack with the node owners' part as base; returns (base, out)."""
+    sp = specs[st.spec.rank]
+    base = _node_base(cfg, specs, sp.rank, inp)
+    out = torch.full(inp[0].shape, float("nan"), dtype=torch.bfloat16)
+    remote.combine_unpack(sp, st, reg["comb_recv"], out, base=base)
+    return base, out
+
+
+def _count_rows(cfg, specs, C, stats):
+    for s in range(cfg.R):
+        for p in range(cfg.R):
+            if specs[s].remote(p):
+                stats["round1_rows"] += min(int(C[s, p]), cfg.cap)
+                stats["overflow_rows"] += max(0, int(C[s, p]) - cfg.cap)
+
+
+def _run(cfg: Cfg, epochs=(("uniform", 1), ("skewed", 2)), swap_overflow=False, sel_local_only=False):
+    """Every rank in this process; the proxies' copies by ``_deliver_*``."""
+    R = cfg.R
+    specs = _specs(cfg)
     sts = [RemoteState(sp) for sp in specs]
-    # Regions start poisoned and are never reset between epochs (as in a real run).
-    regs = [{n: torch.full((max(16, b),), 0xFF, dtype=torch.uint8) for n, b in sp.region_bytes().items()}
-            for sp in specs]
-    dt = FP8 if fp8 else torch.bfloat16
+    regs = [_regions(sp) for sp in specs]
     stats = {"remote_rows": 0, "round1_rows": 0, "overflow_rows": 0}
     for routing, e in epochs:
-        inputs = _inputs(cfg, routing, seed=97 * e + 13 * R + 7 * cfg.G + cfg.cap)
+        inputs = _inputs(cfg, routing, seed=_seed(cfg, e))
         for r in range(R):
             sts[r].epoch.fill_(e)
             remote.pack(specs[r], sts[r], *inputs[r], regs[r]["disp_send"])
-        for r in range(R):
             _check_send_buffer(cfg, specs[r], sts[r], regs[r]["disp_send"], inputs[r])
         C = _deliver_dispatch(specs, regs, e, swap_overflow=swap_overflow)
-        outs = []
-        for r, sp in enumerate(specs):
-            lead = (EL, sp.expert_capacity) if sp.layout == "masked" else (sp.expert_capacity,)
-            x = _poison(torch.empty(*lead, cfg.H, dtype=dt))
-            sc = _poison(torch.empty(*lead, sp.num_scale_blocks)) if fp8 else None
-            counts = torch.full((EL,), -7, dtype=torch.int32)
-            offsets = torch.full((EL + 1,), -7, dtype=torch.int32) if sp.layout == "packed" else None
-            remote.fill_count_matrix(sp, sts[r], regs[r]["round1"])
-            if sel_local_only:  # a wrong count matrix (node peers' counts missing) must be caught
-                for s in range(R):
-                    if not sp.remote(s) and s != r:
-                        sts[r].sel[s] = 0
-            remote.unpack(sp, sts[r], regs[r]["round1"], regs[r]["overflow"], x, sc, counts, offsets)
-            assert int(sts[r].err[0]) == 0, sts[r].err
-            outs.append((x, sc, counts, offsets))
-        for s in range(R):
-            for p in range(R):
-                if specs[s].remote(p):
-                    stats["round1_rows"] += min(int(C[s, p]), cfg.cap)
-                    stats["overflow_rows"] += max(0, int(C[s, p]) - cfg.cap)
+        outs = [_unpack_rank(cfg, specs[r], sts[r], regs[r], sel_local_only) for r in range(R)]
+        _count_rows(cfg, specs, C, stats)
         _check_dispatch(cfg, specs, sts, outs, inputs, C, stats)
         for r, sp in enumerate(specs):
-            x, sc, counts, offsets = outs[r]
-            remote.combine_pack(sp, sts[r], _expert_y(cfg, sp, x, sc, offsets), regs[r]["comb_send"])
+            remote.combine_pack(sp, sts[r], _expert_y(cfg, sp, *outs[r][:2], outs[r][3]), regs[r]["comb_send"])
         _deliver_combine(specs, regs, C, e)
-        outs_c = []
-        for s, sp in enumerate(specs):
-            x, ids, w = inputs[s]
-            base = _node_base(cfg, specs, s, inputs[s])
-            out = torch.full(x.shape, float("nan"), dtype=torch.bfloat16)
-            remote.combine_unpack(sp, sts[s], regs[s]["comb_recv"], out, base=base)
-            outs_c.append((base, out))
-        _check_combine(cfg, specs, inputs, outs_c)
+        _check_combine(cfg, specs, inputs, [_combine_recv_rank(cfg, specs, sts[s], regs[s], inputs[s])
+                                            for s in range(R)])
     return stats
+
+
+def _proxy_rank(cfg: Cfg, rank: int, epochs, conn) -> None:
+    """One rank as a process with the native proxy over TCP loopback doing the copies."""
+    from moe_ep.proxy import Proxy, TcpTransport
+
+    # A forked child must not enter the parent's intra-op thread pool (it can hang after fork).
+    torch.set_num_threads(1)
+    try:
+        specs = _specs(cfg)
+        sp = specs[rank]
+        st, reg = RemoteState(sp), _regions(sp)
+        eng = TcpTransport(rank, cfg.R, streams=2)
+        eng.set_fault(delay_us=100, reorder=True)
+        px = Proxy(eng, **sp.proxy_kwargs(), timeout_s=20.0, spin_us=20, sleep_us=200,
+                   regions={n: reg[n].numpy() for n in remote.REGIONS})
+        conn.send(eng.endpoint)
+        eng.connect(conn.recv(), timeout_s=20)
+        px.start()
+        log = []
+        for routing, e in epochs:
+            inp = _inputs(cfg, routing, seed=_seed(cfg, e))[rank]
+            st.epoch.fill_(e)
+            remote.pack(sp, st, *inp, reg["disp_send"])
+            px.ring("dispatch", e)
+            px.wait_ready("dispatch", e, 30)
+            outs = _unpack_rank(cfg, sp, st, reg)
+            remote.combine_pack(sp, st, _expert_y(cfg, sp, *outs[:2], outs[3]), reg["comb_send"])
+            px.ring("combine", e)
+            px.wait_ready("combine", e, 30)
+            log.append((outs, st.send_counts.clone(), st.sel.clone(), _combine_recv_rank(cfg, specs, st, reg, inp)))
+        conn.send(("done", log))
+        conn.recv()  # every rank finished before any closes
+        px.close()
+        eng.close()
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        import traceback
+
+        conn.send(("exception", traceback.format_exc()))
+
+
+def _run_proxy(cfg: Cfg, epochs) -> dict:
+    """The same checks as ``_run``, with one process per rank and the native proxy delivering."""
+    import multiprocessing as mp
+    from types import SimpleNamespace
+
+    ctx = mp.get_context("fork")
+    procs = []
+    for r in range(cfg.R):
+        a, b = ctx.Pipe()
+        pr = ctx.Process(target=_proxy_rank, args=(cfg, r, epochs, b), daemon=True)
+        pr.start()
+        procs.append((pr, a))
+    try:
+        eps = []
+        for pr, c in procs:
+            assert c.poll(60), "rank did not start"
+            eps.append(c.recv())
+            assert isinstance(eps[-1], str), eps[-1]
+        for _, c in procs:
+            c.send(eps)
+        logs = []
+        for r, (pr, c) in enumerate(procs):
+            assert c.poll(90), f"rank {r} hung"
+            kind, log = c.recv()
+            assert kind == "done", f"rank {r}:\n{log}"
+            logs.append(log)
+        for _, c in procs:
+            c.send("close")
+        specs = _specs(cfg)
+        stats = {"remote_rows": 0, "round1_rows": 0, "overflow_rows": 0}
+        for n, (routing, e) in enumerate(epochs):
+            inputs = _inputs(cfg, routing, seed=_seed(cfg, e))
+            sts = [SimpleNamespace(send_counts=logs[r][n][1], sel=logs[r][n][2]) for r in range(cfg.R)]
+            C = torch.stack([st.send_counts for st in sts]).long()
+            _count_rows(cfg, specs, C, stats)
+            _check_dispatch(cfg, specs, sts, [logs[r][n][0] for r in range(cfg.R)], inputs, C, stats)
+            _check_combine(cfg, specs, inputs, [logs[r][n][3] for r in range(cfg.R)])
+        for pr, _ in procs:
+            pr.join(20)
+        return stats
+    finally:
+        for pr, _ in procs:
+            if pr.is_alive():
+                pr.kill()
 
 
 def _node_base(cfg, specs, s, inp):
@@ -341,6 +446,16 @@ def test_remote_dispatch_combine(R, G, cap):
 def test_remote_all_combos_4x1_cap1(dtype, layout, align):
     st = _run(Cfg(4, 1, 1, dtype, layout, align), epochs=(("skewed", 3),))
     assert st["overflow_rows"] > 0 and st["round1_rows"] > 0, st
+
+
+@pytest.mark.parametrize("R,G,cap,dtype,layout,align", [(4, 2, 1, "fp8", "packed", 4), (3, 1, 0, "bf16", "masked", 1)],
+                         ids=["2x2-cap1-fp8-packed", "3x1-cap0-bf16-masked"])
+def test_remote_kernels_with_native_proxy(R, G, cap, dtype, layout, align):
+    # The formats agree with csrc/proxy: the native proxy over TCP (delay and reorder injection on)
+    # delivers what the kernels packed, two epochs in a row.
+    pytest.importorskip("moe_ep.proxy.native").lib()
+    st = _run_proxy(Cfg(R, G, cap, dtype, layout, align), epochs=(("uniform", 1), ("skewed", 2)))
+    assert st["remote_rows"] > 0 and st["overflow_rows"] > 0, st
 
 
 @pytest.mark.parametrize("mutation", ["swap_overflow", "sel_local_only"])
