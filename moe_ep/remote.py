@@ -187,14 +187,19 @@ def _common(spec: RemoteSpec) -> dict:
 
 
 def pack(spec: RemoteSpec, st: RemoteState, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-         send: torch.Tensor, num_programs: int = 2, num_warps: int = 4) -> None:
+         send: torch.Tensor, x_scales: Optional[torch.Tensor] = None, num_programs: int = 2,
+         num_warps: int = 4) -> None:
     """Dispatch send side for remote destinations: fills ``send`` (uint8, at least
     ``region_bytes()["disp_send"]``) with ``[HDR_p | rows_p]`` for every ``p != rank`` in rank
     order, ``st.send_counts`` and ``st.send_pos``. Two launches: per-chunk counts (grid = chunks),
     then the pack (grid ``num_programs``); counts stay on the device.
 
-    x: bf16 [T, H]; topk_idx: int32/int64 [T, K] (-1: none); topk_weights: float32 [T, K].
+    x: bf16 [T, H] (or float8_e4m3fn with ``x_scales`` float32 [T, NB], fp8 only); topk_idx:
+    int32/int64 [T, K] (-1: none); topk_weights: float32 [T, K].
     """
+    preq = x_scales is not None
+    if preq and not spec.fp8:
+        raise TypeError("x_scales: pre-quantized input needs an fp8 RemoteSpec")
     T = x.shape[0]
     CMAX = spec.chunks
     BT, NC = chunking(T, CMAX)
@@ -208,11 +213,11 @@ def pack(spec: RemoteSpec, st: RemoteState, x: torch.Tensor, topk_idx: torch.Ten
                      BLOCK_R=_pow2(spec.world), num_warps=num_warps))
     H = spec.hidden
     _launch(remote_pack_kernel, num_programs,
-            (x, topk_idx, topk_weights, st.rhist, st.ehist, send, st.send_counts, st.send_pos, st.err, st.epoch,
-             T, BT, NC),
+            (x.view(torch.uint8) if preq else x, x_scales if preq else st.rw, topk_idx, topk_weights, st.rhist,
+             st.ehist, send, st.send_counts, st.send_pos, st.err, st.epoch, T, BT, NC),
             dict(_common(spec), G=spec.node_size, E=E, EL=EL, K=K, H=H, NB=max(1, spec.num_scale_blocks),
                  PW=spec.payload_bytes // 4, RB=spec.row_bytes, HDR=spec.hdr_bytes, MAXROWS=spec.max_send_rows,
-                 CMAX=CMAX, FP8=spec.fp8, BLOCK_T=BLOCK_T, BLOCK_C=min(CMAX, 64),
+                 CMAX=CMAX, FP8=spec.fp8, PREQ=preq, BLOCK_T=BLOCK_T, BLOCK_C=min(CMAX, 64),
                  BLOCK_H=max(128, min(_pow2(H), 4096 // BLOCK_T)), BLOCK_EL=_pow2(EL), INTERP=_interp(),
                  num_warps=num_warps))
 

@@ -139,7 +139,7 @@ def _layout_rows(spec: RemoteSpec, offsets, e: int, i: int) -> int:
 
 def _check_dispatch(cfg, specs, sts, outs, inputs, C, stats):
     R, EL, E = cfg.R, cfg.EL, cfg.R * cfg.EL
-    fp8 = cfg.dtype == "fp8"
+    fp8 = cfg.dtype.startswith("fp8")
     gathered = GatheredInputs([i[0] for i in inputs], [i[1] for i in inputs], [i[2] for i in inputs], None)
     for s in range(R):
         ids = inputs[s][1]
@@ -209,7 +209,7 @@ def _check_send_buffer(cfg, spec: RemoteSpec, st: RemoteState, send: torch.Tenso
 
 def _expert_y(cfg, spec, x, sc, offsets) -> torch.Tensor:
     """bf16 expert outputs in the layout of expert_x (NaN rows stay NaN)."""
-    v = dequantize_fp8(x, sc) if cfg.dtype == "fp8" else x.float()
+    v = dequantize_fp8(x, sc) if cfg.dtype.startswith("fp8") else x.float()
     y = torch.empty(v.shape, dtype=torch.bfloat16)
     for e in range(cfg.EL):
         ge = spec.rank * cfg.EL + e
@@ -225,7 +225,7 @@ def _expert_y(cfg, spec, x, sc, offsets) -> torch.Tensor:
 
 def _check_combine(cfg, specs, inputs, outs_c):
     R, EL, E = cfg.R, cfg.EL, cfg.R * cfg.EL
-    fp8 = cfg.dtype == "fp8"
+    fp8 = cfg.dtype.startswith("fp8")
     for s in range(R):
         x, ids, w = inputs[s]
         vals = dequantize_fp8(*quantize_fp8(x)) if fp8 else x.float()
@@ -247,7 +247,7 @@ def _check_combine(cfg, specs, inputs, outs_c):
 
 
 def _specs(cfg: Cfg) -> list:
-    fp8 = cfg.dtype == "fp8"
+    fp8 = cfg.dtype.startswith("fp8")
     ovcap = cfg.R * cfg.M  # every batch fits (the proxy's capacity error is tested in test_proxy_protocol.py)
     return [RemoteSpec(rank=r, world=cfg.R, node_size=cfg.G, num_experts=cfg.R * cfg.EL, topk=cfg.K, hidden=cfg.H,
                        max_tokens=cfg.M, fp8=fp8, private_capacity=cfg.cap, overflow_capacity=ovcap,
@@ -263,9 +263,19 @@ def _seed(cfg: Cfg, e: int) -> int:
     return 97 * e + 13 * cfg.R + 7 * cfg.G + cfg.cap
 
 
+def _pack_rank(cfg, sp, st, reg, inp) -> None:
+    """pack; ``fp8pre`` passes the input quantized beforehand (its bytes equal the in-kernel ones)."""
+    x, ids, w = inp
+    if cfg.dtype == "fp8pre":
+        q, sc = quantize_fp8(x)
+        remote.pack(sp, st, q, ids, w, reg["disp_send"], x_scales=sc)
+    else:
+        remote.pack(sp, st, x, ids, w, reg["disp_send"])
+
+
 def _unpack_rank(cfg, sp, st, reg, sel_local_only=False):
     """Count matrix + unpack into a poisoned expert layout; returns (expert_x, scales, counts, offsets)."""
-    EL, fp8 = cfg.EL, cfg.dtype == "fp8"
+    EL, fp8 = cfg.EL, cfg.dtype.startswith("fp8")
     lead = (EL, sp.expert_capacity) if sp.layout == "masked" else (sp.expert_capacity,)
     x = _poison(torch.empty(*lead, cfg.H, dtype=FP8 if fp8 else torch.bfloat16))
     sc = _poison(torch.empty(*lead, sp.num_scale_blocks)) if fp8 else None
@@ -309,7 +319,7 @@ def _run(cfg: Cfg, epochs=(("uniform", 1), ("skewed", 2)), swap_overflow=False, 
         inputs = _inputs(cfg, routing, seed=_seed(cfg, e))
         for r in range(R):
             sts[r].epoch.fill_(e)
-            remote.pack(specs[r], sts[r], *inputs[r], regs[r]["disp_send"])
+            _pack_rank(cfg, specs[r], sts[r], regs[r], inputs[r])
             _check_send_buffer(cfg, specs[r], sts[r], regs[r]["disp_send"], inputs[r])
         C = _deliver_dispatch(specs, regs, e, swap_overflow=swap_overflow)
         outs = [_unpack_rank(cfg, specs[r], sts[r], regs[r], sel_local_only) for r in range(R)]
@@ -344,7 +354,7 @@ def _proxy_rank(cfg: Cfg, rank: int, epochs, conn) -> None:
         for routing, e in epochs:
             inp = _inputs(cfg, routing, seed=_seed(cfg, e))[rank]
             st.epoch.fill_(e)
-            remote.pack(sp, st, *inp, reg["disp_send"])
+            _pack_rank(cfg, sp, st, reg, inp)
             px.ring("dispatch", e)
             px.wait_ready("dispatch", e, 30)
             outs = _unpack_rank(cfg, sp, st, reg)
@@ -411,7 +421,7 @@ def _run_proxy(cfg: Cfg, epochs) -> dict:
 def _node_base(cfg, specs, s, inp):
     """float32 [T, H]: what the node owners (s included) contribute, each pre-reduced to bf16."""
     x, ids, w = inp
-    vals = dequantize_fp8(*quantize_fp8(x)) if cfg.dtype == "fp8" else x.float()
+    vals = dequantize_fp8(*quantize_fp8(x)) if cfg.dtype.startswith("fp8") else x.float()
     out = torch.zeros(x.shape)
     for o in range(cfg.R):
         if specs[s].remote(o):
@@ -428,21 +438,22 @@ def _node_base(cfg, specs, s, inp):
 
 # ------------------------------------------------------------------------ tests
 TOPOS = [(4, 2), (4, 1), (3, 1)]  # 2 nodes x 2, 4 nodes x 1, 3 nodes x 1
-COMBOS = [("bf16", "masked", 1), ("fp8", "packed", 4), ("bf16", "packed", 8), ("fp8", "masked", 1)]
+COMBOS = [("bf16", "masked", 1), ("fp8", "packed", 4), ("bf16", "packed", 8), ("fp8", "masked", 1),
+          ("fp8pre", "packed", 1)]
 
 
 @pytest.mark.parametrize("cap", [0, 1, 64], ids=["cap0", "cap1", "cap_large"])
 @pytest.mark.parametrize("R,G", TOPOS, ids=["2x2", "4x1", "3x1"])
 def test_remote_dispatch_combine(R, G, cap):
     i = TOPOS.index((R, G)) * 3 + [0, 1, 64].index(cap)
-    dtype, layout, align = COMBOS[i % 4]
+    dtype, layout, align = COMBOS[i % 5]
     # Two epochs (both parity copies, regions never reset), uniform then skewed routing.
     st = _run(Cfg(R, G, cap, dtype, layout, align, H=256 if i % 3 == 2 else 128))
     assert st["remote_rows"] > 0
     assert (st["overflow_rows"] > 0) == (cap < 64) and (st["round1_rows"] > 0) == (cap > 0), st
 
 
-@pytest.mark.parametrize("dtype,layout,align", [c for c in COMBOS if c[0] == "fp8" or c[2] == 8])
+@pytest.mark.parametrize("dtype,layout,align", [c for c in COMBOS if c[0] != "bf16" or c[2] == 8])
 def test_remote_all_combos_4x1_cap1(dtype, layout, align):
     st = _run(Cfg(4, 1, 1, dtype, layout, align), epochs=(("skewed", 3),))
     assert st["overflow_rows"] > 0 and st["round1_rows"] > 0, st
@@ -519,7 +530,10 @@ def test_remote_kernels_compile_for_sm90(monkeypatch, tmp_path):
                       torch.zeros(E // R + 1, dtype=torch.int32))
         remote.combine_pack(sp, st, torch.zeros(ex.shape[0], H, dtype=torch.bfloat16), regs["comb_send"])
         remote.combine_unpack(sp, st, regs["comb_recv"], torch.zeros(T, H, dtype=torch.bfloat16), base=None)
-    assert len(rec) == 12
+        if fp8:  # pre-quantized input
+            remote.pack(sp, st, torch.zeros(T, H, dtype=FP8), torch.zeros(T, K, dtype=torch.int32), torch.zeros(T, K),
+                        regs["disp_send"], x_scales=torch.zeros(T, sp.num_scale_blocks))
+    assert len(rec) == 14
     by = {}
     for name, vec, b8 in _compile_sm90(rec, tmp_path):
         by.setdefault(name, []).append((vec, b8))

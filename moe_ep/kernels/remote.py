@@ -116,7 +116,8 @@ def _quantize(v, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, INTERP: tl.conste
 
 @triton.jit(do_not_specialize=['T', 'BT', 'NC'])
 def remote_pack_kernel(
-    x_ptr,             # [T, H] bf16
+    x_ptr,             # [T, H] bf16, or uint8 (fp8 bytes) when PREQ
+    xs_ptr,            # [T, NB] float32 scales when PREQ (else unused)
     topk_ptr,          # [T, K] int32/int64
     w_ptr,             # [T, K] float32
     rhist_ptr,         # int32 [R, CMAX] from remote_count_kernel
@@ -129,7 +130,7 @@ def remote_pack_kernel(
     T, BT, NC,         # tokens, tokens per chunk, chunks (as for remote_count_kernel)
     RANK: tl.constexpr, R: tl.constexpr, G: tl.constexpr, E: tl.constexpr, EL: tl.constexpr, K: tl.constexpr,
     H: tl.constexpr, NB: tl.constexpr, PW: tl.constexpr, RB: tl.constexpr, HDR: tl.constexpr,
-    MAXROWS: tl.constexpr, CMAX: tl.constexpr, FP8: tl.constexpr,
+    MAXROWS: tl.constexpr, CMAX: tl.constexpr, FP8: tl.constexpr, PREQ: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_EL: tl.constexpr, INTERP: tl.constexpr,
 ):
@@ -198,11 +199,17 @@ def remote_pack_kernel(
         for h0 in range(0, H, BLOCK_H):
             hh = h0 + tl.arange(0, BLOCK_H)
             hm = tm[:, None] & (hh[None, :] < H)
-            v = tl.load(x_ptr + t[:, None] * H + hh[None, :], mask=hm, other=0.0)
             if FP8:
-                q, sc = _quantize(v.to(tl.float32), BLOCK_T, BLOCK_H, INTERP)
                 bb = h0 // 128 + tl.arange(0, BLOCK_H // 128)
                 bm = tm[:, None] & (bb[None, :] < NB)
+                if PREQ:  # pre-quantized input: bytes and scales travel as given
+                    q = tl.load(x_ptr + t[:, None] * H + hh[None, :], mask=hm, other=0)
+                    sc = tl.load(xs_ptr + t[:, None] * NB + bb[None, :], mask=bm, other=0.0)
+                else:
+                    v = tl.load(x_ptr + t[:, None] * H + hh[None, :], mask=hm, other=0.0)
+                    q, sc = _quantize(v.to(tl.float32), BLOCK_T, BLOCK_H, INTERP)
+            else:
+                v = tl.load(x_ptr + t[:, None] * H + hh[None, :], mask=hm, other=0.0)
             for d in range(R):
                 if (d // G) != (RANK // G):
                     okd = tl.max(tl.where(rr[None, :] == d, ok.to(tl.int32), 0), axis=1) > 0
