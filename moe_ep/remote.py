@@ -208,7 +208,7 @@ def pack(spec: RemoteSpec, st: RemoteState, x: torch.Tensor, topk_idx: torch.Ten
     E, K, EL = spec.num_experts, spec.topk, spec.num_local_experts
     BLOCK_T = _pow2(BT)
     if NC:
-        _launch(remote_count_kernel, NC, (topk_idx, topk_weights, st.rhist, st.ehist, st.err, st.epoch, T, BT),
+        _launch(remote_count_kernel, NC, (topk_idx, st.rhist, st.ehist, st.err, st.epoch, T, BT),
                 dict(R=spec.world, E=E, EL=EL, K=K, CMAX=CMAX, BLOCK_T=BLOCK_T, BLOCK_K=_pow2(K), BLOCK_E=_pow2(E),
                      BLOCK_R=_pow2(spec.world), num_warps=num_warps))
     H = spec.hidden
@@ -268,17 +268,19 @@ def combine_pack(spec: RemoteSpec, st: RemoteState, expert_y: torch.Tensor, comb
                  num_warps=num_warps))
 
 
-def combine_unpack(spec: RemoteSpec, st: RemoteState, comb_recv: torch.Tensor, out: torch.Tensor,
-                   base: Optional[torch.Tensor] = None, num_programs: int = 2, num_warps: int = 4) -> None:
+def combine_unpack(spec: RemoteSpec, st: RemoteState, comb_recv: torch.Tensor, topk_idx: torch.Tensor,
+                   out: torch.Tensor, base: Optional[torch.Tensor] = None, num_programs: int = 2,
+                   num_warps: int = 4) -> None:
     """Source side: ``out[t] = bf16(base[t] + sum over remote owners p of row(p, t))`` in float32,
     ``row(p, t)`` at ``sum of c_{rank,p'} over remote p' < p + send_pos[t, p]`` in the epoch's copy
-    of ``comb_recv`` (uint8). out: bf16 [T, H]; base: float32 [T, H] (the node owners' sum) or None."""
+    of ``comb_recv`` (uint8). topk_idx: the [T, K] routing given to ``pack``; out: bf16 [T, H];
+    base: float32 [T, H] (the node owners' sum) or None."""
     T, H = out.shape
     _launch(remote_combine_unpack_kernel, num_programs,
-            (comb_recv, st.send_pos, st.send_counts, base if base is not None else st.rw, out, st.epoch, T),
-            dict(RANK=spec.rank, R=spec.world, G=spec.node_size, H=H, MAXROWS=spec.max_send_rows,
-                 HAS_BASE=base is not None, BLOCK_R=_pow2(spec.world),
-                 BLOCK_T=16, BLOCK_H=max(16, min(_pow2(H), 512)), INTERP=_interp(), num_warps=num_warps))
+            (comb_recv, topk_idx, st.send_pos, st.send_counts, base if base is not None else st.rw, out, st.epoch, T),
+            dict(_common(spec), G=spec.node_size, E=spec.num_experts, EL=spec.num_local_experts, K=spec.topk, H=H,
+                 MAXROWS=spec.max_send_rows, HAS_BASE=base is not None, BLOCK_T=16,
+                 BLOCK_H=max(16, min(_pow2(H), 512)), INTERP=_interp(), num_warps=num_warps))
 
 
 __all__ = ["RemoteSpec", "RemoteState", "REGIONS", "pack", "fill_count_matrix", "unpack", "combine_pack",

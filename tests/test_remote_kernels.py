@@ -296,7 +296,7 @@ def _combine_recv_rank(cfg, specs, st, reg, inp):
     sp = specs[st.spec.rank]
     base = _node_base(cfg, specs, sp.rank, inp)
     out = torch.full(inp[0].shape, float("nan"), dtype=torch.bfloat16)
-    remote.combine_unpack(sp, st, reg["comb_recv"], out, base=base)
+    remote.combine_unpack(sp, st, reg["comb_recv"], inp[1], out, base=base)
     return base, out
 
 
@@ -529,11 +529,14 @@ def test_remote_kernels_compile_for_sm90(monkeypatch, tmp_path):
         remote.unpack(sp, st, regs["round1"], regs["overflow"], ex, sc, torch.zeros(E // R, dtype=torch.int32),
                       torch.zeros(E // R + 1, dtype=torch.int32))
         remote.combine_pack(sp, st, torch.zeros(ex.shape[0], H, dtype=torch.bfloat16), regs["comb_send"])
-        remote.combine_unpack(sp, st, regs["comb_recv"], torch.zeros(T, H, dtype=torch.bfloat16), base=None)
+        remote.combine_unpack(sp, st, regs["comb_recv"], torch.zeros(T, K, dtype=torch.int64),
+                              torch.zeros(T, H, dtype=torch.bfloat16), base=None)
         if fp8:  # pre-quantized input
             remote.pack(sp, st, torch.zeros(T, H, dtype=FP8), torch.zeros(T, K, dtype=torch.int32), torch.zeros(T, K),
                         regs["disp_send"], x_scales=torch.zeros(T, sp.num_scale_blocks))
     assert len(rec) == 14
+    # The second configuration changes only the pack's and unpack's code (dtype, layout).
+    rec = [r for n, r in enumerate(rec) if n < 8 or r[1] in ("remote_pack_kernel", "remote_unpack_kernel")]
     by = {}
     for name, vec, b8 in _compile_sm90(rec, tmp_path):
         by.setdefault(name, []).append((vec, b8))

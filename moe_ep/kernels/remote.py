@@ -55,21 +55,34 @@ def _chunk_sum(hist_ptr, row, rmask, upto, CMAX: tl.constexpr, BLOCK_C: tl.const
 
 
 @triton.jit
-def _routing(topk_ptr, w_ptr, t, tm, E: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(ids with out-of-range ones as -1, weights, count of out-of-range ids) of the tokens ``t``."""
+def _routing(topk_ptr, t, tm, E: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(expert ids [rows, BLOCK_K] with out-of-range ones as -1, count of out-of-range ids) of the
+    tokens ``t`` (rows with ``tm`` false, and k >= K, read as -1)."""
     kk = tl.arange(0, BLOCK_K)
     m2 = tm[:, None] & (kk[None, :] < K)
     ids = tl.load(topk_ptr + t[:, None] * K + kk[None, :], mask=m2, other=-1).to(tl.int32)
     bad = tl.sum((m2 & ((ids < -1) | (ids >= E))).to(tl.int32))
-    ids = tl.where(m2 & (ids >= 0) & (ids < E), ids, -1)
-    w = tl.load(w_ptr + t[:, None] * K + kk[None, :], mask=m2, other=0.0)
-    return ids, w, bad
+    return tl.where(m2 & (ids >= 0) & (ids < E), ids, -1), bad
+
+
+@triton.jit
+def _first_on_rank(dst, kk):
+    """[T, K] bool: selection k is the token's first on its rank ``dst`` (>= 0): one row per
+    (token, destination rank)."""
+    dup = tl.max(((dst[:, :, None] == dst[:, None, :]) & (kk[None, None, :] < kk[None, :, None])).to(tl.int32),
+                 axis=2) > 0
+    return (dst >= 0) & (dup == 0)
+
+
+@triton.jit
+def _col(v, kk, k):
+    """Column ``k`` of a [rows, BLOCK_K] tile."""
+    return tl.sum(tl.where(kk[None, :] == k, v, 0), axis=1)
 
 
 @triton.jit(do_not_specialize=['T', 'BT'])
 def remote_count_kernel(
     topk_ptr,          # [T, K] int32/int64
-    w_ptr,             # [T, K] float32 (only for the shared routing loader)
     rhist_ptr,         # int32 [R, CMAX]: rows (one per token and destination rank) of chunk c to rank d
     ehist_ptr,         # int32 [E, CMAX]: selections of global expert e in chunk c
     err_ptr,           # int64 [8] error record
@@ -84,7 +97,7 @@ def remote_count_kernel(
     kk = tl.arange(0, BLOCK_K)
     t = c * BT + tt
     tm = (tt < BT) & (t < T)
-    ids, w, bad = _routing(topk_ptr, w_ptr, t, tm, E, K, BLOCK_K)
+    ids, bad = _routing(topk_ptr, t, tm, E, K, BLOCK_K)
     if bad > 0:
         record_error(err_ptr, ERR_BAD_EXPERT, -1, PHASE_DISPATCH, tl.load(epoch_ptr), bad)
     valid = ids >= 0
@@ -92,10 +105,7 @@ def remote_count_kernel(
     ee = tl.arange(0, BLOCK_E)
     tl.store(ehist_ptr + ee * CMAX + c, eh, mask=ee < E)
     dst = tl.where(valid, ids // EL, -1)
-    # One row per (token, destination rank): count only a token's first selection on each rank.
-    dup = tl.max(((dst[:, :, None] == dst[:, None, :]) & (kk[None, None, :] < kk[None, :, None])).to(tl.int32),
-                 axis=2) > 0
-    first = valid & (dup == 0)
+    first = _first_on_rank(dst, kk)
     rh = tl.histogram(tl.reshape(tl.where(first, dst, 0), [S]), BLOCK_R, mask=tl.reshape(first, [S]))
     rr = tl.arange(0, BLOCK_R)
     tl.store(rhist_ptr + rr * CMAX + c, rh, mask=rr < R)
@@ -168,7 +178,8 @@ def remote_pack_kernel(
     for c in range(pid, NC, P):
         t = c * BT + tt
         tm = (tt < BT) & (t < T)
-        ids, w, bad = _routing(topk_ptr, w_ptr, t, tm, E, K, BLOCK_K)
+        ids, bad = _routing(topk_ptr, t, tm, E, K, BLOCK_K)
+        w = tl.load(w_ptr + t[:, None] * K + kk[None, :], mask=tm[:, None] & km[None, :], other=0.0)
         # Position j of each selection among this rank's selections of its expert (order (token, k)):
         # earlier chunks from the histogram, plus earlier selections of this chunk.
         idf = tl.reshape(ids, (S,))
@@ -185,16 +196,22 @@ def remote_pack_kernel(
         tl.store(send_pos_ptr + t[:, None] * R + rr[None, :], tl.where(send, pos, -1), mask=tm[:, None] & rmask[None, :])
         ok = send & (rbase[None, :] + pos < MAXROWS)                     # never past the send buffer
         row16 = off[None, :] + HDR // 16 + pos.to(tl.int64) * (RB // 16)  # each (token, peer) row
-        for d in range(R):
-            if (d // G) != (RANK // G):
-                okd = tl.max(tl.where(rr[None, :] == d, ok.to(tl.int32), 0), axis=1) > 0
-                rw = tl.sum(tl.where(rr[None, :] == d, row16, 0), axis=1) * 4
-                tw = words + rw + PW
-                tl.store(tw, t, mask=okd)
-                m2 = okd[:, None] & km[None, :]
-                tl.store(tw[:, None] + 1 + kk[None, :], tl.where(dst == d, ids - d * EL, -1), mask=m2)
-                tl.store(tw[:, None] + 1 + K + kk[None, :], j, mask=m2)
-                tl.store(tw[:, None] + 1 + 2 * K + kk[None, :], w.to(tl.int32, bitcast=True), mask=m2)
+        # A token's row to rank d is written by its first selection on d: loops over K selections,
+        # not over R ranks (K << R at large EP). Per (token, k): that row (in 16-byte units, so the
+        # address is known to be 16-byte aligned) and whether it is written.
+        hit = rr[None, None, :] == dst[:, :, None]
+        # (Multiplied by 4 only after each column is extracted: a reduction loses the alignment.)
+        rowk = tl.sum(tl.where(hit, row16[:, None, :], 0), axis=2)
+        okk = _first_on_rank(dst, kk) & (tl.max(tl.where(hit, ok[:, None, :].to(tl.int32), 0), axis=2) > 0)
+        for k in tl.static_range(K):
+            okd = _col(okk.to(tl.int32), kk, k) > 0
+            dk = _col(dst, kk, k)
+            tw = words + _col(rowk, kk, k) * 4 + PW
+            tl.store(tw, t, mask=okd)
+            m2 = okd[:, None] & km[None, :]
+            tl.store(tw[:, None] + 1 + kk[None, :], tl.where(dst == dk[:, None], ids - dk[:, None] * EL, -1), mask=m2)
+            tl.store(tw[:, None] + 1 + K + kk[None, :], j, mask=m2)
+            tl.store(tw[:, None] + 1 + 2 * K + kk[None, :], w.to(tl.int32, bitcast=True), mask=m2)
         # Payload: each tile read (and quantized) once, stored to every remote destination.
         for h0 in range(0, H, BLOCK_H):
             hh = h0 + tl.arange(0, BLOCK_H)
@@ -210,17 +227,16 @@ def remote_pack_kernel(
                     q, sc = _quantize(v.to(tl.float32), BLOCK_T, BLOCK_H, INTERP)
             else:
                 v = tl.load(x_ptr + t[:, None] * H + hh[None, :], mask=hm, other=0.0)
-            for d in range(R):
-                if (d // G) != (RANK // G):
-                    okd = tl.max(tl.where(rr[None, :] == d, ok.to(tl.int32), 0), axis=1) > 0
-                    rw = tl.sum(tl.where(rr[None, :] == d, row16, 0), axis=1) * 4
-                    if FP8:
-                        tl.store(send_ptr + rw[:, None] * 4 + hh[None, :], q, mask=hm & okd[:, None])
-                        tl.store((words + rw + H // 4)[:, None].to(tl.pointer_type(tl.float32)) + bb[None, :], sc,
-                                 mask=bm & okd[:, None])
-                    else:
-                        tl.store((words + rw)[:, None].to(tl.pointer_type(tl.bfloat16)) + hh[None, :], v,
-                                 mask=hm & okd[:, None])
+            for k in tl.static_range(K):
+                okd = _col(okk.to(tl.int32), kk, k) > 0
+                rw = _col(rowk, kk, k) * 4
+                if FP8:
+                    tl.store(send_ptr + rw[:, None] * 4 + hh[None, :], q, mask=hm & okd[:, None])
+                    tl.store((words + rw + H // 4)[:, None].to(tl.pointer_type(tl.float32)) + bb[None, :], sc,
+                             mask=bm & okd[:, None])
+                else:
+                    tl.store((words + rw)[:, None].to(tl.pointer_type(tl.bfloat16)) + hh[None, :], v,
+                             mask=hm & okd[:, None])
 
 
 @triton.jit(do_not_specialize=['NC'])
@@ -392,15 +408,16 @@ def remote_combine_pack_kernel(
 @triton.jit(do_not_specialize=['T'])
 def remote_combine_unpack_kernel(
     comb_recv_ptr,     # uint8: the combine receive region, [2][MAXROWS][2H]
+    topk_ptr,          # [T, K] int32/int64: the routing given to pack
     send_pos_ptr,      # int32 [M, R] from remote_pack_kernel
     send_counts_ptr,   # int32 [R] from remote_pack_kernel
     base_ptr,          # float32 [T, H]: the node owners' sum (HAS_BASE), else unused
     out_ptr,           # bf16 [T, H]: out
     epoch_ptr,         # int64 [1]
     T,
-    RANK: tl.constexpr, R: tl.constexpr, G: tl.constexpr, H: tl.constexpr, MAXROWS: tl.constexpr,
-    HAS_BASE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-    INTERP: tl.constexpr,
+    RANK: tl.constexpr, R: tl.constexpr, G: tl.constexpr, E: tl.constexpr, EL: tl.constexpr, K: tl.constexpr,
+    H: tl.constexpr, MAXROWS: tl.constexpr, HAS_BASE: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, INTERP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -412,11 +429,19 @@ def remote_combine_unpack_kernel(
     # Owner p's rows start at sum of c_{RANK,p'} over remote p' < p, in the epoch's parity copy.
     roff = _excl(tl.where(remote, tl.load(send_counts_ptr + rr, mask=rmask, other=0), 0))
     tt = tl.arange(0, BLOCK_T)
+    kk = tl.arange(0, BLOCK_K)
     for c in range(pid, tl.cdiv(T, BLOCK_T), P):
         t = c * BLOCK_T + tt
         tm = t < T
-        sp = tl.load(send_pos_ptr + t[:, None] * R + rr[None, :], mask=tm[:, None] & remote[None, :], other=-1)
-        row = tl.where(sp >= 0, par * MAXROWS + roff[None, :] + sp, -1).to(tl.int64)
+        ids, bad = _routing(topk_ptr, t, tm, E, K, BLOCK_K)
+        dst = tl.where(ids >= 0, ids // EL, -1)
+        # One partial row per (token, remote owner): found through the token's first selection on
+        # that owner, so the loop runs over K selections, not R ranks.
+        hit = rr[None, None, :] == dst[:, :, None]
+        use = _first_on_rank(dst, kk) & (tl.max(tl.where(hit, remote[None, None, :].to(tl.int32), 0), axis=2) > 0)
+        sp = tl.load(send_pos_ptr + t[:, None] * R + dst, mask=use, other=-1)
+        row = tl.sum(tl.where(hit, roff[None, None, :], 0), axis=2) + sp
+        row = tl.where(use & (sp >= 0), par * MAXROWS + row, -1).to(tl.int64)
         for h0 in range(0, H, BLOCK_H):
             hh = h0 + tl.arange(0, BLOCK_H)
             hm = tm[:, None] & (hh[None, :] < H)
@@ -424,9 +449,8 @@ def remote_combine_unpack_kernel(
                 acc = tl.load(base_ptr + t[:, None] * H + hh[None, :], mask=hm, other=0.0)
             else:
                 acc = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)
-            for p in range(R):
-                if (p // G) != (RANK // G):
-                    rp = tl.sum(tl.where(rr[None, :] == p, row, 0), axis=1)
-                    acc += tl.load(comb + rp[:, None] * H + hh[None, :], mask=hm & (rp[:, None] >= 0),
-                                   other=0.0).to(tl.float32)
+            for k in tl.static_range(K):
+                rk = _col(row, kk, k)
+                acc += tl.load(comb + rk[:, None] * H + hh[None, :], mask=hm & (rk[:, None] >= 0),
+                               other=0.0).to(tl.float32)
             tl.store(out_ptr + t[:, None] * H + hh[None, :], to_bf16(acc, INTERP), mask=hm)
