@@ -82,11 +82,17 @@ int moe_ep_imm_stress(void* c, uint32_t imm, int threads, int64_t adds_per_threa
 }
 
 // ---- Engine (a transport plus its ImmCounter) ----
-// transport: "tcp" (the only one so far). bind_host: IPv4 address to listen on (null: 127.0.0.1).
-// Returns null on failure (see moe_ep_last_error).
+// transport: "tcp" or "verbs" (device, port and GID from the environment, see
+// moe_ep_engine_create_verbs; streams and bind_host unused). bind_host: IPv4 address to listen
+// on (null: 127.0.0.1). Returns null on failure (see moe_ep_last_error).
 void* moe_ep_engine_create(const char* transport, int rank, int world, int streams, const char* bind_host) {
   try {
     const std::string kind = transport ? transport : "tcp";
+    if (kind == "verbs") return moe_ep::create_verbs_transport(rank, world, "", 0, -1);
+    if (kind == "efa") {
+      moe_ep::set_error(moe_ep::kErrInvalid, "rank " + std::to_string(rank) + ": efa: not implemented yet (use verbs or tcp)");
+      return nullptr;
+    }
     if (kind != "tcp") {
       moe_ep::set_error(moe_ep::kErrInvalid, "rank " + std::to_string(rank) + ": unknown transport '" + kind + "'");
       return nullptr;
@@ -96,6 +102,34 @@ void* moe_ep_engine_create(const char* transport, int rank, int world, int strea
     moe_ep::set_error(moe_ep::kErrSystem, std::string("native exception: ") + e.what());
     return nullptr;
   }
+}
+
+// verbs engine (libibverbs loaded at run time). device: null or "" = MOE_EP_IB_DEVICE, else the
+// first device with an active port; port 0 = MOE_EP_IB_PORT, else 1; gid_index -1 =
+// MOE_EP_IB_GID_INDEX, else the first RoCE v2 IPv4-mapped GID. Null on failure, the message
+// naming what is missing (library, device, active port, GID).
+void* moe_ep_engine_create_verbs(int rank, int world, const char* device, int port, int gid_index) {
+  try {
+    return moe_ep::create_verbs_transport(rank, world, device ? device : "", port, gid_index);
+  } catch (const std::exception& e) {
+    moe_ep::set_error(moe_ep::kErrSystem, std::string("native exception: ") + e.what());
+    return nullptr;
+  }
+}
+
+// 1 when a verbs engine can be created here, else 0; buf gets the device, or why not.
+int moe_ep_verbs_probe(char* buf, size_t len) {
+  return guarded([&] {
+    std::string what;
+    const bool ok = moe_ep::verbs_probe(&what);
+    copy_str(what, buf, len);
+    return ok ? 1 : 0;
+  });
+}
+
+// Test hook: destroys a verbs engine's queue pair to `peer`.
+int moe_ep_verbs_destroy_qp(void* e, int peer) {
+  return guarded([&] { return moe_ep::verbs_destroy_qp(static_cast<Transport*>(e), peer); });
 }
 
 void moe_ep_engine_destroy(void* e) { delete static_cast<Transport*>(e); }

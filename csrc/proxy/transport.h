@@ -1,7 +1,7 @@
 // Transport interface for the proxy engine: one-sided writes with an optional 32-bit immediate,
 // reliable but unordered delivery, completion known by polling (sender) and by counting
-// immediates (receiver). Implemented by TcpTransport (tcp_transport.cc); RDMA transports
-// (verbs RC, EFA SRD) implement the same interface.
+// immediates (receiver). Implemented by TcpTransport (tcp_transport.cc) and VerbsTransport
+// (verbs_transport.cc, libibverbs RC); EFA SRD is to implement the same interface.
 //
 // Contract:
 //  - register_memory(ptr, len) returns a key; a peer addresses that memory as (key, offset).
@@ -84,6 +84,17 @@ class Transport {
 // address; "0.0.0.0" listens on all interfaces and advertises this host's name). Returns null
 // and sets the thread's error on failure.
 Transport* create_tcp_transport(int rank, int world, int streams, const std::string& bind_host);
+
+// verbs transport (verbs_transport.cc): libibverbs opened at run time, one RC queue pair per
+// peer. device: "" = MOE_EP_IB_DEVICE, else the first device with an active port; port 0 =
+// MOE_EP_IB_PORT, else 1; gid_index -1 = MOE_EP_IB_GID_INDEX, else the first RoCE v2
+// IPv4-mapped GID (InfiniBand: index 0). Returns null and sets the thread's error (naming what
+// is missing: the library, a device, an active port, a GID) on failure.
+Transport* create_verbs_transport(int rank, int world, const std::string& device, int port, int gid_index);
+// True when a verbs engine could be created here; *what names the device, or why not.
+bool verbs_probe(std::string* what);
+// Test hook: destroys the queue pair of a verbs engine to `peer` (the peer's writes then fail).
+int verbs_destroy_qp(Transport* t, int peer);
 
 // The message of the last failed call on this thread (set by every failing call).
 inline std::string& thread_error() {

@@ -1,7 +1,7 @@
 """ctypes loader and Python wrapper for the native proxy engine (csrc/proxy).
 
 ``ImmCounter``: a signed counter per 32-bit immediate; ``wait`` subtracts what it expects.
-``Engine`` (``TcpTransport``): registered memory, one-sided writes with immediates to peers,
+``Engine`` (``TcpTransport``, ``VerbsTransport``): registered memory, one-sided writes with immediates to peers,
 completions by ``poll``, the receiver's immediates counted in ``engine.imm``.
 ``Proxy``: the host side of the inter-node protocol (docs/ARCHITECTURE.md §10) on an engine,
 driven by the mailbox words (``MAILBOX``); ``Proxy.wait_ready`` turns its error record into
@@ -108,6 +108,9 @@ def lib() -> ctypes.CDLL:
             _c(L, "moe_ep_imm_value", i64, vp, u32)
             _c(L, "moe_ep_imm_stress", i32, vp, u32, i32, i64)
             _c(L, "moe_ep_engine_create", vp, cp, i32, i32, i32, cp)
+            _c(L, "moe_ep_engine_create_verbs", vp, i32, i32, cp, i32, i32)
+            _c(L, "moe_ep_verbs_probe", i32, cp, sz)
+            _c(L, "moe_ep_verbs_destroy_qp", i32, vp, i32)
             _c(L, "moe_ep_engine_destroy", None, vp)
             _c(L, "moe_ep_engine_imm", vp, vp)
             _c(L, "moe_ep_register", i32, vp, vp, u64, ctypes.POINTER(u32))
@@ -281,10 +284,15 @@ class Engine(_Closable):
     def __init__(self, rank: int, world: int, streams: int = 4, bind_host: str = "127.0.0.1",
                  transport: str = "tcp"):
         self._lib = lib()
-        self._h = self._lib.moe_ep_engine_create(transport.encode(), rank, world, streams, bind_host.encode())
+        self._adopt(self._lib.moe_ep_engine_create(transport.encode(), rank, world, streams, bind_host.encode()),
+                    rank, world, transport)
+        self.streams = streams
+
+    def _adopt(self, handle, rank: int, world: int, transport: str) -> None:
+        self._h = handle
         if not self._h:
             _raise(ERR_SYSTEM, f"rank {rank}: creating the {transport} engine failed")
-        self.rank, self.world, self.streams = rank, world, streams
+        self.rank, self.world, self.transport = rank, world, transport
         self._keep: list = []  # registered objects stay alive as long as the engine
         self.imm = ImmCounter(self._lib.moe_ep_engine_imm(self._h), _owner=self, rank=rank)
 
@@ -310,8 +318,11 @@ class Engine(_Closable):
         arr = (ctypes.c_char_p * len(endpoints))(*[e.encode() for e in endpoints])
         rc = self._lib.moe_ep_connect(self._h, arr, len(endpoints), _ns(timeout_s))
         if rc == ERR_TIMEOUT:
-            m = _PEER_RE.search(last_error())
-            raise CommTimeoutError(self.rank, int(m.group(1)) if m else -1, "connect", 0, timeout_s)
+            msg = last_error()
+            m = _PEER_RE.search(msg)
+            err = CommTimeoutError(self.rank, int(m.group(1)) if m else -1, "connect", 0, timeout_s)
+            err.args = (f"{err.args[0]} [{msg}]",)
+            raise err
         if rc != OK:
             _raise(rc)
 
@@ -406,6 +417,38 @@ class TcpTransport(Engine):
 
     def __init__(self, rank: int, world: int, streams: int = 4, bind_host: str = "127.0.0.1"):
         super().__init__(rank, world, streams, bind_host, transport="tcp")
+
+
+def verbs_probe() -> tuple[bool, str]:
+    """(True, "device rxe0 port 1 GID index 1 (RoCE)") when a verbs engine can be created here,
+    else (False, why not: libibverbs missing, no device, no active port, no usable GID)."""
+    buf = ctypes.create_string_buffer(2048)
+    ok = lib().moe_ep_verbs_probe(buf, len(buf))
+    return ok == 1, buf.value.decode(errors="replace")
+
+
+class VerbsTransport(Engine):
+    """Engine over libibverbs (loaded at run time): one RC queue pair per peer,
+    ``RDMA_WRITE_WITH_IMM`` (plain ``RDMA_WRITE`` without an immediate), one completion thread.
+
+    ``device`` (default ``MOE_EP_IB_DEVICE``, else the first device with an active port),
+    ``port`` (default ``MOE_EP_IB_PORT``, else 1), ``gid_index`` (default ``MOE_EP_IB_GID_INDEX``,
+    else the first RoCE v2 IPv4-mapped GID). The endpoint carries the regions registered so far:
+    register every region before reading ``endpoint``. No sharding and no delay/reorder
+    injection (the NIC's queue pair decides); ``set_fault(cut_peer=...)`` works. Creating one
+    where there is no usable device raises ``NativeError`` naming what is missing."""
+
+    def __init__(self, rank: int, world: int, device: str | None = None, port: int = 0, gid_index: int = -1):
+        self._lib = lib()
+        self._adopt(self._lib.moe_ep_engine_create_verbs(rank, world, (device or "").encode(), port, gid_index),
+                    rank, world, "verbs")
+        self.streams = 1
+
+    def destroy_qp(self, peer: int) -> None:
+        """Test hook: destroys the queue pair to ``peer`` (as a crashed process would)."""
+        rc = self._lib.moe_ep_verbs_destroy_qp(self._h, peer)
+        if rc != OK:
+            _raise(rc)
 
 
 # ---------------------------------------------------------------- Proxy (§10)

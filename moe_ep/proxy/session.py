@@ -1,17 +1,23 @@
 """Starting a rank's proxy from an ``EPGroup``: engine, regions, endpoint exchange, thread.
 
 The endpoints travel through the group's process group (``all_gather_object``), so a job needs
-nothing beyond what ``torch.distributed`` already set up.
+nothing beyond what ``torch.distributed`` already set up. The transport comes from
+``MOE_EP_TRANSPORT`` (``auto`` | ``verbs`` | ``tcp``; ``efa`` is not implemented yet): ``auto``
+takes verbs when every rank has a usable verbs device, else tcp, and rank 0 logs which and why.
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import socket
 from typing import Optional
 
 from ..group import EPGroup
-from .native import Proxy, TcpTransport
+from .native import Engine, NativeError, Proxy, TcpTransport, VerbsTransport, verbs_probe
+
+TRANSPORTS = ("auto", "verbs", "tcp", "efa")
+_log = logging.getLogger(__name__)
 
 
 def default_private_capacity(max_tokens: int, topk: int, num_experts: int, world_size: int) -> int:
@@ -35,16 +41,63 @@ def _bind_host(group: EPGroup) -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
+def select_transport(name: Optional[str] = None) -> tuple[str, str]:
+    """This rank's transport and why: ``name`` (default ``MOE_EP_TRANSPORT``, else ``auto``).
+    ``auto``: verbs when a verbs device is usable here, else tcp. Asking for ``verbs`` where none
+    is usable, for ``efa``, or for an unknown name raises ``NativeError`` / ``ValueError``."""
+    want = (name or os.environ.get("MOE_EP_TRANSPORT") or "auto").strip().lower()
+    if want not in TRANSPORTS:
+        raise ValueError(f"MOE_EP_TRANSPORT={want!r}: expected one of {', '.join(TRANSPORTS)}")
+    if want == "efa":
+        raise NativeError("MOE_EP_TRANSPORT=efa: efa: not implemented yet (use verbs or tcp)")
+    if want == "tcp":
+        return "tcp", "MOE_EP_TRANSPORT=tcp"
+    ok, what = verbs_probe()
+    if want == "verbs":
+        if not ok:
+            raise NativeError(f"MOE_EP_TRANSPORT=verbs, but no verbs device is usable: {what}")
+        return "verbs", f"MOE_EP_TRANSPORT=verbs: {what}"
+    return ("verbs", f"auto: verbs {what}") if ok else ("tcp", f"auto: no verbs device ({what})")
+
+
+def _agreed_transport(group: EPGroup, name: Optional[str]) -> str:
+    """Every rank's choice, gathered: auto falls back to tcp unless every rank can use verbs; a
+    rank that cannot start the transport it was asked for fails every rank (none waits alone)."""
+    try:
+        kind, why = select_transport(name)
+        err: Optional[Exception] = None
+    except (NativeError, ValueError) as e:
+        kind, why, err = "", str(e), e
+    choices = group.all_gather_object((kind, why))
+    failed = [r for r, (k, _) in enumerate(choices) if not k]
+    if failed:
+        if err is not None:
+            raise err
+        raise NativeError(f"rank {group.rank}: rank {failed[0]} cannot start its transport: {choices[failed[0]][1]}")
+    kinds = {k for k, _ in choices}
+    if len(kinds) > 1:
+        bad = next(r for r, (k, _) in enumerate(choices) if k != "verbs")
+        kind, why = "tcp", f"auto: rank {bad} has no verbs device ({choices[bad][1]})"
+    if group.rank == 0:
+        _log.info("moe_ep proxy transport: %s (%s)", kind, why)
+    return kind
+
+
 def start_proxy(group: EPGroup, *, num_local_experts: int, row_bytes: int, comb_row_bytes: int,
                 private_capacity: int, overflow_capacity: int, max_send_rows: int, timeout_s: float = 30.0,
-                streams: int = 4, bind_host: Optional[str] = None) -> Proxy:
-    """Creates this rank's TCP engine and §10 proxy, exchanges endpoints over ``group`` (collective:
+                streams: int = 4, bind_host: Optional[str] = None, transport: Optional[str] = None) -> Proxy:
+    """Creates this rank's engine (``transport``, default ``MOE_EP_TRANSPORT``: see
+    ``select_transport``) and §10 proxy, exchanges endpoints over ``group`` (collective:
     every rank calls it with the same sizes), connects, and starts the proxy thread.
 
     ``bind_host``: the address peers reach this rank at (default ``MOE_EP_TCP_HOST``, else loopback
     when every rank shares this host, else this host's address).
     """
-    engine = TcpTransport(group.rank, group.world_size, streams=streams, bind_host=bind_host or _bind_host(group))
+    engine: Engine
+    if _agreed_transport(group, transport) == "verbs":
+        engine = VerbsTransport(group.rank, group.world_size)
+    else:
+        engine = TcpTransport(group.rank, group.world_size, streams=streams, bind_host=bind_host or _bind_host(group))
     proxy = Proxy(engine, node_size=group.node_size, num_local_experts=num_local_experts, row_bytes=row_bytes,
                   comb_row_bytes=comb_row_bytes, private_capacity=private_capacity,
                   overflow_capacity=overflow_capacity, max_send_rows=max_send_rows, timeout_s=timeout_s)

@@ -1,0 +1,534 @@
+"""verbs transport (csrc/proxy/verbs_transport.cc): libibverbs RC queue pairs behind the
+Transport interface.
+
+The ``rdma`` tests need a usable verbs device (any IB/RoCE NIC, or Soft-RoCE ``rxe``) and are
+skipped with the reason otherwise. They drive the native library through ctypes without
+importing ``moe_ep`` itself (whose ``__init__`` imports torch, slow on an emulated machine), so
+they also run with ``--noconftest``. The CPU tests check that the library builds, imports and
+runs without rdma-core, and that asking for verbs where it cannot work says what is missing.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import types
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+SRC = os.path.join(ROOT, "csrc", "proxy")
+
+
+def _load_native():
+    """``moe_ep.proxy.native``; without importing ``moe_ep`` when it is not imported yet (the
+    package is then loaded under a private name, its ``__init__`` files skipped)."""
+    if "moe_ep" in sys.modules:
+        return importlib.import_module("moe_ep.proxy.native")
+    light = "_moe_ep_light"
+    if light + ".proxy.native" not in sys.modules:
+        for name, path in ((light, os.path.join(ROOT, "moe_ep")), (light + ".proxy", os.path.join(ROOT, "moe_ep", "proxy"))):
+            m = types.ModuleType(name)
+            m.__path__ = [path]
+            sys.modules.setdefault(name, m)
+    return importlib.import_module(light + ".proxy.native")
+
+
+N = _load_native()
+AVAILABLE, WHY = N.verbs_probe()
+
+
+def rdma_test(f):
+    """An rdma-marked test, skipped (with the probe's reason) where no verbs device is usable."""
+    return pytest.mark.rdma(pytest.mark.skipif(not AVAILABLE, reason=f"no usable RDMA device: {WHY}")(f))
+
+
+REGION = 1 << 20
+
+
+# ---------------------------------------------------------------- helpers
+
+def _plan(seed: int, n: int, region: int = REGION):
+    """(offset, size, imm or None): disjoint ranges, 0-byte writes, writes without immediate."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.choice([0, 1, 7, 64, 1000, 4093, 20000, 65537], size=n, p=[.15, .1, .1, .1, .15, .15, .2, .05])
+    offs = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    assert offs[-1] + sizes[-1] <= region
+    imms = [None if rng.random() < 0.2 else int(0x5000 + rng.integers(0, 3)) for _ in range(n)]
+    payload = rng.integers(0, 256, size=region, dtype=np.uint8)
+    return [(int(o), int(s), i) for o, s, i in zip(offs, sizes, imms)], payload
+
+
+def _send(eng, peer, src_key, dst_key, plan, timeout_s=60.0):
+    wrs = [eng.post_write(peer, src_key, o, dst_key, o, s, imm=i) for o, s, i in plan]
+    comps = eng.wait_completions(len(wrs), timeout_s)
+    assert sorted(c.wr_id for c in comps) == sorted(wrs)
+    assert all(c.status == N.CQ_OK and c.peer == peer for c in comps)
+
+
+def _check_received(eng, dst, plan, payload, timeout_s=60.0):
+    imms = [i for *_, i in plan if i is not None]
+    for imm in sorted(set(imms)):
+        eng.imm.wait(imm, imms.count(imm), timeout_s)
+        assert eng.imm.value(imm) == 0  # exact: nothing extra was counted
+    end = max(o + s for o, s, _ in plan)
+    np.testing.assert_array_equal(dst[:end], payload[:end])
+    assert not dst[end:].any()
+
+
+def _connect_all(engines, timeout_s=30.0, delays=None):
+    """Connects every engine from its own thread (connect waits for the peers' hellos)."""
+    eps = [e.endpoint for e in engines]
+    errs: list = []
+
+    def run(i, e):
+        try:
+            if delays:
+                time.sleep(delays[i])
+            e.connect(eps, timeout_s)
+        except BaseException as ex:  # noqa: BLE001 - reported below
+            errs.append(ex)
+
+    ts = [threading.Thread(target=run, args=(i, e)) for i, e in enumerate(engines)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout_s + 30)
+    assert not errs, errs
+    assert not any(t.is_alive() for t in ts)
+
+
+def _pair(connect=True, **kw):
+    a, b = N.VerbsTransport(0, 2, **kw), N.VerbsTransport(1, 2, **kw)
+    bufs = {}
+    for e in (a, b):
+        src, dst = np.zeros(REGION, np.uint8), np.zeros(REGION, np.uint8)
+        bufs[e.rank] = (src, dst, e.register(src), e.register(dst))
+    if connect:
+        _connect_all([a, b])
+    return a, b, bufs
+
+
+def _run_py(code: str, **env) -> subprocess.CompletedProcess:
+    """Runs code in a fresh interpreter (its own libibverbs state) with the native module as N."""
+    pre = f"import sys; sys.path.insert(0, {HERE!r}); from test_verbs_transport import N\n"
+    return subprocess.run([sys.executable, "-c", pre + textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **env}, cwd=ROOT)
+
+
+# ---------------------------------------------------------------- CPU: no rdma-core needed
+
+def test_library_does_not_need_rdma_core():
+    """No source includes rdma-core headers, the library does not link libibverbs, and without
+    libibverbs it still imports and runs the TCP transport."""
+    srcs = sorted(os.path.join(SRC, f) for f in os.listdir(SRC) if f.endswith(".cc"))
+    deps = subprocess.run([os.environ.get("CXX", "c++"), "-std=c++17", "-M", *srcs], capture_output=True, text=True)
+    assert deps.returncode == 0, deps.stderr
+    assert "infiniband" not in deps.stdout and "rdma" not in deps.stdout
+    lib_path = N.lib()._name
+    needed = subprocess.run(["readelf", "-d", lib_path], capture_output=True, text=True).stdout
+    assert "NEEDED" in needed and "ibverbs" not in needed
+    r = _run_py("""
+        import numpy as np
+        ok, why = N.verbs_probe()
+        assert not ok and "libmissing-ibverbs.so.1" in why, why
+        a, b = N.TcpTransport(0, 2, streams=2), N.TcpTransport(1, 2, streams=2)
+        s, d = np.arange(256, dtype=np.uint8), np.zeros(256, np.uint8)
+        ks, _ = a.register(s), a.register(np.zeros(1, np.uint8))
+        b.register(np.zeros(1, np.uint8)); kd = b.register(d)
+        a.connect([a.endpoint, b.endpoint], 10); b.connect([a.endpoint, b.endpoint], 10)
+        a.post_write(1, ks, 0, kd, 0, 256, imm=9); a.wait_completions(1, 10); b.imm.wait(9, 1, 10)
+        assert (d == s).all()
+        print("tcp ok")
+    """, MOE_EP_IBVERBS_LIB="libmissing-ibverbs.so.1")
+    assert r.returncode == 0 and "tcp ok" in r.stdout, r.stdout + r.stderr
+
+
+def test_verbs_unavailable_errors_name_what_is_missing():
+    r = _run_py("""
+        for kw in ({}, {"device": "mlx5_9"}):
+            try:
+                N.VerbsTransport(0, 2, **kw)
+            except N.NativeError as e:
+                print("ERR", e)
+            else:
+                raise SystemExit("no error")
+        try:
+            N.Engine(1, 2, transport="efa")
+        except N.NativeError as e:
+            print("ERR", e)
+    """, MOE_EP_IBVERBS_LIB="libmissing-ibverbs.so.1")
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("ERR")]
+    assert len(lines) == 3, r.stdout
+    for ln in lines[:2]:
+        assert "rank 0" in ln and "verbs transport not available" in ln and "libmissing-ibverbs.so.1" in ln, ln
+    assert "rank 1" in lines[2] and "efa: not implemented yet" in lines[2]
+
+
+def test_verbs_missing_device_names_it():
+    """A device name that does not exist: the error names it (and the devices there are), or,
+    without libibverbs, the missing library."""
+    r = _run_py("""
+        try:
+            N.VerbsTransport(0, 2)
+        except N.NativeError as e:
+            print("ERR", e)
+        else:
+            print("created")
+    """, MOE_EP_IB_DEVICE="nosuchdev0")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("ERR rank 0: verbs"), r.stdout
+    if AVAILABLE:
+        assert "'nosuchdev0'" in r.stdout and "not found" in r.stdout
+    else:
+        assert WHY in r.stdout
+
+
+def test_select_transport():
+    from moe_ep.proxy.session import select_transport
+
+    assert select_transport("tcp") == ("tcp", "MOE_EP_TRANSPORT=tcp")
+    kind, why = select_transport("auto")
+    assert kind == ("verbs" if AVAILABLE else "tcp") and why.startswith("auto: ")
+    assert WHY in why
+    with pytest.raises(RuntimeError, match="efa: not implemented yet"):
+        select_transport("efa")
+    with pytest.raises(ValueError, match="expected one of auto, verbs, tcp, efa"):
+        select_transport("ucx")
+    if not AVAILABLE:
+        with pytest.raises(RuntimeError, match="MOE_EP_TRANSPORT=verbs, but no verbs device is usable: " + WHY[:20]):
+            select_transport("verbs")
+    else:
+        assert select_transport("verbs")[0] == "verbs"
+
+
+# ---------------------------------------------------------------- ABI declarations vs. the system header
+
+_ABI_CHECK = r"""
+#include <infiniband/verbs.h>
+#include <cstddef>
+#include "verbs_abi.h"
+namespace v = moe_ep::ibv;
+#define SAME_SIZE(a, b) static_assert(sizeof(a) == sizeof(b), #a)
+#define SAME_OFF(a, b, fa, fb) static_assert(offsetof(a, fa) == offsetof(b, fb), #a "." #fa)
+SAME_SIZE(v::gid, ibv_gid);
+SAME_OFF(v::context, ibv_context, ops, ops);
+SAME_OFF(v::context_ops, ibv_context_ops, poll_cq, poll_cq);
+SAME_OFF(v::context_ops, ibv_context_ops, req_notify_cq, req_notify_cq);
+SAME_OFF(v::context_ops, ibv_context_ops, post_send, post_send);
+SAME_OFF(v::context_ops, ibv_context_ops, post_recv, post_recv);
+SAME_SIZE(v::context_ops, ibv_context_ops);
+SAME_SIZE(v::context, ibv_context);
+SAME_OFF(v::comp_channel, ibv_comp_channel, fd, fd);
+SAME_OFF(v::cq, ibv_cq, ctx, context);
+SAME_SIZE(v::cq, ibv_cq);
+SAME_OFF(v::qp, ibv_qp, ctx, context);
+SAME_OFF(v::qp, ibv_qp, qp_num, qp_num);
+SAME_SIZE(v::qp, ibv_qp);
+SAME_OFF(v::mr, ibv_mr, lkey, lkey);
+SAME_OFF(v::mr, ibv_mr, rkey, rkey);
+SAME_OFF(v::port_attr, ibv_port_attr, state, state);
+SAME_OFF(v::port_attr, ibv_port_attr, active_mtu, active_mtu);
+SAME_OFF(v::port_attr, ibv_port_attr, gid_tbl_len, gid_tbl_len);
+SAME_OFF(v::port_attr, ibv_port_attr, lid, lid);
+SAME_OFF(v::port_attr, ibv_port_attr, link_layer, link_layer);
+static_assert(sizeof(v::port_attr) >= sizeof(ibv_port_attr), "port_attr");
+SAME_SIZE(v::wc, ibv_wc);
+SAME_OFF(v::wc, ibv_wc, status, status);
+SAME_OFF(v::wc, ibv_wc, opcode, opcode);
+SAME_OFF(v::wc, ibv_wc, vendor_err, vendor_err);
+SAME_OFF(v::wc, ibv_wc, imm_data, imm_data);
+SAME_SIZE(v::sge, ibv_sge);
+SAME_SIZE(v::send_wr, ibv_send_wr);
+SAME_OFF(v::send_wr, ibv_send_wr, sg_list, sg_list);
+SAME_OFF(v::send_wr, ibv_send_wr, num_sge, num_sge);
+SAME_OFF(v::send_wr, ibv_send_wr, opcode, opcode);
+SAME_OFF(v::send_wr, ibv_send_wr, send_flags, send_flags);
+SAME_OFF(v::send_wr, ibv_send_wr, imm_data, imm_data);
+SAME_OFF(v::send_wr, ibv_send_wr, wr.rdma.remote_addr, wr.rdma.remote_addr);
+SAME_OFF(v::send_wr, ibv_send_wr, wr.rdma.rkey, wr.rdma.rkey);
+SAME_SIZE(v::recv_wr, ibv_recv_wr);
+SAME_SIZE(v::qp_cap, ibv_qp_cap);
+SAME_SIZE(v::qp_init_attr, ibv_qp_init_attr);
+SAME_OFF(v::qp_init_attr, ibv_qp_init_attr, cap, cap);
+SAME_OFF(v::qp_init_attr, ibv_qp_init_attr, qp_type, qp_type);
+SAME_SIZE(v::ah_attr, ibv_ah_attr);
+SAME_OFF(v::ah_attr, ibv_ah_attr, dlid, dlid);
+SAME_OFF(v::ah_attr, ibv_ah_attr, is_global, is_global);
+SAME_OFF(v::ah_attr, ibv_ah_attr, port_num, port_num);
+SAME_OFF(v::global_route, ibv_global_route, sgid_index, sgid_index);
+SAME_OFF(v::global_route, ibv_global_route, hop_limit, hop_limit);
+SAME_SIZE(v::qp_attr, ibv_qp_attr);
+SAME_OFF(v::qp_attr, ibv_qp_attr, path_mtu, path_mtu);
+SAME_OFF(v::qp_attr, ibv_qp_attr, rq_psn, rq_psn);
+SAME_OFF(v::qp_attr, ibv_qp_attr, sq_psn, sq_psn);
+SAME_OFF(v::qp_attr, ibv_qp_attr, dest_qp_num, dest_qp_num);
+SAME_OFF(v::qp_attr, ibv_qp_attr, qp_access_flags, qp_access_flags);
+SAME_OFF(v::qp_attr, ibv_qp_attr, ah, ah_attr);
+SAME_OFF(v::qp_attr, ibv_qp_attr, pkey_index, pkey_index);
+SAME_OFF(v::qp_attr, ibv_qp_attr, max_rd_atomic, max_rd_atomic);
+SAME_OFF(v::qp_attr, ibv_qp_attr, max_dest_rd_atomic, max_dest_rd_atomic);
+SAME_OFF(v::qp_attr, ibv_qp_attr, min_rnr_timer, min_rnr_timer);
+SAME_OFF(v::qp_attr, ibv_qp_attr, port_num, port_num);
+SAME_OFF(v::qp_attr, ibv_qp_attr, timeout, timeout);
+SAME_OFF(v::qp_attr, ibv_qp_attr, retry_cnt, retry_cnt);
+SAME_OFF(v::qp_attr, ibv_qp_attr, rnr_retry, rnr_retry);
+#define SAME_VAL(n) static_assert(int(v::n) == int(IBV_##n), #n)
+SAME_VAL(QPS_RESET);
+SAME_VAL(QPS_INIT);
+SAME_VAL(QPS_RTR);
+SAME_VAL(QPS_RTS);
+SAME_VAL(QPS_ERR);
+SAME_VAL(QPT_RC);
+SAME_VAL(PORT_ACTIVE);
+SAME_VAL(LINK_LAYER_INFINIBAND);
+SAME_VAL(LINK_LAYER_ETHERNET);
+SAME_VAL(WR_RDMA_WRITE);
+SAME_VAL(WR_RDMA_WRITE_WITH_IMM);
+SAME_VAL(WR_SEND);
+SAME_VAL(SEND_SIGNALED);
+SAME_VAL(WC_SUCCESS);
+SAME_VAL(WC_WR_FLUSH_ERR);
+SAME_VAL(WC_REM_ACCESS_ERR);
+SAME_VAL(WC_RECV);
+SAME_VAL(WC_RECV_RDMA_WITH_IMM);
+SAME_VAL(ACCESS_LOCAL_WRITE);
+SAME_VAL(ACCESS_REMOTE_WRITE);
+SAME_VAL(ACCESS_REMOTE_READ);
+SAME_VAL(QP_STATE);
+SAME_VAL(QP_ACCESS_FLAGS);
+SAME_VAL(QP_PKEY_INDEX);
+SAME_VAL(QP_PORT);
+SAME_VAL(QP_AV);
+SAME_VAL(QP_PATH_MTU);
+SAME_VAL(QP_TIMEOUT);
+SAME_VAL(QP_RETRY_CNT);
+SAME_VAL(QP_RNR_RETRY);
+SAME_VAL(QP_RQ_PSN);
+SAME_VAL(QP_MAX_QP_RD_ATOMIC);
+SAME_VAL(QP_MIN_RNR_TIMER);
+SAME_VAL(QP_SQ_PSN);
+SAME_VAL(QP_MAX_DEST_RD_ATOMIC);
+SAME_VAL(QP_DEST_QPN);
+int main() { return 0; }
+"""
+
+
+def _system_header():
+    r = subprocess.run([os.environ.get("CXX", "c++"), "-x", "c++", "-fsyntax-only", "-"],
+                       input="#include <infiniband/verbs.h>\n", capture_output=True, text=True)
+    return r.returncode == 0
+
+
+@pytest.mark.rdma
+@pytest.mark.skipif(not _system_header(), reason="infiniband/verbs.h (rdma-core headers) not installed")
+def test_abi_declarations_match_system_header(tmp_path):
+    src = tmp_path / "abi_check.cc"
+    src.write_text(_ABI_CHECK)
+    r = subprocess.run([os.environ.get("CXX", "c++"), "-std=c++17", "-fsyntax-only", f"-I{SRC}", str(src)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+# ---------------------------------------------------------------- on a verbs device
+
+@rdma_test
+def test_verbs_probe_names_device():
+    assert WHY.startswith("device ") and " port " in WHY and "GID index" in WHY
+
+
+@rdma_test
+def test_verbs_write_and_imm_both_directions():
+    a, b, bufs = _pair()
+    try:
+        assert a.endpoint.startswith("verbs1;rank=0;world=2;dev=") and ";mr=" in a.endpoint
+        plans = {0: _plan(1, 100), 1: _plan(2, 100)}
+        for r in (0, 1):
+            bufs[r][0][:] = plans[r][1]
+        errs: list = []
+
+        def send(e):
+            try:
+                _send(e, 1 - e.rank, bufs[e.rank][2], bufs[1 - e.rank][3], plans[e.rank][0])
+            except BaseException as ex:  # noqa: BLE001
+                errs.append(ex)
+
+        ts = [threading.Thread(target=send, args=(e,)) for e in (a, b)]
+        for t in ts:
+            t.start()
+        _check_received(b, bufs[1][1], *plans[0])
+        _check_received(a, bufs[0][1], *plans[1])
+        for t in ts:
+            t.join(60)
+        assert not errs, errs
+        assert a.peer_error(1) == "" and b.peer_error(0) == ""
+        # zero-byte writes at the very end of the region still carry their immediate
+        for _ in range(5):
+            a.post_write(1, bufs[0][2], REGION, bufs[1][3], REGION, 0, imm=0x7FFF_FFFF)
+        a.wait_completions(5, 30)
+        b.imm.wait(0x7FFF_FFFF, 5, 30)
+        assert b.imm.value(0x7FFF_FFFF) == 0
+    finally:
+        a.close()
+        b.close()
+
+
+@rdma_test
+def test_verbs_bad_remote_range_and_local_errors():
+    a, b, bufs = _pair()
+    try:
+        src_key, dst_key = bufs[0][2], bufs[1][3]
+        a.post_write(1, src_key, 0, 99, 0, 100, imm=43)  # key the peer never advertised
+        a.post_write(1, src_key, 0, dst_key, REGION - 10, 100, imm=43)  # past the peer's region
+        comps = a.wait_completions(2, 30, check=False)
+        assert [c.status for c in comps] == [N.CQ_REMOTE_ACCESS] * 2
+        assert b.imm.value(43) == 0 and a.peer_error(1) == ""
+        with pytest.raises(N.NativeError, match="rank 0.*peer 1.*local key"):
+            a.post_write(1, 77, 0, dst_key, 0, 10)
+        with pytest.raises(N.NativeError, match="bad peer"):
+            a.post_write(0, src_key, 0, dst_key, 0, 10)
+        bufs[0][0][:4096] = 7
+        _send(a, 1, src_key, dst_key, [(0, 4096, 44)])  # the queue pair is still healthy
+        b.imm.wait(44, 1, 30)
+        assert (bufs[1][1][:4096] == 7).all()
+    finally:
+        a.close()
+        b.close()
+
+
+@rdma_test
+@pytest.mark.parametrize("how", ["destroy_qp", "close"])
+def test_verbs_destroyed_peer_qp_errors_within_deadline(how):
+    a, b, bufs = _pair()
+    try:
+        _send(a, 1, bufs[0][2], bufs[1][3], [(0, 1000, 5)])
+        b.imm.wait(5, 1, 30)
+        errs: list = []
+        w = threading.Thread(target=lambda: _catch(lambda: a.imm.wait(6, 1, 60), errs))
+        w.start()
+        getattr(b, how)(*((0,) if how == "destroy_qp" else ()))
+        t0 = time.monotonic()
+        a.post_write(1, bufs[0][2], 0, bufs[1][3], 0, 1000, imm=6)
+        (c,) = a.wait_completions(1, 60, check=False)
+        dt = time.monotonic() - t0
+        assert c.status == N.CQ_PEER_LOST and c.peer == 1
+        msg = a.peer_error(1)
+        dev = WHY.split()[1]
+        assert msg.startswith("rank 0: connection with peer 1 lost") and f"device {dev}" in msg, msg
+        assert "failed: " in msg and "wc status" in msg, msg  # the verbs status string and number
+        w.join(30)
+        assert len(errs) == 1 and isinstance(errs[0], N.PeerLostError) and errs[0].peer == 1
+        assert dt < 30, dt
+        a.post_write(1, bufs[0][2], 0, bufs[1][3], 0, 10)  # later writes fail at once
+        (c,) = a.wait_completions(1, 5, check=False)
+        assert c.status == N.CQ_PEER_LOST
+    finally:
+        a.close()
+        b.close()
+
+
+def _catch(f, errs):
+    try:
+        f()
+    except BaseException as e:  # noqa: BLE001
+        errs.append(e)
+
+
+@rdma_test
+def test_verbs_peer_never_connects():
+    a, b, _ = _pair(connect=False)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(N.CommTimeoutError) as ei:
+            a.connect([a.endpoint, b.endpoint], timeout_s=2.0)  # b never calls connect
+        assert ei.value.peer == 1 and ei.value.phase == "connect"
+        assert time.monotonic() - t0 < 15
+        msg = str(ei.value)
+        assert "rank 0: connect: peer 1 never connected within 2" in msg and f"device {WHY.split()[1]}" in msg, msg
+        # the hello's retries ran out (the peer's queue pair never left INIT), the queue pair was
+        # reset and the hello sent again, until the deadline
+        attempts = int(msg.split("(attempt ")[1].split(")")[0])
+        assert attempts >= 2, msg
+    finally:
+        a.close()
+        b.close()
+
+
+@rdma_test
+def test_verbs_late_peer_and_cut():
+    """A peer connecting seconds later (the first hellos exhaust their retries, the queue pair is
+    reset and the hello resent); then a cut by fault injection fails the writes on both sides."""
+    a, b, bufs = _pair(connect=False)
+    try:
+        _connect_all([a, b], delays=[0.0, 3.0])
+        bufs[1][0][:100] = 3
+        _send(b, 0, bufs[1][2], bufs[0][3], [(0, 100, 8)])
+        a.imm.wait(8, 1, 30)
+        assert (bufs[0][1][:100] == 3).all()
+        a.set_fault(cut_peer=1, cut_after=2)
+        _send(a, 1, bufs[0][2], bufs[1][3], [(0, 10, 9), (10, 10, 9)])
+        b.imm.wait(9, 2, 30)
+        a.post_write(1, bufs[0][2], 0, bufs[1][3], 0, 10, imm=9)
+        with pytest.raises(N.PeerLostError, match="rank 0: connection with peer 1 lost.*cut by fault injection"):
+            a.wait_completions(1, 30)
+        # the peer finds out at its next write (RC has no keepalive)
+        b.post_write(0, bufs[1][2], 0, bufs[0][3], 0, 10, imm=10)
+        (c,) = b.wait_completions(1, 60, check=False)
+        assert c.status == N.CQ_PEER_LOST and "rank 1: connection with peer 0 lost" in b.peer_error(0)
+    finally:
+        a.close()
+        b.close()
+
+
+# ---------------------------------------------------------------- two processes
+
+def _worker(rank: int) -> None:
+    e = N.VerbsTransport(rank, 2)
+    src, dst = np.zeros(REGION, np.uint8), np.zeros(REGION, np.uint8)
+    ks, kd = e.register(src), e.register(dst)
+    print(e.endpoint, flush=True)
+    eps = json.loads(sys.stdin.readline())
+    e.connect(eps, 60)
+    plan, payload = _plan(20 + rank, 100)
+    src[:] = payload
+    _send(e, 1 - rank, ks, kd, plan, 120)
+    _check_received(e, dst, *_plan(20 + 1 - rank, 100), timeout_s=120)
+    print("ok", flush=True)
+    sys.stdin.readline()  # both done before either closes
+    e.close()
+
+
+@rdma_test
+def test_verbs_two_processes():
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "worker", str(r)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT) for r in (0, 1)]
+    try:
+        eps = [p.stdout.readline().strip() for p in procs]
+        assert all(ep.startswith("verbs1;") for ep in eps), (eps, [p.stderr.read() for p in procs if p.poll()])
+        for p in procs:
+            p.stdin.write(json.dumps(eps) + "\n")
+            p.stdin.flush()
+        for p in procs:
+            line = p.stdout.readline().strip()
+            assert line == "ok", line + (p.stderr.read() if p.poll() is not None else "")
+        for p in procs:
+            p.stdin.write("close\n")
+            p.stdin.flush()
+        for p in procs:
+            assert p.wait(60) == 0, p.stderr.read()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "worker":
+    _worker(int(sys.argv[2]))
