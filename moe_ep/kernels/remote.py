@@ -20,7 +20,7 @@ The epoch (for the parity copies of the regions peers write) is read on the devi
 import triton
 import triton.language as tl
 
-from .common import ERR_BAD_EXPERT, ERR_CAPACITY, PHASE_COMBINE, PHASE_DISPATCH, record_error, to_bf16, to_fp8
+from .common import ERR_BAD_EXPERT, ERR_CAPACITY, PHASE_DISPATCH, record_error, to_bf16, to_fp8
 
 
 @triton.jit
@@ -193,7 +193,8 @@ def remote_pack_kernel(
         before = tl.sum(tl.where(tt[None, :, None] < tt[:, None, None], go[None, :, :], 0), axis=1)
         pos = _chunk_sum(rhist_ptr, rr, rmask, c, CMAX, BLOCK_C)[None, :] + before
         send = (go > 0) & remote[None, :] & tm[:, None]
-        tl.store(send_pos_ptr + t[:, None] * R + rr[None, :], tl.where(send, pos, -1), mask=tm[:, None] & rmask[None, :])
+        tl.store(send_pos_ptr + t[:, None] * R + rr[None, :], tl.where(send, pos, -1),
+                 mask=tm[:, None] & rmask[None, :])
         ok = send & (rbase[None, :] + pos < MAXROWS)                     # never past the send buffer
         row16 = off[None, :] + HDR // 16 + pos.to(tl.int64) * (RB // 16)  # each (token, peer) row
         # A token's row to rank d is written by its first selection on d: loops over K selections,
