@@ -478,6 +478,23 @@ def test_checks_catch_wrong_offsets(mutation):
         _run(cfg, epochs=(("uniform", 1), ("skewed", 2)), **{mutation: True})
 
 
+def test_pack_never_writes_past_max_send_rows():
+    # More rows to remote peers than max_send_rows: the error record says capacity, and nothing is
+    # written past the send buffer's end (the proxy refuses the epoch as well).
+    cfg = Cfg(4, 1, 1)
+    sp = RemoteSpec(rank=0, world=4, node_size=1, num_experts=8, topk=3, hidden=128, max_tokens=6, fp8=False,
+                    private_capacity=1, overflow_capacity=8, max_send_rows=3)
+    st = RemoteState(sp)
+    st.epoch.fill_(1)
+    n = sp.region_bytes()["disp_send"]
+    buf = torch.full((n + 4096,), 0xAB, dtype=torch.uint8)
+    x, ids, w = _inputs(cfg, "uniform", seed=4)[0]  # rank 0 of seed 4: 6 tokens
+    assert int(((ids >= 0) & (ids // 2 != 0)).any(1).sum()) > 3
+    remote.pack(sp, st, x, ids, w, buf[:n])
+    assert int(st.err[0]) == 3 and (buf[n:] == 0xAB).all(), st.err
+    assert int(st.send_counts[1:].sum()) > 3
+
+
 def test_sizes_match_the_proxy():
     native = pytest.importorskip("moe_ep.proxy.native")
     for fp8, H, K in ((False, 128, 3), (True, 7168, 8), (True, 2064, 1)):

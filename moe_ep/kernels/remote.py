@@ -156,7 +156,6 @@ def remote_pack_kernel(
     cnt = _chunk_sum(rhist_ptr, rr, rmask, NC, CMAX, BLOCK_C)
     remote = rmask & (rr // G != RANK // G)
     rows = tl.where(remote, cnt, 0)
-    rbase = _excl(rows)                                                     # first row index of each peer
     # Offsets in 16-byte units (HDR and RB are multiples of 16): an address formed as ``units * 16``
     # is known to be 16-byte aligned, so row stores become 16-byte vectors.
     seg = tl.where(rmask & (rr != RANK), HDR // 16 + rows.to(tl.int64) * (RB // 16), 0)
@@ -166,9 +165,12 @@ def remote_pack_kernel(
         record_error(err_ptr, ERR_CAPACITY, -1, PHASE_DISPATCH, tl.load(epoch_ptr), total)
     if pid == 0:
         tl.store(send_counts_ptr + rr, cnt, mask=rmask)
+    # A batch over MAXROWS breaks the epoch (recorded above; the proxy refuses it too), but no
+    # header or row is ever written past the buffer: every store is bounded by its size.
+    SEND16: tl.constexpr = ((R - 1) * HDR + MAXROWS * RB) // 16
     ee = tl.arange(0, BLOCK_EL)
     for d in range(pid, R, P):
-        if d != RANK:
+        if (d != RANK) & (_pick(off, rr, d) + HDR // 16 <= SEND16):
             hp = words + _pick(off, rr, d) * 4
             tl.store(hp + rr, cnt, mask=rmask)
             ecnt = _chunk_sum(ehist_ptr, d * EL + ee, ee < EL, NC, CMAX, BLOCK_C)
@@ -195,8 +197,8 @@ def remote_pack_kernel(
         send = (go > 0) & remote[None, :] & tm[:, None]
         tl.store(send_pos_ptr + t[:, None] * R + rr[None, :], tl.where(send, pos, -1),
                  mask=tm[:, None] & rmask[None, :])
-        ok = send & (rbase[None, :] + pos < MAXROWS)                     # never past the send buffer
         row16 = off[None, :] + HDR // 16 + pos.to(tl.int64) * (RB // 16)  # each (token, peer) row
+        ok = send & (row16 + RB // 16 <= SEND16)
         # A token's row to rank d is written by its first selection on d: loops over K selections,
         # not over R ranks (K << R at large EP). Per (token, k): that row (in 16-byte units, so the
         # address is known to be 16-byte aligned) and whether it is written.
