@@ -337,9 +337,10 @@ def remote_unpack_kernel(
         for b in range(pid, tl.cdiv(n, BLOCK_RW), P):
             i = b * BLOCK_RW + ii
             g = g0 + i
-            im = (i < n) & (g < ROWS)
-            # Row i of source s: its round-1 slot for i < PCAP, else the shared overflow region.
+            # Row i of source s: its round-1 slot for i < PCAP, else the shared overflow region. (The
+            # proxy raises no ready word for counts that do not fit; the bounds only keep reads in.)
             in1 = i < PCAP
+            im = (i < n) & (g < ROWS) & (in1 | (ov0 + i - PCAP < OVCAP))
             w1 = ((par * R + s) * SLOT + HDR + i.to(tl.int64) * RB) // 4
             w2 = (par * OVCAP * RB + (ov0 + i - PCAP).to(tl.int64) * RB) // 4
             src = tl.where(in1, r1w + tl.multiple_of(tl.where(in1, w1, 0), 4),
