@@ -41,7 +41,14 @@ class EPBuffer:
         layout: ``"masked"`` or ``"packed"``.
         expert_alignment: packed only: each expert's block starts at a multiple of this.
         timeout_s: deadline of every wait for a peer; on expiry ``CommTimeoutError``.
-        num_programs: Triton programs per launch (default: SM count on GPU, 2 on CPU).
+        num_programs: Triton programs per launch (default: SM count on GPU, 2 on CPU); the same on
+            every rank.
+        private_capacity: with other nodes (``group.node_size < world_size``): rows each remote
+            source may send into this rank's private slot in round 1 (default: a uniform batch plus
+            headroom, ``moe_ep.proxy.session.default_private_capacity``); the rest goes in round 2.
+        overflow_capacity: with other nodes: round-2 rows this rank can take from all remote
+            sources in one dispatch (default: all that could come, ``(R - node_size) * (M -
+            private_capacity)``); a batch needing more raises ``CapacityError`` on every rank.
 
     All calls on one buffer must be issued on one CUDA stream (the current one), in the same
     order on every rank.
@@ -50,7 +57,8 @@ class EPBuffer:
     def __init__(self, group: EPGroup, num_experts: int, hidden: int, max_tokens: int, topk: int,
                  dispatch_dtype: torch.dtype = torch.bfloat16, combine_dtype: torch.dtype = torch.bfloat16,
                  layout: str = "masked", expert_alignment: int = 1, timeout_s: float = 30.0,
-                 num_programs: Optional[int] = None):
+                 num_programs: Optional[int] = None, private_capacity: Optional[int] = None,
+                 overflow_capacity: Optional[int] = None):
         if not isinstance(group, EPGroup):
             raise TypeError(f"group: expected moe_ep.EPGroup, got {type(group).__name__}")
         R = group.world_size
@@ -70,10 +78,14 @@ class EPBuffer:
             raise ValueError(f"layout: expected 'masked' or 'packed', got {layout!r}")
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
-        if group.node_size != R:
+        G = group.node_size
+        if G != R and group.device.type == "cuda":
             raise NotImplementedError(
-                f"node_size={group.node_size} < world_size={R}: the inter-node path is not built yet; "
-                f"all ranks must share one node")
+                f"node_size={G} < world_size={R} on GPUs: the inter-node path runs on CPU ranks so far (the "
+                f"kernels' doorbell and ready waits on host-mapped memory are not built yet)")
+        for name, v in (("private_capacity", private_capacity), ("overflow_capacity", overflow_capacity)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise ValueError(f"{name}: expected None or an int >= 0, got {v!r}")
         self.group = group
         self.rank, self.world_size = group.rank, R
         self.device = group.device
@@ -111,7 +123,9 @@ class EPBuffer:
         warps = (16 if few else 8) if self.device.type == "cuda" else 4
         self.num_warps = int(os.environ.get("MOE_EP_NUM_WARPS", warps))
 
-        dev, EL, N, M = self.device, self.num_local_experts, R, max_tokens
+        # N: the ranks of this node (reached by stores); the other R - N through the proxy.
+        dev, EL, N, M = self.device, self.num_local_experts, G, max_tokens
+        self.node_size, self.node0 = G, self.rank - self.rank % G
         self.num_scale_blocks = num_scale_blocks(hidden) if self.fp8 else 0
         esize = 1 if self.fp8 else 2
         self.ws_layout = WorkspaceLayout(N=N, M=M, K=topk, EL=EL, H=hidden,
@@ -131,10 +145,10 @@ class EPBuffer:
         self.block_el = max(2, 1 << (EL - 1).bit_length())
         self.scratch = torch.zeros(self.num_programs, self.block_el, dtype=torch.int32, device=dev)
         if layout == "masked":
-            self.capacity = N * M  # rows per expert
-            lead = (EL, N * M)
+            self.capacity = R * M  # rows per expert
+            lead = (EL, R * M)
         else:
-            self.capacity = N * M * topk + EL * (expert_alignment - 1)  # total rows: never overflows
+            self.capacity = R * M * topk + EL * (expert_alignment - 1)  # total rows: never overflows
             lead = (self.capacity,)
         self.expert_x = torch.empty(*lead, hidden, dtype=dispatch_dtype, device=dev)
         self.expert_x_words = self.expert_x.view(torch.uint8).view(torch.int32)  # row copies move 4-byte words
@@ -142,6 +156,7 @@ class EPBuffer:
                               if self.fp8 else None)
         self.expert_counts = torch.zeros(EL, dtype=torch.int32, device=dev)
         self.expert_offsets = torch.zeros(EL + 1, dtype=torch.int32, device=dev) if layout == "packed" else None
+        self.remote = self._start_remote(private_capacity, overflow_capacity) if G < R else None
         # What every launch passes and never changes, ready for the cheap launch path.
         self._launch = Launcher(dev)
         self._ws_ptr = self.workspace.local.data_ptr()
@@ -190,11 +205,13 @@ class EPBuffer:
         self._check_usable()
 
     def close(self) -> None:
-        """Releases the workspace (after the device is done with it)."""
+        """Releases the workspace and the proxy (after the device is done with them)."""
         if self._closed:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        if self.remote is not None:
+            self.remote.close()
         self.workspace.close()
         self._closed = True
 
@@ -205,6 +222,11 @@ class EPBuffer:
         self.close()
 
     # ------------------------------------------------------------------ internals
+    def _start_remote(self, private_capacity: Optional[int], overflow_capacity: Optional[int]):
+        from .internode import RemotePath
+
+        return RemotePath(self, private_capacity, overflow_capacity)
+
     def _check_usable(self) -> None:
         if self._closed:
             raise RuntimeError("EPBuffer is closed")
@@ -253,8 +275,8 @@ class EPBuffer:
             delay = min(delay * 2, 5e-3)
 
     def _host_wait_dispatch(self, epoch: int) -> None:
-        """Every source's header flag, then the flag of each chunk its header announces."""
-        N, C = self.world_size, self.chunks
+        """Every node source's header flag, then the flag of each chunk its header announces."""
+        N, C = self.node_size, self.chunks
         hflag, dflag = self._flags("hdr_flag", N), self._flags("disp_flag", N * C).view(N, C)
         hoff = self.off["hdr"] // 4 + (epoch & 1) * N * self.ws_layout.HDR
         hdr = self.workspace.local.view(torch.int32)
@@ -262,20 +284,20 @@ class EPBuffer:
         def missing():
             for s in range(N):
                 if int(hflag[s]) < epoch:
-                    return s
+                    return self.node0 + s
                 nc = chunking(int(hdr[hoff + s * self.ws_layout.HDR]), C)[1]
                 if nc and int(dflag[s, :nc].min()) < epoch:
-                    return s
+                    return self.node0 + s
             return None
         self._host_wait(missing, epoch, "dispatch")
 
     def _host_wait_combine(self, epoch: int, T: int) -> None:
-        """Every owner's flag of each chunk of this rank's tokens (chunk 0 at least)."""
-        N, C = self.world_size, self.chunks
+        """Every node owner's flag of each chunk of this rank's tokens (chunk 0 at least)."""
+        N, C = self.node_size, self.chunks
         cflag = self._flags("comb_flag", N * C).view(N, C)
         nc = max(1, chunking(T, C)[1])
 
         def missing():
             lag = (cflag[:, :nc].min(dim=1).values < epoch).nonzero()
-            return int(lag[0, 0]) if lag.numel() else None
+            return self.node0 + int(lag[0, 0]) if lag.numel() else None
         self._host_wait(missing, epoch, "combine")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import _aligned, _check_tensor, _pow2, launch_halves
+from .dispatch import _aligned, _check_tensor, _pow2, launch_half, launch_halves
 from .kernels.combine import combine_kernel
 from .handle import DispatchResult
 
@@ -17,14 +17,26 @@ def combine(buf, expert_y: torch.Tensor, handle) -> torch.Tensor:
                          "(combine the latest dispatch, or use one buffer per in-flight layer)")
     _check_tensor("expert_y", expert_y, (torch.bfloat16,), tuple(buf.expert_x.shape), buf.device)
     T = handle.num_tokens
+    rp = buf.remote
     out = torch.empty(T, buf.hidden, dtype=torch.bfloat16, device=buf.device)
+    # With other nodes the node owners' sum stays float32 until the remote rows are added.
+    base = torch.empty(T, buf.hidden, dtype=torch.float32, device=buf.device) if rp is not None else out
     idx = handle.topk_idx
-    args = (expert_y, idx, out, buf._ws_ptr, buf.workspace.peer_ptrs, buf.state, buf.err, buf.recv_pos,
+    args = (expert_y, idx, base, buf._ws_ptr, buf.workspace.peer_ptrs, buf.state, buf.err, buf.recv_pos,
             buf._timeout_ns, T)
-    key = ("combine", idx.dtype, _aligned(expert_y), _aligned(idx), _aligned(out))
+    key = ("combine", idx.dtype, _aligned(expert_y), _aligned(idx), _aligned(base))
     epoch = buf._epochs[1] + 1
-    launch_halves(buf, key, combine_kernel, args, (0, 1, 2, 9), lambda: _combine_consts(buf),
-                  lambda: buf._host_wait_combine(epoch, T))
+    consts = lambda: _combine_consts(buf)  # noqa: E731
+    if rp is None:
+        launch_halves(buf, key, combine_kernel, args, (0, 1, 2, 9), consts, lambda: buf._host_wait_combine(epoch, T))
+    else:
+        depoch = buf._epochs[0]  # the proxy's combine carries the epoch of the dispatch it answers
+        rp.combine_send(buf, expert_y, handle._serial, depoch)  # refuses a second combine first
+        launch_half(buf, key, combine_kernel, args, (0, 1, 2, 9), consts, True, False)
+        buf._host_wait_combine(epoch, T)
+        rp.wait(buf, "combine", depoch)
+        launch_half(buf, key, combine_kernel, args, (0, 1, 2, 9), consts, False, True)
+        rp.combine_recv(buf, idx, base, out)
     buf._epochs[1] = epoch
     if buf.interp:
         buf._check_usable()
@@ -35,7 +47,8 @@ def _combine_consts(buf) -> dict:
     """The combine kernel's constexprs (all fixed by the buffer)."""
     off, H, BLOCK_T = buf.off, buf.hidden, buf.block_t
     return dict(off_cflag=off["comb_flag"], off_hdr=off["hdr"], off_meta_w=off["meta_w"], off_comb=off["comb"],
-                RANK=buf.rank, N=buf.world_size, M=buf.max_tokens, K=buf.topk, E=buf.num_experts,
+                RANK=buf.rank - buf.node0, NODE0=buf.node0, N=buf.node_size, M=buf.max_tokens, K=buf.topk,
+                E=buf.num_experts, BASE_F32=buf.remote is not None,
                 EL=buf.num_local_experts, H=H, HDR=buf.ws_layout.HDR, CMAX=buf.chunks, BLOCK_T=BLOCK_T,
                 BLOCK_K=_pow2(buf.topk, 2), BLOCK_H=max(16, min(_pow2(H), 2048, 8192 // BLOCK_T)),
                 INTERP=buf.interp, num_warps=buf.num_warps)

@@ -2,6 +2,7 @@
 
     python -m moe_ep.demo                              # 4 CPU ranks (gloo, shared memory, Triton interpreter)
     torchrun --nproc-per-node=2 -m moe_ep.demo         # GPUs over NVLink (also works on CPUs with gloo)
+    MOE_EP_NODE_SIZE=2 python -m moe_ep.demo           # 4 CPU ranks as 2 nodes: the inter-node path too
 
 Each rank routes its tokens to random experts (uniform, skewed, with -1 holes; T differs per
 rank), dispatches, applies a per-expert function to the received rows, combines, and compares the
@@ -94,6 +95,8 @@ def main(argv=None) -> None:
     K = args.topk or (8 if gpu else 4)
     if group.rank == 0:
         where = "NVLink (symmetric memory)" if gpu and R > 1 else ("1 GPU" if gpu else "CPU shared memory + Triton interpreter")
+        if group.node_size < R:  # MOE_EP_NODE_SIZE: nodes of that many ranks, the proxy between them
+            where += f", {group.num_nodes} nodes of {group.node_size} (proxy over TCP between nodes)"
         print(f"moe_ep demo: {R} ranks on {where}; E={E} H={H} max_tokens={M} K={K}", flush=True)
     for dtype in (torch.bfloat16, torch.float8_e4m3fn):
         for layout in ("masked", "packed"):

@@ -76,12 +76,18 @@ def launch_halves(buf, key: tuple, kernel, args: tuple, dynamic: tuple, consts, 
     ``host_wait()`` under the interpreter (which cannot spin in a kernel), then the receive half.
     ``consts()`` gives the constexprs without SEND/RECV; ``key`` names what can change them;
     ``dynamic``: positions in ``args`` that may differ between calls (the rest is the buffer's)."""
-    halves = ((True, True),) if buf.fused else ((True, False), (False, True))
-    for n, (send, recv) in enumerate(halves):
-        if n == 1 and buf.interp:
-            host_wait()
-        buf._launch(key + (send, recv), kernel, buf.num_programs, args, lambda: dict(consts(), SEND=send, RECV=recv),
-                    dynamic)
+    if buf.fused:
+        launch_half(buf, key, kernel, args, dynamic, consts, True, True)
+        return
+    launch_half(buf, key, kernel, args, dynamic, consts, True, False)
+    if buf.interp:
+        host_wait()
+    launch_half(buf, key, kernel, args, dynamic, consts, False, True)
+
+
+def launch_half(buf, key: tuple, kernel, args: tuple, dynamic: tuple, consts, send: bool, recv: bool) -> None:
+    buf._launch(key + (send, recv), kernel, buf.num_programs, args, lambda: dict(consts(), SEND=send, RECV=recv),
+                dynamic)
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -100,14 +106,27 @@ def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = 
                     lambda: dict(E=buf.num_experts, K=buf.topk, CMAX=CMAX, BLOCK_T=_pow2(BT),
                                  BLOCK_K=_pow2(buf.topk, 2), BLOCK_E=_pow2(buf.num_experts, 2)), (0, 4, 5))
     xs = x_scales if fp8_in else buf.err
+    rp = buf.remote
     args = (x.view(torch.uint8) if fp8_in else x, xs, topk_idx, topk_weights, buf.hist, buf.workspace.peer_ptrs,
             buf._ws_ptr, buf.state, buf.err, buf.expert_x_words, buf._out_scales, buf.expert_counts, buf._out_offsets,
-            buf.recv_pos, buf.scratch, T, BT, NC, buf._timeout_ns)
+            buf.recv_pos, buf.scratch, rp.state.sel if rp is not None else buf.scratch, T, BT, NC, buf._timeout_ns)
     key = ("dispatch", fp8_in, direct, topk_idx.dtype, _aligned(x), _aligned(xs), _aligned(topk_idx),
            _aligned(topk_weights))
     epoch = buf._epochs[0] + 1
-    launch_halves(buf, key, dispatch_kernel, args, _DISPATCH_DYNAMIC, lambda: _dispatch_consts(buf, fp8_in, direct),
-                  lambda: buf._host_wait_dispatch(epoch))
+    consts = lambda: _dispatch_consts(buf, fp8_in, direct)  # noqa: E731
+    if rp is None:
+        launch_halves(buf, key, dispatch_kernel, args, _DISPATCH_DYNAMIC, consts,
+                      lambda: buf._host_wait_dispatch(epoch))
+    else:
+        # Node peers by stores, other nodes through the proxy; the node receive half places rows
+        # with the whole count matrix, which the proxy's round-1 headers complete.
+        launch_half(buf, key, dispatch_kernel, args, _DISPATCH_DYNAMIC, consts, True, False)
+        rp.send(buf, x, topk_idx, topk_weights, x_scales, epoch)
+        buf._host_wait_dispatch(epoch)
+        rp.wait(buf, "dispatch", epoch)
+        rp.count_matrix()
+        launch_half(buf, key, dispatch_kernel, args, _DISPATCH_DYNAMIC, consts, False, True)
+        rp.recv(buf)
     buf._epochs[0] = epoch
     buf._serial += 1
     if buf.interp:
@@ -116,7 +135,7 @@ def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = 
                           num_tokens=T, topk_idx=topk_idx, _buffer=buf, _serial=buf._serial)
 
 
-_DISPATCH_DYNAMIC = (0, 1, 2, 3, 15, 16, 17)  # x, x_scales, topk_idx, topk_weights, T, BT, NC
+_DISPATCH_DYNAMIC = (0, 1, 2, 3, 16, 17, 18)  # x, x_scales, topk_idx, topk_weights, T, BT, NC
 
 
 def _dispatch_consts(buf, fp8_in: bool, direct: bool) -> dict:
@@ -125,7 +144,8 @@ def _dispatch_consts(buf, fp8_in: bool, direct: bool) -> dict:
     W = H * (1 if buf.fp8 else 2) // 4
     nb = max(1, buf.num_scale_blocks)
     return dict(off_hflag=off["hdr_flag"], off_dflag=off["disp_flag"], off_hdr=off["hdr"], off_meta_i=off["meta_i"],
-                off_meta_w=off["meta_w"], off_rows=off["rows"], RANK=buf.rank, N=buf.world_size, M=buf.max_tokens,
+                off_meta_w=off["meta_w"], off_rows=off["rows"], RANK=buf.rank - buf.node0, NODE0=buf.node0,
+                R=buf.world_size, N=buf.node_size, M=buf.max_tokens, GLOBAL=buf.remote is not None,
                 K=buf.topk, E=buf.num_experts, EL=buf.num_local_experts, H=H, W=W, NB=nb, RB=lay.RB, HDR=lay.HDR,
                 CMAX=buf.chunks, ALIGN=buf.expert_alignment, CAP=buf.capacity, FP8=buf.fp8, PREQ=fp8_in,
                 DIRECT=direct, PACKED=buf.layout == "packed", BLOCK_T=BLOCK_T, BLOCK_K=_pow2(buf.topk, 2),

@@ -58,6 +58,7 @@ class SymmetricWorkspace:
     def _init_shm(self) -> None:
         g = self.group
         tag = g.all_gather_object(uuid.uuid4().hex)[0]
+        node0 = g.rank - g.rank % g.node_size
         paths = [f"/dev/shm/moe_ep_{tag}_{r}" for r in range(g.world_size)]
         fd = os.open(paths[g.rank], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
@@ -65,13 +66,13 @@ class SymmetricWorkspace:
         finally:
             os.close(fd)
         g.barrier()
-        try:
-            self._views = [torch.from_file(p, shared=True, size=max(self.nbytes, 1), dtype=torch.uint8)
-                           for p in paths]
+        try:  # only the ranks of this node map each other's segment
+            self._views = [torch.from_file(paths[node0 + i], shared=True, size=max(self.nbytes, 1), dtype=torch.uint8)
+                           for i in range(g.node_size)]
         finally:
             g.barrier()
             os.unlink(paths[g.rank])  # mappings stay valid; nothing is left in /dev/shm
-        self.local = self._views[g.rank][: self.nbytes]
+        self.local = self._views[g.rank - node0][: self.nbytes]
         self._ptrs = [v.data_ptr() for v in self._views]
 
     def close(self) -> None:

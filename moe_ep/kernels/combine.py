@@ -21,7 +21,7 @@ from .common import PHASE_COMBINE, chunking, deadline_start, ptr_at, raise_flag,
 def combine_kernel(
     y_ptr,             # bf16 [rows, H]: expert outputs in the layout of expert_x
     topk_ptr,          # [T, K] int32/int64: the routing given to dispatch
-    out_ptr,           # bf16 [T, H]
+    out_ptr,           # bf16 [T, H]; float32 when BASE_F32 (the node owners' sum, before the remote ones)
     ws,                # int: address of this rank's workspace
     peer_ptr,          # int64 [N]: workspace base of each node peer
     state_ptr,         # int64 [2, P]: [0, p] dispatch epoch, [1, p] combine epoch completed by program p
@@ -29,8 +29,9 @@ def combine_kernel(
     recv_pos_ptr,      # int32 [N, M, K] from the dispatch kernel
     timeout_ns, T,
     off_cflag: tl.constexpr, off_hdr: tl.constexpr, off_meta_w: tl.constexpr, off_comb: tl.constexpr,
-    RANK: tl.constexpr, N: tl.constexpr, M: tl.constexpr, K: tl.constexpr, E: tl.constexpr, EL: tl.constexpr,
-    H: tl.constexpr, HDR: tl.constexpr, CMAX: tl.constexpr, SEND: tl.constexpr, RECV: tl.constexpr,
+    RANK: tl.constexpr, NODE0: tl.constexpr, N: tl.constexpr, M: tl.constexpr, K: tl.constexpr, E: tl.constexpr,
+    EL: tl.constexpr, H: tl.constexpr, HDR: tl.constexpr, CMAX: tl.constexpr, BASE_F32: tl.constexpr,
+    SEND: tl.constexpr, RECV: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, INTERP: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -86,7 +87,7 @@ def combine_kernel(
                 tm = (rr < BT) & (t < T)
                 ids = tl.load(topk_ptr + t[:, None] * K + kk[None, :], mask=tm[:, None] & km[None, :],
                               other=-1).to(tl.int32)
-                dst = tl.where((ids >= 0) & (ids < E), ids // EL, -1)
+                dst = tl.where((ids >= 0) & (ids < E), ids // EL - NODE0, -1)  # node peer, if any
                 for h0 in range(0, H, BLOCK_H):
                     hh = h0 + tl.arange(0, BLOCK_H)
                     hm = tm[:, None] & (hh[None, :] < H)
@@ -95,5 +96,8 @@ def combine_kernel(
                         go = tl.max((dst == d).to(tl.int32), axis=1) > 0
                         src = comb + ((par * N + d) * M + t).to(tl.int64) * H
                         acc += tl.load(src[:, None] + hh[None, :], mask=hm & go[:, None], other=0.0).to(tl.float32)
-                    tl.store(out_ptr + t[:, None] * H + hh[None, :], to_bf16(acc, INTERP), mask=hm)
+                    if BASE_F32:  # the remote owners' rows are added later, then rounded once
+                        tl.store(out_ptr + t[:, None] * H + hh[None, :], acc, mask=hm)
+                    else:
+                        tl.store(out_ptr + t[:, None] * H + hh[None, :], to_bf16(acc, INTERP), mask=hm)
         tl.store(state_ptr + P + pid, epoch)  # each program keeps its own epoch: no cross-program step

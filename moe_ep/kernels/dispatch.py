@@ -48,9 +48,9 @@ def _local_counts(topk_ptr, hist_ptr, T, NC, d, E: tl.constexpr, EL: tl.constexp
 @triton.jit
 def _send_chunk(c, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, T, BT, epoch, par,
                 off_dflag: tl.constexpr, off_meta_i: tl.constexpr, off_meta_w: tl.constexpr, off_rows: tl.constexpr,
-                RANK: tl.constexpr, N: tl.constexpr, M: tl.constexpr, K: tl.constexpr, E: tl.constexpr,
-                EL: tl.constexpr, H: tl.constexpr, NB: tl.constexpr, RB: tl.constexpr, CMAX: tl.constexpr,
-                FP8: tl.constexpr, PREQ: tl.constexpr, DIRECT: tl.constexpr, BLOCK_T: tl.constexpr,
+                RANK: tl.constexpr, NODE0: tl.constexpr, N: tl.constexpr, M: tl.constexpr, K: tl.constexpr,
+                E: tl.constexpr, EL: tl.constexpr, H: tl.constexpr, NB: tl.constexpr, RB: tl.constexpr,
+                CMAX: tl.constexpr, FP8: tl.constexpr, PREQ: tl.constexpr, DIRECT: tl.constexpr, BLOCK_T: tl.constexpr,
                 BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, INTERP: tl.constexpr):
     """Chunk ``c`` (tokens [c*BT, (c+1)*BT)): metadata to every peer, the payload once per
     destination rank, then the chunk's flag in every peer."""
@@ -86,13 +86,14 @@ def _send_chunk(c, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, 
                                   mask=vf[:, None] & (c1 + cc[None, :] < c), other=0), axis=1)
     within = tl.sum(((idf[:, None] == idf[None, :]) & (ff[None, :] < ff[:, None])).to(tl.int32), axis=1)
     j = tl.reshape(pre + within, (BLOCK_T, BLOCK_K))
-    dst = tl.where(valid, ids // EL, -1)
+    # Node peer of each selection (global rank - NODE0); one outside [0, N) is on another node.
+    dst = tl.where(valid, ids // EL - NODE0, -1)
     slot = (RANK * M + t).to(tl.int64) + par * (N * M)
     for d in tl.static_range(N):
         base = tl.load(peer_ptr + d)
         # Metadata goes to every peer (ids -1 where the token is not for it): it is how the
         # receiver tells this epoch's rows from stale ones without any reset.
-        lid = tl.where(dst == d, ids - d * EL, -1)
+        lid = tl.where(dst == d, ids - (NODE0 + d) * EL, -1)
         mi = ptr_at(base, off_meta_i, tl.int32) + slot[:, None] * (2 * K) + kk[None, :]
         tl.store(mi, lid, mask=m2)
         tl.store(mi + K, j, mask=m2)
@@ -135,9 +136,10 @@ def _send_chunk(c, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, 
 
 
 @triton.jit
-def _recv_chunk(s, c, ws, hdr, scratch_ptr, out_x_ptr, out_s_ptr, recv_pos_ptr, err_ptr, epoch, par, t0_ns,
+def _recv_chunk(s, c, ws, hdr, sel_ptr, scratch_ptr, out_x_ptr, out_s_ptr, recv_pos_ptr, err_ptr, epoch, par, t0_ns,
                 timeout_ns, off_dflag: tl.constexpr, off_meta_i: tl.constexpr, off_rows: tl.constexpr,
-                N: tl.constexpr, M: tl.constexpr, K: tl.constexpr, W: tl.constexpr, H: tl.constexpr,
+                NODE0: tl.constexpr, EL: tl.constexpr, GLOBAL: tl.constexpr, N: tl.constexpr, M: tl.constexpr,
+                K: tl.constexpr, W: tl.constexpr, H: tl.constexpr,
                 NB: tl.constexpr, RB: tl.constexpr, HDR: tl.constexpr, CMAX: tl.constexpr, CAP: tl.constexpr,
                 PACKED: tl.constexpr, FP8: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
                 BLOCK_W: tl.constexpr, BLOCK_NB: tl.constexpr, INTERP: tl.constexpr):
@@ -159,10 +161,15 @@ def _recv_chunk(s, c, ws, hdr, scratch_ptr, out_x_ptr, out_s_ptr, recv_pos_ptr, 
             lid = tl.load(meta + slot[:, None] * (2 * K) + kk[None, :], mask=m2, other=-1)
             j = tl.load(meta + slot[:, None] * (2 * K) + K + kk[None, :], mask=m2, other=0)
             valid = m2 & (lid >= 0)
-            # Rows of expert e from sources below s come first (deterministic order).
+            # Rows of expert e from sources below s come first (deterministic order); with other
+            # nodes, every global source below this one, from the count matrix.
             pos = j
-            for s2 in range(s):
-                pos += tl.load(hdr + s2 * HDR + 1 + lid, mask=valid, other=0)
+            if GLOBAL:
+                for s2 in range(NODE0 + s):
+                    pos += tl.load(sel_ptr + s2 * EL + lid, mask=valid, other=0)
+            else:
+                for s2 in range(s):
+                    pos += tl.load(hdr + s2 * HDR + 1 + lid, mask=valid, other=0)
             if PACKED:
                 r = tl.load(scratch_ptr + lid, mask=valid, other=0) + pos
                 valid = valid & (r < CAP)
@@ -206,13 +213,15 @@ def dispatch_kernel(
     offsets_ptr,       # int32 [EL + 1] (PACKED only)
     recv_pos_ptr,      # int32 [N, M, K]: row of each (source, slot, k) in the expert layout, or -1
     scratch_ptr,       # int32 [P, BLOCK_EL]: this program's copy of the packed expert offsets
+    sel_ptr,           # int32 [R, EL] count matrix (GLOBAL only): selections per source and local expert
     T, BT, NC,         # tokens, tokens per chunk, chunks (of this rank)
     timeout_ns,
     off_hflag: tl.constexpr, off_dflag: tl.constexpr, off_hdr: tl.constexpr, off_meta_i: tl.constexpr,
     off_meta_w: tl.constexpr, off_rows: tl.constexpr,
-    RANK: tl.constexpr, N: tl.constexpr, M: tl.constexpr, K: tl.constexpr, E: tl.constexpr,
-    EL: tl.constexpr, H: tl.constexpr, W: tl.constexpr, NB: tl.constexpr, RB: tl.constexpr, HDR: tl.constexpr,
-    CMAX: tl.constexpr, ALIGN: tl.constexpr, CAP: tl.constexpr,
+    RANK: tl.constexpr, NODE0: tl.constexpr, R: tl.constexpr, N: tl.constexpr, M: tl.constexpr,
+    K: tl.constexpr, E: tl.constexpr, EL: tl.constexpr, H: tl.constexpr, W: tl.constexpr, NB: tl.constexpr,
+    RB: tl.constexpr, HDR: tl.constexpr, CMAX: tl.constexpr, ALIGN: tl.constexpr, CAP: tl.constexpr,
+    GLOBAL: tl.constexpr,
     FP8: tl.constexpr, PREQ: tl.constexpr, DIRECT: tl.constexpr, PACKED: tl.constexpr,
     SEND: tl.constexpr, RECV: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -227,7 +236,7 @@ def dispatch_kernel(
     if SEND:
         # Headers first (program d writes the one for rank d) and the first chunk, before any wait.
         for d in range(pid, N, P):
-            cnt = _local_counts(topk_ptr, hist_ptr, T, NC, d, E, EL, K, CMAX, DIRECT, BLOCK_EL, BLOCK_C)
+            cnt = _local_counts(topk_ptr, hist_ptr, T, NC, NODE0 + d, E, EL, K, CMAX, DIRECT, BLOCK_EL, BLOCK_C)
             base = tl.load(peer_ptr + d)
             ph = ptr_at(base, off_hdr, tl.int32) + (par * N + RANK) * HDR
             tl.store(ph, T)
@@ -237,7 +246,7 @@ def dispatch_kernel(
             raise_flag(ptr_at(base, off_hflag, tl.int64) + RANK, epoch)
         if pid < NC:
             _send_chunk(pid, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, T, BT, epoch, par,
-                        off_dflag, off_meta_i, off_meta_w, off_rows, RANK, N, M, K, E, EL, H, NB, RB, CMAX,
+                        off_dflag, off_meta_i, off_meta_w, off_rows, RANK, NODE0, N, M, K, E, EL, H, NB, RB, CMAX,
                         FP8, PREQ, DIRECT, BLOCK_T, BLOCK_K, BLOCK_C, BLOCK_H, INTERP)
     ok = tl.full([], 1, tl.int32)
     nrecv = 0
@@ -250,8 +259,12 @@ def dispatch_kernel(
             em = ee < EL
             tot = tl.zeros((BLOCK_EL,), tl.int32)
             for s in range(N):
-                tot += tl.load(hdr + s * HDR + 1 + ee, mask=em, other=0)
+                if not GLOBAL:
+                    tot += tl.load(hdr + s * HDR + 1 + ee, mask=em, other=0)
                 nrecv = tl.maximum(nrecv, chunking(tl.load(hdr + s * HDR), CMAX)[1])
+            if GLOBAL:  # every source of every node (the count matrix from the proxy's headers)
+                for s in range(R):
+                    tot += tl.load(sel_ptr + s * EL + ee, mask=em, other=0)
             if PACKED:
                 padded = (tot + ALIGN - 1) // ALIGN * ALIGN
                 incl = tl.cumsum(padded, 0)
@@ -276,14 +289,14 @@ def dispatch_kernel(
         if SEND:
             if i < NC:
                 _send_chunk(i, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, T, BT, epoch, par,
-                            off_dflag, off_meta_i, off_meta_w, off_rows, RANK, N, M, K, E, EL, H, NB, RB, CMAX,
+                            off_dflag, off_meta_i, off_meta_w, off_rows, RANK, NODE0, N, M, K, E, EL, H, NB, RB, CMAX,
                             FP8, PREQ, DIRECT, BLOCK_T, BLOCK_K, BLOCK_C, BLOCK_H, INTERP)
         if RECV:
             if ok != 0:
                 for s in range(N):
-                    _recv_chunk(s, i - LAG, ws, hdr, scratch_ptr + pid * BLOCK_EL, out_x_ptr, out_s_ptr,
+                    _recv_chunk(s, i - LAG, ws, hdr, sel_ptr, scratch_ptr + pid * BLOCK_EL, out_x_ptr, out_s_ptr,
                                 recv_pos_ptr, err_ptr, epoch, par, t0_ns, timeout_ns, off_dflag, off_meta_i,
-                                off_rows, N, M, K, W, H, NB, RB, HDR, CMAX, CAP, PACKED, FP8, BLOCK_T, BLOCK_K,
+                                off_rows, NODE0, EL, GLOBAL, N, M, K, W, H, NB, RB, HDR, CMAX, CAP, PACKED, FP8, BLOCK_T, BLOCK_K,
                                 BLOCK_W, BLOCK_NB, INTERP)
     if RECV:
         tl.store(state_ptr + pid, epoch)  # each program keeps its own epoch: no cross-program step

@@ -1,0 +1,107 @@
+"""The inter-node half of an ``EPBuffer`` (``group.node_size < world_size``): the proxy, its regions,
+and the kernels that pack rows for remote peers and unpack what arrived (docs/ARCHITECTURE.md §10).
+
+Node peers keep the store path (``kernels/dispatch.py``, ``kernels/combine.py``, with ``N`` the
+node's ranks); ranks of other nodes are reached through this rank's proxy. A dispatch of epoch
+``e`` is: the node send half; ``pack`` into the proxy's send buffer; the doorbell; the node flags
+and ``disp_ready >= e``; the count matrix (every source's selections of each local expert, from
+the round-1 headers); the node receive half (rows placed with the whole count matrix, so every
+source, of any node, keeps the order (source rank, token, k)); ``unpack`` of the remote rows. A
+combine: the node send half; ``combine_pack``; the doorbell; the node flags and ``comb_ready``;
+the node receive half into a float32 sum; ``combine_unpack`` adds the remote owners' rows and
+rounds once.
+
+So far the host drives the doorbells and ready words, which is what CPU ranks (the interpreter)
+need anyway; GPU kernels that ring and poll host-mapped words (so CUDA graphs keep working) come
+next, and ``EPBuffer`` refuses the inter-node path on GPUs until then.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import remote as R_
+from .errors import BufferBrokenError
+from .proxy.session import default_private_capacity, start_proxy
+
+
+class RemotePath:
+    """One rank's proxy, regions and device state for its peers on other nodes (``buf.remote``)."""
+
+    def __init__(self, buf, private_capacity: Optional[int], overflow_capacity: Optional[int]):
+        g, M, R, G = buf.group, buf.max_tokens, buf.world_size, buf.node_size
+        if private_capacity is None:
+            private_capacity = default_private_capacity(M, buf.topk, buf.num_experts, R)
+        private_capacity = min(private_capacity, M)
+        if overflow_capacity is None:
+            overflow_capacity = (R - G) * (M - private_capacity)
+        self.spec = R_.RemoteSpec(rank=buf.rank, world=R, node_size=G, num_experts=buf.num_experts, topk=buf.topk,
+                                  hidden=buf.hidden, max_tokens=M, fp8=buf.fp8, private_capacity=private_capacity,
+                                  overflow_capacity=overflow_capacity, layout=buf.layout,
+                                  expert_alignment=buf.expert_alignment)
+        self.state = R_.RemoteState(self.spec, buf.device)
+        kw = {k: v for k, v in self.spec.proxy_kwargs().items() if k != "node_size"}
+        self.proxy = start_proxy(g, timeout_s=buf.timeout_s, **kw)
+        # The proxy owns its regions (numpy arrays); the kernels see the same memory as tensors.
+        self.regions = {n: torch.from_numpy(getattr(self.proxy, n)) for n in R_.REGIONS}
+        self.timeout_s = buf.timeout_s
+        self.programs = buf.num_programs
+        self.combined = -1  # serial of the last dispatch combined (the proxy serves one combine each)
+
+    # ------------------------------------------------------------------ dispatch
+    def send(self, buf, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+             x_scales: Optional[torch.Tensor], epoch: int) -> None:
+        """Packs this rank's rows for remote peers and rings the dispatch doorbell of ``epoch``."""
+        self.state.epoch.fill_(epoch)
+        R_.pack(self.spec, self.state, x, topk_idx, topk_weights, self.regions["disp_send"], x_scales=x_scales,
+                num_programs=self.programs, num_warps=buf.num_warps)
+        self.proxy.ring("dispatch", epoch)
+
+    def wait(self, buf, phase: str, epoch: int) -> None:
+        """Waits for the proxy's ready word; its errors (timeout naming the peer, lost peer,
+        capacity) break the buffer. The proxy's own deadline runs out first, so its error, which
+        names the peer, is the one raised."""
+        try:
+            self.proxy.wait_ready(phase, epoch, self.timeout_s + 5.0)
+        except Exception as exc:  # noqa: BLE001
+            buf._fail(exc)
+
+    def count_matrix(self) -> torch.Tensor:
+        """int32 [R, EL]: selections of each local expert from each source (after the dispatch wait)."""
+        R_.fill_count_matrix(self.spec, self.state, self.regions["round1"])
+        return self.state.sel
+
+    def recv(self, buf) -> None:
+        """Expands the remote sources' rows into the expert layout."""
+        R_.unpack(self.spec, self.state, self.regions["round1"], self.regions["overflow"], buf.expert_x,
+                  buf.expert_scales, buf.expert_counts, buf.expert_offsets, num_programs=self.programs,
+                  num_warps=buf.num_warps)
+
+    # ------------------------------------------------------------------ combine
+    def combine_send(self, buf, expert_y: torch.Tensor, serial: int, epoch: int) -> None:
+        """Pre-reduces the rows received from remote sources and rings the combine doorbell."""
+        if serial == self.combined:
+            raise ValueError("handle: already combined; over the inter-node path each dispatch is combined once "
+                             "(dispatch again for another combine)")
+        self.combined = serial
+        R_.combine_pack(self.spec, self.state, expert_y, self.regions["comb_send"], num_programs=self.programs,
+                        num_warps=buf.num_warps)
+        self.proxy.ring("combine", epoch)
+
+    def combine_recv(self, buf, topk_idx: torch.Tensor, base: torch.Tensor, out: torch.Tensor) -> None:
+        """``out = bf16(base + the remote owners' rows)``; base float32 [T, H] (the node owners' sum),
+        topk_idx [T, K] the dispatch's routing."""
+        R_.combine_unpack(self.spec, self.state, self.regions["comb_recv"], topk_idx, out, base=base,
+                          num_programs=self.programs, num_warps=buf.num_warps)
+
+    def check(self) -> None:
+        """Raises the error a remote kernel recorded (bad ids, rows beyond the send buffer)."""
+        code = int(self.state.err[0])
+        if code != 0:
+            raise BufferBrokenError(f"rank {self.spec.rank}: inter-node kernel error record "
+                                    f"{[int(v) for v in self.state.err[:5]]}")
+
+    def close(self) -> None:
+        self.proxy.close()
+        self.proxy.engine.close()
