@@ -173,7 +173,7 @@ def test_console_script_entry():
 
 
 def test_node_size_below_ep_size_is_reported_not_fatal(tmp_path):
-    """--node-size 1 on 2 ranks asks for moe_ep's inter-node path: it runs, or says why it cannot."""
+    """--node-size 1 on 2 ranks asks for moe_ep's inter-node path: on CPU ranks it runs (proxy + TCP)."""
     out = tmp_path / "ns.json"
     env = dict(os.environ, TRITON_INTERPRET="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "bench",
@@ -183,9 +183,7 @@ def test_node_size_below_ep_size_is_reported_not_fatal(tmp_path):
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     (entry, *_) = json.loads(out.read_text())["results"]
-    assert entry["status"] in ("ok", "not available"), entry
-    if entry["status"] == "not available":
-        assert "node_size" in entry["reason"]
+    assert entry["status"] == "ok", entry
 
 
 def test_routing_is_seeded_skewed_and_has_holes():
