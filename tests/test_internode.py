@@ -18,13 +18,15 @@ import torch
 import dist_util
 from ep_cases import DTYPES, Case, make_inputs, run_calls
 
-# (ranks, node size, private capacity, cases): together every dtype, layout, alignment and
-# routing kind reaches every topology, and round 2 runs with and without round-1 rows.
+# (ranks, node size, private capacity, faults): together every dtype, layout, alignment and
+# routing kind reaches every topology, round 2 runs with and without round-1 rows, and two
+# topologies run with delay and reorder injection on every connection (writes sharded over the
+# TCP streams, so they land out of order).
 TOPOLOGIES = {
-    "2x2-pc0": (4, 2, 0),
-    "4x1-pc1": (4, 1, 1),
-    "3x1-default": (3, 1, None),
-    "2x1-pc1": (2, 1, 1),
+    "2x2-pc0-faults": (4, 2, 0, True),
+    "4x1-pc1-faults": (4, 1, 1, True),
+    "3x1-default": (3, 1, None, False),
+    "2x1-pc1": (2, 1, 1, False),
 }
 
 
@@ -39,7 +41,7 @@ def _cases(R: int, i: int):
     ]
 
 
-def _matrix_worker(rank, world_size, node_size, private_capacity, cases):
+def _matrix_worker(rank, world_size, node_size, private_capacity, faults, cases):
     import moe_ep
 
     group = moe_ep.EPGroup(node_size=node_size)
@@ -49,15 +51,18 @@ def _matrix_worker(rank, world_size, node_size, private_capacity, cases):
                              expert_alignment=c.align, timeout_s=30.0, private_capacity=private_capacity) as buf:
             if buf.remote is None:
                 return [f"rank {rank}: node_size={node_size} of {world_size} did not take the inter-node path"]
+            if faults:
+                buf.remote.proxy.engine.set_min_shard_bytes(1)
+                buf.remote.proxy.engine.set_fault(delay_us=300, reorder=True)
             fails += run_calls(group, buf, c)
     return fails
 
 
 @pytest.mark.parametrize("topo", list(TOPOLOGIES))
 def test_matrix_across_nodes(topo):
-    R, G, pc = TOPOLOGIES[topo]
+    R, G, pc, faults = TOPOLOGIES[topo]
     i = list(TOPOLOGIES).index(topo)
-    results = dist_util.run(R, _matrix_worker, G, pc, _cases(R, i), timeout=600)
+    results = dist_util.run(R, _matrix_worker, G, pc, faults, _cases(R, i), timeout=600)
     fails = [f for r in results for f in r]
     assert not fails, f"{len(fails)} failed checks:\n" + "\n".join(fails[:30])
 
