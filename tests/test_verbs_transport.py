@@ -488,6 +488,171 @@ def test_verbs_late_peer_and_cut():
         b.close()
 
 
+# ---------------------------------------------------------------- interop with pyverbs
+
+def _ep_fields(ep: str) -> dict:
+    return dict(f.split("=", 1) for f in ep.split(";")[1:])
+
+
+@rdma_test
+def test_verbs_interop_with_pyverbs_peer():
+    """An independent verbs client (pyverbs, rdma-core's own bindings) as rank 1: it answers our
+    hello, writes with immediates into memory our engine registered (counted by our
+    ImmCounter), and receives our writes with immediates on its own queue pair."""
+    pv = pytest.importorskip("pyverbs.device", reason="pyverbs (python3-pyverbs) not importable")
+    import ipaddress
+    import socket
+
+    import pyverbs.enums as E
+    from pyverbs.addr import GID, AHAttr, GlobalRoute
+    from pyverbs.cq import CQ
+    from pyverbs.mr import MR
+    from pyverbs.pd import PD
+    from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
+    from pyverbs.wr import SGE, RecvWR, SendWR
+
+    e = N.VerbsTransport(0, 2)
+    src, dst = np.zeros(1 << 16, np.uint8), np.zeros(1 << 16, np.uint8)
+    ks, kd = e.register(src), e.register(dst)
+    mine = _ep_fields(e.endpoint)
+    dev, port, gidx = WHY.split()[1], 1, int(WHY.split("GID index ")[1].split()[0])
+    ctx = pv.Context(name=dev)
+    pd = PD(ctx)
+    cq = CQ(ctx, 256)
+    qp = QP(pd, QPInitAttr(qp_type=E.IBV_QPT_RC, scq=cq, rcq=cq,
+                           cap=QPCap(max_send_wr=64, max_recv_wr=64, max_send_sge=1, max_recv_sge=1)))
+    size = 1 << 16
+    mr = MR(pd, size, E.IBV_ACCESS_LOCAL_WRITE | E.IBV_ACCESS_REMOTE_WRITE)
+    my_gid = ctx.query_gid(port, gidx)
+    psn = 4242
+    theirs = (f"verbs1;rank=1;world=2;dev={dev};port={port};lid=0;gid={ipaddress.IPv6Address(str(my_gid)).packed.hex()};"
+              f"mtu={ctx.query_port(port).active_mtu};psn={psn};qpn={qp.qp_num},0;mr={mr.buf}:{size}:{mr.rkey}")
+    try:
+        attr = QPAttr(port_num=port)
+        attr.dest_qp_num = int(mine["qpn"].split(",")[1])
+        attr.path_mtu = min(int(mine["mtu"]), ctx.query_port(port).active_mtu)
+        attr.max_dest_rd_atomic = 1
+        attr.min_rnr_timer = 12
+        attr.rq_psn = int(mine["psn"])
+        attr.sq_psn = psn
+        attr.timeout, attr.retry_cnt, attr.rnr_retry = 14, 6, 7
+        attr.qp_access_flags = E.IBV_ACCESS_LOCAL_WRITE | E.IBV_ACCESS_REMOTE_WRITE
+        g = mine["gid"]
+        attr.ah_attr = AHAttr(port_num=port, is_global=1, dlid=0,
+                              gr=GlobalRoute(dgid=GID(":".join(g[i:i + 4] for i in range(0, 32, 4))), sgid_index=gidx))
+        qp.to_init(attr)
+        for _ in range(8):
+            qp.post_recv(RecvWR(wr_id=1, num_sge=1, sg=[SGE(mr.buf + size - 64, 64, mr.lkey)]))  # pyverbs wants an SGE
+        qp.to_rts(attr)
+        errs: list = []
+        t = threading.Thread(target=lambda: _catch(lambda: e.connect([e.endpoint, theirs], 60), errs))
+        t.start()
+        time.sleep(0.3)  # our queue pair reaches RTR first (else this hello is retried)
+        qp.post_send(SendWR(wr_id=7, opcode=E.IBV_WR_SEND, num_sge=1, sg=[SGE(mr.buf, 0, mr.lkey)],
+                            send_flags=E.IBV_SEND_SIGNALED))  # its hello: a zero-byte SEND
+
+        def wait_wcs(n, timeout=60):
+            got, deadline = [], time.monotonic() + timeout
+            while len(got) < n and time.monotonic() < deadline:
+                k, wcs = cq.poll(n - len(got))
+                got += wcs[:k] if k > 0 else []
+                time.sleep(0.001)
+            assert len(got) == n, f"pyverbs peer: {len(got)} of {n} completions"
+            assert all(w.status == E.IBV_WC_SUCCESS for w in got), [w.status for w in got]
+            return got
+
+        wcs = wait_wcs(2)  # its hello sent, ours received
+        assert sorted(w.opcode for w in wcs) == sorted([E.IBV_WC_SEND, E.IBV_WC_RECV])
+        t.join(60)
+        assert not errs and not t.is_alive(), errs
+        # pyverbs -> our engine: 5 writes with immediates (network byte order on the wire)
+        payload = bytes(range(256)) * 16
+        mr.write(payload, len(payload))
+        for i in range(5):
+            wr = SendWR(wr_id=10 + i, opcode=E.IBV_WR_RDMA_WRITE_WITH_IMM, num_sge=1,
+                        sg=[SGE(mr.buf + i * 512, 512, mr.lkey)], send_flags=E.IBV_SEND_SIGNALED,
+                        imm_data=socket.htonl(0x4000 + i % 2))
+            wr.set_wr_rdma(int(mine["mr"].split(",")[kd - 1].split(":")[2]),
+                           int(mine["mr"].split(",")[kd - 1].split(":")[0]) + i * 512)
+            qp.post_send(wr)
+        wait_wcs(5)
+        e.imm.wait(0x4000, 3, 30)
+        e.imm.wait(0x4001, 2, 30)
+        assert bytes(dst[:2560]) == payload[:2560] and not dst[2560:].any()
+        # our engine -> pyverbs: a write with an immediate lands in its MR and its receive
+        src[:1000] = 9
+        e.post_write(1, ks, 0, 1, 100, 1000, imm=0x1234)
+        e.wait_completions(1, 30)
+        (w,) = wait_wcs(1)
+        assert w.opcode == E.IBV_WC_RECV_RDMA_WITH_IMM and socket.ntohl(w.imm_data) == 0x1234
+        assert mr.read(1000, 100) == b"\x09" * 1000
+    finally:
+        e.close()
+        for o in (qp, mr, cq, pd, ctx):
+            o.close()
+
+
+# ---------------------------------------------------------------- the §10 proxy over verbs
+
+def _rows(e, s, p, n, rb=32):
+    v = (np.arange(n * rb, dtype=np.int64) * 7 + 1000 * e + 100 * s + 10 * p) % 251
+    return v.astype(np.uint8).reshape(n, rb)
+
+
+@rdma_test
+@pytest.mark.parametrize("cap", [2, 0])
+def test_verbs_proxy_dispatch_combine_two_nodes(cap):
+    """Two ranks as two nodes in one process, each with its §10 proxy on a verbs engine: three
+    epochs of dispatch (round 1, and round 2 for rows over the private capacity) and combine,
+    every header and row checked where §10 puts it."""
+    R, RB, CRB, EL = 2, 32, 16, 2
+    engines = [N.VerbsTransport(r, R) for r in range(R)]
+    pxs = [N.Proxy(e, node_size=1, num_local_experts=EL, row_bytes=RB, comb_row_bytes=CRB, private_capacity=cap,
+                   overflow_capacity=R * 8, max_send_rows=R * 8, timeout_s=60) for e in engines]
+    try:
+        _connect_all(engines)
+        for px in pxs:
+            px.start()
+        HDR = pxs[0].hdr_bytes
+        rng = np.random.default_rng(3)
+        for e in range(1, 4):
+            C = rng.integers(0, 6, size=(R, R))
+            np.fill_diagonal(C, 0)
+            for r, px in enumerate(pxs):
+                for p, off in px.disp_offsets(C[r]).items():
+                    hdr = px.disp_send[off:off + HDR].view(np.int32)
+                    hdr[:R], hdr[R:R + EL] = C[r], e
+                    n = int(C[r, p])
+                    px.disp_send[off + HDR:off + HDR + n * RB] = _rows(e, r, p, n).reshape(-1)
+                px.ring("dispatch", e)
+            for px in pxs:
+                px.wait_ready("dispatch", e, 60)
+            for r, px in enumerate(pxs):
+                s = 1 - r
+                base = px.round1_offset(e, s)
+                hdr = px.round1[base:base + HDR].view(np.int32)
+                assert hdr[:R].tolist() == C[s].tolist() and hdr[R:R + EL].tolist() == [e] * EL
+                c = int(C[s, r])
+                n1 = min(c, cap)
+                o = px.overflow_offset(e)  # the only remote source: overflow rows from offset 0
+                rows = np.concatenate([px.round1[base + HDR:base + HDR + n1 * RB].reshape(n1, RB),
+                                       px.overflow[o:o + (c - n1) * RB].reshape(c - n1, RB)])
+                assert np.array_equal(rows, _rows(e, s, r, c)), (e, s, r)
+                px.comb_send[:c * CRB] = rows[:, :CRB].reshape(-1)
+                px.ring("combine", e)
+            for r, px in enumerate(pxs):
+                px.wait_ready("combine", e, 60)
+                c, o = int(C[r, 1 - r]), px.comb_recv_offset(e)
+                got = px.comb_recv[o:o + c * CRB].reshape(c, CRB)
+                assert np.array_equal(got, _rows(e, r, 1 - r, c)[:, :CRB]), (e, r)
+        assert [px.phases_done for px in pxs] == [6, 6]
+    finally:
+        for px in pxs:
+            px.close()
+        for e in engines:
+            e.close()
+
+
 # ---------------------------------------------------------------- two processes
 
 def _worker(rank: int) -> None:

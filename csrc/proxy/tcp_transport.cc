@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "transport.h"
+#include "transport_common.h"
 
 namespace moe_ep {
 namespace {
@@ -73,9 +74,7 @@ static_assert(sizeof(WireHello) == 16, "wire format");
 
 using Clock = std::chrono::steady_clock;
 
-int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
-}
+int64_t now_ns() { return steady_now_ns(); }
 
 std::string errno_str(int e) { return std::string(strerror(e)); }
 
@@ -168,13 +167,6 @@ struct Peer {
   std::unordered_map<uint64_t, Partial> partial;  // I/O thread: writes with shards still to land
 };
 
-struct Pending {
-  int peer;
-  uint32_t remaining;
-  int32_t status;
-  int64_t posted_ns;
-};
-
 constexpr size_t kInBuf = 64 << 10, kAckBuf = 4 << 10, kDirectRecv = 8 << 10;
 
 class TcpTransport final : public Transport {
@@ -252,17 +244,12 @@ class TcpTransport final : public Transport {
 
   int register_memory(void* ptr, uint64_t len, uint32_t* key) override {
     if (ptr == nullptr && len > 0) return set_error(kErrInvalid, prefix() + "register: null pointer");
-    std::lock_guard<std::mutex> lk(reg_mu_);
-    regions_.push_back(Region{static_cast<char*>(ptr), len});
-    *key = uint32_t(regions_.size());
+    *key = regions_.add(Region{static_cast<char*>(ptr), len});
     return kOk;
   }
 
   int connect(const std::vector<std::string>& endpoints, int64_t timeout_ns) override {
-    if (connected_) return set_error(kErrInvalid, prefix() + "connect: already connected");
-    if (int(endpoints.size()) != world_)
-      return set_error(kErrInvalid, prefix() + "connect: got " + std::to_string(endpoints.size()) +
-                                        " endpoints for world size " + std::to_string(world_));
+    if (int rc = check_connect(rank_, world_, connected_, endpoints.size()); rc != kOk) return rc;
     const int64_t deadline = now_ns() + timeout_ns;
     for (int p = 0; p < world_; ++p) {
       if (p == rank_) continue;
@@ -292,14 +279,8 @@ class TcpTransport final : public Transport {
 
   int post_write(int peer, uint32_t local_key, uint64_t local_off, uint32_t remote_key, uint64_t remote_off,
                  uint64_t len, bool has_imm, uint32_t imm, uint64_t* wr_id) override {
-    if (peer < 0 || peer >= world_ || peer == rank_)
-      return set_error(kErrInvalid, prefix() + "post_write: bad peer " + std::to_string(peer));
-    if (!connected_) return set_error(kErrInvalid, prefix() + "post_write: not connected");
     Region r;
-    if (!lookup(local_key, local_off, len, &r))
-      return set_error(kErrInvalid, prefix() + "post_write to peer " + std::to_string(peer) + ": local key " +
-                                        std::to_string(local_key) + " offset " + std::to_string(local_off) + " length " +
-                                        std::to_string(len) + " is not inside a registered region");
+    if (int rc = check_post(rank_, world_, connected_, regions_, peer, local_key, local_off, len, &r); rc != kOk) return rc;
     const char* src = r.ptr + local_off;
     Peer& pr = *peers_[peer];
     const uint64_t wr = next_wr_++;
@@ -313,15 +294,7 @@ class TcpTransport final : public Transport {
     // writes still go to different streams, so they stay unordered).
     const uint64_t ms = std::max<uint64_t>(min_shard_.load(), 1);
     const uint32_t nshards = uint32_t(std::min<uint64_t>(uint64_t(nstreams_), std::max<uint64_t>((len + ms - 1) / ms, 1)));
-    {
-      std::lock_guard<std::mutex> lk(cq_mu_);
-      if (pr.lost) {
-        cq_.push_back(Completion{wr, peer, kCqPeerLost});
-        cq_cv_.notify_all();
-        return kOk;
-      }
-      pending_[wr] = Pending{peer, nshards, kCqOk, now_ns()};
-    }
+    if (cq_.add(wr, peer, nshards, pr.lost) == 0) return kOk;  // lost: completed as such
     static thread_local std::mt19937_64 rng{std::random_device{}()};
     const bool reorder = reorder_.load();
     const uint32_t start = pr.next_stream.fetch_add(nshards);
@@ -344,24 +317,7 @@ class TcpTransport final : public Transport {
   }
 
   int poll(Completion* out, int max, int64_t timeout_ns) override {
-    if (max <= 0) return 0;
-    const int64_t deadline = now_ns() + std::max<int64_t>(timeout_ns, 0);
-    for (;;) {
-      check_op_timeouts();
-      std::unique_lock<std::mutex> lk(cq_mu_);
-      if (!cq_.empty()) {
-        int n = 0;
-        while (n < max && !cq_.empty()) {
-          out[n++] = cq_.front();
-          cq_.pop_front();
-        }
-        return n;
-      }
-      const int64_t now = now_ns();
-      if (now >= deadline) return 0;
-      const int64_t slice = std::min<int64_t>(deadline - now, 10'000'000);  // re-check op timeouts
-      cq_cv_.wait_for(lk, std::chrono::nanoseconds(slice));
-    }
+    return cq_.poll(out, max, timeout_ns, [this] { check_op_timeouts(); });
   }
 
   void set_fault(const FaultConfig& f) override {
@@ -374,14 +330,7 @@ class TcpTransport final : public Transport {
   void set_op_timeout(int64_t ns) override { op_timeout_ns_ = ns; }
   void set_min_shard_bytes(uint64_t n) override { min_shard_ = std::max<uint64_t>(n, 1); }
 
-  int64_t cpu_ns() override {
-    clockid_t cid;
-    timespec ts{};
-    if (!io_thread_.joinable() || pthread_getcpuclockid(io_thread_.native_handle(), &cid) != 0 ||
-        clock_gettime(cid, &ts) != 0)
-      return -1;
-    return int64_t(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
-  }
+  int64_t cpu_ns() override { return thread_cpu_ns(io_thread_); }
 
   std::string peer_error(int peer) override {
     if (peer < 0 || peer >= world_) return "";
@@ -391,15 +340,6 @@ class TcpTransport final : public Transport {
 
  private:
   std::string prefix() const { return "rank " + std::to_string(rank_) + ": "; }
-
-  bool lookup(uint32_t key, uint64_t off, uint64_t len, Region* out) {
-    std::lock_guard<std::mutex> lk(reg_mu_);
-    if (key == 0 || key > regions_.size()) return false;
-    const Region& r = regions_[key - 1];
-    if (off > r.len || len > r.len - off) return false;
-    *out = r;
-    return true;
-  }
 
   int dial(int p, const std::string& ep, int64_t deadline, int* out_fd) {
     const auto colon = ep.rfind(':');
@@ -501,42 +441,12 @@ class TcpTransport final : public Transport {
       std::lock_guard<std::mutex> lk(c->mu);
       c->q.clear();
     }
-    {
-      std::lock_guard<std::mutex> lk(cq_mu_);
-      for (auto it = pending_.begin(); it != pending_.end();) {
-        if (it->second.peer == p) {
-          cq_.push_back(Completion{it->first, p, status});
-          it = pending_.erase(it);
-        } else {
-          ++it;
-        }
-      }
-    }
-    cq_cv_.notify_all();
+    cq_.fail_peer(p, status);
     imm_.fail(msg);
   }
 
   void check_op_timeouts() {
-    const int64_t now = now_ns();
-    if (now - last_timeout_check_ns_.load() < 1'000'000) return;
-    last_timeout_check_ns_ = now;
-    const int64_t limit = op_timeout_ns_.load();
-    std::vector<std::pair<int, uint64_t>> late;
-    {
-      std::lock_guard<std::mutex> lk(cq_mu_);
-      for (auto it = pending_.begin(); it != pending_.end();) {
-        if (now - it->second.posted_ns > limit) {
-          late.emplace_back(it->second.peer, it->first);
-          cq_.push_back(Completion{it->first, it->second.peer, kCqTimeout});
-          it = pending_.erase(it);
-        } else {
-          ++it;
-        }
-      }
-    }
-    for (auto& [p, wr] : late)
-      lose_peer(p, "write " + std::to_string(wr) + " not acknowledged within " + std::to_string(double(limit) / 1e9) + " s",
-                kCqTimeout);
+    cq_.expire(op_timeout_ns_.load(), [this](int p, const std::string& why) { lose_peer(p, why, kCqTimeout); });
   }
 
   // ---- the I/O thread: every socket of the engine, one epoll loop ----
@@ -676,7 +586,7 @@ class TcpTransport final : public Transport {
         if (w.magic != kMagicWrite || w.nshards == 0 || w.shard >= w.nshards)
           return fail(c, "protocol error (bad write header)"), false;
         Region reg;
-        c->ok = lookup(w.rkey, w.roff, w.len, &reg);
+        c->ok = regions_.lookup(w.rkey, w.roff, w.len, &reg);
         c->dst = c->ok ? reg.ptr + w.roff : nullptr;  // rejected: drained, acknowledged with an error
         c->left = w.len;
         c->st = Conn::kPayload;
@@ -725,23 +635,15 @@ class TcpTransport final : public Transport {
     const size_t n = (c->rend - c->rpos) / sizeof(WireAck);
     if (n == 0) return true;
     bool notify = false;
-    {
-      std::lock_guard<std::mutex> lk(cq_mu_);
-      for (size_t i = 0; i < n; ++i) {
-        WireAck a;
-        std::memcpy(&a, c->rbuf.data() + c->rpos + i * sizeof(WireAck), sizeof(a));
-        auto it = pending_.find(a.wr_id);
-        if (it == pending_.end()) continue;  // already failed
-        if (a.status != 0) it->second.status = kCqRemoteAccess;
-        if (--it->second.remaining == 0) {
-          cq_.push_back(Completion{a.wr_id, c->peer, it->second.status});
-          pending_.erase(it);
-          notify = true;
-        }
-      }
+    for (size_t i = 0; i < n; ++i) {
+      WireAck a;
+      std::memcpy(&a, c->rbuf.data() + c->rpos + i * sizeof(WireAck), sizeof(a));
+      bool completed = false;
+      cq_.finish(a.wr_id, a.status != 0 ? kCqRemoteAccess : kCqOk, &completed);  // not pending: already failed
+      notify |= completed;
     }
     c->rpos += n * sizeof(WireAck);
-    if (notify) cq_cv_.notify_all();
+    if (notify) cq_.notify();
     return true;
   }
 
@@ -827,13 +729,9 @@ class TcpTransport final : public Transport {
   std::string endpoint_;
   std::vector<std::unique_ptr<Peer>> peers_;
   std::vector<std::unique_ptr<Conn>> in_;  // I/O thread: accepted connections
-  std::mutex reg_mu_;
-  std::vector<Region> regions_;
+  RegionTable<Region> regions_;
   ImmCounter imm_;
-  std::mutex cq_mu_;
-  std::condition_variable cq_cv_;
-  std::deque<Completion> cq_;
-  std::unordered_map<uint64_t, Pending> pending_;
+  CompletionQueue cq_;
   std::atomic<uint64_t> next_wr_{1};
   std::atomic<int64_t> delay_us_{0};
   std::atomic<bool> reorder_{false};
@@ -841,7 +739,6 @@ class TcpTransport final : public Transport {
   std::atomic<int64_t> cut_after_{0};
   std::atomic<int64_t> op_timeout_ns_{30'000'000'000LL};
   std::atomic<uint64_t> min_shard_{kDefaultMinShardBytes};
-  std::atomic<int64_t> last_timeout_check_ns_{0};
   std::atomic<bool> stop_{false};
   std::atomic<bool> connected_{false};
   std::atomic<bool> wake_pending_{false};
@@ -854,8 +751,7 @@ class TcpTransport final : public Transport {
 }  // namespace
 
 Transport* create_tcp_transport(int rank, int world, int streams, const std::string& bind_host) {
-  if (world < 1 || rank < 0 || rank >= world)
-    return set_error(kErrInvalid, "rank " + std::to_string(rank) + ": bad rank for world size " + std::to_string(world)), nullptr;
+  if (bad_rank(rank, world)) return nullptr;
   if (streams < 1 || streams > 256)
     return set_error(kErrInvalid, "rank " + std::to_string(rank) + ": streams must be 1..256, got " + std::to_string(streams)), nullptr;
   auto* t = new TcpTransport(rank, world, streams);

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "transport.h"
+#include "transport_common.h"
 #include "verbs_abi.h"
 
 namespace moe_ep {
@@ -92,10 +93,7 @@ const Api* load_verbs(std::string* why) {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
-}
+int64_t now_ns() { return steady_now_ns(); }
 
 int env_int(const char* name, int dflt) {
   const char* v = std::getenv(name);
@@ -281,14 +279,8 @@ struct Peer {
   std::atomic<int> hello_status{-1};    // own hello: -1 pending, else its wc status
   std::atomic<uint32_t> hello_attempt{0};
   std::atomic<int64_t> writes_posted{0};
-  int outstanding = 0;  // under cq_mu_: signaled sends not yet completed
   std::mutex mu;        // guards err
   std::string err;
-};
-
-struct Pending {
-  int peer;
-  int64_t posted_ns;
 };
 
 class VerbsTransport final : public Transport {
@@ -347,7 +339,7 @@ class VerbsTransport final : public Transport {
       v_.destroy_cq(ibcq_);
     }
     if (ch_) v_.destroy_comp_channel(ch_);
-    for (auto& r : regions_)
+    for (auto& r : regions_.snapshot())
       if (r.mr) v_.dereg_mr(r.mr);
     if (pd_) v_.dealloc_pd(pd_);
     if (sel_.ctx) v_.close_device(sel_.ctx);
@@ -366,9 +358,7 @@ class VerbsTransport final : public Transport {
         return set_error(kErrSystem, prefix() + where_ + ": ibv_reg_mr of " + std::to_string(len) +
                                          " bytes failed: " + strerror(errno) + " (locked-memory limit? ulimit -l)");
     }
-    std::lock_guard<std::mutex> lk(reg_mu_);
-    regions_.push_back(r);
-    *key = uint32_t(regions_.size());
+    *key = regions_.add(r);
     return kOk;
   }
 
@@ -382,18 +372,15 @@ class VerbsTransport final : public Transport {
       << ";psn=" << psn_ << ";qpn=";
     for (int p = 0; p < world_; ++p) s << (p ? "," : "") << (peers_[p]->qp ? peers_[p]->qp->qp_num : 0);
     s << ";mr=";
-    std::lock_guard<std::mutex> lk(reg_mu_);
-    for (size_t i = 0; i < regions_.size(); ++i)
-      s << (i ? "," : "") << reinterpret_cast<uintptr_t>(regions_[i].ptr) << ":" << regions_[i].len << ":"
-        << (regions_[i].mr ? regions_[i].mr->rkey : 0);
+    const auto regs = regions_.snapshot();
+    for (size_t i = 0; i < regs.size(); ++i)
+      s << (i ? "," : "") << reinterpret_cast<uintptr_t>(regs[i].ptr) << ":" << regs[i].len << ":"
+        << (regs[i].mr ? regs[i].mr->rkey : 0);
     return s.str();
   }
 
   int connect(const std::vector<std::string>& endpoints, int64_t timeout_ns) override {
-    if (connected_) return set_error(kErrInvalid, prefix() + "connect: already connected");
-    if (int(endpoints.size()) != world_)
-      return set_error(kErrInvalid, prefix() + "connect: got " + std::to_string(endpoints.size()) +
-                                        " endpoints for world size " + std::to_string(world_));
+    if (int rc = check_connect(rank_, world_, connected_, endpoints.size()); rc != kOk) return rc;
     const int64_t deadline = now_ns() + timeout_ns;
     for (int p = 0; p < world_; ++p) {
       if (p == rank_) continue;
@@ -448,14 +435,8 @@ class VerbsTransport final : public Transport {
 
   int post_write(int peer, uint32_t local_key, uint64_t local_off, uint32_t remote_key, uint64_t remote_off,
                  uint64_t len, bool has_imm, uint32_t imm, uint64_t* wr_id) override {
-    if (peer < 0 || peer >= world_ || peer == rank_)
-      return set_error(kErrInvalid, prefix() + "post_write: bad peer " + std::to_string(peer));
-    if (!connected_) return set_error(kErrInvalid, prefix() + "post_write: not connected");
     Region r;
-    if (!lookup(local_key, local_off, len, &r))
-      return set_error(kErrInvalid, prefix() + "post_write to peer " + std::to_string(peer) + ": local key " +
-                                        std::to_string(local_key) + " offset " + std::to_string(local_off) + " length " +
-                                        std::to_string(len) + " is not inside a registered region");
+    if (int rc = check_post(rank_, world_, connected_, regions_, peer, local_key, local_off, len, &r); rc != kOk) return rc;
     if (len > 0xFFFFFFFFull)
       return set_error(kErrInvalid, prefix() + "post_write to peer " + std::to_string(peer) + ": " +
                                         std::to_string(len) + " bytes is more than one verbs write carries (4 GiB)");
@@ -472,22 +453,12 @@ class VerbsTransport final : public Transport {
         len > mrs[remote_key - 1].len - remote_off)
       return complete_now(wr, peer, kCqRemoteAccess);
     const RemoteRegion& rr = mrs[remote_key - 1];
-    {
-      std::unique_lock<std::mutex> lk(cq_mu_);
-      const int64_t deadline = now_ns() + op_timeout_ns_.load();
-      while (pr.outstanding >= depth_ && !pr.lost && now_ns() < deadline)  // send queue full: wait for completions
-        cq_cv_.wait_for(lk, std::chrono::milliseconds(10));
-      if (pr.lost) {
-        cq_.push_back(Completion{wr, peer, kCqPeerLost});
-        cq_cv_.notify_all();
-        return kOk;
-      }
-      if (pr.outstanding >= depth_)
-        return set_error(kErrTimeout, prefix() + "post_write to peer " + std::to_string(peer) + ": send queue (" +
-                                          std::to_string(depth_) + " writes) still full after the op timeout");
-      pending_[wr] = Pending{peer, now_ns()};
-      ++pr.outstanding;
-    }
+    // A full send queue (depth_ writes pending to this peer) waits for completions, up to the op timeout.
+    const int added = cq_.add(wr, peer, 1, pr.lost, depth_, now_ns() + op_timeout_ns_.load());
+    if (added == 0) return kOk;  // lost: completed as such
+    if (added < 0)
+      return set_error(kErrTimeout, prefix() + "post_write to peer " + std::to_string(peer) + ": send queue (" +
+                                        std::to_string(depth_) + " writes) still full after the op timeout");
     ibv::sge sg{reinterpret_cast<uint64_t>(r.ptr + local_off), uint32_t(len), r.mr ? r.mr->lkey : 0};
     ibv::send_wr w{};
     w.wr_id = wr;
@@ -500,10 +471,7 @@ class VerbsTransport final : public Transport {
     w.wr.rdma.rkey = rr.rkey;
     ibv::send_wr* bad = nullptr;
     if (int rc = pr.qp->ctx->ops.post_send(pr.qp, &w, &bad); rc != 0) {
-      {
-        std::lock_guard<std::mutex> lk(cq_mu_);
-        if (pending_.erase(wr)) --pr.outstanding;
-      }
+      cq_.remove(wr);
       const std::string why = "ibv_post_send failed: " + std::string(strerror(rc));
       lose_peer(peer, why);
       return set_error(kErrPeer, prefix() + "post_write to peer " + std::to_string(peer) + " (" + where_ + "): " + why);
@@ -512,23 +480,7 @@ class VerbsTransport final : public Transport {
   }
 
   int poll(Completion* out, int max, int64_t timeout_ns) override {
-    if (max <= 0) return 0;
-    const int64_t deadline = now_ns() + std::max<int64_t>(timeout_ns, 0);
-    for (;;) {
-      check_op_timeouts();
-      std::unique_lock<std::mutex> lk(cq_mu_);
-      if (!cq_.empty()) {
-        int n = 0;
-        while (n < max && !cq_.empty()) {
-          out[n++] = cq_.front();
-          cq_.pop_front();
-        }
-        return n;
-      }
-      const int64_t now = now_ns();
-      if (now >= deadline) return 0;
-      cq_cv_.wait_for(lk, std::chrono::nanoseconds(std::min<int64_t>(deadline - now, 10'000'000)));
-    }
+    return cq_.poll(out, max, timeout_ns, [this] { check_op_timeouts(); });
   }
 
   // Only the cut is implemented; delay and reorder have no meaning on a NIC's queue pair.
@@ -538,13 +490,7 @@ class VerbsTransport final : public Transport {
   }
   void set_op_timeout(int64_t ns) override { op_timeout_ns_ = ns; }
 
-  int64_t cpu_ns() override {
-    clockid_t cid;
-    timespec ts{};
-    if (!thr_.joinable() || pthread_getcpuclockid(thr_.native_handle(), &cid) != 0 || clock_gettime(cid, &ts) != 0)
-      return -1;
-    return int64_t(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
-  }
+  int64_t cpu_ns() override { return thread_cpu_ns(thr_); }
 
   std::string peer_error(int peer) override {
     if (peer < 0 || peer >= world_) return "";
@@ -571,19 +517,8 @@ class VerbsTransport final : public Transport {
     return where_ + ", QP " + std::to_string(q ? q->qp_num : 0) + " -> " + std::to_string(peers_[p]->remote.qpn.size() > size_t(rank_) ? peers_[p]->remote.qpn[rank_] : 0);
   }
 
-  bool lookup(uint32_t key, uint64_t off, uint64_t len, Region* out) {
-    std::lock_guard<std::mutex> lk(reg_mu_);
-    if (key == 0 || key > regions_.size()) return false;
-    const Region& r = regions_[key - 1];
-    if (off > r.len || len > r.len - off) return false;
-    *out = r;
-    return true;
-  }
-
   int complete_now(uint64_t wr, int peer, int32_t status) {
-    std::lock_guard<std::mutex> lk(cq_mu_);
-    cq_.push_back(Completion{wr, peer, peers_[peer]->lost ? int32_t(kCqPeerLost) : status});
-    cq_cv_.notify_all();
+    cq_.push(wr, peer, peers_[peer]->lost ? int32_t(kCqPeerLost) : status);
     return kOk;
   }
 
@@ -737,37 +672,13 @@ class VerbsTransport final : public Transport {
       a.qp_state = ibv::QPS_ERR;
       if (pr.qp) v_.modify_qp(pr.qp, &a, ibv::QP_STATE);
     }
-    {
-      std::lock_guard<std::mutex> lk(cq_mu_);
-      for (auto it = pending_.begin(); it != pending_.end();) {
-        if (it->second.peer == p) {
-          cq_.push_back(Completion{it->first, p, status});
-          it = pending_.erase(it);
-          --pr.outstanding;
-        } else {
-          ++it;
-        }
-      }
-    }
-    cq_cv_.notify_all();
+    cq_.fail_peer(p, status);
     conn_cv_.notify_all();
     imm_.fail(msg);
   }
 
   void check_op_timeouts() {
-    const int64_t now = now_ns();
-    if (now - last_timeout_check_ns_.load() < 1'000'000) return;
-    last_timeout_check_ns_ = now;
-    const int64_t limit = op_timeout_ns_.load();
-    std::vector<std::pair<int, uint64_t>> late;
-    {
-      std::lock_guard<std::mutex> lk(cq_mu_);
-      for (auto& [wr, pd] : pending_)
-        if (now - pd.posted_ns > limit) late.emplace_back(pd.peer, wr);
-    }
-    for (auto& [p, wr] : late)
-      lose_peer(p, "write " + std::to_string(wr) + " not acknowledged within " + std::to_string(double(limit) / 1e9) + " s",
-                kCqTimeout);
+    cq_.expire(op_timeout_ns_.load(), [this](int p, const std::string& why) { lose_peer(p, why, kCqTimeout); });
   }
 
   // ---- the completion thread: polls the CQ, sleeps on the completion channel when idle ----
@@ -849,22 +760,14 @@ class VerbsTransport final : public Transport {
       conn_cv_.notify_all();
       return;
     }
-    int peer = -1;
-    {
-      std::lock_guard<std::mutex> lk(cq_mu_);
-      auto it = pending_.find(w.wr_id);
-      if (it == pending_.end()) return;  // already failed (peer lost, op timeout)
-      peer = it->second.peer;
-      if (w.status == ibv::WC_SUCCESS) {
-        cq_.push_back(Completion{w.wr_id, peer, kCqOk});
-        pending_.erase(it);
-        --peers_[peer]->outstanding;
-      }
-    }
     if (w.status == ibv::WC_SUCCESS) {
-      cq_cv_.notify_all();
+      bool completed = false;
+      if (cq_.finish(w.wr_id, kCqOk, &completed) >= 0) cq_.notify();
       return;
     }
+    // Failed: the peer's error is recorded before any of its writes completes with an error.
+    const int peer = cq_.peer_of(w.wr_id);
+    if (peer < 0) return;  // already failed (peer lost, op timeout)
     lose_peer(peer, "write " + std::to_string(w.wr_id) + " failed: " + wc_error(w),
               w.status == ibv::WC_REM_ACCESS_ERR ? kCqRemoteAccess : kCqPeerLost);
   }
@@ -881,20 +784,15 @@ class VerbsTransport final : public Transport {
   unsigned events_unacked_ = 0;  // completion thread
   std::vector<std::unique_ptr<Peer>> peers_;
   std::mutex qp_mu_;  // modify/destroy of QPs
-  mutable std::mutex reg_mu_;
-  std::vector<Region> regions_;
+  RegionTable<Region> regions_;
   ImmCounter imm_;
-  std::mutex cq_mu_;
-  std::condition_variable cq_cv_;
-  std::deque<Completion> cq_;
-  std::unordered_map<uint64_t, Pending> pending_;
+  CompletionQueue cq_;
   std::mutex conn_mu_;
   std::condition_variable conn_cv_;
   std::atomic<uint64_t> next_wr_{1};
   std::atomic<int> cut_peer_{-1};
   std::atomic<int64_t> cut_after_{0};
   std::atomic<int64_t> op_timeout_ns_{30'000'000'000LL};
-  std::atomic<int64_t> last_timeout_check_ns_{0};
   std::atomic<bool> stop_{false};
   std::atomic<bool> connected_{false};
   std::thread thr_;
@@ -904,8 +802,7 @@ class VerbsTransport final : public Transport {
 
 Transport* create_verbs_transport(int rank, int world, const std::string& device, int port, int gid_index) {
   const std::string pre = "rank " + std::to_string(rank) + ": ";
-  if (world < 1 || rank < 0 || rank >= world)
-    return set_error(kErrInvalid, pre + "bad rank for world size " + std::to_string(world)), nullptr;
+  if (bad_rank(rank, world)) return nullptr;
   if (world > (1 << 20)) return set_error(kErrInvalid, pre + "verbs: world size too large"), nullptr;
   std::string why;
   const ibv::Api* v = ibv::load_verbs(&why);

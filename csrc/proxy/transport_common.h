@@ -1,0 +1,236 @@
+// Pieces every transport shares: the table of registered regions (keys in registration order),
+// the completion queue of posted writes (pending writes, op timeouts, poll), a thread's CPU
+// clock, the messages of local argument errors.
+#pragma once
+
+#include <pthread.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <ctime>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "transport.h"
+
+namespace moe_ep {
+
+inline int64_t steady_now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// CPU ns a running thread has used (-1 when it cannot tell).
+inline int64_t thread_cpu_ns(std::thread& t) {
+  clockid_t cid;
+  timespec ts{};
+  if (!t.joinable() || pthread_getcpuclockid(t.native_handle(), &cid) != 0 || clock_gettime(cid, &ts) != 0) return -1;
+  return int64_t(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
+}
+
+// False when (rank, world) is valid; else true, with the thread's error set.
+inline bool bad_rank(int rank, int world) {
+  if (world >= 1 && rank >= 0 && rank < world) return false;
+  set_error(kErrInvalid, "rank " + std::to_string(rank) + ": bad rank for world size " + std::to_string(world));
+  return true;
+}
+
+// Registered regions; key k (1, 2, ...) is the k-th registration.
+template <class Region>
+class RegionTable {
+ public:
+  uint32_t add(const Region& r) {
+    std::lock_guard<std::mutex> lk(mu_);
+    v_.push_back(r);
+    return uint32_t(v_.size());
+  }
+  // The region of `key` when [off, off + len) lies inside it.
+  bool lookup(uint32_t key, uint64_t off, uint64_t len, Region* out) const {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (key == 0 || key > v_.size()) return false;
+    const Region& r = v_[key - 1];
+    if (off > r.len || len > r.len - off) return false;
+    *out = r;
+    return true;
+  }
+  std::vector<Region> snapshot() const {
+    std::lock_guard<std::mutex> lk(mu_);
+    return v_;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::vector<Region> v_;
+};
+
+// The checks every connect() starts with (kOk, or the error code with the thread's error set).
+inline int check_connect(int rank, int world, bool connected, size_t n_endpoints) {
+  const std::string pre = "rank " + std::to_string(rank) + ": connect: ";
+  if (connected) return set_error(kErrInvalid, pre + "already connected");
+  if (int(n_endpoints) != world)
+    return set_error(kErrInvalid, pre + "got " + std::to_string(n_endpoints) + " endpoints for world size " +
+                                      std::to_string(world));
+  return kOk;
+}
+
+// The checks every post_write() starts with: a peer other than this rank, connected, the local
+// range inside a registered region (returned in *out).
+template <class Region>
+int check_post(int rank, int world, bool connected, const RegionTable<Region>& regions, int peer, uint32_t key,
+               uint64_t off, uint64_t len, Region* out) {
+  const std::string pre = "rank " + std::to_string(rank) + ": post_write";
+  if (peer < 0 || peer >= world || peer == rank) return set_error(kErrInvalid, pre + ": bad peer " + std::to_string(peer));
+  if (!connected) return set_error(kErrInvalid, pre + ": not connected");
+  if (!regions.lookup(key, off, len, out))
+    return set_error(kErrInvalid, pre + " to peer " + std::to_string(peer) + ": local key " + std::to_string(key) +
+                                      " offset " + std::to_string(off) + " length " + std::to_string(len) +
+                                      " is not inside a registered region");
+  return kOk;
+}
+
+// Posted writes until their completion, and the completions poll() hands out. A write may have
+// several parts (shards); it completes when all have, with the first error status of any.
+class CompletionQueue {
+ public:
+  // Adds a pending write unless `lost` (then it completes at once with kCqPeerLost): checked
+  // under the queue's lock, so a concurrent fail_peer() either sees this write or this call
+  // sees `lost`. max_per_peer > 0: first waits (until deadline_ns) while the peer has that many
+  // pending. Returns 1 added, 0 completed as lost, -1 still full at the deadline.
+  int add(uint64_t wr, int peer, uint32_t parts, const std::atomic<bool>& lost, int max_per_peer = 0,
+          int64_t deadline_ns = 0) {
+    std::unique_lock<std::mutex> lk(mu_);
+    if (max_per_peer > 0)
+      while (per_peer(peer) >= max_per_peer && !lost && steady_now_ns() < deadline_ns)
+        cv_.wait_for(lk, std::chrono::milliseconds(10));
+    if (lost) {
+      done_.push_back(Completion{wr, peer, kCqPeerLost});
+      cv_.notify_all();
+      return 0;
+    }
+    if (max_per_peer > 0 && per_peer(peer) >= max_per_peer) return -1;
+    pending_[wr] = Pending{peer, parts, kCqOk, steady_now_ns()};
+    ++per_peer(peer);
+    return 1;
+  }
+  // Forgets a pending write that was never sent.
+  void remove(uint64_t wr) {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = pending_.find(wr);
+    if (it == pending_.end()) return;
+    --per_peer(it->second.peer);
+    pending_.erase(it);
+  }
+  // The peer of a pending write (-1: not pending).
+  int peer_of(uint64_t wr) {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = pending_.find(wr);
+    return it == pending_.end() ? -1 : it->second.peer;
+  }
+  // One part of `wr` finished with `status`. Returns the peer, or -1 when the write is not pending
+  // (already failed). *completed: this was its last part. Call notify() after a batch.
+  int finish(uint64_t wr, int32_t status, bool* completed) {
+    std::lock_guard<std::mutex> lk(mu_);
+    *completed = false;
+    auto it = pending_.find(wr);
+    if (it == pending_.end()) return -1;
+    Pending& p = it->second;
+    const int peer = p.peer;
+    if (status != kCqOk && p.status == kCqOk) p.status = status;
+    if (--p.parts == 0) {
+      done_.push_back(Completion{wr, peer, p.status});
+      --per_peer(peer);
+      pending_.erase(it);
+      *completed = true;
+    }
+    return peer;
+  }
+  void push(uint64_t wr, int peer, int32_t status) {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      done_.push_back(Completion{wr, peer, status});
+    }
+    cv_.notify_all();
+  }
+  void notify() { cv_.notify_all(); }
+  // Completes every pending write of `peer` with `status`.
+  void fail_peer(int peer, int32_t status) {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      for (auto it = pending_.begin(); it != pending_.end();) {
+        if (it->second.peer == peer) {
+          done_.push_back(Completion{it->first, peer, status});
+          it = pending_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      per_peer(peer) = 0;
+    }
+    cv_.notify_all();
+  }
+  // Writes pending for longer than limit_ns (checked at most once a millisecond): calls
+  // lose(peer, why) for each, which fails the peer (and so the write) with kCqTimeout.
+  template <class Lose>
+  void expire(int64_t limit_ns, Lose&& lose) {
+    std::vector<std::pair<int, uint64_t>> late;
+    const int64_t now = steady_now_ns();
+    if (now - last_check_ns_.load() < 1'000'000) return;
+    last_check_ns_ = now;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      for (auto& [wr, p] : pending_)
+        if (now - p.posted_ns > limit_ns) late.emplace_back(p.peer, wr);
+    }
+    for (auto& [peer, wr] : late)
+      lose(peer, "write " + std::to_string(wr) + " not acknowledged within " + std::to_string(double(limit_ns) / 1e9) + " s");
+  }
+  // Up to `max` completions, waiting up to timeout_ns for the first; tick() runs every 10 ms.
+  template <class Tick>
+  int poll(Completion* out, int max, int64_t timeout_ns, Tick&& tick) {
+    if (max <= 0) return 0;
+    const int64_t deadline = steady_now_ns() + std::max<int64_t>(timeout_ns, 0);
+    for (;;) {
+      tick();
+      std::unique_lock<std::mutex> lk(mu_);
+      if (!done_.empty()) {
+        int n = 0;
+        while (n < max && !done_.empty()) {
+          out[n++] = done_.front();
+          done_.pop_front();
+        }
+        return n;
+      }
+      const int64_t now = steady_now_ns();
+      if (now >= deadline) return 0;
+      cv_.wait_for(lk, std::chrono::nanoseconds(std::min<int64_t>(deadline - now, 10'000'000)));
+    }
+  }
+
+ private:
+  struct Pending {
+    int peer;
+    uint32_t parts;
+    int32_t status;
+    int64_t posted_ns;
+  };
+  int& per_peer(int peer) {
+    if (size_t(peer) >= count_.size()) count_.resize(size_t(peer) + 1, 0);
+    return count_[size_t(peer)];
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Completion> done_;
+  std::unordered_map<uint64_t, Pending> pending_;
+  std::vector<int> count_;  // pending writes per peer
+  std::atomic<int64_t> last_check_ns_{0};
+};
+
+}  // namespace moe_ep
