@@ -22,6 +22,7 @@
 #include <memory>
 #include <mutex>
 #include <random>
+#include <shared_mutex>
 #include <sstream>
 #include <thread>
 #include <type_traits>
@@ -470,7 +471,7 @@ class VerbsTransport final : public Transport {
     w.wr.rdma.remote_addr = rr.addr + remote_off;
     w.wr.rdma.rkey = rr.rkey;
     ibv::send_wr* bad = nullptr;
-    if (int rc = pr.qp->ctx->ops.post_send(pr.qp, &w, &bad); rc != 0) {
+    if (int rc = post_send(peer, &w, &bad); rc != 0) {
       cq_.remove(wr);
       const std::string why = "ibv_post_send failed: " + std::string(strerror(rc));
       lose_peer(peer, why);
@@ -504,7 +505,7 @@ class VerbsTransport final : public Transport {
     if (peer < 0 || peer >= world_ || peer == rank_ || !peers_[peer]->qp)
       return set_error(kErrInvalid, prefix() + "destroy_qp: bad peer " + std::to_string(peer));
     lose_peer(peer, "queue pair destroyed (test hook)");
-    std::lock_guard<std::mutex> lk(qp_mu_);
+    std::unique_lock<std::shared_mutex> lk(qp_mu_);
     v_.destroy_qp(peers_[peer]->qp);
     peers_[peer]->qp = nullptr;
     return kOk;
@@ -560,7 +561,7 @@ class VerbsTransport final : public Transport {
   }
 
   int modify(int p, ibv::qp_attr& a, int mask, const char* what) {
-    std::lock_guard<std::mutex> lk(qp_mu_);
+    std::unique_lock<std::shared_mutex> lk(qp_mu_);
     ibv::qp* q = peers_[p]->qp;
     if (!q) return set_error(kErrPeer, prefix() + "peer " + std::to_string(p) + ": queue pair destroyed");
     if (int rc = v_.modify_qp(q, &a, mask); rc != 0)
@@ -595,8 +596,15 @@ class VerbsTransport final : public Transport {
     w.wr_id = kRecvTag | uint64_t(p);
     w.num_sge = 0;  // writes with immediates land in registered memory; hellos carry no bytes
     ibv::recv_wr* bad = nullptr;
+    std::shared_lock<std::shared_mutex> lk(qp_mu_);
     ibv::qp* q = peers_[p]->qp;
     return q && q->ctx->ops.post_recv(q, &w, &bad) == 0;
+  }
+
+  int post_send(int p, ibv::send_wr* w, ibv::send_wr** bad) {
+    std::shared_lock<std::shared_mutex> lk(qp_mu_);
+    ibv::qp* q = peers_[p]->qp;
+    return q ? q->ctx->ops.post_send(q, w, bad) : ENOTCONN;
   }
 
   // INIT -> RTR -> RTS with the peer's QPN/PSN/GID/LID. `hello_seen`: the peer's hello already
@@ -649,7 +657,7 @@ class VerbsTransport final : public Transport {
     w.opcode = ibv::WR_SEND;
     w.send_flags = ibv::SEND_SIGNALED;
     ibv::send_wr* bad = nullptr;
-    if (int rc = pr.qp->ctx->ops.post_send(pr.qp, &w, &bad); rc != 0)
+    if (int rc = post_send(p, &w, &bad); rc != 0)
       return set_error(kErrSystem, prefix() + "connect: peer " + std::to_string(p) + " (" + where_ +
                                        "): posting the hello failed: " + strerror(rc));
     return kOk;
@@ -667,7 +675,7 @@ class VerbsTransport final : public Transport {
       pr.lost = true;
     }
     {
-      std::lock_guard<std::mutex> lk(qp_mu_);
+      std::unique_lock<std::shared_mutex> lk(qp_mu_);
       ibv::qp_attr a{};
       a.qp_state = ibv::QPS_ERR;
       if (pr.qp) v_.modify_qp(pr.qp, &a, ibv::QP_STATE);
@@ -783,7 +791,7 @@ class VerbsTransport final : public Transport {
   uint32_t psn_ = 0;
   unsigned events_unacked_ = 0;  // completion thread
   std::vector<std::unique_ptr<Peer>> peers_;
-  std::mutex qp_mu_;  // modify/destroy of QPs
+  std::shared_mutex qp_mu_;  // shared: posting to a QP; exclusive: modify/destroy
   RegionTable<Region> regions_;
   ImmCounter imm_;
   CompletionQueue cq_;

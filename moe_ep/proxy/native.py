@@ -63,9 +63,13 @@ def _build_from_source() -> str:
     tmp = f"{out}.{os.getpid()}.tmp"
     cxx = os.environ.get("CXX", "c++")
     cmd = [cxx, "-O2", "-std=c++17", "-pthread", "-fPIC", "-shared", "-fvisibility=hidden", *srcs, "-o", tmp]
+    newest = max(os.path.getmtime(s) for s in _sources())  # before compiling: see below
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         raise NativeError(f"building the native proxy library failed ({' '.join(cmd)}):\n{r.stderr[-4000:]}")
+    # The library is as new as the sources it was built from, not as the end of the build: a source
+    # edited while compiling (or a slower concurrent build finishing last) then still looks newer.
+    os.utime(tmp, (newest, newest))
     os.replace(tmp, out)
     return out
 
