@@ -1,6 +1,6 @@
 """Build script. Metadata lives in pyproject.toml; this file lists the packages and the native
 proxy engine (csrc/proxy, plain C++17 with a C API loaded through ctypes: no Python headers,
-no CUDA, no RDMA libraries needed)."""
+no CUDA, no RDMA libraries needed: libibverbs is opened at run time when present)."""
 import glob
 
 from setuptools import Extension, setup
@@ -11,7 +11,8 @@ proxy_native = Extension(
     depends=sorted(glob.glob("csrc/proxy/*.h")),
     language="c++",
     extra_compile_args=["-O2", "-std=c++17", "-pthread", "-fvisibility=hidden"],
-    extra_link_args=["-pthread"],
+    extra_link_args=["-pthread", "-ldl"],  # dlopen of libibverbs at run time (libdl is a stub on glibc >= 2.34)
 )
 
-setup(packages=["moe_ep", "moe_ep.kernels", "moe_ep.proxy", "moe_ep.integrations", "bench"], ext_modules=[proxy_native])
+setup(packages=["moe_ep", "moe_ep.kernels", "moe_ep.proxy", "moe_ep.integrations", "bench", "bench.backends"],
+      package_data={"bench": ["schema.json"]}, ext_modules=[proxy_native])

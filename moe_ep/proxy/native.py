@@ -62,7 +62,7 @@ def _build_from_source() -> str:
         return out
     tmp = f"{out}.{os.getpid()}.tmp"
     cxx = os.environ.get("CXX", "c++")
-    cmd = [cxx, "-O2", "-std=c++17", "-pthread", "-fPIC", "-shared", "-fvisibility=hidden", *srcs, "-o", tmp]
+    cmd = [cxx, "-O2", "-std=c++17", "-pthread", "-fPIC", "-shared", "-fvisibility=hidden", *srcs, "-o", tmp, "-ldl"]
     newest = max(os.path.getmtime(s) for s in _sources())  # before compiling: see below
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
