@@ -94,6 +94,33 @@ def to_bf16(x, INTERP: tl.constexpr):
 
 
 @triton.jit
+def payload_tile(x_ptr, xs_ptr, t, hh, hm, bb, bm, H: tl.constexpr, NB: tl.constexpr, FP8: tl.constexpr,
+                 PREQ: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, INTERP: tl.constexpr):
+    """One tile of dispatch payload for tokens ``t`` and channels ``hh`` (masks ``hm``; for fp8 the
+    128-channel blocks ``bb``, mask ``bm``): bf16 values (returned twice), or fp8 bits (uint8) and
+    their float32 scales. fp8 is quantized here (``moe_ep.fp8``: ``scale = max(amax, 1e-4) / 448``
+    per 128 channels, round to nearest even) unless PREQ, where bytes and scales travel as given.
+    The one place both the node send and the remote pack get their payload from."""
+    if FP8:
+        if PREQ:
+            q = tl.load(x_ptr + t[:, None] * H + hh[None, :], mask=hm, other=0)
+            sc = tl.load(xs_ptr + t[:, None] * NB + bb[None, :], mask=bm, other=0.0)
+            return q, sc
+        else:
+            v = tl.load(x_ptr + t[:, None] * H + hh[None, :], mask=hm, other=0.0).to(tl.float32)
+            vb = tl.reshape(v, (BLOCK_T * BLOCK_H // 128, 128))
+            amax = tl.maximum(tl.max(tl.abs(vb), axis=1), 1e-4)
+            # div_rn: the exact quotient, as the torch reference computes it (no reciprocal multiply).
+            scf = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+            qf = tl.math.div_rn(vb, tl.broadcast_to(scf[:, None], vb.shape))
+            return (tl.reshape(to_fp8(qf, INTERP), (BLOCK_T, BLOCK_H)),
+                    tl.reshape(scf, (BLOCK_T, BLOCK_H // 128)))
+    else:
+        v = tl.load(x_ptr + t[:, None] * H + hh[None, :], mask=hm, other=0.0)
+        return v, v
+
+
+@triton.jit
 def to_fp8(v, INTERP: tl.constexpr):
     """float32 (|v| <= 448) -> float8_e4m3fn bits (uint8), rounded to nearest even.
 

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .common import (ERR_BAD_EXPERT, ERR_CAPACITY, PHASE_DISPATCH, chunking, deadline_start, ptr_at, raise_flag,
-                     record_error, to_fp8, wait_flag)
+                     payload_tile, record_error, wait_flag)
 
 
 @triton.jit
@@ -106,19 +106,9 @@ def _send_chunk(c, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, 
         if FP8:
             bb = h0 // 128 + tl.arange(0, BLOCK_H // 128)
             bm = tm[:, None] & (bb[None, :] < NB)
-            if PREQ:
-                q = tl.load(x_ptr + t[:, None] * H + hh[None, :], mask=hm, other=0)
-                sc = tl.load(xs_ptr + t[:, None] * NB + bb[None, :], mask=bm, other=0.0)
-            else:
-                v = tl.load(x_ptr + t[:, None] * H + hh[None, :], mask=hm, other=0.0).to(tl.float32)
-                vb = tl.reshape(v, (BLOCK_T * BLOCK_H // 128, 128))
-                amax = tl.maximum(tl.max(tl.abs(vb), axis=1), 1e-4)
-                scf = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
-                qf = tl.math.div_rn(vb, tl.broadcast_to(scf[:, None], vb.shape))
-                q = tl.reshape(to_fp8(qf, INTERP), (BLOCK_T, BLOCK_H))
-                sc = tl.reshape(scf, (BLOCK_T, BLOCK_H // 128))
         else:
-            v = tl.load(x_ptr + t[:, None] * H + hh[None, :], mask=hm, other=0.0)
+            bb, bm = hh, hm  # unused
+        q, sc = payload_tile(x_ptr, xs_ptr, t, hh, hm, bb, bm, H, NB, FP8, PREQ, BLOCK_T, BLOCK_H, INTERP)
         for d in tl.static_range(N):
             go = tl.max((dst == d).to(tl.int32), axis=1) > 0
             base = tl.load(peer_ptr + d)
@@ -128,7 +118,7 @@ def _send_chunk(c, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, 
                 tl.store(ptr_at(base, off_rows, tl.float32) + slot[:, None] * (RB // 4) + H // 4 + bb[None, :],
                          sc, mask=bm & go[:, None])
             else:
-                tl.store(ptr_at(base, off_rows, tl.bfloat16) + slot[:, None] * (RB // 2) + hh[None, :], v,
+                tl.store(ptr_at(base, off_rows, tl.bfloat16) + slot[:, None] * (RB // 2) + hh[None, :], q,
                          mask=hm & go[:, None])
     tl.debug_barrier()  # every thread's stores happen before the flag's release
     for d in tl.static_range(N):

@@ -20,7 +20,7 @@ The epoch (for the parity copies of the regions peers write) is read on the devi
 import triton
 import triton.language as tl
 
-from .common import ERR_BAD_EXPERT, ERR_CAPACITY, PHASE_DISPATCH, record_error, to_bf16, to_fp8
+from .common import ERR_BAD_EXPERT, ERR_CAPACITY, PHASE_DISPATCH, payload_tile, record_error, to_bf16
 
 
 @triton.jit
@@ -109,19 +109,6 @@ def remote_count_kernel(
     rh = tl.histogram(tl.reshape(tl.where(first, dst, 0), [S]), BLOCK_R, mask=tl.reshape(first, [S]))
     rr = tl.arange(0, BLOCK_R)
     tl.store(rhist_ptr + rr * CMAX + c, rh, mask=rr < R)
-
-
-@triton.jit
-def _quantize(v, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, INTERP: tl.constexpr):
-    """float32 [BLOCK_T, BLOCK_H] -> (fp8 bits uint8 [BLOCK_T, BLOCK_H], float32 scales
-    [BLOCK_T, BLOCK_H // 128]) with the intranode send's formula (``moe_ep.fp8``):
-    ``scale = max(amax, 1e-4) / 448`` per 128 channels, round to nearest even."""
-    vb = tl.reshape(v, (BLOCK_T * BLOCK_H // 128, 128))
-    amax = tl.maximum(tl.max(tl.abs(vb), axis=1), 1e-4)
-    # div_rn: the exact quotient, as torch's quantize_fp8 computes it (no reciprocal multiply).
-    scale = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
-    q = to_fp8(tl.math.div_rn(vb, tl.broadcast_to(scale[:, None], vb.shape)), INTERP)
-    return tl.reshape(q, (BLOCK_T, BLOCK_H)), tl.reshape(scale, (BLOCK_T, BLOCK_H // 128))
 
 
 @triton.jit(do_not_specialize=['T', 'BT', 'NC'])
@@ -222,14 +209,9 @@ def remote_pack_kernel(
             if FP8:
                 bb = h0 // 128 + tl.arange(0, BLOCK_H // 128)
                 bm = tm[:, None] & (bb[None, :] < NB)
-                if PREQ:  # pre-quantized input: bytes and scales travel as given
-                    q = tl.load(x_ptr + t[:, None] * H + hh[None, :], mask=hm, other=0)
-                    sc = tl.load(xs_ptr + t[:, None] * NB + bb[None, :], mask=bm, other=0.0)
-                else:
-                    v = tl.load(x_ptr + t[:, None] * H + hh[None, :], mask=hm, other=0.0)
-                    q, sc = _quantize(v.to(tl.float32), BLOCK_T, BLOCK_H, INTERP)
             else:
-                v = tl.load(x_ptr + t[:, None] * H + hh[None, :], mask=hm, other=0.0)
+                bb, bm = hh, hm  # unused
+            q, sc = payload_tile(x_ptr, xs_ptr, t, hh, hm, bb, bm, H, NB, FP8, PREQ, BLOCK_T, BLOCK_H, INTERP)
             for k in tl.static_range(K):
                 okd = _col(okk.to(tl.int32), kk, k) > 0
                 rw = _col(rowk, kk, k) * 4
@@ -238,7 +220,7 @@ def remote_pack_kernel(
                     tl.store((words + rw + H // 4)[:, None].to(tl.pointer_type(tl.float32)) + bb[None, :], sc,
                              mask=bm & okd[:, None])
                 else:
-                    tl.store((words + rw)[:, None].to(tl.pointer_type(tl.bfloat16)) + hh[None, :], v,
+                    tl.store((words + rw)[:, None].to(tl.pointer_type(tl.bfloat16)) + hh[None, :], q,
                              mask=hm & okd[:, None])
 
 
