@@ -85,13 +85,15 @@ def _agreed_transport(group: EPGroup, name: Optional[str]) -> str:
 
 def start_proxy(group: EPGroup, *, num_local_experts: int, row_bytes: int, comb_row_bytes: int,
                 private_capacity: int, overflow_capacity: int, max_send_rows: int, timeout_s: float = 30.0,
-                streams: int = 4, bind_host: Optional[str] = None, transport: Optional[str] = None) -> Proxy:
+                streams: int = 4, bind_host: Optional[str] = None, transport: Optional[str] = None,
+                regions: Optional[dict] = None, mailbox=None) -> Proxy:
     """Creates this rank's engine (``transport``, default ``MOE_EP_TRANSPORT``: see
     ``select_transport``) and §10 proxy, exchanges endpoints over ``group`` (collective:
     every rank calls it with the same sizes), connects, and starts the proxy thread.
 
     ``bind_host``: the address peers reach this rank at (default ``MOE_EP_TCP_HOST``, else loopback
-    when every rank shares this host, else this host's address).
+    when every rank shares this host, else this host's address). ``regions`` / ``mailbox``: the
+    memory to use (``Proxy``'s arguments; default: numpy arrays it allocates).
     """
     engine: Engine
     if _agreed_transport(group, transport) == "verbs":
@@ -100,7 +102,8 @@ def start_proxy(group: EPGroup, *, num_local_experts: int, row_bytes: int, comb_
         engine = TcpTransport(group.rank, group.world_size, streams=streams, bind_host=bind_host or _bind_host(group))
     proxy = Proxy(engine, node_size=group.node_size, num_local_experts=num_local_experts, row_bytes=row_bytes,
                   comb_row_bytes=comb_row_bytes, private_capacity=private_capacity,
-                  overflow_capacity=overflow_capacity, max_send_rows=max_send_rows, timeout_s=timeout_s)
+                  overflow_capacity=overflow_capacity, max_send_rows=max_send_rows, timeout_s=timeout_s,
+                  regions=regions, mailbox=mailbox)
     engine.connect(group.all_gather_object(engine.endpoint), timeout_s)
     proxy.start()
     return proxy
