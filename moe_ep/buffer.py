@@ -79,10 +79,6 @@ class EPBuffer:
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
         G = group.node_size
-        if G != R and group.device.type == "cuda":
-            raise NotImplementedError(
-                f"node_size={G} < world_size={R} on GPUs: the inter-node path runs on CPU ranks so far (the "
-                f"kernels' doorbell and ready waits on host-mapped memory are not built yet)")
         for name, v in (("private_capacity", private_capacity), ("overflow_capacity", overflow_capacity)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise ValueError(f"{name}: expected None or an int >= 0, got {v!r}")
@@ -236,6 +232,11 @@ class EPBuffer:
         if code != 0:
             self._broken = self._error_from_record()
             raise self._broken
+        if self.remote is not None:
+            try:
+                self.remote.check()  # the proxy's record and the remote kernels' (host memory, no sync)
+            except Exception as exc:  # noqa: BLE001
+                self._fail(exc)
 
     def _error_from_record(self) -> BaseException:
         code, peer, phase, epoch, detail = (int(v) for v in self._err_host[:5])
@@ -249,6 +250,11 @@ class EPBuffer:
             return CapacityError(f"rank {self.rank}: an expert received {detail} rows in {phase_name} epoch {epoch}, "
                                  f"more than the masked layout holds ({self.capacity}); only possible when tokens "
                                  f"list an expert more than once. Use layout='packed'.")
+        if code == 4 and self.remote is not None:  # the wait kernel saw the proxy's error record
+            try:
+                self.remote.proxy.check_error()
+            except Exception as exc:  # noqa: BLE001
+                return exc
         return RuntimeError(f"moe_ep kernel error code {code}")
 
     def _fail(self, exc: BaseException) -> None:

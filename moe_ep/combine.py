@@ -33,7 +33,8 @@ def combine(buf, expert_y: torch.Tensor, handle) -> torch.Tensor:
         depoch = buf._epochs[0]  # the proxy's combine carries the epoch of the dispatch it answers
         rp.combine_send(buf, expert_y, handle._serial, depoch)  # refuses a second combine first
         launch_half(buf, key, combine_kernel, args, (0, 1, 2, 9), consts, True, False)
-        buf._host_wait_combine(epoch, T)
+        if buf.interp:
+            buf._host_wait_combine(epoch, T)
         rp.wait(buf, "combine", depoch)
         launch_half(buf, key, combine_kernel, args, (0, 1, 2, 9), consts, False, True)
         rp.combine_recv(buf, idx, base, out)

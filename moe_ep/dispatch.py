@@ -118,11 +118,13 @@ def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = 
         launch_halves(buf, key, dispatch_kernel, args, _DISPATCH_DYNAMIC, consts,
                       lambda: buf._host_wait_dispatch(epoch))
     else:
-        # Node peers by stores, other nodes through the proxy; the node receive half places rows
-        # with the whole count matrix, which the proxy's round-1 headers complete.
-        launch_half(buf, key, dispatch_kernel, args, _DISPATCH_DYNAMIC, consts, True, False)
+        # Node peers by stores, other nodes through the proxy (packed and rung first, so it sends
+        # while the node stores run); the node receive half places rows with the whole count
+        # matrix, which the proxy's round-1 headers complete.
         rp.send(buf, x, topk_idx, topk_weights, x_scales, epoch)
-        buf._host_wait_dispatch(epoch)
+        launch_half(buf, key, dispatch_kernel, args, _DISPATCH_DYNAMIC, consts, True, False)
+        if buf.interp:
+            buf._host_wait_dispatch(epoch)
         rp.wait(buf, "dispatch", epoch)
         rp.count_matrix()
         launch_half(buf, key, dispatch_kernel, args, _DISPATCH_DYNAMIC, consts, False, True)

@@ -21,17 +21,23 @@ class EPGroup:
             every pair of those ranks' devices to reach each other peer to peer
             (``torch.cuda.can_device_access_peer``); if one pair cannot, it is 1 (with a warning
             naming the pair), so the proxy carries everything.
+        device: overrides the device below (e.g. ``"cuda:0"`` on a gloo group).
 
     Attributes:
         rank, world_size: this rank and R within ``pg``.
         node_size: ranks per node; ranks ``[n*node_size, (n+1)*node_size)`` form node ``n``.
-        device: ``cuda:<local rank>`` when the backend is NCCL (or R=1 with a GPU), else ``cpu``.
+        device: ``cuda:<local rank>`` when the backend is NCCL (or R=1 with a GPU), else ``cpu``;
+            or the ``device`` given. A gloo group may name a CUDA device, and several ranks may share
+            one GPU then, with ``node_size=1`` (the proxy carries everything: how the inter-node
+            path is tested on one GPU).
     """
 
-    def __init__(self, pg: Optional[dist.ProcessGroup] = None, node_size: Optional[int] = None):
+    def __init__(self, pg: Optional[dist.ProcessGroup] = None, node_size: Optional[int] = None,
+                 device: Optional[torch.device | str] = None):
         if pg is None and dist.is_available() and dist.is_initialized():
             pg = dist.group.WORLD
         self.pg = pg
+        self._node_pg: Optional[dist.ProcessGroup] = None
         if pg is None:
             self.rank, self.world_size = 0, 1
             backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -39,7 +45,15 @@ class EPGroup:
             self.rank, self.world_size = dist.get_rank(pg), dist.get_world_size(pg)
             backend = str(dist.get_backend(pg)).lower()
         self.backend = backend
-        if "nccl" in backend:
+        if device is not None:
+            self.device = torch.device(device)
+            if self.device.type == "cuda":
+                if self.device.index is None:
+                    self.device = torch.device("cuda", torch.cuda.current_device())
+                torch.cuda.set_device(self.device)
+            elif self.device.type != "cpu":
+                raise ValueError(f"device: expected a cuda or cpu device, got {device!r}")
+        elif "nccl" in backend:
             local = int(os.environ.get("LOCAL_RANK", self.rank % max(1, torch.cuda.device_count())))
             self.device = torch.device("cuda", local)
             torch.cuda.set_device(self.device)
@@ -78,6 +92,19 @@ class EPGroup:
         rows = [None] * self.world_size
         dist.all_gather_object(rows, row, group=self.pg)
         return [[rows[i][j] for j in range(self.world_size)] for i in range(self.world_size)]
+
+    def node_group(self) -> Optional[dist.ProcessGroup]:
+        """The process group of this rank's node (``pg`` itself when there is one node). Collective
+        the first time: every rank of ``pg`` calls it (``EPBuffer`` does, at construction)."""
+        if self.node_size == self.world_size:
+            return self.pg
+        if self._node_pg is None:
+            ranks = [dist.get_global_rank(self.pg, r) for r in range(self.world_size)]
+            for n in range(self.num_nodes):  # every rank creates every node's group, in order
+                sub = dist.new_group(ranks[n * self.node_size:(n + 1) * self.node_size])
+                if n == self.rank // self.node_size:
+                    self._node_pg = sub
+        return self._node_pg
 
     @property
     def num_nodes(self) -> int:

@@ -11,9 +11,12 @@ combine: the node send half; ``combine_pack``; the doorbell; the node flags and 
 the node receive half into a float32 sum; ``combine_unpack`` adds the remote owners' rows and
 rounds once.
 
-So far the host drives the doorbells and ready words, which is what CPU ranks (the interpreter)
-need anyway; GPU kernels that ring and poll host-mapped words (so CUDA graphs keep working) come
-next, and ``EPBuffer`` refuses the inter-node path on GPUs until then.
+The kernels ring the doorbells (``ring``) and wait for the ready words (``wait_ready``) in the
+mailbox, host memory the GPU maps, so no host call sits between the launches and a CUDA graph
+replays the whole exchange; the epoch advances on the device. On a GPU the regions and the
+mailbox are pinned host memory (the TCP transport reads and writes host memory; rows cross PCIe
+once each way). Under the interpreter the host waits for the ready word first (a kernel cannot
+spin there), then the same wait kernel looks once.
 """
 from __future__ import annotations
 
@@ -42,9 +45,18 @@ class RemotePath:
                                   expert_alignment=buf.expert_alignment)
         self.state = R_.RemoteState(self.spec, buf.device)
         kw = {k: v for k, v in self.spec.proxy_kwargs().items() if k != "node_size"}
-        self.proxy = start_proxy(g, timeout_s=buf.timeout_s, **kw)
-        # The proxy owns its regions (numpy arrays); the kernels see the same memory as tensors.
-        self.regions = {n: torch.from_numpy(getattr(self.proxy, n)) for n in R_.REGIONS}
+        self.gpu = buf.device.type == "cuda"
+        regions = mailbox = None
+        if self.gpu:  # the proxy and the kernels share these: host memory the GPU addresses
+            regions = {n: torch.zeros(max(16, b), dtype=torch.uint8, pin_memory=True)
+                       for n, b in self.spec.region_bytes().items()}
+            self.mailbox = torch.zeros(8, dtype=torch.int64, pin_memory=True)
+            mailbox = self.mailbox.numpy()
+        self.proxy = start_proxy(g, timeout_s=buf.timeout_s, regions=regions, mailbox=mailbox, **kw)
+        if not self.gpu:  # the proxy allocated numpy arrays; the kernels see the same memory as tensors
+            regions = {n: torch.from_numpy(getattr(self.proxy, n)) for n in R_.REGIONS}
+            self.mailbox = torch.from_numpy(self.proxy.mailbox)
+        self.regions = regions
         self.timeout_s = buf.timeout_s
         self.programs = buf.num_programs
         self.combined = -1  # serial of the last dispatch combined (the proxy serves one combine each)
@@ -52,20 +64,25 @@ class RemotePath:
     # ------------------------------------------------------------------ dispatch
     def send(self, buf, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
              x_scales: Optional[torch.Tensor], epoch: int) -> None:
-        """Packs this rank's rows for remote peers and rings the dispatch doorbell of ``epoch``."""
-        self.state.epoch.fill_(epoch)
+        """Advances the device epoch (to ``epoch``, the host's count), packs this rank's rows for
+        remote peers and rings the dispatch doorbell."""
+        self.state.epoch.add_(1)  # on the device: a graph replay advances it too
         R_.pack(self.spec, self.state, x, topk_idx, topk_weights, self.regions["disp_send"], x_scales=x_scales,
                 num_programs=self.programs, num_warps=buf.num_warps)
-        self.proxy.ring("dispatch", epoch)
+        R_.ring(self.state, self.mailbox, "dispatch")
 
     def wait(self, buf, phase: str, epoch: int) -> None:
-        """Waits for the proxy's ready word; its errors (timeout naming the peer, lost peer,
-        capacity) break the buffer. The proxy's own deadline runs out first, so its error, which
-        names the peer, is the one raised."""
-        try:
-            self.proxy.wait_ready(phase, epoch, self.timeout_s + 5.0)
-        except Exception as exc:  # noqa: BLE001
-            buf._fail(exc)
+        """The launches after this see what the proxy received for the current epoch. The
+        proxy's errors (timeout naming the peer, lost peer, capacity) break the buffer; its own
+        deadline runs out first, so its error, which names the peer, is the one raised. Under
+        the interpreter the host waits (and raises) here; on a GPU the error comes at the next
+        call or ``synchronize()``."""
+        if buf.interp:
+            try:
+                self.proxy.wait_ready(phase, epoch, self.timeout_s + 5.0)
+            except Exception as exc:  # noqa: BLE001
+                buf._fail(exc)
+        R_.wait_ready(self.state, self.mailbox, buf.err, int((self.timeout_s + 5.0) * 1e9), phase)
 
     def count_matrix(self) -> torch.Tensor:
         """int32 [R, EL]: selections of each local expert from each source (after the dispatch wait)."""
@@ -87,7 +104,7 @@ class RemotePath:
         self.combined = serial
         R_.combine_pack(self.spec, self.state, expert_y, self.regions["comb_send"], num_programs=self.programs,
                         num_warps=buf.num_warps)
-        self.proxy.ring("combine", epoch)
+        R_.ring(self.state, self.mailbox, "combine")
 
     def combine_recv(self, buf, topk_idx: torch.Tensor, base: torch.Tensor, out: torch.Tensor) -> None:
         """``out = bf16(base + the remote owners' rows)``; base float32 [T, H] (the node owners' sum),
@@ -96,7 +113,9 @@ class RemotePath:
                           num_programs=self.programs, num_warps=buf.num_warps)
 
     def check(self) -> None:
-        """Raises the error a remote kernel recorded (bad ids, rows beyond the send buffer)."""
+        """Raises the proxy's error, or one a remote kernel recorded (bad ids, rows beyond the send
+        buffer). Both records are host memory: no device sync."""
+        self.proxy.check_error()
         code = int(self.state.err[0])
         if code != 0:
             raise BufferBrokenError(f"rank {self.spec.rank}: inter-node kernel error record "

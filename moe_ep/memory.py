@@ -1,7 +1,8 @@
 """Node-symmetric memory: one byte buffer per rank that every rank of the node can address.
 
-GPU: torch symmetric memory (CUDA backend, multicast off); each rank gets device pointers to its
-node peers' buffers, and Triton kernels store into them over NVLink.
+GPU: torch symmetric memory (CUDA backend, multicast off) over the node's process group; each
+rank gets device pointers to its node peers' buffers, and Triton kernels store into them over
+NVLink. With ``node_size == 1`` there is nothing to map: plain device memory.
 CPU: one shared-memory segment per rank under /dev/shm, mapped by every rank process of the node;
 the same Triton kernels (TRITON_INTERPRET=1) store into them through raw addresses.
 """
@@ -38,7 +39,7 @@ class SymmetricWorkspace:
 
     def _init_cuda(self) -> None:
         g = self.group
-        if g.world_size == 1:
+        if g.node_size == 1:  # no node peers: plain device memory (other nodes go through the proxy)
             self.local = torch.zeros(self.nbytes, dtype=torch.uint8, device=g.device)
             self._ptrs = [self.local.data_ptr()]
             return
@@ -51,7 +52,7 @@ class SymmetricWorkspace:
         self.local = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=g.device)
         self.local.zero_()
         torch.cuda.synchronize(g.device)
-        self._handle = symm_mem.rendezvous(self.local, group=g.pg)
+        self._handle = symm_mem.rendezvous(self.local, group=g.node_group())
         self._ptrs = [int(p) for p in self._handle.buffer_ptrs]
         g.barrier()
 

@@ -1,12 +1,12 @@
 """Host side of the inter-node kernels (docs/ARCHITECTURE.md §10, "Remote row format"): sizes, the
 row trailer, the device state, and the launches of ``moe_ep.kernels.remote``.
 
-Not yet wired into ``EPBuffer``: these functions take the proxy's regions as plain uint8 tensors
-(``moe_ep.proxy.Proxy`` owns them in a real run) and run in this order for dispatch epoch ``e``
+``moe_ep.internode.RemotePath`` drives them for ``EPBuffer``; they take the proxy's regions as
+plain uint8 tensors (host memory; pinned on a GPU) and run in this order for dispatch epoch ``e``
 (``state.epoch[0] == e`` on the device):
 
-1. ``pack``: count launch + pack launch fill the dispatch send buffer; then the kernel side rings
-   ``disp_doorbell = e`` and waits for ``disp_ready >= e``;
+1. ``pack``: count launch + pack launch fill the dispatch send buffer; then ``ring`` writes
+   ``disp_doorbell = e`` and ``wait_ready`` waits for ``disp_ready >= e``;
 2. ``fill_count_matrix`` (the count matrix ``sel`` from the round-1 headers), ``unpack``;
 3. after the experts, ``combine_pack`` fills the combine send buffer; ``comb_doorbell = e``, wait
    for ``comb_ready >= e``; ``combine_unpack`` adds the remote owners' rows to each token.
@@ -21,6 +21,7 @@ import torch
 from .fp8 import num_scale_blocks
 from .kernels.remote import (remote_combine_pack_kernel, remote_combine_unpack_kernel, remote_count_kernel,
                              remote_pack_kernel, remote_sel_kernel, remote_unpack_kernel)
+from .kernels.mailbox import ring_kernel, wait_ready_kernel
 from .layout import chunking, max_chunks
 
 REGIONS = ("disp_send", "round1", "overflow", "comb_send", "comb_recv")  # the proxy's registration order
@@ -167,7 +168,8 @@ class RemoteState:
         self.sel = z(R, EL)
         self.rpos, self.rw = z(max(1, spec.recv_rows), K), z(max(1, spec.recv_rows), K, dt=torch.float32)
         self.recv_rows = z(R)
-        self.err = z(8, dt=torch.int64)
+        # Error record: pinned host memory on a GPU, so the host reads it without a device sync.
+        self.err = torch.zeros(8, dtype=torch.int64, pin_memory=torch.device(device).type == "cuda")
         self.num_chunks = 0  # chunks of the last pack (the host knows T)
 
 
@@ -283,5 +285,19 @@ def combine_unpack(spec: RemoteSpec, st: RemoteState, comb_recv: torch.Tensor, t
                  BLOCK_H=max(16, min(_pow2(H), 512)), INTERP=_interp(), num_warps=num_warps))
 
 
+def ring(st: RemoteState, mailbox: torch.Tensor, phase: str) -> None:
+    """Kernel side of a doorbell: ``mailbox[doorbell of phase] = st.epoch`` (one program, stream
+    ordered after the launch that packed the send buffer). mailbox: int64 [8], host memory the
+    device can address (pinned on a GPU)."""
+    _launch(ring_kernel, 1, (mailbox, st.epoch), dict(WORD=0 if phase == "dispatch" else 2))
+
+
+def wait_ready(st: RemoteState, mailbox: torch.Tensor, err: torch.Tensor, timeout_ns: int, phase: str) -> None:
+    """Kernel side of a ready word: the launches after this one see what the proxy received for
+    ``st.epoch`` (or ``err``, int64 [8] host-visible, records the proxy's error or the timeout)."""
+    _launch(wait_ready_kernel, 1, (mailbox, st.epoch, err, timeout_ns),
+            dict(WORD=1 if phase == "dispatch" else 3, PHASE=0 if phase == "dispatch" else 1, INTERP=_interp()))
+
+
 __all__ = ["RemoteSpec", "RemoteState", "REGIONS", "pack", "fill_count_matrix", "unpack", "combine_pack",
-           "combine_unpack"]
+           "combine_unpack", "ring", "wait_ready"]

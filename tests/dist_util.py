@@ -10,6 +10,8 @@ started afresh on the next call; so is a pool in which a process died.
 Backends:
 - ``"gloo"``: CPU ranks, ``TRITON_INTERPRET=1`` is set in each process before triton is imported.
 - ``"nccl"``: one GPU per rank (``cuda:<rank>``), ``LOCAL_RANK`` set, ``TRITON_INTERPRET`` removed.
+- ``"gloo-cuda"``: a gloo group on GPU processes (``TRITON_INTERPRET`` removed); ranks may share a
+  GPU (the code under test picks the device, e.g. ``EPGroup(device=...)``).
 
 Workers start with the spawn method, so ``fn`` and its arguments must be picklable (module-level
 functions of importable modules; tensors are fine but small plain data is cheaper).
@@ -75,7 +77,7 @@ def _worker(rank: int, world_size: int, backend: str, port: int, tasks, results)
         kwargs = {}
         if backend == "nccl":
             kwargs["device_id"] = torch.device("cuda", rank)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        dist.init_process_group("gloo" if backend == "gloo-cuda" else backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size, timeout=datetime.timedelta(seconds=120), **kwargs)
         results.put(("ready", rank, True, None))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent

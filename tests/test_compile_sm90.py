@@ -53,15 +53,9 @@ def _record(monkeypatch, configs):
     return rec
 
 
-def test_kernels_compile_for_sm90(monkeypatch, tmp_path):
-    pytest.importorskip("triton.backends.nvidia")
-    rec = _record(monkeypatch, [(128, 7168, torch.float8_e4m3fn, "masked", True),
-                                (512, 7168, torch.bfloat16, "packed", True),
-                                (512, 2048, torch.float8_e4m3fn, "packed", True),
-                                (128, 7168, torch.float8_e4m3fn, "masked", False)])
-    # one launch each when fused (decode, T*K <= 2048, needs no routing-histogram launch); two
-    # halves each when not
-    assert len(rec) == 2 + 3 + 3 + 4
+def _compile(rec, tmp_path) -> list:
+    """Compiles recorded launches for sm_90 in a fresh process without TRITON_INTERPRET; returns
+    (name, vector stores, byte stores, globaltimer reads, fp8 conversions) per launch."""
     path = tmp_path / "launches.pkl"
     pickle.dump(rec, open(path, "wb"))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -71,7 +65,19 @@ def test_kernels_compile_for_sm90(monkeypatch, tmp_path):
     p = subprocess.run([sys.executable, "-c", _COMPILE, str(path)], env=env, capture_output=True, text=True,
                        timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
-    results = pickle.load(open(str(path) + ".out", "rb"))
+    return pickle.load(open(str(path) + ".out", "rb"))
+
+
+def test_kernels_compile_for_sm90(monkeypatch, tmp_path):
+    pytest.importorskip("triton.backends.nvidia")
+    rec = _record(monkeypatch, [(128, 7168, torch.float8_e4m3fn, "masked", True),
+                                (512, 7168, torch.bfloat16, "packed", True),
+                                (512, 2048, torch.float8_e4m3fn, "packed", True),
+                                (128, 7168, torch.float8_e4m3fn, "masked", False)])
+    # one launch each when fused (decode, T*K <= 2048, needs no routing-histogram launch); two
+    # halves each when not
+    assert len(rec) == 2 + 3 + 3 + 4
+    results = _compile(rec, tmp_path)
     fp8_cvt = 0
     for name, vec_stores, byte_stores, timers, cvts in results:
         # Peer stores must be 8- or 16-byte vectors: one NVLink transaction per byte is 10-100x slower.
@@ -80,3 +86,55 @@ def test_kernels_compile_for_sm90(monkeypatch, tmp_path):
             assert timers > 0, f"{name}: compiled without the GPU deadline (INTERP variant?)"
             fp8_cvt += cvts
     assert fp8_cvt > 0, "fp8 quantization does not use the hardware conversion on sm_90"
+
+
+def _record_remote(monkeypatch, T: int, fp8: bool, layout: str):
+    """The inter-node launches of one dispatch + combine (rank 0 of 2 nodes of 1), recorded as a
+    GPU would make them (INTERP off), not run."""
+    from moe_ep import remote as R_
+
+    rec = []
+
+    def spy(fn, grid, args, consts):
+        consts = dict(consts, **({"INTERP": False} if "INTERP" in consts else {}))
+        rec.append((fn.fn.__module__, fn.fn.__name__, signature(fn.arg_names, args, consts)))
+
+    monkeypatch.setattr(R_, "_launch", spy)
+    H, K, E = 7168, 8, 256
+    spec = R_.RemoteSpec(rank=0, world=2, node_size=1, num_experts=E, topk=K, hidden=H, max_tokens=T, fp8=fp8,
+                         private_capacity=T // 2, overflow_capacity=T // 2, layout=layout)
+    st = R_.RemoteState(spec)
+    regions = {n: torch.zeros(16, dtype=torch.uint8) for n in R_.REGIONS}
+    mailbox = torch.zeros(8, dtype=torch.int64)
+    x, idx, w = torch.zeros(T, H, dtype=torch.bfloat16), torch.zeros(T, K, dtype=torch.int64), torch.zeros(T, K)
+    cap = spec.expert_capacity
+    lead = (E // 2, cap) if layout == "masked" else (cap,)
+    ex = torch.zeros(*lead, H, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
+    es = torch.zeros(*lead, spec.num_scale_blocks, dtype=torch.float32) if fp8 else None
+    counts = torch.zeros(E // 2, dtype=torch.int32)
+    offs = torch.zeros(E // 2 + 1, dtype=torch.int32) if layout == "packed" else None
+    R_.pack(spec, st, x, idx, w, regions["disp_send"], num_programs=132, num_warps=8)
+    R_.ring(st, mailbox, "dispatch")
+    R_.wait_ready(st, mailbox, st.err, 10**9, "dispatch")
+    R_.fill_count_matrix(spec, st, regions["round1"])
+    R_.unpack(spec, st, regions["round1"], regions["overflow"], ex, es, counts, offs, num_programs=132, num_warps=8)
+    R_.combine_pack(spec, st, torch.zeros(*lead, H, dtype=torch.bfloat16), regions["comb_send"], num_programs=132,
+                    num_warps=8)
+    R_.ring(st, mailbox, "combine")
+    R_.wait_ready(st, mailbox, st.err, 10**9, "combine")
+    R_.combine_unpack(spec, st, regions["comb_recv"], idx, torch.zeros(T, H, dtype=torch.bfloat16),
+                      base=torch.zeros(T, H), num_programs=132, num_warps=8)
+    return rec
+
+
+def test_internode_kernels_compile_for_sm90(monkeypatch, tmp_path):
+    """The inter-node kernels (pack, count matrix, unpack, combine pack/unpack) and the mailbox
+    kernels (doorbell, ready wait with the GPU deadline) compile for sm_90."""
+    pytest.importorskip("triton.backends.nvidia")
+    rec = _record_remote(monkeypatch, 128, True, "masked") + _record_remote(monkeypatch, 512, False, "packed")
+    names = {r[1] for r in rec}
+    assert {"remote_count_kernel", "remote_pack_kernel", "ring_kernel", "wait_ready_kernel", "remote_sel_kernel",
+            "remote_unpack_kernel", "remote_combine_pack_kernel", "remote_combine_unpack_kernel"} <= names, names
+    results = _compile(rec, tmp_path)
+    waits = [timers for name, _, _, timers, _ in results if name == "wait_ready_kernel"]
+    assert waits and all(t > 0 for t in waits), "wait_ready_kernel compiled without the GPU deadline"

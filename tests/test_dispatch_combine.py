@@ -100,13 +100,16 @@ def test_matrix_gpu(R):
     _run_matrix(R, cases, backend="nccl")
 
 
-def _graph_worker(rank, world_size, case_kw):
-    """Captures dispatch -> expert -> combine into a CUDA graph once, replays with new routing."""
+def _graph_worker(rank, world_size, case_kw, internode: bool = False):
+    """Captures dispatch -> expert -> combine into a CUDA graph once, replays with new routing.
+    ``internode``: a gloo group, ``node_size=1`` (every peer through the proxy), ranks on
+    ``cuda:<rank % GPUs>`` (they may share one)."""
     import moe_ep
     from ep_cases import check_combine, check_dispatch, expert_fn_for
     from moe_ep.reference import moe_local, reference_dispatch, reference_moe
 
-    group = moe_ep.EPGroup()
+    group = (moe_ep.EPGroup(node_size=1, device=torch.device("cuda", rank % torch.cuda.device_count()))
+             if internode else moe_ep.EPGroup())
     dev = group.device
     fails = []
     # Fixed T per rank (shapes are static in a graph); routing changes per replay.

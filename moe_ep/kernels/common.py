@@ -11,6 +11,7 @@ ERR_NONE = tl.constexpr(0)
 ERR_TIMEOUT = tl.constexpr(1)
 ERR_BAD_EXPERT = tl.constexpr(2)
 ERR_CAPACITY = tl.constexpr(3)
+ERR_PROXY = tl.constexpr(4)  # the proxy recorded an error (its mailbox has the details)
 
 PHASE_DISPATCH = tl.constexpr(0)
 PHASE_COMBINE = tl.constexpr(1)

@@ -1,0 +1,111 @@
+"""The inter-node path on GPUs: kernels ring the proxy's doorbells and wait for its ready words in
+pinned host memory, the proxy (TCP) moves the rows, against the oracle; then CUDA-graph capture and
+replay of that whole exchange, and a silent peer.
+
+Every peer goes through the proxy (``node_size=1``) on a gloo group, so two rank processes may
+share one GPU (as they do on a one-GPU machine; with two GPUs each rank has its own, "2 GPUs as
+2 nodes"). Marked ``gpu``: skipped without CUDA.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dist_util
+from ep_cases import DTYPES, Case, run_calls
+
+pytestmark = pytest.mark.gpu
+
+
+def _need_gpu():
+    if dist_util.cuda_device_count() < 1:
+        pytest.skip("needs a CUDA GPU")
+
+
+def _group(rank: int):
+    import moe_ep
+
+    return moe_ep.EPGroup(node_size=1, device=torch.device("cuda", rank % torch.cuda.device_count()))
+
+
+def _matrix_worker(rank, world_size, cases, private_capacity):
+    import moe_ep
+
+    group = _group(rank)
+    fails = []
+    for c in cases:
+        with moe_ep.EPBuffer(group, c.E, c.H, c.M, c.K, dispatch_dtype=DTYPES[c.dtype], layout=c.layout,
+                             expert_alignment=c.align, timeout_s=30.0, private_capacity=private_capacity) as buf:
+            if buf.remote is None or not buf.remote.gpu:
+                return [f"rank {rank}: did not take the GPU inter-node path"]
+            fails += run_calls(group, buf, c)
+            buf.synchronize()
+    return fails
+
+
+CASES = [
+    dict(E=8, K=4, dtype="fp8", layout="masked", H=256, M=32, data="random"),
+    dict(E=8, K=8, dtype="bf16", layout="packed", align=16, H=128, M=48),
+    dict(E=4, K=2, dtype="fp8pre", layout="packed", H=384, M=16, data="random"),
+    dict(E=16, K=8, dtype="fp8", layout="masked", H=7168, M=128, data="random"),  # decode rows
+]
+
+
+@pytest.mark.parametrize("private_capacity", [0, None], ids=["round2-only", "default"])
+def test_matrix_gpu_internode(private_capacity):
+    _need_gpu()
+    calls = ("uniform", "skewed", "sparse", "none", "repeat")
+    cases = [Case(R=2, calls=calls, seed=90 + i, **kw) for i, kw in enumerate(CASES)]
+    results = dist_util.run(2, _matrix_worker, cases, private_capacity, timeout=900, backend="gloo-cuda")
+    fails = [f for r in results for f in r]
+    assert not fails, "\n".join(fails[:40])
+
+
+@pytest.mark.parametrize("kw", [dict(dtype="fp8", layout="masked", K=8, data="random"),
+                                dict(dtype="bf16", layout="packed", align=16, K=2, data="tagged")],
+                         ids=["fp8-masked", "bf16-packed"])
+def test_cuda_graph_replay_internode(kw):
+    _need_gpu()
+    from test_dispatch_combine import _graph_worker
+
+    case_kw = dict(R=2, E=8, H=256, M=16, seed=78, **kw)
+    results = dist_util.run(2, _graph_worker, case_kw, True, timeout=900, backend="gloo-cuda")
+    fails = [f for r in results for f in r]
+    assert not fails, "\n".join(fails[:40])
+
+
+def _silent_worker(rank, world_size, timeout_s):
+    import time
+
+    import moe_ep
+
+    group = _group(rank)
+    buf = moe_ep.EPBuffer(group, 4, 128, 8, 2, timeout_s=timeout_s)
+    dev = group.device
+    if rank == 1:  # never dispatches; stays alive past the others' deadline
+        time.sleep(timeout_s + 12)
+        return None
+    x = torch.randn(8, 128, device=dev).to(torch.bfloat16)
+    idx = torch.tensor([[0, 3]] * 8, device=dev)
+    t0 = time.monotonic()
+    buf.dispatch(x, idx, torch.ones(8, 2, device=dev))
+    try:
+        buf.synchronize()
+    except moe_ep.CommTimeoutError as exc:
+        return (type(exc).__name__, str(exc), exc.rank, exc.peer, exc.phase, time.monotonic() - t0)
+    except Exception as exc:  # noqa: BLE001
+        return (type(exc).__name__, str(exc), None, None, None, time.monotonic() - t0)
+    return ("no error", "", None, None, None, time.monotonic() - t0)
+
+
+def test_silent_peer_gpu_internode():
+    """Rank 1 never dispatches: rank 0's dispatch fails with CommTimeoutError naming it and the
+    phase, at synchronize(), within the deadline (plus the wait kernel's slack); nothing hangs."""
+    _need_gpu()
+    timeout_s = 3.0
+    res = dist_util.run(2, _silent_worker, timeout_s, timeout=120, backend="gloo-cuda")[0]
+    name, msg, rank, peer, phase, took = res
+    assert name == "CommTimeoutError", res
+    assert (rank, phase) == (0, "dispatch"), res
+    assert peer == 1, f"the silent peer is not named: {msg}"
+    assert took < timeout_s + 8, res
