@@ -118,6 +118,9 @@ class EPBuffer:
         few = self.num_programs <= 64 or max_tokens * topk <= 2048
         warps = (16 if few else 8) if self.device.type == "cuda" else 4
         self.num_warps = int(os.environ.get("MOE_EP_NUM_WARPS", warps))
+        # Bytes a program moves per loop step scale with this (payload tiles of the send, expand and
+        # combine loops: more bytes in flight per SM, more registers). MOE_EP_TILE overrides, for tuning.
+        self.tile = int(os.environ.get("MOE_EP_TILE", 1))
 
         # N: the ranks of this node (reached by stores); the other R - N through the proxy.
         dev, EL, N, M = self.device, self.num_local_experts, G, max_tokens

@@ -51,5 +51,5 @@ def _combine_consts(buf) -> dict:
                 RANK=buf.rank - buf.node0, NODE0=buf.node0, N=buf.node_size, M=buf.max_tokens, K=buf.topk,
                 E=buf.num_experts, BASE_F32=buf.remote is not None,
                 EL=buf.num_local_experts, H=H, HDR=buf.ws_layout.HDR, CMAX=buf.chunks, BLOCK_T=BLOCK_T,
-                BLOCK_K=_pow2(buf.topk, 2), BLOCK_H=max(16, min(_pow2(H), 2048, 8192 // BLOCK_T)),
+                BLOCK_K=_pow2(buf.topk, 2), BLOCK_H=max(16, min(_pow2(H), 2048 * buf.tile, 8192 * buf.tile // BLOCK_T)),
                 INTERP=buf.interp, num_warps=buf.num_warps)

@@ -151,6 +151,6 @@ def _dispatch_consts(buf, fp8_in: bool, direct: bool) -> dict:
                 K=buf.topk, E=buf.num_experts, EL=buf.num_local_experts, H=H, W=W, NB=nb, RB=lay.RB, HDR=lay.HDR,
                 CMAX=buf.chunks, ALIGN=buf.expert_alignment, CAP=buf.capacity, FP8=buf.fp8, PREQ=fp8_in,
                 DIRECT=direct, PACKED=buf.layout == "packed", BLOCK_T=BLOCK_T, BLOCK_K=_pow2(buf.topk, 2),
-                BLOCK_C=min(buf.chunks, 64), BLOCK_H=max(128 if buf.fp8 else 16, min(_pow2(H), 8192 // BLOCK_T)),
-                BLOCK_EL=buf.block_el, BLOCK_W=max(16, min(_pow2(W), 2048, 4096 // BLOCK_T)),
+                BLOCK_C=min(buf.chunks, 64), BLOCK_H=max(128 if buf.fp8 else 16, min(_pow2(H), 8192 * buf.tile // BLOCK_T)),
+                BLOCK_EL=buf.block_el, BLOCK_W=max(16, min(_pow2(W), 2048 * buf.tile, 4096 * buf.tile // BLOCK_T)),
                 BLOCK_NB=_pow2(nb, 2), INTERP=buf.interp, num_warps=buf.num_warps)
