@@ -9,6 +9,7 @@
 
 #include "imm_counter.h"
 #include "proxy.h"
+#include "rdma_probe.h"
 #include "transport.h"
 
 using moe_ep::Completion;
@@ -82,17 +83,14 @@ int moe_ep_imm_stress(void* c, uint32_t imm, int threads, int64_t adds_per_threa
 }
 
 // ---- Engine (a transport plus its ImmCounter) ----
-// transport: "tcp" or "verbs" (device, port and GID from the environment, see
-// moe_ep_engine_create_verbs; streams and bind_host unused). bind_host: IPv4 address to listen
+// transport: "tcp", "verbs" or "efa" (device, port and GID from the environment, see
+// moe_ep_engine_create_verbs / _efa; streams and bind_host unused). bind_host: IPv4 address to listen
 // on (null: 127.0.0.1). Returns null on failure (see moe_ep_last_error).
 void* moe_ep_engine_create(const char* transport, int rank, int world, int streams, const char* bind_host) {
   try {
     const std::string kind = transport ? transport : "tcp";
     if (kind == "verbs") return moe_ep::create_verbs_transport(rank, world, "", 0, -1);
-    if (kind == "efa") {
-      moe_ep::set_error(moe_ep::kErrInvalid, "rank " + std::to_string(rank) + ": efa: not implemented yet (use verbs or tcp)");
-      return nullptr;
-    }
+    if (kind == "efa") return moe_ep::create_efa_transport(rank, world, "");
     if (kind != "tcp") {
       moe_ep::set_error(moe_ep::kErrInvalid, "rank " + std::to_string(rank) + ": unknown transport '" + kind + "'");
       return nullptr;
@@ -125,6 +123,54 @@ int moe_ep_verbs_probe(char* buf, size_t len) {
     copy_str(what, buf, len);
     return ok ? 1 : 0;
   });
+}
+
+// 1 when a verbs engine can be created on `device` and `port` (null or "" and 0: the default
+// choice); buf gets the device, or why not.
+int moe_ep_verbs_probe_device(const char* device, int port, char* buf, size_t len) {
+  return guarded([&] {
+    std::string what;
+    const bool ok = moe_ep::verbs_probe_device(device ? device : "", port, &what);
+    copy_str(what, buf, len);
+    return ok ? 1 : 0;
+  });
+}
+
+// efa engine (libibverbs and libefa loaded at run time): one SRD queue pair, an address handle
+// per peer. device: null or "" = MOE_EP_IB_DEVICE, else the first EFA device with an active
+// port and the capabilities it needs. Null on failure, the message naming what is missing
+// (library, EFA device, active port, capability).
+void* moe_ep_engine_create_efa(int rank, int world, const char* device) {
+  try {
+    return moe_ep::create_efa_transport(rank, world, device ? device : "");
+  } catch (const std::exception& e) {
+    moe_ep::set_error(moe_ep::kErrSystem, std::string("native exception: ") + e.what());
+    return nullptr;
+  }
+}
+
+// 1 when an efa engine can be created here (on `device`; null or "": the default choice), else
+// 0; buf gets the device and its capabilities, or why not.
+int moe_ep_efa_probe(const char* device, char* buf, size_t len) {
+  return guarded([&] {
+    std::string what;
+    const bool ok = moe_ep::efa_probe(device ? device : "", &what);
+    copy_str(what, buf, len);
+    return ok ? 1 : 0;
+  });
+}
+
+// The start-up capability check of the efa transport on efadv device_caps bits: 1 when they
+// suffice, else 0 with the missing capabilities by name in buf.
+int moe_ep_efa_check_caps(uint32_t caps, char* buf, size_t len) {
+  const std::string miss = moe_ep::efa_missing_caps(caps);
+  copy_str(miss.empty() ? moe_ep::efa_caps_names(caps) : miss, buf, len);
+  return miss.empty() ? 1 : 0;
+}
+
+// Every RDMA device libibverbs lists, as JSON (see rdma_probe.h); returns its full length.
+int moe_ep_rdma_devices(char* buf, size_t len) {
+  return copy_str(moe_ep::rdma_devices_json(), buf, len);
 }
 
 // Test hook: destroys a verbs engine's queue pair to `peer`.

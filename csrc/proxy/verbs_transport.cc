@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "transport.h"
+#include "rdma_probe.h"
 #include "transport_common.h"
 #include "verbs_abi.h"
 
@@ -165,6 +166,17 @@ std::string gid_type(const std::string& dev, int port, int idx) {
                    std::to_string(idx));
 }
 
+// An EFA device (its PCI function bound to the efa driver): the verbs transport's default
+// choice skips it (EFA has no RC queue pairs); naming it explicitly still tries it.
+bool is_efa_device(const std::string& dev) {
+  char buf[4096];
+  const std::string link = "/sys/class/infiniband/" + dev + "/device/driver";
+  const ssize_t n = readlink(link.c_str(), buf, sizeof(buf) - 1);
+  if (n <= 0) return false;
+  const std::string target(buf, size_t(n));
+  return target.size() >= 4 && target.compare(target.size() - 4, 4, "/efa") == 0;
+}
+
 // Opens the device; on failure returns false with *why naming what is missing.
 bool select_device(const ibv::Api& v, const std::string& want_dev, int want_port, int want_gid, Selection* out,
                    std::string* why) {
@@ -184,6 +196,10 @@ bool select_device(const ibv::Api& v, const std::string& want_dev, int want_port
     const std::string name = v.get_device_name(list[i]);
     names += (names.empty() ? "" : ", ") + name;
     if (!dev.empty() && name != dev) continue;
+    if (dev.empty() && is_efa_device(name)) {  // RC does not run on EFA: that is the efa transport's
+      reasons += "; " + name + " is an EFA device (MOE_EP_TRANSPORT=efa)";
+      continue;
+    }
     ibv::context* ctx = v.open_device(list[i]);
     if (!ctx) {
       reasons += "; " + name + ": ibv_open_device failed: " + strerror(errno);
@@ -831,7 +847,9 @@ int verbs_destroy_qp(Transport* t, int peer) {
   return v->destroy_qp(peer);
 }
 
-bool verbs_probe(std::string* what) {
+bool verbs_probe(std::string* what) { return verbs_probe_device("", 0, what); }
+
+bool verbs_probe_device(const std::string& device, int port, std::string* what) {
   std::string why;
   const ibv::Api* v = ibv::load_verbs(&why);
   if (!v) {
@@ -839,7 +857,7 @@ bool verbs_probe(std::string* what) {
     return false;
   }
   Selection s;
-  if (!select_device(*v, "", 0, -1, &s, &why)) {
+  if (!select_device(*v, device, port, -1, &s, &why)) {
     *what = why;
     return false;
   }

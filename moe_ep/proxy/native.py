@@ -1,7 +1,7 @@
 """ctypes loader and Python wrapper for the native proxy engine (csrc/proxy).
 
 ``ImmCounter``: a signed counter per 32-bit immediate; ``wait`` subtracts what it expects.
-``Engine`` (``TcpTransport``, ``VerbsTransport``): registered memory, one-sided writes with immediates to peers,
+``Engine`` (``TcpTransport``, ``VerbsTransport``, ``EfaTransport``): registered memory, one-sided writes with immediates to peers,
 completions by ``poll``, the receiver's immediates counted in ``engine.imm``.
 ``Proxy``: the host side of the inter-node protocol (docs/ARCHITECTURE.md §10) on an engine,
 driven by the mailbox words (``MAILBOX``); ``Proxy.wait_ready`` turns its error record into
@@ -115,6 +115,11 @@ def lib() -> ctypes.CDLL:
             _c(L, "moe_ep_engine_create_verbs", vp, i32, i32, cp, i32, i32)
             _c(L, "moe_ep_verbs_probe", i32, cp, sz)
             _c(L, "moe_ep_verbs_destroy_qp", i32, vp, i32)
+            _c(L, "moe_ep_verbs_probe_device", i32, cp, i32, cp, sz)
+            _c(L, "moe_ep_engine_create_efa", vp, i32, i32, cp)
+            _c(L, "moe_ep_efa_probe", i32, cp, cp, sz)
+            _c(L, "moe_ep_efa_check_caps", i32, u32, cp, sz)
+            _c(L, "moe_ep_rdma_devices", i32, cp, sz)
             _c(L, "moe_ep_engine_destroy", None, vp)
             _c(L, "moe_ep_engine_imm", vp, vp)
             _c(L, "moe_ep_register", i32, vp, vp, u64, ctypes.POINTER(u32))
@@ -423,12 +428,44 @@ class TcpTransport(Engine):
         super().__init__(rank, world, streams, bind_host, transport="tcp")
 
 
-def verbs_probe() -> tuple[bool, str]:
-    """(True, "device rxe0 port 1 GID index 1 (RoCE)") when a verbs engine can be created here,
-    else (False, why not: libibverbs missing, no device, no active port, no usable GID)."""
+def verbs_probe(device: str | None = None, port: int = 0) -> tuple[bool, str]:
+    """(True, "device rxe0 port 1 GID index 1 (RoCE)") when a verbs engine can be created here
+    (on ``device`` and ``port``, default the transport's own choice), else (False, why not:
+    libibverbs missing, no device, no active port, no usable GID)."""
     buf = ctypes.create_string_buffer(2048)
-    ok = lib().moe_ep_verbs_probe(buf, len(buf))
+    ok = (lib().moe_ep_verbs_probe_device(device.encode(), port, buf, len(buf)) if device or port
+          else lib().moe_ep_verbs_probe(buf, len(buf)))
     return ok == 1, buf.value.decode(errors="replace")
+
+
+# efadv device_caps bits (csrc/proxy/efa_abi.h, efadv_query_device(3)).
+EFA_CAPS = {"rdma read": 1 << 0, "rnr retry": 1 << 1, "cq with sgid": 1 << 2, "rdma write": 1 << 3,
+            "unsolicited write recv": 1 << 4}
+
+
+def efa_probe(device: str | None = None) -> tuple[bool, str]:
+    """(True, "device efa_0 port 1 GID index 0 (SRD; <capabilities>; max RDMA size N)") when an
+    efa engine can be created here (on ``device``, default the transport's own choice), else
+    (False, why not: libibverbs or libefa missing, no EFA device, a capability missing)."""
+    buf = ctypes.create_string_buffer(2048)
+    ok = lib().moe_ep_efa_probe((device or "").encode(), buf, len(buf))
+    return ok == 1, buf.value.decode(errors="replace")
+
+
+def efa_check_caps(caps: int) -> tuple[bool, str]:
+    """The efa transport's start-up check of efadv ``device_caps`` bits: (True, their names) or
+    (False, the missing capabilities by name)."""
+    buf = ctypes.create_string_buffer(1024)
+    ok = lib().moe_ep_efa_check_caps(caps, buf, len(buf))
+    return ok == 1, buf.value.decode(errors="replace")
+
+
+def rdma_devices() -> dict:
+    """What libibverbs reports of every RDMA device (device and port attributes, GIDs, EFA
+    attributes): ``{"devices": [...], "efa_library": None | why not}``, or ``{"error": why}``."""
+    import json
+
+    return json.loads(_str(lib().moe_ep_rdma_devices))
 
 
 class VerbsTransport(Engine):
@@ -453,6 +490,22 @@ class VerbsTransport(Engine):
         rc = self._lib.moe_ep_verbs_destroy_qp(self._h, peer)
         if rc != OK:
             _raise(rc)
+
+
+class EfaTransport(Engine):
+    """Engine over AWS EFA (libibverbs + libefa, loaded at run time): one SRD queue pair per
+    engine and an address handle per peer; ``RDMA_WRITE_WITH_IMM`` through the ``ibv_qp_ex``
+    send-ops API; writes with immediates received unsolicited where the device supports it.
+
+    ``device`` (default ``MOE_EP_IB_DEVICE``, else the first EFA device with an active port and
+    the capabilities the transport needs: RDMA write, and unsolicited write receive or RNR
+    retry). Register every region before reading ``endpoint``. Creating one where this cannot
+    work raises ``NativeError`` naming what is missing."""
+
+    def __init__(self, rank: int, world: int, device: str | None = None):
+        self._lib = lib()
+        self._adopt(self._lib.moe_ep_engine_create_efa(rank, world, (device or "").encode()), rank, world, "efa")
+        self.streams = 1
 
 
 # ---------------------------------------------------------------- Proxy (§10)

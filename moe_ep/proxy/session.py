@@ -2,8 +2,10 @@
 
 The endpoints travel through the group's process group (``all_gather_object``), so a job needs
 nothing beyond what ``torch.distributed`` already set up. The transport comes from
-``MOE_EP_TRANSPORT`` (``auto`` | ``verbs`` | ``tcp``; ``efa`` is not implemented yet): ``auto``
-takes verbs when every rank has a usable verbs device, else tcp, and rank 0 logs which and why.
+``MOE_EP_TRANSPORT`` (``auto`` | ``efa`` | ``verbs`` | ``tcp``): ``auto`` takes efa when every
+rank has a usable EFA device, else verbs when every rank has another usable verbs device, else
+tcp. Each rank's NIC is the one nearest its GPU (``moe_ep.proxy.nic``; ``MOE_EP_IB_DEVICE``
+overrides it). Rank 0 logs the choice, why, and its NIC in one line.
 """
 from __future__ import annotations
 
@@ -11,13 +13,18 @@ import logging
 import math
 import os
 import socket
-from typing import Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
-from ..group import EPGroup
-from .native import Engine, NativeError, Proxy, TcpTransport, VerbsTransport, verbs_probe
+from . import nic as _nic
+from .native import (EfaTransport, Engine, NativeError, Proxy, TcpTransport, VerbsTransport, efa_probe,
+                     verbs_probe)
+
+if TYPE_CHECKING:  # not at run time: moe_ep.doctor uses this module without torch
+    from ..group import EPGroup
 
 TRANSPORTS = ("auto", "verbs", "tcp", "efa")
 _log = logging.getLogger(__name__)
+Probe = Callable[[], "tuple[bool, str]"]
 
 
 def default_private_capacity(max_tokens: int, topk: int, num_experts: int, world_size: int) -> int:
@@ -41,30 +48,62 @@ def _bind_host(group: EPGroup) -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
-def select_transport(name: Optional[str] = None) -> tuple[str, str]:
+def select_transport(name: Optional[str] = None, *, probes: Optional[dict[str, Probe]] = None) -> tuple[str, str]:
     """This rank's transport and why: ``name`` (default ``MOE_EP_TRANSPORT``, else ``auto``).
-    ``auto``: verbs when a verbs device is usable here, else tcp. Asking for ``verbs`` where none
-    is usable, for ``efa``, or for an unknown name raises ``NativeError`` / ``ValueError``."""
+
+    ``auto``: efa when an EFA device is usable here, else verbs when another verbs device is,
+    else tcp. Asking for ``efa`` or ``verbs`` where none is usable raises ``NativeError`` naming
+    what is missing; an unknown name raises ``ValueError``. ``probes`` (``{"efa": f, "verbs": f}``,
+    each ``() -> (ok, what)``) replace ``efa_probe`` / ``verbs_probe``: the device a rank will use
+    (``nic_probes``), or fakes in tests.
+    """
     want = (name or os.environ.get("MOE_EP_TRANSPORT") or "auto").strip().lower()
     if want not in TRANSPORTS:
         raise ValueError(f"MOE_EP_TRANSPORT={want!r}: expected one of {', '.join(TRANSPORTS)}")
-    if want == "efa":
-        raise NativeError("MOE_EP_TRANSPORT=efa: efa: not implemented yet (use verbs or tcp)")
     if want == "tcp":
         return "tcp", "MOE_EP_TRANSPORT=tcp"
-    ok, what = verbs_probe()
-    if want == "verbs":
+    probe = {"efa": efa_probe, "verbs": verbs_probe, **(probes or {})}
+    if want != "auto":
+        ok, what = probe[want]()
         if not ok:
-            raise NativeError(f"MOE_EP_TRANSPORT=verbs, but no verbs device is usable: {what}")
-        return "verbs", f"MOE_EP_TRANSPORT=verbs: {what}"
-    return ("verbs", f"auto: verbs {what}") if ok else ("tcp", f"auto: no verbs device ({what})")
+            dev = "EFA" if want == "efa" else "verbs"
+            raise NativeError(f"MOE_EP_TRANSPORT={want}, but no {dev} device is usable: {what}")
+        return want, f"MOE_EP_TRANSPORT={want}: {what}"
+    ok, efa_what = probe["efa"]()
+    if ok:
+        return "efa", f"auto: efa {efa_what}"
+    ok, what = probe["verbs"]()
+    if ok:
+        return "verbs", f"auto: verbs {what}"
+    return "tcp", f"auto: efa not usable: {efa_what}; verbs not usable: {what}"
 
 
-def _agreed_transport(group: EPGroup, name: Optional[str]) -> str:
-    """Every rank's choice, gathered: auto falls back to tcp unless every rank can use verbs; a
-    rank that cannot start the transport it was asked for fails every rank (none waits alone)."""
+def choose_nics(gpu_index: Optional[int] = None, root: Optional[str] = None) -> dict[str, _nic.NicChoice]:
+    """This rank's NIC for each RDMA transport (``moe_ep.proxy.nic.choose_nic`` over sysfs):
+    nearest the CUDA device ``gpu_index``, or, for a CPU rank (None), the first active one."""
+    devices = _nic.list_devices(root)
+    gpu = None
+    if gpu_index is not None:
+        bdf = _nic.torch_gpu_bdf(gpu_index)
+        gpu = _nic.gpu_pci(bdf, root) if bdf else _nic.GpuPci("")
+    return {k: _nic.choose_nic(devices, k, gpu, gpu_index or 0) for k in ("efa", "verbs")}
+
+
+def nic_probes(nics: dict[str, _nic.NicChoice]) -> dict[str, Probe]:
+    """``select_transport`` probes that check the devices ``nics`` chose (the native default
+    where sysfs offered none)."""
+    return {"efa": lambda: efa_probe(nics["efa"].device),
+            "verbs": lambda: verbs_probe(nics["verbs"].device, nics["verbs"].port or 0)}
+
+
+def _agreed_transport(group: EPGroup, name: Optional[str]) -> tuple[str, Optional[_nic.NicChoice]]:
+    """Every rank's choice, gathered: auto falls back to tcp unless every rank can use the same
+    RDMA transport; a rank that cannot start the transport it was asked for fails every rank
+    (none waits alone). Returns the transport and this rank's NIC for it (None for tcp)."""
+    dev = getattr(group, "device", None)
+    nics = choose_nics(dev.index if getattr(dev, "type", "") == "cuda" else None)
     try:
-        kind, why = select_transport(name)
+        kind, why = select_transport(name, probes=nic_probes(nics))
         err: Optional[Exception] = None
     except (NativeError, ValueError) as e:
         kind, why, err = "", str(e), e
@@ -74,13 +113,14 @@ def _agreed_transport(group: EPGroup, name: Optional[str]) -> str:
         if err is not None:
             raise err
         raise NativeError(f"rank {group.rank}: rank {failed[0]} cannot start its transport: {choices[failed[0]][1]}")
-    kinds = {k for k, _ in choices}
-    if len(kinds) > 1:
-        bad = next(r for r, (k, _) in enumerate(choices) if k != "verbs")
-        kind, why = "tcp", f"auto: rank {bad} has no verbs device ({choices[bad][1]})"
+    kinds = [k for k, _ in choices]
+    if len(set(kinds)) > 1:
+        bad = next(r for r, k in enumerate(kinds) if k != kinds[0])
+        kind, why = "tcp", f"auto: rank 0 has {kinds[0]}, rank {bad} {kinds[bad]} ({choices[bad][1]})"
+    nic = nics.get(kind)
     if group.rank == 0:
-        _log.info("moe_ep proxy transport: %s (%s)", kind, why)
-    return kind
+        _log.info("moe_ep proxy transport: %s (%s)%s", kind, why, f"; NIC {nic}" if nic else "")
+    return kind, nic
 
 
 def start_proxy(group: EPGroup, *, num_local_experts: int, row_bytes: int, comb_row_bytes: int,
@@ -96,8 +136,11 @@ def start_proxy(group: EPGroup, *, num_local_experts: int, row_bytes: int, comb_
     memory to use (``Proxy``'s arguments; default: numpy arrays it allocates).
     """
     engine: Engine
-    if _agreed_transport(group, transport) == "verbs":
-        engine = VerbsTransport(group.rank, group.world_size)
+    kind, nic = _agreed_transport(group, transport)
+    if kind == "verbs":
+        engine = VerbsTransport(group.rank, group.world_size, device=nic.device, port=nic.port or 0)
+    elif kind == "efa":
+        engine = EfaTransport(group.rank, group.world_size, device=nic.device)
     else:
         engine = TcpTransport(group.rank, group.world_size, streams=streams, bind_host=bind_host or _bind_host(group))
     proxy = Proxy(engine, node_size=group.node_size, num_local_experts=num_local_experts, row_bytes=row_bytes,
