@@ -1,0 +1,160 @@
+"""``python -m moe_ep.doctor``: runs anywhere (no GPU, no RDMA device, no pyverbs), prints a
+report or JSON with the documented keys; RDMA parsing on a fake sysfs tree (tests/test_nic.py's
+``make_sysfs``); pyverbs cross-check with a stand-in module; on a real device (``-m rdma``, e.g.
+the Soft-RoCE VM) it sees rxe0, and sysfs, libibverbs and pyverbs agree.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+from test_nic import make_sysfs
+from test_verbs_transport import AVAILABLE, ROOT, WHY, light_import
+
+doctor = light_import("doctor")
+KEYS = {"host", "gpus", "rdma", "nic", "transport", "env"}
+
+
+def _run(*args, **env):
+    return subprocess.run([sys.executable, "-m", "moe_ep.doctor", *args], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT, env={**os.environ, **env})
+
+
+def test_cli_text_and_json():
+    r = _run()
+    assert r.returncode == 0, r.stderr
+    for head in ("moe_ep doctor:", "GPUs (", "RDMA devices (sysfs", "NIC per rank", "Transport: auto -> "):
+        assert head in r.stdout, r.stdout
+    r = _run("--json", "--no-pyverbs")
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert set(rep) == KEYS
+    assert {"source", "devices"} <= set(rep["gpus"]) and {"sysfs_root", "devices"} <= set(rep["rdma"])
+    assert rep["transport"]["auto"]["kind"] in ("tcp", "verbs", "efa") and rep["transport"]["auto"]["why"]
+    assert rep["nic"][-1]["rank"] == "CPU"
+
+
+def test_cli_reports_requested_transport_error():
+    r = _run("--json", "--no-torch", "--no-pyverbs", MOE_EP_TRANSPORT="efa", MOE_EP_EFA_LIB="libmissing-efa.so.1")
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    q = rep["transport"]["requested"]
+    assert q["name"] == "efa" and "MOE_EP_TRANSPORT=efa, but no EFA device is usable" in q["error"], q
+    assert rep["env"]["MOE_EP_TRANSPORT"] == "efa"
+    if AVAILABLE or "no RDMA device" not in WHY:  # libibverbs loads: the missing libefa is named
+        assert "libmissing-efa.so.1" in q["error"] or "no EFA device" in q["error"]
+
+
+def test_report_on_fake_sysfs(tmp_path):
+    root = make_sysfs(str(tmp_path / "sys"))
+    rep = doctor.report(root, use_torch=False, use_pyverbs=False)
+    assert set(rep) == KEYS and rep["rdma"]["sysfs_root"] == root
+    devs = {d["name"]: d for d in rep["rdma"]["devices"]}
+    assert sorted(devs) == ["efa_0", "mlx5_0", "mlx5_1", "mlx5_2", "rxe0"]
+    assert devs["efa_0"]["kind"] == "efa" and devs["mlx5_0"]["pci"] == "0000:04:00.0"
+    port = devs["rxe0"]["ports"][0]
+    assert port["active"] and port["link_layer"] == "Ethernet" and port["default_gid_index"] == 1
+    assert port["gids"][1] == {"index": 1, "address": "::ffff:127.0.0.1", "type": "RoCE v2", "ndev": "lo"}
+    if not os.path.exists("/usr/bin/nvidia-smi"):
+        assert rep["gpus"]["source"] == "sysfs" and [g["pci"] for g in rep["gpus"]["devices"]] == [
+            "0000:03:00.0", "0000:07:00.0", "0000:41:00.0"]
+        rows = {r["rank"]: r for r in rep["nic"]}
+        assert rows["GPU0"]["verbs"].startswith("mlx5_0 port 1 (behind the same PCIe switch")
+        assert rows["GPU2"]["verbs"].startswith("mlx5_1 port 1 (on NUMA node 1")
+        assert rows["CPU"]["efa"].startswith("efa_0 port 1")
+    text = doctor.render(rep)
+    assert "GID 3   RoCE v2  ::ffff:10.0.0.1  (eth0)  <- default" in text
+    assert "mlx5_2  [verbs]" in text and "port 1  DOWN" in text and "efa_0  [efa]  driver efa" in text
+    json.dumps(rep)  # JSON-able
+
+
+def test_parse_topo():
+    text = """\tGPU0\tGPU1\tGPU2\tNIC0\tCPU Affinity\tNUMA Affinity
+GPU0\t X \tNV18\tSYS\tPIX\t0-55\t0
+GPU1\tNV18\t X \tNV18\tSYS\t0-55\t0
+GPU2\tSYS\tNV18\t X \tSYS\t56-111\t1
+NIC0\tPIX\tSYS\tSYS\t X
+"""
+    t = doctor.parse_topo(text)
+    assert t == {0: {1: "NV18", 2: "SYS"}, 1: {0: "NV18", 2: "NV18"}, 2: {0: "SYS", 1: "NV18"}}
+
+
+def test_cross_check_names_differences():
+    sysfs = [{"name": "mlx5_0", "ports": [{"num": 1, "state": "ACTIVE", "active": True,
+                                            "gids": [{"index": 0, "address": "fe80::1"}]}]},
+             {"name": "only_sysfs0", "ports": []}]
+    other = [{"name": "mlx5_0", "ports": [{"port": 1, "active": False,
+                                            "gids": [{"index": 0, "gid": "fe80:0000:0000:0000:0000:0000:0000:0002"}]}]}]
+    d = doctor.cross_check(sysfs, other, "pyverbs")
+    assert d == ["only_sysfs0: only in sysfs", "mlx5_0 port 1: sysfs says ACTIVE, pyverbs not active",
+                 "mlx5_0 port 1 GID 0: sysfs fe80::1, pyverbs fe80::2"]
+    same = [{"name": "mlx5_0", "ports": [{"port": 1, "active": True, "gids": [{"index": 0, "gid": "fe80::1"}]}]}]
+    assert doctor.cross_check(sysfs[:1], same, "libibverbs") == []
+
+
+def test_pyverbs_cross_check_with_stand_in(monkeypatch, tmp_path):
+    """pyverbs' calls as the doctor makes them (get_device_list, Context, query_device/port/gid)."""
+    class Ctx:
+        def __init__(self, name):
+            self.name = name
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+        def query_device(self):
+            return types.SimpleNamespace(phys_port_cnt=1, fw_version=b"1.0", max_qp=64)
+
+        def query_port(self, port):
+            return types.SimpleNamespace(state=4, link_layer=2, gid_tbl_len=3)
+
+        def query_gid(self, port, k):
+            return ["fe80:0000:0000:0000:0000:0000:0000:0000", "0000:0000:0000:0000:0000:ffff:7f00:0001",
+                    "0000:0000:0000:0000:0000:0000:0000:0000"][k]
+
+    dev = types.ModuleType("pyverbs.device")
+    dev.get_device_list = lambda: [types.SimpleNamespace(name=b"rxe0")]
+    dev.Context = lambda name: Ctx(name)
+    pkg = types.ModuleType("pyverbs")
+    pkg.device = dev
+    monkeypatch.setitem(sys.modules, "pyverbs", pkg)
+    monkeypatch.setitem(sys.modules, "pyverbs.device", dev)
+    pv, why = doctor.pyverbs_devices()
+    assert why == "ok" and pv[0]["name"] == "rxe0" and [g["index"] for g in pv[0]["ports"][0]["gids"]] == [0, 1]
+    root = make_sysfs(str(tmp_path / "sys"), devices=("rxe0",))
+    r = doctor.rdma(root)
+    assert r["pyverbs"]["available"] and r["pyverbs"]["vs_sysfs"] == []
+
+
+@pytest.mark.rdma
+@pytest.mark.skipif(not AVAILABLE, reason=f"no usable RDMA device: {WHY}")
+def test_doctor_sees_the_verbs_device():
+    """On a machine with a verbs device (the Soft-RoCE VM: rxe0, GID 1 = ::ffff:127.0.0.1): sysfs,
+    libibverbs and (where importable) pyverbs agree, and auto picks verbs."""
+    rep = doctor.report(use_torch=False)
+    devs = {d["name"]: d for d in rep["rdma"]["devices"]}
+    name = WHY.split()[1]  # "device rxe0 port 1 ..."
+    assert name in devs, (WHY, list(devs))
+    port = devs[name]["ports"][0]
+    assert port["active"] and port["state"] == "ACTIVE"
+    assert f"GID index {port['default_gid_index']}" in WHY
+    if name.startswith("rxe"):
+        assert port["link_layer"] == "Ethernet"
+        assert {"index": 1, "type": "RoCE v2", "address": "::ffff:127.0.0.1"}.items() <= port["gids"][1].items()
+    assert rep["rdma"]["verbs_probe"]["ok"] and rep["rdma"]["libibverbs_vs_sysfs"] == []
+    lv = {d["name"]: d for d in rep["rdma"]["libibverbs"]["devices"]}
+    assert lv[name]["max_qp"] > 0 and lv[name]["ports"][0]["active"]
+    pv = rep["rdma"]["pyverbs"]
+    if pv["available"]:
+        assert pv["vs_sysfs"] == [], pv
+    assert rep["transport"]["auto"]["kind"] in ("verbs", "efa")
+    cpu = rep["nic"][-1]
+    assert cpu["rank"] == "CPU" and cpu["verbs"].startswith(name)
+    print(doctor.render(rep))
