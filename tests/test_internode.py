@@ -6,10 +6,13 @@ uniform / skewed / sparse / no-expert routing, a repeat for determinism, NaN poi
 exact, fp8 bytes and scales bit-exact, combine exact on integer data), for 2 nodes x 2, 4 x 1,
 3 x 1 and 2 x 1, with private capacities that send every row in round 2 (0), some (1), and none
 (the default); bf16, fp8 quantized in-kernel and pre-quantized fp8; then the errors: a batch
-beyond the overflow capacity, a silent rank, a second combine of one dispatch.
+beyond the overflow capacity, a second combine of one dispatch, a silent rank (in dispatch and in
+combine: the others' errors name it), a rank process killed mid-run.
 """
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -113,41 +116,156 @@ def test_errors_across_nodes():
         assert log["second_combine"] is True, (r, log)
 
 
-def _silent_worker(rank, world_size, timeout_s):
-    """Rank R-1 never dispatches; the others raise CommTimeoutError naming a peer, in time."""
+def _to_every_rank_inputs(rank, world_size, M, H):
+    """M tokens, each selecting an expert of rank R-1 and one of another rank (E = 2R, K = 2), so
+    every rank sends rows to every other over the calls and combines rows from rank R-1."""
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(M, H, generator=g).to(torch.bfloat16)
+    idx = torch.tensor([[2 * (world_size - 1), 2 * ((rank + 1 + t) % world_size) + 1] for t in range(M)])
+    w = torch.rand(M, 2, generator=g)
+    return x, idx, w
+
+
+def _error_fields(exc, t0):
+    """What the tests check of a peer error (picklable), or ``other`` for any other exception."""
+    from moe_ep import CommTimeoutError
+    from moe_ep.proxy import PeerLostError
+
+    if isinstance(exc, (CommTimeoutError, PeerLostError)):
+        return dict(type=type(exc).__name__, rank=exc.rank, peer=exc.peer, phase=exc.phase, msg=str(exc),
+                    elapsed=time.monotonic() - t0)
+    return dict(other=f"{type(exc).__name__}: {exc}")
+
+
+def _silent_worker(rank, world_size, timeout_s, phase):
+    """Rank R-1 never calls ``phase`` (after one good dispatch and combine; for combine, it does
+    dispatch); the others raise CommTimeoutError naming it, in time."""
     import moe_ep
 
     group = moe_ep.EPGroup(node_size=1)
-    case = Case(R=world_size, E=2 * world_size, K=2, calls=("uniform",), M=4)
-    inp = make_inputs(case, 0)[rank]
+    M, H, silent = 4, 128, rank == world_size - 1
+    x, idx, w = _to_every_rank_inputs(rank, world_size, M, H)
     res = {"rank": rank}
-    buf = moe_ep.EPBuffer(group, case.E, case.H, case.M, case.K, timeout_s=timeout_s)
+    buf = moe_ep.EPBuffer(group, 2 * world_size, H, M, 2, timeout_s=timeout_s)
     try:
-        if rank != world_size - 1:
+        h = buf.dispatch(x, idx, w)
+        buf.combine(h.expert_x, h)
+        if phase == "combine":
+            h = buf.dispatch(x, idx, w)
+        if not silent:
             t0 = time.monotonic()
             try:
-                buf.dispatch(inp.x, inp.topk_idx, inp.topk_weights)
+                buf.combine(h.expert_x, h) if phase == "combine" else buf.dispatch(x, idx, w)
                 res["error"] = None
-            except moe_ep.CommTimeoutError as exc:
-                res["error"] = dict(rank=exc.rank, peer=exc.peer, phase=exc.phase)
             except Exception as exc:  # noqa: BLE001
-                res["error"] = dict(other=f"{type(exc).__name__}: {exc}")
-            res["elapsed"] = time.monotonic() - t0
+                res["error"] = _error_fields(exc, t0)
     finally:
         group.barrier()
         buf.close()
     return res
 
 
-def test_silent_rank_across_nodes():
+@pytest.mark.parametrize("phase", ["dispatch", "combine"])
+def test_silent_rank_across_nodes(phase):
+    """A rank that stays alive but does not call dispatch (or combine): the others' proxies time
+    out within timeout_s, and the CommTimeoutError names the rank, the silent peer and the phase."""
     R, timeout_s = 3, 3.0
-    results = dist_util.run(R, _silent_worker, timeout_s, timeout=120)
+    results = dist_util.run(R, _silent_worker, timeout_s, phase, timeout=120)
     for res in results[:-1]:
         err = res["error"]
-        assert err is not None and "other" not in err, res
-        assert err["rank"] == res["rank"] and err["phase"] == "dispatch", res
-        assert timeout_s * 0.9 <= res["elapsed"] <= timeout_s + 20.0, res
-    if any(res["error"]["peer"] == -1 for res in results[:-1]):
-        pytest.xfail("the proxy counts round-1 immediates per epoch, not per source, so it cannot name the "
-                     "silent peer yet (-1); encoding the source in the immediate would")
-    assert all(res["error"]["peer"] == R - 1 for res in results[:-1]), results
+        assert err is not None and err.get("type") == "CommTimeoutError", res
+        assert (err["rank"], err["peer"], err["phase"]) == (res["rank"], R - 1, phase), res
+        assert f"rank {res['rank']}: peer {R - 1} did not signal {phase}" in err["msg"], err["msg"]
+        assert f"no immediate from peer {R - 1}" in err["msg"], err["msg"]
+        assert timeout_s * 0.9 <= err["elapsed"] <= timeout_s + 5.0, res
+
+
+def _killed_worker(rank, world_size, victim, when, timeout_s):
+    """Two good dispatch + combine calls (checked), then ``victim`` SIGKILLs its own process
+    before its third dispatch, or between it and its combine; the others report their error."""
+    import moe_ep
+
+    group = moe_ep.EPGroup(node_size=1)
+    M, H = 4, 128
+    x, idx, w = _to_every_rank_inputs(rank, world_size, M, H)
+    want = (x.float() * w.sum(1, keepdim=True)).to(torch.bfloat16)  # identity experts
+    res = {"rank": rank, "good": 0}
+    buf = moe_ep.EPBuffer(group, 2 * world_size, H, M, 2, timeout_s=timeout_s)
+    try:
+        for call in range(3):
+            if rank == victim and call == 2 and when == "dispatch":
+                os.kill(os.getpid(), signal.SIGKILL)
+            t0 = time.monotonic()
+            h = buf.dispatch(x, idx, w)
+            if rank == victim and call == 2:  # when == "combine": its dispatch completed everywhere
+                time.sleep(0.5)
+                os.kill(os.getpid(), signal.SIGKILL)
+            t0 = time.monotonic()
+            out = buf.combine(h.expert_x, h)
+            torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2)
+            res["good"] += 1
+        res["error"] = None
+    except Exception as exc:  # noqa: BLE001
+        res["error"] = _error_fields(exc, t0)
+        try:
+            buf.dispatch(x, idx, w)
+            res["after"] = "no error"
+        except moe_ep.BufferBrokenError:
+            res["after"] = "BufferBrokenError"
+    buf.close()  # no collective: the process group lost a member
+    return res
+
+
+def _run_with_victim(R, victim, fn, *args, timeout):
+    """dist_util.run for a call in which rank ``victim`` kills its own process: returns the other
+    ranks' values, failing if one raised or did not answer within ``timeout`` (a hang). The pool
+    (whose process group lost a member) is killed afterwards; the next run starts a fresh one."""
+    import pickle
+    import queue
+
+    pool = dist_util.get_pool(R)
+    pool._call_id += 1
+    payload = pickle.dumps((fn, args, {}))
+    for q in pool._tasks:
+        q.put((pool._call_id, payload))
+    got = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(got) < R - 1:
+            try:
+                cid, rank, ok, value = pool._results.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                missing = sorted(set(range(R)) - set(got) - {victim})
+                raise AssertionError(f"ranks {missing} did not answer within {timeout} s (hang)") from None
+            if cid != pool._call_id:
+                continue
+            if not ok:
+                raise dist_util.RankError(rank, *value)
+            assert rank != victim, f"the victim answered: {value}"
+            got[rank] = value
+        pool._procs[victim].join(10)
+        assert pool._procs[victim].exitcode == -signal.SIGKILL, pool._procs[victim].exitcode
+    finally:
+        pool.kill()
+    return got
+
+
+@pytest.mark.parametrize("when", ["dispatch", "combine"])
+def test_rank_killed_across_nodes(when):
+    """A rank process killed (SIGKILL) mid-run, after two good dispatch/combine calls, before its
+    third dispatch or between it and its combine: the survivors raise PeerLostError or
+    CommTimeoutError naming that rank and the phase within the deadline, never hang, and the
+    buffer is broken after."""
+    R, victim, timeout_s = 3, 1, 4.0
+    t0 = time.monotonic()
+    got = _run_with_victim(R, victim, _killed_worker, victim, when, timeout_s, timeout=60)
+    assert sorted(got) == [0, 2]
+    for r, res in got.items():
+        err = res["error"]
+        assert res["good"] == 2 and err is not None and "other" not in err, res
+        assert err["type"] in ("PeerLostError", "CommTimeoutError"), res
+        assert (err["rank"], err["peer"], err["phase"]) == (r, victim, when), res
+        assert f"peer {victim}" in err["msg"] and f"rank {r}" in err["msg"], err["msg"]
+        assert err["elapsed"] < timeout_s + 3.0, res
+        assert res["after"] == "BufferBrokenError", res
+    assert time.monotonic() - t0 < 60

@@ -3,11 +3,12 @@
 Every rank is a process with a TcpTransport and a Proxy; the kernels are stood in for by numpy:
 they pack the send buffers, ring the mailbox doorbells and poll the ready words. Every row is
 checked byte for byte where §10 puts it (round-1 slot, overflow offset, combine offset), with
-delay and reorder injection on, over several epochs; plus the capacity decision and a rank
-killed mid-dispatch.
+delay and reorder injection on, over several epochs; plus the capacity decision, a rank
+killed mid-dispatch, and silent ranks (alive, never ringing): the others' timeouts name them.
 """
 import multiprocessing as mp
 import os
+import re
 import signal
 import time
 import traceback
@@ -144,6 +145,10 @@ def _rank_main(rank, R, node_size, cap, ovcap, epochs, seed, fault, maxc, plan, 
                     n = int(C[rank, p])
                     px.disp_send[off + HDR:off + HDR + n * RB] = _rows(seed, e, rank, p, n).reshape(-1)
             victim = plan and plan.get("victim") == rank and plan.get("epoch") == e
+            silent = plan and rank in plan.get("silent", ()) and plan.get("epoch") == e
+            if silent and plan["phase"] == "dispatch":  # alive, but never rings: the others time out
+                log.append(("silent", e))
+                break
             if victim and plan["when"] == "before_ring":
                 conn.send(("dying", e, time.monotonic()))
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -166,6 +171,9 @@ def _rank_main(rank, R, node_size, cap, ovcap, epochs, seed, fault, maxc, plan, 
             if e not in combine_at:
                 log.append(("ok", e))
                 continue
+            if silent:  # dispatched, but never rings the combine
+                log.append(("silent", e))
+                break
             # ---- combine send "kernel": per remote source, one row per received row, in order
             o = 0
             for s in sorted(received):
@@ -249,9 +257,72 @@ def _run(R, node_size, cap, *, epochs=3, seed=0, ovcap=None, fault=True, maxc=MA
 
 def test_mailbox_layout_and_imm():
     assert native.native_mailbox_layout() == {**MAILBOX, "n_words": MAILBOX_WORDS}
+    # phase in bits 31..30, source rank in bits 29..16, epoch mod 2^16 in bits 15..0
     assert make_imm(0, 5) == 5 and make_imm(1, 5) == (1 << 30) | 5 and make_imm(2, 5) == (2 << 30) | 5
-    assert make_imm(2, (1 << 30) + 7) == (2 << 30) | 7  # epoch mod 2^30
+    assert make_imm(2, 5, src=3) == (2 << 30) | (3 << 16) | 5
+    assert make_imm(1, (1 << 16) + 7, src=native.IMM_MAX_RANKS - 1) == (1 << 30) | (0x3FFF << 16) | 7
+    assert native.IMM_MAX_RANKS == 1 << 14
     assert native.hdr_bytes(4, 3) == 32 and native.hdr_bytes(3, 1) == 16 and native.hdr_bytes(4, 4) == 32
+
+
+def test_imm_names_source_and_epoch():
+    """A peer's write counts only with its own rank, phase and epoch in the immediate: rank 0 is
+    a bare engine posting round-1 writes by hand (so Python's make_imm is checked against the
+    proxy's), rank 1 a proxy. Writes from another source, of another phase or of the next epoch
+    do not complete round 1 of epoch 1; the next epoch's write, early, completes epoch 2 (run
+    ahead); epoch 3 with no write times out naming peer 0."""
+    a, b = TcpTransport(0, 2, streams=1), TcpTransport(1, 2, streams=1)
+    try:
+        pb = Proxy(b, node_size=1, num_local_experts=1, row_bytes=RB, comb_row_bytes=CRB, private_capacity=1,
+                   overflow_capacity=2, max_send_rows=4, timeout_s=1.0)
+        regs = {n: np.zeros(max(int(nb), 16), np.uint8) for n, nb in pb.region_bytes.items()}
+        keys = [a.register(regs[n]) for n in native.REGION_NAMES]  # same order: the keys agree
+        a.connect([a.endpoint, b.endpoint], 10)
+        b.connect([a.endpoint, b.endpoint], 10)
+        pb.start()
+        r1 = keys[native.REGION_NAMES.index("round1")]
+
+        def header(epoch, imm):  # rank 0's (all-zero) header into its round-1 slot of `epoch`
+            a.post_write(1, keys[0], 0, r1, pb.round1_offset(epoch, 0), pb.hdr_bytes, imm=imm)
+
+        pb.ring("dispatch", 1)
+        stray = [make_imm(native.PHASE_D1, 1, src=1), make_imm(native.PHASE_D2, 1, src=0)]
+        for imm in stray:
+            header(1, imm)
+        header(2, make_imm(native.PHASE_D1, 2, src=0))
+        time.sleep(0.3)
+        assert pb.mailbox[MAILBOX["disp_ready"]] == 0 and pb.error_record()[0] == 0
+        header(1, make_imm(native.PHASE_D1, 1, src=0))
+        pb.wait_ready("dispatch", 1, 5)
+        assert b.imm.value(make_imm(native.PHASE_D1, 2, src=0)) == 1
+        pb.ring("dispatch", 2)
+        pb.wait_ready("dispatch", 2, 5)
+        assert b.imm.value(make_imm(native.PHASE_D1, 2, src=0)) == 0
+        assert [b.imm.value(i) for i in stray] == [1, 1]  # counted apart, never consumed
+        t0 = time.monotonic()
+        pb.ring("dispatch", 3)
+        with pytest.raises(CommTimeoutError) as ei:
+            pb.wait_ready("dispatch", 3, 10)
+        assert 0.9 <= time.monotonic() - t0 < 3
+        exc = ei.value
+        assert (exc.rank, exc.peer, exc.phase, exc.epoch) == (1, 0, "dispatch", 3), str(exc)
+        assert "no immediate from peer 0" in str(exc) and "1 of 1 peers missing: 0" in str(exc), str(exc)
+        assert pb.error_record() == (native.PROXY_TIMEOUT, 0, native.PHASE_D1, 3)
+        pb.close()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_world_beyond_the_immediate_is_refused():
+    n = native.IMM_MAX_RANKS + 1
+    e = TcpTransport(0, n, streams=1)
+    try:
+        with pytest.raises(NativeError, match=f"world_size {n} exceeds {n - 1}, the most ranks the 14 source bits"):
+            Proxy(e, node_size=1, num_local_experts=1, row_bytes=RB, comb_row_bytes=CRB, private_capacity=0,
+                  overflow_capacity=0, max_send_rows=0, regions={k: np.zeros(16, np.uint8) for k in native.REGION_NAMES})
+    finally:
+        e.close()
 
 
 def test_config_errors_and_combine_misuse():
@@ -380,3 +451,31 @@ def test_rank_killed_mid_dispatch(when):
         if rec[0] == native.PROXY_PEER_LOST:
             assert rec[1] == 3 and "peer 3" in msg, (rec, msg)
     assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.parametrize("phase,silent", [("dispatch", [3]), ("combine", [3]), ("dispatch", [1, 3])],
+                         ids=["dispatch", "combine", "dispatch-two-silent"])
+def test_silent_rank_named(phase, silent):
+    """Ranks that stay alive but never ring epoch 2's doorbell (dispatch, or combine after a good
+    dispatch): every other rank times out within the deadline, naming the first silent peer, the
+    phase, and how many peers are missing. In the combine case every rank sends rows to rank 3,
+    so each waits for its combine write."""
+    R, timeout_s = 4, 2.0
+    plan = {"silent": silent, "epoch": 2, "phase": phase, "big_epoch": 2, "big_dst": 3}
+    out = _run(R, 1, 1, epochs=3, seed=11, plan=plan, timeout_s=timeout_s, wall_s=40)
+    want_phase = native.PHASE_D1 if phase == "dispatch" else native.PHASE_C
+    for r in range(R):
+        if r in silent:
+            assert out[r][:2] == [("ok", 1), ("silent", 2)], out[r]
+            continue
+        assert out[r][0] == ("ok", 1), out[r]
+        kind, e, name, msg, dt, rec = out[r][1]
+        assert (kind, e, name) == ("error", 2, "CommTimeoutError"), out[r]
+        assert rec == (native.PROXY_TIMEOUT, silent[0], want_phase, 2), (rec, msg)
+        assert f"rank {r}: peer {silent[0]} did not signal {'dispatch' if phase == 'dispatch' else 'combine'}" in msg
+        missing = ", ".join(map(str, silent))
+        if phase == "dispatch":
+            assert f"no immediate from peer {silent[0]}" in msg and f"{len(silent)} of 3 peers missing: {missing})" in msg
+        else:
+            assert re.search(rf"1 of \d peers missing: {missing}\)", msg), msg
+        assert timeout_s * 0.9 <= dt < timeout_s + 1.5, (dt, msg)

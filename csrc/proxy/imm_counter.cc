@@ -1,64 +1,96 @@
 #include "imm_counter.h"
 
+#include <algorithm>
 #include <chrono>
 
 namespace moe_ep {
+
+int64_t ImmCounter::count(uint32_t imm) const {
+  auto it = counts_.find(imm);
+  return it == counts_.end() ? 0 : it->second;
+}
+
+int ImmCounter::unmet(const Waiter& w) const {
+  int u = 0;
+  for (const Key& k : w.keys) u += count(k.imm) < k.expected;
+  return u;
+}
 
 void ImmCounter::add(uint32_t imm, int64_t n) {
   bool wake = false;
   {
     std::lock_guard<std::mutex> lk(mu_);
     const int64_t c = (counts_[imm] += n);
-    // Wake the waiters only when one of them can now return: a phase waiting for R - 1
-    // immediates sleeps through the first R - 2.
-    for (const Waiter& w : waiters_) wake |= w.imm == imm && c >= w.expected;
+    // Wake a waiter only when it can now return: when this add brings the last of its counts
+    // up to its expectation (a phase waiting for R - 1 immediates sleeps through the first R - 2).
+    // `pending` never exceeds the true number of unmet keys (a count that drops is not re-added,
+    // which at worst wakes the waiter early; it recounts), so no waiter that can return sleeps on.
+    for (Waiter* w : waiters_) {
+      auto it = std::lower_bound(w->keys.begin(), w->keys.end(), imm,
+                                 [](const Key& k, uint32_t v) { return k.imm < v; });
+      if (it != w->keys.end() && it->imm == imm && c - n < it->expected && c >= it->expected) wake |= --w->pending <= 0;
+    }
   }
   if (wake) cv_.notify_all();
 }
 
 int ImmCounter::wait(uint32_t imm, int64_t expected, int64_t timeout_ns, std::string* err) {
+  return wait_all(&imm, &expected, 1, timeout_ns, err, nullptr);
+}
+
+int ImmCounter::wait_all(const uint32_t* imms, const int64_t* expected, int n, int64_t timeout_ns, std::string* err,
+                         std::vector<int>* missing) {
   using clock = std::chrono::steady_clock;
   const auto deadline = clock::now() + std::chrono::nanoseconds(timeout_ns < 0 ? 0 : timeout_ns);
+  Waiter w;
+  w.keys.reserve(size_t(std::max(n, 0)));
+  for (int i = 0; i < n; ++i) w.keys.push_back(Key{imms[i], expected[i]});
+  std::sort(w.keys.begin(), w.keys.end(), [](const Key& a, const Key& b) { return a.imm < b.imm; });
   std::unique_lock<std::mutex> lk(mu_);
   auto take = [&]() {
-    auto it = counts_.find(imm);
-    const int64_t c = it == counts_.end() ? 0 : it->second;
-    if (c < expected) return false;
-    if (c != expected)
-      counts_[imm] = c - expected;
-    else if (it != counts_.end())
-      counts_.erase(it);  // spent: the table holds only immediates with a count
+    w.pending = unmet(w);
+    if (w.pending > 0) return false;
+    for (const Key& k : w.keys) {
+      auto it = counts_.find(k.imm);
+      const int64_t c = (it == counts_.end() ? 0 : it->second) - k.expected;
+      if (c != 0)
+        counts_[k.imm] = c;
+      else if (it != counts_.end())
+        counts_.erase(it);  // spent: the table holds only immediates with a count
+    }
     return true;
   };
-  if (take()) return kOk;
-  waiters_.push_back(Waiter{imm, expected});
-  int rc = kErrTimeout;
-  for (;;) {
-    if (failed_) {
-      if (err) *err = fail_msg_;
-      rc = kErrPeer;
-      break;
+  int rc = kOk;
+  if (!take()) {
+    waiters_.push_back(&w);
+    rc = kErrTimeout;
+    for (;;) {
+      if (failed_) {
+        if (err) *err = fail_msg_;
+        rc = kErrPeer;
+        break;
+      }
+      const bool timed_out = cv_.wait_until(lk, deadline) == std::cv_status::timeout;
+      if (take()) {
+        rc = kOk;
+        break;
+      }
+      if (timed_out && !failed_) break;
     }
-    const bool timed_out = cv_.wait_until(lk, deadline) == std::cv_status::timeout;
-    if (take()) {
-      rc = kOk;
-      break;
-    }
-    if (timed_out && !failed_) break;
+    waiters_.erase(std::find(waiters_.begin(), waiters_.end(), &w));
   }
-  for (size_t i = 0; i < waiters_.size(); ++i)
-    if (waiters_[i].imm == imm && waiters_[i].expected == expected) {
-      waiters_[i] = waiters_.back();
-      waiters_.pop_back();
-      break;
-    }
+  if (missing) {
+    missing->clear();
+    if (rc != kOk)
+      for (int i = 0; i < n; ++i)
+        if (count(imms[i]) < expected[i]) missing->push_back(i);
+  }
   return rc;
 }
 
 int64_t ImmCounter::value(uint32_t imm) {
   std::lock_guard<std::mutex> lk(mu_);
-  auto it = counts_.find(imm);
-  return it == counts_.end() ? 0 : it->second;
+  return count(imm);
 }
 
 void ImmCounter::fail(const std::string& msg) {

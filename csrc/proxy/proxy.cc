@@ -3,6 +3,7 @@
 #include "proxy.h"
 
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <ctime>
 #include <exception>
@@ -23,6 +24,11 @@ int64_t thread_cpu_ns() {
   timespec ts{};
   clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
   return int64_t(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
+}
+std::string seconds(int64_t ns) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%g", double(ns) / 1e9);
+  return b;
 }
 const char* phase_name(int ph) { return ph == kPhaseD1 ? "dispatch round 1" : ph == kPhaseD2 ? "dispatch round 2" : "combine"; }
 }  // namespace
@@ -47,6 +53,11 @@ Proxy* Proxy::create(Transport* t, const ProxyConfig& cfg, void* const regions[k
       cfg.comb_row_bytes < 0 || cfg.private_capacity < 0 || cfg.overflow_capacity < 0 || cfg.max_send_rows < 0 ||
       cfg.timeout_ns <= 0 || cfg.spin_ns < 0 || cfg.sleep_ns < 0)
     return set_error(kErrInvalid, pre + "bad config"), nullptr;
+  if (cfg.world_size > kImmMaxRanks)
+    return set_error(kErrInvalid, pre + "world_size " + std::to_string(cfg.world_size) + " exceeds " +
+                                      std::to_string(kImmMaxRanks) + ", the most ranks the " +
+                                      std::to_string(kImmSrcBits) + " source bits of an immediate can name"),
+           nullptr;
   if (t->rank() != cfg.rank || t->world() != cfg.world_size)
     return set_error(kErrInvalid, pre + "config rank/world do not match the transport's"), nullptr;
   if (!mailbox || mailbox_words < uint64_t(kMbWords) || (reinterpret_cast<uintptr_t>(mailbox) & 7))
@@ -65,6 +76,7 @@ Proxy* Proxy::create(Transport* t, const ProxyConfig& cfg, void* const regions[k
   p->cfg_ = cfg;
   p->hdr_ = proxy_hdr_bytes(cfg.world_size, cfg.num_local_experts);
   p->mb_ = mailbox;
+  p->posted_to_.assign(size_t(cfg.world_size), 0);
   for (int i = 0; i < kNumRegions; ++i) {
     p->reg_[i] = static_cast<char*>(regions[i]);
     p->len_[i] = lens[i];
@@ -111,9 +123,23 @@ bool Proxy::fail(int64_t code, int peer, int phase, int64_t epoch, const std::st
 }
 
 int Proxy::lost_peer() {
+  // The transports fail the ImmCounter with the first lost peer's error message: that peer is
+  // the root cause (peers that went away after it, e.g. survivors closing their buffers, are not).
+  std::string first;
+  if (t_->imm_counter().failed(&first))
+    for (int p = 0; p < cfg_.world_size; ++p)
+      if (p != cfg_.rank && t_->peer_error(p) == first) return p;
   for (int p = 0; p < cfg_.world_size; ++p)
     if (p != cfg_.rank && !t_->peer_error(p).empty()) return p;
   return -1;
+}
+
+bool Proxy::fail_lost(int peer, int phase, int64_t epoch, const std::string& msg) {
+  const int first = lost_peer();
+  if (first < 0 || first == peer) return fail(kProxyPeerLost, peer, phase, epoch, msg);
+  const std::string why = t_->peer_error(first);
+  if (peer < 0 || msg == why) return fail(kProxyPeerLost, first, phase, epoch, msg);
+  return fail(kProxyPeerLost, first, phase, epoch, why + " (the first peer lost; then " + msg + ")");
 }
 
 void Proxy::record(int64_t kind, int64_t epoch, int64_t seen, int64_t mid, int64_t ready, int64_t cpu) {
@@ -179,29 +205,43 @@ void Proxy::loop() {
 
 bool Proxy::post(int phase, int64_t epoch, int peer, int lreg, uint64_t loff, int rreg, uint64_t roff, uint64_t len) {
   uint64_t wr = 0;
-  const int rc = t_->post_write(peer, keys_[lreg], loff, keys_[rreg], roff, len, true, make_imm(phase, epoch), &wr);
+  const int rc = t_->post_write(peer, keys_[lreg], loff, keys_[rreg], roff, len, true,
+                                make_imm(phase, int(cfg_.rank), epoch), &wr);
   if (rc == kOk) {
     ++n_posted_;
+    ++posted_to_[size_t(peer)];
     return true;
   }
-  return fail(rc == kErrPeer ? kProxyPeerLost : kProxyTransport, peer, phase, epoch, "post_write: " + thread_error());
+  if (rc == kErrPeer) return fail_lost(peer, phase, epoch, "post_write: " + thread_error());
+  return fail(kProxyTransport, peer, phase, epoch, "post_write: " + thread_error());
 }
 
-bool Proxy::wait_imm(int phase, int64_t epoch, int64_t n, int64_t deadline) {
-  const uint32_t imm = make_imm(phase, epoch);
+bool Proxy::wait_imm(int phase, int64_t epoch, const std::vector<int>& from, int64_t deadline) {
+  // One counter per source (the immediate carries it), each expecting exactly one write.
+  std::vector<uint32_t> imms(from.size());
+  for (size_t i = 0; i < from.size(); ++i) imms[i] = make_imm(phase, from[i], epoch);
+  const std::vector<int64_t> ones(from.size(), 1);
+  std::vector<int> missing;
   for (;;) {
     const int64_t now = mono_ns();
     if (stop_) return fail(kProxyTimeout, -1, phase, epoch, "proxy stopped while waiting");
-    if (now >= deadline) {
-      return fail(kProxyTimeout, -1, phase, epoch,
-                  "got " + std::to_string(t_->imm_counter().value(imm)) + " of " + std::to_string(n) +
-                      " immediates within " + std::to_string(double(cfg_.timeout_ns) / 1e9) + " s");
-    }
     std::string err;
-    const int rc = t_->imm_counter().wait(imm, n, std::min<int64_t>(deadline - now, 50'000'000), &err);
+    const int rc = t_->imm_counter().wait_all(imms.data(), ones.data(), int(imms.size()),
+                                              std::min<int64_t>(std::max<int64_t>(deadline - now, 0), 50'000'000),
+                                              &err, &missing);
     if (rc == kOk) return true;
-    if (rc == kErrPeer) return fail(kProxyPeerLost, lost_peer(), phase, epoch, err);
+    if (rc == kErrPeer) return fail_lost(-1, phase, epoch, err);
     if (rc != kErrTimeout) return fail(kProxyTransport, -1, phase, epoch, err);
+    if (mono_ns() >= deadline && !missing.empty()) {
+      // `missing` is the counter's view at the deadline: the peers whose write never landed.
+      std::string who;
+      for (size_t i = 0; i < missing.size() && i < 8; ++i) who += (i ? ", " : "") + std::to_string(from[size_t(missing[i])]);
+      if (missing.size() > 8) who += ", ...";
+      return fail(kProxyTimeout, from[size_t(missing[0])], phase, epoch,
+                  "no immediate from peer " + std::to_string(from[size_t(missing[0])]) + " within " +
+                      seconds(cfg_.timeout_ns) + " s (" + std::to_string(missing.size()) +
+                      " of " + std::to_string(from.size()) + " peers missing: " + who + ")");
+    }
   }
 }
 
@@ -210,20 +250,25 @@ bool Proxy::wait_writes(int phase, int64_t epoch, int64_t deadline) {
   while (n_posted_ > 0) {
     const int64_t now = mono_ns();
     if (stop_) return fail(kProxyTimeout, -1, phase, epoch, "proxy stopped while waiting");
-    if (now >= deadline)
-      return fail(kProxyTimeout, -1, phase, epoch,
+    if (now >= deadline) {
+      const int peer = int(std::find_if(posted_to_.begin(), posted_to_.end(), [](int n) { return n > 0; }) -
+                           posted_to_.begin());
+      return fail(kProxyTimeout, peer < cfg_.world_size ? peer : -1, phase, epoch,
                   std::to_string(n_posted_) + " own writes not completed within " +
-                      std::to_string(double(cfg_.timeout_ns) / 1e9) + " s");
+                      seconds(cfg_.timeout_ns) + " s (the first to peer " +
+                      std::to_string(peer) + ")");
+    }
     const int n = t_->poll(cq, 64, std::min<int64_t>(deadline - now, 50'000'000));
     if (n < 0) return fail(kProxyTransport, -1, phase, epoch, "poll: " + thread_error());
     for (int i = 0; i < n; ++i) {
       --n_posted_;
       const Completion& c = cq[i];
+      if (c.peer >= 0 && c.peer < cfg_.world_size) --posted_to_[size_t(c.peer)];
       if (c.status == kCqOk) continue;
       std::string why = t_->peer_error(c.peer);
       if (why.empty()) why = "write to peer " + std::to_string(c.peer) + " failed with status " + std::to_string(c.status);
-      const int64_t code = (c.status == kCqPeerLost || c.status == kCqTimeout) ? kProxyPeerLost : kProxyTransport;
-      return fail(code, c.peer, phase, epoch, why);
+      if (c.status == kCqPeerLost || c.status == kCqTimeout) return fail_lost(c.peer, phase, epoch, why);
+      return fail(kProxyTransport, c.peer, phase, epoch, why);
     }
   }
   return true;
@@ -237,6 +282,7 @@ bool Proxy::run_dispatch(int64_t epoch) {
   const uint64_t r1_base = uint64_t((epoch & 1) * R * slot);
   const uint64_t ov_base = uint64_t((epoch & 1) * cfg_.overflow_capacity * RB);
   n_posted_ = 0;
+  std::fill(posted_to_.begin(), posted_to_.end(), 0);
   // Own count vector: HDR of the first peer, at offset 0 of the send buffer.
   std::vector<int32_t> C(size_t(R) * R);
   std::memcpy(&C[size_t(me) * R], reg_[kRegDispSend], 4 * size_t(R));
@@ -264,7 +310,10 @@ bool Proxy::run_dispatch(int64_t epoch) {
     if (!post(kPhaseD1, epoch, p, kRegDispSend, off[p], kRegRound1, r1_base + uint64_t(me * slot), uint64_t(hdr_ + n1 * RB)))
       return false;
   }
-  if (!wait_imm(kPhaseD1, epoch, R - 1, deadline)) return false;
+  std::vector<int> from;  // the ranks this phase expects one immediate from
+  for (int s = 0; s < R; ++s)
+    if (s != me) from.push_back(s);
+  if (!wait_imm(kPhaseD1, epoch, from, deadline)) return false;
   mid_ns_ = mono_ns();
   for (int s = 0; s < R; ++s) {
     if (s == me) continue;
@@ -300,10 +349,10 @@ bool Proxy::run_dispatch(int64_t epoch) {
     if (!post(kPhaseD2, epoch, p, kRegDispSend, loff, kRegOverflow, ov_base + uint64_t(roff * RB), uint64_t(ov * RB)))
       return false;
   }
-  int n_from = 0;
+  from.clear();
   for (int s = 0; s < R; ++s)
-    if (s != me && remote(s) && C[size_t(s) * R + me] > cap) ++n_from;
-  if (!wait_imm(kPhaseD2, epoch, n_from, deadline)) return false;
+    if (s != me && remote(s) && C[size_t(s) * R + me] > cap) from.push_back(s);
+  if (!wait_imm(kPhaseD2, epoch, from, deadline)) return false;
   if (!wait_writes(kPhaseD2, epoch, deadline)) return false;
   counts_.swap(C);
   counts_epoch_ = epoch;
@@ -317,6 +366,7 @@ bool Proxy::run_combine(int64_t epoch) {
   const uint64_t cr_base = uint64_t((epoch & 1) * cfg_.max_send_rows * CRB);  // parity copy of s's region
   const auto& C = counts_;
   n_posted_ = 0;
+  std::fill(posted_to_.begin(), posted_to_.end(), 0);
   // One write per remote pair with rows (both ends know c_{s,me}): s expects one C immediate
   // from each remote owner p with c_{s,p} > 0.
   uint64_t loff = 0;  // per remote source s, in rank order: c_{s,me} rows received from s
@@ -331,10 +381,10 @@ bool Proxy::run_combine(int64_t epoch) {
       return false;
     loff += uint64_t(n * CRB);
   }
-  int n_from = 0;
+  std::vector<int> from;
   for (int p = 0; p < R; ++p)
-    if (p != me && remote(p) && C[size_t(me) * R + p] > 0) ++n_from;
-  if (!wait_imm(kPhaseC, epoch, n_from, deadline)) return false;
+    if (p != me && remote(p) && C[size_t(me) * R + p] > 0) from.push_back(p);
+  if (!wait_imm(kPhaseC, epoch, from, deadline)) return false;
   return wait_writes(kPhaseC, epoch, deadline);
 }
 

@@ -47,8 +47,20 @@ enum : int64_t {
 // Phases: the immediate's bits 31..30.
 enum : int { kPhaseD1 = 0, kPhaseD2 = 1, kPhaseC = 2 };
 
-inline uint32_t make_imm(int phase, int64_t epoch) {
-  return (uint32_t(phase) << 30) | (uint32_t(uint64_t(epoch)) & 0x3FFFFFFFu);
+// Immediate (§10): phase in bits 31..30, the source (sending) rank in bits 29..16, the epoch mod
+// 2^16 in bits 15..0. The ImmCounter keys on the whole value, so each (phase, source, epoch) is
+// counted apart: a receiver knows which peers delivered, and a late write of epoch n never counts
+// for epoch n + 1 (a receiver only ever has writes of two consecutive epochs of one phase
+// pending, so the epoch's 16 bits never alias). The source field limits a job to
+// kImmMaxRanks ranks (checked by Proxy::create).
+constexpr int kImmSrcShift = 16;
+constexpr int kImmSrcBits = 14;
+constexpr int64_t kImmMaxRanks = int64_t(1) << kImmSrcBits;
+constexpr uint32_t kImmEpochMask = (1u << kImmSrcShift) - 1;
+
+inline uint32_t make_imm(int phase, int src, int64_t epoch) {
+  return (uint32_t(phase) << 30) | ((uint32_t(src) & uint32_t(kImmMaxRanks - 1)) << kImmSrcShift) |
+         (uint32_t(uint64_t(epoch)) & kImmEpochMask);
 }
 
 // Region order (registration order, hence the key order on every rank). The regions peers write
@@ -110,13 +122,17 @@ class Proxy {
   bool run_dispatch(int64_t epoch);  // false: error recorded
   bool run_combine(int64_t epoch);
   bool fail(int64_t code, int peer, int phase, int64_t epoch, const std::string& msg);
-  // Waits for `n` immediates `imm` until the deadline, in slices (so stop() is prompt).
-  bool wait_imm(int phase, int64_t epoch, int64_t n, int64_t deadline);
-  // Waits for the completions of every posted write of the phase.
+  // Waits until the deadline, in slices (so stop() is prompt), for one immediate of the phase
+  // from each rank in `from`; a timeout names the first one missing (and how many are).
+  bool wait_imm(int phase, int64_t epoch, const std::vector<int>& from, int64_t deadline);
+  // Waits for the completions of every posted write of the phase; a timeout names the first
+  // peer with a write outstanding.
   bool wait_writes(int phase, int64_t epoch, int64_t deadline);
   bool post(int phase, int64_t epoch, int peer, int lreg, uint64_t loff, int rreg, uint64_t roff, uint64_t len);
   bool remote(int p) const { return p / cfg_.node_size != cfg_.rank / cfg_.node_size; }
-  int lost_peer();
+  int lost_peer();  // the first peer lost (the root cause), else -1
+  // A lost-peer failure naming the first peer lost (else `peer`).
+  bool fail_lost(int peer, int phase, int64_t epoch, const std::string& msg);
   int64_t load(int w) const { return __atomic_load_n(&mb_[w], __ATOMIC_ACQUIRE); }
   void store(int w, int64_t v) { __atomic_store_n(&mb_[w], v, __ATOMIC_RELEASE); }
 
@@ -131,7 +147,8 @@ class Proxy {
   std::vector<int32_t> counts_;  // [R][R] count matrix of the last dispatch
   int64_t counts_epoch_ = -1;
   int64_t last_disp_ = 0, last_comb_ = 0;
-  int n_posted_ = 0;
+  int n_posted_ = 0;               // writes of the phase not completed yet ...
+  std::vector<int> posted_to_;     // ... per peer
 
   static constexpr int kMaxRecords = 8192;  // ring of the most recent phases
   std::mutex rec_mu_;

@@ -530,9 +530,16 @@ PHASE_NAMES = {PHASE_D1: "dispatch", PHASE_D2: "dispatch", PHASE_C: "combine"}
 REGION_NAMES = ("disp_send", "round1", "overflow", "comb_send", "comb_recv")  # registration order
 
 
-def make_imm(phase: int, epoch: int) -> int:
-    """The 32-bit immediate of (phase, epoch): phase in bits 31..30, epoch mod 2^30 below."""
-    return (phase << 30) | (epoch & 0x3FFFFFFF)
+# Immediate fields (csrc/proxy/proxy.h make_imm, §10): phase in bits 31..30, the source rank in
+# bits 29..16 (so at most IMM_MAX_RANKS ranks), the epoch mod 2^16 in bits 15..0.
+IMM_SRC_SHIFT, IMM_SRC_BITS = 16, 14
+IMM_MAX_RANKS = 1 << IMM_SRC_BITS
+
+
+def make_imm(phase: int, epoch: int, src: int = 0) -> int:
+    """The 32-bit immediate a write of (phase, epoch) from rank ``src`` carries: phase in bits
+    31..30, ``src`` in bits 29..16, epoch mod 2^16 in bits 15..0."""
+    return (phase << 30) | ((src & (IMM_MAX_RANKS - 1)) << IMM_SRC_SHIFT) | (epoch & ((1 << IMM_SRC_SHIFT) - 1))
 
 
 def native_mailbox_layout() -> dict[str, int]:
@@ -698,7 +705,9 @@ class Proxy(_Closable):
             err.args = (f"{err.args[0]} [{msg}]",)
             raise err
         if code == PROXY_PEER_LOST:
-            raise PeerLostError(msg, ERR_PEER, peer)
+            err = PeerLostError(msg, ERR_PEER, peer)
+            err.rank, err.phase, err.epoch = self.rank, name, epoch
+            raise err
         if code == PROXY_CAPACITY:
             err = CapacityError(msg)
             err.rank, err.peer, err.phase, err.epoch = self.rank, peer, name, epoch
