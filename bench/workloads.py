@@ -34,6 +34,10 @@ MODELS: dict[str, dict] = {
 ROUTINGS = ("uniform", "zipf")
 DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16}
 CHECK_TOL = 3e-2  # max |out - oracle| / max |oracle|: bf16 expert outputs, fp32 accumulation, bf16 result
+# A backend that quantizes fp8 itself (DeepEP's low-latency dispatch multiplies by a reciprocal
+# scale) may land single elements one e4m3 step (12.5% of the element) away from the oracle's
+# exactly rounded bytes; measured 0.05 on H200. Wrong routing or a lost row gives O(1) errors.
+CHECK_TOL_OWN_FP8 = 0.15
 
 
 @dataclass(frozen=True)

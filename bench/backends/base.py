@@ -56,6 +56,7 @@ class Runner(ABC):
 
     sms: Optional[int] = None     # SMs (or programs) the backend's kernels use; None: not controlled/known
     graphable: bool = False       # dispatch and combine may be captured into CUDA graphs
+    own_fp8: bool = False         # quantizes fp8 with its own rounding (pre-check: CHECK_TOL_OWN_FP8)
     out: Optional[torch.Tensor] = None  # set by combine()
 
     @abstractmethod
