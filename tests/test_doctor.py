@@ -14,7 +14,7 @@ import types
 import pytest
 
 from test_nic import make_sysfs
-from test_verbs_transport import AVAILABLE, ROOT, WHY, light_import
+from test_verbs_transport import AVAILABLE, ROOT, WHY, light_import, rdma_test
 
 doctor = light_import("doctor")
 KEYS = {"host", "gpus", "rdma", "nic", "transport", "env"}
@@ -46,8 +46,8 @@ def test_cli_reports_requested_transport_error():
     q = rep["transport"]["requested"]
     assert q["name"] == "efa" and "MOE_EP_TRANSPORT=efa, but no EFA device is usable" in q["error"], q
     assert rep["env"]["MOE_EP_TRANSPORT"] == "efa"
-    if AVAILABLE or "no RDMA device" not in WHY:  # libibverbs loads: the missing libefa is named
-        assert "libmissing-efa.so.1" in q["error"] or "no EFA device" in q["error"]
+    if "cannot load" not in WHY:  # libibverbs loads: the missing libefa is named
+        assert "cannot load libmissing-efa.so.1" in q["error"], q
 
 
 def test_report_on_fake_sysfs(tmp_path):
@@ -133,13 +133,13 @@ def test_pyverbs_cross_check_with_stand_in(monkeypatch, tmp_path):
     assert r["pyverbs"]["available"] and r["pyverbs"]["vs_sysfs"] == []
 
 
-@pytest.mark.rdma
-@pytest.mark.skipif(not AVAILABLE, reason=f"no usable RDMA device: {WHY}")
+@rdma_test
 def test_doctor_sees_the_verbs_device():
     """On a machine with a verbs device (the Soft-RoCE VM: rxe0, GID 1 = ::ffff:127.0.0.1): sysfs,
     libibverbs and (where importable) pyverbs agree, and auto picks verbs."""
     rep = doctor.report(use_torch=False)
     devs = {d["name"]: d for d in rep["rdma"]["devices"]}
+    assert AVAILABLE, WHY
     name = WHY.split()[1]  # "device rxe0 port 1 ..."
     assert name in devs, (WHY, list(devs))
     port = devs[name]["ports"][0]
@@ -148,7 +148,8 @@ def test_doctor_sees_the_verbs_device():
     if name.startswith("rxe"):
         assert port["link_layer"] == "Ethernet"
         assert {"index": 1, "type": "RoCE v2", "address": "::ffff:127.0.0.1"}.items() <= port["gids"][1].items()
-    assert rep["rdma"]["verbs_probe"]["ok"] and rep["rdma"]["libibverbs_vs_sysfs"] == []
+    assert rep["rdma"]["verbs_probe"]["ok"], rep["rdma"]["verbs_probe"]
+    assert rep["rdma"]["libibverbs_vs_sysfs"] == []
     lv = {d["name"]: d for d in rep["rdma"]["libibverbs"]["devices"]}
     assert lv[name]["max_qp"] > 0 and lv[name]["ports"][0]["active"]
     pv = rep["rdma"]["pyverbs"]

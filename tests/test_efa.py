@@ -15,7 +15,7 @@ import types
 
 import pytest
 
-from test_verbs_transport import AVAILABLE, SRC, WHY, _run_py, _system_header, light_import
+from test_verbs_transport import SRC, WHY, _run_py, _system_header, light_import, rdma_test
 
 N = light_import()
 CXX = os.environ.get("CXX", "c++")
@@ -215,12 +215,12 @@ def test_ranks_agree_on_one_transport(monkeypatch, caplog):
         S._agreed_transport(_Group(1, [("efa", "ok")]), "efa")
 
 
-@pytest.mark.rdma
-@pytest.mark.skipif(not AVAILABLE, reason=f"no usable RDMA device: {WHY}")
+@rdma_test
 def test_efa_refuses_a_verbs_device_by_name():
     ok, why = N.efa_probe()
     if ok:
         pytest.skip("this machine has an EFA device")
+    assert N.verbs_probe()[0], WHY
     name = WHY.split()[1]
     assert f"{name} is not an EFA device" in why or "libefa" in why, why
     with pytest.raises(N.NativeError, match=f"rank 0: efa.*{name}"):

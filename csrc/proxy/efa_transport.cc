@@ -111,6 +111,7 @@ namespace {
 constexpr uint64_t kRecvTag = 1ull << 62;   // receive wr_id
 constexpr uint64_t kHelloTag = 1ull << 61;  // hello send wr_id: kHelloTag | attempt << 20 | peer
 constexpr uint32_t kQkey = 0x4d455041;      // "MEPA": the Q_Key every engine's QP uses
+constexpr uint32_t kHelloOff = 64;          // the hello payload's offset in the scratch bytes
 
 std::string gid_hex(const ibv::gid& g) {
   char s[33];
@@ -243,6 +244,9 @@ class EfaTransport final : public Transport {
     if (!pd_) return sys_error("ibv_alloc_pd");
     ibcq_ = v_.create_cq(sel_.ctx, sq_depth_ + rq_depth_ + 16, nullptr, nullptr, 0);
     if (!ibcq_) return sys_error("ibv_create_cq");
+    std::memcpy(scratch_ + kHelloOff, &rank_, sizeof(rank_));
+    scratch_mr_ = v_.reg_mr(pd_, scratch_, sizeof(scratch_), ibv::ACCESS_LOCAL_WRITE);
+    if (!scratch_mr_) return sys_error("ibv_reg_mr of the receive buffer");
     ibv::qp_init_attr_ex a{};
     a.send_cq = ibcq_;
     a.recv_cq = ibcq_;
@@ -297,6 +301,7 @@ class EfaTransport final : public Transport {
     for (auto& p : peers_)
       if (p->ah) x_.destroy_ah(p->ah);
     if (ibcq_) v_.destroy_cq(ibcq_);
+    if (scratch_mr_) v_.dereg_mr(scratch_mr_);
     for (auto& r : regions_.snapshot())
       if (r.mr) v_.dereg_mr(r.mr);
     if (pd_) v_.dealloc_pd(pd_);
@@ -505,16 +510,19 @@ class EfaTransport final : public Transport {
   }
 
   // Receives: each one a hello (a SEND with the sender's rank as immediate) or, unless the QP
-  // takes writes with immediates unsolicited, a write with an immediate. No bytes land in them.
+  // takes writes with immediates unsolicited, a write with an immediate. Each has one SGE, the
+  // shared scratch bytes (a hello's 4 bytes land there; nothing reads them).
   bool post_recv() {
+    ibv::sge sg{reinterpret_cast<uint64_t>(scratch_), kHelloOff, scratch_mr_->lkey};
     ibv::recv_wr w{};
     w.wr_id = kRecvTag;
-    w.num_sge = 0;
+    w.sg_list = &sg;
+    w.num_sge = 1;
     ibv::recv_wr* bad = nullptr;
     return qp_->ctx->ops.post_recv(qp_, &w, &bad) == 0;
   }
 
-  // A hello: a zero-byte SEND carrying this rank as its immediate.
+  // A hello: a 4-byte SEND (this rank) carrying this rank as its immediate too.
   int send_hello(int p) {
     EfaPeer& pr = *peers_[p];
     const uint32_t attempt = ++pr.hello_attempt;
@@ -527,7 +535,7 @@ class EfaTransport final : public Transport {
       qpx_->wr_start(qpx_);
       qpx_->wr_send_imm(qpx_, htonl(uint32_t(rank_)));
       qpx_->wr_set_ud_addr(qpx_, pr.ah, pr.qpn, pr.qkey);
-      qpx_->wr_set_sge_list(qpx_, 0, nullptr);
+      qpx_->wr_set_sge(qpx_, scratch_mr_->lkey, reinterpret_cast<uint64_t>(scratch_ + kHelloOff), sizeof(rank_));
       rc = qpx_->wr_complete(qpx_);
     }
     if (rc != 0)
@@ -641,6 +649,8 @@ class EfaTransport final : public Transport {
   ibv::cq* ibcq_ = nullptr;
   ibv::qp* qp_ = nullptr;
   ibv::qp_ex* qpx_ = nullptr;
+  alignas(64) char scratch_[128] = {};  // [0, kHelloOff): receive target; then the hello's payload
+  ibv::mr* scratch_mr_ = nullptr;
   std::mutex post_mu_;
   std::vector<std::unique_ptr<EfaPeer>> peers_;
   RegionTable<Region> regions_;
