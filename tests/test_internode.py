@@ -193,12 +193,15 @@ def _killed_worker(rank, world_size, victim, when, timeout_s):
     buf = moe_ep.EPBuffer(group, 2 * world_size, H, M, 2, timeout_s=timeout_s)
     try:
         for call in range(3):
+            # The victim dies after its previous call returned, i.e. every write of that call is
+            # counted on both sides; the pause lets its transport's acknowledgements go out.
             if rank == victim and call == 2 and when == "dispatch":
+                time.sleep(0.3)
                 os.kill(os.getpid(), signal.SIGKILL)
             t0 = time.monotonic()
             h = buf.dispatch(x, idx, w)
-            if rank == victim and call == 2:  # when == "combine": its dispatch completed everywhere
-                time.sleep(0.5)
+            if rank == victim and call == 2:
+                time.sleep(0.3)
                 os.kill(os.getpid(), signal.SIGKILL)
             t0 = time.monotonic()
             out = buf.combine(h.expert_x, h)
