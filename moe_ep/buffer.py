@@ -124,6 +124,9 @@ class EPBuffer:
         # combine 478.2 / 404.3 / 2188.3 us (4 spills registers). MOE_EP_TILE overrides, for tuning.
         few_sms = self.num_programs <= 64 and self.device.type == "cuda"
         self.tile = int(os.environ.get("MOE_EP_TILE", 2 if few_sms else 1))
+        # Software-pipeline depth of the payload loops (Triton's loop pipeliner: asynchronous copies
+        # into shared memory, STAGES tiles in flight); 1 = plain loops. MOE_EP_STAGES overrides.
+        self.stages = int(os.environ.get("MOE_EP_STAGES", 1)) if self.device.type == "cuda" else 1
 
         # N: the ranks of this node (reached by stores); the other R - N through the proxy.
         dev, EL, N, M = self.device, self.num_local_experts, G, max_tokens

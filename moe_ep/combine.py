@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import _aligned, _check_tensor, _pow2, launch_half, launch_halves
+from .dispatch import _aligned, _check_tensor, _pow2, launch_half, launch_halves, pipelined_width
 from .kernels.combine import combine_kernel
 from .handle import DispatchResult
 
@@ -51,5 +51,7 @@ def _combine_consts(buf) -> dict:
                 RANK=buf.rank - buf.node0, NODE0=buf.node0, N=buf.node_size, M=buf.max_tokens, K=buf.topk,
                 E=buf.num_experts, BASE_F32=buf.remote is not None,
                 EL=buf.num_local_experts, H=H, HDR=buf.ws_layout.HDR, CMAX=buf.chunks, BLOCK_T=BLOCK_T,
-                BLOCK_K=_pow2(buf.topk, 2), BLOCK_H=max(16, min(_pow2(H), 2048 * buf.tile, 8192 * buf.tile // BLOCK_T)),
-                INTERP=buf.interp, num_warps=buf.num_warps)
+                BLOCK_K=_pow2(buf.topk, 2),
+                BLOCK_H=pipelined_width(max(16, min(_pow2(H), 2048 * buf.tile, 8192 * buf.tile // BLOCK_T)),
+                                        buf.stages, buf.topk * BLOCK_T * 2),
+                STAGES=buf.stages, INTERP=buf.interp, num_warps=buf.num_warps)

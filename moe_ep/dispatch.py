@@ -140,17 +140,33 @@ def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = 
 _DISPATCH_DYNAMIC = (0, 1, 2, 3, 16, 17, 18)  # x, x_scales, topk_idx, topk_weights, T, BT, NC
 
 
+SMEM_BUDGET = 160 * 1024  # bytes of shared memory the pipelined loops' stages may take (H100/H200: 227 KB)
+
+
+def pipelined_width(width: int, stages: int, row_bytes: int) -> int:
+    """``width`` (a power of two), halved until ``stages`` tiles of ``row_bytes`` per column fit
+    in ``SMEM_BUDGET``; unchanged for plain loops (stages 1)."""
+    while stages > 1 and width > 16 and stages * width * row_bytes > SMEM_BUDGET:
+        width //= 2
+    return width
+
+
 def _dispatch_consts(buf, fp8_in: bool, direct: bool) -> dict:
     """The dispatch kernel's constexprs (all fixed by the buffer, except PREQ and DIRECT)."""
     off, lay, H, BLOCK_T = buf.off, buf.ws_layout, buf.hidden, buf.block_t
     W = H * (1 if buf.fp8 else 2) // 4
     nb = max(1, buf.num_scale_blocks)
+    S = buf.stages
+    block_h = pipelined_width(max(128 if buf.fp8 else 16, min(_pow2(H), 8192 * buf.tile // BLOCK_T)), S,
+                              BLOCK_T * (1 if fp8_in else 2))
+    block_w = pipelined_width(max(16, min(_pow2(W), 2048 * buf.tile, 4096 * buf.tile // BLOCK_T)), S, BLOCK_T * 4)
+    if buf.fp8:
+        block_h = max(128, block_h)
     return dict(off_hflag=off["hdr_flag"], off_dflag=off["disp_flag"], off_hdr=off["hdr"], off_meta_i=off["meta_i"],
                 off_meta_w=off["meta_w"], off_rows=off["rows"], RANK=buf.rank - buf.node0, NODE0=buf.node0,
                 R=buf.world_size, N=buf.node_size, M=buf.max_tokens, GLOBAL=buf.remote is not None,
                 K=buf.topk, E=buf.num_experts, EL=buf.num_local_experts, H=H, W=W, NB=nb, RB=lay.RB, HDR=lay.HDR,
                 CMAX=buf.chunks, ALIGN=buf.expert_alignment, CAP=buf.capacity, FP8=buf.fp8, PREQ=fp8_in,
                 DIRECT=direct, PACKED=buf.layout == "packed", BLOCK_T=BLOCK_T, BLOCK_K=_pow2(buf.topk, 2),
-                BLOCK_C=min(buf.chunks, 64), BLOCK_H=max(128 if buf.fp8 else 16, min(_pow2(H), 8192 * buf.tile // BLOCK_T)),
-                BLOCK_EL=buf.block_el, BLOCK_W=max(16, min(_pow2(W), 2048 * buf.tile, 4096 * buf.tile // BLOCK_T)),
-                BLOCK_NB=_pow2(nb, 2), INTERP=buf.interp, num_warps=buf.num_warps)
+                BLOCK_C=min(buf.chunks, 64), BLOCK_H=block_h, BLOCK_EL=buf.block_el, BLOCK_W=block_w,
+                BLOCK_NB=_pow2(nb, 2), STAGES=S, INTERP=buf.interp, num_warps=buf.num_warps)

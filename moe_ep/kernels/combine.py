@@ -32,7 +32,8 @@ def combine_kernel(
     RANK: tl.constexpr, NODE0: tl.constexpr, N: tl.constexpr, M: tl.constexpr, K: tl.constexpr, E: tl.constexpr,
     EL: tl.constexpr, H: tl.constexpr, HDR: tl.constexpr, CMAX: tl.constexpr, BASE_F32: tl.constexpr,
     SEND: tl.constexpr, RECV: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, INTERP: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -60,7 +61,7 @@ def combine_kernel(
                             other=0.0)
                 go = tl.max((r >= 0).to(tl.int32), axis=1) > 0
                 out = dst + ((par * N + RANK) * M + t).to(tl.int64) * H
-                for h0 in range(0, H, BLOCK_H):
+                for h0 in tl.range(0, H, BLOCK_H, num_stages=STAGES):
                     hh = h0 + tl.arange(0, BLOCK_H)
                     hm = hh[None, :] < H
                     acc = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)

@@ -51,7 +51,8 @@ def _send_chunk(c, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, 
                 RANK: tl.constexpr, NODE0: tl.constexpr, N: tl.constexpr, M: tl.constexpr, K: tl.constexpr,
                 E: tl.constexpr, EL: tl.constexpr, H: tl.constexpr, NB: tl.constexpr, RB: tl.constexpr,
                 CMAX: tl.constexpr, FP8: tl.constexpr, PREQ: tl.constexpr, DIRECT: tl.constexpr, BLOCK_T: tl.constexpr,
-                BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, INTERP: tl.constexpr):
+                BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr,
+                INTERP: tl.constexpr):
     """Chunk ``c`` (tokens [c*BT, (c+1)*BT)): metadata to every peer, the payload once per
     destination rank, then the chunk's flag in every peer."""
     S: tl.constexpr = BLOCK_T * BLOCK_K
@@ -100,7 +101,7 @@ def _send_chunk(c, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, 
         mw = ptr_at(base, off_meta_w, tl.float32) + slot[:, None] * K + kk[None, :]
         tl.store(mw, w, mask=m2)
     # Payload: read (and quantize) each tile once, store it to every destination rank.
-    for h0 in range(0, H, BLOCK_H):
+    for h0 in tl.range(0, H, BLOCK_H, num_stages=STAGES):
         hh = h0 + tl.arange(0, BLOCK_H)
         hm = tm[:, None] & (hh[None, :] < H)
         if FP8:
@@ -132,7 +133,7 @@ def _recv_chunk(s, c, ws, hdr, sel_ptr, scratch_ptr, out_x_ptr, out_s_ptr, recv_
                 K: tl.constexpr, W: tl.constexpr, H: tl.constexpr,
                 NB: tl.constexpr, RB: tl.constexpr, HDR: tl.constexpr, CMAX: tl.constexpr, CAP: tl.constexpr,
                 PACKED: tl.constexpr, FP8: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                BLOCK_W: tl.constexpr, BLOCK_NB: tl.constexpr, INTERP: tl.constexpr):
+                BLOCK_W: tl.constexpr, BLOCK_NB: tl.constexpr, STAGES: tl.constexpr, INTERP: tl.constexpr):
     """Waits for chunk ``c`` of source ``s``, then copies each of its rows to every position its
     selections have in the expert layout and records those positions in ``recv_pos``."""
     ts = tl.load(hdr + s * HDR)
@@ -170,7 +171,7 @@ def _recv_chunk(s, c, ws, hdr, sel_ptr, scratch_ptr, out_x_ptr, out_s_ptr, recv_
             tl.store(recv_pos_ptr + (s * M + t)[:, None] * K + kk[None, :], r, mask=m2)
             r = r.to(tl.int64)
             src = ptr_at(ws, off_rows, tl.int32) + slot * (RB // 4)
-            for w0 in range(0, W, BLOCK_W):
+            for w0 in tl.range(0, W, BLOCK_W, num_stages=STAGES):
                 ww = w0 + tl.arange(0, BLOCK_W)
                 wm = tm[:, None] & (ww[None, :] < W)
                 v = tl.load(src[:, None] + ww[None, :], mask=wm)
@@ -215,7 +216,8 @@ def dispatch_kernel(
     FP8: tl.constexpr, PREQ: tl.constexpr, DIRECT: tl.constexpr, PACKED: tl.constexpr,
     SEND: tl.constexpr, RECV: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_EL: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_NB: tl.constexpr, INTERP: tl.constexpr,
+    BLOCK_EL: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_NB: tl.constexpr, STAGES: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -237,7 +239,7 @@ def dispatch_kernel(
         if pid < NC:
             _send_chunk(pid, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, T, BT, epoch, par,
                         off_dflag, off_meta_i, off_meta_w, off_rows, RANK, NODE0, N, M, K, E, EL, H, NB, RB, CMAX,
-                        FP8, PREQ, DIRECT, BLOCK_T, BLOCK_K, BLOCK_C, BLOCK_H, INTERP)
+                        FP8, PREQ, DIRECT, BLOCK_T, BLOCK_K, BLOCK_C, BLOCK_H, STAGES, INTERP)
     ok = tl.full([], 1, tl.int32)
     nrecv = 0
     if RECV:
@@ -280,13 +282,13 @@ def dispatch_kernel(
             if i < NC:
                 _send_chunk(i, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, T, BT, epoch, par,
                             off_dflag, off_meta_i, off_meta_w, off_rows, RANK, NODE0, N, M, K, E, EL, H, NB, RB, CMAX,
-                            FP8, PREQ, DIRECT, BLOCK_T, BLOCK_K, BLOCK_C, BLOCK_H, INTERP)
+                            FP8, PREQ, DIRECT, BLOCK_T, BLOCK_K, BLOCK_C, BLOCK_H, STAGES, INTERP)
         if RECV:
             if ok != 0:
                 for s in range(N):
                     _recv_chunk(s, i - LAG, ws, hdr, sel_ptr, scratch_ptr + pid * BLOCK_EL, out_x_ptr, out_s_ptr,
                                 recv_pos_ptr, err_ptr, epoch, par, t0_ns, timeout_ns, off_dflag, off_meta_i,
                                 off_rows, NODE0, EL, GLOBAL, N, M, K, W, H, NB, RB, HDR, CMAX, CAP, PACKED, FP8, BLOCK_T, BLOCK_K,
-                                BLOCK_W, BLOCK_NB, INTERP)
+                                BLOCK_W, BLOCK_NB, STAGES, INTERP)
     if RECV:
         tl.store(state_ptr + pid, epoch)  # each program keeps its own epoch: no cross-program step
