@@ -131,7 +131,8 @@ def _rank_main(rank, R, node_size, cap, ovcap, epochs, seed, fault, maxc, plan, 
         px.start()
         HDR = px.hdr_bytes
         log = []
-        stats = {"round1_rows": 0, "overflow_rows": 0, "combine_rows": 0, "ran_ahead": 0}
+        stats = {"round1_rows": 0, "overflow_rows": 0, "combine_rows": 0, "ran_ahead": 0, "stale_count": 0}
+        served = 0  # phases this rank's proxy has made ready: its count must include each at once
         combine_at = _combine_epochs(plan, epochs)
         for e in range(1, epochs + 1):
             C = _epoch_counts(seed, e, R, maxc, plan)
@@ -162,6 +163,8 @@ def _rank_main(rank, R, node_size, cap, ovcap, epochs, seed, fault, maxc, plan, 
             except Exception as ex:  # noqa: BLE001 - reported to the parent
                 log.append(("error", e, type(ex).__name__, str(ex), time.monotonic() - t0, px.error_record()))
                 break
+            served += 1
+            stats["stale_count"] += px.phases_done != served
             if plan and plan.get("lag") == rank and e not in combine_at and e < epochs:
                 # dispatches in a row: the others run ahead into dispatch e+1 and write its headers
                 # into the other parity copy while this rank has not read epoch e yet
@@ -186,6 +189,8 @@ def _rank_main(rank, R, node_size, cap, ovcap, epochs, seed, fault, maxc, plan, 
             except Exception as ex:  # noqa: BLE001
                 log.append(("error", e, type(ex).__name__, str(ex), time.monotonic() - t0, px.error_record()))
                 break
+            served += 1
+            stats["stale_count"] += px.phases_done != served
             # ---- combine receive "kernel": owner p's rows at sum of c_{rank,p'} over remote p' < p
             cbase = px.comb_recv_offset(e)
             for p in range(R):
@@ -397,6 +402,8 @@ def test_dispatch_combine_rows(R, node_size, cap):
     # round 2 carries rows when cap is small, and has no writes at all when it is large
     assert (sum(st["overflow_rows"] for st in stats) > 0) == (cap < MAXC)
     assert sum(st["combine_rows"] for st in stats) == sum(st["round1_rows"] + st["overflow_rows"] for st in stats)
+    # a phase is counted before its ready word is written: right after ready, the count is exact
+    assert all(st["stale_count"] == 0 for st in stats), stats
 
 
 @pytest.mark.parametrize("R,node_size,cap", [(4, 1, 1), (4, 2, 0)], ids=["4x1", "2x2"])

@@ -170,10 +170,12 @@ void Proxy::loop() {
       last_comb_ = cd;
       const int64_t t0 = mono_ns(), c0 = thread_cpu_ns();
       if (!run_combine(cd)) break;
-      store(kMbCombReady, cd);
+      // The record and the count first, then the ready word (release): a caller that sees
+      // ready sees the phase counted and recorded.
       const int64_t t1 = mono_ns();
       record(1, cd, t0, t1, t1, thread_cpu_ns() - c0);
-      phases_done_++;
+      phases_done_.fetch_add(1, std::memory_order_release);
+      store(kMbCombReady, cd);
       worked = true;
     } else if (dd != last_disp_) {
       if (dd < last_disp_ || dd <= 0) {
@@ -184,9 +186,9 @@ void Proxy::loop() {
       last_disp_ = dd;
       const int64_t t0 = mono_ns(), c0 = thread_cpu_ns();
       if (!run_dispatch(dd)) break;
-      store(kMbDispReady, dd);
       record(0, dd, t0, mid_ns_, mono_ns(), thread_cpu_ns() - c0);
-      phases_done_++;
+      phases_done_.fetch_add(1, std::memory_order_release);
+      store(kMbDispReady, dd);  // last, as for combine
       worked = true;
     } else if (cd != last_comb_) {
       fail(kProxyInvalid, -1, kPhaseC, cd,

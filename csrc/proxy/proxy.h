@@ -95,7 +95,7 @@ struct PhaseRecord {
   int64_t epoch;
   int64_t seen_ns;   // the proxy saw the doorbell
   int64_t mid_ns;    // dispatch: every D1 immediate counted; combine: = ready_ns
-  int64_t ready_ns;  // the ready word was written
+  int64_t ready_ns;  // just before the ready word was written
   int64_t cpu_ns;    // CPU time of the proxy thread in the phase (the transport's own threads not included)
 };
 static_assert(sizeof(PhaseRecord) == 6 * 8, "PhaseRecord is part of the C ABI");
@@ -112,7 +112,9 @@ class Proxy {
   void stop();
   const uint32_t* keys() const { return keys_; }
   std::string error_message();
-  int64_t phases_done() const { return phases_done_.load(); }
+  // Phases served. Counted (and recorded) before the phase's ready word is stored, so a reader
+  // that has seen ready (acquire) reads a count that includes that phase.
+  int64_t phases_done() const { return phases_done_.load(std::memory_order_acquire); }
   // Copies up to `max` of the most recent phase records (oldest first); returns how many.
   int phase_records(PhaseRecord* out, int max);
 
