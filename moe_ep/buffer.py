@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -172,11 +172,12 @@ class EPBuffer:
         self._epochs = [0, 0]  # host mirror of the device epochs, for error messages and CPU waits
         self._closed = False
         self._broken: Optional[BaseException] = None
+        self._pending: Optional[str] = None  # "dispatch" / "combine" issued with a receive hook not yet called
         group.barrier()
 
     # ------------------------------------------------------------------ public API
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                 x_scales: Optional[torch.Tensor] = None) -> DispatchResult:
+                 x_scales: Optional[torch.Tensor] = None, return_recv_hook: bool = False):
         """Sends each token to the ranks owning its top-k experts; returns the expert layout.
 
         Args:
@@ -184,24 +185,33 @@ class EPBuffer:
             topk_idx: ``[T, K]`` int32/int64; -1 = no expert.
             topk_weights: ``[T, K]`` float32, applied in ``combine``.
             x_scales: ``[T, ceil(H/128)]`` float32, only with pre-quantized fp8 ``x``.
+            return_recv_hook: issue only the send half now and return ``(result, hook)``; ``hook()``
+                issues the receive half (on the then-current stream), after which ``result`` is
+                valid. Work queued in between (another buffer's dispatch, attention of another
+                micro-batch) overlaps the transfer. Until the hook is called this buffer takes no
+                other dispatch or combine; it may be called once.
         Returns:
-            ``DispatchResult`` (views of buffer memory, valid until the next dispatch).
+            ``DispatchResult`` (views of buffer memory, valid until the next dispatch), or
+            ``(DispatchResult, hook)`` with ``return_recv_hook``.
         """
         self._check_usable()
-        return _dispatch.dispatch(self, x, topk_idx, topk_weights, x_scales)
+        return _dispatch.dispatch(self, x, topk_idx, topk_weights, x_scales, return_recv_hook)
 
-    def combine(self, expert_y: torch.Tensor, handle: DispatchResult) -> torch.Tensor:
+    def combine(self, expert_y: torch.Tensor, handle: DispatchResult, return_recv_hook: bool = False):
         """Weighted sum of the expert outputs back on each token's rank.
 
         Args:
             expert_y: bfloat16, the layout and shape of ``handle.expert_x``; only the first
                 ``expert_counts[e]`` rows of each expert are read.
             handle: the latest ``DispatchResult`` of this buffer.
+            return_recv_hook: issue only the send half now and return ``(out, hook)``; ``out`` is
+                valid after ``hook()`` (as for ``dispatch``).
         Returns:
-            ``[T, H]`` bfloat16: ``out[t] = sum_k w[t,k] * y(t, topk_idx[t,k])``; 0 for tokens with no expert.
+            ``[T, H]`` bfloat16: ``out[t] = sum_k w[t,k] * y(t, topk_idx[t,k])``; 0 for tokens with no
+            expert. With ``return_recv_hook``: ``(out, hook)``.
         """
         self._check_usable()
-        return _combine.combine(self, expert_y, handle)
+        return _combine.combine(self, expert_y, handle, return_recv_hook)
 
     def synchronize(self) -> None:
         """Waits for this buffer's work on the device, then raises any error a kernel recorded."""
@@ -265,6 +275,27 @@ class EPBuffer:
             except Exception as exc:  # noqa: BLE001
                 return exc
         return RuntimeError(f"moe_ep kernel error code {code}")
+
+    def _check_no_pending(self, op: str) -> None:
+        if self._pending is not None:
+            raise ValueError(f"{op}: this buffer's {self._pending} was issued with return_recv_hook=True and its "
+                             f"receive hook has not been called yet (call it first)")
+
+    def _make_hook(self, op: str, recv) -> Callable[[], None]:
+        """The receive hook of a send half just issued: issues ``recv`` once."""
+        self._pending = op
+        called = []
+
+        def hook() -> None:
+            if called:
+                raise RuntimeError(f"{op} receive hook: already called")
+            called.append(True)
+            self._pending = None
+            self._check_usable()
+            recv()
+            if self.interp:
+                self._check_usable()
+        return hook
 
     def _fail(self, exc: BaseException) -> None:
         self._broken = exc

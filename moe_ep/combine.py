@@ -9,7 +9,8 @@ from .kernels.combine import combine_kernel
 from .handle import DispatchResult
 
 
-def combine(buf, expert_y: torch.Tensor, handle) -> torch.Tensor:
+def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False):
+    buf._check_no_pending("combine")
     if not isinstance(handle, DispatchResult) or handle._buffer is not buf:
         raise TypeError("handle: expected the DispatchResult returned by this buffer's dispatch")
     if handle._serial != buf._serial:
@@ -27,18 +28,35 @@ def combine(buf, expert_y: torch.Tensor, handle) -> torch.Tensor:
     key = ("combine", idx.dtype, _aligned(expert_y), _aligned(idx), _aligned(base))
     epoch = buf._epochs[1] + 1
     consts = lambda: _combine_consts(buf)  # noqa: E731
+    dyn = (0, 1, 2, 9)
     if rp is None:
-        launch_halves(buf, key, combine_kernel, args, (0, 1, 2, 9), consts, lambda: buf._host_wait_combine(epoch, T))
+        if not return_recv_hook:
+            launch_halves(buf, key, combine_kernel, args, dyn, consts, lambda: buf._host_wait_combine(epoch, T))
+            recv = None
+        else:
+            launch_half(buf, key, combine_kernel, args, dyn, consts, True, False)
+
+            def recv():
+                if buf.interp:
+                    buf._host_wait_combine(epoch, T)
+                launch_half(buf, key, combine_kernel, args, dyn, consts, False, True)
     else:
         depoch = buf._epochs[0]  # the proxy's combine carries the epoch of the dispatch it answers
         rp.combine_send(buf, expert_y, handle._serial, depoch)  # refuses a second combine first
-        launch_half(buf, key, combine_kernel, args, (0, 1, 2, 9), consts, True, False)
-        if buf.interp:
-            buf._host_wait_combine(epoch, T)
-        rp.wait(buf, "combine", depoch)
-        launch_half(buf, key, combine_kernel, args, (0, 1, 2, 9), consts, False, True)
-        rp.combine_recv(buf, idx, base, out)
+        launch_half(buf, key, combine_kernel, args, dyn, consts, True, False)
+
+        def recv():
+            if buf.interp:
+                buf._host_wait_combine(epoch, T)
+            rp.wait(buf, "combine", depoch)
+            launch_half(buf, key, combine_kernel, args, dyn, consts, False, True)
+            rp.combine_recv(buf, idx, base, out)
+        if not return_recv_hook:
+            recv()
+            recv = None
     buf._epochs[1] = epoch
+    if recv is not None:
+        return out, buf._make_hook("combine", recv)
     if buf.interp:
         buf._check_usable()
     return out

@@ -94,7 +94,9 @@ def _aligned(t: torch.Tensor) -> bool:
     return (t.data_ptr() & 15) == 0
 
 
-def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = None):
+def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = None,
+             return_recv_hook: bool = False):
+    buf._check_no_pending("dispatch")
     T = validate(buf, x, topk_idx, topk_weights, x_scales)
     CMAX = buf.chunks
     BT, NC = chunking(T, CMAX)
@@ -115,26 +117,43 @@ def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = 
     epoch = buf._epochs[0] + 1
     consts = lambda: _dispatch_consts(buf, fp8_in, direct)  # noqa: E731
     if rp is None:
-        launch_halves(buf, key, dispatch_kernel, args, _DISPATCH_DYNAMIC, consts,
-                      lambda: buf._host_wait_dispatch(epoch))
+        if not return_recv_hook:
+            launch_halves(buf, key, dispatch_kernel, args, _DISPATCH_DYNAMIC, consts,
+                          lambda: buf._host_wait_dispatch(epoch))
+            recv = None
+        else:
+            launch_half(buf, key, dispatch_kernel, args, _DISPATCH_DYNAMIC, consts, True, False)
+
+            def recv():
+                if buf.interp:
+                    buf._host_wait_dispatch(epoch)
+                launch_half(buf, key, dispatch_kernel, args, _DISPATCH_DYNAMIC, consts, False, True)
     else:
         # Node peers by stores, other nodes through the proxy (packed and rung first, so it sends
         # while the node stores run); the node receive half places rows with the whole count
         # matrix, which the proxy's round-1 headers complete.
         rp.send(buf, x, topk_idx, topk_weights, x_scales, epoch)
         launch_half(buf, key, dispatch_kernel, args, _DISPATCH_DYNAMIC, consts, True, False)
-        if buf.interp:
-            buf._host_wait_dispatch(epoch)
-        rp.wait(buf, "dispatch", epoch)
-        rp.count_matrix()
-        launch_half(buf, key, dispatch_kernel, args, _DISPATCH_DYNAMIC, consts, False, True)
-        rp.recv(buf)
+
+        def recv():
+            if buf.interp:
+                buf._host_wait_dispatch(epoch)
+            rp.wait(buf, "dispatch", epoch)
+            rp.count_matrix()
+            launch_half(buf, key, dispatch_kernel, args, _DISPATCH_DYNAMIC, consts, False, True)
+            rp.recv(buf)
+        if not return_recv_hook:
+            recv()
+            recv = None
     buf._epochs[0] = epoch
     buf._serial += 1
+    result = DispatchResult(buf.expert_x, buf.expert_scales, buf.expert_counts, buf.expert_offsets,
+                            num_tokens=T, topk_idx=topk_idx, _buffer=buf, _serial=buf._serial)
+    if recv is not None:
+        return result, buf._make_hook("dispatch", recv)
     if buf.interp:
         buf._check_usable()
-    return DispatchResult(buf.expert_x, buf.expert_scales, buf.expert_counts, buf.expert_offsets,
-                          num_tokens=T, topk_idx=topk_idx, _buffer=buf, _serial=buf._serial)
+    return result
 
 
 _DISPATCH_DYNAMIC = (0, 1, 2, 3, 16, 17, 18)  # x, x_scales, topk_idx, topk_weights, T, BT, NC
