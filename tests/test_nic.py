@@ -178,3 +178,69 @@ def test_env_overrides(sysfs):
 def test_sysfs_root_from_env(sysfs, monkeypatch):
     monkeypatch.setenv("MOE_EP_SYSFS_ROOT", sysfs)
     assert nic.sysfs_root() == sysfs and len(nic.list_devices()) == 5
+
+
+def test_several_nics_nearest_first(sysfs):
+    """MOE_EP_IB_NICS=k: the k nearest devices in the order of the single choice (switch > NUMA >
+    any, ties rotated by GPU index); a CPU rank the first k; fewer usable than asked: all, said."""
+    devs = nic.list_devices(sysfs)
+    gpu0 = nic.gpu_pci("0000:03:00.0", sysfs)
+    c = nic.choose_nic(devs, "verbs", gpu0, env={"MOE_EP_IB_NICS": "2"})
+    assert c.devices == ["mlx5_0", "mlx5_1"] and c.ports == (1, 1) and c.nics == 2, c
+    assert c.spec == "mlx5_0:1,mlx5_1:1" and "behind the same PCIe switch" in c.reason and "2 NICs" in c.reason
+    assert str(c).startswith("mlx5_0 port 1, mlx5_1 port 1 (")
+    gpu2 = nic.gpu_pci("0000:41:00.0", sysfs)
+    assert nic.choose_nic(devs, "verbs", gpu2, count=2, env={}).devices == ["mlx5_1", "mlx5_0"]  # NUMA first
+    cpu = nic.choose_nic(devs, "verbs", count=3, env={})
+    assert cpu.devices == ["mlx5_0", "mlx5_1", "rxe0"] and cpu.nics == 3
+    short = nic.choose_nic(devs, "verbs", count=4, env={})
+    assert len(short.devices) == 3 and short.nics == 4 and "only 3 usable" in short.reason
+    # a single NIC is the choice it always was
+    one = nic.choose_nic(devs, "verbs", gpu0, env={})
+    assert (one.device, one.port, one.nics, one.spec) == ("mlx5_0", 1, 1, "mlx5_0")
+    # equally near devices: each GPU index starts at another one, the rest follow
+    twin = [d for d in devs if d.name == "mlx5_0"][0]
+    other = nic.RdmaDevice(**{**twin.__dict__, "name": "mlx5_9", "ports": twin.ports})
+    firsts = {tuple(nic.choose_nic([*devs, other], "verbs", gpu0, i, count=2, env={}).devices) for i in range(2)}
+    assert firsts == {("mlx5_0", "mlx5_9"), ("mlx5_9", "mlx5_0")}
+
+
+def test_several_nics_from_env(sysfs):
+    devs = nic.list_devices(sysfs)
+    c = nic.choose_nic(devs, "verbs", env={"MOE_EP_IB_DEVICE": "rxe0,rxe0"})
+    assert c.devices == ["rxe0", "rxe0"] and c.nics == 2 and c.reason == "MOE_EP_IB_DEVICE"
+    c = nic.choose_nic(devs, "verbs", env={"MOE_EP_IB_DEVICE": "mlx5_0:2,mlx5_1", "MOE_EP_IB_NICS": "1"})
+    assert (c.device, c.port, c.nics) == ("mlx5_0", 2, 1)
+    c = nic.choose_nic(devs, "verbs", env={"MOE_EP_IB_DEVICE": "mlx5_0:2,mlx5_1"})
+    assert c.spec == "mlx5_0:2,mlx5_1:1" and c.ports == (2, 1)
+    c = nic.choose_nic(devs, "verbs", env={"MOE_EP_IB_DEVICE": "mlx5_0", "MOE_EP_IB_NICS": "2"})
+    assert c.nics == 2 and "lists 1, 2 NICs asked for" in c.reason  # the engine refuses it, saying so
+    assert nic.nic_count({}) == 1 and nic.nic_count({"MOE_EP_IB_DEVICE": "a,b,c"}) == 3
+    assert nic.nic_count({"MOE_EP_IB_DEVICE": "a,b", "MOE_EP_IB_NICS": "4"}) == 4
+
+
+class _Group:
+    """A stand-in EPGroup whose other ranks answer every all_gather_object from a queue."""
+
+    def __init__(self, rank, answers):
+        self.rank, self.device = rank, None
+        self._answers = list(answers)  # per gather: the other ranks' objects
+        self.world_size = len(self._answers[0]) + 1
+
+    def all_gather_object(self, obj):
+        out = list(self._answers.pop(0))
+        out.insert(self.rank, obj)
+        return out
+
+
+def test_ranks_must_open_as_many_nics(monkeypatch):
+    S = light_import("proxy.session")
+    monkeypatch.setattr(S, "efa_probe", lambda device=None: (False, "no EFA device"))
+    monkeypatch.setattr(S, "verbs_probe", lambda device=None, port=0: (True, f"device {device}"))
+    monkeypatch.setattr(S, "choose_nics", lambda gpu_index=None: {
+        "efa": nic.NicChoice(None, None, "none"),
+        "verbs": nic.NicChoice("rxe0,rxe0", 1, "MOE_EP_IB_DEVICE", (1, 1), 2)})
+    kind, c = S._agreed_transport(_Group(0, [[("verbs", "auto: verbs")], [2]]), "verbs")
+    assert kind == "verbs" and c.nics == 2 and c.spec == "rxe0:1,rxe0:1"
+    with pytest.raises(RuntimeError, match=r"rank 1: ranks open different numbers of NICs \(rank 0: 1, rank 1: 2\)"):
+        S._agreed_transport(_Group(1, [[("verbs", "auto: verbs")], [1]]), "verbs")

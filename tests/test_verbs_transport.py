@@ -80,7 +80,7 @@ def _send(eng, peer, src_key, dst_key, plan, timeout_s=60.0):
 def _check_received(eng, dst, plan, payload, timeout_s=60.0):
     imms = [i for *_, i in plan if i is not None]
     for imm in sorted(set(imms)):
-        eng.imm.wait(imm, imms.count(imm), timeout_s)
+        eng.imm.wait(imm, imms.count(imm) * eng.imm_per_write, timeout_s)  # several NICs: one per shard
         assert eng.imm.value(imm) == 0  # exact: nothing extra was counted
     end = max(o + s for o, s, _ in plan)
     np.testing.assert_array_equal(dst[:end], payload[:end])
@@ -107,6 +107,29 @@ def _connect_all(engines, timeout_s=30.0, delays=None):
         t.join(timeout_s + 30)
     assert not errs, errs
     assert not any(t.is_alive() for t in ts)
+
+
+def _exchange(a, b, bufs, plans, timeout_s=60.0):
+    """Both engines send their plan to each other at once; each receiver checks bytes and counts."""
+    for r in (0, 1):
+        bufs[r][0][:] = plans[r][1]
+    errs: list = []
+
+    def send(e):
+        try:
+            _send(e, 1 - e.rank, bufs[e.rank][2], bufs[1 - e.rank][3], plans[e.rank][0], timeout_s)
+        except BaseException as ex:  # noqa: BLE001 - reported below
+            errs.append(ex)
+
+    ts = [threading.Thread(target=send, args=(e,)) for e in (a, b)]
+    for t in ts:
+        t.start()
+    _check_received(b, bufs[1][1], *plans[0], timeout_s=timeout_s)
+    _check_received(a, bufs[0][1], *plans[1], timeout_s=timeout_s)
+    for t in ts:
+        t.join(timeout_s)
+    assert not errs, errs
+    assert a.peer_error(1) == "" and b.peer_error(0) == ""
 
 
 def _pair(connect=True, **kw):
@@ -212,6 +235,41 @@ def test_select_transport():
             select_transport("verbs")
     else:
         assert select_transport("verbs")[0] == "verbs"
+
+
+def _shards_ref(n: int, k: int, min_shard: int, align: int) -> list[int]:
+    """The rule of shard_bounds (transport_common.h), written out independently."""
+    align = max(align, 1)
+    chunk = max(-(-n // k), max(min_shard, 1))
+    chunk = -(-chunk // align) * align
+    return [min(i * chunk, n) for i in range(k + 1)]
+
+
+def test_shard_bounds_arithmetic():
+    """The verbs transport's byte shards (native shard_bounds) against the rule written out, and
+    its properties: k contiguous shards covering the write, starts aligned, none but the last
+    non-empty one short of the minimum, empty shards only at the end."""
+    assert N.shard_bounds(0, 3) == [0, 0, 0, 0]  # a 0-byte write: k empty shards
+    assert N.shard_bounds(100, 2) == [0, 100, 100]  # under the 16 KiB minimum: one shard, one empty
+    assert N.shard_bounds(1000, 2, 1) == [0, 512, 1000]  # halves, rounded up to 64 bytes
+    assert N.shard_bounds(100000, 3) == [0, 33344, 66688, 100000]
+    assert N.shard_bounds(65, 4, 1) == [0, 64, 65, 65, 65]
+    assert N.shard_bounds(10, 1, 1) == [0, 10]
+    assert N.shard_bounds(7, 2, 1, 1) == [0, 4, 7]  # no alignment
+    with pytest.raises(N.NativeError, match="k must be"):
+        N.shard_bounds(10, 0)
+    rng = np.random.default_rng(5)
+    for _ in range(3000):
+        n = int(rng.choice([0, 1, 63, 64, 65, 4096, 16384, 16385, 1 << 20, 3 << 30]) + rng.integers(0, 3) * rng.integers(0, 1000))
+        k, ms, al = int(rng.integers(1, 9)), int(rng.choice([0, 1, 100, 4096, 16384])), int(rng.choice([0, 1, 8, 64, 4096]))
+        b = N.shard_bounds(n, k, ms, al)
+        assert b == _shards_ref(n, k, ms, al), (n, k, ms, al)
+        sizes = [y - x for x, y in zip(b, b[1:])]
+        assert b[0] == 0 and b[-1] == n and all(x >= 0 for x in sizes) and len(sizes) == k
+        full = [x for x in sizes if x]
+        assert all(x % max(al, 1) == 0 and x >= ms for x in full[:-1]), (n, k, ms, al, sizes)
+        assert sizes == full + [0] * (k - len(full))  # the empty shards come last
+        assert all(x % max(al, 1) == 0 for x in b[:len(full)])
 
 
 # ---------------------------------------------------------------- ABI declarations vs. the system header
@@ -353,27 +411,8 @@ def test_verbs_probe_names_device():
 def test_verbs_write_and_imm_both_directions():
     a, b, bufs = _pair()
     try:
-        assert a.endpoint.startswith("verbs1;rank=0;world=2;dev=") and ";mr=" in a.endpoint
-        plans = {0: _plan(1, 100), 1: _plan(2, 100)}
-        for r in (0, 1):
-            bufs[r][0][:] = plans[r][1]
-        errs: list = []
-
-        def send(e):
-            try:
-                _send(e, 1 - e.rank, bufs[e.rank][2], bufs[1 - e.rank][3], plans[e.rank][0])
-            except BaseException as ex:  # noqa: BLE001
-                errs.append(ex)
-
-        ts = [threading.Thread(target=send, args=(e,)) for e in (a, b)]
-        for t in ts:
-            t.start()
-        _check_received(b, bufs[1][1], *plans[0])
-        _check_received(a, bufs[0][1], *plans[1])
-        for t in ts:
-            t.join(60)
-        assert not errs, errs
-        assert a.peer_error(1) == "" and b.peer_error(0) == ""
+        assert a.endpoint.startswith("verbs1;rank=0;world=2;nics=1;dev=") and ";mr=" in a.endpoint
+        _exchange(a, b, bufs, {0: _plan(1, 100), 1: _plan(2, 100)})
         # zero-byte writes at the very end of the region still carry their immediate
         for _ in range(5):
             a.post_write(1, bufs[0][2], REGION, bufs[1][3], REGION, 0, imm=0x7FFF_FFFF)
@@ -492,6 +531,98 @@ def test_verbs_late_peer_and_cut():
         b.close()
 
 
+# ---------------------------------------------------------------- several NICs (one device opened k times)
+
+def _dev():
+    return WHY.split()[1]
+
+
+@rdma_test
+@pytest.mark.parametrize("nics,min_shard", [(2, 1), (3, 1), (2, None)], ids=["2nics", "3nics", "2nics-16k"])
+def test_verbs_several_nics_integrity_and_counts(nics, min_shard):
+    """The device opened k times as k NICs: every write is cut into k byte shards, one per NIC,
+    each with the write's immediate (empty shards included), so the receiver counts exactly k
+    per write; both directions at once, byte for byte, writes without immediate not counted."""
+    dev = _dev()
+    a, b, bufs = _pair(device=",".join([dev] * nics))
+    try:
+        assert a.nics == b.nics == a.imm_per_write == nics
+        f = _ep_fields(a.endpoint)
+        assert f["nics"] == str(nics) and f["dev"] == "/".join([dev] * nics)
+        assert all(len(q.split("/")) == nics for q in f["qpn"].split(","))
+        assert all(len(m.split(":")[2].split("/")) == nics for m in f["mr"].split(","))
+        if min_shard:
+            for e in (a, b):
+                e.set_min_shard_bytes(min_shard)
+        _exchange(a, b, bufs, {0: _plan(31, 60), 1: _plan(32, 60)})  # counts: nics per write
+        # a 0-byte write: k empty shards, k immediates; a small one: 1 shard with bytes and k - 1 empty
+        a.post_write(1, bufs[0][2], 0, bufs[1][3], REGION, 0, imm=0x7100)
+        a.post_write(1, bufs[0][2], 0, bufs[1][3], 0, 3, imm=0x7101)
+        a.wait_completions(2, 30)
+        b.imm.wait(0x7100, nics, 30)
+        b.imm.wait(0x7101, nics, 30)
+        assert b.imm.value(0x7100) == b.imm.value(0x7101) == 0 and a.peer_error(1) == ""
+    finally:
+        a.close()
+        b.close()
+
+
+@rdma_test
+def test_verbs_nic_count_mismatch_refused():
+    """Ranks that open different numbers of NICs are refused at connect, on both sides, naming
+    both counts (a receiver would wait for the wrong number of shards)."""
+    dev = _dev()
+    a, b = N.VerbsTransport(0, 2, device=f"{dev},{dev}"), N.VerbsTransport(1, 2, device=dev)
+    try:
+        eps = [a.endpoint, b.endpoint]
+        errs: dict = {}
+
+        def run(e):
+            try:
+                e.connect(eps, 10)
+            except N.NativeError as ex:
+                errs[e.rank] = str(ex)
+
+        ts = [threading.Thread(target=run, args=(e,)) for e in (a, b)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(30)
+        assert "rank 0: connect: peer 1 opened 1 NICs" in errs[0] and "this rank 2" in errs[0], errs
+        assert "rank 1: connect: peer 0 opened 2 NICs" in errs[1] and "this rank 1" in errs[1], errs
+        assert "same number of NICs" in errs[0] and "MOE_EP_IB_NICS" in errs[1]
+    finally:
+        a.close()
+        b.close()
+
+
+@rdma_test
+def test_verbs_nic_lists_and_counts(monkeypatch):
+    """NIC lists and counts: the probe of a list, MOE_EP_IB_DEVICE with a device three times,
+    and the errors of a count the list or the machine cannot give, or a name not there."""
+    dev = _dev()
+    ok, what = N.verbs_probe(f"{dev},{dev}:1")
+    assert ok and what.startswith(f"2 NICs: device {dev} port 1") and what.count("GID index") == 2, what
+    verbs_devs = [d["name"] for d in N.rdma_devices().get("devices", []) if "efa" not in d]
+    errs = []
+    for kw in ({"nics": 2}, {"device": dev, "nics": 2}, {"device": f"{dev},nosuch9"}):
+        try:
+            N.VerbsTransport(0, 2, **kw).close()
+            errs.append("")
+        except N.NativeError as ex:
+            errs.append(str(ex))
+    if len(verbs_devs) == 1:  # automatic choice: distinct devices only
+        assert errs[0].startswith("rank 0: verbs: NIC 1 of 2:") and "list a device twice" in errs[0], errs
+    assert "2 NICs asked for (MOE_EP_IB_NICS) but 1 listed" in errs[1], errs
+    assert errs[2].startswith("rank 0: verbs: NIC 1 of 2: RDMA device 'nosuch9' not found"), errs
+    monkeypatch.setenv("MOE_EP_IB_DEVICE", f"{dev},{dev},{dev}")
+    e = N.VerbsTransport(0, 2)
+    try:
+        assert e.nics == 3 and e.endpoint.split(";")[3:5] == ["nics=3", f"dev={dev}/{dev}/{dev}"]
+    finally:
+        e.close()
+
+
 # ---------------------------------------------------------------- interop with pyverbs
 
 def _ep_fields(ep: str) -> dict:
@@ -604,13 +735,20 @@ def _rows(e, s, p, n, rb=32):
 
 
 @rdma_test
-@pytest.mark.parametrize("cap", [2, 0])
-def test_verbs_proxy_dispatch_combine_two_nodes(cap):
+@pytest.mark.parametrize("cap,nics,min_shard", [(2, 1, None), (0, 1, None), (2, 2, None), (0, 3, 1)],
+                         ids=["cap2", "cap0", "cap2-2nics", "cap0-3nics-sharded"])
+def test_verbs_proxy_dispatch_combine_two_nodes(cap, nics, min_shard):
     """Two ranks as two nodes in one process, each with its §10 proxy on a verbs engine: three
     epochs of dispatch (round 1, and round 2 for rows over the private capacity) and combine,
-    every header and row checked where §10 puts it."""
+    every header and row checked where §10 puts it. With k NICs (the device opened k times)
+    every write is k shards (with a 1-byte minimum, rows really split over the NICs; with the
+    16 KiB default, one shard and k - 1 empty ones) and each phase waits for k per source."""
     R, RB, CRB, EL = 2, 32, 16, 2
-    engines = [N.VerbsTransport(r, R) for r in range(R)]
+    engines = [N.VerbsTransport(r, R, device=",".join([_dev()] * nics)) for r in range(R)]
+    for e in engines:
+        assert e.imm_per_write == nics
+        if min_shard:
+            e.set_min_shard_bytes(min_shard)
     pxs = [N.Proxy(e, node_size=1, num_local_experts=EL, row_bytes=RB, comb_row_bytes=CRB, private_capacity=cap,
                    overflow_capacity=R * 8, max_send_rows=R * 8, timeout_s=60) for e in engines]
     try:

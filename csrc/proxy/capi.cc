@@ -11,6 +11,7 @@
 #include "proxy.h"
 #include "rdma_probe.h"
 #include "transport.h"
+#include "transport_common.h"
 
 using moe_ep::Completion;
 using moe_ep::ImmCounter;
@@ -38,7 +39,7 @@ int copy_str(const std::string& s, char* buf, size_t len) {
 #pragma GCC visibility push(default)
 extern "C" {
 
-int moe_ep_abi_version() { return 3; }
+int moe_ep_abi_version() { return 4; }
 
 // Copies the last error of this thread into buf (NUL-terminated); returns its full length.
 int moe_ep_last_error(char* buf, size_t len) { return copy_str(moe_ep::thread_error(), buf, len); }
@@ -102,13 +103,15 @@ void* moe_ep_engine_create(const char* transport, int rank, int world, int strea
   }
 }
 
-// verbs engine (libibverbs loaded at run time). device: null or "" = MOE_EP_IB_DEVICE, else the
-// first device with an active port; port 0 = MOE_EP_IB_PORT, else 1; gid_index -1 =
-// MOE_EP_IB_GID_INDEX, else the first RoCE v2 IPv4-mapped GID. Null on failure, the message
-// naming what is missing (library, device, active port, GID).
-void* moe_ep_engine_create_verbs(int rank, int world, const char* device, int port, int gid_index) {
+// verbs engine (libibverbs loaded at run time). device: the NICs, "NAME[:PORT],..." (a name
+// listed twice is opened twice); null or "" = MOE_EP_IB_DEVICE, else the first `nics` devices
+// with an active port; nics 0 = MOE_EP_IB_NICS, else as many as listed, else 1; port 0 =
+// MOE_EP_IB_PORT, else 1; gid_index -1 = MOE_EP_IB_GID_INDEX, else the first RoCE v2
+// IPv4-mapped GID. Null on failure, the message naming what is missing (library, device,
+// active port, GID).
+void* moe_ep_engine_create_verbs(int rank, int world, const char* device, int port, int gid_index, int nics) {
   try {
-    return moe_ep::create_verbs_transport(rank, world, device ? device : "", port, gid_index);
+    return moe_ep::create_verbs_transport(rank, world, device ? device : "", port, gid_index, nics);
   } catch (const std::exception& e) {
     moe_ep::set_error(moe_ep::kErrSystem, std::string("native exception: ") + e.what());
     return nullptr;
@@ -181,6 +184,17 @@ int moe_ep_verbs_destroy_qp(void* e, int peer) {
 void moe_ep_engine_destroy(void* e) { delete static_cast<Transport*>(e); }
 
 void* moe_ep_engine_imm(void* e) { return &static_cast<Transport*>(e)->imm_counter(); }
+
+// What one write with an immediate adds to the receiver's count (tcp 1, verbs its NIC count).
+int moe_ep_engine_imm_per_write(void* e) { return static_cast<Transport*>(e)->imm_per_write(); }
+
+// The byte shards of a write of `len` bytes over k NICs (transport_common.h shard_bounds): writes
+// k + 1 bounds into out (shard i is [out[i], out[i + 1])). -1 when k is out of 1..1024.
+int moe_ep_shard_bounds(uint64_t len, int k, uint64_t min_shard, uint64_t align, uint64_t* out) {
+  if (k < 1 || k > 1024) return moe_ep::set_error(moe_ep::kErrInvalid, "shard_bounds: k must be 1..1024");
+  moe_ep::shard_bounds(len, k, min_shard, align, out);
+  return 0;
+}
 
 int moe_ep_register(void* e, void* ptr, uint64_t len, uint32_t* key) {
   return guarded([&] { return static_cast<Transport*>(e)->register_memory(ptr, len, key); });

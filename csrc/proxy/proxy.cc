@@ -219,10 +219,12 @@ bool Proxy::post(int phase, int64_t epoch, int peer, int lreg, uint64_t loff, in
 }
 
 bool Proxy::wait_imm(int phase, int64_t epoch, const std::vector<int>& from, int64_t deadline) {
-  // One counter per source (the immediate carries it), each expecting exactly one write.
+  // One counter per source (the immediate carries it), each expecting exactly one write: the
+  // transport's imm_per_write() immediates (one per NIC shard over verbs, empty shards included).
   std::vector<uint32_t> imms(from.size());
   for (size_t i = 0; i < from.size(); ++i) imms[i] = make_imm(phase, from[i], epoch);
-  const std::vector<int64_t> ones(from.size(), 1);
+  const int64_t per = t_->imm_per_write();
+  const std::vector<int64_t> ones(from.size(), per);
   std::vector<int> missing;
   for (;;) {
     const int64_t now = mono_ns();
@@ -239,10 +241,15 @@ bool Proxy::wait_imm(int phase, int64_t epoch, const std::vector<int>& from, int
       std::string who;
       for (size_t i = 0; i < missing.size() && i < 8; ++i) who += (i ? ", " : "") + std::to_string(from[size_t(missing[i])]);
       if (missing.size() > 8) who += ", ...";
-      return fail(kProxyTimeout, from[size_t(missing[0])], phase, epoch,
-                  "no immediate from peer " + std::to_string(from[size_t(missing[0])]) + " within " +
-                      seconds(cfg_.timeout_ns) + " s (" + std::to_string(missing.size()) +
-                      " of " + std::to_string(from.size()) + " peers missing: " + who + ")");
+      const int first = from[size_t(missing[0])];
+      std::string shards;  // several per write: how many of the first missing peer's landed
+      if (per > 1)
+        shards = "; " + std::to_string(t_->imm_counter().value(imms[size_t(missing[0])])) + " of its " +
+                 std::to_string(per) + " shards landed";
+      return fail(kProxyTimeout, first, phase, epoch,
+                  "no immediate from peer " + std::to_string(first) + " within " + seconds(cfg_.timeout_ns) +
+                      " s (" + std::to_string(missing.size()) + " of " + std::to_string(from.size()) +
+                      " peers missing: " + who + shards + ")");
     }
   }
 }

@@ -1,7 +1,7 @@
 // Transport interface for the proxy engine: one-sided writes with an optional 32-bit immediate,
 // reliable but unordered delivery, completion known by polling (sender) and by counting
 // immediates (receiver). Implemented by TcpTransport (tcp_transport.cc) and VerbsTransport
-// (verbs_transport.cc, libibverbs RC); EFA SRD is to implement the same interface.
+// (verbs_transport.cc, libibverbs RC, one or several NICs) and EfaTransport (efa_transport.cc).
 //
 // Contract:
 //  - register_memory(ptr, len) returns a key; a peer addresses that memory as (key, offset).
@@ -13,8 +13,11 @@
 //    bytes must stay unchanged until the write's completion. The write's completion (poll) has
 //    status kCqOk once every byte has landed in the peer's memory; an error status otherwise.
 //    Writes are not ordered with respect to each other, not even to the same peer.
-//  - has_imm: once all bytes of the write have landed, the receiver adds 1 to imm_counter()
-//    at `imm`. Zero-byte writes carry immediates too.
+//  - has_imm: the receiver adds imm_per_write() to imm_counter() at `imm` in all, the whole of it
+//    only once all bytes of the write have landed (tcp: 1, once the write has landed; verbs with
+//    k NICs: k, one per byte shard as it lands, empty shards included). A receiver waiting for n
+//    writes waits for n * imm_per_write(); ranks agree on it at connect. Zero-byte writes carry
+//    immediates too.
 //  - A lost peer (cut, closed, dead) fails its pending and later writes with kCqPeerLost and
 //    fails the receiver's ImmCounter, so waiters return kErrPeer with a message naming the peer.
 //  - Every blocking call takes a deadline.
@@ -68,11 +71,14 @@ class Transport {
   // first one (0: do not wait); negative on error.
   virtual int poll(Completion* out, int max, int64_t timeout_ns) = 0;
   virtual ImmCounter& imm_counter() = 0;
+  // What one write with an immediate adds to the receiver's count (see the contract above).
+  virtual int imm_per_write() const { return 1; }
   virtual void set_fault(const FaultConfig& f) = 0;
   // Writes not acknowledged within this time complete with kCqTimeout (default 30 s).
   virtual void set_op_timeout(int64_t ns) = 0;
   // Transports that split a write into shards make none smaller than this (default
-  // kDefaultMinShardBytes; 1: a shard per stream for any write of at least `streams` bytes).
+  // kDefaultMinShardBytes; tcp 1: a shard per stream for any write of at least `streams` bytes;
+  // verbs: shards over the NICs, see shard_bounds in transport_common.h).
   virtual void set_min_shard_bytes(uint64_t) {}
   // CPU time the transport's own threads have used so far (ns; -1 when it cannot tell).
   virtual int64_t cpu_ns() { return -1; }
@@ -86,14 +92,17 @@ class Transport {
 Transport* create_tcp_transport(int rank, int world, int streams, const std::string& bind_host);
 
 // verbs transport (verbs_transport.cc): libibverbs opened at run time, one RC queue pair per
-// peer. device: "" = MOE_EP_IB_DEVICE, else the first device with an active port; port 0 =
-// MOE_EP_IB_PORT, else 1; gid_index -1 = MOE_EP_IB_GID_INDEX, else the first RoCE v2
-// IPv4-mapped GID (InfiniBand: index 0). Returns null and sets the thread's error (naming what
-// is missing: the library, a device, an active port, a GID) on failure.
-Transport* create_verbs_transport(int rank, int world, const std::string& device, int port, int gid_index);
+// peer and NIC. device: the NICs, "NAME[:PORT],..." (a name listed twice is opened twice); "" =
+// MOE_EP_IB_DEVICE, else the first `nics` devices with an active port. nics: how many (0 =
+// MOE_EP_IB_NICS, else as many as listed, else 1). port 0 = MOE_EP_IB_PORT, else 1; gid_index
+// -1 = MOE_EP_IB_GID_INDEX, else the first RoCE v2 IPv4-mapped GID (InfiniBand: index 0).
+// Returns null and sets the thread's error (naming what is missing: the library, a device, an
+// active port, a GID) on failure.
+Transport* create_verbs_transport(int rank, int world, const std::string& device, int port, int gid_index,
+                                  int nics = 0);
 // True when a verbs engine could be created here; *what names the device, or why not.
 bool verbs_probe(std::string* what);
-// Test hook: destroys the queue pair of a verbs engine to `peer` (the peer's writes then fail).
+// Test hook: destroys the queue pairs of a verbs engine to `peer` (the peer's writes then fail).
 int verbs_destroy_qp(Transport* t, int peer);
 
 // The message of the last failed call on this thread (set by every failing call).

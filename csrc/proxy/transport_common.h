@@ -36,6 +36,21 @@ inline int64_t thread_cpu_ns(std::thread& t) {
   return int64_t(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
 }
 
+// Byte sharding of one write over k NICs (verbs): shard i is [out[i], out[i + 1]), contiguous and
+// in order, out[0] = 0, out[k] = len. Every shard is `chunk` bytes except the last non-empty one
+// (the rest, 1..chunk bytes) and the empty ones after it, where chunk = max(ceil(len / k),
+// min_shard) rounded up to a multiple of `align` (0 and 1: no rounding). So shards start at
+// multiples of `align`, none but the last non-empty one is shorter than min_shard, and a write
+// smaller than min_shard is one shard followed by k - 1 empty ones. len 0: k empty shards.
+inline void shard_bounds(uint64_t len, int k, uint64_t min_shard, uint64_t align, uint64_t* out) {
+  if (k < 1) k = 1;
+  align = std::max<uint64_t>(align, 1);
+  uint64_t chunk = std::max<uint64_t>(len / uint64_t(k) + (len % uint64_t(k) != 0), std::max<uint64_t>(min_shard, 1));
+  chunk = chunk + (align - chunk % align) % align;
+  out[0] = 0;
+  for (int i = 1; i <= k; ++i) out[i] = std::min<uint64_t>(len, out[i - 1] + std::min<uint64_t>(chunk, len));
+}
+
 // False when (rank, world) is valid; else true, with the thread's error set.
 inline bool bad_rank(int rank, int world) {
   if (world >= 1 && rank >= 0 && rank < world) return false;

@@ -177,9 +177,10 @@ bool is_efa_device(const std::string& dev) {
   return target.size() >= 4 && target.compare(target.size() - 4, 4, "/efa") == 0;
 }
 
-// Opens the device; on failure returns false with *why naming what is missing.
+// Opens the device `want_dev` ("": the first usable one not in `skip`); on failure returns false
+// with *why naming what is missing.
 bool select_device(const ibv::Api& v, const std::string& want_dev, int want_port, int want_gid, Selection* out,
-                   std::string* why) {
+                   std::string* why, const std::vector<std::string>& skip = {}) {
   int n = 0;
   ibv::device** list = v.get_device_list(&n);
   if (!list || n <= 0) {
@@ -187,8 +188,7 @@ bool select_device(const ibv::Api& v, const std::string& want_dev, int want_port
     *why = "no RDMA device found (libibverbs lists none; is a NIC driver or rdma_rxe loaded?)";
     return false;
   }
-  const char* env_dev = std::getenv("MOE_EP_IB_DEVICE");
-  const std::string dev = !want_dev.empty() ? want_dev : (env_dev ? env_dev : "");
+  const std::string& dev = want_dev;
   const int port = want_port > 0 ? want_port : env_int("MOE_EP_IB_PORT", 1);
   std::string names, reasons;
   bool ok = false;
@@ -196,6 +196,7 @@ bool select_device(const ibv::Api& v, const std::string& want_dev, int want_port
     const std::string name = v.get_device_name(list[i]);
     names += (names.empty() ? "" : ", ") + name;
     if (!dev.empty() && name != dev) continue;
+    if (dev.empty() && std::find(skip.begin(), skip.end(), name) != skip.end()) continue;  // already chosen
     if (dev.empty() && is_efa_device(name)) {  // RC does not run on EFA: that is the efa transport's
       reasons += "; " + name + " is an EFA device (MOE_EP_TRANSPORT=efa)";
       continue;
@@ -256,193 +257,355 @@ bool select_device(const ibv::Api& v, const std::string& want_dev, int want_port
   v.free_device_list(list);
   if (!ok) {
     if (!dev.empty() && names.find(dev) == std::string::npos)
-      *why = "RDMA device '" + dev + "' (MOE_EP_IB_DEVICE) not found; devices: " + names;
+      *why = "RDMA device '" + dev + "' not found; devices: " + names;
     else
       *why = "no usable RDMA device (devices: " + names + ")" + reasons;
   }
   return ok;
 }
 
-constexpr uint64_t kRecvTag = 1ull << 62;   // receive wr_id: kRecvTag | peer
+constexpr uint64_t kRecvTag = 1ull << 62;   // receive wr_id: kRecvTag | peer (the NIC: the CQ it is on)
 constexpr uint64_t kHelloTag = 1ull << 61;  // hello send wr_id: kHelloTag | attempt << 20 | peer
 constexpr uint32_t kPsnMask = 0xFFFFFF;
+constexpr int kMaxNics = 16;
+constexpr uint64_t kShardAlign = 64;  // shards start at multiples of a cache line
+
+std::string join(const std::vector<std::string>& v, const char* sep) {
+  std::string s;
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? sep : "") + v[i];
+  return s;
+}
+
+// "mlx5_0,mlx5_1:2" -> (name, port) entries; port 0: the default. Empty entries are skipped.
+struct NicSpec {
+  std::string name;
+  int port = 0;
+};
+
+bool parse_nic_specs(const std::string& s, std::vector<NicSpec>* out, std::string* why) {
+  for (const auto& e : split(s, ',')) {
+    if (e.empty()) continue;
+    NicSpec n;
+    const auto colon = e.find(':');
+    n.name = e.substr(0, colon);
+    if (colon != std::string::npos) {
+      char* end = nullptr;
+      const long pt = std::strtol(e.c_str() + colon + 1, &end, 10);
+      if (!end || *end || pt < 1 || pt > 255) {
+        *why = "bad NIC entry '" + e + "' (expected NAME or NAME:PORT)";
+        return false;
+      }
+      n.port = int(pt);
+    }
+    out->push_back(n);
+  }
+  return true;
+}
+
+std::string nic_desc(const Selection& s) {
+  return "device " + s.dev + " port " + std::to_string(s.port) + " GID index " + std::to_string(s.gid_index);
+}
+
+// The NICs of an engine (§9, "Several NICs"): `device` ("" = MOE_EP_IB_DEVICE) lists them ("a,b",
+// "a:2"; a name listed twice is opened twice); `nics` (0 = MOE_EP_IB_NICS, else as many as
+// listed, else 1) says how many to open: the first `nics` listed, or, with none listed, the first
+// `nics` distinct usable devices. On failure every context opened is closed again.
+bool open_nics(const ibv::Api& v, const std::string& device, int port, int gid_index, int nics,
+               std::vector<Selection>* out, std::string* why) {
+  std::string list = device;
+  if (list.empty())
+    if (const char* e = std::getenv("MOE_EP_IB_DEVICE")) list = e;
+  std::vector<NicSpec> specs;
+  if (!parse_nic_specs(list, &specs, why)) return false;
+  int n = nics > 0 ? nics : env_int("MOE_EP_IB_NICS", 0);
+  if (n <= 0) n = specs.empty() ? 1 : int(specs.size());
+  if (n > kMaxNics) {
+    *why = std::to_string(n) + " NICs asked for; at most " + std::to_string(kMaxNics);
+    return false;
+  }
+  if (!specs.empty() && n > int(specs.size())) {
+    *why = std::to_string(n) + " NICs asked for (MOE_EP_IB_NICS) but " + std::to_string(specs.size()) +
+           " listed ('" + list + "')";
+    return false;
+  }
+  if (!specs.empty()) specs.resize(size_t(n));
+  std::vector<std::string> chosen;
+  for (int i = 0; i < n; ++i) {
+    Selection sel;
+    std::string w;
+    const bool listed = !specs.empty();
+    if (!select_device(v, listed ? specs[size_t(i)].name : "", listed && specs[size_t(i)].port ? specs[size_t(i)].port : port,
+                       gid_index, &sel, &w, chosen)) {
+      for (auto& s : *out) v.close_device(s.ctx);
+      out->clear();
+      *why = n > 1 ? "NIC " + std::to_string(i) + " of " + std::to_string(n) + ": " + w : w;
+      if (!listed && i > 0)
+        *why += " (" + std::to_string(n) + " NICs asked for, " + std::to_string(i) + " usable: " + join(chosen, ", ") +
+                "; list a device twice, e.g. MOE_EP_IB_DEVICE=" + chosen[0] + "," + chosen[0] + ", to open it twice)";
+      return false;
+    }
+    chosen.push_back(sel.dev);
+    out->push_back(sel);
+  }
+  return true;
+}
+
+// One NIC of an engine: its context (in sel), PD, completion channel, CQ and completion thread.
+struct Nic {
+  Selection sel;
+  std::string where;  // "verbs device D port N GID index G" (+ " (NIC i of k)" when k > 1)
+  ibv::pd* pd = nullptr;
+  ibv::comp_channel* ch = nullptr;
+  ibv::cq* cq = nullptr;
+  unsigned events_unacked = 0;  // its completion thread only
+  std::thread thr;
+};
 
 struct Region {
   char* ptr = nullptr;
   uint64_t len = 0;
-  ibv::mr* mr = nullptr;
+  std::vector<ibv::mr*> mr;  // one per NIC (none for a 0-byte region)
 };
 
 struct RemoteRegion {
   uint64_t addr = 0, len = 0;
-  uint32_t rkey = 0;
+  std::vector<uint32_t> rkey;  // one per NIC
+};
+
+struct RemoteNic {
+  std::string dev;
+  int port = 1, mtu = 0;
+  uint16_t lid = 0;
+  ibv::gid gid{};
 };
 
 struct Remote {
-  int rank = -1, world = 0, port = 1, mtu = 0;
-  uint16_t lid = 0;
-  ibv::gid gid{};
+  int rank = -1, world = 0;
   uint32_t psn = 0;
-  std::vector<uint32_t> qpn;
+  std::vector<RemoteNic> nic;
+  std::vector<std::vector<uint32_t>> qpn;  // [rank][nic]
   std::vector<RemoteRegion> mr;
 };
 
-struct Peer {
+// One RC queue pair: to one peer through one NIC.
+struct Link {
   ibv::qp* qp = nullptr;
-  Remote remote;
-  std::atomic<bool> lost{false};
-  std::atomic<bool> up{false};          // connect finished for this peer
+  std::atomic<bool> up{false};          // connect finished for this queue pair
   std::atomic<bool> hello_recv{false};  // the peer's hello landed
   std::atomic<int> hello_status{-1};    // own hello: -1 pending, else its wc status
   std::atomic<uint32_t> hello_attempt{0};
+};
+
+struct Peer {
+  explicit Peer(int nics) {
+    for (int i = 0; i < nics; ++i) link.emplace_back(new Link);
+  }
+  std::vector<std::unique_ptr<Link>> link;  // [nic]
+  Remote remote;
+  std::atomic<bool> lost{false};
   std::atomic<int64_t> writes_posted{0};
-  std::mutex mu;        // guards err
+  std::mutex mu;  // guards err
   std::string err;
 };
 
 class VerbsTransport final : public Transport {
  public:
-  VerbsTransport(int rank, int world, const ibv::Api& v) : rank_(rank), world_(world), v_(v) {
-    for (int p = 0; p < world; ++p) peers_.emplace_back(new Peer);
-  }
+  VerbsTransport(int rank, int world, const ibv::Api& v) : rank_(rank), world_(world), v_(v) {}
 
-  int start(const std::string& dev, int port, int gid_index) {
-    std::string why;
-    if (!select_device(v_, dev, port, gid_index, &sel_, &why)) return set_error(kErrInvalid, prefix() + "verbs: " + why);
-    where_ = "verbs device " + sel_.dev + " port " + std::to_string(sel_.port) + " GID index " +
-             std::to_string(sel_.gid_index);
-    pd_ = v_.alloc_pd(sel_.ctx);
-    if (!pd_) return set_error(kErrSystem, prefix() + where_ + ": ibv_alloc_pd failed: " + strerror(errno));
-    ch_ = v_.create_comp_channel(sel_.ctx);
-    if (!ch_) return set_error(kErrSystem, prefix() + where_ + ": ibv_create_comp_channel failed: " + strerror(errno));
-    fcntl(ch_->fd, F_SETFL, fcntl(ch_->fd, F_GETFL) | O_NONBLOCK);
+  // Takes the opened NICs (closed by the destructor from here on, even when start fails).
+  int start(const std::vector<Selection>& sels) {
+    const int k = int(sels.size());
+    for (int i = 0; i < k; ++i) {
+      nics_.emplace_back(new Nic);
+      nics_.back()->sel = sels[size_t(i)];
+      nics_.back()->where = "verbs " + nic_desc(sels[size_t(i)]) +
+                            (k > 1 ? " (NIC " + std::to_string(i) + " of " + std::to_string(k) + ")" : "");
+    }
+    for (int p = 0; p < world_; ++p) peers_.emplace_back(new Peer(k));
     const int peers = std::max(world_ - 1, 1);
     depth_ = std::max(16, std::min(512, 16384 / peers));
-    ibcq_ = v_.create_cq(sel_.ctx, 2 * depth_ * peers + 16, nullptr, ch_, 0);
-    if (!ibcq_) return set_error(kErrSystem, prefix() + where_ + ": ibv_create_cq failed: " + strerror(errno));
+    for (auto& np : nics_) {
+      Nic& n = *np;
+      n.pd = v_.alloc_pd(n.sel.ctx);
+      if (!n.pd) return set_error(kErrSystem, prefix() + n.where + ": ibv_alloc_pd failed: " + strerror(errno));
+      n.ch = v_.create_comp_channel(n.sel.ctx);
+      if (!n.ch) return set_error(kErrSystem, prefix() + n.where + ": ibv_create_comp_channel failed: " + strerror(errno));
+      fcntl(n.ch->fd, F_SETFL, fcntl(n.ch->fd, F_GETFL) | O_NONBLOCK);
+      n.cq = v_.create_cq(n.sel.ctx, 2 * depth_ * peers + 16, nullptr, n.ch, 0);
+      if (!n.cq) return set_error(kErrSystem, prefix() + n.where + ": ibv_create_cq failed: " + strerror(errno));
+    }
     std::mt19937 rng{std::random_device{}()};
     psn_ = rng() & kPsnMask;
     for (int p = 0; p < world_; ++p) {
       if (p == rank_) continue;
-      ibv::qp_init_attr ia{};
-      ia.send_cq = ibcq_;
-      ia.recv_cq = ibcq_;
-      ia.cap.max_send_wr = uint32_t(depth_);
-      ia.cap.max_recv_wr = uint32_t(depth_);
-      ia.cap.max_send_sge = 1;
-      ia.cap.max_recv_sge = 1;
-      ia.qp_type = ibv::QPT_RC;
-      peers_[p]->qp = v_.create_qp(pd_, &ia);
-      if (!peers_[p]->qp)
-        return set_error(kErrSystem, prefix() + where_ + ": ibv_create_qp for peer " + std::to_string(p) +
-                                         " failed: " + strerror(errno));
-      if (int rc = to_init(p); rc != kOk) return rc;
+      for (int i = 0; i < k; ++i) {
+        ibv::qp_init_attr ia{};
+        ia.send_cq = nics_[size_t(i)]->cq;
+        ia.recv_cq = nics_[size_t(i)]->cq;
+        ia.cap.max_send_wr = uint32_t(depth_);
+        ia.cap.max_recv_wr = uint32_t(depth_);
+        ia.cap.max_send_sge = 1;
+        ia.cap.max_recv_sge = 1;
+        ia.qp_type = ibv::QPT_RC;
+        peers_[size_t(p)]->link[size_t(i)]->qp = v_.create_qp(nics_[size_t(i)]->pd, &ia);
+        if (!peers_[size_t(p)]->link[size_t(i)]->qp)
+          return set_error(kErrSystem, prefix() + nics_[size_t(i)]->where + ": ibv_create_qp for peer " +
+                                           std::to_string(p) + " failed: " + strerror(errno));
+        if (int rc = to_init(p, i); rc != kOk) return rc;
+      }
     }
-    try {
-      thr_ = std::thread([this] { cq_loop(); });
-    } catch (const std::exception& e) {
-      return set_error(kErrSystem, prefix() + "verbs completion thread: " + e.what());
+    for (int i = 0; i < k; ++i) {
+      try {
+        nics_[size_t(i)]->thr = std::thread([this, i] { cq_loop(i); });
+      } catch (const std::exception& e) {
+        return set_error(kErrSystem, prefix() + "verbs completion thread: " + e.what());
+      }
     }
     return kOk;
   }
 
   ~VerbsTransport() override {
     stop_ = true;
-    if (thr_.joinable()) thr_.join();
+    for (auto& n : nics_)
+      if (n->thr.joinable()) n->thr.join();
     for (auto& pr : peers_)
-      if (pr->qp) v_.destroy_qp(pr->qp);
-    if (ibcq_) {
-      if (events_unacked_) v_.ack_cq_events(ibcq_, events_unacked_);
-      v_.destroy_cq(ibcq_);
+      for (auto& l : pr->link)
+        if (l->qp) v_.destroy_qp(l->qp);
+    for (auto& n : nics_) {
+      if (n->cq) {
+        if (n->events_unacked) v_.ack_cq_events(n->cq, n->events_unacked);
+        v_.destroy_cq(n->cq);
+      }
+      if (n->ch) v_.destroy_comp_channel(n->ch);
     }
-    if (ch_) v_.destroy_comp_channel(ch_);
     for (auto& r : regions_.snapshot())
-      if (r.mr) v_.dereg_mr(r.mr);
-    if (pd_) v_.dealloc_pd(pd_);
-    if (sel_.ctx) v_.close_device(sel_.ctx);
+      for (ibv::mr* m : r.mr)
+        if (m) v_.dereg_mr(m);
+    for (auto& n : nics_) {
+      if (n->pd) v_.dealloc_pd(n->pd);
+      if (n->sel.ctx) v_.close_device(n->sel.ctx);
+    }
   }
 
   int rank() const override { return rank_; }
   int world() const override { return world_; }
   ImmCounter& imm_counter() override { return imm_; }
+  // Every write with an immediate is one shard per NIC, each counted by the receiver.
+  int imm_per_write() const override { return int(nics_.size()); }
 
   int register_memory(void* ptr, uint64_t len, uint32_t* key) override {
     if (ptr == nullptr && len > 0) return set_error(kErrInvalid, prefix() + "register: null pointer");
-    Region r{static_cast<char*>(ptr), len, nullptr};
+    Region r{static_cast<char*>(ptr), len, {}};
     if (len > 0) {
-      r.mr = v_.reg_mr(pd_, ptr, size_t(len), ibv::ACCESS_LOCAL_WRITE | ibv::ACCESS_REMOTE_WRITE | ibv::ACCESS_REMOTE_READ);
-      if (!r.mr)
-        return set_error(kErrSystem, prefix() + where_ + ": ibv_reg_mr of " + std::to_string(len) +
-                                         " bytes failed: " + strerror(errno) + " (locked-memory limit? ulimit -l)");
+      for (auto& np : nics_) {  // every region on every NIC: any shard may go through any NIC
+        ibv::mr* m = v_.reg_mr(np->pd, ptr, size_t(len),
+                               ibv::ACCESS_LOCAL_WRITE | ibv::ACCESS_REMOTE_WRITE | ibv::ACCESS_REMOTE_READ);
+        if (!m) {
+          const int err = errno;
+          for (ibv::mr* done : r.mr) v_.dereg_mr(done);
+          return set_error(kErrSystem, prefix() + np->where + ": ibv_reg_mr of " + std::to_string(len) +
+                                           " bytes failed: " + strerror(err) + " (locked-memory limit? ulimit -l)");
+        }
+        r.mr.push_back(m);
+      }
     }
     *key = regions_.add(r);
     return kOk;
   }
 
-  // "verbs1;rank=R;world=W;dev=NAME;port=N;lid=L;gid=HEX32;mtu=M;psn=P;qpn=Q0,Q1,..;mr=ADDR:LEN:RKEY,.."
-  // (numbers decimal; qpn has one entry per rank, 0 for its own; mr lists the regions registered
-  // so far, in key order).
+  // "verbs1;rank=R;world=W;nics=K;dev=D0/D1;port=N0/N1;lid=L0/L1;gid=HEX32/HEX32;mtu=M0/M1;psn=P;
+  //  qpn=Q0,Q1,..;mr=ADDR:LEN:RKEY,.." (numbers decimal; per-NIC values joined by '/', in NIC
+  // order; qpn has one entry per rank, 0 for its own, each with a QPN per NIC; mr lists the
+  // regions registered so far, in key order, each with an rkey per NIC). One NIC: the format of
+  // a single-NIC engine, nics=1 (a peer that leaves nics out has as many as dev lists).
   std::string endpoint() const override {
     std::ostringstream s;
-    s << "verbs1;rank=" << rank_ << ";world=" << world_ << ";dev=" << sel_.dev << ";port=" << sel_.port
-      << ";lid=" << sel_.attr.lid << ";gid=" << hex(sel_.gid.raw, 16) << ";mtu=" << sel_.attr.active_mtu
-      << ";psn=" << psn_ << ";qpn=";
-    for (int p = 0; p < world_; ++p) s << (p ? "," : "") << (peers_[p]->qp ? peers_[p]->qp->qp_num : 0);
+    auto per_nic = [&](auto f) {
+      for (size_t i = 0; i < nics_.size(); ++i) s << (i ? "/" : "") << f(*nics_[i], i);
+    };
+    s << "verbs1;rank=" << rank_ << ";world=" << world_ << ";nics=" << nics_.size() << ";dev=";
+    per_nic([](const Nic& n, size_t) { return n.sel.dev; });
+    s << ";port=";
+    per_nic([](const Nic& n, size_t) { return std::to_string(n.sel.port); });
+    s << ";lid=";
+    per_nic([](const Nic& n, size_t) { return std::to_string(n.sel.attr.lid); });
+    s << ";gid=";
+    per_nic([](const Nic& n, size_t) { return hex(n.sel.gid.raw, 16); });
+    s << ";mtu=";
+    per_nic([](const Nic& n, size_t) { return std::to_string(n.sel.attr.active_mtu); });
+    s << ";psn=" << psn_ << ";qpn=";
+    for (int p = 0; p < world_; ++p) {
+      s << (p ? "," : "");
+      per_nic([&](const Nic&, size_t i) {
+        const ibv::qp* q = peers_[size_t(p)]->link[i]->qp;
+        return std::to_string(q ? q->qp_num : 0);
+      });
+    }
     s << ";mr=";
     const auto regs = regions_.snapshot();
-    for (size_t i = 0; i < regs.size(); ++i)
-      s << (i ? "," : "") << reinterpret_cast<uintptr_t>(regs[i].ptr) << ":" << regs[i].len << ":"
-        << (regs[i].mr ? regs[i].mr->rkey : 0);
+    for (size_t r = 0; r < regs.size(); ++r) {
+      s << (r ? "," : "") << reinterpret_cast<uintptr_t>(regs[r].ptr) << ":" << regs[r].len << ":";
+      per_nic([&](const Nic&, size_t i) { return std::to_string(i < regs[r].mr.size() ? regs[r].mr[i]->rkey : 0); });
+    }
     return s.str();
   }
 
   int connect(const std::vector<std::string>& endpoints, int64_t timeout_ns) override {
     if (int rc = check_connect(rank_, world_, connected_, endpoints.size()); rc != kOk) return rc;
     const int64_t deadline = now_ns() + timeout_ns;
+    const int k = int(nics_.size());
     for (int p = 0; p < world_; ++p) {
       if (p == rank_) continue;
-      if (int rc = parse(p, endpoints[p], &peers_[p]->remote); rc != kOk) return rc;
+      if (int rc = parse(p, endpoints[size_t(p)], &peers_[size_t(p)]->remote); rc != kOk) return rc;
     }
     for (int p = 0; p < world_; ++p) {
       if (p == rank_) continue;
-      if (int rc = to_rts(p, false); rc != kOk) return rc;
-      if (int rc = send_hello(p); rc != kOk) return rc;
+      for (int i = 0; i < k; ++i) {
+        if (int rc = to_rts(p, i, false); rc != kOk) return rc;
+        if (int rc = send_hello(p, i); rc != kOk) return rc;
+      }
     }
-    // Every peer: own hello acknowledged and the peer's hello received. A hello that fails
+    // Every queue pair: own hello acknowledged and the peer's hello received. A hello that fails
     // (the peer's QP not yet ready to receive: retries exhausted) resets the QP and tries again.
     std::unique_lock<std::mutex> lk(conn_mu_);
     for (;;) {
-      int waiting = -1;
+      int wp = -1, wi = 0;  // the first queue pair still waited for
       for (int p = 0; p < world_; ++p) {
-        if (p == rank_ || peers_[p]->up) continue;
-        Peer& pr = *peers_[p];
+        if (p == rank_) continue;
+        Peer& pr = *peers_[size_t(p)];
         if (pr.lost) return set_error(kErrPeer, peer_error(p));
-        const int hs = pr.hello_status.load();
-        if (hs == ibv::WC_SUCCESS && pr.hello_recv) {
-          pr.up = true;
-          continue;
+        for (int i = 0; i < k; ++i) {
+          Link& l = *pr.link[size_t(i)];
+          if (l.up) continue;
+          const int hs = l.hello_status.load();
+          if (hs == ibv::WC_SUCCESS && l.hello_recv) {
+            l.up = true;
+            continue;
+          }
+          if (hs > 0) {  // failed: bring the QP up again (receives re-posted) and resend
+            lk.unlock();
+            int rc = to_reset(p, i);
+            if (rc == kOk) rc = to_init(p, i);
+            if (rc == kOk) rc = to_rts(p, i, l.hello_recv);
+            if (rc == kOk) rc = send_hello(p, i);
+            lk.lock();
+            if (rc != kOk) return rc;
+          }
+          if (wp < 0) wp = p, wi = i;
         }
-        if (hs > 0) {  // failed: bring the QP up again (receives re-posted) and resend
-          lk.unlock();
-          int rc = to_reset(p);
-          if (rc == kOk) rc = to_init(p);
-          if (rc == kOk) rc = to_rts(p, pr.hello_recv);
-          if (rc == kOk) rc = send_hello(p);
-          lk.lock();
-          if (rc != kOk) return rc;
-        }
-        if (waiting < 0) waiting = p;
       }
-      if (waiting < 0) break;
+      if (wp < 0) break;
       const int64_t now = now_ns();
       if (now >= deadline) {
-        Peer& pr = *peers_[waiting];
-        const int hs = pr.hello_status.load();
+        Link& l = *peers_[size_t(wp)]->link[size_t(wi)];
+        const int hs = l.hello_status.load();
         return set_error(kErrTimeout,
-                         prefix() + "connect: peer " + std::to_string(waiting) + " never connected within " +
-                             std::to_string(double(timeout_ns) / 1e9) + " s (" + where_ + "; own hello: " +
+                         prefix() + "connect: peer " + std::to_string(wp) + " never connected within " +
+                             std::to_string(double(timeout_ns) / 1e9) + " s (" + nics_[size_t(wi)]->where +
+                             "; own hello: " +
                              (hs < 0 ? "not acknowledged yet" : hs == 0 ? "acknowledged" : v_.wc_status_str(hs)) +
-                             " (attempt " + std::to_string(pr.hello_attempt.load()) + "); the peer's hello: " + (pr.hello_recv ? "received" : "not received") + ")");
+                             " (attempt " + std::to_string(l.hello_attempt.load()) + "); the peer's hello: " +
+                             (l.hello_recv ? "received" : "not received") + ")");
       }
       conn_cv_.wait_for(lk, std::chrono::nanoseconds(std::min<int64_t>(deadline - now, 20'000'000)));
     }
@@ -450,14 +613,22 @@ class VerbsTransport final : public Transport {
     return kOk;
   }
 
+  // One logical write: its bytes split into contiguous shards, one per NIC (shard_bounds), each
+  // posted on its NIC's queue pair to the peer with the write's immediate; a write with an
+  // immediate posts every shard, empty ones included (0 bytes, the immediate only), so the
+  // receiver counts exactly imm_per_write() immediates per write; one without posts only the
+  // shards with bytes (at least one). The write completes when all its posts have.
   int post_write(int peer, uint32_t local_key, uint64_t local_off, uint32_t remote_key, uint64_t remote_off,
                  uint64_t len, bool has_imm, uint32_t imm, uint64_t* wr_id) override {
     Region r;
     if (int rc = check_post(rank_, world_, connected_, regions_, peer, local_key, local_off, len, &r); rc != kOk) return rc;
-    if (len > 0xFFFFFFFFull)
-      return set_error(kErrInvalid, prefix() + "post_write to peer " + std::to_string(peer) + ": " +
-                                        std::to_string(len) + " bytes is more than one verbs write carries (4 GiB)");
-    Peer& pr = *peers_[peer];
+    const int k = int(nics_.size());
+    uint64_t b[kMaxNics + 1];
+    shard_bounds(len, k, min_shard_.load(), kShardAlign, b);
+    if (b[1] > 0xFFFFFFFFull)
+      return set_error(kErrInvalid, prefix() + "post_write to peer " + std::to_string(peer) + ": a shard of " +
+                                        std::to_string(b[1]) + " bytes is more than one verbs write carries (4 GiB)");
+    Peer& pr = *peers_[size_t(peer)];
     const uint64_t wr = next_wr_++;
     *wr_id = wr;
     const int64_t n = pr.writes_posted++;
@@ -470,28 +641,40 @@ class VerbsTransport final : public Transport {
         len > mrs[remote_key - 1].len - remote_off)
       return complete_now(wr, peer, kCqRemoteAccess);
     const RemoteRegion& rr = mrs[remote_key - 1];
-    // A full send queue (depth_ writes pending to this peer) waits for completions, up to the op timeout.
-    const int added = cq_.add(wr, peer, 1, pr.lost, depth_, now_ns() + op_timeout_ns_.load());
+    int posts = 0;
+    for (int s = 0; s < k; ++s) posts += has_imm || b[s + 1] > b[s] || (s == 0 && len == 0);
+    // A full send queue (depth_ writes pending to this peer) waits for completions, up to the op
+    // timeout. A write takes at most one entry of each of the peer's queue pairs.
+    const int added = cq_.add(wr, peer, uint32_t(posts), pr.lost, depth_, now_ns() + op_timeout_ns_.load());
     if (added == 0) return kOk;  // lost: completed as such
     if (added < 0)
       return set_error(kErrTimeout, prefix() + "post_write to peer " + std::to_string(peer) + ": send queue (" +
                                         std::to_string(depth_) + " writes) still full after the op timeout");
-    ibv::sge sg{reinterpret_cast<uint64_t>(r.ptr + local_off), uint32_t(len), r.mr ? r.mr->lkey : 0};
-    ibv::send_wr w{};
-    w.wr_id = wr;
-    w.sg_list = &sg;
-    w.num_sge = len > 0 ? 1 : 0;
-    w.opcode = has_imm ? ibv::WR_RDMA_WRITE_WITH_IMM : ibv::WR_RDMA_WRITE;
-    w.send_flags = ibv::SEND_SIGNALED;
-    w.imm_data = htonl(imm);
-    w.wr.rdma.remote_addr = rr.addr + remote_off;
-    w.wr.rdma.rkey = rr.rkey;
-    ibv::send_wr* bad = nullptr;
-    if (int rc = post_send(peer, &w, &bad); rc != 0) {
-      cq_.remove(wr);
-      const std::string why = "ibv_post_send failed: " + std::string(strerror(rc));
-      lose_peer(peer, why);
-      return set_error(kErrPeer, prefix() + "post_write to peer " + std::to_string(peer) + " (" + where_ + "): " + why);
+    // Shard s goes to NIC (s + n) % k: a write smaller than the minimum shard (one shard with
+    // bytes) goes to a different NIC than the peer's previous one.
+    for (int s = 0; s < k; ++s) {
+      const uint64_t off = b[s], bytes = b[s + 1] - b[s];
+      if (!has_imm && bytes == 0 && !(s == 0 && len == 0)) continue;
+      const int i = int((uint64_t(s) + uint64_t(n)) % uint64_t(k));
+      ibv::sge sg{reinterpret_cast<uint64_t>(r.ptr + local_off + off), uint32_t(bytes),
+                  r.mr.empty() ? 0 : r.mr[size_t(i)]->lkey};
+      ibv::send_wr w{};
+      w.wr_id = wr;
+      w.sg_list = &sg;
+      w.num_sge = bytes > 0 ? 1 : 0;
+      w.opcode = has_imm ? ibv::WR_RDMA_WRITE_WITH_IMM : ibv::WR_RDMA_WRITE;
+      w.send_flags = ibv::SEND_SIGNALED;
+      w.imm_data = htonl(imm);
+      w.wr.rdma.remote_addr = rr.addr + remote_off + off;
+      w.wr.rdma.rkey = rr.rkey[size_t(i)];
+      ibv::send_wr* bad = nullptr;
+      if (int rc = post_send(peer, i, &w, &bad); rc != 0) {
+        cq_.remove(wr);  // shards already posted flush; their completions find nothing pending
+        const std::string why = "ibv_post_send failed: " + std::string(strerror(rc));
+        lose_peer(peer, why, kCqPeerLost, i);
+        return set_error(kErrPeer, prefix() + "post_write to peer " + std::to_string(peer) + " (" +
+                                       nics_[size_t(i)]->where + "): " + why);
+      }
     }
     return kOk;
   }
@@ -506,36 +689,50 @@ class VerbsTransport final : public Transport {
     cut_peer_ = f.cut_peer;
   }
   void set_op_timeout(int64_t ns) override { op_timeout_ns_ = ns; }
+  void set_min_shard_bytes(uint64_t n) override { min_shard_ = std::max<uint64_t>(n, 1); }
 
-  int64_t cpu_ns() override { return thread_cpu_ns(thr_); }
+  int64_t cpu_ns() override {
+    int64_t sum = 0;
+    for (auto& n : nics_) {
+      const int64_t c = thread_cpu_ns(n->thr);
+      if (c < 0) return -1;
+      sum += c;
+    }
+    return sum;
+  }
 
   std::string peer_error(int peer) override {
     if (peer < 0 || peer >= world_) return "";
-    std::lock_guard<std::mutex> lk(peers_[peer]->mu);
-    return peers_[peer]->err;
+    std::lock_guard<std::mutex> lk(peers_[size_t(peer)]->mu);
+    return peers_[size_t(peer)]->err;
   }
 
-  // Test hook: destroys the queue pair to `peer` as a crashed process would (its peer then sees
-  // its writes fail); this side marks the peer lost.
+  // Test hook: destroys the queue pairs to `peer` as a crashed process would (its peer then
+  // sees its writes fail); this side marks the peer lost.
   int destroy_qp(int peer) {
-    if (peer < 0 || peer >= world_ || peer == rank_ || !peers_[peer]->qp)
+    if (peer < 0 || peer >= world_ || peer == rank_ || !peers_[size_t(peer)]->link[0]->qp)
       return set_error(kErrInvalid, prefix() + "destroy_qp: bad peer " + std::to_string(peer));
     lose_peer(peer, "queue pair destroyed (test hook)");
     std::unique_lock<std::shared_mutex> lk(qp_mu_);
-    v_.destroy_qp(peers_[peer]->qp);
-    peers_[peer]->qp = nullptr;
+    for (auto& l : peers_[size_t(peer)]->link) {
+      if (l->qp) v_.destroy_qp(l->qp);
+      l->qp = nullptr;
+    }
     return kOk;
   }
 
  private:
   std::string prefix() const { return "rank " + std::to_string(rank_) + ": "; }
-  std::string peer_where(int p) const {
-    const ibv::qp* q = peers_[p]->qp;
-    return where_ + ", QP " + std::to_string(q ? q->qp_num : 0) + " -> " + std::to_string(peers_[p]->remote.qpn.size() > size_t(rank_) ? peers_[p]->remote.qpn[rank_] : 0);
+  std::string peer_where(int p, int i) const {
+    const ibv::qp* q = peers_[size_t(p)]->link[size_t(i)]->qp;
+    const auto& rq = peers_[size_t(p)]->remote.qpn;
+    const uint32_t theirs = rq.size() > size_t(rank_) && rq[size_t(rank_)].size() > size_t(i) ? rq[size_t(rank_)][size_t(i)] : 0;
+    return nics_[size_t(i)]->where + ", QP " + std::to_string(q ? q->qp_num : 0) + " -> " + std::to_string(theirs);
   }
+  Link& link(int p, int i) { return *peers_[size_t(p)]->link[size_t(i)]; }
 
   int complete_now(uint64_t wr, int peer, int32_t status) {
-    cq_.push(wr, peer, peers_[peer]->lost ? int32_t(kCqPeerLost) : status);
+    cq_.push(wr, peer, peers_[size_t(peer)]->lost ? int32_t(kCqPeerLost) : status);
     return kOk;
   }
 
@@ -543,106 +740,150 @@ class VerbsTransport final : public Transport {
     const std::string bad = prefix() + "connect: bad verbs endpoint of peer " + std::to_string(p) + " '" + ep + "'";
     auto fields = split(ep, ';');
     if (fields.empty() || fields[0] != "verbs1") return set_error(kErrInvalid, bad + " (not a verbs1 endpoint)");
+    std::unordered_map<std::string, std::string> kv;
+    for (size_t i = 1; i < fields.size(); ++i) {
+      const auto eq = fields[i].find('=');
+      if (eq == std::string::npos) return set_error(kErrInvalid, bad);
+      kv[fields[i].substr(0, eq)] = fields[i].substr(eq + 1);
+    }
+    const size_t k = nics_.size();
+    const auto devs = split(kv["dev"], '/');
+    size_t theirs = devs.size();
     try {
-      std::string gid_hex;
-      for (size_t i = 1; i < fields.size(); ++i) {
-        const auto eq = fields[i].find('=');
-        if (eq == std::string::npos) return set_error(kErrInvalid, bad);
-        const std::string k = fields[i].substr(0, eq), val = fields[i].substr(eq + 1);
-        if (k == "rank") out->rank = std::stoi(val);
-        else if (k == "world") out->world = std::stoi(val);
-        else if (k == "port") out->port = std::stoi(val);
-        else if (k == "lid") out->lid = uint16_t(std::stoul(val));
-        else if (k == "gid") gid_hex = val;
-        else if (k == "mtu") out->mtu = std::stoi(val);
-        else if (k == "psn") out->psn = uint32_t(std::stoul(val)) & kPsnMask;
-        else if (k == "qpn") {
-          for (const auto& q : split(val, ',')) out->qpn.push_back(uint32_t(std::stoul(q)));
-        } else if (k == "mr") {
-          for (const auto& m : split(val, ',')) {
-            auto parts = split(m, ':');
-            if (parts.size() != 3) return set_error(kErrInvalid, bad + " (bad mr entry)");
-            out->mr.push_back(RemoteRegion{std::stoull(parts[0]), std::stoull(parts[1]), uint32_t(std::stoul(parts[2]))});
-          }
-        }
-      }
-      if (!unhex(gid_hex, out->gid.raw, 16)) return set_error(kErrInvalid, bad + " (bad gid)");
+      if (kv.count("nics")) theirs = size_t(std::stoul(kv["nics"]));
+      out->rank = std::stoi(kv["rank"]);
+      out->world = std::stoi(kv["world"]);
+      out->psn = uint32_t(std::stoul(kv["psn"])) & kPsnMask;
     } catch (const std::exception&) {
       return set_error(kErrInvalid, bad + " (bad number)");
     }
-    if (out->rank != p || out->world != world_ || int(out->qpn.size()) != world_ || out->qpn[rank_] == 0)
+    if (theirs != k)
+      return set_error(kErrInvalid, prefix() + "connect: peer " + std::to_string(p) + " opened " + std::to_string(theirs) +
+                                        " NICs (" + join(devs, ", ") + "), this rank " + std::to_string(k) + " (" +
+                                        nic_names() + "): every rank must open the same number of NICs "
+                                        "(MOE_EP_IB_DEVICE lists them, MOE_EP_IB_NICS counts them)");
+    auto per_nic = [&](const std::string& key, std::vector<std::string>* v) {
+      *v = split(kv[key], '/');
+      return v->size() == k;
+    };
+    std::vector<std::string> ports, lids, gids, mtus;
+    if (devs.size() != k || !per_nic("port", &ports) || !per_nic("lid", &lids) || !per_nic("gid", &gids) ||
+        !per_nic("mtu", &mtus))
+      return set_error(kErrInvalid, bad + " (dev/port/lid/gid/mtu need one entry per NIC)");
+    try {
+      out->nic.assign(k, RemoteNic{});
+      for (size_t i = 0; i < k; ++i) {
+        RemoteNic& n = out->nic[i];
+        n.dev = devs[i];
+        n.port = std::stoi(ports[i]);
+        n.lid = uint16_t(std::stoul(lids[i]));
+        n.mtu = std::stoi(mtus[i]);
+        if (!unhex(gids[i], n.gid.raw, 16)) return set_error(kErrInvalid, bad + " (bad gid)");
+      }
+      out->qpn.clear();
+      for (const auto& q : split(kv["qpn"], ',')) {
+        std::vector<uint32_t> per;
+        for (const auto& x : split(q, '/')) per.push_back(uint32_t(std::stoul(x)));
+        if (per.size() != k) return set_error(kErrInvalid, bad + " (a qpn entry needs one QPN per NIC)");
+        out->qpn.push_back(per);
+      }
+      out->mr.clear();
+      for (const auto& m : split(kv["mr"], ',')) {
+        auto parts = split(m, ':');
+        if (parts.size() != 3) return set_error(kErrInvalid, bad + " (bad mr entry)");
+        RemoteRegion rr{std::stoull(parts[0]), std::stoull(parts[1]), {}};
+        for (const auto& x : split(parts[2], '/')) rr.rkey.push_back(uint32_t(std::stoul(x)));
+        if (rr.rkey.size() != k) return set_error(kErrInvalid, bad + " (an mr entry needs one rkey per NIC)");
+        out->mr.push_back(rr);
+      }
+    } catch (const std::exception&) {
+      return set_error(kErrInvalid, bad + " (bad number)");
+    }
+    bool qpn_ok = out->qpn.size() == size_t(world_);
+    for (size_t i = 0; qpn_ok && i < k; ++i) qpn_ok = out->qpn[size_t(rank_)][i] != 0;
+    if (out->rank != p || out->world != world_ || !qpn_ok)
       return set_error(kErrInvalid, bad + " (rank/world/qpn do not match: expected rank " + std::to_string(p) +
                                         " of world " + std::to_string(world_) + ")");
     return kOk;
   }
 
-  int modify(int p, ibv::qp_attr& a, int mask, const char* what) {
+  std::string nic_names() const {
+    std::vector<std::string> v;
+    for (auto& n : nics_) v.push_back(n->sel.dev);
+    return join(v, ", ");
+  }
+
+  int modify(int p, int i, ibv::qp_attr& a, int mask, const char* what) {
     std::unique_lock<std::shared_mutex> lk(qp_mu_);
-    ibv::qp* q = peers_[p]->qp;
+    ibv::qp* q = link(p, i).qp;
     if (!q) return set_error(kErrPeer, prefix() + "peer " + std::to_string(p) + ": queue pair destroyed");
     if (int rc = v_.modify_qp(q, &a, mask); rc != 0)
-      return set_error(kErrSystem, prefix() + "peer " + std::to_string(p) + " (" + where_ + "): ibv_modify_qp to " +
-                                       what + " failed: " + strerror(rc > 0 ? rc : errno));
+      return set_error(kErrSystem, prefix() + "peer " + std::to_string(p) + " (" + nics_[size_t(i)]->where +
+                                       "): ibv_modify_qp to " + what + " failed: " + strerror(rc > 0 ? rc : errno));
     return kOk;
   }
 
-  int to_reset(int p) {
+  int to_reset(int p, int i) {
     ibv::qp_attr a{};
     a.qp_state = ibv::QPS_RESET;
-    return modify(p, a, ibv::QP_STATE, "RESET");
+    return modify(p, i, a, ibv::QP_STATE, "RESET");
   }
 
   // RESET -> INIT, then the receives (one per expected write with an immediate, re-posted as
   // each completes).
-  int to_init(int p) {
+  int to_init(int p, int i) {
     ibv::qp_attr a{};
     a.qp_state = ibv::QPS_INIT;
     a.pkey_index = 0;
-    a.port_num = uint8_t(sel_.port);
+    a.port_num = uint8_t(nics_[size_t(i)]->sel.port);
     a.qp_access_flags = ibv::ACCESS_LOCAL_WRITE | ibv::ACCESS_REMOTE_WRITE | ibv::ACCESS_REMOTE_READ;
-    if (int rc = modify(p, a, ibv::QP_STATE | ibv::QP_PKEY_INDEX | ibv::QP_PORT | ibv::QP_ACCESS_FLAGS, "INIT"); rc != kOk)
+    if (int rc = modify(p, i, a, ibv::QP_STATE | ibv::QP_PKEY_INDEX | ibv::QP_PORT | ibv::QP_ACCESS_FLAGS, "INIT"); rc != kOk)
       return rc;
-    for (int i = 0; i < depth_; ++i)
-      if (!post_recv(p)) return set_error(kErrSystem, prefix() + "peer " + std::to_string(p) + " (" + where_ + "): ibv_post_recv failed");
+    for (int j = 0; j < depth_; ++j)
+      if (!post_recv(p, i))
+        return set_error(kErrSystem, prefix() + "peer " + std::to_string(p) + " (" + nics_[size_t(i)]->where +
+                                         "): ibv_post_recv failed");
     return kOk;
   }
 
-  bool post_recv(int p) {
+  bool post_recv(int p, int i) {
     ibv::recv_wr w{};
     w.wr_id = kRecvTag | uint64_t(p);
     w.num_sge = 0;  // writes with immediates land in registered memory; hellos carry no bytes
     ibv::recv_wr* bad = nullptr;
     std::shared_lock<std::shared_mutex> lk(qp_mu_);
-    ibv::qp* q = peers_[p]->qp;
+    ibv::qp* q = link(p, i).qp;
     return q && q->ctx->ops.post_recv(q, &w, &bad) == 0;
   }
 
-  int post_send(int p, ibv::send_wr* w, ibv::send_wr** bad) {
+  int post_send(int p, int i, ibv::send_wr* w, ibv::send_wr** bad) {
     std::shared_lock<std::shared_mutex> lk(qp_mu_);
-    ibv::qp* q = peers_[p]->qp;
+    ibv::qp* q = link(p, i).qp;
     return q ? q->ctx->ops.post_send(q, w, bad) : ENOTCONN;
   }
 
-  // INIT -> RTR -> RTS with the peer's QPN/PSN/GID/LID. `hello_seen`: the peer's hello already
-  // landed on an earlier attempt, so its next packet has the PSN after it.
-  int to_rts(int p, bool hello_seen) {
-    const Remote& r = peers_[p]->remote;
+  // INIT -> RTR -> RTS with the peer's QPN/PSN/GID/LID of the same NIC index. `hello_seen`: the
+  // peer's hello already landed on an earlier attempt, so its next packet has the PSN after it.
+  int to_rts(int p, int i, bool hello_seen) {
+    const Remote& r = peers_[size_t(p)]->remote;
+    const RemoteNic& rn = r.nic[size_t(i)];
+    const Selection& sel = nics_[size_t(i)]->sel;
     ibv::qp_attr a{};
     a.qp_state = ibv::QPS_RTR;
-    a.path_mtu = std::max(1, std::min(sel_.attr.active_mtu, r.mtu > 0 ? r.mtu : sel_.attr.active_mtu));
-    a.dest_qp_num = r.qpn[rank_];
+    a.path_mtu = std::max(1, std::min(sel.attr.active_mtu, rn.mtu > 0 ? rn.mtu : sel.attr.active_mtu));
+    a.dest_qp_num = r.qpn[size_t(rank_)][size_t(i)];
     a.rq_psn = (r.psn + (hello_seen ? 1 : 0)) & kPsnMask;
     a.max_dest_rd_atomic = 1;
     a.min_rnr_timer = 12;  // 0.64 ms
-    a.ah.dlid = r.lid;
-    a.ah.port_num = uint8_t(sel_.port);
-    if (sel_.attr.link_layer == ibv::LINK_LAYER_ETHERNET || r.lid == 0) {
+    a.ah.dlid = rn.lid;
+    a.ah.port_num = uint8_t(sel.port);
+    if (sel.attr.link_layer == ibv::LINK_LAYER_ETHERNET || rn.lid == 0) {
       a.ah.is_global = 1;
-      a.ah.grh.dgid = r.gid;
-      a.ah.grh.sgid_index = uint8_t(sel_.gid_index);
+      a.ah.grh.dgid = rn.gid;
+      a.ah.grh.sgid_index = uint8_t(sel.gid_index);
       a.ah.grh.hop_limit = 64;
     }
-    int rc = modify(p, a,
+    int rc = modify(p, i, a,
                     ibv::QP_STATE | ibv::QP_AV | ibv::QP_PATH_MTU | ibv::QP_DEST_QPN | ibv::QP_RQ_PSN |
                         ibv::QP_MAX_DEST_RD_ATOMIC | ibv::QP_MIN_RNR_TIMER,
                     "RTR");
@@ -655,7 +896,7 @@ class VerbsTransport final : public Transport {
     b.rnr_retry = 7;  // receiver not ready (no receive posted yet): retry without limit
     b.sq_psn = psn_;
     b.max_rd_atomic = 1;
-    return modify(p, b,
+    return modify(p, i, b,
                   ibv::QP_STATE | ibv::QP_TIMEOUT | ibv::QP_RETRY_CNT | ibv::QP_RNR_RETRY | ibv::QP_SQ_PSN |
                       ibv::QP_MAX_QP_RD_ATOMIC,
                   "RTS");
@@ -663,27 +904,29 @@ class VerbsTransport final : public Transport {
 
   // A zero-byte SEND: the peer sees a receive completion (not a write with an immediate), so
   // no immediate value is reserved for the handshake.
-  int send_hello(int p) {
-    Peer& pr = *peers_[p];
-    const uint32_t attempt = ++pr.hello_attempt;
-    pr.hello_status = -1;
+  int send_hello(int p, int i) {
+    Link& l = link(p, i);
+    const uint32_t attempt = ++l.hello_attempt;
+    l.hello_status = -1;
     ibv::send_wr w{};
     w.wr_id = kHelloTag | (uint64_t(attempt) << 20) | uint64_t(p);
     w.num_sge = 0;
     w.opcode = ibv::WR_SEND;
     w.send_flags = ibv::SEND_SIGNALED;
     ibv::send_wr* bad = nullptr;
-    if (int rc = post_send(p, &w, &bad); rc != 0)
-      return set_error(kErrSystem, prefix() + "connect: peer " + std::to_string(p) + " (" + where_ +
+    if (int rc = post_send(p, i, &w, &bad); rc != 0)
+      return set_error(kErrSystem, prefix() + "connect: peer " + std::to_string(p) + " (" + nics_[size_t(i)]->where +
                                        "): posting the hello failed: " + strerror(rc));
     return kOk;
   }
 
-  // Marks the peer lost (first reason wins): its QP goes to the error state (pending writes
-  // flush), its pending writes complete with `status`, the ImmCounter fails.
-  void lose_peer(int p, const std::string& why, int32_t status = kCqPeerLost) {
-    Peer& pr = *peers_[p];
-    const std::string msg = prefix() + "connection with peer " + std::to_string(p) + " lost (" + peer_where(p) + "): " + why;
+  // Marks the peer lost (first reason wins): its QPs (every NIC's) go to the error state
+  // (pending writes flush), its pending writes complete with `status`, the ImmCounter fails.
+  // `nic`: the NIC where it was noticed (named in the message).
+  void lose_peer(int p, const std::string& why, int32_t status = kCqPeerLost, int nic = 0) {
+    Peer& pr = *peers_[size_t(p)];
+    const std::string msg =
+        prefix() + "connection with peer " + std::to_string(p) + " lost (" + peer_where(p, nic) + "): " + why;
     {
       std::lock_guard<std::mutex> lk(pr.mu);
       if (pr.lost) return;
@@ -694,7 +937,8 @@ class VerbsTransport final : public Transport {
       std::unique_lock<std::shared_mutex> lk(qp_mu_);
       ibv::qp_attr a{};
       a.qp_state = ibv::QPS_ERR;
-      if (pr.qp) v_.modify_qp(pr.qp, &a, ibv::QP_STATE);
+      for (auto& l : pr.link)
+        if (l->qp) v_.modify_qp(l->qp, &a, ibv::QP_STATE);
     }
     cq_.fail_peer(p, status);
     conn_cv_.notify_all();
@@ -705,38 +949,40 @@ class VerbsTransport final : public Transport {
     cq_.expire(op_timeout_ns_.load(), [this](int p, const std::string& why) { lose_peer(p, why, kCqTimeout); });
   }
 
-  // ---- the completion thread: polls the CQ, sleeps on the completion channel when idle ----
+  // ---- a completion thread per NIC: polls its CQ, sleeps on its completion channel when idle ----
 
-  void cq_loop() {
+  void cq_loop(int i) {
+    Nic& nic = *nics_[size_t(i)];
+    ibv::cq* cq = nic.cq;
     ibv::wc wc[32];
     int64_t idle_since = now_ns();
     while (!stop_) {
-      const int n = ibcq_->ctx->ops.poll_cq(ibcq_, 32, wc);
+      const int n = cq->ctx->ops.poll_cq(cq, 32, wc);
       if (n > 0) {
-        for (int i = 0; i < n; ++i) handle(wc[i]);
+        for (int j = 0; j < n; ++j) handle(i, wc[j]);
         idle_since = now_ns();
         continue;
       }
       if (n < 0) {
         for (int p = 0; p < world_; ++p)
-          if (p != rank_) lose_peer(p, "ibv_poll_cq failed");
+          if (p != rank_) lose_peer(p, "ibv_poll_cq failed", kCqPeerLost, i);
         std::this_thread::sleep_for(std::chrono::milliseconds(10));
         continue;
       }
       if (now_ns() - idle_since < 20'000) continue;  // spin a little after the last completion
-      ibcq_->ctx->ops.req_notify_cq(ibcq_, 0);
-      if (ibcq_->ctx->ops.poll_cq(ibcq_, 1, wc) == 1) {  // arrived before the notification was armed
-        handle(wc[0]);
+      cq->ctx->ops.req_notify_cq(cq, 0);
+      if (cq->ctx->ops.poll_cq(cq, 1, wc) == 1) {  // arrived before the notification was armed
+        handle(i, wc[0]);
         idle_since = now_ns();
         continue;
       }
-      pollfd pf{ch_->fd, POLLIN, 0};
+      pollfd pf{nic.ch->fd, POLLIN, 0};
       if (::poll(&pf, 1, 10) > 0) {  // the timeout only bounds how late stop_ is seen
         ibv::cq* c = nullptr;
         void* ctx = nullptr;
-        if (v_.get_cq_event(ch_, &c, &ctx) == 0 && ++events_unacked_ >= 64) {
-          v_.ack_cq_events(ibcq_, events_unacked_);
-          events_unacked_ = 0;
+        if (v_.get_cq_event(nic.ch, &c, &ctx) == 0 && ++nic.events_unacked >= 64) {
+          v_.ack_cq_events(cq, nic.events_unacked);
+          nic.events_unacked = 0;
         }
       }
       idle_since = now_ns();  // woken: spin again
@@ -749,63 +995,59 @@ class VerbsTransport final : public Transport {
     return s.str();
   }
 
-  void handle(const ibv::wc& w) {
+  void handle(int i, const ibv::wc& w) {
     if (w.wr_id & kRecvTag) {
       const int p = int(w.wr_id & 0xFFFFF);
-      if (p < 0 || p >= world_) return;
-      Peer& pr = *peers_[p];
+      if (p < 0 || p >= world_ || p == rank_) return;
+      Peer& pr = *peers_[size_t(p)];
+      Link& l = link(p, i);
       if (w.status != ibv::WC_SUCCESS) {
         // Flushed receives of a QP that connect is resetting, or of a peer already lost.
-        if (w.status == ibv::WC_WR_FLUSH_ERR && (!pr.up || pr.lost)) return;
-        lose_peer(p, "receive failed: " + wc_error(w));
+        if (w.status == ibv::WC_WR_FLUSH_ERR && (!l.up || pr.lost)) return;
+        lose_peer(p, "receive failed: " + wc_error(w), kCqPeerLost, i);
         return;
       }
       if (w.opcode == ibv::WC_RECV_RDMA_WITH_IMM) {
-        imm_.add(ntohl(w.imm_data), 1);
+        imm_.add(ntohl(w.imm_data), 1);  // one shard of a write: imm_per_write() of them make it
       } else if (w.opcode == ibv::WC_RECV) {
         {
           std::lock_guard<std::mutex> lk(conn_mu_);
-          pr.hello_recv = true;
+          l.hello_recv = true;
         }
         conn_cv_.notify_all();
       }
-      if (!pr.lost && !post_recv(p)) lose_peer(p, "re-posting a receive failed");
+      if (!pr.lost && !post_recv(p, i)) lose_peer(p, "re-posting a receive failed", kCqPeerLost, i);
       return;
     }
     if (w.wr_id & kHelloTag) {
       const int p = int(w.wr_id & 0xFFFFF);
-      if (p < 0 || p >= world_) return;
-      Peer& pr = *peers_[p];
-      if (uint32_t((w.wr_id >> 20) & 0xFFFFFFFFu) != pr.hello_attempt.load()) return;  // an older attempt
+      if (p < 0 || p >= world_ || p == rank_) return;
+      Link& l = link(p, i);
+      if (uint32_t((w.wr_id >> 20) & 0xFFFFFFFFu) != l.hello_attempt.load()) return;  // an older attempt
       {
         std::lock_guard<std::mutex> lk(conn_mu_);
-        pr.hello_status = w.status;
+        l.hello_status = w.status;
       }
       conn_cv_.notify_all();
       return;
     }
     if (w.status == ibv::WC_SUCCESS) {
       bool completed = false;
-      if (cq_.finish(w.wr_id, kCqOk, &completed) >= 0) cq_.notify();
+      if (cq_.finish(w.wr_id, kCqOk, &completed) >= 0 && completed) cq_.notify();
       return;
     }
     // Failed: the peer's error is recorded before any of its writes completes with an error.
     const int peer = cq_.peer_of(w.wr_id);
     if (peer < 0) return;  // already failed (peer lost, op timeout)
     lose_peer(peer, "write " + std::to_string(w.wr_id) + " failed: " + wc_error(w),
-              w.status == ibv::WC_REM_ACCESS_ERR ? kCqRemoteAccess : kCqPeerLost);
+              w.status == ibv::WC_REM_ACCESS_ERR ? kCqRemoteAccess : kCqPeerLost, i);
   }
 
   const int rank_, world_;
   const ibv::Api& v_;
-  Selection sel_;
-  std::string where_;
-  ibv::pd* pd_ = nullptr;
-  ibv::comp_channel* ch_ = nullptr;
-  ibv::cq* ibcq_ = nullptr;
+  std::vector<std::unique_ptr<Nic>> nics_;
   int depth_ = 16;
   uint32_t psn_ = 0;
-  unsigned events_unacked_ = 0;  // completion thread
   std::vector<std::unique_ptr<Peer>> peers_;
   std::shared_mutex qp_mu_;  // shared: posting to a QP; exclusive: modify/destroy
   RegionTable<Region> regions_;
@@ -814,25 +1056,28 @@ class VerbsTransport final : public Transport {
   std::mutex conn_mu_;
   std::condition_variable conn_cv_;
   std::atomic<uint64_t> next_wr_{1};
+  std::atomic<uint64_t> min_shard_{kDefaultMinShardBytes};
   std::atomic<int> cut_peer_{-1};
   std::atomic<int64_t> cut_after_{0};
   std::atomic<int64_t> op_timeout_ns_{30'000'000'000LL};
   std::atomic<bool> stop_{false};
   std::atomic<bool> connected_{false};
-  std::thread thr_;
 };
 
 }  // namespace
 
-Transport* create_verbs_transport(int rank, int world, const std::string& device, int port, int gid_index) {
+Transport* create_verbs_transport(int rank, int world, const std::string& device, int port, int gid_index, int nics) {
   const std::string pre = "rank " + std::to_string(rank) + ": ";
   if (bad_rank(rank, world)) return nullptr;
   if (world > (1 << 20)) return set_error(kErrInvalid, pre + "verbs: world size too large"), nullptr;
   std::string why;
   const ibv::Api* v = ibv::load_verbs(&why);
   if (!v) return set_error(kErrInvalid, pre + "verbs transport not available: " + why), nullptr;
+  std::vector<Selection> sels;
+  if (!open_nics(*v, device, port, gid_index, nics, &sels, &why))
+    return set_error(kErrInvalid, pre + "verbs: " + why), nullptr;
   auto* t = new VerbsTransport(rank, world, *v);
-  if (t->start(device, port, gid_index) != kOk) {
+  if (t->start(sels) != kOk) {
     const std::string msg = thread_error();
     delete t;
     thread_error() = msg;
@@ -856,14 +1101,17 @@ bool verbs_probe_device(const std::string& device, int port, std::string* what) 
     *what = why;
     return false;
   }
-  Selection s;
-  if (!select_device(*v, device, port, -1, &s, &why)) {
+  std::vector<Selection> sels;
+  if (!open_nics(*v, device, port, -1, 0, &sels, &why)) {
     *what = why;
     return false;
   }
-  *what = "device " + s.dev + " port " + std::to_string(s.port) + " GID index " + std::to_string(s.gid_index) +
-          (s.attr.link_layer == ibv::LINK_LAYER_ETHERNET ? " (RoCE)" : " (InfiniBand)");
-  v->close_device(s.ctx);
+  std::vector<std::string> d;
+  for (const Selection& s : sels) {
+    d.push_back(nic_desc(s) + (s.attr.link_layer == ibv::LINK_LAYER_ETHERNET ? " (RoCE)" : " (InfiniBand)"));
+    v->close_device(s.ctx);
+  }
+  *what = (d.size() > 1 ? std::to_string(d.size()) + " NICs: " : "") + join(d, "; ");
   return true;
 }
 

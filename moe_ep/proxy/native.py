@@ -112,7 +112,9 @@ def lib() -> ctypes.CDLL:
             _c(L, "moe_ep_imm_value", i64, vp, u32)
             _c(L, "moe_ep_imm_stress", i32, vp, u32, i32, i64)
             _c(L, "moe_ep_engine_create", vp, cp, i32, i32, i32, cp)
-            _c(L, "moe_ep_engine_create_verbs", vp, i32, i32, cp, i32, i32)
+            _c(L, "moe_ep_engine_create_verbs", vp, i32, i32, cp, i32, i32, i32)
+            _c(L, "moe_ep_engine_imm_per_write", i32, vp)
+            _c(L, "moe_ep_shard_bounds", i32, u64, i32, u64, u64, ctypes.POINTER(u64))
             _c(L, "moe_ep_verbs_probe", i32, cp, sz)
             _c(L, "moe_ep_verbs_destroy_qp", i32, vp, i32)
             _c(L, "moe_ep_verbs_probe_device", i32, cp, i32, cp, sz)
@@ -148,7 +150,7 @@ def lib() -> ctypes.CDLL:
             _c(L, "moe_ep_bench_post", i32, vp, i32, u32, u64, u32, u64, u64, u32, i64, i64, i64,
                ctypes.POINTER(i64))
             _c(L, "moe_ep_bench_drive", i32, ctypes.POINTER(i64), i64, i64, i32, i64, i64, i64, ctypes.POINTER(i64))
-            if L.moe_ep_abi_version() != 3:
+            if L.moe_ep_abi_version() != 4:
                 raise NativeError("native proxy library has an unexpected ABI version; rebuild moe_ep")
             _lib = L
         return _lib
@@ -309,6 +311,13 @@ class Engine(_Closable):
     def endpoint(self) -> str:
         return _str(self._lib.moe_ep_endpoint, self._h)
 
+    @property
+    def imm_per_write(self) -> int:
+        """What one write with an immediate adds to the receiver's count: 1 (tcp, efa), the NIC
+        count for verbs (one immediate per byte shard, empty shards included). A receiver that
+        waits for n writes waits for ``n * imm_per_write``."""
+        return self._lib.moe_ep_engine_imm_per_write(self._h)
+
     def register_ptr(self, ptr: int, nbytes: int) -> int:
         key = ctypes.c_uint32()
         rc = self._lib.moe_ep_register(self._h, ptr, nbytes, ctypes.byref(key))
@@ -438,6 +447,22 @@ def verbs_probe(device: str | None = None, port: int = 0) -> tuple[bool, str]:
     return ok == 1, buf.value.decode(errors="replace")
 
 
+SHARD_ALIGN = 64  # the verbs transport's shard alignment (kShardAlign, verbs_transport.cc)
+DEFAULT_MIN_SHARD = 16384  # kDefaultMinShardBytes (transport.h)
+
+
+def shard_bounds(nbytes: int, k: int, min_shard: int = DEFAULT_MIN_SHARD, align: int = SHARD_ALIGN) -> list[int]:
+    """The byte shards of a write of ``nbytes`` over ``k`` NICs as the verbs transport cuts it
+    (the native ``shard_bounds``): ``k + 1`` bounds, shard i = ``[b[i], b[i + 1])``, contiguous;
+    all ``chunk = roundup(max(ceil(nbytes / k), min_shard), align)`` bytes but the last non-empty
+    one and the empty ones after it."""
+    out = (ctypes.c_uint64 * (k + 1))()
+    rc = lib().moe_ep_shard_bounds(nbytes, k, min_shard, align, out)
+    if rc != OK:
+        _raise(rc)
+    return list(out)
+
+
 # efadv device_caps bits (csrc/proxy/efa_abi.h, efadv_query_device(3)).
 EFA_CAPS = {"rdma read": 1 << 0, "rnr retry": 1 << 1, "cq with sgid": 1 << 2, "rdma write": 1 << 3,
             "unsolicited write recv": 1 << 4}
@@ -469,21 +494,32 @@ def rdma_devices() -> dict:
 
 
 class VerbsTransport(Engine):
-    """Engine over libibverbs (loaded at run time): one RC queue pair per peer,
-    ``RDMA_WRITE_WITH_IMM`` (plain ``RDMA_WRITE`` without an immediate), one completion thread.
+    """Engine over libibverbs (loaded at run time): one RC queue pair per peer and NIC,
+    ``RDMA_WRITE_WITH_IMM`` (plain ``RDMA_WRITE`` without an immediate), a completion thread per
+    NIC.
 
-    ``device`` (default ``MOE_EP_IB_DEVICE``, else the first device with an active port),
-    ``port`` (default ``MOE_EP_IB_PORT``, else 1), ``gid_index`` (default ``MOE_EP_IB_GID_INDEX``,
-    else the first RoCE v2 IPv4-mapped GID). The endpoint carries the regions registered so far:
-    register every region before reading ``endpoint``. No sharding and no delay/reorder
-    injection (the NIC's queue pair decides); ``set_fault(cut_peer=...)`` works. Creating one
-    where there is no usable device raises ``NativeError`` naming what is missing."""
+    ``device``: the NICs, ``"mlx5_0"``, ``"mlx5_0,mlx5_1"``, ``"mlx5_0:1,mlx5_1:2"`` or a list
+    (a name listed twice is opened twice); default ``MOE_EP_IB_DEVICE``, else the first ``nics``
+    devices with an active port. ``nics`` (default ``MOE_EP_IB_NICS``, else as many as listed,
+    else 1); every rank must open as many (``connect`` refuses a peer that opened another
+    number). ``port`` (default ``MOE_EP_IB_PORT``, else 1), ``gid_index`` (default
+    ``MOE_EP_IB_GID_INDEX``, else the first RoCE v2 IPv4-mapped GID). A write is split into
+    contiguous byte shards, one per NIC (``shard_bounds``; ``set_min_shard_bytes``, default
+    16 KiB), each with the write's immediate, so a receiver counts ``imm_per_write`` (= ``nics``)
+    per write. The endpoint carries the regions registered so far: register every region before
+    reading ``endpoint``. No delay/reorder injection (the NIC's queue pair decides);
+    ``set_fault(cut_peer=...)`` works. Creating one where there is no usable device raises
+    ``NativeError`` naming what is missing."""
 
-    def __init__(self, rank: int, world: int, device: str | None = None, port: int = 0, gid_index: int = -1):
+    def __init__(self, rank: int, world: int, device: str | Sequence[str] | None = None, port: int = 0,
+                 gid_index: int = -1, nics: int = 0):
         self._lib = lib()
-        self._adopt(self._lib.moe_ep_engine_create_verbs(rank, world, (device or "").encode(), port, gid_index),
+        if device is not None and not isinstance(device, str):
+            device = ",".join(device)
+        self._adopt(self._lib.moe_ep_engine_create_verbs(rank, world, (device or "").encode(), port, gid_index, nics),
                     rank, world, "verbs")
         self.streams = 1
+        self.nics = self.imm_per_write
 
     def destroy_qp(self, peer: int) -> None:
         """Test hook: destroys the queue pair to ``peer`` (as a crashed process would)."""

@@ -5,6 +5,7 @@ address and path (the chain of bridges from the host bridge down), NUMA node and
 link layer, rate, LID, GIDs with their type and address). ``choose_nic`` picks the device a rank
 should use: for a GPU rank the one nearest the GPU (behind the same PCIe switch > on the same NUMA
 node > any), for a CPU rank the first with an active port; ``MOE_EP_IB_DEVICE`` overrides it.
+Several NICs per rank (``MOE_EP_IB_NICS=k``, or a list in ``MOE_EP_IB_DEVICE``): the k nearest.
 EFA devices (driver ``efa``) serve the ``efa`` transport only, the others ``verbs`` only.
 
 Pure Python over files, no libibverbs: the sysfs root is a parameter (``MOE_EP_SYSFS_ROOT``, else
@@ -286,51 +287,107 @@ def _shared_bridges(a: Sequence[str], b: Sequence[str]) -> int:
 
 @dataclass
 class NicChoice:
-    device: Optional[str]  # None: nothing to choose from (the native default applies)
-    port: Optional[int]
+    device: Optional[str]  # None: nothing to choose from (the native default applies); several: "mlx5_0,mlx5_1"
+    port: Optional[int]    # several NICs: the first one's (``ports`` has each one's)
     reason: str
+    ports: tuple[int, ...] = ()  # each NIC's port, in ``devices`` order
+    nics: int = 1          # how many NICs the engine opens (every rank must open as many)
+
+    @property
+    def devices(self) -> list[str]:
+        return self.device.split(",") if self.device else []
+
+    @property
+    def spec(self) -> str:
+        """The engine's ``device`` argument: "mlx5_0" for one NIC, "mlx5_0:1,mlx5_1:1" for several."""
+        if not self.device or len(self.devices) == 1:
+            return self.device or ""
+        ports = self.ports or (self.port or 0,) * len(self.devices)
+        return ",".join(f"{d}:{p}" if p else d for d, p in zip(self.devices, ports))
 
     def __str__(self) -> str:
-        return f"{self.device} port {self.port} ({self.reason})" if self.device else f"native default ({self.reason})"
+        if not self.device:
+            return f"native default ({self.reason})"
+        if len(self.devices) == 1:
+            return f"{self.device} port {self.port} ({self.reason})"
+        ports = self.ports or (self.port,) * len(self.devices)
+        return ", ".join(f"{d} port {p}" for d, p in zip(self.devices, ports)) + f" ({self.reason})"
+
+
+def nic_count(env: Optional[dict] = None) -> int:
+    """How many NICs a rank opens: ``MOE_EP_IB_NICS``, else as many as ``MOE_EP_IB_DEVICE``
+    lists, else 1 (the native engine's rule)."""
+    env = os.environ if env is None else env
+    n = _int(env.get("MOE_EP_IB_NICS", ""), 0)
+    if n > 0:
+        return n
+    listed = [e for e in env.get("MOE_EP_IB_DEVICE", "").split(",") if e]
+    return len(listed) or 1
 
 
 def choose_nic(devices: Sequence[RdmaDevice], kind: str = "verbs", gpu: Optional[GpuPci] = None,
-               gpu_index: int = 0, env: Optional[dict] = None) -> NicChoice:
-    """The device (and its first active port) a rank of transport ``kind`` should use.
+               gpu_index: int = 0, env: Optional[dict] = None, count: Optional[int] = None) -> NicChoice:
+    """The devices (and each one's first active port) a rank of transport ``kind`` should use:
+    ``count`` of them (default ``nic_count(env)``: ``MOE_EP_IB_NICS``, else as many as
+    ``MOE_EP_IB_DEVICE`` lists, else 1).
 
-    ``MOE_EP_IB_DEVICE`` (in ``env``, default ``os.environ``) wins. Else only devices of ``kind``
-    with an active port count. A GPU rank (``gpu``) takes the nearest: behind the same PCIe switch
-    as the GPU (the deepest shared bridge first) > on the GPU's NUMA node > any; GPUs with several
-    equally near devices spread over them by ``gpu_index``. A CPU rank takes the first.
+    ``MOE_EP_IB_DEVICE`` (in ``env``, default ``os.environ``; ``"a,b"`` or ``"a:1,b:2"`` for
+    several, a name listed twice is opened twice) wins. Else only devices of ``kind`` with an
+    active port count. A GPU rank (``gpu``) takes the nearest: behind the same PCIe switch as the
+    GPU (the deepest shared bridge first) > on the GPU's NUMA node > any; GPUs with several
+    equally near devices spread over them by ``gpu_index``; several NICs are the ``count``
+    nearest in that order. A CPU rank takes the first ``count``. Fewer usable devices than asked
+    for: all of them, and the reason says so (the engine then refuses to start).
     """
     env = os.environ if env is None else env
+    count = count if count and count > 0 else nic_count(env)
     if env.get("MOE_EP_IB_DEVICE"):
-        name = env["MOE_EP_IB_DEVICE"]
-        dev = next((d for d in devices if d.name == name), None)
-        port = _int(env.get("MOE_EP_IB_PORT", ""), 0) or ((dev.active_port() or Port(1, "")).num if dev else 1)
-        return NicChoice(name, port, "MOE_EP_IB_DEVICE")
+        entries = [e for e in env["MOE_EP_IB_DEVICE"].split(",") if e][:count]
+        names, ports = [], []
+        for e in entries:
+            name, _, p = e.partition(":")
+            dev = next((d for d in devices if d.name == name), None)
+            port = _int(p, 0) or _int(env.get("MOE_EP_IB_PORT", ""), 0) or ((dev.active_port() or Port(1, "")).num if dev else 1)
+            names.append(name)
+            ports.append(port)
+        why = "MOE_EP_IB_DEVICE"
+        if count > len(names):
+            why += f" (lists {len(names)}, {count} NICs asked for)"
+        return NicChoice(",".join(names), ports[0], why, tuple(ports), count)
     cands = [d for d in devices if d.kind == kind and d.active_port() is not None]
     if not cands:
         others = [d.name for d in devices if d.kind == kind]
         why = f"no {kind} device with an active port in sysfs" + (f" ({', '.join(others)} have none)" if others else "")
-        return NicChoice(None, None, why)
+        return NicChoice(None, None, why, (), count)
+
+    def pick(order: list[RdmaDevice], why: str) -> NicChoice:
+        chosen = order[:count]
+        if count > 1:
+            why += f"; {count} NICs" + (f", only {len(chosen)} usable" if len(chosen) < count else "")
+        ports = tuple(d.active_port().num for d in chosen)
+        return NicChoice(",".join(d.name for d in chosen), ports[0], why, ports, count)
+
     if gpu is None:
-        d = cands[0]
-        return NicChoice(d.name, d.active_port().num, "CPU rank: first device with an active port")
+        return pick(cands, "CPU rank: first device with an active port")
     scored = []
     for d in cands:
         shared = _shared_bridges(gpu.pci_path, d.pci_path)
         same_numa = gpu.numa_node >= 0 and gpu.numa_node == d.numa_node
         scored.append(((1 if shared else 0, shared, 1 if same_numa else 0), d))
-    best = max(s for s, _ in scored)
-    tied = [d for s, d in scored if s == best]
-    d = tied[gpu_index % len(tied)]
+    order: list[RdmaDevice] = []
+    tiers = sorted({sc for sc, _ in scored}, reverse=True)
+    for t in tiers:  # nearest first; within a tier, rotated by GPU index (GPUs spread over equals)
+        tied = [d for sc, d in scored if sc == t]
+        r = gpu_index % len(tied)
+        order += tied[r:] + tied[:r]
+    best = tiers[0]
+    n_best = sum(1 for sc, _ in scored if sc == best)
     if best[0]:
         why = f"behind the same PCIe switch as GPU {gpu.pci}"
     elif best[2]:
         why = f"on NUMA node {gpu.numa_node} with GPU {gpu.pci}"
     else:
         why = f"no device near GPU {gpu.pci or '?'} (PCIe/NUMA unknown or far): any"
-    if len(tied) > 1:
-        why += f"; {len(tied)} equally near, GPU index {gpu_index} takes #{gpu_index % len(tied)}"
-    return NicChoice(d.name, d.active_port().num, why)
+    if n_best > 1:
+        why += f"; {n_best} equally near, GPU index {gpu_index} takes #{gpu_index % n_best}"
+    return pick(order, why)

@@ -5,7 +5,8 @@ nothing beyond what ``torch.distributed`` already set up. The transport comes fr
 ``MOE_EP_TRANSPORT`` (``auto`` | ``efa`` | ``verbs`` | ``tcp``): ``auto`` takes efa when every
 rank has a usable EFA device, else verbs when every rank has another usable verbs device, else
 tcp. Each rank's NIC is the one nearest its GPU (``moe_ep.proxy.nic``; ``MOE_EP_IB_DEVICE``
-overrides it). Rank 0 logs the choice, why, and its NIC in one line.
+overrides it; ``MOE_EP_IB_NICS=k``: the k nearest, over which verbs shards every write; every
+rank must open as many). Rank 0 logs the choice, why, and its NIC(s) in one line.
 """
 from __future__ import annotations
 
@@ -86,14 +87,16 @@ def choose_nics(gpu_index: Optional[int] = None, root: Optional[str] = None) -> 
     if gpu_index is not None:
         bdf = _nic.torch_gpu_bdf(gpu_index)
         gpu = _nic.gpu_pci(bdf, root) if bdf else _nic.GpuPci("")
-    return {k: _nic.choose_nic(devices, k, gpu, gpu_index or 0) for k in ("efa", "verbs")}
+    # Several NICs per rank (MOE_EP_IB_NICS) are the verbs transport's; efa opens one.
+    return {k: _nic.choose_nic(devices, k, gpu, gpu_index or 0, count=1 if k == "efa" else None)
+            for k in ("efa", "verbs")}
 
 
 def nic_probes(nics: dict[str, _nic.NicChoice]) -> dict[str, Probe]:
     """``select_transport`` probes that check the devices ``nics`` chose (the native default
     where sysfs offered none)."""
     return {"efa": lambda: efa_probe(nics["efa"].device),
-            "verbs": lambda: verbs_probe(nics["verbs"].device, nics["verbs"].port or 0)}
+            "verbs": lambda: verbs_probe(nics["verbs"].spec, nics["verbs"].port or 0)}
 
 
 def _agreed_transport(group: EPGroup, name: Optional[str]) -> tuple[str, Optional[_nic.NicChoice]]:
@@ -118,6 +121,12 @@ def _agreed_transport(group: EPGroup, name: Optional[str]) -> tuple[str, Optiona
         bad = next(r for r, k in enumerate(kinds) if k != kinds[0])
         kind, why = "tcp", f"auto: rank 0 has {kinds[0]}, rank {bad} {kinds[bad]} ({choices[bad][1]})"
     nic = nics.get(kind)
+    if kind == "verbs":  # writes are sharded over the NICs: every rank must open as many
+        counts = group.all_gather_object(nic.nics)
+        if len(set(counts)) > 1:
+            bad = next(r for r, n in enumerate(counts) if n != counts[0])
+            raise NativeError(f"rank {group.rank}: ranks open different numbers of NICs (rank 0: {counts[0]}, "
+                              f"rank {bad}: {counts[bad]}); set MOE_EP_IB_NICS (or MOE_EP_IB_DEVICE) alike on every rank")
     if group.rank == 0:
         _log.info("moe_ep proxy transport: %s (%s)%s", kind, why, f"; NIC {nic}" if nic else "")
     return kind, nic
@@ -138,7 +147,7 @@ def start_proxy(group: EPGroup, *, num_local_experts: int, row_bytes: int, comb_
     engine: Engine
     kind, nic = _agreed_transport(group, transport)
     if kind == "verbs":
-        engine = VerbsTransport(group.rank, group.world_size, device=nic.device, port=nic.port or 0)
+        engine = VerbsTransport(group.rank, group.world_size, device=nic.spec, port=nic.port or 0, nics=nic.nics)
     elif kind == "efa":
         engine = EfaTransport(group.rank, group.world_size, device=nic.device)
     else:
