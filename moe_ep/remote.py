@@ -42,7 +42,8 @@ class RemoteSpec:
     ``rank``/``world`` R/``node_size`` G; ``num_experts`` E (``EL = E / R`` local); ``topk`` K;
     ``hidden`` H (a multiple of 16); ``max_tokens`` M; ``fp8`` (fp8 dispatch, quantized in-kernel);
     ``private_capacity`` (rows per source in the round-1 slot), ``overflow_capacity``;
-    ``max_send_rows`` (rows in the send buffer; default every token to every remote rank);
+    ``max_send_rows`` (rows in the send buffer; default ``M * min(K, R - G)``: a token sends one
+    row per destination rank, and its K selections reach at most K remote ranks);
     ``layout`` ``"masked"``/``"packed"`` and ``expert_alignment`` as in ``EPBuffer``.
     """
 
@@ -64,7 +65,7 @@ class RemoteSpec:
         if self.world % self.node_size or self.num_experts % self.world or self.hidden % 16:
             raise ValueError("RemoteSpec: node_size must divide world, world num_experts, 16 hidden")
         if self.max_send_rows is None:
-            object.__setattr__(self, "max_send_rows", self.n_remote * self.max_tokens)
+            object.__setattr__(self, "max_send_rows", min(self.topk, self.n_remote) * self.max_tokens)
 
     # -------------------------------------------------------------- the row format
     @property
