@@ -4,7 +4,8 @@ GPUs and their peer-to-peer / NVLink peers (torch.cuda when it sees GPUs; ``nvid
 when present; NVIDIA functions on the PCI bus otherwise), RDMA devices with their ports, GIDs
 (index, type, address), link layer and state from sysfs, their attributes as libibverbs reports
 them (through the native library; EFA attributes through libefa), a cross-check with pyverbs where
-it is importable, the NIC each GPU (or a CPU rank) would use, and which transport
+it is importable, whether GPU memory can be registered (dma-buf: ``ibv_reg_dmabuf_mr`` and the
+CUDA driver's export; or nvidia-peermem), the NIC each GPU (or a CPU rank) would use, and which transport
 ``MOE_EP_TRANSPORT=auto`` picks and why. Needs no process group, no GPU and no rdma-core: what
 is missing is reported, not fatal. ``--json`` prints the same as one JSON document.
 """
@@ -23,8 +24,8 @@ from typing import Optional
 
 from .proxy import nic as _nic
 
-ENV_VARS = ("MOE_EP_TRANSPORT", "MOE_EP_IB_DEVICE", "MOE_EP_IB_PORT", "MOE_EP_IB_GID_INDEX", "MOE_EP_IB_TIMEOUT",
-            "MOE_EP_IB_RETRY_CNT", "MOE_EP_IBVERBS_LIB", "MOE_EP_EFA_LIB", "MOE_EP_SYSFS_ROOT", "MOE_EP_TCP_HOST",
+ENV_VARS = ("MOE_EP_TRANSPORT", "MOE_EP_IB_DEVICE", "MOE_EP_IB_NICS", "MOE_EP_IB_PORT", "MOE_EP_IB_GID_INDEX",
+            "MOE_EP_IB_TIMEOUT", "MOE_EP_IB_RETRY_CNT", "MOE_EP_IBVERBS_LIB", "MOE_EP_EFA_LIB", "MOE_EP_CUDA_LIB", "MOE_EP_SYSFS_ROOT", "MOE_EP_TCP_HOST",
             "MOE_EP_NATIVE_LIB", "MOE_EP_NODE_SIZE", "CUDA_VISIBLE_DEVICES")
 
 
@@ -199,6 +200,7 @@ def rdma(root: Optional[str] = None, use_pyverbs: bool = True) -> dict:
         out["libibverbs"] = native.rdma_devices()
     except Exception as e:  # noqa: BLE001 - no compiler for the native library, ...
         out["native_error"] = _err(e)
+    out["dmabuf"] = dmabuf(root)
     lv = out.get("libibverbs", {})
     if "devices" in lv:
         out["libibverbs_vs_sysfs"] = cross_check(out["devices"], lv["devices"], "libibverbs")
@@ -208,6 +210,33 @@ def rdma(root: Optional[str] = None, use_pyverbs: bool = True) -> dict:
         if pv is not None:
             out["pyverbs"]["vs_sysfs"] = cross_check(out["devices"], pv, "pyverbs")
     return out
+
+
+def _exports(name: str, symbol: str) -> tuple[bool, str]:
+    """(whether the shared library ``name`` loads and exports ``symbol``, what was found)."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL(name)
+    except OSError as e:
+        return False, f"cannot load {name}: {e}"
+    return (True, f"{name} exports {symbol}") if hasattr(lib, symbol) else (False, f"{name} has no {symbol}")
+
+
+def dmabuf(root: Optional[str] = None) -> dict:
+    """How the verbs transport could register GPU memory here (§9): through dma-buf when
+    libibverbs exports ``ibv_reg_dmabuf_mr`` (rdma-core 34+) and the CUDA driver loads and exports
+    ``cuMemGetHandleForAddressRange`` (CUDA 11.7+), else by ``ibv_reg_mr`` on the GPU address
+    when the nvidia-peermem module is loaded. (Whether the GPU's driver really exports dma-bufs
+    shows only when registering.)"""
+    root = _nic.sysfs_root(root)
+    ok_v, why_v = _exports(os.environ.get("MOE_EP_IBVERBS_LIB") or "libibverbs.so.1", "ibv_reg_dmabuf_mr")
+    ok_c, why_c = _exports(os.environ.get("MOE_EP_CUDA_LIB") or "libcuda.so.1", "cuMemGetHandleForAddressRange")
+    peermem = os.path.isdir(os.path.join(root, "module", "nvidia_peermem"))
+    via = ("dma-buf" if ok_v and ok_c else "GPU address (nvidia-peermem)" if peermem
+           else "none (host memory only)")
+    return {"ibv_reg_dmabuf_mr": {"ok": ok_v, "what": why_v}, "cuda_dmabuf_export": {"ok": ok_c, "what": why_c},
+            "nvidia_peermem": peermem, "gpu_memory": via}
 
 
 # ---------------------------------------------------------------- NIC choice and transport
@@ -328,6 +357,10 @@ def render(rep: dict) -> str:
             L.append(f"  libefa: {r['libibverbs']['efa_library']}")
         diffs = r.get("libibverbs_vs_sysfs", [])
         L.append("  libibverbs vs sysfs: " + ("agree" if not diffs else "; ".join(diffs)))
+    db = r.get("dmabuf")
+    if db:
+        L.append(f"  GPU memory registration: {db['gpu_memory']}  (ibv_reg_dmabuf_mr: {db['ibv_reg_dmabuf_mr']['what']}; "
+                 f"CUDA: {db['cuda_dmabuf_export']['what']}; nvidia-peermem {'loaded' if db['nvidia_peermem'] else 'not loaded'})")
     pv = r.get("pyverbs")
     if pv is not None:
         if not pv["available"]:

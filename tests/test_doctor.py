@@ -73,6 +73,31 @@ def test_report_on_fake_sysfs(tmp_path):
     json.dumps(rep)  # JSON-able
 
 
+def test_dmabuf_support_detection(tmp_path, monkeypatch):
+    """GPU memory registration support: ibv_reg_dmabuf_mr in libibverbs, the CUDA driver's dma-buf
+    export, nvidia-peermem (sysfs), and what the transport would use from them."""
+    from test_verbs_transport import fake_cuda_lib
+
+    root = make_sysfs(str(tmp_path / "sys"))
+    monkeypatch.setenv("MOE_EP_IBVERBS_LIB", "libmissing-ibverbs.so.1")
+    monkeypatch.setenv("MOE_EP_CUDA_LIB", "libmissing-cuda.so.1")
+    d = doctor.dmabuf(root)
+    assert d["ibv_reg_dmabuf_mr"]["ok"] is False and "cannot load libmissing-ibverbs.so.1" in d["ibv_reg_dmabuf_mr"]["what"]
+    assert d["cuda_dmabuf_export"]["ok"] is False and "cannot load libmissing-cuda.so.1" in d["cuda_dmabuf_export"]["what"]
+    assert d["nvidia_peermem"] is False and d["gpu_memory"] == "none (host memory only)"
+    os.makedirs(os.path.join(root, "module", "nvidia_peermem"))
+    assert doctor.dmabuf(root)["gpu_memory"] == "GPU address (nvidia-peermem)"
+    lib = fake_cuda_lib(tmp_path)
+    monkeypatch.setenv("MOE_EP_CUDA_LIB", lib)
+    monkeypatch.setenv("MOE_EP_IBVERBS_LIB", lib)  # a library without ibv_reg_dmabuf_mr
+    d = doctor.dmabuf(root)
+    assert d["cuda_dmabuf_export"] == {"ok": True, "what": f"{lib} exports cuMemGetHandleForAddressRange"}
+    assert d["ibv_reg_dmabuf_mr"] == {"ok": False, "what": f"{lib} has no ibv_reg_dmabuf_mr"}
+    rep = doctor.report(root, use_torch=False, use_pyverbs=False)
+    assert rep["rdma"]["dmabuf"]["nvidia_peermem"] is True
+    assert "GPU memory registration: GPU address (nvidia-peermem)" in doctor.render(rep)
+
+
 def test_parse_topo():
     text = """\tGPU0\tGPU1\tGPU2\tNIC0\tCPU Affinity\tNUMA Affinity
 GPU0\t X \tNV18\tSYS\tPIX\t0-55\t0
@@ -152,6 +177,8 @@ def test_doctor_sees_the_verbs_device():
     assert rep["rdma"]["libibverbs_vs_sysfs"] == []
     lv = {d["name"]: d for d in rep["rdma"]["libibverbs"]["devices"]}
     assert lv[name]["max_qp"] > 0 and lv[name]["ports"][0]["active"]
+    # rdma-core 34+ (Debian 12 has 44) exports the dma-buf registration; no GPU driver here
+    assert rep["rdma"]["dmabuf"]["ibv_reg_dmabuf_mr"]["ok"], rep["rdma"]["dmabuf"]
     pv = rep["rdma"]["pyverbs"]
     if pv["available"]:
         assert pv["vs_sysfs"] == [], pv

@@ -161,7 +161,7 @@ def test_library_does_not_need_rdma_core():
     assert "infiniband/" not in deps.stdout and "/rdma/" not in deps.stdout  # rdma-core's header directories
     lib_path = N.lib()._name
     needed = subprocess.run(["readelf", "-d", lib_path], capture_output=True, text=True).stdout
-    assert "NEEDED" in needed and "ibverbs" not in needed and "efa" not in needed
+    assert "NEEDED" in needed and "ibverbs" not in needed and "efa" not in needed and "cuda" not in needed
     r = _run_py("""
         import numpy as np
         ok, why = N.verbs_probe()
@@ -272,11 +272,108 @@ def test_shard_bounds_arithmetic():
         assert all(x % max(al, 1) == 0 for x in b[:len(full)])
 
 
+# ---------------------------------------------------------------- GPU memory: the CUDA driver's part, with a stand-in driver
+
+# A stand-in CUDA driver (the three entry points the transport uses, by cuda.h's signatures): the
+# range FAKE_CUDA_DEVICE="ADDR:LEN" is "device memory"; cuMemGetHandleForAddressRange logs its
+# arguments to FAKE_CUDA_LOG and returns a memfd (not a dma-buf, so a NIC refuses it), or fails
+# with CUDA_ERROR_NOT_SUPPORTED (801) under FAKE_CUDA_DMABUF_FAIL.
+_FAKE_CUDA = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+extern "C" {
+typedef int CUresult;
+typedef unsigned long long CUdeviceptr;
+static int in_range(CUdeviceptr p) {
+  const char* r = getenv("FAKE_CUDA_DEVICE");
+  unsigned long long lo, n;
+  return r && sscanf(r, "%llu:%llu", &lo, &n) == 2 && p >= lo && p < lo + n;
+}
+CUresult cuPointerGetAttribute(void* data, int attribute, CUdeviceptr ptr) {
+  if (attribute != 2 || !in_range(ptr)) return 1;  /* CUDA_ERROR_INVALID_VALUE */
+  *(unsigned*)data = 2;                            /* CU_MEMORYTYPE_DEVICE */
+  return 0;
+}
+CUresult cuMemGetHandleForAddressRange(void* handle, CUdeviceptr dptr, size_t size, int type, unsigned long long flags) {
+  const char* log = getenv("FAKE_CUDA_LOG");
+  if (log) { FILE* f = fopen(log, "a"); fprintf(f, "%llu %zu %d %llu\n", dptr, size, type, flags); fclose(f); }
+  if (getenv("FAKE_CUDA_DMABUF_FAIL")) return 801;
+  int fd = memfd_create("fake-dmabuf", 0);
+  if (fd < 0) return 999;
+  *(int*)handle = fd;
+  return 0;
+}
+CUresult cuGetErrorString(CUresult e, const char** s) { *s = e == 801 ? "operation not supported" : "unknown error"; return 0; }
+}
+"""
+
+
+def fake_cuda_lib(tmp_dir) -> str:
+    """Builds the stand-in CUDA driver into tmp_dir; returns its path."""
+    src, out = os.path.join(str(tmp_dir), "fake_cuda.cc"), os.path.join(str(tmp_dir), "libfakecuda.so.1")
+    with open(src, "w") as f:
+        f.write(_FAKE_CUDA)
+    r = subprocess.run([os.environ.get("CXX", "c++"), "-shared", "-fPIC", "-O1", src, "-o", out], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_gpu_memory_selection_with_a_stand_in_driver(tmp_path):
+    """Which memory registration takes for device memory: host unless the CUDA driver (only if
+    this process has loaded it: it is never loaded just to ask) says device; the dma-buf request
+    covers the page-aligned range with the DMA_BUF_FD handle type and returns ptr's offset in
+    it; a driver without dma-buf export, or no driver at all, is an error naming it."""
+    lib_path = fake_cuda_lib(tmp_path)
+    log = tmp_path / "cuda.log"
+    r = _run_py(f"""
+        import ctypes, mmap, os
+        import numpy as np
+        buf = np.zeros(5 * mmap.PAGESIZE, np.uint8)
+        p = buf.ctypes.data
+        os.environ["FAKE_CUDA_DEVICE"] = "%d:%d" % (p, buf.nbytes)  # this buffer plays device memory
+        def maps(): return open("/proc/self/maps").read()
+        assert N.memory_type(p) == "host" and "libfakecuda" not in maps()  # not loaded to ask
+        ctypes.CDLL({lib_path!r})  # the process "uses CUDA" now
+        assert N.memory_type(p) == "device" and N.memory_type(p + buf.nbytes) == "host"
+        assert N.memory_type(p - 1) == "host"
+        ptr, n = p + mmap.PAGESIZE + 100, 2 * mmap.PAGESIZE
+        fd, off = N.cuda_dmabuf_fd(ptr, n)
+        os.close(fd)
+        PG = mmap.PAGESIZE
+        base, end = ptr // PG * PG, (ptr + n + PG - 1) // PG * PG
+        assert off == ptr - base
+        got = open({str(log)!r}).read().split()
+        assert got == [str(base), str(end - base), "1", "0"], got  # the page-aligned range, DMA_BUF_FD, flags 0
+        os.environ["FAKE_CUDA_DMABUF_FAIL"] = "1"
+        try:
+            N.cuda_dmabuf_fd(ptr, n)
+        except N.NativeError as e:
+            print("ERR1", e)
+        N.set_test_memory_type("host")
+        assert N.memory_type(p) == "host"
+        N.set_test_memory_type(None)
+        assert N.memory_type(p) == "device"
+        os.environ["MOE_EP_CUDA_LIB"] = "libmissing-cuda.so.1"
+        assert N.memory_type(p) == "host"  # that driver is not loaded: host
+        try:
+            N.cuda_dmabuf_fd(ptr, n)
+        except N.NativeError as e:
+            print("ERR2", e)
+    """, MOE_EP_CUDA_LIB=lib_path, FAKE_CUDA_LOG=str(log))
+    assert r.returncode == 0, r.stdout + r.stderr
+    err = dict(ln.split(" ", 1) for ln in r.stdout.splitlines() if ln.startswith("ERR"))
+    assert err["ERR1"] == ("cuMemGetHandleForAddressRange(DMA_BUF_FD) failed: operation not supported (CUresult 801)"
+                           " (dma-buf export needs CUDA 11.7+, Linux 5.12+ and NVIDIA's open GPU kernel modules)"), err
+    assert err["ERR2"].startswith("cannot load libmissing-cuda.so.1 (no CUDA driver?): "), err
+
+
 # ---------------------------------------------------------------- ABI declarations vs. the system header
 
 _ABI_CHECK = r"""
 #include <infiniband/verbs.h>
 #include <cstddef>
+#include <type_traits>
 #include "verbs_abi.h"
 namespace v = moe_ep::ibv;
 #define SAME_SIZE(a, b) static_assert(sizeof(a) == sizeof(b), #a)
@@ -380,6 +477,9 @@ SAME_VAL(QP_MIN_RNR_TIMER);
 SAME_VAL(QP_SQ_PSN);
 SAME_VAL(QP_MAX_DEST_RD_ATOMIC);
 SAME_VAL(QP_DEST_QPN);
+// the optional dma-buf registration: the signature Api::reg_dmabuf_mr assumes (rdma-core 34+)
+static_assert(std::is_same<decltype(&ibv_reg_dmabuf_mr), ibv_mr* (*)(ibv_pd*, uint64_t, size_t, uint64_t, int, int)>::value,
+              "ibv_reg_dmabuf_mr");
 int main() { return 0; }
 """
 
@@ -621,6 +721,50 @@ def test_verbs_nic_lists_and_counts(monkeypatch):
         assert e.nics == 3 and e.endpoint.split(";")[3:5] == ["nics=3", f"dev={dev}/{dev}/{dev}"]
     finally:
         e.close()
+
+
+@rdma_test
+def test_verbs_gpu_memory_registration(tmp_path, monkeypatch):
+    """Registration of GPU memory on a real device without a GPU: a buffer the stand-in CUDA
+    driver calls device memory takes the dma-buf path (one fd for the region, asked for its
+    page-aligned range, offered to every NIC; the NIC refuses a memfd, so ibv_reg_mr on the
+    address takes over) and peers write into it through both NICs; with the device type forced
+    and no CUDA driver, an unmapped pointer is an error naming rank, device and both failures,
+    a mapped one falls back to ibv_reg_mr. Host memory stays ibv_reg_mr."""
+    import ctypes
+
+    dev, lib_path, log = _dev(), fake_cuda_lib(tmp_path), tmp_path / "cuda.log"
+    a, b = N.VerbsTransport(0, 2, device=f"{dev},{dev}"), N.VerbsTransport(1, 2, device=f"{dev},{dev}")
+    src, gpu = np.arange(1 << 16, dtype=np.int64).view(np.uint8)[: 1 << 16].copy(), np.zeros(1 << 16, np.uint8)
+    monkeypatch.setenv("MOE_EP_CUDA_LIB", lib_path)
+    monkeypatch.setenv("FAKE_CUDA_LOG", str(log))
+    monkeypatch.setenv("FAKE_CUDA_DEVICE", f"{gpu.ctypes.data}:{gpu.nbytes}")
+    ctypes.CDLL(lib_path)  # the process "uses CUDA"
+    try:
+        ks, kd = a.register(src), b.register(gpu)
+        assert a.region_how(ks) == "host/host" and b.region_how(kd) == "gpu address/gpu address"
+        (call,) = log.read_text().splitlines()  # one dma-buf for both NICs
+        base, size, kind, flags = map(int, call.split())
+        pg = os.sysconf("SC_PAGE_SIZE")
+        assert base % pg == 0 and size % pg == 0 and base <= gpu.ctypes.data and base + size >= gpu.ctypes.data + gpu.nbytes
+        assert (kind, flags) == (1, 0)  # CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD
+        _connect_all([a, b])
+        _send(a, 1, ks, kd, [(0, 1 << 16, 0x6001)])
+        b.imm.wait(0x6001, 2, 30)  # two NICs: two shards
+        np.testing.assert_array_equal(gpu, src)
+        monkeypatch.setenv("MOE_EP_CUDA_LIB", "libmissing-cuda.so.1")
+        N.set_test_memory_type("device")
+        with pytest.raises(N.NativeError) as ei:
+            b.register_ptr(4096, 1 << 20)  # below mmap_min_addr: never mapped
+        msg = str(ei.value)
+        assert msg.startswith(f"rank 1: verbs device {dev} port 1 GID index") and "(NIC 0 of 2)" in msg, msg
+        assert "registering 1048576 bytes of GPU memory at 0x1000 failed: dma-buf: cannot load libmissing-cuda.so.1" in msg
+        assert "; ibv_reg_mr on the GPU address: " in msg and msg.endswith("(needs nvidia-peermem)"), msg
+        assert b.region_how(b.register(np.zeros(4096, np.uint8))) == "gpu address/gpu address"
+    finally:
+        N.set_test_memory_type(None)
+        a.close()
+        b.close()
 
 
 # ---------------------------------------------------------------- interop with pyverbs

@@ -7,6 +7,7 @@
 #include <thread>
 #include <vector>
 
+#include "cuda_mem.h"
 #include "imm_counter.h"
 #include "proxy.h"
 #include "rdma_probe.h"
@@ -174,6 +175,32 @@ int moe_ep_efa_check_caps(uint32_t caps, char* buf, size_t len) {
 // Every RDMA device libibverbs lists, as JSON (see rdma_probe.h); returns its full length.
 int moe_ep_rdma_devices(char* buf, size_t len) {
   return copy_str(moe_ep::rdma_devices_json(), buf, len);
+}
+
+// How a verbs engine registered region `key` ("host", "dma-buf", "gpu address" per NIC,
+// '/'-joined); returns the length.
+int moe_ep_verbs_region_how(void* e, uint32_t key, char* buf, size_t len) {
+  return copy_str(moe_ep::verbs_region_how(static_cast<Transport*>(e), key), buf, len);
+}
+
+// ---- GPU memory (cuda_mem.h) ----
+// Test hook: the memory type registration assumes: -1 asks the CUDA driver (default), 0 host, 1 device.
+int moe_ep_test_memory_type(int kind) {
+  moe_ep::set_memory_type_override(kind);
+  return 0;
+}
+
+// 1 when ptr is device memory (as registration decides it), else 0.
+int moe_ep_memory_type(const void* ptr) { return moe_ep::memory_type(ptr) == moe_ep::MemType::Device ? 1 : 0; }
+
+// The dma-buf fd registration would use for [ptr, ptr + len) (the caller closes it) and ptr's
+// offset in it; 0, or -1 with the message (library, symbol, driver error).
+int moe_ep_cuda_dmabuf_fd(const void* ptr, uint64_t len, int* fd, uint64_t* offset) {
+  return guarded([&] {
+    std::string why;
+    if (!moe_ep::cuda_dmabuf_fd(ptr, len, fd, offset, &why)) return moe_ep::set_error(moe_ep::kErrInvalid, why);
+    return 0;
+  });
 }
 
 // Test hook: destroys a verbs engine's queue pair to `peer`.

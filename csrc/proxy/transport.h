@@ -104,6 +104,9 @@ Transport* create_verbs_transport(int rank, int world, const std::string& device
 bool verbs_probe(std::string* what);
 // Test hook: destroys the queue pairs of a verbs engine to `peer` (the peer's writes then fail).
 int verbs_destroy_qp(Transport* t, int peer);
+// How a verbs engine registered region `key` on each NIC: "host", "dma-buf" or "gpu address"
+// ('/'-joined per NIC; "" for a 0-byte region or another engine).
+std::string verbs_region_how(Transport* t, uint32_t key);
 
 // The message of the last failed call on this thread (set by every failing call).
 inline std::string& thread_error() {

@@ -306,6 +306,8 @@ struct Api {
   int (*modify_qp)(qp* q, qp_attr* attr, int mask);
   int (*destroy_qp)(qp* q);
   const char* (*wc_status_str)(int status);
+  // Optional (rdma-core 34+, IBVERBS_1.12); null when the library lacks it.
+  mr* (*reg_dmabuf_mr)(pd* p, uint64_t offset, size_t len, uint64_t iova, int fd, int access);
 };
 
 // Opens libibverbs (MOE_EP_IBVERBS_LIB overrides the name libibverbs.so.1) once per process.

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "transport.h"
+#include "cuda_mem.h"
 #include "rdma_probe.h"
 #include "transport_common.h"
 #include "verbs_abi.h"
@@ -83,6 +84,8 @@ const Api* load_verbs(std::string* why) {
       sym(api.modify_qp, "ibv_modify_qp");
       sym(api.destroy_qp, "ibv_destroy_qp");
       sym(api.wc_status_str, "ibv_wc_status_str");
+      if (state == 1)  // optional: GPU memory through dma-buf (rdma-core 34+)
+        api.reg_dmabuf_mr = reinterpret_cast<decltype(api.reg_dmabuf_mr)>(dlsym(h, "ibv_reg_dmabuf_mr"));
     }
   }
   if (state != 1) {
@@ -365,6 +368,7 @@ struct Region {
   char* ptr = nullptr;
   uint64_t len = 0;
   std::vector<ibv::mr*> mr;  // one per NIC (none for a 0-byte region)
+  std::string how;           // per NIC, '/'-joined: "host", "dma-buf" or "gpu address" (register_memory)
 };
 
 struct RemoteRegion {
@@ -493,24 +497,62 @@ class VerbsTransport final : public Transport {
   // Every write with an immediate is one shard per NIC, each counted by the receiver.
   int imm_per_write() const override { return int(nics_.size()); }
 
+  // Every region on every NIC (any shard may go through any NIC). Host memory: ibv_reg_mr.
+  // Device memory (the CUDA driver says so, cuda_mem.h): ibv_reg_dmabuf_mr on a dma-buf of the
+  // page-aligned range (addressed by its offset inside the dma-buf; iova = ptr, the address peers
+  // write to), else ibv_reg_mr on the GPU address (works where nvidia-peermem is loaded), else an
+  // error naming both failures.
   int register_memory(void* ptr, uint64_t len, uint32_t* key) override {
     if (ptr == nullptr && len > 0) return set_error(kErrInvalid, prefix() + "register: null pointer");
-    Region r{static_cast<char*>(ptr), len, {}};
+    Region r{static_cast<char*>(ptr), len, {}, ""};
     if (len > 0) {
-      for (auto& np : nics_) {  // every region on every NIC: any shard may go through any NIC
-        ibv::mr* m = v_.reg_mr(np->pd, ptr, size_t(len),
-                               ibv::ACCESS_LOCAL_WRITE | ibv::ACCESS_REMOTE_WRITE | ibv::ACCESS_REMOTE_READ);
+      constexpr int access = ibv::ACCESS_LOCAL_WRITE | ibv::ACCESS_REMOTE_WRITE | ibv::ACCESS_REMOTE_READ;
+      const bool gpu = memory_type(ptr) == MemType::Device;
+      int fd = -1;
+      uint64_t fd_off = 0;
+      std::string dmabuf_why;
+      if (gpu && !v_.reg_dmabuf_mr)
+        dmabuf_why = "libibverbs has no ibv_reg_dmabuf_mr (rdma-core older than 34)";
+      else if (gpu)
+        cuda_dmabuf_fd(ptr, len, &fd, &fd_off, &dmabuf_why);
+      std::vector<std::string> how;
+      for (auto& np : nics_) {
+        ibv::mr* m = nullptr;
+        std::string h = gpu ? "gpu address" : "host";
+        if (fd >= 0) {
+          m = v_.reg_dmabuf_mr(np->pd, fd_off, size_t(len), reinterpret_cast<uintptr_t>(ptr), fd, access);
+          if (m) h = "dma-buf";
+          else dmabuf_why = "ibv_reg_dmabuf_mr failed: " + std::string(strerror(errno));
+        }
+        if (!m) m = v_.reg_mr(np->pd, ptr, size_t(len), access);
         if (!m) {
-          const int err = errno;
+          const std::string err = strerror(errno);
+          if (fd >= 0) close(fd);
           for (ibv::mr* done : r.mr) v_.dereg_mr(done);
+          std::ostringstream at;
+          at << std::hex << reinterpret_cast<uintptr_t>(ptr);
+          if (gpu)
+            return set_error(kErrSystem, prefix() + np->where + ": registering " + std::to_string(len) +
+                                             " bytes of GPU memory at 0x" + at.str() + " failed: dma-buf: " +
+                                             dmabuf_why + "; ibv_reg_mr on the GPU address: " + err +
+                                             " (needs nvidia-peermem)");
           return set_error(kErrSystem, prefix() + np->where + ": ibv_reg_mr of " + std::to_string(len) +
-                                           " bytes failed: " + strerror(err) + " (locked-memory limit? ulimit -l)");
+                                           " bytes failed: " + err + " (locked-memory limit? ulimit -l)");
         }
         r.mr.push_back(m);
+        how.push_back(h);
       }
+      if (fd >= 0) close(fd);  // each MR holds its own reference to the dma-buf
+      r.how = join(how, "/");
     }
     *key = regions_.add(r);
     return kOk;
+  }
+
+  // How region `key` was registered on each NIC ("host", "dma-buf", "gpu address"; '/'-joined).
+  std::string region_how(uint32_t key) const {
+    const auto regs = regions_.snapshot();
+    return key >= 1 && key <= regs.size() ? regs[key - 1].how : "";
   }
 
   // "verbs1;rank=R;world=W;nics=K;dev=D0/D1;port=N0/N1;lid=L0/L1;gid=HEX32/HEX32;mtu=M0/M1;psn=P;
@@ -1084,6 +1126,11 @@ Transport* create_verbs_transport(int rank, int world, const std::string& device
     return nullptr;
   }
   return t;
+}
+
+std::string verbs_region_how(Transport* t, uint32_t key) {
+  auto* v = dynamic_cast<VerbsTransport*>(t);
+  return v ? v->region_how(key) : "";
 }
 
 int verbs_destroy_qp(Transport* t, int peer) {

@@ -117,6 +117,10 @@ def lib() -> ctypes.CDLL:
             _c(L, "moe_ep_shard_bounds", i32, u64, i32, u64, u64, ctypes.POINTER(u64))
             _c(L, "moe_ep_verbs_probe", i32, cp, sz)
             _c(L, "moe_ep_verbs_destroy_qp", i32, vp, i32)
+            _c(L, "moe_ep_verbs_region_how", i32, vp, u32, cp, sz)
+            _c(L, "moe_ep_test_memory_type", i32, i32)
+            _c(L, "moe_ep_memory_type", i32, vp)
+            _c(L, "moe_ep_cuda_dmabuf_fd", i32, vp, u64, ctypes.POINTER(i32), ctypes.POINTER(u64))
             _c(L, "moe_ep_verbs_probe_device", i32, cp, i32, cp, sz)
             _c(L, "moe_ep_engine_create_efa", vp, i32, i32, cp)
             _c(L, "moe_ep_efa_probe", i32, cp, cp, sz)
@@ -447,6 +451,29 @@ def verbs_probe(device: str | None = None, port: int = 0) -> tuple[bool, str]:
     return ok == 1, buf.value.decode(errors="replace")
 
 
+def memory_type(ptr: int) -> str:
+    """``"device"`` when registration treats ``ptr`` as GPU memory (the CUDA driver, if this process
+    has loaded it, says ``CU_MEMORYTYPE_DEVICE``), else ``"host"``."""
+    return "device" if lib().moe_ep_memory_type(ptr) == 1 else "host"
+
+
+def set_test_memory_type(kind: str | None) -> None:
+    """Test hook: registration takes every pointer for ``"device"`` or ``"host"`` memory (None:
+    asks the CUDA driver again, the default)."""
+    lib().moe_ep_test_memory_type({None: -1, "host": 0, "device": 1}[kind])
+
+
+def cuda_dmabuf_fd(ptr: int, nbytes: int) -> tuple[int, int]:
+    """(fd, offset of ptr in it): the dma-buf the verbs transport would register for GPU memory
+    at ``[ptr, ptr + nbytes)`` (the caller closes the fd). Raises ``NativeError`` naming what is
+    missing (the CUDA driver, its dma-buf export, the driver's error)."""
+    fd, off = ctypes.c_int32(-1), ctypes.c_uint64()
+    rc = lib().moe_ep_cuda_dmabuf_fd(ptr, nbytes, ctypes.byref(fd), ctypes.byref(off))
+    if rc != OK:
+        _raise(rc)
+    return fd.value, off.value
+
+
 SHARD_ALIGN = 64  # the verbs transport's shard alignment (kShardAlign, verbs_transport.cc)
 DEFAULT_MIN_SHARD = 16384  # kDefaultMinShardBytes (transport.h)
 
@@ -521,8 +548,14 @@ class VerbsTransport(Engine):
         self.streams = 1
         self.nics = self.imm_per_write
 
+    def region_how(self, key: int) -> str:
+        """How region ``key`` was registered on each NIC: ``"host"`` (``ibv_reg_mr``),
+        ``"dma-buf"`` (GPU memory, ``ibv_reg_dmabuf_mr``) or ``"gpu address"`` (GPU memory,
+        ``ibv_reg_mr`` on its address: nvidia-peermem); ``/``-joined per NIC."""
+        return _str(self._lib.moe_ep_verbs_region_how, self._h, key)
+
     def destroy_qp(self, peer: int) -> None:
-        """Test hook: destroys the queue pair to ``peer`` (as a crashed process would)."""
+        """Test hook: destroys the queue pairs to ``peer`` (as a crashed process would)."""
         rc = self._lib.moe_ep_verbs_destroy_qp(self._h, peer)
         if rc != OK:
             _raise(rc)

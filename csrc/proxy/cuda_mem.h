@@ -1,0 +1,33 @@
+// GPU memory for RDMA registration: which memory a pointer is (the CUDA driver's answer), and a
+// dma-buf fd for a range of device memory. libcuda.so.1 is opened at run time (MOE_EP_CUDA_LIB
+// overrides the name), so nothing here needs CUDA to build or run. docs/ARCHITECTURE.md §9,
+// "GPU memory (dma-buf)".
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace moe_ep {
+
+enum class MemType { Host, Device };
+
+// Device when the CUDA driver says CU_MEMORYTYPE_DEVICE for ptr (cuPointerGetAttribute,
+// CU_POINTER_ATTRIBUTE_MEMORY_TYPE), else Host (also pinned host memory, and any pointer of a
+// process that has not loaded the CUDA driver: without it there is no device memory, so it is
+// not loaded just to ask). The test hook below overrides the answer.
+MemType memory_type(const void* ptr);
+
+// Test hook (moe_ep_test_memory_type): -1 asks the driver (the default), 0 says host, 1 device.
+void set_memory_type_override(int kind);
+
+// A dma-buf fd (cuMemGetHandleForAddressRange, CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD) for the
+// host-page-aligned range around [ptr, ptr + len): *fd (the caller closes it), *offset = ptr
+// minus the range's start (the offset of ptr inside the dma-buf). Loads the driver if needed.
+// False with *why (the library, a symbol, or the driver's error) on failure.
+bool cuda_dmabuf_fd(const void* ptr, uint64_t len, int* fd, uint64_t* offset, std::string* why);
+
+// The page-aligned range cuda_dmabuf_fd asks the driver for: [*base, *base + *size) around
+// [ptr, ptr + len), page a power of two.
+void dmabuf_range(uint64_t ptr, uint64_t len, uint64_t page, uint64_t* base, uint64_t* size);
+
+}  // namespace moe_ep
