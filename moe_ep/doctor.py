@@ -244,11 +244,12 @@ def dmabuf(root: Optional[str] = None) -> dict:
 def nic_choices(devs: list[_nic.RdmaDevice], gpu_list: list[dict], root: Optional[str] = None) -> list[dict]:
     """The NIC each GPU (and a CPU rank) would use, for each RDMA transport."""
     rows = []
+    one = {"verbs": None, "efa": 1}  # several NICs (MOE_EP_IB_NICS) are the verbs transport's, as in start_proxy
     for g in gpu_list:
         gp = _nic.gpu_pci(g["pci"], root) if g.get("pci") else _nic.GpuPci("")
-        rows.append({"rank": f"GPU{g['index']}", **{k: str(_nic.choose_nic(devs, k, gp, g["index"]))
+        rows.append({"rank": f"GPU{g['index']}", **{k: str(_nic.choose_nic(devs, k, gp, g["index"], count=one[k]))
                                                    for k in ("verbs", "efa")}})
-    rows.append({"rank": "CPU", **{k: str(_nic.choose_nic(devs, k)) for k in ("verbs", "efa")}})
+    rows.append({"rank": "CPU", **{k: str(_nic.choose_nic(devs, k, count=one[k])) for k in ("verbs", "efa")}})
     return rows
 
 

@@ -940,6 +940,31 @@ def test_verbs_proxy_dispatch_combine_two_nodes(cap, nics, min_shard):
             e.close()
 
 
+@rdma_test
+def test_verbs_proxy_silent_peer_over_two_nics():
+    """A peer that never rings its dispatch doorbell, over 2 NICs: the waiting proxy times out
+    naming it and how many of its 2 shards landed (none)."""
+    R = 2
+    engines = [N.VerbsTransport(r, R, device=f"{_dev()},{_dev()}") for r in range(R)]
+    pxs = [N.Proxy(e, node_size=1, num_local_experts=2, row_bytes=32, comb_row_bytes=16, private_capacity=2,
+                   overflow_capacity=8, max_send_rows=8, timeout_s=2) for e in engines]
+    try:
+        _connect_all(engines)
+        for px in pxs:
+            px.start()
+        pxs[0].ring("dispatch", 1)  # rank 1 stays silent
+        with pytest.raises(N.CommTimeoutError) as ei:
+            pxs[0].wait_ready("dispatch", 1, 30)
+        msg = str(ei.value)
+        assert ei.value.peer == 1 and "no immediate from peer 1 within 2 s" in msg, msg
+        assert "0 of its 2 shards landed" in msg, msg
+    finally:
+        for px in pxs:
+            px.close()
+        for e in engines:
+            e.close()
+
+
 # ---------------------------------------------------------------- two processes
 
 def _worker(rank: int) -> None:
