@@ -116,10 +116,10 @@ class RemotePath:
         """Raises the proxy's error, or one a remote kernel recorded (bad ids, rows beyond the send
         buffer). Both records are host memory: no device sync."""
         self.proxy.check_error()
-        code = int(self.state.err[0])
+        code = int(self.state.err_host[0])
         if code != 0:
             raise BufferBrokenError(f"rank {self.spec.rank}: inter-node kernel error record "
-                                    f"{[int(v) for v in self.state.err[:5]]}")
+                                    f"{[int(v) for v in self.state.err_host[:5]]}")
 
     def close(self) -> None:
         self.proxy.close()

@@ -171,6 +171,7 @@ class RemoteState:
         self.recv_rows = z(R)
         # Error record: pinned host memory on a GPU, so the host reads it without a device sync.
         self.err = torch.zeros(8, dtype=torch.int64, pin_memory=torch.device(device).type == "cuda")
+        self.err_host = self.err.numpy()  # the same memory: reading it costs no tensor op
         self.num_chunks = 0  # chunks of the last pack (the host knows T)
 
 
