@@ -111,3 +111,32 @@ def test_gpu_default_node_size_needs_p2p():
             assert (node_size, msgs) == (2, [])
         else:
             assert node_size == 1 and len(msgs) == 1 and "ranks 0 and 1" in msgs[0]
+
+
+def test_device_argument():
+    """``device=`` overrides the backend's default; anything but cuda or cpu is refused by name."""
+    import torch
+
+    import moe_ep
+
+    assert moe_ep.EPGroup(device="cpu").device == torch.device("cpu")
+    with pytest.raises(ValueError, match="device"):
+        moe_ep.EPGroup(device="meta")
+
+
+def _node_group_worker(rank, world_size):
+    import torch.distributed as dist
+
+    import moe_ep
+
+    g = moe_ep.EPGroup(node_size=2)
+    sub = g.node_group()
+    assert g.node_group() is sub  # made once
+    peers = [None] * dist.get_world_size(sub)
+    dist.all_gather_object(peers, rank, group=sub)
+    return peers
+
+
+def test_node_group_holds_the_node():
+    """``node_group()`` of 2 nodes x 2: each rank's group is its own node's two ranks."""
+    assert dist_util.run(4, _node_group_worker) == [[0, 1], [0, 1], [2, 3], [2, 3]]
