@@ -176,11 +176,10 @@ def _dispatch_consts(buf, fp8_in: bool, direct: bool) -> dict:
     W = H * (1 if buf.fp8 else 2) // 4
     nb = max(1, buf.num_scale_blocks)
     S = buf.stages
-    block_h = pipelined_width(max(128 if buf.fp8 else 16, min(_pow2(H), 8192 * buf.tile // BLOCK_T)), S,
-                              BLOCK_T * (1 if fp8_in else 2))
+    # fp8 tiles hold whole 128-channel scale blocks, whatever the pipelining budget says
+    block_h = max(128 if buf.fp8 else 16, pipelined_width(min(_pow2(H), 8192 * buf.tile // BLOCK_T), S,
+                                                          BLOCK_T * (1 if fp8_in else 2)))
     block_w = pipelined_width(max(16, min(_pow2(W), 2048 * buf.tile, 4096 * buf.tile // BLOCK_T)), S, BLOCK_T * 4)
-    if buf.fp8:
-        block_h = max(128, block_h)
     return dict(off_hflag=off["hdr_flag"], off_dflag=off["disp_flag"], off_hdr=off["hdr"], off_meta_i=off["meta_i"],
                 off_meta_w=off["meta_w"], off_rows=off["rows"], RANK=buf.rank - buf.node0, NODE0=buf.node0,
                 R=buf.world_size, N=buf.node_size, M=buf.max_tokens, GLOBAL=buf.remote is not None,

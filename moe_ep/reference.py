@@ -50,7 +50,7 @@ def _gather_ragged(group, t: torch.Tensor, counts: Sequence[int]) -> List[torch.
     padded[: t.shape[0]] = wire.to(dev)
     outs = [torch.empty_like(padded) for _ in range(group.world_size)]
     dist.all_gather(outs, padded, group=group.pg)
-    return [o[:c].to(t.device).clone().view(t.dtype) for o, c in zip(outs, counts)]
+    return [o[:c].to(t.device, copy=True).view(t.dtype) for o, c in zip(outs, counts)]
 
 
 @dataclass
