@@ -21,10 +21,8 @@ rank receives, its own included, as DeepEP counts; cross-GPU rows only). JSON sc
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import os
-import socket
 import sys
 from typing import Optional, Sequence
 
@@ -160,24 +158,16 @@ def config_of(a: argparse.Namespace, device: str) -> dict:
 
 # ----------------------------------------------------------------------------- the sweep
 
-def _init_distributed(device_kind: str):
-    """Initialises torch.distributed (env:// from torchrun; a single rank without it)."""
-    if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _init_distributed(device_kind: str) -> str:
+    """Initialises torch.distributed (env:// from torchrun; a single rank without it): NCCL with a
+    GPU per rank, gloo on CPUs or when there are more local ranks than GPUs (they share them)."""
     import torch
-    import torch.distributed as dist
 
-    if device_kind == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=10),
-                                device_id=torch.device("cuda", torch.cuda.current_device()))
-    else:
+    from moe_ep.group import init_distributed
+
+    if device_kind == "cpu":
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
+    return init_distributed(device_kind, timeout_s=600.0)
 
 
 def _select_device(requested: str) -> str:
@@ -210,7 +200,8 @@ def sweep(a: argparse.Namespace, group, on_entry) -> list[dict]:
     from .workloads import make_inputs
 
     ctx = Context(group=group, device=group.device, rank=group.rank, world_size=group.world_size, num_sms=None,
-                  node_size=a.node_size, tokens=sorted(a.tokens), timeout_s=a.timeout_s)
+                  node_size=a.node_size, tokens=sorted(a.tokens), timeout_s=a.timeout_s,
+                  shared_gpus=group.ranks_per_device > 1)
     stream = torch.cuda.Stream(group.device) if group.device.type == "cuda" else None
     opts = harness.Options(iters=a.iters, warmup=a.warmup, graph=a.graph)
     routing = Routing(kind=a.routing, zipf_s=a.zipf_s, holes=a.holes)
@@ -260,6 +251,8 @@ def run(a: argparse.Namespace) -> int:
             return 2
         cfg = config_of(a, group.device.type)
         env = report.environment(group.device, group.world_size)
+        env["gpus"] = len(set(group.device_keys)) if group.device.type == "cuda" else 0
+        env["ranks_per_gpu"] = group.ranks_per_device if group.device.type == "cuda" else 0
         command = " ".join([PROG] + sys.argv[1:])
 
         def save(entries: list[dict]) -> None:  # a crash later leaves what was measured

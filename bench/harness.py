@@ -73,13 +73,16 @@ def _small(value: object) -> bool:
     return isinstance(value, (int, float))
 
 
-def op_stats(times_us: list[float], nbytes: tuple[float, float], device: torch.device) -> dict:
-    """p50/p90/p99 (max over ranks) and GB/s at the p50, both conventions."""
+def op_stats(times_us: list[float], nbytes: tuple[float, float], device: torch.device,
+             bandwidth: bool = True) -> dict:
+    """p50/p90/p99 (max over ranks) and GB/s at the p50, both conventions; ``bandwidth=False``
+    (ranks that share GPUs: no row crosses NVLink) leaves the GB/s empty."""
     q = max_over_ranks([percentile(times_us, p) for p in QUANTILES], device)
     row = {f"p{p}_us": v for p, v in zip(QUANTILES, q)}
     p50_s = q[0] * 1e-6
-    row["gbps_all"] = nbytes[0] / p50_s / 1e9 if p50_s > 0 else None
-    row["gbps_xgpu"] = nbytes[1] / p50_s / 1e9 if p50_s > 0 else None
+    ok = bandwidth and p50_s > 0
+    row["gbps_all"] = nbytes[0] / p50_s / 1e9 if ok else None
+    row["gbps_xgpu"] = nbytes[1] / p50_s / 1e9 if ok else None
     return row
 
 
@@ -175,13 +178,14 @@ def run_variant(backend: Backend, variant: str, wl: Workload, inputs: Inputs, ct
             timed: list[dict] = []
             agree(lambda: timed.append(eager()), "eager timing")
             times = timed[0]
-            entries["eager"]["ops"] = {op: op_stats(times[op], nbytes[op], device) for op in OPS}
+            entries["eager"]["ops"] = {op: op_stats(times[op], nbytes[op], device, not ctx.shared_gpus) for op in OPS}
         except EntryError as e:
             stop(launches, e)
             launches = []
         if "graph" in launches:
             try:
-                entries["graph"].update(_graph_entry(runner, inputs, opts, timer, nbytes, device, stream))
+                entries["graph"].update(_graph_entry(runner, inputs, opts, timer, nbytes, device, stream,
+                                                     not ctx.shared_gpus))
             except EntryError as e:
                 stop(["graph"], e)
         if runner is not None:
@@ -190,7 +194,8 @@ def run_variant(backend: Backend, variant: str, wl: Workload, inputs: Inputs, ct
     return list(entries.values())
 
 
-def _graph_entry(runner: Runner, inputs: Inputs, opts: Options, timer: Timer, nbytes, device, stream) -> dict:
+def _graph_entry(runner: Runner, inputs: Inputs, opts: Options, timer: Timer, nbytes, device, stream,
+                 bandwidth: bool) -> dict:
     """Dispatch, combine and the pair captured as three CUDA graphs, replayed and timed."""
     if device.type != "cuda":
         raise EntryError("not available", "CUDA graphs need a GPU")
@@ -221,4 +226,4 @@ def _graph_entry(runner: Runner, inputs: Inputs, opts: Options, timer: Timer, nb
         return _local_error(runner, inputs, device)
 
     err = _checked(agree(run, "graph timing"))
-    return {"check_rel_err": err, "ops": {op: op_stats(timed[0][op], nbytes[op], device) for op in OPS}}
+    return {"check_rel_err": err, "ops": {op: op_stats(timed[0][op], nbytes[op], device, bandwidth) for op in OPS}}

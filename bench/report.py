@@ -95,6 +95,9 @@ def format_table(doc: dict) -> str:
     lines = [f"moe-ep-bench  {c['model'] or 'custom shape'}: H={c['hidden']} K={c['topk']} E={c['num_experts']} dispatch={c['dispatch_dtype']} "
              f"combine={c['combine_dtype']} layout={c['layout']} routing={c['routing']['kind']} "
              f"iters={c['iters']}  [{env.get('device')}, torch {env.get('torch')}, {env.get('commit')}]"]
+    if env.get("ranks_per_gpu", 0) > 1:
+        lines.append(f"{env['world_size']} ranks on {env['gpus']} GPU{'s' * (env['gpus'] > 1)} ({env['ranks_per_gpu']} "
+                     f"per GPU, time-sliced): times are not NVLink timings, and no GB/s is given")
     groups: dict[tuple, list[dict]] = {}
     for e in doc["results"]:
         groups.setdefault((e["world_size"], e["num_tokens"], e["num_sms_requested"]), []).append(e)

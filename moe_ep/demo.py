@@ -2,6 +2,7 @@
 
     python -m moe_ep.demo                              # 4 CPU ranks (gloo, shared memory, Triton interpreter)
     torchrun --nproc-per-node=2 -m moe_ep.demo         # GPUs over NVLink (also works on CPUs with gloo)
+    torchrun --nproc-per-node=4 -m moe_ep.demo         # on a 1-GPU machine: 4 ranks share it (CUDA IPC)
     MOE_EP_NODE_SIZE=2 python -m moe_ep.demo           # 4 CPU ranks as 2 nodes: the inter-node path too
 
 Each rank routes its tokens to random experts (uniform, skewed, with -1 holes; T differs per
@@ -43,6 +44,7 @@ def run(group, E: int, H: int, M: int, K: int, dtype: torch.dtype, layout: str, 
     EL = E // R
     worst, times = 0.0, []
     with moe_ep.EPBuffer(group, E, H, M, K, dispatch_dtype=dtype, layout=layout) as buf:
+        memory = f"{buf.workspace.backend} ({buf.workspace.why})"
         for call in range(calls):
             gen = torch.Generator().manual_seed(1234 + 97 * call + rank)
             T = int(torch.randint(0 if call else M // 2, M + 1, (1,), generator=gen))
@@ -74,7 +76,7 @@ def run(group, E: int, H: int, M: int, K: int, dtype: torch.dtype, layout: str, 
             if not err <= 2e-2:
                 raise AssertionError(f"rank {rank} call {call}: combine differs from the oracle (rel err {err:.2e})")
             worst = max(worst, err)
-    return {"err": worst, "ms": 1e3 * min(times)}
+    return {"err": worst, "ms": 1e3 * min(times), "memory": memory}
 
 
 def main(argv=None) -> None:
@@ -93,16 +95,25 @@ def main(argv=None) -> None:
     H = args.hidden or (7168 if gpu else 256)
     M = args.max_tokens or (128 if gpu else 16)
     K = args.topk or (8 if gpu else 4)
+    gpus = len({k for k in group.device_keys})
+    if gpu and group.ranks_per_device > 1:
+        where = (f"{gpus} GPU{'s' * (gpus > 1)} ({group.ranks_per_device} ranks per GPU, time-sliced: "
+                 f"correctness, not NVLink timings)")
+    elif gpu:
+        where = f"{gpus} GPU{'s' * (gpus > 1)}"
+    else:
+        where = "CPU shared memory + Triton interpreter"
+    if group.node_size < R:  # MOE_EP_NODE_SIZE: nodes of that many ranks, the proxy between them
+        where += f", {group.num_nodes} nodes of {group.node_size} (proxy over TCP between nodes)"
     if group.rank == 0:
-        where = "NVLink (symmetric memory)" if gpu and R > 1 else ("1 GPU" if gpu else "CPU shared memory + Triton interpreter")
-        if group.node_size < R:  # MOE_EP_NODE_SIZE: nodes of that many ranks, the proxy between them
-            where += f", {group.num_nodes} nodes of {group.node_size} (proxy over TCP between nodes)"
         print(f"moe_ep demo: {R} ranks on {where}; E={E} H={H} max_tokens={M} K={K}", flush=True)
     for dtype in (torch.bfloat16, torch.float8_e4m3fn):
         for layout in ("masked", "packed"):
             r = run(group, E, H, M, K, dtype, layout)
             errs = group.all_gather_object(r)
             if group.rank == 0:
+                if dtype == torch.bfloat16 and layout == "masked":
+                    print(f"  node memory: {r['memory']}", flush=True)
                 print(f"  {str(dtype)[6:]:14s} {layout:7s} dispatch+experts+combine matches the oracle on all "
                       f"{R} ranks (max rel err {max(e['err'] for e in errs):.1e}, "
                       f"best call {min(e['ms'] for e in errs):.1f} ms)", flush=True)
@@ -121,7 +132,12 @@ def _spawned(rank: int, world_size: int, port: int) -> None:
 if __name__ == "__main__":
     if "WORLD_SIZE" in os.environ:  # under torchrun
         # On CPUs under torchrun, set TRITON_INTERPRET=1 in the environment (EPBuffer says so if not).
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        # More ranks than GPUs: a gloo group, ranks share the GPUs (init_distributed says so).
+        from moe_ep.group import init_distributed
+
+        how = init_distributed()
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"moe_ep demo: {how}", flush=True)
         try:
             main()
         finally:

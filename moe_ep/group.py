@@ -26,10 +26,13 @@ class EPGroup:
     Attributes:
         rank, world_size: this rank and R within ``pg``.
         node_size: ranks per node; ranks ``[n*node_size, (n+1)*node_size)`` form node ``n``.
-        device: ``cuda:<local rank>`` when the backend is NCCL (or R=1 with a GPU), else ``cpu``;
-            or the ``device`` given. A gloo group may name a CUDA device, and several ranks may share
-            one GPU then, with ``node_size=1`` (the proxy carries everything: how the inter-node
-            path is tested on one GPU).
+        device: the ``device`` given; else ``MOE_EP_DEVICE`` when set (``cuda`` means
+            ``cuda:<LOCAL_RANK % GPUs>``, or ``cuda:N`` / ``cpu``); else ``cuda:<local rank>`` when the
+            backend is NCCL (or R=1 with a GPU), else ``cpu``. A gloo group may name a CUDA device,
+            and several ranks may share one GPU then (NCCL refuses that): their node memory goes
+            through CUDA IPC (``moe_ep.memory``), and timings are not NVLink timings.
+        ranks_per_device: the most ranks of the group that share one GPU (1 on CPU, or when every
+            rank has its own GPU).
     """
 
     def __init__(self, pg: Optional[dist.ProcessGroup] = None, node_size: Optional[int] = None,
@@ -45,6 +48,8 @@ class EPGroup:
             self.rank, self.world_size = dist.get_rank(pg), dist.get_world_size(pg)
             backend = str(dist.get_backend(pg)).lower()
         self.backend = backend
+        if device is None and os.environ.get("MOE_EP_DEVICE"):
+            device = env_device(os.environ["MOE_EP_DEVICE"], "MOE_EP_DEVICE")
         if device is not None:
             self.device = torch.device(device)
             if self.device.type == "cuda":
@@ -60,6 +65,10 @@ class EPGroup:
         else:
             self.device = torch.device("cpu")
         self.node_size = self._node_size(node_size)
+        # (host, GPU uuid) of every rank: which ranks share a GPU (node memory, program counts).
+        self.device_keys = self._device_keys()
+        self.ranks_per_device = (max(self.device_keys.count(k) for k in self.device_keys)
+                                 if self.device.type == "cuda" else 1)
 
     def _node_size(self, node_size: Optional[int]) -> int:
         if node_size is None and os.environ.get("MOE_EP_NODE_SIZE"):
@@ -78,6 +87,21 @@ class EPGroup:
         if node_size < 1 or self.world_size % node_size != 0:
             raise ValueError(f"node_size: expected a divisor of world_size={self.world_size}, got {node_size}")
         return node_size
+
+    def _device_keys(self) -> list:
+        """``[(host, GPU uuid)]`` per rank, gathered (CUDA only; ``[(host, "cpu")] * R`` on CPU, not
+        gathered: CPU ranks share no device memory)."""
+        host = socket.gethostname()
+        if self.device.type != "cuda":
+            return [(host, "cpu")] * self.world_size
+        return [tuple(k) for k in self.all_gather_object((host, str(torch.cuda.get_device_properties(self.device).uuid)))]
+
+    def node_shares_device(self) -> bool:
+        """True when two ranks of this rank's node use the same GPU (legacy CUDA IPC then maps the
+        node peers' memory; torch symmetric memory refuses such a node)."""
+        n0 = self.rank - self.rank % self.node_size
+        keys = self.device_keys[n0:n0 + self.node_size]
+        return self.device.type == "cuda" and len(set(keys)) < len(keys)
 
     def _p2p_matrix(self, node_size: int) -> list:
         """[i][j]: rank i's GPU can access rank j's peer to peer (None for ranks of other nodes),
@@ -129,6 +153,63 @@ class EPGroup:
     def __repr__(self) -> str:
         return (f"EPGroup(rank={self.rank}, world_size={self.world_size}, node_size={self.node_size}, "
                 f"device={self.device})")
+
+
+def env_device(value: str, name: str = "device") -> torch.device:
+    """The device a ``MOE_EP_DEVICE``-style string names: ``cuda`` is ``cuda:<LOCAL_RANK % GPUs>``
+    (several local ranks then share GPUs round-robin), ``cuda:N`` and ``cpu`` as torch reads them."""
+    if value == "cuda":
+        n = torch.cuda.device_count()
+        if n == 0:
+            raise ValueError(f"{name}: 'cuda' asked for, but no CUDA GPU is visible")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % n)
+    try:
+        dev = torch.device(value)
+    except RuntimeError as exc:
+        raise ValueError(f"{name}: expected 'cuda', 'cuda:N' or 'cpu', got {value!r}") from exc
+    if dev.type not in ("cuda", "cpu"):
+        raise ValueError(f"{name}: expected 'cuda', 'cuda:N' or 'cpu', got {value!r}")
+    return dev
+
+
+def init_distributed(device: str = "auto", timeout_s: float = 600.0) -> str:
+    """Initialises ``torch.distributed`` for an EP job started by torchrun (``env://``), or as one
+    rank without it, choosing the backend for the GPUs there are:
+
+    - ``device="cpu"`` (or ``auto`` with no GPU): gloo, CPU ranks;
+    - each local rank has its own GPU: NCCL on ``cuda:<LOCAL_RANK>``;
+    - more local ranks than GPUs (e.g. 4 ranks on a 1-GPU machine): NCCL refuses two ranks on one
+      GPU, so gloo, with ``MOE_EP_DEVICE=cuda`` set so that ``EPGroup()`` puts local rank ``l`` on
+      ``cuda:<l % GPUs>``.
+
+    Returns a short description for logs, e.g. ``"4 ranks on 1 GPU (ranks share GPUs)"``.
+    """
+    import datetime
+
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    world = int(os.environ["WORLD_SIZE"])
+    local, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    gpus = torch.cuda.device_count() if device in ("auto", "cuda") and torch.cuda.is_available() else 0
+    if device == "cuda" and gpus == 0:
+        raise ValueError("device: 'cuda' asked for, but no CUDA GPU is visible")
+    if gpus == 0:
+        dist.init_process_group("gloo", timeout=timeout)
+        return f"{world} CPU rank{'s' * (world > 1)}"
+    if local_world <= gpus:
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", local))
+        return f"{world} rank{'s' * (world > 1)}, one GPU each"
+    os.environ["MOE_EP_DEVICE"] = "cuda"
+    torch.cuda.set_device(local % gpus)
+    dist.init_process_group("gloo", timeout=timeout)
+    return (f"{world} ranks on {gpus} GPU{'s' * (gpus > 1)} per host ({local_world} local ranks share them: "
+            f"gloo group, CUDA IPC node memory; timings are not NVLink timings)")
 
 
 def p2p_node_size(node_size: int, can_access: Sequence[Sequence[Optional[bool]]]) -> tuple:

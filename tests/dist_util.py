@@ -10,8 +10,10 @@ started afresh on the next call; so is a pool in which a process died.
 Backends:
 - ``"gloo"``: CPU ranks, ``TRITON_INTERPRET=1`` is set in each process before triton is imported.
 - ``"nccl"``: one GPU per rank (``cuda:<rank>``), ``LOCAL_RANK`` set, ``TRITON_INTERPRET`` removed.
-- ``"gloo-cuda"``: a gloo group on GPU processes (``TRITON_INTERPRET`` removed); ranks may share a
-  GPU (the code under test picks the device, e.g. ``EPGroup(device=...)``).
+- ``"gloo-cuda"``: a gloo group on GPU processes (``TRITON_INTERPRET`` removed, ``LOCAL_RANK`` and
+  ``MOE_EP_DEVICE=cuda`` set): ``EPGroup()`` puts rank r on ``cuda:<r % GPUs>``, so ranks share GPUs
+  when there are fewer GPUs than ranks (NCCL refuses that). ``gpu_backend(R)`` picks ``nccl`` when
+  every rank can have its own GPU, else this.
 
 Workers start with the spawn method, so ``fn`` and its arguments must be picklable (module-level
 functions of importable modules; tensors are fine but small plain data is cheaper).
@@ -63,6 +65,8 @@ def _worker(rank: int, world_size: int, backend: str, port: int, tasks, results)
     else:
         os.environ.pop("TRITON_INTERPRET", None)
         os.environ["LOCAL_RANK"] = str(rank)
+        if backend == "gloo-cuda":
+            os.environ["MOE_EP_DEVICE"] = "cuda"
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
@@ -218,6 +222,54 @@ def shutdown() -> None:
 
 
 atexit.register(shutdown)
+
+
+def run_with_victim(R: int, victim: int, fn, *args, timeout: float, backend: str = "gloo") -> Dict[int, Any]:
+    """``run`` for a call in which rank ``victim`` kills its own process (SIGKILL): returns the other
+    ranks' values, failing if one raised or did not answer within ``timeout`` (a hang). The pool
+    (whose process group lost a member) is killed afterwards; the next run starts a fresh one."""
+    import signal
+
+    pool = get_pool(R, backend)
+    pool._call_id += 1
+    payload = pickle.dumps((fn, args, {}))
+    for q in pool._tasks:
+        q.put((pool._call_id, payload))
+    got: Dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(got) < R - 1:
+            try:
+                cid, rank, ok, value = pool._results.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                missing = sorted(set(range(R)) - set(got) - {victim})
+                raise AssertionError(f"ranks {missing} did not answer within {timeout} s (hang)") from None
+            if cid != pool._call_id:
+                continue
+            if not ok:
+                raise RankError(rank, *value)
+            assert rank != victim, f"the victim answered: {value}"
+            got[rank] = value
+        pool._procs[victim].join(10)
+        assert pool._procs[victim].exitcode == -signal.SIGKILL, pool._procs[victim].exitcode
+    finally:
+        pool.kill()
+    return got
+
+
+def gpu_backend(R: int) -> str:
+    """``nccl`` when there are at least R GPUs (a rank per GPU), else ``gloo-cuda`` (ranks share them)."""
+    return "nccl" if cuda_device_count() >= R else "gloo-cuda"
+
+
+def need_gpu() -> int:
+    """The number of GPUs; skips the calling test when there is none."""
+    n = cuda_device_count()
+    if n < 1:
+        import pytest
+
+        pytest.skip("needs a CUDA GPU")
+    return n
 
 
 def cuda_device_count() -> int:

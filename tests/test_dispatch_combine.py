@@ -92,24 +92,21 @@ GPU_RANKS = [1, 2, 4, 8]
 @pytest.mark.gpu
 @pytest.mark.parametrize("R", GPU_RANKS)
 def test_matrix_gpu(R):
-    n = dist_util.cuda_device_count()
-    if n < R:
-        pytest.skip(f"needs {R} CUDA GPUs, found {n}")
+    """R ranks on the GPUs there are (sharing them when fewer than R: CUDA IPC node memory)."""
+    dist_util.need_gpu()
     cases = [c for d in DTYPES for c in matrix_cases(min(R, 4), d)] + edge_cases(min(R, 4))
     cases = [Case(**{**c.__dict__, "R": R, "E": c.E // c.R * R if c.E // c.R * R <= 64 else R}) for c in cases]
-    _run_matrix(R, cases, backend="nccl")
+    _run_matrix(R, cases, backend=dist_util.gpu_backend(R), timeout=1200)
 
 
-def _graph_worker(rank, world_size, case_kw, internode: bool = False):
+def _graph_worker(rank, world_size, case_kw, node_size=None):
     """Captures dispatch -> expert -> combine into a CUDA graph once, replays with new routing.
-    ``internode``: a gloo group, ``node_size=1`` (every peer through the proxy), ranks on
-    ``cuda:<rank % GPUs>`` (they may share one)."""
+    ``node_size`` < R: other nodes through the proxy (in a gloo-cuda pool ranks may share a GPU)."""
     import moe_ep
     from ep_cases import check_combine, check_dispatch, expert_fn_for
     from moe_ep.reference import moe_local, reference_dispatch, reference_moe
 
-    group = (moe_ep.EPGroup(node_size=1, device=torch.device("cuda", rank % torch.cuda.device_count()))
-             if internode else moe_ep.EPGroup())
+    group = moe_ep.EPGroup(node_size=node_size)
     dev = group.device
     fails = []
     # Fixed T per rank (shapes are static in a graph); routing changes per replay.
@@ -192,16 +189,14 @@ def _expert_all_rows(fn, vals, h, case, first):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("R", [1, 2])
+@pytest.mark.parametrize("R", [1, 2, 4])
 @pytest.mark.parametrize("kw", [dict(dtype="fp8", layout="masked", K=8, data="random"),
                                 dict(dtype="bf16", layout="packed", align=16, K=2, data="tagged")],
                          ids=["fp8-masked", "bf16-packed"])
 def test_cuda_graph_replay(R, kw):
-    n = dist_util.cuda_device_count()
-    if n < R:
-        pytest.skip(f"needs {R} CUDA GPUs, found {n}")
+    dist_util.need_gpu()
     case_kw = dict(R=R, E=4 * R, H=256, M=16, seed=77, **kw)
-    results = dist_util.run(R, _graph_worker, case_kw, timeout=600, backend="nccl")
+    results = dist_util.run(R, _graph_worker, case_kw, timeout=600, backend=dist_util.gpu_backend(R))
     fails = [f for r in results for f in r]
     assert not fails, "\n".join(fails[:40])
 
@@ -425,10 +420,8 @@ def _timeout_worker(rank, world_size, phase, timeout_s):
 def test_timeout_gpu(phase):
     """On GPUs the kernel itself gives up (globaltimer deadline) and the host raises at synchronize()."""
     R, timeout_s, slack = 2, 3.0, 20.0
-    n = dist_util.cuda_device_count()
-    if n < R:
-        pytest.skip(f"needs {R} CUDA GPUs, found {n}")
-    results = dist_util.run(R, _timeout_worker, phase, timeout_s, timeout=120, backend="nccl")
+    dist_util.need_gpu()
+    results = dist_util.run(R, _timeout_worker, phase, timeout_s, timeout=120, backend=dist_util.gpu_backend(R))
     for res in results[:-1]:
         err = res["error"]
         assert err is not None and "other" not in err, (res["rank"], err)

@@ -2,9 +2,10 @@
 pinned host memory, the proxy (TCP) moves the rows, against the oracle; then CUDA-graph capture and
 replay of that whole exchange, and a silent peer.
 
-Every peer goes through the proxy (``node_size=1``) on a gloo group, so two rank processes may
-share one GPU (as they do on a one-GPU machine; with two GPUs each rank has its own, "2 GPUs as
-2 nodes"). Marked ``gpu``: skipped without CUDA.
+Ranks form a gloo group, so rank processes may share one GPU (as they do on a one-GPU machine;
+with as many GPUs as ranks each has its own). 2 ranks as 2 nodes of one (every peer through the
+proxy), and 2 nodes x 2 ranks (node peers by stores into CUDA-IPC-mapped memory, the other node
+through the proxy). Marked ``gpu``: skipped without CUDA.
 """
 from __future__ import annotations
 
@@ -22,16 +23,16 @@ def _need_gpu():
         pytest.skip("needs a CUDA GPU")
 
 
-def _group(rank: int):
+def _group(rank: int, node_size: int = 1):
     import moe_ep
 
-    return moe_ep.EPGroup(node_size=1, device=torch.device("cuda", rank % torch.cuda.device_count()))
+    return moe_ep.EPGroup(node_size=node_size, device=torch.device("cuda", rank % torch.cuda.device_count()))
 
 
-def _matrix_worker(rank, world_size, cases, private_capacity):
+def _matrix_worker(rank, world_size, cases, private_capacity, node_size=1):
     import moe_ep
 
-    group = _group(rank)
+    group = _group(rank, node_size)
     fails = []
     for c in cases:
         with moe_ep.EPBuffer(group, c.E, c.H, c.M, c.K, dispatch_dtype=DTYPES[c.dtype], layout=c.layout,
@@ -51,27 +52,35 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("private_capacity", [0, None], ids=["round2-only", "default"])
-def test_matrix_gpu_internode(private_capacity):
+def _run(R: int, fn, *args):
+    """``fn`` on R rank processes of a gloo group on the GPUs there are; fails on any failure string."""
     _need_gpu()
-    calls = ("uniform", "skewed", "sparse", "none", "repeat")
-    cases = [Case(R=2, calls=calls, seed=90 + i, **kw) for i, kw in enumerate(CASES)]
-    results = dist_util.run(2, _matrix_worker, cases, private_capacity, timeout=900, backend="gloo-cuda")
-    fails = [f for r in results for f in r]
+    fails = [f for r in dist_util.run(R, fn, *args, timeout=900, backend="gloo-cuda") for f in r]
     assert not fails, "\n".join(fails[:40])
 
 
+CALLS = ("uniform", "skewed", "sparse", "none", "repeat")
+# (ranks, node size, private capacity): 2 nodes of 1 with every row in round 2 or the default
+# private slots; 2 nodes x 2 ranks (node peers through CUDA-IPC-mapped memory), some rows in round 2.
+TOPOLOGIES = {"2x1-round2-only": (2, 1, 0), "2x1-default": (2, 1, None), "2x2-pc1": (4, 2, 1)}
+
+
+@pytest.mark.parametrize("topo", list(TOPOLOGIES))
+def test_matrix_gpu_internode(topo):
+    R, G, pc = TOPOLOGIES[topo]
+    cases = [Case(R=R, calls=CALLS, seed=90 + i + 100 * (R > 2), **{**kw, "E": kw["E"] * R // 2})
+             for i, kw in enumerate(CASES)]
+    _run(R, _matrix_worker, cases, pc, G)
+
+
+@pytest.mark.parametrize("R,G", [(2, 1), (4, 2)], ids=["2x1", "2x2"])
 @pytest.mark.parametrize("kw", [dict(dtype="fp8", layout="masked", K=8, data="random"),
                                 dict(dtype="bf16", layout="packed", align=16, K=2, data="tagged")],
                          ids=["fp8-masked", "bf16-packed"])
-def test_cuda_graph_replay_internode(kw):
-    _need_gpu()
+def test_cuda_graph_replay_internode(kw, R, G):
     from test_dispatch_combine import _graph_worker
 
-    case_kw = dict(R=2, E=8, H=256, M=16, seed=78, **kw)
-    results = dist_util.run(2, _graph_worker, case_kw, True, timeout=900, backend="gloo-cuda")
-    fails = [f for r in results for f in r]
-    assert not fails, "\n".join(fails[:40])
+    _run(R, _graph_worker, dict(R=R, E=8, H=256, M=16, seed=78 + R, **kw), G)
 
 
 def _silent_worker(rank, world_size, timeout_s):

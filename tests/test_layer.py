@@ -341,16 +341,15 @@ def _gpu_cases():
 
 
 def run_on_gpus(R: int, fn, *args):
-    """Runs ``fn`` on R GPU ranks (skipped with a reason where there are fewer); fails on any failure string."""
-    n = dist_util.cuda_device_count()
-    if n < R:
-        pytest.skip(f"needs {R} CUDA GPUs, found {n}")
-    fails = [f for r in dist_util.run(R, fn, *args, backend="nccl") for f in r]
+    """Runs ``fn`` on R GPU ranks (sharing the GPUs there are; skipped without one); fails on any
+    failure string."""
+    dist_util.need_gpu()
+    fails = [f for r in dist_util.run(R, fn, *args, backend=dist_util.gpu_backend(R)) for f in r]
     assert not fails, "\n".join(fails)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("R", [1, 2])
+@pytest.mark.parametrize("R", [1, 2, 4])
 def test_layer_gpu(R):
     run_on_gpus(R, _gpu_worker, _gpu_cases())
 

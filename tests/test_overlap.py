@@ -76,13 +76,10 @@ def _misuse(buf, case: Case, group) -> list:
     return log
 
 
-def _worker(rank, world_size, cases, node_size, misuse, shared_gpu=False):
+def _worker(rank, world_size, cases, node_size, misuse):
     import moe_ep
 
-    if shared_gpu:  # gloo group, ranks on cuda:<rank % GPUs>
-        group = moe_ep.EPGroup(node_size=node_size, device=torch.device("cuda", rank % torch.cuda.device_count()))
-    else:
-        group = moe_ep.EPGroup(node_size=node_size)
+    group = moe_ep.EPGroup(node_size=node_size)  # in a gloo-cuda pool: cuda:<rank % GPUs>
     bufs = [moe_ep.EPBuffer(group, c.E, c.H, c.M, c.K, dispatch_dtype=DTYPES[c.dtype], layout=c.layout,
                             expert_alignment=c.align, timeout_s=30.0) for c in cases]
     try:
@@ -115,13 +112,10 @@ def test_two_batches_overlap(R, node_size):
 @pytest.mark.gpu
 @pytest.mark.parametrize("node_size", [None, 1], ids=["node", "across-nodes"])
 def test_two_batches_overlap_gpu(node_size):
-    n = dist_util.cuda_device_count()
-    if n < 1:
-        pytest.skip("needs a CUDA GPU")
-    if node_size is None:  # NVLink path: a rank per GPU, nccl
-        R = min(n, 2)
-        results = dist_util.run(R, _worker, _cases(R), None, True, timeout=600, backend="nccl")
+    dist_util.need_gpu()
+    if node_size is None:  # the node path: a rank per GPU (nccl), or two sharing one (CUDA IPC)
+        results = dist_util.run(2, _worker, _cases(2), None, True, timeout=600, backend=dist_util.gpu_backend(2))
     else:  # every peer through the proxy; ranks may share a GPU (gloo)
-        results = dist_util.run(2, _worker, _cases(2), 1, False, True, timeout=600, backend="gloo-cuda")
+        results = dist_util.run(2, _worker, _cases(2), 1, False, timeout=600, backend="gloo-cuda")
     fails = [f for r in results for f in r]
     assert not fails, "\n".join(fails[:40])

@@ -43,6 +43,14 @@ class Context:
     node_size: Optional[int]      # --node-size: moe_ep's ranks per node (None: the real hosts)
     tokens: list[int]             # the sweep's token counts (buffers kept across points are sized for them)
     timeout_s: float
+    shared_gpus: bool = False     # ranks share GPUs (time-sliced): no GB/s, nothing crosses NVLink
+
+
+def needs_own_gpus(ctx: Context, library: str) -> Optional[str]:
+    """Why ``library`` (NCCL or NVSHMEM based) cannot run when ranks share GPUs, else None."""
+    if ctx.shared_gpus:
+        return f"needs a GPU per rank ({library} refuses two ranks on one GPU; these ranks share GPUs)"
+    return None
 
 
 class Runner(ABC):

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..workloads import Inputs, Workload
 from . import base
-from .base import Backend, NotAvailable, Runner, fake_expert_rows
+from .base import Backend, NotAvailable, Runner, fake_expert_rows, needs_own_gpus
 
 
 LL_MAX_TOKENS = 256  # DeepEP recommends its low-latency mode for decode batches below 256 tokens per rank
@@ -108,6 +108,8 @@ class DeepEPBackend(Backend):
     def unavailable(self) -> Optional[str]:
         if self.ctx.device.type != "cuda":
             return "needs CUDA GPUs (DeepEP's kernels are CUDA-only)"
+        if needs_own_gpus(self.ctx, "DeepEP"):
+            return needs_own_gpus(self.ctx, "DeepEP")
         try:
             import deep_ep
         except Exception as e:  # noqa: BLE001 - any import failure means: not here

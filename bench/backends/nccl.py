@@ -12,7 +12,7 @@ import torch
 
 from ..intranode import NaiveEP
 from ..workloads import Inputs, Workload
-from .base import Backend, Runner, fake_expert_rows
+from .base import Backend, Runner, fake_expert_rows, needs_own_gpus
 
 
 class NcclRunner(Runner):
@@ -38,6 +38,9 @@ class NcclRunner(Runner):
 
 class NcclBackend(Backend):
     name = "nccl"
+
+    def unavailable(self) -> Optional[str]:
+        return needs_own_gpus(self.ctx, "NCCL") if self.ctx.device.type == "cuda" else None
 
     def open(self, variant: str, wl: Workload, inputs: Inputs) -> Runner:
         return NcclRunner(wl, inputs, self.ctx.rank)

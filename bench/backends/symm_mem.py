@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ..workloads import Inputs, Workload
 from . import base
-from .base import Backend, NotAvailable, Runner, fake_expert_rows
+from .base import Backend, NotAvailable, Runner, fake_expert_rows, needs_own_gpus
 
 
 # NVSHMEM memory is kept until the process exits (freeing it is collective; the sweep's points are few).
@@ -114,6 +114,8 @@ class SymmMemBackend(Backend):
     def unavailable(self) -> Optional[str]:
         if self.ctx.device.type != "cuda":
             return "needs CUDA GPUs (torch's NVSHMEM symmetric memory)"
+        if needs_own_gpus(self.ctx, "torch's NVSHMEM"):
+            return needs_own_gpus(self.ctx, "torch's NVSHMEM")
         import torch.distributed._symmetric_memory as symm_mem
 
         if not hasattr(torch.ops.symm_mem, "all_to_all_vdev_2d"):
