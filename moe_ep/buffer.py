@@ -1,6 +1,7 @@
 """EPBuffer: the communication buffer of one MoE layer shape, and its dispatch/combine calls."""
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Callable, Optional
@@ -9,6 +10,7 @@ import torch
 
 from . import combine as _combine
 from . import dispatch as _dispatch
+from .agreement import collective_init
 from .errors import BufferBrokenError, CapacityError, CommTimeoutError
 from .dispatch import _pow2
 from .fp8 import num_scale_blocks
@@ -19,6 +21,7 @@ from .layout import WorkspaceLayout, chunking
 from .memory import SymmetricWorkspace
 
 _PHASES = {0: "dispatch", 1: "combine"}
+MAX_TIMEOUT_S = 1e6  # the longest deadline accepted (about 11.6 days); there is no "no deadline"
 
 
 def interpreting() -> bool:
@@ -51,9 +54,13 @@ class EPBuffer:
             private_capacity)``); a batch needing more raises ``CapacityError`` on every rank.
 
     All calls on one buffer must be issued on one CUDA stream (the current one), in the same
-    order on every rank.
+    order on every rank. Construction is collective: every rank passes the same arguments (checked,
+    ``ValueError`` naming the argument and each rank's value); a rank whose arguments are refused
+    makes every rank raise (naming it), and one that does not arrive within ``timeout_s`` gives
+    ``CommTimeoutError`` (``moe_ep.agreement``).
     """
 
+    @collective_init("EPBuffer")
     def __init__(self, group: EPGroup, num_experts: int, hidden: int, max_tokens: int, topk: int,
                  dispatch_dtype: torch.dtype = torch.bfloat16, combine_dtype: torch.dtype = torch.bfloat16,
                  layout: str = "masked", expert_alignment: int = 1, timeout_s: float = 30.0,
@@ -76,8 +83,10 @@ class EPBuffer:
             raise TypeError(f"combine_dtype: expected torch.bfloat16, got {combine_dtype}")
         if layout not in ("masked", "packed"):
             raise ValueError(f"layout: expected 'masked' or 'packed', got {layout!r}")
-        if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
-            raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
+        if not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool) and math.isfinite(timeout_s)
+                and 0 < timeout_s <= MAX_TIMEOUT_S):
+            raise ValueError(f"timeout_s: expected a finite number of seconds in (0, {MAX_TIMEOUT_S:g}] (every wait "
+                             f"has a deadline), got {timeout_s!r}")
         G = group.node_size
         for name, v in (("private_capacity", private_capacity), ("overflow_capacity", overflow_capacity)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
@@ -101,10 +110,6 @@ class EPBuffer:
             num_programs = sms
         if not isinstance(num_programs, int) or isinstance(num_programs, bool) or num_programs < 1:
             raise ValueError(f"num_programs: expected a positive int, got {num_programs!r}")
-        progs = group.all_gather_object(num_programs)
-        if len(set(progs)) != 1:
-            raise ValueError(f"num_programs: expected the same value on every rank (program p serves chunks "
-                             f"p, p+P, ... on every rank), got {progs}")
         self.num_programs = num_programs
         # One launch per dispatch / combine on a GPU when every program can be resident at once
         # (its programs wait for their peers' counterparts); else, and under the interpreter, the
@@ -127,6 +132,10 @@ class EPBuffer:
         # Software-pipeline depth of the payload loops (Triton's loop pipeliner: asynchronous copies
         # into shared memory, STAGES tiles in flight); 1 = plain loops. MOE_EP_STAGES overrides.
         self.stages = int(os.environ.get("MOE_EP_STAGES", 1)) if self.device.type == "cuda" else 1
+
+        # Every rank's arguments must agree before any memory is touched (program p serves chunks
+        # p, p+P, ... on every rank, so num_programs too).
+        self._agreement.agree(self._signature(private_capacity, overflow_capacity), self.timeout_s)
 
         # N: the ranks of this node (reached by stores); the other R - N through the proxy.
         dev, EL, N, M = self.device, self.num_local_experts, G, max_tokens
@@ -173,7 +182,7 @@ class EPBuffer:
         self._closed = False
         self._broken: Optional[BaseException] = None
         self._pending: Optional[str] = None  # "dispatch" / "combine" issued with a receive hook not yet called
-        group.barrier()
+        self._agreement.done(self.timeout_s)
 
     # ------------------------------------------------------------------ public API
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -237,6 +246,16 @@ class EPBuffer:
         self.close()
 
     # ------------------------------------------------------------------ internals
+    def _signature(self, private_capacity: Optional[int], overflow_capacity: Optional[int]) -> dict:
+        """What every rank must agree on, by argument name (``moe_ep.agreement``)."""
+        remote = self.group.node_size < self.world_size
+        return dict(num_experts=self.num_experts, hidden=self.hidden, max_tokens=self.max_tokens, topk=self.topk,
+                    dispatch_dtype=str(self.dispatch_dtype), combine_dtype=str(self.combine_dtype),
+                    layout=self.layout, expert_alignment=self.expert_alignment, num_programs=self.num_programs,
+                    node_size=self.group.node_size, device_type=self.device.type,
+                    private_capacity=private_capacity, overflow_capacity=overflow_capacity,
+                    transport=os.environ.get("MOE_EP_TRANSPORT", "auto") if remote else None)
+
     def _start_remote(self, private_capacity: Optional[int], overflow_capacity: Optional[int]):
         from .internode import RemotePath
 

@@ -1,0 +1,146 @@
+"""EPBuffer construction is collective and bounded: arguments that differ across ranks raise a
+ValueError naming the argument on every rank, a rank whose arguments are refused makes the others
+raise at once (naming it), a rank that arrives too late is named in a CommTimeoutError within
+timeout_s, and timeout_s itself is checked before any memory is touched."""
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+
+import dist_util
+
+BASE = dict(num_experts=4, hidden=128, max_tokens=4, topk=2)
+# (argument, rank 0's value, rank 1's value): each must be refused when the ranks differ
+DIFFERING = [("hidden", 128, 256), ("topk", 2, 1), ("dispatch_dtype", torch.bfloat16, torch.float8_e4m3fn),
+             ("max_tokens", 4, 8), ("num_experts", 4, 8), ("layout", "masked", "packed"),
+             ("expert_alignment", 1, 16), ("num_programs", 2, 3)]
+
+
+def _outcome(fn):
+    """(exception type name or None, message, seconds)."""
+    t0 = time.monotonic()
+    try:
+        fn()
+        return None, "", time.monotonic() - t0
+    except Exception as exc:  # noqa: BLE001
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+
+
+def _round_trip(group) -> bool:
+    """A dispatch + combine on a fresh buffer gives the oracle's answer (construction still works)."""
+    import moe_ep
+    from moe_ep.reference import reference_moe
+
+    R = group.world_size
+    x = torch.full((3, 128), float(group.rank + 1), dtype=torch.bfloat16)
+    idx = torch.tensor([[0, 1], [2 * R - 1, -1], [1, 0]])
+    w = torch.tensor([[0.5, 0.25], [2.0, 0.0], [1.0, 1.0]])
+    with moe_ep.EPBuffer(group, 2 * R, 128, 4, 2, timeout_s=20) as buf:
+        h = buf.dispatch(x, idx, w)
+        y = torch.zeros(h.expert_x.shape, dtype=torch.bfloat16)
+        y[:] = h.expert_x.float() * 3  # expert e: 3 * x
+        out = buf.combine(y, h)
+    want = reference_moe(group, 2 * R, x, idx, w, lambda e, rows: rows * 3)
+    return torch.equal(out.float(), want)
+
+
+def _differing_worker(rank, world_size, differing):
+    import moe_ep
+
+    group = moe_ep.EPGroup()
+    res = []
+    for name, v0, v1 in differing:
+        kw = dict(BASE, timeout_s=20, **{name: (v0, v1)[rank]})
+        res.append((name, *_outcome(lambda: moe_ep.EPBuffer(group, **kw).close())))
+    return res, _round_trip(group)
+
+
+def test_differing_arguments_raise_naming_them():
+    results = dist_util.run(2, _differing_worker, DIFFERING, timeout=300)
+    for rank, (res, ok) in enumerate(results):
+        for (name, v0, v1), (got_name, typ, msg, secs) in zip(DIFFERING, res):
+            assert typ == "ValueError", (rank, name, typ, msg)
+            assert msg.startswith(f"{name}: expected the same value on every rank"), (rank, msg)
+            assert f"{v0!s} on rank 0" in msg.replace("'", "") and f"{v1!s} on rank 1" in msg.replace("'", ""), msg
+            assert secs < 10, (rank, name, secs)  # no timeout: the exchange answers at once
+        assert ok, f"rank {rank}: a correct buffer after the refused ones gave a wrong answer"
+
+
+def _node_size_worker(rank, world_size):
+    import moe_ep
+
+    group = moe_ep.EPGroup(node_size=(2, 1)[rank])
+    return _outcome(lambda: moe_ep.EPBuffer(group, **BASE, timeout_s=20).close())
+
+
+def test_differing_node_size_raises():
+    for rank, (typ, msg, _) in enumerate(dist_util.run(2, _node_size_worker, timeout=120)):
+        assert typ == "ValueError" and msg.startswith("node_size: expected the same value"), (rank, typ, msg)
+        assert "2 on rank 0, 1 on rank 1" in msg, msg
+
+
+def _refused_worker(rank, world_size, timeout_s):
+    """Rank 0's hidden is refused; rank 1's arguments are valid."""
+    import moe_ep
+
+    group = moe_ep.EPGroup()
+    kw = dict(BASE, timeout_s=timeout_s, hidden=100 if rank == 0 else 128)
+    return _outcome(lambda: moe_ep.EPBuffer(group, **kw).close()), _round_trip(group)
+
+
+def test_refused_rank_is_named_and_nobody_hangs():
+    timeout_s = 30.0
+    dist_util.run(2, _noop)  # the pool is up: time only the constructors
+    t0 = time.monotonic()
+    (r0, ok0), (r1, ok1) = dist_util.run(2, _refused_worker, timeout_s, timeout=120)
+    assert time.monotonic() - t0 < timeout_s / 2, "a rank waited for its deadline"
+    assert r0[0] == "ValueError" and r0[1].startswith("hidden: expected a multiple of 16"), r0
+    assert r1[0] == "RuntimeError", r1
+    assert "rank 1: EPBuffer construction failed on rank(s) [0]" in r1[1] and "hidden" in r1[1], r1
+    assert ok0 and ok1
+
+
+def _noop(rank, world_size):
+    return None
+
+
+def _late_worker(rank, world_size, timeout_s, late_s):
+    """Rank 0 reaches the constructor ``late_s`` after rank 1, which waits ``timeout_s``."""
+    import moe_ep
+
+    group = moe_ep.EPGroup()
+    if rank == 0:
+        time.sleep(late_s)
+    out = _outcome(lambda: moe_ep.EPBuffer(group, **BASE, timeout_s=timeout_s).close())
+    return out, _round_trip(group)
+
+
+def test_rank_that_does_not_arrive_is_named_within_the_deadline():
+    timeout_s, late_s = 2.0, 6.0
+    (r0, ok0), (r1, ok1) = dist_util.run(2, _late_worker, timeout_s, late_s, timeout=120)
+    typ, msg, secs = r1
+    assert typ == "CommTimeoutError", r1
+    assert "rank 1: rank(s) [0] did not reach EPBuffer construction" in msg, msg
+    assert timeout_s * 0.9 <= secs <= timeout_s + 3.0, secs
+    # The late rank does not go on alone: it learns that rank 1 gave up, and says so.
+    assert r0[0] == "RuntimeError" and r0[1].startswith("rank 0: EPBuffer construction failed on rank(s) [1]: "
+                                                        "rank 1: CommTimeoutError"), r0
+    assert ok0 and ok1  # the ranks still construct together afterwards
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), 0, -1.0, True, 1e7, "30"])
+def test_timeout_s_is_checked_before_memory(bad, monkeypatch):
+    import moe_ep
+    import moe_ep.buffer as B
+
+    def no_memory(*a, **k):
+        raise AssertionError("memory was allocated before timeout_s was checked")
+
+    monkeypatch.setattr(B, "SymmetricWorkspace", no_memory)
+    with pytest.raises(ValueError, match=r"^timeout_s: expected a finite number of seconds") as e:
+        moe_ep.EPBuffer(moe_ep.EPGroup(), **BASE, timeout_s=bad)
+    assert repr(bad) in str(e.value)
+    assert math.isfinite(B.MAX_TIMEOUT_S)
