@@ -163,14 +163,19 @@ def percentile(values: list[float], q: float) -> float:
     return v[min(len(v) - 1, max(0, math.ceil(q / 100 * len(v)) - 1))]
 
 
+def collective_device(device: torch.device) -> torch.device:
+    """``device`` under NCCL; the CPU under gloo (ranks sharing GPUs), which gathers host tensors only."""
+    return device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def max_over_ranks(values: list[float], device: torch.device) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
+    t = torch.tensor(values, dtype=torch.float64, device=collective_device(device))
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
 
 
 def mean_over_ranks(values: list[float], device: torch.device) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
+    t = torch.tensor(values, dtype=torch.float64, device=collective_device(device))
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return (t / dist.get_world_size()).tolist()
 
@@ -211,6 +216,7 @@ def traffic(topk_idx: torch.Tensor, args: argparse.Namespace, rank: int, world: 
     hit = torch.zeros(topk_idx.shape[0], world + 1, dtype=torch.bool, device=topk_idx.device)
     hit.scatter_(1, dst.long(), True)
     send = hit[:, :world].sum(dim=0).to(torch.int64)              # rows this rank sends to each rank
+    device = collective_device(device)
     gathered = [torch.empty(world, dtype=torch.int64, device=device) for _ in range(world)]
     dist.all_gather(gathered, send.to(device))
     m = torch.stack(gathered).cpu()                                  # m[src, dst]

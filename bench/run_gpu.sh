@@ -2,8 +2,14 @@
 # On a GPU machine (torch with CUDA already installed): install moe_ep, run the GPU tests, then the
 # intranode benchmark at the three standard points on every visible GPU. Results (JSON, logs) go
 # to $OUT if set, else .out/. The CPU-marked suite is not run here (that is .ci/run's job).
+# The multi-rank GPU tests run R rank processes on the GPUs there are: with fewer GPUs than ranks
+# (one GPU: every rank on it) the ranks share them through CUDA IPC, time-sliced, so the tests
+# check correctness; such timings are not NVLink timings.
 #
 #   bash bench/run_gpu.sh            # or: ITERS=500 bash bench/run_gpu.sh
+#   TESTS="tests/test_shared_gpu.py" BENCH=0 bash bench/run_gpu.sh   # some tests, no benchmark
+#   SHARED=1 bash bench/run_gpu.sh   # also: the demo as 4 ranks on the GPUs, EP16 (2 nodes x 8 ranks
+#                                    # through the proxy) at decode, and the R=4 matrix under MPS
 set -euo pipefail
 
 # NVLink multicast (NVLS) stays off everywhere: NCCL, torch symmetric memory, NVSHMEM.
@@ -16,6 +22,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${PYTHON:-python3}
 RESULTS=${OUT:-$PWD/.out}
 ITERS=${ITERS:-200}
+TESTS=${TESTS:--m gpu}        # pytest arguments
+BENCH=${BENCH:-1}             # 0: no intranode benchmark
+SHARED=${SHARED:-0}           # 1: the shared-GPU runs (demo x4, EP16 through the proxy, MPS)
 PREFILL_PROGRAMS=${PREFILL_PROGRAMS:-32}   # the prefill targets are at <= 32 SMs; "" = the buffer's default
 mkdir -p "$RESULTS"
 t0=$SECONDS
@@ -27,16 +36,50 @@ NGPU=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')
 "$PYTHON" -c 'import torch, triton; print(f"   torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}")'
 if [ "$NGPU" -lt 1 ]; then echo "no CUDA GPU visible"; exit 1; fi
 
-step "GPU tests: python -m pytest -q -m gpu"
+step "GPU tests: python -m pytest -q $TESTS"
 set +e
-"$PYTHON" -m pytest -q -m gpu 2>&1 | tee "$RESULTS/pytest_gpu.log"
+# shellcheck disable=SC2086
+"$PYTHON" -m pytest -q -rs --junitxml="$RESULTS/pytest_gpu.xml" $TESTS 2>&1 | tee "$RESULTS/pytest_gpu.log"
 test_rc=${PIPESTATUS[0]}
 set -e
 step "GPU tests exit status $test_rc"
 
+shared_rc=0
+shared_runs=()
+shared() {  # shared NAME TIMEOUT_S CMD...: one run of the shared-GPU mode, its outcome in the summary
+    local name=$1 limit=$2; shift 2
+    step "$name: $*"
+    local t=$SECONDS
+    if timeout --kill-after=20 "$limit" "$@" 2>&1 | tee "$RESULTS/$name.log"; then
+        shared_runs+=("$name ok $(( SECONDS - t ))s")
+    else
+        shared_runs+=("$name FAILED $(( SECONDS - t ))s"); shared_rc=1
+    fi
+}
+if [ "$SHARED" = 1 ]; then
+    TR=("$PYTHON" -m torch.distributed.run --standalone)
+    shared demo_x4 300 "${TR[@]}" --nproc-per-node=4 -m moe_ep.demo
+    # EP16 on the GPUs there are: 2 nodes x 8 ranks, the proxy (TCP) between the nodes, decode preset.
+    shared ep16_decode 420 "${TR[@]}" --nproc-per-node=16 -m bench --preset decode --backends moe_ep \
+        --node-size 8 --tokens 128 --iters 20 --warmup 3 --no-progress --output "$RESULTS/ep16_decode.json"
+    if command -v nvidia-cuda-mps-control >/dev/null; then
+        # Under MPS the ranks' programs run at once: each rank takes SMs / ranks-per-GPU programs by default.
+        export CUDA_MPS_PIPE_DIRECTORY=/tmp/moe_ep_mps CUDA_MPS_LOG_DIRECTORY=/tmp/moe_ep_mps_log
+        mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+        nvidia-cuda-mps-control -d && sleep 1
+        shared mps_matrix_r4 400 "$PYTHON" -m pytest -q -x tests/test_dispatch_combine.py -k "test_matrix_gpu and 4"
+        shared mps_demo_x4 300 "${TR[@]}" --nproc-per-node=4 -m moe_ep.demo
+        echo quit | nvidia-cuda-mps-control || true
+        unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    else
+        shared_runs+=("mps not run: no nvidia-cuda-mps-control")
+    fi
+fi
+
 bench_rc=0
 jsons=()
 for cfg in "decode fp8 masked" "prefill fp8 packed" "prefill bf16 packed"; do
+    [ "$BENCH" = 1 ] || break
     read -r preset dtype layout <<<"$cfg"
     json="$RESULTS/bench_${preset}_${dtype}_${layout}.json"
     args=(--preset "$preset" --dispatch-dtype "$dtype" --layout "$layout" --iters "$ITERS" --output "$json")
@@ -55,5 +98,17 @@ step "summary (GPU tests exit $test_rc)"
 if [ ${#jsons[@]} -gt 0 ]; then
     "$PYTHON" -m bench.intranode --summarize "${jsons[@]}"
 fi
+for r in "${shared_runs[@]}"; do echo "   $r"; done
+"$PYTHON" - "$RESULTS/pytest_gpu.xml" <<'PY' || true
+import collections, sys, xml.etree.ElementTree as ET
+counts = collections.OrderedDict()
+for case in ET.parse(sys.argv[1]).iter("testcase"):
+    f = case.get("classname", "?").split(".")[-1] + ".py"
+    kind = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
+    counts.setdefault(f, collections.Counter())[kind] += 1
+print(f"   {'test file':<32} {'passed':>6} {'failed':>6} {'skipped':>7}")
+for f, c in counts.items():
+    print(f"   {f:<32} {c['passed']:>6} {c['failure'] + c['error']:>6} {c['skipped']:>7}")
+PY
 echo "GPU tests: $(tail -n 1 "$RESULTS/pytest_gpu.log")"
-[ "$test_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+[ "$test_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$shared_rc" -eq 0 ]

@@ -99,10 +99,10 @@ def _all_gather_dim0(t: torch.Tensor, group) -> torch.Tensor:
     if group.pg is None or group.world_size == 1:
         return t.detach().clone()
     t = t.detach().contiguous()
-    wire = t.view(torch.uint8)  # every backend gathers bytes; bf16/fp8 are not universal
+    wire = t.view(torch.uint8).to(group.collective_device)  # every backend gathers bytes; bf16/fp8 are not universal
     outs = [torch.empty_like(wire) for _ in range(group.world_size)]
     dist.all_gather(outs, wire, group=group.pg)
-    return torch.cat([o.view(t.dtype).view(t.shape) for o in outs])
+    return torch.cat([o.view(t.dtype).view(t.shape) for o in outs]).to(t.device)
 
 
 class LocalExperts(nn.Module):

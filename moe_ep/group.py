@@ -131,6 +131,12 @@ class EPGroup:
         return self._node_pg
 
     @property
+    def collective_device(self) -> torch.device:
+        """Where tensors for this group's collectives must live: ``device`` under NCCL; the CPU under
+        gloo, which gathers host tensors only (a gloo group may still run on GPUs)."""
+        return self.device if "nccl" in self.backend else torch.device("cpu")
+
+    @property
     def num_nodes(self) -> int:
         return self.world_size // self.node_size
 

@@ -153,7 +153,7 @@ class MoELayer(nn.Module):
             return n
         capturing = self.group.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if self.sync_chunks and not capturing:
-            t = torch.tensor([n], dtype=torch.int64, device=self.group.device)
+            t = torch.tensor([n], dtype=torch.int64, device=self.group.collective_device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group.pg)
             return int(t.item())
         if n > 1:

@@ -44,8 +44,7 @@ def _gather_ragged(group, t: torch.Tensor, counts: Sequence[int]) -> List[torch.
     t = t.contiguous()
     wire = t if t.dtype in _WIRE_DTYPES else t.view(torch.uint8)
     n = max(1, max(counts))  # never gather empty tensors
-    # gloo gathers host tensors only (a gloo group may still run on a GPU: EPGroup(device=...))
-    dev = group.device if "nccl" in group.backend else torch.device("cpu")
+    dev = group.collective_device
     padded = torch.zeros((n,) + tuple(wire.shape[1:]), dtype=wire.dtype, device=dev)
     padded[: t.shape[0]] = wire.to(dev)
     outs = [torch.empty_like(padded) for _ in range(group.world_size)]
