@@ -631,6 +631,34 @@ def test_verbs_late_peer_and_cut():
         b.close()
 
 
+@rdma_test
+def test_verbs_hello_of_another_job_refused():
+    """Engines of two jobs (different secrets) on one device: each refuses the other's hello, with
+    one line naming the queue pair and what was wrong (never the secret), so neither connects:
+    both time out, naming the refusal."""
+    ids = [N.JobIdentity(bytes([7]) * 16, 42), N.JobIdentity(bytes([8]) * 16, 42)]
+    a, b = N.VerbsTransport(0, 2, identity=ids[0]), N.VerbsTransport(1, 2, identity=ids[1])
+    try:
+        for e in (a, b):
+            e.register(np.zeros(4096, np.uint8))
+        eps, errs = [a.endpoint, b.endpoint], []
+        ts = [threading.Thread(target=_catch, args=(lambda e=e: e.connect(eps, 3.0), errs)) for e in (a, b)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(30)
+        assert len(errs) == 2 and all(isinstance(x, N.CommTimeoutError) for x in errs), errs
+        for x in errs:
+            assert "the peer's hello: refused: the job secret does not match" in str(x), x
+        for e, other in ((a, 1), (b, 0)):
+            ref = e.refused()
+            assert ref.total >= 1 and f"refused the hello on the queue pair of peer {other}" in ref.recent[0], ref
+            assert all(i.secret.hex() not in line for line in ref.recent for i in ids)
+    finally:
+        a.close()
+        b.close()
+
+
 # ---------------------------------------------------------------- several NICs (one device opened k times)
 
 def _dev():
@@ -775,9 +803,10 @@ def _ep_fields(ep: str) -> dict:
 
 @rdma_test
 def test_verbs_interop_with_pyverbs_peer():
-    """An independent verbs client (pyverbs, rdma-core's own bindings) as rank 1: it answers our
-    hello, writes with immediates into memory our engine registered (counted by our
-    ImmCounter), and receives our writes with immediates on its own queue pair."""
+    """An independent verbs client (pyverbs, rdma-core's own bindings) as rank 1: its hello with a
+    wrong secret is refused, the right one (the layout of docs/ARCHITECTURE.md §9, packed by the
+    test) accepted; it gets our hello, writes with immediates into memory our engine registered
+    (counted by our ImmCounter), and receives our writes with immediates on its own queue pair."""
     pv = pytest.importorskip("pyverbs.device", reason="pyverbs (python3-pyverbs) not importable")
     import ipaddress
     import socket
@@ -790,7 +819,10 @@ def test_verbs_interop_with_pyverbs_peer():
     from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
     from pyverbs.wr import SGE, RecvWR, SendWR
 
-    e = N.VerbsTransport(0, 2)
+    import proxy_wire as W
+
+    ident = N.JobIdentity(bytes(range(100, 116)), 77)
+    e = N.VerbsTransport(0, 2, identity=ident)
     src, dst = np.zeros(1 << 16, np.uint8), np.zeros(1 << 16, np.uint8)
     ks, kd = e.register(src), e.register(dst)
     mine = _ep_fields(e.endpoint)
@@ -827,8 +859,18 @@ def test_verbs_interop_with_pyverbs_peer():
         t = threading.Thread(target=lambda: _catch(lambda: e.connect([e.endpoint, theirs], 60), errs))
         t.start()
         time.sleep(0.3)  # our queue pair reaches RTR first (else this hello is retried)
-        qp.post_send(SendWR(wr_id=7, opcode=E.IBV_WR_SEND, num_sge=1, sg=[SGE(mr.buf, 0, mr.lkey)],
-                            send_flags=E.IBV_SEND_SIGNALED))  # its hello: a zero-byte SEND
+        hello_at = size - 256  # its hellos, 48 bytes each, sent from its MR
+        mr.write(W.hello(1, 0, 2, 0, ident.session, bytes(16)) + W.hello(1, 0, 2, 0, ident.session, ident.secret),
+                 2 * W.HELLO.size, hello_at)
+        qp.post_send(SendWR(wr_id=7, opcode=E.IBV_WR_SEND, num_sge=1, sg=[SGE(mr.buf + hello_at, 48, mr.lkey)],
+                            send_flags=E.IBV_SEND_SIGNALED))  # a hello with the wrong secret
+        deadline = time.monotonic() + 10
+        while e.refused().total == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "refused the hello on the queue pair of peer 1" in e.refused().recent[0], e.refused()
+        assert "the job secret does not match" in e.refused().recent[0] and t.is_alive()
+        qp.post_send(SendWR(wr_id=8, opcode=E.IBV_WR_SEND, num_sge=1, sg=[SGE(mr.buf + hello_at + 48, 48, mr.lkey)],
+                            send_flags=E.IBV_SEND_SIGNALED))  # its hello
 
         def wait_wcs(n, timeout=60):
             got, deadline = [], time.monotonic() + timeout
@@ -840,8 +882,10 @@ def test_verbs_interop_with_pyverbs_peer():
             assert all(w.status == E.IBV_WC_SUCCESS for w in got), [w.status for w in got]
             return got
 
-        wcs = wait_wcs(2)  # its hello sent, ours received
-        assert sorted(w.opcode for w in wcs) == sorted([E.IBV_WC_SEND, E.IBV_WC_RECV])
+        wcs = wait_wcs(3)  # its two hellos sent, ours received
+        assert sorted(w.opcode for w in wcs) == sorted([E.IBV_WC_SEND, E.IBV_WC_SEND, E.IBV_WC_RECV])
+        (ours,) = [w for w in wcs if w.opcode == E.IBV_WC_RECV]
+        assert ours.byte_len == 48 and mr.read(48, size - 64) == W.hello(0, 1, 2, 0, ident.session, ident.secret)
         t.join(60)
         assert not errs and not t.is_alive(), errs
         # pyverbs -> our engine: 5 writes with immediates (network byte order on the wire)

@@ -27,6 +27,13 @@ int guarded(F&& f) {
     return moe_ep::set_error(moe_ep::kErrSystem, std::string("native exception: ") + e.what());
   }
 }
+// The job identity of a create call: `secret` 16 bytes (null: none, all zero) and the session epoch.
+moe_ep::JobIdentity identity(const uint8_t* secret, uint64_t session) {
+  moe_ep::JobIdentity id;
+  if (secret) std::memcpy(id.secret, secret, sizeof(id.secret));
+  id.session = session;
+  return id;
+}
 int copy_str(const std::string& s, char* buf, size_t len) {
   if (buf && len) {
     const size_t n = std::min(s.size(), len - 1);
@@ -40,7 +47,7 @@ int copy_str(const std::string& s, char* buf, size_t len) {
 #pragma GCC visibility push(default)
 extern "C" {
 
-int moe_ep_abi_version() { return 4; }
+int moe_ep_abi_version() { return 5; }
 
 // Copies the last error of this thread into buf (NUL-terminated); returns its full length.
 int moe_ep_last_error(char* buf, size_t len) { return copy_str(moe_ep::thread_error(), buf, len); }
@@ -85,19 +92,23 @@ int moe_ep_imm_stress(void* c, uint32_t imm, int threads, int64_t adds_per_threa
 }
 
 // ---- Engine (a transport plus its ImmCounter) ----
+// Every create call takes the job identity every hello carries and checks (transport.h
+// JobIdentity): `secret` 16 bytes (null: none, all zero), `session` the session epoch.
 // transport: "tcp", "verbs" or "efa" (device, port and GID from the environment, see
 // moe_ep_engine_create_verbs / _efa; streams and bind_host unused). bind_host: IPv4 address to listen
 // on (null: 127.0.0.1). Returns null on failure (see moe_ep_last_error).
-void* moe_ep_engine_create(const char* transport, int rank, int world, int streams, const char* bind_host) {
+void* moe_ep_engine_create(const char* transport, int rank, int world, int streams, const char* bind_host,
+                           const uint8_t* secret, uint64_t session) {
   try {
     const std::string kind = transport ? transport : "tcp";
-    if (kind == "verbs") return moe_ep::create_verbs_transport(rank, world, "", 0, -1);
-    if (kind == "efa") return moe_ep::create_efa_transport(rank, world, "");
+    const moe_ep::JobIdentity id = identity(secret, session);
+    if (kind == "verbs") return moe_ep::create_verbs_transport(rank, world, "", 0, -1, 0, id);
+    if (kind == "efa") return moe_ep::create_efa_transport(rank, world, "", id);
     if (kind != "tcp") {
       moe_ep::set_error(moe_ep::kErrInvalid, "rank " + std::to_string(rank) + ": unknown transport '" + kind + "'");
       return nullptr;
     }
-    return moe_ep::create_tcp_transport(rank, world, streams, bind_host ? bind_host : "127.0.0.1");
+    return moe_ep::create_tcp_transport(rank, world, streams, bind_host ? bind_host : "127.0.0.1", id);
   } catch (const std::exception& e) {
     moe_ep::set_error(moe_ep::kErrSystem, std::string("native exception: ") + e.what());
     return nullptr;
@@ -110,9 +121,11 @@ void* moe_ep_engine_create(const char* transport, int rank, int world, int strea
 // MOE_EP_IB_PORT, else 1; gid_index -1 = MOE_EP_IB_GID_INDEX, else the first RoCE v2
 // IPv4-mapped GID. Null on failure, the message naming what is missing (library, device,
 // active port, GID).
-void* moe_ep_engine_create_verbs(int rank, int world, const char* device, int port, int gid_index, int nics) {
+void* moe_ep_engine_create_verbs(int rank, int world, const char* device, int port, int gid_index, int nics,
+                                 const uint8_t* secret, uint64_t session) {
   try {
-    return moe_ep::create_verbs_transport(rank, world, device ? device : "", port, gid_index, nics);
+    return moe_ep::create_verbs_transport(rank, world, device ? device : "", port, gid_index, nics,
+                                          identity(secret, session));
   } catch (const std::exception& e) {
     moe_ep::set_error(moe_ep::kErrSystem, std::string("native exception: ") + e.what());
     return nullptr;
@@ -144,9 +157,9 @@ int moe_ep_verbs_probe_device(const char* device, int port, char* buf, size_t le
 // per peer. device: null or "" = MOE_EP_IB_DEVICE, else the first EFA device with an active
 // port and the capabilities it needs. Null on failure, the message naming what is missing
 // (library, EFA device, active port, capability).
-void* moe_ep_engine_create_efa(int rank, int world, const char* device) {
+void* moe_ep_engine_create_efa(int rank, int world, const char* device, const uint8_t* secret, uint64_t session) {
   try {
-    return moe_ep::create_efa_transport(rank, world, device ? device : "");
+    return moe_ep::create_efa_transport(rank, world, device ? device : "", identity(secret, session));
   } catch (const std::exception& e) {
     moe_ep::set_error(moe_ep::kErrSystem, std::string("native exception: ") + e.what());
     return nullptr;
@@ -272,6 +285,28 @@ int moe_ep_set_op_timeout(void* e, int64_t timeout_ns) {
 int moe_ep_set_min_shard_bytes(void* e, uint64_t n) {
   static_cast<Transport*>(e)->set_min_shard_bytes(n);
   return 0;
+}
+
+// tcp: accepted connections without a valid hello within timeout_ns are dropped (default 10 s).
+int moe_ep_set_hello_timeout(void* e, int64_t timeout_ns) {
+  static_cast<Transport*>(e)->set_hello_timeout(timeout_ns);
+  return 0;
+}
+
+// tcp: at most n accepted connections wait for their hello (default 256); one more drops the oldest.
+int moe_ep_set_max_pending(void* e, int n) {
+  static_cast<Transport*>(e)->set_max_pending(n);
+  return 0;
+}
+
+// The refused connections and hellos (the last 64, oldest first, one a line) into buf; *total gets
+// how many were refused in all. Returns the text's full length.
+int moe_ep_engine_refused(void* e, char* buf, size_t len, int64_t* total) {
+  int64_t n = 0;
+  std::string text;
+  for (const auto& line : static_cast<Transport*>(e)->refused(&n)) text += line + "\n";
+  if (total) *total = n;
+  return copy_str(text, buf, len);
 }
 
 // Copies why the peer was lost (empty when healthy); returns the message length.

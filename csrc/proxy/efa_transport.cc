@@ -108,10 +108,13 @@ std::string efa_caps_names(uint32_t caps) {
 
 namespace {
 
-constexpr uint64_t kRecvTag = 1ull << 62;   // receive wr_id
+constexpr uint64_t kRecvTag = 1ull << 62;   // receive wr_id: kRecvTag | its slot of the scratch buffer
 constexpr uint64_t kHelloTag = 1ull << 61;  // hello send wr_id: kHelloTag | attempt << 20 | peer
 constexpr uint32_t kQkey = 0x4d455041;      // "MEPA": the Q_Key every engine's QP uses
-constexpr uint32_t kHelloOff = 64;          // the hello payload's offset in the scratch bytes
+// The scratch buffer: one slot per receive (where a hello lands), then one per peer (the hello
+// this rank sends it).
+constexpr size_t kSlot = 64;
+static_assert(sizeof(WireHello) <= kSlot, "a hello fits a slot");
 
 std::string gid_hex(const ibv::gid& g) {
   char s[33];
@@ -227,7 +230,8 @@ struct EfaPeer {
 
 class EfaTransport final : public Transport {
  public:
-  EfaTransport(int rank, int world, const ibv::Api& v, const RdmaExtra& x) : rank_(rank), world_(world), v_(v), x_(x) {
+  EfaTransport(int rank, int world, const ibv::Api& v, const RdmaExtra& x, const JobIdentity& id)
+      : rank_(rank), world_(world), v_(v), x_(x), id_(id) {
     for (int p = 0; p < world; ++p) peers_.emplace_back(new EfaPeer);
   }
 
@@ -244,8 +248,12 @@ class EfaTransport final : public Transport {
     if (!pd_) return sys_error("ibv_alloc_pd");
     ibcq_ = v_.create_cq(sel_.ctx, sq_depth_ + rq_depth_ + 16, nullptr, nullptr, 0);
     if (!ibcq_) return sys_error("ibv_create_cq");
-    std::memcpy(scratch_ + kHelloOff, &rank_, sizeof(rank_));
-    scratch_mr_ = v_.reg_mr(pd_, scratch_, sizeof(scratch_), ibv::ACCESS_LOCAL_WRITE);
+    scratch_.assign((size_t(rq_depth_) + size_t(world_)) * kSlot, 0);
+    for (int p = 0; p < world_; ++p) {
+      const WireHello h = make_hello(id_, rank_, p, world_, 0);
+      std::memcpy(hello_slot(p), &h, sizeof(h));
+    }
+    scratch_mr_ = v_.reg_mr(pd_, scratch_.data(), scratch_.size(), ibv::ACCESS_LOCAL_WRITE);
     if (!scratch_mr_) return sys_error("ibv_reg_mr of the receive buffer");
     ibv::qp_init_attr_ex a{};
     a.send_cq = ibcq_;
@@ -285,7 +293,7 @@ class EfaTransport final : public Transport {
     }
     if (int rc = modify(s, mask, "RTS"); rc != kOk) return rc;
     for (int i = 0; i < rq_depth_; ++i)
-      if (!post_recv()) return sys_error("ibv_post_recv");
+      if (!post_recv(uint64_t(i))) return sys_error("ibv_post_recv");
     try {
       thr_ = std::thread([this] { cq_loop(); });
     } catch (const std::exception& ex) {
@@ -382,7 +390,7 @@ class EfaTransport final : public Transport {
                                           std::to_string(double(timeout_ns) / 1e9) + " s (" + where_ + "; own hello: " +
                                           (hs < 0 ? "not acknowledged yet" : hs == 0 ? "acknowledged" : v_.wc_status_str(hs)) +
                                           " (attempt " + std::to_string(pr.hello_attempt.load()) + "); the peer's hello: " +
-                                          (pr.hello_recv ? "received" : "not received") + ")");
+                                          (pr.hello_recv ? "received" : "not received") + ")" + refused_note());
       }
       conn_cv_.wait_for(lk, std::chrono::nanoseconds(std::min<int64_t>(deadline - now, 20'000'000)));
     }
@@ -453,6 +461,7 @@ class EfaTransport final : public Transport {
     cut_peer_ = f.cut_peer;
   }
   void set_op_timeout(int64_t ns) override { op_timeout_ns_ = ns; }
+  std::vector<std::string> refused(int64_t* total) const override { return refusals_.lines(total); }
   int64_t cpu_ns() override { return thread_cpu_ns(thr_); }
 
   std::string peer_error(int peer) override {
@@ -509,20 +518,23 @@ class EfaTransport final : public Transport {
     return kOk;
   }
 
-  // Receives: each one a hello (a SEND with the sender's rank as immediate) or, unless the QP
-  // takes writes with immediates unsolicited, a write with an immediate. Each has one SGE, the
-  // shared scratch bytes (a hello's 4 bytes land there; nothing reads them).
-  bool post_recv() {
-    ibv::sge sg{reinterpret_cast<uint64_t>(scratch_), kHelloOff, scratch_mr_->lkey};
+  char* hello_slot(int p) { return scratch_.data() + (size_t(rq_depth_) + size_t(p)) * kSlot; }
+
+  // Receives: each one a hello (a SEND of the sender's WireHello, its rank also as immediate) or,
+  // unless the QP takes writes with immediates unsolicited, a write with an immediate. Each has
+  // its own slot of the scratch buffer as its one SGE (where a hello lands).
+  bool post_recv(uint64_t slot) {
+    ibv::sge sg{reinterpret_cast<uint64_t>(scratch_.data() + slot * kSlot), uint32_t(kSlot), scratch_mr_->lkey};
     ibv::recv_wr w{};
-    w.wr_id = kRecvTag;
+    w.wr_id = kRecvTag | slot;
     w.sg_list = &sg;
     w.num_sge = 1;
     ibv::recv_wr* bad = nullptr;
     return qp_->ctx->ops.post_recv(qp_, &w, &bad) == 0;
   }
 
-  // A hello: a 4-byte SEND (this rank) carrying this rank as its immediate too.
+  // A hello: a SEND of this rank's WireHello for peer p (the job identity, this rank, the peer),
+  // carrying this rank as its immediate too.
   int send_hello(int p) {
     EfaPeer& pr = *peers_[p];
     const uint32_t attempt = ++pr.hello_attempt;
@@ -535,7 +547,7 @@ class EfaTransport final : public Transport {
       qpx_->wr_start(qpx_);
       qpx_->wr_send_imm(qpx_, htonl(uint32_t(rank_)));
       qpx_->wr_set_ud_addr(qpx_, pr.ah, pr.qpn, pr.qkey);
-      qpx_->wr_set_sge(qpx_, scratch_mr_->lkey, reinterpret_cast<uint64_t>(scratch_ + kHelloOff), sizeof(rank_));
+      qpx_->wr_set_sge(qpx_, scratch_mr_->lkey, reinterpret_cast<uint64_t>(hello_slot(p)), uint32_t(sizeof(WireHello)));
       rc = qpx_->wr_complete(qpx_);
     }
     if (rc != 0)
@@ -590,9 +602,10 @@ class EfaTransport final : public Transport {
   void handle(const ibv::wc& w) {
     // A write with an immediate (opcode valid on success only): counted; it consumed a receive
     // unless the QP takes them unsolicited (its wr_id is then not ours).
+    const uint64_t slot = w.wr_id & 0xFFFFF;
     if (w.status == ibv::WC_SUCCESS && w.opcode == ibv::WC_RECV_RDMA_WITH_IMM) {
       imm_.add(ntohl(w.imm_data), 1);
-      if (!unsolicited_ && !post_recv()) fail_all("re-posting a receive failed");
+      if (!unsolicited_ && !post_recv(slot)) fail_all("re-posting a receive failed");
       return;
     }
     if (w.wr_id & kRecvTag) {
@@ -600,15 +613,8 @@ class EfaTransport final : public Transport {
         if (!stop_ && w.status != ibv::WC_WR_FLUSH_ERR) fail_all("receive failed: " + wc_error(w));
         return;
       }
-      const int p = (w.wc_flags & ibv::WC_WITH_IMM) ? int(ntohl(w.imm_data)) : -1;
-      if (w.opcode == ibv::WC_RECV && p >= 0 && p < world_) {
-        {
-          std::lock_guard<std::mutex> lk(conn_mu_);
-          peers_[p]->hello_recv = true;
-        }
-        conn_cv_.notify_all();
-      }
-      if (!post_recv()) fail_all("re-posting a receive failed");
+      if (w.opcode == ibv::WC_RECV) on_hello(w, slot);
+      if (!post_recv(slot)) fail_all("re-posting a receive failed");
       return;
     }
     if (w.wr_id & kHelloTag) {
@@ -632,6 +638,34 @@ class EfaTransport final : public Transport {
               w.status == ibv::WC_REM_ACCESS_ERR ? kCqRemoteAccess : kCqPeerLost);
   }
 
+  // A hello landed in receive slot `slot`: the peer it names is connected when it is a hello of
+  // this job for this rank (and its immediate names the same rank); else it is refused, with one
+  // line naming the sending queue pair and what was wrong (any process that knows this QP's
+  // number and Q_Key can send to it: SRD has no connection).
+  void on_hello(const ibv::wc& w, uint64_t slot) {
+    WireHello h{};
+    std::memcpy(&h, scratch_.data() + slot * kSlot, std::min<size_t>(w.byte_len, sizeof(h)));
+    std::string why = hello_mismatch(h, w.byte_len, rank_, world_, id_);
+    if (why.empty() && (!(w.wc_flags & ibv::WC_WITH_IMM) || int(ntohl(w.imm_data)) != h.src_rank))
+      why = "its immediate does not name rank " + std::to_string(h.src_rank);
+    if (!why.empty()) {
+      refusals_.record(prefix() + "refused a hello from QP " + std::to_string(w.src_qp) + " (" + where_ + "): " + why);
+      std::lock_guard<std::mutex> lk(conn_mu_);
+      last_refused_ = why;
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lk(conn_mu_);
+      peers_[size_t(h.src_rank)]->hello_recv = true;
+    }
+    conn_cv_.notify_all();
+  }
+
+  // For connect's timeout: the last hello refused, if any (under conn_mu_).
+  std::string refused_note() const {
+    return last_refused_.empty() ? "" : "; a hello was refused: " + last_refused_;
+  }
+
   // A failure no single peer can be blamed for (the shared receive queue): every peer is lost.
   void fail_all(const std::string& why) {
     for (int p = 0; p < world_; ++p)
@@ -649,7 +683,10 @@ class EfaTransport final : public Transport {
   ibv::cq* ibcq_ = nullptr;
   ibv::qp* qp_ = nullptr;
   ibv::qp_ex* qpx_ = nullptr;
-  alignas(64) char scratch_[128] = {};  // [0, kHelloOff): receive target; then the hello's payload
+  const JobIdentity id_;
+  RefusalLog refusals_;
+  std::string last_refused_;  // under conn_mu_
+  std::vector<char> scratch_;  // kSlot bytes per receive, then per peer (hello_slot)
   ibv::mr* scratch_mr_ = nullptr;
   std::mutex post_mu_;
   std::vector<std::unique_ptr<EfaPeer>> peers_;
@@ -681,7 +718,7 @@ const RdmaExtra* load_efa(const ibv::Api** v, std::string* why) {
 
 }  // namespace
 
-Transport* create_efa_transport(int rank, int world, const std::string& device) {
+Transport* create_efa_transport(int rank, int world, const std::string& device, const JobIdentity& id) {
   if (bad_rank(rank, world)) return nullptr;
   const std::string pre = "rank " + std::to_string(rank) + ": ";
   if (world > (1 << 20)) return set_error(kErrInvalid, pre + "efa: world size too large"), nullptr;
@@ -689,7 +726,7 @@ Transport* create_efa_transport(int rank, int world, const std::string& device) 
   std::string why;
   const RdmaExtra* x = load_efa(&v, &why);
   if (!x) return set_error(kErrInvalid, pre + "efa transport not available: " + why), nullptr;
-  auto* t = new EfaTransport(rank, world, *v, *x);
+  auto* t = new EfaTransport(rank, world, *v, *x, id);
   if (t->start(device) != kOk) {
     const std::string msg = thread_error();
     delete t;

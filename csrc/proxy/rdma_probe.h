@@ -13,7 +13,7 @@ namespace moe_ep {
 // with immediates through the ibv_qp_ex send-ops API; libibverbs and libefa opened at run time.
 // device: "" = MOE_EP_IB_DEVICE, else the first EFA device with an active port. Null with the
 // thread's error set (naming the missing library, device or capability) on failure.
-Transport* create_efa_transport(int rank, int world, const std::string& device);
+Transport* create_efa_transport(int rank, int world, const std::string& device, const JobIdentity& id = {});
 // True when an efa engine could be created here (on `device`); *what names the device and its capabilities,
 // or why not (library missing, no EFA device, a capability missing).
 // device "" = the default choice, as create_efa_transport.

@@ -38,8 +38,8 @@ namespace moe_ep {
 namespace {
 
 constexpr uint32_t kMagicWrite = 0x5750454d;  // "MEPW"
-constexpr uint32_t kMagicHello = 0x4850454d;  // "MEPH"
 constexpr uint32_t kFlagImm = 1;
+constexpr int kMaxStreams = 256;
 
 // One shard of a write, followed by `len` payload bytes. Host byte order.
 struct WireHeader {
@@ -63,14 +63,8 @@ struct WireAck {
 };
 static_assert(sizeof(WireAck) == 16, "wire format");
 
-// First message on every connection, connector -> listener.
-struct WireHello {
-  uint32_t magic;  // kMagicHello
-  int32_t src_rank;
-  int32_t world;
-  int32_t stream;
-};
-static_assert(sizeof(WireHello) == 16, "wire format");
+// The first message on every connection, connector -> listener: WireHello (transport_common.h),
+// with the stream index as its lane.
 
 using Clock = std::chrono::steady_clock;
 
@@ -129,7 +123,8 @@ struct Conn {
   int fd = -1;
   int peer = -1;  // incoming: known after the hello
   bool outgoing = false;
-  bool dead = false;  // removed from the epoll set
+  bool dead = false;  // removed from the epoll set and closed
+  std::string addr;   // incoming: the connector's address, "ip:port"
   // receiving
   enum State { kHello, kHeader, kPayload } st = kHeader;
   std::vector<char> rbuf;  // staging; [rpos, rend) not parsed yet
@@ -165,13 +160,15 @@ struct Peer {
   std::string err;
   std::vector<int> in_fds;  // the peer's connections to us
   std::unordered_map<uint64_t, Partial> partial;  // I/O thread: writes with shards still to land
+  std::vector<bool> stream_in = std::vector<bool>(kMaxStreams, false);  // I/O thread: streams connected to us
 };
 
 constexpr size_t kInBuf = 64 << 10, kAckBuf = 4 << 10, kDirectRecv = 8 << 10;
 
 class TcpTransport final : public Transport {
  public:
-  TcpTransport(int rank, int world, int streams) : rank_(rank), world_(world), nstreams_(streams) {
+  TcpTransport(int rank, int world, int streams, const JobIdentity& id)
+      : rank_(rank), world_(world), nstreams_(streams), id_(id) {
     for (int p = 0; p < world; ++p) {
       peers_.emplace_back(new Peer);
       for (int s = 0; s < streams; ++s) {
@@ -257,7 +254,7 @@ class TcpTransport final : public Transport {
         int fd = -1;
         int rc = dial(p, endpoints[p], deadline, &fd);
         if (rc != kOk) return rc;
-        WireHello h{kMagicHello, rank_, world_, s};
+        const WireHello h = make_hello(id_, rank_, p, world_, s);
         if (!write_all(fd, &h, sizeof(h))) {
           int e = errno;
           close(fd);
@@ -329,6 +326,9 @@ class TcpTransport final : public Transport {
 
   void set_op_timeout(int64_t ns) override { op_timeout_ns_ = ns; }
   void set_min_shard_bytes(uint64_t n) override { min_shard_ = std::max<uint64_t>(n, 1); }
+  void set_hello_timeout(int64_t ns) override { hello_timeout_ns_ = std::max<int64_t>(ns, 1); }
+  void set_max_pending(int n) override { max_pending_ = std::max(n, 1); }
+  std::vector<std::string> refused(int64_t* total) const override { return refusals_.lines(total); }
 
   int64_t cpu_ns() override { return thread_cpu_ns(io_thread_); }
 
@@ -410,16 +410,51 @@ class TcpTransport final : public Transport {
     epoll_ctl(ep_, EPOLL_CTL_MOD, c->fd, &ev);
   }
 
+  // Takes the socket out of the epoll set and closes it. A peer's socket (outgoing, or incoming
+  // after its hello) is closed under the peer's lock, so lose_peer() never shuts down a
+  // descriptor number that was reused since. A dropped incoming Conn is freed by reap().
   void drop(Conn* c) {
     if (c->dead) return;
     c->dead = true;
     epoll_ctl(ep_, EPOLL_CTL_DEL, c->fd, nullptr);
-    shutdown(c->fd, SHUT_RDWR);
+    if (!c->outgoing && c->st == Conn::kHello) {
+      --pending_;
+      close_fd(c);
+    } else {
+      Peer& pr = *peers_[c->peer];
+      std::lock_guard<std::mutex> lk(pr.mu);
+      pr.in_fds.erase(std::remove(pr.in_fds.begin(), pr.in_fds.end(), c->fd), pr.in_fds.end());
+      close_fd(c);
+    }
+    if (!c->outgoing) reap_ = true;
   }
 
-  // A socket failed: its peer is lost (first reason wins) and the socket leaves the epoll set.
+  static void close_fd(Conn* c) {
+    shutdown(c->fd, SHUT_RDWR);
+    close(c->fd);
+    c->fd = -1;
+  }
+
+  // An incoming connection that did not become a peer's: one line naming its address and why
+  // (never the secret), then dropped. Its claimed peer is not touched.
+  void refuse(Conn* c, const std::string& why) {
+    refusals_.record(prefix() + "refused a connection from " + c->addr + ": " + why);
+    drop(c);
+  }
+
+  // Frees the incoming Conns dropped in this round of the I/O loop (after its events: none of
+  // them is referred to any more).
+  void reap() {
+    if (!reap_) return;
+    reap_ = false;
+    in_.erase(std::remove_if(in_.begin(), in_.end(), [](const std::unique_ptr<Conn>& c) { return c->dead; }), in_.end());
+  }
+
+  // A socket failed: its peer is lost (first reason wins) and the socket is closed. A connection
+  // still waiting for its hello belongs to no peer: it is refused, and no peer is touched.
   void fail(Conn* c, const std::string& why) {
-    if (c->peer >= 0 && !stop_ && (c->outgoing || c->st != Conn::kHello)) lose_peer(c->peer, why);
+    if (!c->outgoing && c->st == Conn::kHello) return refuse(c, why);
+    if (!stop_) lose_peer(c->peer, why);
     drop(c);
   }
 
@@ -480,12 +515,18 @@ class TcpTransport final : public Transport {
       }
       pump();
       expire_hellos();
+      reap();
     }
   }
 
+  // Accepts every waiting connection and reads it at once: a peer sends its hello right after
+  // connecting, so it usually becomes the peer's before it counts as pending. Beyond
+  // max_pending_ connections without a hello, the oldest of them is dropped.
   void accept_all() {
     for (;;) {
-      const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      sockaddr_in a{};
+      socklen_t al = sizeof(a);
+      const int fd = accept4(listen_fd_, reinterpret_cast<sockaddr*>(&a), &al, SOCK_CLOEXEC | SOCK_NONBLOCK);
       if (fd < 0) {
         if (errno == EINTR || errno == ECONNABORTED) continue;
         // Out of descriptors or memory: the socket stays readable, so back off instead of spinning.
@@ -497,18 +538,34 @@ class TcpTransport final : public Transport {
       Conn* c = in_.back().get();
       c->fd = fd;
       c->st = Conn::kHello;
-      c->hello_deadline = now_ns() + 10'000'000'000LL;  // a silent connector cannot stay forever
+      char ip[INET_ADDRSTRLEN] = "?";
+      inet_ntop(AF_INET, &a.sin_addr, ip, sizeof(ip));
+      c->addr = std::string(ip) + ":" + std::to_string(ntohs(a.sin_port));
+      c->hello_deadline = now_ns() + hello_timeout_ns_.load();  // a silent connector cannot stay forever
       c->rbuf.resize(kInBuf);
+      ++pending_;
       ep_add(c);
+      on_readable(c);
+      if (pending_ > max_pending_.load()) evict_oldest_pending();
     }
+  }
+
+  void evict_oldest_pending() {
+    for (auto& c : in_)
+      if (!c->dead && c->st == Conn::kHello)
+        return refuse(c.get(), "no hello yet, and more than " + std::to_string(max_pending_.load()) +
+                                   " connections wait for theirs (the oldest is dropped)");
   }
 
   void expire_hellos() {
     const int64_t now = now_ns();
     if (now - last_hello_check_ < 100'000'000) return;
     last_hello_check_ = now;
+    char t[32];
+    std::snprintf(t, sizeof(t), "%g", double(hello_timeout_ns_.load()) / 1e9);
+    const std::string why = std::string("no hello within ") + t + " s";
     for (auto& c : in_)
-      if (!c->dead && c->st == Conn::kHello && now > c->hello_deadline) drop(c.get());
+      if (!c->dead && c->st == Conn::kHello && now > c->hello_deadline) refuse(c.get(), why);
   }
 
   void on_readable(Conn* c) {
@@ -548,7 +605,11 @@ class TcpTransport final : public Transport {
     if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return false;
     const int e = errno;
     std::string why;
-    if (r == 0 && !c->outgoing && (c->st == Conn::kPayload || c->rpos != c->rend))
+    if (!c->outgoing && c->st == Conn::kHello)
+      why = r == 0 ? "closed after " + std::to_string(c->rend - c->rpos) + " of its " + std::to_string(sizeof(WireHello)) +
+                         " hello bytes"
+                   : "receive failed: " + errno_str(e);
+    else if (r == 0 && !c->outgoing && (c->st == Conn::kPayload || c->rpos != c->rend))
       why = "connection lost in the middle of a write: " + errno_str(ECONNRESET);
     else if (r == 0)
       why = "the peer closed the connection";
@@ -565,26 +626,14 @@ class TcpTransport final : public Transport {
       const size_t avail = c->rend - c->rpos;
       const char* p = c->rbuf.data() + c->rpos;
       if (c->st == Conn::kHello) {
-        if (avail < sizeof(WireHello)) return true;
-        WireHello h;
-        std::memcpy(&h, p, sizeof(h));
-        c->rpos += sizeof(h);
-        if (h.magic != kMagicHello || h.world != world_ || h.src_rank < 0 || h.src_rank >= world_ ||
-            h.src_rank == rank_)
-          return drop(c), false;
-        Peer& pr = *peers_[h.src_rank];
-        std::lock_guard<std::mutex> lk(pr.mu);
-        if (pr.lost || stop_) return drop(c), false;
-        pr.in_fds.push_back(c->fd);
-        c->peer = h.src_rank;
-        c->st = Conn::kHeader;
+        if (!accept_hello(c, p, avail)) return false;
+        if (c->st == Conn::kHello) return true;  // not all of it yet
       } else if (c->st == Conn::kHeader) {
         if (avail < sizeof(WireHeader)) return true;
         std::memcpy(&c->w, p, sizeof(WireHeader));
         c->rpos += sizeof(WireHeader);
         const WireHeader& w = c->w;
-        if (w.magic != kMagicWrite || w.nshards == 0 || w.shard >= w.nshards)
-          return fail(c, "protocol error (bad write header)"), false;
+        if (std::string why = header_problem(w); !why.empty()) return fail(c, "protocol error: " + why), false;
         Region reg;
         c->ok = regions_.lookup(w.rkey, w.roff, w.len, &reg);
         c->dst = c->ok ? reg.ptr + w.roff : nullptr;  // rejected: drained, acknowledged with an error
@@ -603,6 +652,55 @@ class TcpTransport final : public Transport {
         if (c->left == 0) land(c);
       }
     }
+  }
+
+  // The hello at the start of an incoming connection (`avail` bytes staged at p). False when the
+  // connection was refused; true otherwise, with c->st left at kHello while bytes are missing.
+  // A wrong magic is refused from its first 4 bytes, without waiting for the rest.
+  bool accept_hello(Conn* c, const char* p, size_t avail) {
+    if (avail >= sizeof(uint32_t)) {
+      uint32_t magic;
+      std::memcpy(&magic, p, sizeof(magic));
+      if (std::string why = hello_magic_problem(magic); !why.empty()) return refuse(c, why), false;
+    }
+    if (avail < sizeof(WireHello)) return true;
+    WireHello h;
+    std::memcpy(&h, p, sizeof(h));
+    c->rpos += sizeof(h);
+    std::string why = hello_mismatch(h, sizeof(h), rank_, world_, id_);
+    if (why.empty() && (h.lane < 0 || h.lane >= kMaxStreams))
+      why = "stream " + std::to_string(h.lane) + " (streams are 0.." + std::to_string(kMaxStreams - 1) + ")";
+    if (why.empty() && peers_[h.src_rank]->stream_in[size_t(h.lane)])
+      why = "a second connection for rank " + std::to_string(h.src_rank) + " stream " + std::to_string(h.lane) +
+            " (that stream is connected already)";
+    if (!why.empty()) return refuse(c, why), false;
+    Peer& pr = *peers_[h.src_rank];
+    {
+      std::lock_guard<std::mutex> lk(pr.mu);
+      if (!pr.lost && !stop_) {
+        pr.in_fds.push_back(c->fd);
+        pr.stream_in[size_t(h.lane)] = true;
+        c->peer = h.src_rank;
+        c->st = Conn::kHeader;
+        --pending_;
+        return true;
+      }
+    }
+    drop(c);  // the peer is lost already: nothing more comes from it
+    return false;
+  }
+
+  // "" for a write header a peer may send, else what is wrong with it. A shard longer than the
+  // largest region can land nowhere: the connection ends at once instead of draining it.
+  std::string header_problem(const WireHeader& w) const {
+    if (w.magic != kMagicWrite) return "bad write header magic";
+    if (w.nshards == 0 || w.nshards > uint32_t(kMaxStreams) || w.shard >= w.nshards)
+      return "shard " + std::to_string(w.shard) + " of " + std::to_string(w.nshards) + " (at most " +
+             std::to_string(kMaxStreams) + " shards)";
+    if (const uint64_t most = regions_.max_len(); w.len > most)
+      return "a shard of " + std::to_string(w.len) + " bytes, larger than any registered region (" +
+             std::to_string(most) + " bytes)";
+    return "";
   }
 
   // Every byte of the current shard is in place: count it, add the immediate when it was the
@@ -724,11 +822,15 @@ class TcpTransport final : public Transport {
   }
 
   const int rank_, world_, nstreams_;
+  const JobIdentity id_;
   int listen_fd_ = -1, ep_ = -1, wake_fd_ = -1, timer_fd_ = -1;
   Conn listen_tag_, wake_tag_, timer_tag_;  // epoll tags of the listening socket, eventfd, timerfd
   std::string endpoint_;
   std::vector<std::unique_ptr<Peer>> peers_;
-  std::vector<std::unique_ptr<Conn>> in_;  // I/O thread: accepted connections
+  std::vector<std::unique_ptr<Conn>> in_;  // I/O thread: accepted connections, oldest first
+  int pending_ = 0;                        // I/O thread: of them, waiting for their hello
+  bool reap_ = false;                      // I/O thread: some of them were dropped
+  RefusalLog refusals_;
   RegionTable<Region> regions_;
   ImmCounter imm_;
   CompletionQueue cq_;
@@ -739,6 +841,8 @@ class TcpTransport final : public Transport {
   std::atomic<int64_t> cut_after_{0};
   std::atomic<int64_t> op_timeout_ns_{30'000'000'000LL};
   std::atomic<uint64_t> min_shard_{kDefaultMinShardBytes};
+  std::atomic<int64_t> hello_timeout_ns_{10'000'000'000LL};
+  std::atomic<int> max_pending_{256};
   std::atomic<bool> stop_{false};
   std::atomic<bool> connected_{false};
   std::atomic<bool> wake_pending_{false};
@@ -750,11 +854,11 @@ class TcpTransport final : public Transport {
 
 }  // namespace
 
-Transport* create_tcp_transport(int rank, int world, int streams, const std::string& bind_host) {
+Transport* create_tcp_transport(int rank, int world, int streams, const std::string& bind_host, const JobIdentity& id) {
   if (bad_rank(rank, world)) return nullptr;
   if (streams < 1 || streams > 256)
     return set_error(kErrInvalid, "rank " + std::to_string(rank) + ": streams must be 1..256, got " + std::to_string(streams)), nullptr;
-  auto* t = new TcpTransport(rank, world, streams);
+  auto* t = new TcpTransport(rank, world, streams, id);
   if (t->start(bind_host) != kOk) {
     delete t;
     return nullptr;

@@ -56,6 +56,16 @@ struct FaultConfig {
 
 constexpr uint64_t kDefaultMinShardBytes = 16384;
 
+// Who may connect (docs/ARCHITECTURE.md §9, "Who gets in"): the job secret (128 bits that rank 0
+// draws when the proxy session is set up and every rank gets through the process group) and the
+// session epoch. Every hello carries both, with the connector's rank and world size; an engine
+// refuses a hello that does not match its own. All zero: an engine connected by hand (tests,
+// tools) without a secret. The secret is never written to a log or an error message.
+struct JobIdentity {
+  uint8_t secret[16] = {};
+  uint64_t session = 0;
+};
+
 class Transport {
  public:
   virtual ~Transport() = default;
@@ -82,6 +92,14 @@ class Transport {
   virtual void set_min_shard_bytes(uint64_t) {}
   // CPU time the transport's own threads have used so far (ns; -1 when it cannot tell).
   virtual int64_t cpu_ns() { return -1; }
+  // tcp: an accepted connection without a valid hello by then is dropped (default 10 s).
+  virtual void set_hello_timeout(int64_t) {}
+  // tcp: at most this many accepted connections wait for their hello; one more drops the oldest
+  // (default 256).
+  virtual void set_max_pending(int) {}
+  // The connections and hellos refused so far (the last kRefusalRecords lines, oldest first) and
+  // how many in all.
+  virtual std::vector<std::string> refused(int64_t* total) const = 0;
   // Empty when the peer is healthy; otherwise why it was lost.
   virtual std::string peer_error(int peer) = 0;
 };
@@ -89,7 +107,8 @@ class Transport {
 // TCP transport: `streams` sockets per direction per peer; listens on bind_host (an IPv4
 // address; "0.0.0.0" listens on all interfaces and advertises this host's name). Returns null
 // and sets the thread's error on failure.
-Transport* create_tcp_transport(int rank, int world, int streams, const std::string& bind_host);
+Transport* create_tcp_transport(int rank, int world, int streams, const std::string& bind_host,
+                                const JobIdentity& id = {});
 
 // verbs transport (verbs_transport.cc): libibverbs opened at run time, one RC queue pair per
 // peer and NIC. device: the NICs, "NAME[:PORT],..." (a name listed twice is opened twice); "" =
@@ -99,7 +118,7 @@ Transport* create_tcp_transport(int rank, int world, int streams, const std::str
 // Returns null and sets the thread's error (naming what is missing: the library, a device, an
 // active port, a GID) on failure.
 Transport* create_verbs_transport(int rank, int world, const std::string& device, int port, int gid_index,
-                                  int nics = 0);
+                                  int nics = 0, const JobIdentity& id = {});
 // True when a verbs engine could be created here; *what names the device, or why not.
 bool verbs_probe(std::string* what);
 // Test hook: destroys the queue pairs of a verbs engine to `peer` (the peer's writes then fail).

@@ -10,6 +10,8 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdio>
+#include <cstring>
 #include <ctime>
 #include <deque>
 #include <mutex>
@@ -58,6 +60,105 @@ inline bool bad_rank(int rank, int world) {
   return true;
 }
 
+// ---- Who gets in: the hello every connection starts with (docs/ARCHITECTURE.md §9) ----
+
+constexpr uint32_t kMagicHello = 0x3248454d;    // "MEH2": the hello with the job identity
+constexpr uint32_t kMagicHelloV1 = 0x4850454d;  // "MEPH": the hello before it (refused, by name)
+
+// tcp: the first message of every connection, connector -> listener; verbs and efa: the payload
+// of the hello SEND. Host byte order (little-endian hosts).
+struct WireHello {
+  uint32_t magic;     // kMagicHello
+  int32_t src_rank;   // the connector
+  int32_t dst_rank;   // the rank it means to reach
+  int32_t world;      // its world size
+  int32_t lane;       // tcp: the stream; verbs: the NIC index; efa: 0
+  uint32_t reserved;  // 0
+  uint64_t session;   // JobIdentity::session
+  uint8_t secret[16];  // JobIdentity::secret
+};
+static_assert(sizeof(WireHello) == 48, "wire format");
+
+inline WireHello make_hello(const JobIdentity& id, int src, int dst, int world, int lane) {
+  WireHello h{kMagicHello, src, dst, world, lane, 0, id.session, {}};
+  std::memcpy(h.secret, id.secret, sizeof(h.secret));
+  return h;
+}
+
+// "" for the magic of a hello, else what the first 4 bytes say instead.
+inline std::string hello_magic_problem(uint32_t magic) {
+  if (magic == kMagicHello) return "";
+  if (magic == kMagicHelloV1) return "a hello without the job identity (a moe_ep older than this one)";
+  char m[16];
+  std::snprintf(m, sizeof(m), "0x%08x", magic);
+  return std::string("not a moe_ep hello (magic ") + m + ")";
+}
+
+// "" when the first `nbytes` bytes `h` are a hello from a peer of this job (another rank of the
+// same world, meaning this rank, with this session's epoch and secret); else what is wrong, in
+// words that never contain a secret. The secrets are compared in constant time.
+inline std::string hello_mismatch(const WireHello& h, uint64_t nbytes, int rank, int world, const JobIdentity& id) {
+  if (nbytes < sizeof(WireHello))
+    return "a hello of " + std::to_string(nbytes) + " bytes (expected " + std::to_string(sizeof(WireHello)) +
+           (nbytes == 0 ? "; a moe_ep older than this one?)" : ")");
+  if (std::string why = hello_magic_problem(h.magic); !why.empty()) return why;
+  if (h.world != world)
+    return "world size " + std::to_string(h.world) + " (this job has " + std::to_string(world) + ")";
+  if (h.src_rank < 0 || h.src_rank >= world || h.src_rank == rank)
+    return "source rank " + std::to_string(h.src_rank) + " (not a peer of rank " + std::to_string(rank) +
+           " in a world of " + std::to_string(world) + ")";
+  if (h.dst_rank != rank) return "meant for rank " + std::to_string(h.dst_rank) + " (this is rank " + std::to_string(rank) + ")";
+  if (h.session != id.session)
+    return "session epoch " + std::to_string(h.session) + " (this session: " + std::to_string(id.session) +
+           "; a rank of another session or job)";
+  uint8_t diff = 0;
+  for (size_t i = 0; i < sizeof(h.secret); ++i) diff |= uint8_t(h.secret[i] ^ id.secret[i]);
+  if (diff != 0) return "the job secret does not match (a process outside this job)";
+  return "";
+}
+
+constexpr size_t kRefusalRecords = 64;
+
+// The refused connections and hellos of one engine: each is one line on stderr ("moe_ep: rank R:
+// refused ..."; at most kLinesPerSecond a second, the rest counted and named in the next line
+// printed) and kept (the last kRefusalRecords) for refused().
+class RefusalLog {
+ public:
+  void record(const std::string& line) {
+    std::lock_guard<std::mutex> lk(mu_);
+    ++total_;
+    lines_.push_back(line);
+    if (lines_.size() > kRefusalRecords) lines_.pop_front();
+    const int64_t now = steady_now_ns();
+    if (now - window_start_ >= 1'000'000'000) {
+      window_start_ = now;
+      printed_ = 0;
+    }
+    if (printed_ >= kLinesPerSecond) {
+      ++suppressed_;
+      return;
+    }
+    ++printed_;
+    std::string more;
+    if (suppressed_ > 0) more = " (and " + std::to_string(suppressed_) + " more refused before, not printed)";
+    suppressed_ = 0;
+    std::fprintf(stderr, "moe_ep: %s%s\n", line.c_str(), more.c_str());
+    std::fflush(stderr);
+  }
+  std::vector<std::string> lines(int64_t* total) const {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (total) *total = total_;
+    return std::vector<std::string>(lines_.begin(), lines_.end());
+  }
+
+ private:
+  static constexpr int kLinesPerSecond = 20;
+  mutable std::mutex mu_;
+  std::deque<std::string> lines_;
+  int64_t total_ = 0, window_start_ = 0, suppressed_ = 0;
+  int printed_ = 0;
+};
+
 // Registered regions; key k (1, 2, ...) is the k-th registration.
 template <class Region>
 class RegionTable {
@@ -65,7 +166,13 @@ class RegionTable {
   uint32_t add(const Region& r) {
     std::lock_guard<std::mutex> lk(mu_);
     v_.push_back(r);
+    max_len_ = std::max<uint64_t>(max_len_, r.len);
     return uint32_t(v_.size());
+  }
+  // The length of the largest region (0 when there is none).
+  uint64_t max_len() const {
+    std::lock_guard<std::mutex> lk(mu_);
+    return max_len_;
   }
   // The region of `key` when [off, off + len) lies inside it.
   bool lookup(uint32_t key, uint64_t off, uint64_t len, Region* out) const {
@@ -84,6 +191,7 @@ class RegionTable {
  private:
   mutable std::mutex mu_;
   std::vector<Region> v_;
+  uint64_t max_len_ = 0;
 };
 
 // The checks every connect() starts with (kOk, or the error code with the thread's error set).

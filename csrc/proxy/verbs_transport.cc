@@ -272,6 +272,10 @@ constexpr uint64_t kHelloTag = 1ull << 61;  // hello send wr_id: kHelloTag | att
 constexpr uint32_t kPsnMask = 0xFFFFFF;
 constexpr int kMaxNics = 16;
 constexpr uint64_t kShardAlign = 64;  // shards start at multiples of a cache line
+// Per NIC and peer, kHelloSlot bytes of the NIC's hello buffer: [0, 64) where the peer's hello
+// lands (every receive of that queue pair points there), [64, 64 + sizeof(WireHello)) the hello
+// this rank sends it.
+constexpr size_t kHelloSlot = 128, kHelloRecv = 64;
 
 std::string join(const std::vector<std::string>& v, const char* sep) {
   std::string s;
@@ -360,6 +364,8 @@ struct Nic {
   ibv::pd* pd = nullptr;
   ibv::comp_channel* ch = nullptr;
   ibv::cq* cq = nullptr;
+  std::vector<char> hello;   // kHelloSlot bytes per peer, registered as hello_mr
+  ibv::mr* hello_mr = nullptr;
   unsigned events_unacked = 0;  // its completion thread only
   std::thread thr;
 };
@@ -398,6 +404,7 @@ struct Link {
   std::atomic<bool> hello_recv{false};  // the peer's hello landed
   std::atomic<int> hello_status{-1};    // own hello: -1 pending, else its wc status
   std::atomic<uint32_t> hello_attempt{0};
+  std::string hello_refused;            // why the peer's last hello was refused (under conn_mu_)
 };
 
 struct Peer {
@@ -414,7 +421,8 @@ struct Peer {
 
 class VerbsTransport final : public Transport {
  public:
-  VerbsTransport(int rank, int world, const ibv::Api& v) : rank_(rank), world_(world), v_(v) {}
+  VerbsTransport(int rank, int world, const ibv::Api& v, const JobIdentity& id)
+      : rank_(rank), world_(world), v_(v), id_(id) {}
 
   // Takes the opened NICs (closed by the destructor from here on, even when start fails).
   int start(const std::vector<Selection>& sels) {
@@ -428,8 +436,8 @@ class VerbsTransport final : public Transport {
     for (int p = 0; p < world_; ++p) peers_.emplace_back(new Peer(k));
     const int peers = std::max(world_ - 1, 1);
     depth_ = std::max(16, std::min(512, 16384 / peers));
-    for (auto& np : nics_) {
-      Nic& n = *np;
+    for (size_t lane = 0; lane < nics_.size(); ++lane) {
+      Nic& n = *nics_[lane];
       n.pd = v_.alloc_pd(n.sel.ctx);
       if (!n.pd) return set_error(kErrSystem, prefix() + n.where + ": ibv_alloc_pd failed: " + strerror(errno));
       n.ch = v_.create_comp_channel(n.sel.ctx);
@@ -437,6 +445,13 @@ class VerbsTransport final : public Transport {
       fcntl(n.ch->fd, F_SETFL, fcntl(n.ch->fd, F_GETFL) | O_NONBLOCK);
       n.cq = v_.create_cq(n.sel.ctx, 2 * depth_ * peers + 16, nullptr, n.ch, 0);
       if (!n.cq) return set_error(kErrSystem, prefix() + n.where + ": ibv_create_cq failed: " + strerror(errno));
+      n.hello.assign(size_t(world_) * kHelloSlot, 0);
+      for (int p = 0; p < world_; ++p) {
+        const WireHello h = make_hello(id_, rank_, p, world_, int(lane));
+        std::memcpy(n.hello.data() + size_t(p) * kHelloSlot + kHelloRecv, &h, sizeof(h));
+      }
+      n.hello_mr = v_.reg_mr(n.pd, n.hello.data(), n.hello.size(), ibv::ACCESS_LOCAL_WRITE);
+      if (!n.hello_mr) return set_error(kErrSystem, prefix() + n.where + ": ibv_reg_mr of the hello buffer failed: " + strerror(errno));
     }
     std::mt19937 rng{std::random_device{}()};
     psn_ = rng() & kPsnMask;
@@ -486,6 +501,7 @@ class VerbsTransport final : public Transport {
       for (ibv::mr* m : r.mr)
         if (m) v_.dereg_mr(m);
     for (auto& n : nics_) {
+      if (n->hello_mr) v_.dereg_mr(n->hello_mr);
       if (n->pd) v_.dealloc_pd(n->pd);
       if (n->sel.ctx) v_.close_device(n->sel.ctx);
     }
@@ -647,7 +663,10 @@ class VerbsTransport final : public Transport {
                              "; own hello: " +
                              (hs < 0 ? "not acknowledged yet" : hs == 0 ? "acknowledged" : v_.wc_status_str(hs)) +
                              " (attempt " + std::to_string(l.hello_attempt.load()) + "); the peer's hello: " +
-                             (l.hello_recv ? "received" : "not received") + ")");
+                             (l.hello_recv                  ? "received"
+                              : l.hello_refused.empty() ? "not received"
+                                                        : "refused: " + l.hello_refused) +
+                             ")");
       }
       conn_cv_.wait_for(lk, std::chrono::nanoseconds(std::min<int64_t>(deadline - now, 20'000'000)));
     }
@@ -731,6 +750,7 @@ class VerbsTransport final : public Transport {
     cut_peer_ = f.cut_peer;
   }
   void set_op_timeout(int64_t ns) override { op_timeout_ns_ = ns; }
+  std::vector<std::string> refused(int64_t* total) const override { return refusals_.lines(total); }
   void set_min_shard_bytes(uint64_t n) override { min_shard_ = std::max<uint64_t>(n, 1); }
 
   int64_t cpu_ns() override {
@@ -888,10 +908,16 @@ class VerbsTransport final : public Transport {
     return kOk;
   }
 
+  // A receive of the queue pair to peer p on NIC i: a write with an immediate consumes it
+  // without using its buffer; the peer's hello lands in the buffer, its slot of the hello buffer.
   bool post_recv(int p, int i) {
+    const Nic& n = *nics_[size_t(i)];
+    ibv::sge sg{reinterpret_cast<uint64_t>(n.hello.data() + size_t(p) * kHelloSlot), uint32_t(kHelloRecv),
+                n.hello_mr->lkey};
     ibv::recv_wr w{};
     w.wr_id = kRecvTag | uint64_t(p);
-    w.num_sge = 0;  // writes with immediates land in registered memory; hellos carry no bytes
+    w.sg_list = &sg;
+    w.num_sge = 1;
     ibv::recv_wr* bad = nullptr;
     std::shared_lock<std::shared_mutex> lk(qp_mu_);
     ibv::qp* q = link(p, i).qp;
@@ -944,15 +970,20 @@ class VerbsTransport final : public Transport {
                   "RTS");
   }
 
-  // A zero-byte SEND: the peer sees a receive completion (not a write with an immediate), so
-  // no immediate value is reserved for the handshake.
+  // A SEND of this rank's WireHello to the peer on NIC i (the job identity, this rank, the peer,
+  // the NIC index): the peer sees a receive completion, not a write with an immediate, so no
+  // immediate value is reserved for the handshake.
   int send_hello(int p, int i) {
     Link& l = link(p, i);
     const uint32_t attempt = ++l.hello_attempt;
     l.hello_status = -1;
+    const Nic& n = *nics_[size_t(i)];
+    ibv::sge sg{reinterpret_cast<uint64_t>(n.hello.data() + size_t(p) * kHelloSlot + kHelloRecv),
+                uint32_t(sizeof(WireHello)), n.hello_mr->lkey};
     ibv::send_wr w{};
     w.wr_id = kHelloTag | (uint64_t(attempt) << 20) | uint64_t(p);
-    w.num_sge = 0;
+    w.sg_list = &sg;
+    w.num_sge = 1;
     w.opcode = ibv::WR_SEND;
     w.send_flags = ibv::SEND_SIGNALED;
     ibv::send_wr* bad = nullptr;
@@ -1031,6 +1062,18 @@ class VerbsTransport final : public Transport {
     }
   }
 
+  // "" when the `len` bytes that landed in peer p's hello slot on NIC i are its hello for this
+  // job, this rank and this NIC; else what is wrong (never the secret).
+  std::string hello_problem(int p, int i, uint32_t len) const {
+    WireHello h{};
+    std::memcpy(&h, nics_[size_t(i)]->hello.data() + size_t(p) * kHelloSlot, std::min<size_t>(len, sizeof(h)));
+    std::string why = hello_mismatch(h, len, rank_, world_, id_);
+    if (why.empty() && h.src_rank != p)
+      why = "it says rank " + std::to_string(h.src_rank) + ", on the queue pair of rank " + std::to_string(p);
+    if (why.empty() && h.lane != i) why = "it says NIC " + std::to_string(h.lane) + ", on NIC " + std::to_string(i);
+    return why;
+  }
+
   std::string wc_error(const ibv::wc& w) const {
     std::ostringstream s;
     s << v_.wc_status_str(w.status) << " (wc status " << w.status << ", vendor error 0x" << std::hex << w.vendor_err << ")";
@@ -1052,10 +1095,15 @@ class VerbsTransport final : public Transport {
       if (w.opcode == ibv::WC_RECV_RDMA_WITH_IMM) {
         imm_.add(ntohl(w.imm_data), 1);  // one shard of a write: imm_per_write() of them make it
       } else if (w.opcode == ibv::WC_RECV) {
+        const std::string why = hello_problem(p, i, w.byte_len);
         {
           std::lock_guard<std::mutex> lk(conn_mu_);
-          l.hello_recv = true;
+          if (why.empty()) l.hello_recv = true;
+          else l.hello_refused = why;
         }
+        if (!why.empty())
+          refusals_.record(prefix() + "refused the hello on the queue pair of peer " + std::to_string(p) + " (" +
+                           peer_where(p, i) + "): " + why);
         conn_cv_.notify_all();
       }
       if (!pr.lost && !post_recv(p, i)) lose_peer(p, "re-posting a receive failed", kCqPeerLost, i);
@@ -1087,6 +1135,8 @@ class VerbsTransport final : public Transport {
 
   const int rank_, world_;
   const ibv::Api& v_;
+  const JobIdentity id_;
+  RefusalLog refusals_;
   std::vector<std::unique_ptr<Nic>> nics_;
   int depth_ = 16;
   uint32_t psn_ = 0;
@@ -1108,7 +1158,8 @@ class VerbsTransport final : public Transport {
 
 }  // namespace
 
-Transport* create_verbs_transport(int rank, int world, const std::string& device, int port, int gid_index, int nics) {
+Transport* create_verbs_transport(int rank, int world, const std::string& device, int port, int gid_index, int nics,
+                                  const JobIdentity& id) {
   const std::string pre = "rank " + std::to_string(rank) + ": ";
   if (bad_rank(rank, world)) return nullptr;
   if (world > (1 << 20)) return set_error(kErrInvalid, pre + "verbs: world size too large"), nullptr;
@@ -1118,7 +1169,7 @@ Transport* create_verbs_transport(int rank, int world, const std::string& device
   std::vector<Selection> sels;
   if (!open_nics(*v, device, port, gid_index, nics, &sels, &why))
     return set_error(kErrInvalid, pre + "verbs: " + why), nullptr;
-  auto* t = new VerbsTransport(rank, world, *v);
+  auto* t = new VerbsTransport(rank, world, *v, id);
   if (t->start(sels) != kOk) {
     const std::string msg = thread_error();
     delete t;

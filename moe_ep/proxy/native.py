@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import math
 import os
 import re
 import subprocess
@@ -23,6 +24,7 @@ import threading
 from typing import NamedTuple, Sequence
 
 from ..errors import CapacityError, CommTimeoutError
+from .identity import JobIdentity
 
 # Return codes (csrc/proxy/imm_counter.h) and completion status (csrc/proxy/transport.h).
 OK, ERR_TIMEOUT, ERR_PEER, ERR_INVALID, ERR_SYSTEM = 0, 1, 2, -1, -2
@@ -111,8 +113,8 @@ def lib() -> ctypes.CDLL:
             _c(L, "moe_ep_imm_wait", i32, vp, u32, i64, i64)
             _c(L, "moe_ep_imm_value", i64, vp, u32)
             _c(L, "moe_ep_imm_stress", i32, vp, u32, i32, i64)
-            _c(L, "moe_ep_engine_create", vp, cp, i32, i32, i32, cp)
-            _c(L, "moe_ep_engine_create_verbs", vp, i32, i32, cp, i32, i32, i32)
+            _c(L, "moe_ep_engine_create", vp, cp, i32, i32, i32, cp, cp, u64)
+            _c(L, "moe_ep_engine_create_verbs", vp, i32, i32, cp, i32, i32, i32, cp, u64)
             _c(L, "moe_ep_engine_imm_per_write", i32, vp)
             _c(L, "moe_ep_shard_bounds", i32, u64, i32, u64, u64, ctypes.POINTER(u64))
             _c(L, "moe_ep_verbs_probe", i32, cp, sz)
@@ -122,7 +124,7 @@ def lib() -> ctypes.CDLL:
             _c(L, "moe_ep_memory_type", i32, vp)
             _c(L, "moe_ep_cuda_dmabuf_fd", i32, vp, u64, ctypes.POINTER(i32), ctypes.POINTER(u64))
             _c(L, "moe_ep_verbs_probe_device", i32, cp, i32, cp, sz)
-            _c(L, "moe_ep_engine_create_efa", vp, i32, i32, cp)
+            _c(L, "moe_ep_engine_create_efa", vp, i32, i32, cp, cp, u64)
             _c(L, "moe_ep_efa_probe", i32, cp, cp, sz)
             _c(L, "moe_ep_efa_check_caps", i32, u32, cp, sz)
             _c(L, "moe_ep_rdma_devices", i32, cp, sz)
@@ -136,6 +138,9 @@ def lib() -> ctypes.CDLL:
             _c(L, "moe_ep_set_fault", i32, vp, i64, i32, i32, i64)
             _c(L, "moe_ep_set_op_timeout", i32, vp, i64)
             _c(L, "moe_ep_set_min_shard_bytes", i32, vp, u64)
+            _c(L, "moe_ep_set_hello_timeout", i32, vp, i64)
+            _c(L, "moe_ep_set_max_pending", i32, vp, i32)
+            _c(L, "moe_ep_engine_refused", i32, vp, cp, sz, ctypes.POINTER(i64))
             _c(L, "moe_ep_peer_error", i32, vp, i32, cp, sz)
             _c(L, "moe_ep_engine_cpu_ns", i64, vp)
             _c(L, "moe_ep_rank", i32, vp)
@@ -154,7 +159,7 @@ def lib() -> ctypes.CDLL:
             _c(L, "moe_ep_bench_post", i32, vp, i32, u32, u64, u32, u64, u64, u32, i64, i64, i64,
                ctypes.POINTER(i64))
             _c(L, "moe_ep_bench_drive", i32, ctypes.POINTER(i64), i64, i64, i32, i64, i64, i64, ctypes.POINTER(i64))
-            if L.moe_ep_abi_version() != 4:
+            if L.moe_ep_abi_version() != 5:
                 raise NativeError("native proxy library has an unexpected ABI version; rebuild moe_ep")
             _lib = L
         return _lib
@@ -287,6 +292,21 @@ class _Closable:
             pass
 
 
+class Refused(NamedTuple):
+    """Connections and hellos an engine refused: how many in all, and the last 64 lines (oldest
+    first; each names the address and what was wrong)."""
+    total: int
+    recent: list
+
+
+def _identity(identity: JobIdentity | None) -> JobIdentity:
+    if identity is None:
+        return JobIdentity.none()
+    if not isinstance(identity, JobIdentity):
+        raise ValueError(f"identity: expected a moe_ep.proxy.JobIdentity or None, got {type(identity).__name__}")
+    return identity
+
+
 class Engine(_Closable):
     """One rank's proxy engine: a transport (``"tcp"``) plus the ImmCounter its receives feed.
 
@@ -294,20 +314,26 @@ class Engine(_Closable):
     agree), exchange ``e.endpoint`` strings, ``e.connect(endpoints)``, then ``post_write`` /
     ``poll`` on the sender and ``e.imm.wait`` on the receiver. ``connect`` once; ``close`` only
     after every call on the engine (and its ``imm``) has returned.
+
+    ``identity``: the ``JobIdentity`` every hello of this engine carries and every peer's hello
+    must carry (``start_proxy`` gives each session a new one, drawn by rank 0); the engines of one
+    job need the same. None: the all-zero identity, for engines connected by hand.
     """
 
     def __init__(self, rank: int, world: int, streams: int = 4, bind_host: str = "127.0.0.1",
-                 transport: str = "tcp"):
+                 transport: str = "tcp", *, identity: JobIdentity | None = None):
         self._lib = lib()
-        self._adopt(self._lib.moe_ep_engine_create(transport.encode(), rank, world, streams, bind_host.encode()),
-                    rank, world, transport)
+        ident = _identity(identity)
+        self._adopt(self._lib.moe_ep_engine_create(transport.encode(), rank, world, streams, bind_host.encode(),
+                                                   ident.secret, ident.session),
+                    rank, world, transport, ident)
         self.streams = streams
 
-    def _adopt(self, handle, rank: int, world: int, transport: str) -> None:
+    def _adopt(self, handle, rank: int, world: int, transport: str, identity: JobIdentity) -> None:
         self._h = handle
         if not self._h:
             _raise(ERR_SYSTEM, f"rank {rank}: creating the {transport} engine failed")
-        self.rank, self.world, self.transport = rank, world, transport
+        self.rank, self.world, self.transport, self.identity = rank, world, transport, identity
         self._keep: list = []  # registered objects stay alive as long as the engine
         self.imm = ImmCounter(self._lib.moe_ep_engine_imm(self._h), _owner=self, rank=rank)
 
@@ -425,6 +451,14 @@ class Engine(_Closable):
         """Why the peer was lost ('' while it is healthy)."""
         return _str(self._lib.moe_ep_peer_error, self._h, peer)
 
+    def refused(self) -> Refused:
+        """The connections (tcp) and hellos (verbs, efa) this engine refused: a wrong job secret,
+        session, world, rank or format, a second connection for a stream, no hello in time, too
+        many waiting. Each was also one line on stderr (at most 20 a second)."""
+        total = ctypes.c_int64()
+        text = _str(lambda buf, n: self._lib.moe_ep_engine_refused(self._h, buf, n, ctypes.byref(total)))
+        return Refused(total.value, text.splitlines())
+
     def close(self) -> None:
         if getattr(self, "_h", None):
             self._lib.moe_ep_engine_destroy(self._h)
@@ -432,13 +466,62 @@ class Engine(_Closable):
             self.imm._h = None
 
 
+HELLO_TIMEOUT_S, MAX_PENDING = 10.0, 256  # the tcp defaults (csrc/proxy/tcp_transport.cc)
+
+
+def _positive(value, kind: type, what: str):
+    """``value`` as a positive ``kind`` (``float``: finite; ``int``: whole), else ``ValueError``
+    naming ``what``."""
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+          and (kind is float or int(value) == value))
+    if not ok:
+        raise ValueError(f"{what}: expected a positive {'number' if kind is float else 'integer'}, got {value!r}")
+    return kind(value)
+
+
+def _setting(value, what: str, env: str, default, kind: type):
+    """The argument ``value`` (named ``what``), else the environment variable ``env``, else
+    ``default``; a positive ``kind`` either way."""
+    if value is not None:
+        return _positive(value, kind, what)
+    text = os.environ.get(env, "").strip()
+    if not text:
+        return default
+    try:
+        return _positive(kind(text), kind, f"{env}={text!r}")
+    except ValueError:
+        raise ValueError(f"{env}={text!r}: expected a positive {'number' if kind is float else 'integer'}") from None
+
+
 class TcpTransport(Engine):
     """Engine over TCP: ``streams`` sockets per peer and direction; successive writes go to
     successive streams and a large one is sharded across them (shards of at least 16 KiB,
-    ``set_min_shard_bytes``), so delivery is unordered. One epoll I/O thread per engine."""
+    ``set_min_shard_bytes``), so delivery is unordered. One epoll I/O thread per engine.
 
-    def __init__(self, rank: int, world: int, streams: int = 4, bind_host: str = "127.0.0.1"):
-        super().__init__(rank, world, streams, bind_host, transport="tcp")
+    The listener takes a connection as a peer's only after its hello (``identity``, see
+    ``Engine``): an accepted connection without a valid hello within ``hello_timeout_s`` (default
+    ``MOE_EP_TCP_HELLO_TIMEOUT``, else 10 s) is closed, and at most ``max_pending`` (default
+    ``MOE_EP_TCP_MAX_PENDING``, else 256) wait for theirs; one more closes the oldest."""
+
+    def __init__(self, rank: int, world: int, streams: int = 4, bind_host: str = "127.0.0.1", *,
+                 identity: JobIdentity | None = None, hello_timeout_s: float | None = None,
+                 max_pending: int | None = None):
+        hello_timeout_s = _setting(hello_timeout_s, "hello_timeout_s", "MOE_EP_TCP_HELLO_TIMEOUT", HELLO_TIMEOUT_S, float)
+        max_pending = _setting(max_pending, "max_pending", "MOE_EP_TCP_MAX_PENDING", MAX_PENDING, int)
+        super().__init__(rank, world, streams, bind_host, transport="tcp", identity=identity)
+        self.set_hello_timeout(hello_timeout_s)
+        self.set_max_pending(max_pending)
+
+    def set_hello_timeout(self, timeout_s: float) -> None:
+        """Accepted connections without a valid hello after ``timeout_s`` seconds are closed
+        (applies to connections accepted from now on)."""
+        self.hello_timeout_s = timeout_s = _positive(timeout_s, float, "timeout_s")
+        self._lib.moe_ep_set_hello_timeout(self._h, _ns(timeout_s))
+
+    def set_max_pending(self, n: int) -> None:
+        """At most ``n`` accepted connections wait for their hello; one more closes the oldest."""
+        self.max_pending = n = _positive(n, int, "max_pending")
+        self._lib.moe_ep_set_max_pending(self._h, min(n, 2**31 - 1))
 
 
 def verbs_probe(device: str | None = None, port: int = 0) -> tuple[bool, str]:
@@ -539,12 +622,14 @@ class VerbsTransport(Engine):
     ``NativeError`` naming what is missing."""
 
     def __init__(self, rank: int, world: int, device: str | Sequence[str] | None = None, port: int = 0,
-                 gid_index: int = -1, nics: int = 0):
+                 gid_index: int = -1, nics: int = 0, *, identity: JobIdentity | None = None):
         self._lib = lib()
         if device is not None and not isinstance(device, str):
             device = ",".join(device)
-        self._adopt(self._lib.moe_ep_engine_create_verbs(rank, world, (device or "").encode(), port, gid_index, nics),
-                    rank, world, "verbs")
+        ident = _identity(identity)
+        self._adopt(self._lib.moe_ep_engine_create_verbs(rank, world, (device or "").encode(), port, gid_index, nics,
+                                                         ident.secret, ident.session),
+                    rank, world, "verbs", ident)
         self.streams = 1
         self.nics = self.imm_per_write
 
@@ -571,9 +656,11 @@ class EfaTransport(Engine):
     retry). Register every region before reading ``endpoint``. Creating one where this cannot
     work raises ``NativeError`` naming what is missing."""
 
-    def __init__(self, rank: int, world: int, device: str | None = None):
+    def __init__(self, rank: int, world: int, device: str | None = None, *, identity: JobIdentity | None = None):
         self._lib = lib()
-        self._adopt(self._lib.moe_ep_engine_create_efa(rank, world, (device or "").encode()), rank, world, "efa")
+        ident = _identity(identity)
+        self._adopt(self._lib.moe_ep_engine_create_efa(rank, world, (device or "").encode(), ident.secret,
+                                                       ident.session), rank, world, "efa", ident)
         self.streams = 1
 
 
@@ -635,6 +722,18 @@ class PhaseRecord(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int64) for n in ("kind", "epoch", "seen_ns", "mid_ns", "ready_ns", "cpu_ns")]
 
 
+def proxy_region_bytes(world_size: int, *, node_size: int, num_local_experts: int, row_bytes: int,
+                       comb_row_bytes: int, private_capacity: int, overflow_capacity: int,
+                       max_send_rows: int) -> dict[str, int]:
+    """The minimum byte size of each region (``REGION_NAMES``) of a ``Proxy`` with these arguments
+    (the native ``moe_ep_proxy_region_bytes``), for a caller that passes its own ``regions``."""
+    cfg = ProxyConfig(0, world_size, node_size, num_local_experts, row_bytes, comb_row_bytes, private_capacity,
+                      overflow_capacity, max_send_rows, 0, 0, 0)
+    need = (ctypes.c_uint64 * 5)()
+    lib().moe_ep_proxy_region_bytes(ctypes.byref(cfg), need)
+    return dict(zip(REGION_NAMES, (int(n) for n in need)))
+
+
 class Proxy(_Closable):
     """One rank's §10 proxy on a (not yet or already connected) ``Engine``.
 
@@ -670,9 +769,10 @@ class Proxy(_Closable):
         self.private_capacity, self.overflow_capacity = private_capacity, overflow_capacity
         self.max_send_rows = max_send_rows
         self.slot_bytes = self.hdr_bytes + private_capacity * row_bytes  # one round-1 slot
-        need = (ctypes.c_uint64 * 5)()
-        self._lib.moe_ep_proxy_region_bytes(ctypes.byref(self.cfg), need)
-        self.region_bytes = dict(zip(REGION_NAMES, need))
+        self.region_bytes = proxy_region_bytes(self.world, node_size=node_size, num_local_experts=num_local_experts,
+                                               row_bytes=row_bytes, comb_row_bytes=comb_row_bytes,
+                                               private_capacity=private_capacity,
+                                               overflow_capacity=overflow_capacity, max_send_rows=max_send_rows)
         regions = dict(regions or {})
         for name in REGION_NAMES:
             if name not in regions:

@@ -7,6 +7,10 @@ rank has a usable EFA device, else verbs when every rank has another usable verb
 tcp. Each rank's NIC is the one nearest its GPU (``moe_ep.proxy.nic``; ``MOE_EP_IB_DEVICE``
 overrides it; ``MOE_EP_IB_NICS=k``: the k nearest, over which verbs shards every write; every
 rank must open as many). Rank 0 logs the choice, why, and its NIC(s) in one line.
+
+Each session gets a new ``JobIdentity`` (``identity.agree_identity``: rank 0 draws a 128-bit
+secret and a session epoch, every rank gets them through the process group); the engines check
+it in every hello, so only this session's ranks get in (docs/ARCHITECTURE.md §9, "Who gets in").
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import socket
 from typing import TYPE_CHECKING, Callable, Optional
 
 from . import nic as _nic
+from .identity import agree_identity
 from .native import (EfaTransport, Engine, NativeError, Proxy, TcpTransport, VerbsTransport, efa_probe,
                      verbs_probe)
 
@@ -142,16 +147,21 @@ def start_proxy(group: EPGroup, *, num_local_experts: int, row_bytes: int, comb_
 
     ``bind_host``: the address peers reach this rank at (default ``MOE_EP_TCP_HOST``, else loopback
     when every rank shares this host, else this host's address). ``regions`` / ``mailbox``: the
-    memory to use (``Proxy``'s arguments; default: numpy arrays it allocates).
+    memory to use (``Proxy``'s arguments; default: numpy arrays it allocates). The engine gets
+    this session's ``JobIdentity`` (drawn by rank 0); tcp takes ``MOE_EP_TCP_HELLO_TIMEOUT`` and
+    ``MOE_EP_TCP_MAX_PENDING`` (``TcpTransport``).
     """
     engine: Engine
     kind, nic = _agreed_transport(group, transport)
+    identity = agree_identity(group)
     if kind == "verbs":
-        engine = VerbsTransport(group.rank, group.world_size, device=nic.spec, port=nic.port or 0, nics=nic.nics)
+        engine = VerbsTransport(group.rank, group.world_size, device=nic.spec, port=nic.port or 0, nics=nic.nics,
+                                identity=identity)
     elif kind == "efa":
-        engine = EfaTransport(group.rank, group.world_size, device=nic.device)
+        engine = EfaTransport(group.rank, group.world_size, device=nic.device, identity=identity)
     else:
-        engine = TcpTransport(group.rank, group.world_size, streams=streams, bind_host=bind_host or _bind_host(group))
+        engine = TcpTransport(group.rank, group.world_size, streams=streams, bind_host=bind_host or _bind_host(group),
+                              identity=identity)
     proxy = Proxy(engine, node_size=group.node_size, num_local_experts=num_local_experts, row_bytes=row_bytes,
                   comb_row_bytes=comb_row_bytes, private_capacity=private_capacity,
                   overflow_capacity=overflow_capacity, max_send_rows=max_send_rows, timeout_s=timeout_s,
