@@ -82,6 +82,40 @@ def test_start_proxy_round_trips(R, node_size, cap):
     assert all(len(r) == 3 for r in results), results
 
 
+def _identity_worker(rank, R):
+    import moe_ep
+    from moe_ep.proxy.session import start_proxy
+
+    group = moe_ep.EPGroup(node_size=1)
+    out = []
+    for _ in range(2):  # two sessions, one after the other
+        px = start_proxy(group, num_local_experts=EL, row_bytes=RB, comb_row_bytes=CRB, private_capacity=1,
+                         overflow_capacity=8, max_send_rows=8, timeout_s=20, streams=2)
+        try:
+            e = px.engine
+            group.barrier()  # every rank connected: nothing of this session may have been refused
+            out.append((e.identity.secret, e.identity.session, e.refused().total,
+                        [e.peer_error(p) for p in range(R) if p != rank]))
+            group.barrier()
+        finally:
+            px.close()
+            px.engine.close()
+    return out
+
+
+def test_each_session_has_its_own_identity():
+    """start_proxy: rank 0 draws the session's secret and epoch, every rank's engine gets them, no
+    connection of the session's own ranks is refused, and the next session has another secret."""
+    results = dist_util.run(3, _identity_worker, timeout=120)
+    for session in range(2):
+        got = {r[session][:2] for r in results}
+        assert len(got) == 1, "the ranks' engines got different identities"
+        (secret, epoch), = got
+        assert len(secret) == 16 and secret != bytes(16) and epoch > 0
+        assert all(r[session][2] == 0 and r[session][3] == ["", ""] for r in results), results
+    assert results[0][0][0] != results[0][1][0] and results[0][1][1] >= results[0][0][1]
+
+
 def test_default_private_capacity():
     from moe_ep.proxy.session import default_private_capacity
 
