@@ -156,6 +156,9 @@ class EPBuffer:
         self.block_t = _pow2(-(-max_tokens // self.chunks))  # the largest chunk of any source
         self.hist = torch.zeros(num_experts, self.chunks, dtype=torch.int32, device=dev)
         self.recv_pos = torch.zeros(N, M, topk, dtype=torch.int32, device=dev)
+        # This rank's expert ids of the latest dispatch (written by its send half, -1 where none or
+        # out of range): combine reads these, not the caller's topk_idx, which may be reused.
+        self.route_idx = torch.full((M, topk), -1, dtype=torch.int32, device=dev)
         self.block_el = max(2, 1 << (EL - 1).bit_length())
         self.scratch = torch.zeros(self.num_programs, self.block_el, dtype=torch.int32, device=dev)
         if layout == "masked":

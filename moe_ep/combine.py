@@ -22,10 +22,10 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False)
     out = torch.empty(T, buf.hidden, dtype=torch.bfloat16, device=buf.device)
     # With other nodes the node owners' sum stays float32 until the remote rows are added.
     base = torch.empty(T, buf.hidden, dtype=torch.float32, device=buf.device) if rp is not None else out
-    idx = handle.topk_idx
+    idx = buf.route_idx[:T]  # the dispatch's expert ids, kept by the buffer: the caller's topk_idx may be reused
     args = (expert_y, idx, base, buf._ws_ptr, buf.workspace.peer_ptrs, buf.state, buf.err, buf.recv_pos,
             buf._timeout_ns, T)
-    key = ("combine", idx.dtype, _aligned(expert_y), _aligned(idx), _aligned(base))
+    key = ("combine", _aligned(expert_y), _aligned(base))
     epoch = buf._epochs[1] + 1
     consts = lambda: _combine_consts(buf)  # noqa: E731
     dyn = (0, 1, 2, 9)

@@ -111,7 +111,8 @@ def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = 
     rp = buf.remote
     args = (x.view(torch.uint8) if fp8_in else x, xs, topk_idx, topk_weights, buf.hist, buf.workspace.peer_ptrs,
             buf._ws_ptr, buf.state, buf.err, buf.expert_x_words, buf._out_scales, buf.expert_counts, buf._out_offsets,
-            buf.recv_pos, buf.scratch, rp.state.sel if rp is not None else buf.scratch, T, BT, NC, buf._timeout_ns)
+            buf.recv_pos, buf.scratch, rp.state.sel if rp is not None else buf.scratch, buf.route_idx, T, BT, NC,
+            buf._timeout_ns)
     key = ("dispatch", fp8_in, direct, topk_idx.dtype, _aligned(x), _aligned(xs), _aligned(topk_idx),
            _aligned(topk_weights))
     epoch = buf._epochs[0] + 1
@@ -148,7 +149,7 @@ def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = 
     buf._epochs[0] = epoch
     buf._serial += 1
     result = DispatchResult(buf.expert_x, buf.expert_scales, buf.expert_counts, buf.expert_offsets,
-                            num_tokens=T, topk_idx=topk_idx, _buffer=buf, _serial=buf._serial)
+                            num_tokens=T, _buffer=buf, _serial=buf._serial)
     if recv is not None:
         return result, buf._make_hook("dispatch", recv)
     if buf.interp:
@@ -156,7 +157,7 @@ def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = 
     return result
 
 
-_DISPATCH_DYNAMIC = (0, 1, 2, 3, 16, 17, 18)  # x, x_scales, topk_idx, topk_weights, T, BT, NC
+_DISPATCH_DYNAMIC = (0, 1, 2, 3, 17, 18, 19)  # x, x_scales, topk_idx, topk_weights, T, BT, NC
 
 
 SMEM_BUDGET = 160 * 1024  # bytes of shared memory the pipelined loops' stages may take (H100/H200: 227 KB)

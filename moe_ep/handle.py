@@ -24,6 +24,5 @@ class DispatchResult:
     expert_counts: torch.Tensor
     expert_offsets: Optional[torch.Tensor]
     num_tokens: int = 0
-    topk_idx: Optional[torch.Tensor] = field(default=None, repr=False)
     _buffer: object = field(default=None, repr=False)
     _serial: int = field(default=0, repr=False)

@@ -20,7 +20,7 @@ from .common import PHASE_COMBINE, chunking, deadline_start, ptr_at, raise_flag,
 @triton.jit(do_not_specialize=['ws', 'timeout_ns', 'T'])
 def combine_kernel(
     y_ptr,             # bf16 [rows, H]: expert outputs in the layout of expert_x
-    topk_ptr,          # [T, K] int32/int64: the routing given to dispatch
+    topk_ptr,          # int32 [T, K]: the dispatch's expert ids (the buffer's copy, -1 where none)
     out_ptr,           # bf16 [T, H]; float32 when BASE_F32 (the node owners' sum, before the remote ones)
     ws,                # int: address of this rank's workspace
     peer_ptr,          # int64 [N]: workspace base of each node peer

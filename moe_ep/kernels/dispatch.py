@@ -46,14 +46,15 @@ def _local_counts(topk_ptr, hist_ptr, T, NC, d, E: tl.constexpr, EL: tl.constexp
 
 
 @triton.jit
-def _send_chunk(c, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, T, BT, epoch, par,
+def _send_chunk(c, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, route_ptr, T, BT, epoch, par,
                 off_dflag: tl.constexpr, off_meta_i: tl.constexpr, off_meta_w: tl.constexpr, off_rows: tl.constexpr,
                 RANK: tl.constexpr, NODE0: tl.constexpr, N: tl.constexpr, M: tl.constexpr, K: tl.constexpr,
                 E: tl.constexpr, EL: tl.constexpr, H: tl.constexpr, NB: tl.constexpr, RB: tl.constexpr,
                 CMAX: tl.constexpr, FP8: tl.constexpr, PREQ: tl.constexpr, DIRECT: tl.constexpr, BLOCK_T: tl.constexpr,
                 BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr,
                 INTERP: tl.constexpr):
-    """Chunk ``c`` (tokens [c*BT, (c+1)*BT)): metadata to every peer, the payload once per
+    """Chunk ``c`` (tokens [c*BT, (c+1)*BT)): the buffer's copy of its expert ids (what combine
+    reads, so the caller may reuse ``topk_idx``), metadata to every peer, the payload once per
     destination rank, then the chunk's flag in every peer."""
     S: tl.constexpr = BLOCK_T * BLOCK_K
     tt = tl.arange(0, BLOCK_T)
@@ -70,6 +71,7 @@ def _send_chunk(c, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, 
         if bad > 0:
             record_error(err_ptr, ERR_BAD_EXPERT, -1, PHASE_DISPATCH, epoch, bad)
     ids = tl.where(valid, ids, -1)
+    tl.store(route_ptr + t[:, None] * K + kk[None, :], ids, mask=m2)
     w = tl.load(w_ptr + t[:, None] * K + kk[None, :], mask=m2, other=0.0)
     idf = tl.reshape(ids, (S,))
     vf = idf >= 0
@@ -205,6 +207,7 @@ def dispatch_kernel(
     recv_pos_ptr,      # int32 [N, M, K]: row of each (source, slot, k) in the expert layout, or -1
     scratch_ptr,       # int32 [P, BLOCK_EL]: this program's copy of the packed expert offsets
     sel_ptr,           # int32 [R, EL] count matrix (GLOBAL only): selections per source and local expert
+    route_ptr,         # int32 [M, K]: this rank's expert ids (-1 where none or out of range), read by combine
     T, BT, NC,         # tokens, tokens per chunk, chunks (of this rank)
     timeout_ns,
     off_hflag: tl.constexpr, off_dflag: tl.constexpr, off_hdr: tl.constexpr, off_meta_i: tl.constexpr,
@@ -237,7 +240,7 @@ def dispatch_kernel(
             tl.debug_barrier()
             raise_flag(ptr_at(base, off_hflag, tl.int64) + RANK, epoch)
         if pid < NC:
-            _send_chunk(pid, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, T, BT, epoch, par,
+            _send_chunk(pid, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, route_ptr, T, BT, epoch, par,
                         off_dflag, off_meta_i, off_meta_w, off_rows, RANK, NODE0, N, M, K, E, EL, H, NB, RB, CMAX,
                         FP8, PREQ, DIRECT, BLOCK_T, BLOCK_K, BLOCK_C, BLOCK_H, STAGES, INTERP)
     ok = tl.full([], 1, tl.int32)
@@ -280,8 +283,8 @@ def dispatch_kernel(
     for i in range(pid + LAG, end, P):
         if SEND:
             if i < NC:
-                _send_chunk(i, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, T, BT, epoch, par,
-                            off_dflag, off_meta_i, off_meta_w, off_rows, RANK, NODE0, N, M, K, E, EL, H, NB, RB, CMAX,
+                _send_chunk(i, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, route_ptr, T, BT, epoch,
+                            par, off_dflag, off_meta_i, off_meta_w, off_rows, RANK, NODE0, N, M, K, E, EL, H, NB, RB, CMAX,
                             FP8, PREQ, DIRECT, BLOCK_T, BLOCK_K, BLOCK_C, BLOCK_H, STAGES, INTERP)
         if RECV:
             if ok != 0:

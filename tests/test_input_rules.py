@@ -1,0 +1,82 @@
+"""The input rules of README ("Input rules"), each against the oracle on CPU ranks:
+
+- combine does not read the caller's ``topk_idx`` again: the caller may reuse it after dispatch;
+- non-finite values: bf16 dispatch carries them bit for bit, an fp8 block holding one becomes NaN
+  (scale and bytes, as ``moe_ep.fp8`` defines), and combine propagates them;
+- a masked-layout overflow raises ``CapacityError`` on the receiving rank and on the senders
+  (naming the receiving rank and expert), never a timeout.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dist_util
+
+FP8 = torch.float8_e4m3fn
+
+
+def _inputs(rank: int, T: int, H: int, E: int, K: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    x = (torch.randn(T, H, generator=g) * 4).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    idx[1::4, -1] = -1
+    w = torch.rand(T, K, generator=g)
+    return x, idx, w
+
+
+def _expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+    return rows * (1.0 + 0.25 * e) - e
+
+
+def _apply_experts(h, buf, first: int) -> torch.Tensor:
+    """expert_y for ``_expert`` from a dispatch result (masked or packed), bf16."""
+    from moe_ep.fp8 import dequantize_fp8
+
+    y = torch.zeros(h.expert_x.shape, dtype=torch.bfloat16)
+    for e in range(buf.num_local_experts):
+        c = int(h.expert_counts[e])
+        o = 0 if h.expert_offsets is None else int(h.expert_offsets[e])
+        sl = (e, slice(0, c)) if h.expert_offsets is None else (slice(o, o + c),)
+        rows = h.expert_x[sl]
+        vals = rows.float() if h.expert_scales is None else dequantize_fp8(rows, h.expert_scales[sl])
+        y[sl] = _expert(first + e, vals).to(torch.bfloat16)
+    return y
+
+
+def _close(out: torch.Tensor, want: torch.Tensor) -> bool:
+    """Two bf16 roundings (the owners' partial sums, then the output) against a float32 oracle."""
+    return bool(((out.float() - want).abs() <= 2e-2 * want.abs() + 1e-2).all())
+
+
+# ---------------------------------------------------------------------------- topk_idx reuse
+def _reuse_worker(rank, world_size, node_size, layout, dtype):
+    import moe_ep
+    from moe_ep.reference import reference_moe
+
+    group = moe_ep.EPGroup(node_size=node_size)
+    E, H, M, K = 2 * world_size, 128, 8, 2
+    x, idx, w = _inputs(rank, 6, H, E, K, seed=1)
+    keep = idx.clone()
+    want = reference_moe(group, E, x, keep, w, _expert, dispatch_dtype=dtype)
+    res = {}
+    with moe_ep.EPBuffer(group, E, H, M, K, dispatch_dtype=dtype, layout=layout, timeout_s=20) as buf:
+        first = rank * buf.num_local_experts
+        for how in ("fill -1", "other experts"):
+            h = buf.dispatch(x, idx, w)
+            y = _apply_experts(h, buf, first)
+            # The caller reuses its routing tensor before combine (the next micro-batch's router).
+            idx.copy_(torch.full_like(idx, -1) if how == "fill -1" else (keep + 1) % E)
+            out = buf.combine(y, h)
+            res[how] = _close(out, want)
+            idx.copy_(keep)
+    return res
+
+
+@pytest.mark.parametrize("node_size,layout,dtype", [(2, "masked", torch.bfloat16), (2, "packed", FP8),
+                                                     (1, "packed", torch.bfloat16)],
+                         ids=["node-masked-bf16", "node-packed-fp8", "internode-packed-bf16"])
+def test_combine_does_not_reread_topk_idx(node_size, layout, dtype):
+    results = dist_util.run(2, _reuse_worker, node_size, layout, dtype, timeout=300)
+    for rank, res in enumerate(results):
+        assert all(res.values()), f"rank {rank}: combine after the caller reused topk_idx: {res}"
