@@ -3,6 +3,11 @@
 Format: one float32 scale per 128 channels (the last block may be shorter),
 ``scale = max(amax(|x_block|), 1e-4) / 448`` and ``q = fp8_e4m3fn(x / scale)`` rounded to nearest
 even; ``x ~= q * scale``.
+
+Non-finite input: a block holding a NaN or an infinity (e4m3fn has no infinity, and an infinite
+scale would turn the block's finite values into ``0 * inf``) becomes NaN as a whole: its scale is
+the float32 NaN ``0x7FC00000`` and each of its bytes the e4m3fn NaN ``0x7F``, so it dequantizes
+to NaN and the NaN reaches the expert and combine. Other blocks of the row are unaffected.
 """
 from __future__ import annotations
 
@@ -11,6 +16,8 @@ import torch
 FP8_MAX = 448.0
 FP8_BLOCK = 128
 AMAX_FLOOR = 1e-4
+NAN_SCALE_BITS = 0x7FC00000  # the scale of a block with a non-finite value (float32 quiet NaN)
+NAN_BYTE = 0x7F              # each byte of such a block (e4m3fn NaN)
 
 
 def num_scale_blocks(hidden: int) -> int:
@@ -25,11 +32,16 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.float()
     pad = nb * FP8_BLOCK - h
     blocks = torch.nn.functional.pad(xf, (0, pad)).view(t, nb, FP8_BLOCK)
+    bad = ~torch.isfinite(blocks).all(dim=-1)  # [t, nb]: blocks with a NaN or an infinity
     amax = blocks.abs().amax(dim=-1).clamp_min(AMAX_FLOOR)
     # A tensor divisor on purpose: torch on CUDA turns division by a Python scalar into a multiply
     # by its reciprocal (one bit less exact), while the kernel and torch on CPU divide exactly.
     scales = amax / torch.full_like(amax, FP8_MAX)
-    q = (blocks / scales.unsqueeze(-1)).view(t, nb * FP8_BLOCK)[:, :h].to(torch.float8_e4m3fn)
+    q = (blocks / scales.unsqueeze(-1)).to(torch.float8_e4m3fn).view(torch.uint8)
+    nan_scale = torch.tensor(NAN_SCALE_BITS, dtype=torch.int32, device=x.device).view(torch.float32)
+    scales = torch.where(bad, nan_scale, scales)
+    q = torch.where(bad.unsqueeze(-1), torch.tensor(NAN_BYTE, dtype=torch.uint8, device=x.device), q)
+    q = q.view(t, nb * FP8_BLOCK)[:, :h].view(torch.float8_e4m3fn)
     return q.contiguous(), scales.contiguous()
 
 

@@ -155,3 +155,25 @@ def test_dequantize_leading_dims():
 def test_empty_input():
     q, s = quantize_fp8(torch.zeros(0, 256, dtype=torch.bfloat16))
     assert q.shape == (0, 256) and s.shape == (0, 2)
+
+
+def test_nonfinite_blocks_become_nan():
+    """A block holding a NaN or an infinity is NaN as a whole: scale 0x7FC00000, bytes 0x7F; the
+    other blocks of the row quantize as if it were not there."""
+    from moe_ep.fp8 import NAN_BYTE, NAN_SCALE_BITS
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 320, generator=g).to(torch.bfloat16)  # blocks of 128, 128, 64
+    x[0, 5], x[1, 130], x[2, 0], x[3, 319], x[3, 10] = float("nan"), float("inf"), -float("inf"), float("nan"), 1.0
+    q, s = quantize_fp8(x)
+    bad = torch.tensor([[1, 0, 0], [0, 1, 0], [1, 0, 0], [0, 0, 1], [0, 0, 0]], dtype=torch.bool)
+    assert torch.equal(s.view(torch.int32) == NAN_SCALE_BITS, bad)
+    qb = _bits(q)
+    for r, b in bad.nonzero().tolist():
+        assert (qb[r, b * FP8_BLOCK:(b + 1) * FP8_BLOCK] == NAN_BYTE).all(), (r, b)
+    assert dequantize_fp8(q, s).isnan().sum().item() == 128 * 3 + 64
+    finite = x.clone()
+    finite[~torch.isfinite(finite)] = 0.0
+    qf, sf = quantize_fp8(finite)
+    good = ~bad.repeat_interleave(FP8_BLOCK, dim=1)[:, :320]
+    assert torch.equal(s[~bad], sf[~bad]) and torch.equal(qb[good], _bits(qf)[good])

@@ -33,7 +33,7 @@ def _apply_experts(h, buf, first: int) -> torch.Tensor:
     """expert_y for ``_expert`` from a dispatch result (masked or packed), bf16."""
     from moe_ep.fp8 import dequantize_fp8
 
-    y = torch.zeros(h.expert_x.shape, dtype=torch.bfloat16)
+    y = torch.zeros(h.expert_x.shape, dtype=torch.bfloat16, device=h.expert_x.device)
     for e in range(buf.num_local_experts):
         c = int(h.expert_counts[e])
         o = 0 if h.expert_offsets is None else int(h.expert_offsets[e])
@@ -45,8 +45,13 @@ def _apply_experts(h, buf, first: int) -> torch.Tensor:
 
 
 def _close(out: torch.Tensor, want: torch.Tensor) -> bool:
-    """Two bf16 roundings (the owners' partial sums, then the output) against a float32 oracle."""
-    return bool(((out.float() - want).abs() <= 2e-2 * want.abs() + 1e-2).all())
+    """Two bf16 roundings (the owners' partial sums, then the output) against a float32 oracle;
+    non-finite values must be where the oracle has them (NaN for NaN, inf of the same sign)."""
+    out, want = out.float().cpu(), want.float().cpu()
+    fin = torch.isfinite(want)
+    same = torch.equal(out.isnan(), want.isnan()) and torch.equal(out.isinf(), want.isinf()) and \
+        torch.equal(out[want.isinf()], want[want.isinf()])
+    return same and bool(((out[fin] - want[fin]).abs() <= 2e-2 * want[fin].abs() + 1e-2).all())
 
 
 # ---------------------------------------------------------------------------- topk_idx reuse
@@ -80,3 +85,54 @@ def test_combine_does_not_reread_topk_idx(node_size, layout, dtype):
     results = dist_util.run(2, _reuse_worker, node_size, layout, dtype, timeout=300)
     for rank, res in enumerate(results):
         assert all(res.values()), f"rank {rank}: combine after the caller reused topk_idx: {res}"
+
+
+# ---------------------------------------------------------------------------- non-finite input
+def _nonfinite_worker(rank, world_size, dtype_name, layout, node_size):
+    """NaN and +-inf in x (full and partial fp8 blocks): the dispatched rows equal the oracle's
+    bit for bit (fp8: ``moe_ep.fp8``'s NaN blocks) and combine puts NaN / inf where the oracle does."""
+    import moe_ep
+    from ep_cases import Case, check_dispatch
+    from moe_ep.reference import reference_dispatch, reference_moe
+
+    group = moe_ep.EPGroup(node_size=node_size) if node_size else moe_ep.EPGroup()
+    dev, R = group.device, world_size
+    dt = FP8 if dtype_name == "fp8" else torch.bfloat16
+    E, H, M, K = 2 * R, 320, 8, 2  # blocks of 128, 128 and a partial 64
+    x, idx, w = _inputs(rank, 7, H, E, K, seed=2)
+    nan, inf = float("nan"), float("inf")
+    x[0, 5], x[1, 130], x[2, 7], x[3, 3], x[3, 300], x[4, 319] = nan, inf, -inf, inf, nan, -inf
+    x, idx, w = x.to(dev), idx.to(dev), w.to(dev)
+    case = Case(R=R, E=E, K=K, dtype=dtype_name, layout=layout, H=H, M=M, data="random")
+    ref = reference_dispatch(group, E, x, idx, w, dispatch_dtype=dt)
+    with moe_ep.EPBuffer(group, E, H, M, K, dispatch_dtype=dt, layout=layout, timeout_s=30) as buf:
+        h = buf.dispatch(x, idx, w)
+        fails = check_dispatch(h, ref, case, f"[rank {rank} {dtype_name} {layout} node_size {node_size}]")
+        out = buf.combine(_apply_experts(h, buf, rank * buf.num_local_experts), h)
+    want = reference_moe(group, E, x, idx, w, _expert, dispatch_dtype=dt)
+    if not _close(out, want):
+        fails.append(f"rank {rank}: combine: NaN at {out.float().isnan().nonzero().tolist()[:6]}..., expected "
+                     f"{want.isnan().nonzero().tolist()[:6]}...; inf {out.float().isinf().sum().item()} "
+                     f"vs {want.isinf().sum().item()}")
+    if dt == FP8 and not bool(out[0, :128].float().isnan().all()):
+        fails.append(f"rank {rank}: the block holding x[0, 5] = NaN did not come back NaN")
+    return fails
+
+
+@pytest.mark.parametrize("R,dtype,layout,node_size", [(1, "fp8", "masked", None), (2, "fp8", "packed", None),
+                                                      (2, "bf16", "masked", None), (2, "fp8", "masked", 1)],
+                         ids=["R1-fp8", "R2-fp8", "R2-bf16", "R2-fp8-internode"])
+def test_nonfinite_input(R, dtype, layout, node_size):
+    fails = [f for r in dist_util.run(R, _nonfinite_worker, dtype, layout, node_size, timeout=300) for f in r]
+    assert not fails, "\n".join(fails)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R", [1, 2])
+@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
+def test_nonfinite_input_gpu(R, dtype):
+    """The compiled kernels: the hardware fp8 conversion (cvt.rn.satfinite saturates inf and keeps
+    NaN) must give moe_ep.fp8's NaN blocks too."""
+    from test_layer import run_on_gpus
+
+    run_on_gpus(R, _nonfinite_worker, dtype, "masked" if R == 1 else "packed", None)

@@ -13,6 +13,9 @@ ERR_BAD_EXPERT = tl.constexpr(2)
 ERR_CAPACITY = tl.constexpr(3)
 ERR_PROXY = tl.constexpr(4)  # the proxy recorded an error (its mailbox has the details)
 
+NAN_SCALE_BITS = tl.constexpr(0x7FC00000)  # moe_ep.fp8: a block with a non-finite value
+NAN_BYTE = tl.constexpr(0x7F)
+
 PHASE_DISPATCH = tl.constexpr(0)
 PHASE_COMBINE = tl.constexpr(1)
 
@@ -100,7 +103,8 @@ def payload_tile(x_ptr, xs_ptr, t, hh, hm, bb, bm, H: tl.constexpr, NB: tl.const
     """One tile of dispatch payload for tokens ``t`` and channels ``hh`` (masks ``hm``; for fp8 the
     128-channel blocks ``bb``, mask ``bm``): bf16 values (returned twice), or fp8 bits (uint8) and
     their float32 scales. fp8 is quantized here (``moe_ep.fp8``: ``scale = max(amax, 1e-4) / 448``
-    per 128 channels, round to nearest even) unless PREQ, where bytes and scales travel as given.
+    per 128 channels, round to nearest even; a block with a NaN or an infinity all NaN) unless PREQ,
+    where bytes and scales travel as given.
     The one place both the node send and the remote pack get their payload from."""
     if FP8:
         if PREQ:
@@ -114,7 +118,13 @@ def payload_tile(x_ptr, xs_ptr, t, hh, hm, bb, bm, H: tl.constexpr, NB: tl.const
             # div_rn: the exact quotient, as the torch reference computes it (no reciprocal multiply).
             scf = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
             qf = tl.math.div_rn(vb, tl.broadcast_to(scf[:, None], vb.shape))
-            return (tl.reshape(to_fp8(qf, INTERP), (BLOCK_T, BLOCK_H)),
+            # A block with a NaN or an infinity (exponent all ones) is NaN as a whole, scale and
+            # bytes (moe_ep.fp8), whatever max and the fp8 conversion make of it here.
+            exp_ones = (vb.to(tl.uint32, bitcast=True) & 0x7F800000) == 0x7F800000
+            bad = tl.max(exp_ones.to(tl.int32), axis=1) > 0
+            scf = tl.where(bad, tl.full(scf.shape, NAN_SCALE_BITS, tl.int32).to(tl.float32, bitcast=True), scf)
+            q = tl.where(bad[:, None], tl.full(vb.shape, NAN_BYTE, tl.uint8), to_fp8(qf, INTERP))
+            return (tl.reshape(q, (BLOCK_T, BLOCK_H)),
                     tl.reshape(scf, (BLOCK_T, BLOCK_H // 128)))
     else:
         v = tl.load(x_ptr + t[:, None] * H + hh[None, :], mask=hm, other=0.0)
