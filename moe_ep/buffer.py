@@ -1,6 +1,7 @@
 """EPBuffer: the communication buffer of one MoE layer shape, and its dispatch/combine calls."""
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -18,9 +19,10 @@ from .group import EPGroup
 from .handle import DispatchResult
 from .kernels.launch import Launcher
 from .layout import WorkspaceLayout, chunking
-from .memory import SymmetricWorkspace
+from .memory import SymmetricWorkspace, check_device_memory
 
 _PHASES = {0: "dispatch", 1: "combine"}
+_log = logging.getLogger("moe_ep")
 MAX_TIMEOUT_S = 1e6  # the longest deadline accepted (about 11.6 days); there is no "no deadline"
 
 
@@ -107,7 +109,10 @@ class EPBuffer:
         sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                if self.device.type == "cuda" else 2)
         if num_programs is None:
-            num_programs = sms
+            # Ranks sharing a GPU split its SMs: under MPS their programs run at once, and a launch
+            # whose programs wait for a peer's can finish only if every rank's programs are resident
+            # together; with time slicing this costs nothing (each rank has the GPU in its slice).
+            num_programs = max(1, sms // group.ranks_per_device)
         if not isinstance(num_programs, int) or isinstance(num_programs, bool) or num_programs < 1:
             raise ValueError(f"num_programs: expected a positive int, got {num_programs!r}")
         self.num_programs = num_programs
@@ -145,7 +150,12 @@ class EPBuffer:
         self.ws_layout = WorkspaceLayout(N=N, M=M, K=topk, EL=EL, H=hidden,
                                          payload_bytes=hidden * esize + 4 * self.num_scale_blocks)
         self.off = self.ws_layout.offsets()
+        check_device_memory(group, self._device_bytes(lead_rows=EL * R * M if layout == "masked" else
+                                                      R * M * topk + EL * (expert_alignment - 1)))
         self.workspace = SymmetricWorkspace(group, self.off["total"])
+        if self.rank == 0:
+            _log.info("moe_ep buffer: %d ranks, nodes of %d, node memory %s (%s), %d programs", R, G,
+                      self.workspace.backend, self.workspace.why, self.num_programs)
         # Local state: [0, p] / [1, p] the dispatch / combine epoch program p has completed. Each
         # program keeps its own copy, so no launch needs a cross-program step to advance it.
         self.state = torch.zeros(2, self.num_programs, dtype=torch.int64, device=dev)
@@ -258,6 +268,15 @@ class EPBuffer:
                     node_size=self.group.node_size, device_type=self.device.type,
                     private_capacity=private_capacity, overflow_capacity=overflow_capacity,
                     transport=os.environ.get("MOE_EP_TRANSPORT", "auto") if remote else None)
+
+    def _device_bytes(self, lead_rows: int) -> int:
+        """Device memory this buffer will take: the workspace and the rank-local tensors (the
+        expert layout with ``lead_rows`` rows in all, routing state)."""
+        H, EL, N, M, K = self.hidden, self.num_local_experts, self.node_size, self.max_tokens, self.topk
+        esize = 1 if self.fp8 else 2
+        layout_rows = lead_rows * (H * esize + 4 * self.num_scale_blocks)
+        local = 4 * (self.num_experts * self.ws_layout.CMAX + (N + 1) * M * K + self.num_programs * 64 + 2 * EL + 2)
+        return self.off["total"] + layout_rows + local + 16 * self.num_programs
 
     def _start_remote(self, private_capacity: Optional[int], overflow_capacity: Optional[int]):
         from .internode import RemotePath
