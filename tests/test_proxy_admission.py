@@ -274,11 +274,11 @@ def test_hello_timeout_from_the_environment(monkeypatch):
         s = W.dial(e.endpoint)
         gone = W.wait_gone(s, 2)
         s.close()
-        assert 0.25 < gone < 0.8, gone
+        assert 0.25 < gone < 1.5, gone
         assert "no hello within 0.3 s" in e.refused().recent[-1]
-        e.set_hello_timeout(1.5)  # connections accepted from now on
+        e.set_hello_timeout(2.0)  # connections accepted from now on
         s = W.dial(e.endpoint)
-        assert W.wait_gone(s, 3) > 1.3
+        assert W.wait_gone(s, 4) > 1.9
         s.close()
     finally:
         e.close()
