@@ -306,10 +306,12 @@ class EPBuffer:
         if code == 2:
             return ValueError(f"topk_idx: {detail} expert ids outside [-1, {self.num_experts}) in {phase_name} "
                               f"epoch {epoch} (treated as -1; nothing was written out of bounds)")
-        if code == 3:
-            return CapacityError(f"rank {self.rank}: an expert received {detail} rows in {phase_name} epoch {epoch}, "
-                                 f"more than the masked layout holds ({self.capacity}); only possible when tokens "
-                                 f"list an expert more than once. Use layout='packed'.")
+        if code == 3:  # peer: the rank that overflowed (this one, or a node peer); detail: expert << 32 | rows
+            where = "this rank" if peer == self.rank else f"rank {peer}"
+            return CapacityError(f"rank {self.rank}: expert {detail >> 32} on {where} received {detail & 0xFFFFFFFF} "
+                                 f"rows in {phase_name} epoch {epoch}, more than the masked layout holds "
+                                 f"({self.capacity} per expert); only possible when tokens list an expert more than "
+                                 f"once. Use layout='packed'.")
         if code == 4 and self.remote is not None:  # the wait kernel saw the proxy's error record
             try:
                 self.remote.proxy.check_error()

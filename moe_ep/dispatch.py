@@ -182,7 +182,7 @@ def _dispatch_consts(buf, fp8_in: bool, direct: bool) -> dict:
                                                           BLOCK_T * (1 if fp8_in else 2)))
     block_w = pipelined_width(max(16, min(_pow2(W), 2048 * buf.tile, 4096 * buf.tile // BLOCK_T)), S, BLOCK_T * 4)
     return dict(off_hflag=off["hdr_flag"], off_dflag=off["disp_flag"], off_hdr=off["hdr"], off_meta_i=off["meta_i"],
-                off_meta_w=off["meta_w"], off_rows=off["rows"], RANK=buf.rank - buf.node0, NODE0=buf.node0,
+                off_meta_w=off["meta_w"], off_rows=off["rows"], off_cflag=off["comb_flag"], RANK=buf.rank - buf.node0, NODE0=buf.node0,
                 R=buf.world_size, N=buf.node_size, M=buf.max_tokens, GLOBAL=buf.remote is not None,
                 K=buf.topk, E=buf.num_experts, EL=buf.num_local_experts, H=H, W=W, NB=nb, RB=lay.RB, HDR=lay.HDR,
                 CMAX=buf.chunks, ALIGN=buf.expert_alignment, CAP=buf.capacity, FP8=buf.fp8, PREQ=fp8_in,

@@ -136,3 +136,53 @@ def test_nonfinite_input_gpu(R, dtype):
     from test_layer import run_on_gpus
 
     run_on_gpus(R, _nonfinite_worker, dtype, "masked" if R == 1 else "packed", None)
+
+
+# ---------------------------------------------------------------------------- masked overflow
+def _overflow_worker(rank, world_size, timeout_s):
+    """Rank 0's tokens list rank 1's expert 1 four times: 16 rows for a masked capacity of R*M = 8."""
+    import time
+
+    import moe_ep
+
+    group = moe_ep.EPGroup()
+    dev = group.device
+    E, H, M, K = 2, 128, 4, 4
+    T = 4 if rank == 0 else 2
+    x = torch.ones(T, H, dtype=torch.bfloat16, device=dev)
+    idx = torch.full((T, K), 1 if rank == 0 else -1, dtype=torch.int64, device=dev)
+    if rank == 1:
+        idx[:, 0] = 0
+    w = torch.ones(T, K, device=dev)
+    t0 = time.monotonic()
+    with moe_ep.EPBuffer(group, E, H, M, K, layout="masked", timeout_s=timeout_s) as buf:
+        try:
+            h = buf.dispatch(x, idx, w)
+            buf.combine(torch.zeros(h.expert_x.shape, dtype=torch.bfloat16, device=dev), h)
+            buf.synchronize()
+            return None, "", time.monotonic() - t0
+        except Exception as exc:  # noqa: BLE001
+            return type(exc).__name__, str(exc), time.monotonic() - t0
+
+
+def _check_overflow(results, timeout_s):
+    (t0, m0, s0), (t1, m1, s1) = results
+    assert t0 == "CapacityError", f"the sender got {t0}: {m0}"
+    assert "rank 0: expert 1 on rank 1 received 16 rows in dispatch epoch 1" in m0 and "packed" in m0, m0
+    assert t1 == "CapacityError" and "rank 1: expert 1 on this rank received 16 rows" in m1, (t1, m1)
+    assert s0 < timeout_s / 2 and s1 < timeout_s / 2, (s0, s1)  # no deadline ran out
+
+
+def test_masked_overflow_reaches_the_sender():
+    timeout_s = 30.0
+    _check_overflow(dist_util.run(2, _overflow_worker, timeout_s, timeout=120), timeout_s)
+
+
+@pytest.mark.gpu
+def test_masked_overflow_reaches_the_sender_gpu():
+    """The same on GPUs: the receiver's dispatch kernel aborts the sender's combine wait."""
+    n = dist_util.cuda_device_count()
+    if n < 2:
+        pytest.skip(f"needs 2 CUDA GPUs, found {n}")
+    timeout_s = 30.0
+    _check_overflow(dist_util.run(2, _overflow_worker, timeout_s, timeout=120, backend="nccl"), timeout_s)

@@ -14,7 +14,8 @@ dispatch, one launch does both halves on a GPU; the interpreter gets them as two
 import triton
 import triton.language as tl
 
-from .common import PHASE_COMBINE, chunking, deadline_start, ptr_at, raise_flag, to_bf16, wait_flag
+from .common import (ABORT_FLAG, ERR_CAPACITY, PHASE_COMBINE, PHASE_DISPATCH, chunking, deadline_start, ptr_at,
+                     raise_flag, record_error, to_bf16, wait_flag)
 
 
 @triton.jit(do_not_specialize=['ws', 'timeout_ns', 'T'])
@@ -81,8 +82,12 @@ def combine_kernel(
         for c in range(pid, tl.maximum(NC, 1), P):
             ok = tl.full([], 1, tl.int32)
             for owner in range(N):
-                ok = ok & wait_flag(ptr_at(ws, off_cflag, tl.int64) + owner * CMAX + c, epoch, t0_ns, timeout_ns,
-                                    err_ptr, owner, PHASE_COMBINE, INTERP)
+                flag = ptr_at(ws, off_cflag, tl.int64) + owner * CMAX + c
+                ok = ok & wait_flag(flag, epoch, t0_ns, timeout_ns, err_ptr, NODE0 + owner, PHASE_COMBINE, INTERP)
+                v = tl.load(flag)
+                if v >= ABORT_FLAG:  # the owner overflowed its masked layout in the dispatch combined here
+                    record_error(err_ptr, ERR_CAPACITY, NODE0 + owner, PHASE_DISPATCH, tl.load(state_ptr + pid),
+                                 v - ABORT_FLAG)
             if ok != 0:
                 t = c * BT + rr
                 tm = (rr < BT) & (t < T)

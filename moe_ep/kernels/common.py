@@ -13,6 +13,7 @@ ERR_BAD_EXPERT = tl.constexpr(2)
 ERR_CAPACITY = tl.constexpr(3)
 ERR_PROXY = tl.constexpr(4)  # the proxy recorded an error (its mailbox has the details)
 
+ABORT_FLAG = tl.constexpr(1 << 62)  # a comb_flag value above every epoch: the owner overflowed (abort_combines)
 NAN_SCALE_BITS = tl.constexpr(0x7FC00000)  # moe_ep.fp8: a block with a non-finite value
 NAN_BYTE = tl.constexpr(0x7F)
 
@@ -42,8 +43,23 @@ def record_error(err_ptr, code, peer, phase, epoch, detail):
 
 @triton.jit
 def raise_flag(flag_ptr, epoch):
-    """Publishes everything this program wrote before, then the flag (single writer, monotonic)."""
-    tl.atomic_xchg(flag_ptr, epoch.to(tl.int64), sem="release", scope="sys")
+    """Publishes everything this program wrote before, then the flag (single writer, monotonic:
+    an atomic max, so an ``ABORT_FLAG`` value already there outranks every epoch and stays)."""
+    tl.atomic_max(flag_ptr, epoch.to(tl.int64), sem="release", scope="sys")
+
+
+@triton.jit
+def abort_combines(peer_ptr, info, off_cflag: tl.constexpr, RANK: tl.constexpr, N: tl.constexpr,
+                   CMAX: tl.constexpr):
+    """A masked-layout overflow on this rank: every chunk flag this rank owns in every node peer's
+    ``comb_flag`` becomes ``ABORT_FLAG | info`` (``info`` = global expert << 32 | rows), so their
+    combine does not wait for a combine this rank will not run, and raises ``CapacityError``
+    naming this rank and the expert instead."""
+    cc = tl.arange(0, CMAX)
+    val = tl.full((CMAX,), ABORT_FLAG, tl.int64) + info
+    for d in tl.static_range(N):
+        tl.atomic_max(ptr_at(tl.load(peer_ptr + d), off_cflag, tl.int64) + RANK * CMAX + cc, val, sem="release",
+                      scope="sys")
 
 
 @triton.jit

@@ -21,7 +21,8 @@ programs one after another, so on a CPU the host launches the two halves separat
 import triton
 import triton.language as tl
 
-from .common import (ERR_BAD_EXPERT, ERR_CAPACITY, PHASE_DISPATCH, chunking, deadline_start, ptr_at, raise_flag,
+from .common import (ERR_BAD_EXPERT, ERR_CAPACITY, PHASE_DISPATCH, abort_combines, chunking, deadline_start, ptr_at,
+                     raise_flag,
                      payload_tile, record_error, wait_flag)
 
 
@@ -141,7 +142,7 @@ def _recv_chunk(s, c, ws, hdr, sel_ptr, scratch_ptr, out_x_ptr, out_s_ptr, recv_
     ts = tl.load(hdr + s * HDR)
     BT, NC = chunking(ts, CMAX)
     if c < NC:
-        ok = wait_flag(ptr_at(ws, off_dflag, tl.int64) + s * CMAX + c, epoch, t0_ns, timeout_ns, err_ptr, s,
+        ok = wait_flag(ptr_at(ws, off_dflag, tl.int64) + s * CMAX + c, epoch, t0_ns, timeout_ns, err_ptr, NODE0 + s,
                        PHASE_DISPATCH, INTERP)
         if ok != 0:
             rr = tl.arange(0, BLOCK_T)
@@ -211,7 +212,7 @@ def dispatch_kernel(
     T, BT, NC,         # tokens, tokens per chunk, chunks (of this rank)
     timeout_ns,
     off_hflag: tl.constexpr, off_dflag: tl.constexpr, off_hdr: tl.constexpr, off_meta_i: tl.constexpr,
-    off_meta_w: tl.constexpr, off_rows: tl.constexpr,
+    off_meta_w: tl.constexpr, off_rows: tl.constexpr, off_cflag: tl.constexpr,
     RANK: tl.constexpr, NODE0: tl.constexpr, R: tl.constexpr, N: tl.constexpr, M: tl.constexpr,
     K: tl.constexpr, E: tl.constexpr, EL: tl.constexpr, H: tl.constexpr, W: tl.constexpr, NB: tl.constexpr,
     RB: tl.constexpr, HDR: tl.constexpr, CMAX: tl.constexpr, ALIGN: tl.constexpr, CAP: tl.constexpr,
@@ -247,7 +248,7 @@ def dispatch_kernel(
     nrecv = 0
     if RECV:
         for s in range(N):
-            ok = ok & wait_flag(ptr_at(ws, off_hflag, tl.int64) + s, epoch, t0_ns, timeout_ns, err_ptr, s,
+            ok = ok & wait_flag(ptr_at(ws, off_hflag, tl.int64) + s, epoch, t0_ns, timeout_ns, err_ptr, NODE0 + s,
                                 PHASE_DISPATCH, INTERP)
         if ok != 0:
             ee = tl.arange(0, BLOCK_EL)
@@ -271,8 +272,12 @@ def dispatch_kernel(
                     tl.store(offsets_ptr + EL, total)
             else:
                 over = tl.max(tot) > CAP
-            if over:
-                record_error(err_ptr, ERR_CAPACITY, -1, PHASE_DISPATCH, epoch, tl.max(tot))
+            if over:  # detail: global expert << 32 | its rows; the node peers' combines learn it too
+                worst = tl.argmax(tot, axis=0)
+                info = ((NODE0 + RANK) * EL + worst).to(tl.int64) * 4294967296 + tl.max(tot)
+                record_error(err_ptr, ERR_CAPACITY, NODE0 + RANK, PHASE_DISPATCH, epoch, info)
+                if pid == 0:
+                    abort_combines(peer_ptr, info, off_cflag, RANK, N, CMAX)
             if pid == 0:
                 tl.store(counts_ptr + ee, tot, mask=em)
             tl.debug_barrier()
