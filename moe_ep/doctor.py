@@ -26,7 +26,7 @@ from .proxy import nic as _nic
 
 ENV_VARS = ("MOE_EP_TRANSPORT", "MOE_EP_IB_DEVICE", "MOE_EP_IB_NICS", "MOE_EP_IB_PORT", "MOE_EP_IB_GID_INDEX",
             "MOE_EP_IB_TIMEOUT", "MOE_EP_IB_RETRY_CNT", "MOE_EP_IBVERBS_LIB", "MOE_EP_EFA_LIB", "MOE_EP_CUDA_LIB", "MOE_EP_SYSFS_ROOT", "MOE_EP_TCP_HOST",
-            "MOE_EP_NATIVE_LIB", "MOE_EP_NODE_SIZE", "CUDA_VISIBLE_DEVICES")
+            "MOE_EP_NATIVE_LIB", "MOE_EP_NODE_SIZE", "MOE_EP_NODE_MEMORY", "MOE_EP_DEVICE", "CUDA_VISIBLE_DEVICES")
 
 
 def _err(e: BaseException) -> str:
@@ -275,6 +275,26 @@ def transport(native_ok: bool) -> dict:
     return out
 
 
+def node_memory(num_gpus: int, use_torch: bool = True) -> dict:
+    """How a job's node peers would map each other's memory here (``moe_ep.memory``): symmetric memory
+    when every rank of a node has its own GPU and torch has it, CUDA IPC (cupy) when ranks share a GPU
+    or it does not; ``MOE_EP_NODE_MEMORY`` forces one."""
+    from .memory import ipc_binding
+
+    symm = None
+    if use_torch:
+        from .memory import symm_available
+
+        symm = symm_available()
+    ipc = ipc_binding()
+    forced = os.environ.get("MOE_EP_NODE_MEMORY") or None
+    own = "symm" if symm else "ipc"
+    return {"symm_available": symm, "ipc_binding": ipc, "forced": forced,
+            "a_gpu_per_rank": forced or (own if num_gpus else None), "ranks_share_gpus": forced or "ipc",
+            "note": "ranks sharing a GPU time-slice it (or share its SMs under MPS): correct, but not NVLink "
+                    "timings" + ("" if ipc else "; CUDA IPC needs cupy (cupy-cuda12x / cupy-cuda13x)")}
+
+
 def report(root: Optional[str] = None, use_torch: bool = True, use_pyverbs: bool = True) -> dict:
     """Everything, as one JSON-able dict (the keys of ``--json``)."""
     root = _nic.sysfs_root(root)
@@ -297,6 +317,7 @@ def report(root: Optional[str] = None, use_torch: bool = True, use_pyverbs: bool
         "rdma": r,
         "nic": nic_choices(devs, g["devices"], root),
         "transport": transport("native_error" not in r),
+        "node_memory": node_memory(len(g["devices"]), use_torch),
         "env": {k: os.environ[k] for k in ENV_VARS if k in os.environ},
     }
 
@@ -378,6 +399,12 @@ def render(rep: dict) -> str:
         L.append(f"  MOE_EP_TRANSPORT={q['name']} -> " + (q["kind"] + f"  ({q['why']})" if "kind" in q else f"error: {q['error']}"))
     if t.get("note"):
         L.append(f"  ({t['note']})")
+    m = rep["node_memory"]
+    L += ["", f"Node memory: a GPU per rank -> {m['a_gpu_per_rank'] or '-'}; ranks sharing a GPU -> "
+              f"{m['ranks_share_gpus']}  (torch symmetric memory: "
+              f"{'?' if m['symm_available'] is None else ('yes' if m['symm_available'] else 'no')}; "
+              f"CUDA IPC binding: {m['ipc_binding'] or 'none'}"
+              + (f"; MOE_EP_NODE_MEMORY={m['forced']}" if m["forced"] else "") + ")", f"  ({m['note']})"]
     if rep["env"]:
         L += ["", "Environment: " + ", ".join(f"{k}={v}" for k, v in rep["env"].items())]
     return "\n".join(L)

@@ -186,3 +186,19 @@ def test_doctor_sees_the_verbs_device():
     cpu = rep["nic"][-1]
     assert cpu["rank"] == "CPU" and cpu["verbs"].startswith(name)
     print(doctor.render(rep))
+
+
+def test_node_memory_report(monkeypatch):
+    """The doctor says which node memory a job would use: IPC whenever ranks share a GPU, and what
+    MOE_EP_NODE_MEMORY forces (the text names both)."""
+    from moe_ep import doctor
+
+    monkeypatch.delenv("MOE_EP_NODE_MEMORY", raising=False)
+    m = doctor.node_memory(num_gpus=0, use_torch=False)
+    assert m["ranks_share_gpus"] == "ipc" and m["a_gpu_per_rank"] is None and m["forced"] is None
+    monkeypatch.setenv("MOE_EP_NODE_MEMORY", "ipc")
+    m = doctor.node_memory(num_gpus=2, use_torch=False)
+    assert m["a_gpu_per_rank"] == "ipc" and m["forced"] == "ipc"
+    rep = doctor.report(use_torch=False, use_pyverbs=False)
+    text = doctor.render(rep)
+    assert "Node memory: a GPU per rank -> " in text and "MOE_EP_NODE_MEMORY=ipc" in text

@@ -140,3 +140,42 @@ def _node_group_worker(rank, world_size):
 def test_node_group_holds_the_node():
     """``node_group()`` of 2 nodes x 2: each rank's group is its own node's two ranks."""
     assert dist_util.run(4, _node_group_worker) == [[0, 1], [0, 1], [2, 3], [2, 3]]
+
+
+def test_env_device():
+    """MOE_EP_DEVICE's values: cpu and cuda[:N] as torch reads them; cuda without a GPU and other
+    devices are refused by name."""
+    import torch
+
+    from moe_ep.group import env_device
+
+    assert env_device("cpu", "MOE_EP_DEVICE") == torch.device("cpu")
+    for bad in ("meta", "tpu", "cuda:x"):
+        with pytest.raises(ValueError, match="MOE_EP_DEVICE"):
+            env_device(bad, "MOE_EP_DEVICE")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA GPU"):
+            env_device("cuda", "MOE_EP_DEVICE")
+
+
+def _memory_choice_worker(rank, R, node_size, forced):
+    import moe_ep
+    from moe_ep.memory import select_node_memory
+
+    os.environ.pop("MOE_EP_NODE_MEMORY", None)
+    if forced is not None:
+        os.environ["MOE_EP_NODE_MEMORY"] = forced
+    try:
+        g = moe_ep.EPGroup(node_size=node_size)
+        return select_node_memory(g)[0], g.ranks_per_device, g.node_shares_device()
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        os.environ.pop("MOE_EP_NODE_MEMORY", None)
+
+
+def test_node_memory_selection_on_cpu():
+    """CPU ranks use shared-memory segments whatever MOE_EP_NODE_MEMORY asks (no GPU memory to map),
+    and share no device."""
+    assert dist_util.run(2, _memory_choice_worker, 2, None) == [("shm", 1, False)] * 2
+    assert dist_util.run(2, _memory_choice_worker, 1, "ipc") == [("shm", 1, False)] * 2
