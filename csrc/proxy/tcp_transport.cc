@@ -519,11 +519,12 @@ class TcpTransport final : public Transport {
     }
   }
 
-  // Accepts every waiting connection and reads it at once: a peer sends its hello right after
-  // connecting, so it usually becomes the peer's before it counts as pending. Beyond
-  // max_pending_ connections without a hello, the oldest of them is dropped.
+  // Accepts the waiting connections (at most 64 a round, so a flood cannot keep the loop from
+  // the peers' sockets: the listener stays readable) and reads each at once: a peer sends its
+  // hello right after connecting, so it usually becomes the peer's before it counts as pending.
+  // Beyond max_pending_ connections without a hello, the oldest of them is dropped.
   void accept_all() {
-    for (;;) {
+    for (int round = 0; round < 64; ++round) {
       sockaddr_in a{};
       socklen_t al = sizeof(a);
       const int fd = accept4(listen_fd_, reinterpret_cast<sockaddr*>(&a), &al, SOCK_CLOEXEC | SOCK_NONBLOCK);
