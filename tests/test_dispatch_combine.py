@@ -415,6 +415,10 @@ def _timeout_worker(rank, world_size, phase, timeout_s):
     return res
 
 
+def _rank_of(rank, world_size):
+    return rank
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("phase", ["dispatch", "combine"])
 def test_timeout_gpu(phase):
@@ -432,9 +436,11 @@ def test_timeout_gpu(phase):
 @pytest.mark.parametrize("phase", ["dispatch", "combine"])
 def test_timeout(phase):
     R, timeout_s, slack = 3, 3.0, 20.0
+    dist_util.run(R, _rank_of)  # the pool is up: what is timed below is the call alone
     t0 = time.monotonic()
     results = dist_util.run(R, _timeout_worker, phase, timeout_s, timeout=120)
-    assert time.monotonic() - t0 < 120
+    # every rank, the silent one included (it waits for the others to give up), is back in time
+    assert time.monotonic() - t0 < timeout_s + slack
     for res in results[:-1]:
         err = res["error"]
         assert err is not None, f"rank {res['rank']}: {phase} returned although rank {R - 1} never called it"

@@ -8,7 +8,7 @@ import dist_util
 from ep_cases import Case, exact_expert, float_expert, make_inputs
 from moe_ep.fp8 import dequantize_fp8, quantize_fp8
 from moe_ep.group import EPGroup
-from moe_ep.reference import (GatheredInputs, dispatch_from_gathered, gather_inputs, moe_local, reference_dispatch,
+from moe_ep.reference import (GatheredInputs, dispatch_from_gathered, gather_inputs, reference_dispatch,
                               reference_moe)
 
 FP8 = torch.float8_e4m3fn
@@ -171,8 +171,6 @@ def _oracle_worker(rank, world_size, cases):
             assert_same_dispatch(ref, brute_dispatch(inputs, rank, world_size, case.E, dtype), dtype)
             got = reference_moe(group, case.E, mine.x, mine.topk_idx, mine.topk_weights, fn, mine.x_scales, dtype)
             torch.testing.assert_close(got.double(), brute_moe(mine, dtype, fn), rtol=1e-6, atol=1e-5)
-            assert torch.equal(got, moe_local(case.E, mine.x, mine.topk_idx, mine.topk_weights, fn,
-                                              mine.x_scales, dtype))
     return True
 
 
@@ -181,3 +179,22 @@ def test_oracle_on_ranks(R):
     cases = [Case(R=R, E=2 * R, K=2), Case(R=R, E=R, K=8, dtype="fp8", data="random"),
              Case(R=R, E=4 * R, K=1, dtype="fp8pre", H=256)]
     assert dist_util.run(R, _oracle_worker, cases, timeout=300) == [True] * R
+
+
+def _bad_ids_on_one_rank_worker(rank, world_size):
+    """Only rank 1 has an id outside [-1, E): reference_moe (collective) raises on every rank,
+    naming rank 1, where moe_local (one rank's view) would answer on the others."""
+    group = EPGroup()
+    x = torch.ones(2, 16, dtype=torch.bfloat16)
+    idx = torch.tensor([[0], [4 if rank == 1 else 1]])
+    w = torch.ones(2, 1)
+    try:
+        reference_moe(group, 4, x, idx, w, lambda e, r: r)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_reference_moe_checks_every_rank():
+    msgs = dist_util.run(2, _bad_ids_on_one_rank_worker, timeout=120)
+    assert all(m is not None and "ranks [1]" in m and "topk_idx" in m for m in msgs), msgs
