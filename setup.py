@@ -1,9 +1,10 @@
-"""Build script. Metadata lives in pyproject.toml; this file lists the packages and the native
+"""Build script. Metadata lives in pyproject.toml; this file finds the packages (``moe_ep`` and
+its subpackages, nothing else at top level: the bench harness is ``moe_ep.bench``) and the native
 proxy engine (csrc/proxy, plain C++17 with a C API loaded through ctypes: no Python headers,
 no CUDA, no RDMA libraries needed: libibverbs is opened at run time when present)."""
 import glob
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 
 proxy_native = Extension(
     "moe_ep.proxy._native",
@@ -14,5 +15,5 @@ proxy_native = Extension(
     extra_link_args=["-pthread", "-ldl"],  # dlopen of libibverbs at run time (libdl is a stub on glibc >= 2.34)
 )
 
-setup(packages=["moe_ep", "moe_ep.kernels", "moe_ep.proxy", "moe_ep.integrations", "bench", "bench.backends"],
-      package_data={"bench": ["schema.json"]}, ext_modules=[proxy_native])
+setup(packages=find_packages(include=["moe_ep", "moe_ep.*"]),
+      package_data={"moe_ep.bench": ["schema.json"]}, ext_modules=[proxy_native])

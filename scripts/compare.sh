@@ -5,9 +5,9 @@
 # process (torch for symm_mem, DeepEP for its low-latency mode). Every launch sees the same
 # inputs (same flags, same --seed).
 #
-#   bash bench/compare.sh PREFIX [moe-ep-bench flags...]
-#   bash bench/compare.sh $OUT/decode --preset decode
-#   bash bench/compare.sh $OUT/prefill --preset prefill --num-sms 32
+#   bash scripts/compare.sh PREFIX [moe-ep-bench flags...]
+#   bash scripts/compare.sh $OUT/decode --preset decode
+#   bash scripts/compare.sh $OUT/prefill --preset prefill --num-sms 32
 # writes PREFIX_<backend>.json, PREFIX.json (merged) and PREFIX.png (when matplotlib is there;
 # else `moe-ep-bench plot PREFIX.json --output PREFIX.png` later on any machine).
 # Environment: NPROC (default: the visible GPUs), BACKENDS (default "moe_ep nccl symm_mem deepep"),
@@ -31,9 +31,9 @@ jsons=()
 for b in $BACKENDS; do
     json="${prefix}_${b}.json"
     rm -f "$json"
-    echo "== $b: torchrun --nproc-per-node=$NPROC -m bench $* --backends $b --output $json"
+    echo "== $b: torchrun --nproc-per-node=$NPROC -m moe_ep.bench $* --backends $b --output $json"
     timeout --kill-after=30 "$LAUNCH_TIMEOUT_S" "$PYTHON" -m torch.distributed.run --standalone \
-        --nproc-per-node="$NPROC" -m bench "$@" --backends "$b" --output "$json"
+        --nproc-per-node="$NPROC" -m moe_ep.bench "$@" --backends "$b" --output "$json"
     status=$?
     if [ "$status" -ne 0 ]; then
         echo "== $b: exit status $status" >&2
@@ -42,8 +42,8 @@ for b in $BACKENDS; do
     if [ -s "$json" ]; then jsons+=("$json"); fi   # written after every entry: partial results count
 done
 if [ ${#jsons[@]} -eq 0 ]; then echo "no results" >&2; exit 1; fi
-"$PYTHON" -m bench merge "${jsons[@]}" --output "${prefix}.json" || exit 1
+"$PYTHON" -m moe_ep.bench merge "${jsons[@]}" --output "${prefix}.json" || exit 1
 echo "== merged: ${prefix}.json"
-"$PYTHON" -m bench table "${prefix}.json"
-"$PYTHON" -m bench plot "${prefix}.json" --output "${prefix}.png" || true   # no matplotlib: says so
+"$PYTHON" -m moe_ep.bench table "${prefix}.json"
+"$PYTHON" -m moe_ep.bench plot "${prefix}.json" --output "${prefix}.png" || true   # no matplotlib: says so
 exit "$rc"

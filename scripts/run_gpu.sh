@@ -6,9 +6,9 @@
 # (one GPU: every rank on it) the ranks share them through CUDA IPC, time-sliced, so the tests
 # check correctness; such timings are not NVLink timings.
 #
-#   bash bench/run_gpu.sh            # or: ITERS=500 bash bench/run_gpu.sh
-#   TESTS="tests/test_shared_gpu.py" BENCH=0 bash bench/run_gpu.sh   # some tests, no benchmark
-#   SHARED=1 bash bench/run_gpu.sh   # also: the demo as 4 ranks on the GPUs, EP16 (2 nodes x 8 ranks
+#   bash scripts/run_gpu.sh            # or: ITERS=500 bash scripts/run_gpu.sh
+#   TESTS="tests/test_shared_gpu.py" BENCH=0 bash scripts/run_gpu.sh   # some tests, no benchmark
+#   SHARED=1 bash scripts/run_gpu.sh   # also: the demo as 4 ranks on the GPUs, EP16 (2 nodes x 8 ranks
 #                                    # through the proxy) at decode, and the R=4 matrix under MPS
 set -euo pipefail
 
@@ -60,7 +60,7 @@ if [ "$SHARED" = 1 ]; then
     TR=("$PYTHON" -m torch.distributed.run --standalone)
     shared demo_x4 300 "${TR[@]}" --nproc-per-node=4 -m moe_ep.demo
     # EP16 on the GPUs there are: 2 nodes x 8 ranks, the proxy (TCP) between the nodes, decode preset.
-    shared ep16_decode 420 "${TR[@]}" --nproc-per-node=16 -m bench --preset decode --backends moe_ep \
+    shared ep16_decode 420 "${TR[@]}" --nproc-per-node=16 -m moe_ep.bench --preset decode --backends moe_ep \
         --node-size 8 --tokens 128 --iters 20 --warmup 3 --no-progress --output "$RESULTS/ep16_decode.json"
     if command -v nvidia-cuda-mps-control >/dev/null; then
         # Under MPS the ranks' programs run at once: each rank takes SMs / ranks-per-GPU programs by default.
@@ -84,8 +84,8 @@ for cfg in "decode fp8 masked" "prefill fp8 packed" "prefill bf16 packed"; do
     json="$RESULTS/bench_${preset}_${dtype}_${layout}.json"
     args=(--preset "$preset" --dispatch-dtype "$dtype" --layout "$layout" --iters "$ITERS" --output "$json")
     if [ "$preset" = prefill ] && [ -n "$PREFILL_PROGRAMS" ]; then args+=(--num-programs "$PREFILL_PROGRAMS"); fi
-    step "torchrun --nproc-per-node=$NGPU -m bench.intranode ${args[*]}"
-    if "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node="$NGPU" -m bench.intranode "${args[@]}" \
+    step "torchrun --nproc-per-node=$NGPU -m moe_ep.bench.intranode ${args[*]}"
+    if "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node="$NGPU" -m moe_ep.bench.intranode "${args[@]}" \
             2>&1 | tee -a "$RESULTS/bench.log"; then
         jsons+=("$json")
     else
@@ -96,7 +96,7 @@ done
 
 step "summary (GPU tests exit $test_rc)"
 if [ ${#jsons[@]} -gt 0 ]; then
-    "$PYTHON" -m bench.intranode --summarize "${jsons[@]}"
+    "$PYTHON" -m moe_ep.bench.intranode --summarize "${jsons[@]}"
 fi
 for r in "${shared_runs[@]}"; do echo "   $r"; done
 "$PYTHON" - "$RESULTS/pytest_gpu.xml" <<'PY' || true

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Tuning sweep on a GPU machine: the prefill kernels at a fixed program count, over payload tile
 # scale (MOE_EP_TILE), warps per program (MOE_EP_NUM_WARPS) and pipeline stages of the payload
-# loops (MOE_EP_STAGES, default 1); one bench.intranode run per point, then one line per point
+# loops (MOE_EP_STAGES, default 1); one moe_ep.bench.intranode run per point, then one line per point
 # (kernel p50 of dispatch and combine, graph p50, closed-form check).
 #
-#   CONFIGS="1:16:fp8 2:16:fp8 2:16:fp8:3" PROGRAMS=32 bash bench/sweep_tiles.sh   # tile:warps:dtype[:stages]
+#   CONFIGS="1:16:fp8 2:16:fp8 2:16:fp8:3" PROGRAMS=32 bash scripts/sweep_tiles.sh   # tile:warps:dtype[:stages]
 set -euo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
@@ -23,7 +23,7 @@ for cfg in $CONFIGS; do
     out="$RESULTS/${PRESET}_${dtype}_p${PROGRAMS}_t${tile}_w${warps}_s${stages}.json"
     echo "== tile=$tile warps=$warps $dtype stages=$stages"
     MOE_EP_TILE=$tile MOE_EP_NUM_WARPS=$warps MOE_EP_STAGES=$stages "$PYTHON" -m torch.distributed.run --nproc-per-node="$NGPU" \
-        -m bench.intranode --preset "$PRESET" --dispatch-dtype "$dtype" --num-programs "$PROGRAMS" \
+        -m moe_ep.bench.intranode --preset "$PRESET" --dispatch-dtype "$dtype" --num-programs "$PROGRAMS" \
         --no-baseline --iters "$ITERS" --output "$out" >"$out.log" 2>&1 || { tail -20 "$out.log"; continue; }
 done
 "$PYTHON" - "$RESULTS" <<'PY'

@@ -1,7 +1,7 @@
 """The bench CLI end to end on 2 CPU ranks (torchrun, gloo, Triton interpreter) with tiny shapes.
 
 One sweep (2 token counts, every backend, zipf routing with -1 holes) serves most assertions: the
-run exits 0, its JSON validates against bench/schema.json, moe_ep and nccl ran (pre-check, timing,
+run exits 0, its JSON validates against moe_ep/bench/schema.json, moe_ep and nccl ran (pre-check, timing,
 stats) while symm_mem, deepep and CUDA graphs say why they are not available, the table and the
 progress bar are printed, and the plot is a PNG. Times on CPU are meaningless and not checked.
 """
@@ -16,8 +16,8 @@ import sys
 
 import pytest
 
-from bench import cli, report
-from bench.schema import validate_document
+from moe_ep.bench import cli, report
+from moe_ep.bench.schema import validate_document
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -38,7 +38,7 @@ def sweep(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     json_path, png_path = out / "r.json", out / "r.png"
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "bench",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "moe_ep.bench",
            *TINY, "--output", str(json_path), "--plot", str(png_path)]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     return p, json_path, png_path
@@ -114,7 +114,7 @@ def test_plot_without_matplotlib_says_so(sweep, tmp_path, monkeypatch, capsys):
 
 
 def test_wrong_flag_gives_a_clear_error():
-    p = subprocess.run([sys.executable, "-m", "bench", "--tokkens", "4"], cwd=ROOT, capture_output=True,
+    p = subprocess.run([sys.executable, "-m", "moe_ep.bench", "--tokkens", "4"], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 2 and "unrecognized arguments: --tokkens" in p.stderr
 
@@ -176,7 +176,7 @@ def test_node_size_below_ep_size_is_reported_not_fatal(tmp_path):
     """--node-size 1 on 2 ranks asks for moe_ep's inter-node path: on CPU ranks it runs (proxy + TCP)."""
     out = tmp_path / "ns.json"
     env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "bench",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "moe_ep.bench",
            "--device", "cpu", "--tokens", "4", "--hidden", "128", "--num-experts", "4", "--topk", "2",
            "--iters", "1", "--warmup", "0", "--backends", "moe_ep", "--node-size", "1", "--no-progress",
            "--output", str(out)]
@@ -187,7 +187,7 @@ def test_node_size_below_ep_size_is_reported_not_fatal(tmp_path):
 
 
 def test_routing_is_seeded_skewed_and_has_holes():
-    from bench.workloads import Routing, Workload, make_routing
+    from moe_ep.bench.workloads import Routing, Workload, make_routing
 
     def wl(kind: str, holes: float, seed: int = 0) -> Workload:
         return Workload(num_tokens=512, hidden=16, topk=4, num_experts=16, dispatch_dtype="bf16",
@@ -218,9 +218,9 @@ def _harness_probe() -> None:
 
     dist.init_process_group("gloo")
     import moe_ep
-    from bench import harness
-    from bench.backends import Backend, Context, NotAvailable, Runner
-    from bench.workloads import Routing, Workload, make_inputs
+    from moe_ep.bench import harness
+    from moe_ep.bench.backends import Backend, Context, NotAvailable, Runner
+    from moe_ep.bench.workloads import Routing, Workload, make_inputs
 
     class Fake(Runner):
         def __init__(self, inputs, mode):

@@ -1,4 +1,4 @@
-"""``python -m bench`` (under torchrun): the bench CLI, same as the ``moe-ep-bench`` command."""
+"""``python -m moe_ep.bench`` (under torchrun): the bench CLI, same as the ``moe-ep-bench`` command."""
 import sys
 
 from .cli import main

@@ -2,21 +2,21 @@
 
 Run one process per GPU with torchrun (one node or many):
 
-    torchrun --nproc-per-node=2 -m bench --preset decode --output decode.json --plot decode.png
+    torchrun --nproc-per-node=2 -m moe_ep.bench --preset decode --output decode.json --plot decode.png
     torchrun --nnodes=4 --nproc-per-node=8 --node-rank=$NODE_RANK --rdzv-backend=c10d \\
-        --rdzv-endpoint=$HEAD:29500 -m bench --preset prefill --num-sms 32 --output ep32.json
+        --rdzv-endpoint=$HEAD:29500 -m moe_ep.bench --preset prefill --num-sms 32 --output ep32.json
     moe-ep-bench plot ep16.json ep32.json ep64.json --output ep_sweep.png   # latency vs EP size
     moe-ep-bench table decode.json                                           # the table again
     moe-ep-bench merge a.json b.json --output ab.json                        # one document
 
 Without a GPU the same runs on CPU ranks (gloo, Triton interpreter; times are meaningless):
-    torchrun --nproc-per-node=2 -m bench --device cpu --tokens 4,8 --hidden 128 --num-experts 4 --topk 2 --iters 2
+    torchrun --nproc-per-node=2 -m moe_ep.bench --device cpu --tokens 4,8 --hidden 128 --num-experts 4 --topk 2 --iters 2
 
 Every backend runs on the same inputs (same seed) after a pre-check of its combine output against
 the oracle (moe_ep.reference, fake experts y = x * (1 + (e % 7) / 8)); a backend or mode that
 cannot run is reported as "not available: <reason>" and the sweep goes on. Times: p50/p90/p99 over
 iterations on each rank, then the max over ranks; GB/s at the p50, two conventions (all rows a
-rank receives, its own included, as DeepEP counts; cross-GPU rows only). JSON schema: bench/schema.json.
+rank receives, its own included, as DeepEP counts; cross-GPU rows only). JSON schema: moe_ep/bench/schema.json.
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def run_parser() -> argparse.ArgumentParser:
         prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter,
         description=__doc__.split("\n")[0],
         epilog="Subcommands on result files (no torchrun): `plot JSON... --output PNG`, `table JSON...`, "
-               "`merge JSON... --output JSON`. Full usage: the module docstring of bench/cli.py and README.md "
+               "`merge JSON... --output JSON`. Full usage: the module docstring of moe_ep/bench/cli.py and README.md "
                "(Benchmarks).")
     w = p.add_argument_group("workload (a preset, then a model shape, then single flags override)")
     w.add_argument("--preset", choices=sorted(PRESETS), default="decode",
@@ -109,7 +109,7 @@ def run_parser() -> argparse.ArgumentParser:
                    help="cuda: NCCL, one GPU per rank; cpu: gloo and the Triton interpreter. Default: cuda if present")
     o = p.add_argument_group("output")
     o.add_argument("--output", metavar="JSON", default=None,
-                   help="write the results (schema: bench/schema.json), rewritten after every entry")
+                   help="write the results (schema: moe_ep/bench/schema.json), rewritten after every entry")
     o.add_argument("--plot", metavar="PNG", default=None, help="write the plots (needs matplotlib; else a message)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p

@@ -2,7 +2,7 @@
 
 Every rank runs the same steps; after each step the ranks agree on its outcome (an error on any
 rank stops that entry on all ranks, so the sweep goes on with the next one). Timing follows
-bench/intranode.py: CUDA events on GPU (wall clock on CPU), dispatch and combine timed alone
+moe_ep/bench/intranode.py: CUDA events on GPU (wall clock on CPU), dispatch and combine timed alone
 (alternating, so each combine follows its dispatch) and the pair; p50/p90/p99 over iterations on
 each rank, then the max over ranks.
 """

@@ -1,14 +1,14 @@
 """Intranode benchmark: moe_ep dispatch/combine against an NCCL all-to-all baseline.
 
 GPU (one process per GPU, NVLink):
-    torchrun --nproc-per-node=2 -m bench.intranode --preset decode --dispatch-dtype fp8 --layout masked
-    torchrun --nproc-per-node=2 -m bench.intranode --preset prefill --dispatch-dtype fp8 --layout packed
+    torchrun --nproc-per-node=2 -m moe_ep.bench.intranode --preset decode --dispatch-dtype fp8 --layout masked
+    torchrun --nproc-per-node=2 -m moe_ep.bench.intranode --preset prefill --dispatch-dtype fp8 --layout packed
 
 CPU end-to-end check of this script (gloo, 2 ranks, tiny shapes, interpreter, wall clock):
-    python -m bench.intranode --cpu-smoke
+    python -m moe_ep.bench.intranode --cpu-smoke
 
 Summary table of earlier JSON results:
-    python -m bench.intranode --summarize results/*.json
+    python -m moe_ep.bench.intranode --summarize results/*.json
 
 What is timed (GPU), all on one CUDA stream, CUDA events around each call, after warm-up:
   - eager: dispatch alone, combine alone, and the pair, as a caller without CUDA graphs runs them;
@@ -58,7 +58,7 @@ FP8_BLOCK = 128
 # ----------------------------------------------------------------------------- arguments
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.intranode", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m moe_ep.bench.intranode", description=__doc__.split("\n")[0])
     p.add_argument("--preset", choices=["decode", "prefill"], default="decode")
     p.add_argument("--dispatch-dtype", choices=["fp8", "bf16"], default="fp8")
     p.add_argument("--layout", choices=["masked", "packed"], default=None,
@@ -486,7 +486,7 @@ def run_bench(args: argparse.Namespace) -> dict:
         checks_rel_err=checks,
         results=results,
         env=environment(device),
-        command=" ".join([os.path.basename(sys.executable), "-m", "bench.intranode"] + sys.argv[1:]),
+        command=" ".join([os.path.basename(sys.executable), "-m", "moe_ep.bench.intranode"] + sys.argv[1:]),
     )
 
 

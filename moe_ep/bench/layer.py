@@ -1,15 +1,15 @@
 """MoELayer forward benchmark: moe_ep against the same layer over an NCCL all_to_all baseline.
 
 GPU (one process per GPU):
-    torchrun --nproc-per-node=2 -m bench.layer --model deepseek-v3 --tokens 128,4096 --dispatch-dtype fp8
-    torchrun --nproc-per-node=2 -m bench.layer --model qwen3-235b --tokens 128,4096
+    torchrun --nproc-per-node=2 -m moe_ep.bench.layer --model deepseek-v3 --tokens 128,4096 --dispatch-dtype fp8
+    torchrun --nproc-per-node=2 -m moe_ep.bench.layer --model qwen3-235b --tokens 128,4096
 CPU end-to-end check of this script (gloo, 2 ranks, tiny shapes, interpreter, wall clock):
-    python -m bench.layer --cpu-smoke
+    python -m moe_ep.bench.layer --cpu-smoke
 
 For each token count T per rank, after warm-up, under ``torch.no_grad``: the whole forward of a
 ``moe_ep.MoELayer`` (router, dispatch, experts, combine, shared experts), then the same routed
 path split into dispatch / experts / combine (each call timed alone, with a device sync around
-it), and the same split with ``bench.intranode.NaiveEP`` (all_to_all_single of counts, host sync,
+it), and the same split with ``moe_ep.bench.intranode.NaiveEP`` (all_to_all_single of counts, host sync,
 permute, all_to_all_single of rows; combine: weighted index_add_, all_to_all_single back) in
 place of dispatch/combine, the experts computed the same way. Numbers are p50 over iterations in
 microseconds, max over ranks; the two outputs are compared once (max relative error).
@@ -147,7 +147,7 @@ def bench_tokens(layer, naive, T: int, args, device) -> dict:
 
 def run(args: argparse.Namespace) -> List[dict]:
     import moe_ep
-    from bench.intranode import NaiveEP
+    from .intranode import NaiveEP
 
     group = moe_ep.EPGroup()
     dev = group.device

@@ -1,12 +1,12 @@
 """Where the time of one dispatch / combine goes, on a GPU: host and device, per kernel.
 
-    torchrun --nproc-per-node=1 -m bench.profile_ops --preset decode
-    torchrun --nproc-per-node=2 -m bench.profile_ops --preset prefill --num-programs 32
+    torchrun --nproc-per-node=1 -m moe_ep.bench.profile_ops --preset decode
+    torchrun --nproc-per-node=2 -m moe_ep.bench.profile_ops --preset prefill --num-programs 32
 
 Prints, for rank 0: the host time of a call (Python and launch, no device sync; the mean over
 many calls), the top host functions of those calls (cProfile), the launch cost of an empty Triton
 kernel through ``moe_ep.kernels.launch`` and through ``kernel[grid]``, and the device time of each
-kernel (torch.profiler, mean over calls). Not a benchmark of record: ``bench.intranode`` is.
+kernel (torch.profiler, mean over calls). Not a benchmark of record: ``moe_ep.bench.intranode`` is.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from bench.intranode import PRESETS
+from .intranode import PRESETS
 
 
 @triton.jit
@@ -41,7 +41,7 @@ def _host_us(fn, n: int) -> float:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.profile_ops", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m moe_ep.bench.profile_ops", description=__doc__.split("\n")[0])
     p.add_argument("--preset", choices=["decode", "prefill"], default="decode")
     p.add_argument("--dispatch-dtype", choices=["fp8", "bf16"], default="fp8")
     p.add_argument("--layout", choices=["masked", "packed"], default=None)

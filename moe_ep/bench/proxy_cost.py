@@ -1,7 +1,7 @@
 """Proxy cost on CPU over TCP loopback: time per posted write and per protocol phase.
 
-    python -m bench.proxy_cost                          # both parts, table + JSON on stdout
-    python -m bench.proxy_cost --json out.json --ranks 2 4 8 16 --streams 4 1 --epochs 200
+    python -m moe_ep.bench.proxy_cost                          # both parts, table + JSON on stdout
+    python -m moe_ep.bench.proxy_cost --json out.json --ranks 2 4 8 16 --streams 4 1 --epochs 200
 
 Part "post" (one process, two TCP engines): for each write size, the native loop
 ``moe_ep_bench_post`` posts ``n`` writes back to back and reports the time per ``post_write`` call
@@ -62,7 +62,7 @@ def _meta(argv) -> dict:
             commit = "?"
     return dict(cpu=cpu, cores=os.cpu_count(), kernel=platform.release(), load=os.getloadavg(),
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), commit=commit,
-                command="python -m bench.proxy_cost " + " ".join(argv))
+                command="python -m moe_ep.bench.proxy_cost " + " ".join(argv))
 
 
 # ----------------------------------------------------------------------------- post cost
@@ -247,7 +247,7 @@ def phase_table(rows) -> str:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(prog="python -m bench.proxy_cost", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m moe_ep.bench.proxy_cost", description=__doc__.split("\n")[0])
     ap.add_argument("--part", choices=["post", "phase", "all"], default="all")
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 16])
     ap.add_argument("--streams", type=int, nargs="+", default=[4, 1])

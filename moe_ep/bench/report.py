@@ -1,4 +1,4 @@
-"""Results of the bench CLI: the JSON document (schema: bench/schema.json), the table, merging."""
+"""Results of the bench CLI: the JSON document (schema: moe_ep/bench/schema.json), the table, merging."""
 from __future__ import annotations
 
 import json
@@ -19,7 +19,7 @@ def label(entry: dict) -> str:
 
 
 def environment(device: torch.device, world_size: int) -> dict:
-    """Hardware, versions and commit (bench/intranode.py's fields plus the launch's)."""
+    """Hardware, versions and commit (moe_ep/bench/intranode.py's fields plus the launch's)."""
     from .intranode import environment as base_env
 
     env = base_env(device)
@@ -61,7 +61,7 @@ def write_json(path: str, doc: dict) -> None:
 
 
 def load(paths: Iterable[str]) -> list[dict]:
-    """Reads JSON documents, each validated against bench/schema.json (ValueError naming the file)."""
+    """Reads JSON documents, each validated against moe_ep/bench/schema.json (ValueError naming the file)."""
     from .schema import validate_document
 
     docs = []

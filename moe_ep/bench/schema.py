@@ -1,4 +1,4 @@
-"""Validation of result documents against bench/schema.json.
+"""Validation of result documents against moe_ep/bench/schema.json.
 
 A small JSON Schema subset, enough for that file and with no dependency: ``type`` (one or a
 list), ``enum``, ``minimum``, ``required``, ``properties``, ``additionalProperties`` (bool or a
@@ -64,6 +64,6 @@ def validate(value: Any, schema: dict, root: dict, path: str = "$") -> list[str]
 
 
 def validate_document(doc: Any) -> list[str]:
-    """Problems of a result document against bench/schema.json (empty when it conforms)."""
+    """Problems of a result document against moe_ep/bench/schema.json (empty when it conforms)."""
     schema = load_schema()
     return validate(doc, schema, schema)

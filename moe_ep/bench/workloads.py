@@ -85,7 +85,7 @@ class Inputs:
     topk_weights: torch.Tensor  # [T, K] float32
     ref: torch.Tensor           # [T, H] float32: dispatch -> fake experts -> combine, from the oracle
     expert_scale: torch.Tensor  # [E] float32: what fake expert e multiplies its rows by
-    traffic: dict               # bytes and rows per rank, mean over ranks (see bench/intranode.py)
+    traffic: dict               # bytes and rows per rank, mean over ranks (see moe_ep/bench/intranode.py)
 
 
 def make_routing(wl: Workload, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

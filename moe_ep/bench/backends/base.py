@@ -28,7 +28,7 @@ def claim(resource: str, value: str, user: str) -> Optional[str]:
     if held[0] == value:
         return None
     return (f"{_RESOURCE_TEXT.get(resource, resource)} is already set to {held[0]} by {held[1]} in this process; "
-            f"run {user} in its own launch (bench/compare.sh does)")
+            f"run {user} in its own launch (the repository's scripts/compare.sh does)")
 
 
 @dataclass

@@ -11,7 +11,7 @@ Written from DeepEP's documented Python API:
   (in-kernel fp8 when the dispatch dtype is fp8) into ``[E_local, R*max_tokens, H]``, then
   ``low_latency_combine`` (weighted). DeepEP chooses its SMs itself in this mode.
 On one node, DeepEP's low-latency mode needs ``NVSHMEM_REMOTE_TRANSPORT=none`` when there is no
-RDMA NIC; bench/compare.sh sets it for single-node runs.
+RDMA NIC; scripts/compare.sh sets it for single-node runs.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Backend ``nccl``: the EP a user writes with all_to_all_single and torch permutations.
 
-The implementation is ``NaiveEP`` of bench/intranode.py (counts all-to-all, host sync for the
+The implementation is ``NaiveEP`` of moe_ep/bench/intranode.py (counts all-to-all, host sync for the
 split sizes, permute once per (token, rank), all-to-all of rows and metadata, expand per expert;
 combine: weighted ``index_add_``, all-to-all back, ``index_add_`` per token). On CPU it runs over gloo.
 """

@@ -9,7 +9,7 @@ the exact inverse), where the rows are weighted and summed per token. No host sy
 
 torch's symmetric memory has one allocation backend per process: this backend needs NVSHMEM,
 moe_ep allocates with the CUDA backend, so the two do not run in the same launch (the second one
-reports why); ``bench/compare.sh`` runs each backend in its own launch.
+reports why); ``scripts/compare.sh`` runs each backend in its own launch.
 """
 from __future__ import annotations
 
@@ -135,7 +135,7 @@ class SymmMemBackend(Backend):
             symm_mem.set_backend("NVSHMEM")
         except Exception as e:  # noqa: BLE001 - torch refuses once another backend has allocated
             raise NotAvailable(f"torch symmetric memory cannot switch to NVSHMEM in this process ({e}); "
-                               f"run symm_mem in its own launch (bench/compare.sh)") from e
+                               f"run symm_mem in its own launch (the repository's scripts/compare.sh)") from e
         with contextlib.suppress(Exception):  # needed by older torch, deprecated by newer
             symm_mem.enable_symm_mem_for_group(dist.group.WORLD.group_name)
         return SymmMemRunner(wl, inputs, self.ctx)
