@@ -60,8 +60,19 @@ class Launcher:
             a = args[i]
             vals[i] = a.data_ptr() if isinstance(a, torch.Tensor) else a
         dev = self.device_index if self.device_index is not None else torch.cuda.current_device()
-        compiled.run(grid, 1, 1, torch._C._cuda_getCurrentRawStream(dev), compiled.function,
-                     compiled.packed_metadata, None, None, None, *vals)
+        compiled.run(*leading_args(compiled, grid, torch._C._cuda_getCurrentRawStream(dev)), *vals)
+
+
+# What Triton's own launch (``JITFunction.run`` in triton 3.6) passes to ``CompiledKernel.run``
+# before the kernel's arguments; ``leading_args`` gives the same values in the same order (no
+# launch metadata, no enter/exit hooks: profiler hooks do not see cached launches).
+TRITON_LEADING = ("grid_0", "grid_1", "grid_2", "stream", "kernel.function", "kernel.packed_metadata",
+                  "launch_metadata", "knobs.runtime.launch_enter_hook", "knobs.runtime.launch_exit_hook")
+
+
+def leading_args(compiled, grid: int, stream: int) -> tuple:
+    """The values of ``TRITON_LEADING`` for a 1-D ``grid`` on ``stream``."""
+    return (grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None)
 
 
 _GLOBAL = Launcher()
