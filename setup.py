@@ -3,8 +3,24 @@ its subpackages, nothing else at top level: the bench harness is ``moe_ep.bench`
 proxy engine (csrc/proxy, plain C++17 with a C API loaded through ctypes: no Python headers,
 no CUDA, no RDMA libraries needed: libibverbs is opened at run time when present)."""
 import glob
+import json
 
 from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+
+class BuildExt(build_ext):
+    """build_ext that records the compile flags in the library: the compiler's own (Python's
+    CFLAGS, the environment's) and the extension's, as the string MOE_EP_BUILD_FLAGS that
+    ``moe_ep_build_info()`` returns (``python -m moe_ep.doctor`` reports it)."""
+
+    def build_extensions(self):
+        base = getattr(self.compiler, "compiler_so", None) or ["?"]
+        for ext in self.extensions:
+            flags = " ".join([*base[1:], *ext.extra_compile_args])
+            ext.define_macros.append(("MOE_EP_BUILD_FLAGS", json.dumps(f"{flags} (setup.py build_ext)")))
+        super().build_extensions()
+
 
 proxy_native = Extension(
     "moe_ep.proxy._native",
@@ -16,4 +32,4 @@ proxy_native = Extension(
 )
 
 setup(packages=find_packages(include=["moe_ep", "moe_ep.*"]),
-      package_data={"moe_ep.bench": ["schema.json"]}, ext_modules=[proxy_native])
+      package_data={"moe_ep.bench": ["schema.json"]}, ext_modules=[proxy_native], cmdclass={"build_ext": BuildExt})

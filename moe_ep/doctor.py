@@ -1,5 +1,7 @@
 """``python -m moe_ep.doctor``: what this machine offers moe_ep's inter-node path.
 
+What is installed: moe_ep's version and where it is imported from, the native library's path
+and build (compiler, C++ standard, flags), so a bug report says it.
 GPUs and their peer-to-peer / NVLink peers (torch.cuda when it sees GPUs; ``nvidia-smi topo -m``
 when present; NVIDIA functions on the PCI bus otherwise), RDMA devices with their ports, GIDs
 (index, type, address), link layer and state from sysfs, their attributes as libibverbs reports
@@ -295,6 +297,19 @@ def node_memory(num_gpus: int, use_torch: bool = True) -> dict:
                     "timings" + ("" if ipc else "; CUDA IPC needs cupy (cupy-cuda12x / cupy-cuda13x)")}
 
 
+def install() -> dict:
+    """What is installed, so a bug report says it: where moe_ep is imported from, and the native
+    library's path and build (compiler, C++ standard, flags), or why it does not load."""
+    out: dict = {"moe_ep_path": os.path.dirname(os.path.abspath(__file__))}
+    try:
+        from .proxy import native
+
+        out["native"] = {"library": native.lib()._name, "build": native.build_info()}
+    except Exception as e:  # noqa: BLE001 - no compiler for the native library, ...
+        out["native"] = {"error": _err(e)}
+    return out
+
+
 def report(root: Optional[str] = None, use_torch: bool = True, use_pyverbs: bool = True) -> dict:
     """Everything, as one JSON-able dict (the keys of ``--json``)."""
     root = _nic.sysfs_root(root)
@@ -312,7 +327,7 @@ def report(root: Optional[str] = None, use_torch: bool = True, use_pyverbs: bool
     devs = _nic.list_devices(root)
     return {
         "host": {"hostname": socket.gethostname(), "platform": platform.platform(), "python": sys.version.split()[0],
-                 "moe_ep": version},
+                 "moe_ep": version, **install()},
         "gpus": g,
         "rdma": r,
         "nic": nic_choices(devs, g["devices"], root),
@@ -330,7 +345,10 @@ def _gib(n) -> str:
 
 def render(rep: dict) -> str:
     h, g, r, t = rep["host"], rep["gpus"], rep["rdma"], rep["transport"]
-    L = [f"moe_ep doctor: {h['hostname']}, {h['platform']}, Python {h['python']}, moe_ep {h['moe_ep'] or '?'}", ""]
+    n = h["native"]
+    L = [f"moe_ep doctor: {h['hostname']}, {h['platform']}, Python {h['python']}, moe_ep {h['moe_ep'] or '?'}",
+         f"  moe_ep from {h['moe_ep_path']}",
+         f"  native library: {n['library']}  ({n['build']})" if "build" in n else f"  native library: {n['error']}", ""]
     L.append(f"GPUs ({g['source']}): {len(g['devices'])}")
     for why in ("torch_error", "torch_cuda"):
         if g.get(why):

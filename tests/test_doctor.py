@@ -17,7 +17,7 @@ from test_nic import make_sysfs
 from test_verbs_transport import AVAILABLE, ROOT, WHY, light_import, rdma_test
 
 doctor = light_import("doctor")
-KEYS = {"host", "gpus", "rdma", "nic", "transport", "env"}
+KEYS = {"host", "gpus", "rdma", "nic", "transport", "node_memory", "env"}
 
 
 def _run(*args, **env):
@@ -37,6 +37,19 @@ def test_cli_text_and_json():
     assert {"source", "devices"} <= set(rep["gpus"]) and {"sysfs_root", "devices"} <= set(rep["rdma"])
     assert rep["transport"]["auto"]["kind"] in ("tcp", "verbs", "efa") and rep["transport"]["auto"]["why"]
     assert rep["nic"][-1]["rank"] == "CPU"
+
+
+def test_report_says_what_is_installed():
+    """The version, where moe_ep comes from and how the native library was built (its flags)."""
+    h = doctor.report(use_torch=False, use_pyverbs=False)["host"]
+    with open(os.path.join(ROOT, "moe_ep", "__init__.py")) as f:
+        assert f'__version__ = "{h["moe_ep"]}"' in f.read()
+    assert os.path.isfile(os.path.join(h["moe_ep_path"], "doctor.py"))
+    n = h["native"]
+    assert os.path.isfile(n["library"]), n
+    assert n["build"].startswith("compiler ") and "; C++ 201703L; flags " in n["build"] and "-std=c++17" in n["build"], n
+    text = doctor.render(doctor.report(use_torch=False, use_pyverbs=False))
+    assert f"  native library: {n['library']}  ({n['build']})" in text.splitlines()[2]
 
 
 def test_cli_reports_requested_transport_error():

@@ -49,6 +49,23 @@ extern "C" {
 
 int moe_ep_abi_version() { return 5; }
 
+// How this library was built, for bug reports (python -m moe_ep.doctor): the compiler, the C++
+// standard and the builder's flags, which setup.py and the in-tree build of
+// moe_ep/proxy/native.py pass as the string literal MOE_EP_BUILD_FLAGS. A static string.
+#ifndef MOE_EP_BUILD_FLAGS
+#define MOE_EP_BUILD_FLAGS "unknown (built without MOE_EP_BUILD_FLAGS)"
+#endif
+#define MOE_EP_STR2(x) #x
+#define MOE_EP_STR(x) MOE_EP_STR2(x)
+const char* moe_ep_build_info() {
+#if defined(__GNUC__) && !defined(__clang__)
+#define MOE_EP_COMPILER "gcc " __VERSION__
+#else
+#define MOE_EP_COMPILER __VERSION__
+#endif
+  return "compiler " MOE_EP_COMPILER "; C++ " MOE_EP_STR(__cplusplus) "; flags " MOE_EP_BUILD_FLAGS;
+}
+
 // Copies the last error of this thread into buf (NUL-terminated); returns its full length.
 int moe_ep_last_error(char* buf, size_t len) { return copy_str(moe_ep::thread_error(), buf, len); }
 

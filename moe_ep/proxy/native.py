@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import json
 import math
 import os
 import re
@@ -64,7 +65,10 @@ def _build_from_source() -> str:
         return out
     tmp = f"{out}.{os.getpid()}.tmp"
     cxx = os.environ.get("CXX", "c++")
-    cmd = [cxx, "-O2", "-std=c++17", "-pthread", "-fPIC", "-shared", "-fvisibility=hidden", *srcs, "-o", tmp, "-ldl"]
+    flags = ["-O2", "-std=c++17", "-pthread", "-fPIC", "-shared", "-fvisibility=hidden"]
+    # The flags, recorded in the library for build_info() (csrc/proxy/capi.cc: moe_ep_build_info).
+    record = "-DMOE_EP_BUILD_FLAGS=" + json.dumps(f"{' '.join(flags)} (in-tree build by moe_ep.proxy.native, {cxx})")
+    cmd = [cxx, *flags, record, *srcs, "-o", tmp, "-ldl"]
     newest = max(os.path.getmtime(s) for s in _sources())  # before compiling: see below
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
@@ -106,6 +110,7 @@ def lib() -> ctypes.CDLL:
             vp, i32, u32, i64, u64, cp, sz = (ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_int64,
                                               ctypes.c_uint64, ctypes.c_char_p, ctypes.c_size_t)
             _c(L, "moe_ep_abi_version", i32)
+            _c(L, "moe_ep_build_info", cp)
             _c(L, "moe_ep_last_error", i32, cp, sz)
             _c(L, "moe_ep_imm_create", vp)
             _c(L, "moe_ep_imm_destroy", None, vp)
@@ -186,6 +191,11 @@ def _str(fn, *args) -> str:
         buf = ctypes.create_string_buffer(n + 1)
         fn(*args, buf, len(buf))
     return buf.value.decode(errors="replace")
+
+
+def build_info() -> str:
+    """How the loaded native library was built: compiler, C++ standard and compile flags."""
+    return lib().moe_ep_build_info().decode(errors="replace")
 
 
 def last_error() -> str:
