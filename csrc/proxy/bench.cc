@@ -1,4 +1,4 @@
-// Measurement entry points (bench/proxy_cost.py): loops that run in native code, so the numbers
+// Measurement entry points (moe_ep/bench/proxy_cost.py): loops that run in native code, so the numbers
 // are the engine's own cost and not that of the ctypes calls around them.
 #include <sched.h>
 #ifdef __linux__

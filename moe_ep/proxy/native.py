@@ -427,7 +427,7 @@ class Engine(_Closable):
 
     def bench_post(self, peer: int, local_key: int, remote_key: int, nbytes: int, *, n: int, n_serial: int,
                    imm: int = 0x3000, timeout_s: float = 60.0) -> dict:
-        """Measurement loop in native code (bench/proxy_cost.py): ``n`` writes of ``nbytes`` posted
+        """Measurement loop in native code (moe_ep/bench/proxy_cost.py): ``n`` writes of ``nbytes`` posted
         back to back, then ``n_serial`` posted one at a time, each waited for. Nanoseconds."""
         out = (ctypes.c_int64 * 8)()
         rc = self._lib.moe_ep_bench_post(self._h, peer, local_key, 0, remote_key, 0, nbytes, imm, n, n_serial,
@@ -860,7 +860,7 @@ class Proxy(_Closable):
 
     def bench_drive(self, first: int, n: int, *, combine: bool = True, timeout_s: float = 30.0,
                     spin_us: float = 20.0, sleep_us: float = 5.0) -> tuple[list[int], list[int]]:
-        """Kernel stand-in in native code (bench/proxy_cost.py): rings dispatch (and combine) for
+        """Kernel stand-in in native code (moe_ep/bench/proxy_cost.py): rings dispatch (and combine) for
         epochs first .. first+n-1, each after the previous ready; returns the ns doorbell -> ready
         of every dispatch and every combine. The send buffers are used as they are."""
         out = (ctypes.c_int64 * (2 * max(1, n)))()
