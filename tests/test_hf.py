@@ -28,9 +28,30 @@ def _close(name, got, want, rtol):
     return [] if err <= rtol * max(scale, 1e-6) else [f"{name}: max error {err:.3g} > {rtol} x {scale:.3g}"]
 
 
-def hf_worker(rank: int, R: int, families, train: bool = True, keep_router: bool = True):
+def _grad_fails(fam, model, ref, rank: int, R: int, rtol: float):
+    """The expert-parallel model's gradients against the unmodified model's (after both backwards):
+    routed experts see every rank's tokens, so theirs are summed over ranks (a collective) and this
+    rank's slice taken."""
     import torch.distributed as dist
 
+    fails = []
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        w = ref_params[name].grad
+        w = torch.zeros_like(p) if w is None else w
+        if name.split(".")[-1] in ("gate_up_proj", "down_proj") and ".experts." in name:
+            if R > 1:
+                dist.all_reduce(w)
+            EL = p.shape[0]
+            w = w[rank * EL:(rank + 1) * EL]
+        if p.grad is None:
+            fails.append(f"{fam}: no gradient for {name}")
+            continue
+        fails += _close(f"{fam} grad {name}", p.grad, w, rtol)
+    return fails
+
+
+def hf_worker(rank: int, R: int, families, train: bool = True, keep_router: bool = True):
     import moe_ep
     from moe_ep.integrations.hf import apply_expert_parallel
 
@@ -60,19 +81,7 @@ def hf_worker(rank: int, R: int, families, train: bool = True, keep_router: bool
                 fails += _close(f"{fam} aux loss", out.aux_loss, want.aux_loss, 1e-6)
             out.loss.backward()
             want.loss.backward()
-            ref_params = dict(ref.named_parameters())
-            for name, p in model.named_parameters():
-                w = ref_params[name].grad
-                w = torch.zeros_like(p) if w is None else w
-                if name.split(".")[-1] in ("gate_up_proj", "down_proj") and ".experts." in name:
-                    if R > 1:
-                        dist.all_reduce(w)
-                    EL = p.shape[0]
-                    w = w[rank * EL:(rank + 1) * EL]
-                if p.grad is None:
-                    fails.append(f"{fam}: no gradient for {name}")
-                    continue
-                fails += _close(f"{fam} grad {name}", p.grad, w, 3e-2)
+            fails += _grad_fails(fam, model, ref, rank, R, 3e-2)
         for layer in layers.values():
             layer.close()
     return [f"R{R} rank {rank} {f}" for f in fails]
@@ -112,8 +121,9 @@ def test_comparison_can_fail():
     layer.close()
 
 
-def _hf_gpu_worker(rank: int, R: int):
-    """bf16 models on the GPU (experts through grouped_mm): logits and loss against the unmodified model."""
+def _hf_gpu_worker(rank: int, R: int, dispatch_dtype: str, grad_rtol: float):
+    """bf16 models on the GPU (experts through grouped_mm): logits, loss and every gradient against
+    the unmodified model."""
     import moe_ep
     from moe_ep.integrations.hf import apply_expert_parallel
 
@@ -121,22 +131,28 @@ def _hf_gpu_worker(rank: int, R: int):
     fails = []
     for fam in FAMILIES:
         ref = tiny_model(fam).to(dev, torch.bfloat16)
-        model = apply_expert_parallel(copy.deepcopy(ref), max_tokens=32, dispatch_dtype="fp8")
+        model = apply_expert_parallel(copy.deepcopy(ref), max_tokens=32, dispatch_dtype=dispatch_dtype)
         ids = torch.randint(0, VOCAB, (2, 5 + 3 * rank), generator=torch.Generator().manual_seed(rank)).to(dev)
         out, want = model(ids, labels=ids), ref(ids, labels=ids)
         fails += _close(f"{fam} logits", out.logits, want.logits, 5e-2)
         fails += _close(f"{fam} loss", out.loss, want.loss, 1e-2)
         out.loss.backward()
-        for name, p in model.named_parameters():
-            if p.grad is None or not torch.isfinite(p.grad).all():
-                fails.append(f"{fam}: gradient of {name} missing or not finite")
+        want.loss.backward()
+        fails += _grad_fails(fam, model, ref, rank, R, grad_rtol)
         for m in model.modules():
             if isinstance(m, moe_ep.MoELayer):
                 m.close()
     return [f"R{R} rank {rank} {f}" for f in fails]
 
 
+# Gradient tolerances, relative to each gradient's largest entry. Measured with these models in
+# bf16 on 2 CPU ranks: bf16 dispatch at most 1.4% (q_a_layernorm), fp8 dispatch at most 20% (the
+# mixtral router, whose softmax gradient is a difference of near terms; the rest under 7%).
+GPU_GRAD_RTOL = {"bf16": 5e-2, "fp8": 3e-1}
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("dispatch_dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("R", [1, 2])
-def test_hf_models_gpu(R):
-    run_on_gpus(R, _hf_gpu_worker)
+def test_hf_models_gpu(R, dispatch_dtype):
+    run_on_gpus(R, _hf_gpu_worker, dispatch_dtype, GPU_GRAD_RTOL[dispatch_dtype])
