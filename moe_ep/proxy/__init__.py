@@ -1,12 +1,17 @@
-"""Host proxy for peers on other nodes (inter-node path).
+"""Host proxy for peers on other nodes (inter-node path; docs/ARCHITECTURE.md §9, §10).
 
-So far: the native engine (csrc/proxy) behind ``native``: ``ImmCounter``, the TCP transport
-(``Engine`` / ``TcpTransport``) and the §10 ``Proxy`` driven by mailbox words (``MAILBOX``).
-Wiring into dispatch/combine comes next.
+``native``: the native engine (csrc/proxy) through ctypes: ``ImmCounter``, the transports
+(``Engine``; ``TcpTransport``, ``VerbsTransport``, ``EfaTransport``) and the §10 ``Proxy`` driven
+by mailbox words (``MAILBOX``). ``session``: a rank's proxy from an ``EPGroup`` (transport
+selection, endpoint exchange), which ``EPBuffer`` starts when ``node_size < world_size``
+(``moe_ep.internode``). ``nic``: the NIC nearest a GPU. ``identity``: the job identity every
+connection is checked against.
 """
 from .identity import JobIdentity
-from .native import (MAILBOX, MAILBOX_WORDS, Completion, Engine, ImmCounter, NativeError, PeerLostError, Proxy,
-                     Refused, TcpTransport, CQ_OK, CQ_PEER_LOST, CQ_REMOTE_ACCESS, CQ_TIMEOUT, make_imm)
+from .native import (MAILBOX, MAILBOX_WORDS, Completion, EfaTransport, Engine, ImmCounter, NativeError, PeerLostError,
+                     Proxy, Refused, TcpTransport, VerbsTransport, CQ_OK, CQ_PEER_LOST, CQ_REMOTE_ACCESS, CQ_TIMEOUT,
+                     make_imm)
 
-__all__ = ["ImmCounter", "Engine", "TcpTransport", "Proxy", "MAILBOX", "MAILBOX_WORDS", "make_imm", "Completion", "NativeError", "PeerLostError",
-           "CQ_OK", "CQ_TIMEOUT", "CQ_PEER_LOST", "CQ_REMOTE_ACCESS", "JobIdentity", "Refused"]
+__all__ = ["ImmCounter", "Engine", "TcpTransport", "VerbsTransport", "EfaTransport", "Proxy", "MAILBOX",
+           "MAILBOX_WORDS", "make_imm", "Completion", "NativeError", "PeerLostError", "CQ_OK", "CQ_TIMEOUT",
+           "CQ_PEER_LOST", "CQ_REMOTE_ACCESS", "JobIdentity", "Refused"]
