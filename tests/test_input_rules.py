@@ -181,8 +181,7 @@ def test_masked_overflow_reaches_the_sender():
 @pytest.mark.gpu
 def test_masked_overflow_reaches_the_sender_gpu():
     """The same on GPUs: the receiver's dispatch kernel aborts the sender's combine wait."""
-    n = dist_util.cuda_device_count()
-    if n < 2:
-        pytest.skip(f"needs 2 CUDA GPUs, found {n}")
+    dist_util.need_gpu()
     timeout_s = 30.0
-    _check_overflow(dist_util.run(2, _overflow_worker, timeout_s, timeout=120, backend="nccl"), timeout_s)
+    _check_overflow(dist_util.run(2, _overflow_worker, timeout_s, timeout=120, backend=dist_util.gpu_backend(2)),
+                    timeout_s)
