@@ -138,8 +138,8 @@ def test_cached_launch_matches_tritons_launch_gpu():
     consts = dict(BLOCK=64, ADD=1.0)
     kernel = _axpb[(1,)](x, y1, 3, **consts)
     calls = []
-    run = kernel.run
-    kernel.run = lambda *a: (calls.append(a), run(*a))[1]
+    run = kernel.run  # loads the kernel; CompiledKernel.run is a property over _run
+    kernel._run = lambda *a: (calls.append(a), run(*a))[1]
     _axpb[(1,)](x, y1, 5, **consts)                        # Triton's launch (cached compile)
     la = L.Launcher(dev)
     la(("axpb",), _axpb, 1, (x, y2, 3), consts)             # first: through kernel[grid] (the same kernel)
