@@ -61,7 +61,7 @@ def _reuse_worker(rank, world_size, node_size, layout, dtype):
 
     group = moe_ep.EPGroup(node_size=node_size)
     E, H, M, K = 2 * world_size, 128, 8, 2
-    x, idx, w = _inputs(rank, 6, H, E, K, seed=1)
+    x, idx, w = (t.to(group.device) for t in _inputs(rank, 6, H, E, K, seed=1))
     keep = idx.clone()
     want = reference_moe(group, E, x, keep, w, _expert, dispatch_dtype=dtype)
     res = {}
@@ -83,6 +83,18 @@ def _reuse_worker(rank, world_size, node_size, layout, dtype):
                          ids=["node-masked-bf16", "node-packed-fp8", "internode-packed-bf16"])
 def test_combine_does_not_reread_topk_idx(node_size, layout, dtype):
     results = dist_util.run(2, _reuse_worker, node_size, layout, dtype, timeout=300)
+    for rank, res in enumerate(results):
+        assert all(res.values()), f"rank {rank}: combine after the caller reused topk_idx: {res}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("node_size", [2, 1], ids=["node", "internode"])
+def test_combine_does_not_reread_topk_idx_gpu(node_size):
+    """The same on 2 GPUs (the fused kernel writes the buffer's copy on the device)."""
+    n = dist_util.cuda_device_count()
+    if n < 2:
+        pytest.skip(f"needs 2 CUDA GPUs, found {n}")
+    results = dist_util.run(2, _reuse_worker, node_size, "packed", FP8, timeout=300, backend="nccl")
     for rank, res in enumerate(results):
         assert all(res.values()), f"rank {rank}: combine after the caller reused topk_idx: {res}"
 
