@@ -114,6 +114,11 @@ def _epoch_counts(seed, e, R, maxc, plan):
     if plan and plan.get("big_epoch") == e:
         C[:, plan["big_dst"]] = maxc + 5
         np.fill_diagonal(C, 0)
+    if plan and plan.get("victim") is not None and plan.get("epoch") == e:
+        # every survivor sends the victim rows, so it waits for the victim in combine too and cannot
+        # finish the victim's epoch
+        C[:, plan["victim"]] = np.maximum(C[:, plan["victim"]], 1)
+        np.fill_diagonal(C, 0)
     return C
 
 
@@ -150,6 +155,8 @@ def _rank_main(rank, R, node_size, cap, ovcap, epochs, seed, fault, maxc, plan, 
             if silent and plan["phase"] == "dispatch":  # alive, but never rings: the others time out
                 log.append(("silent", e))
                 break
+            if victim:  # every survivor has finished epoch e - 1 (its epoch-e header landed here), so
+                _wait_headers(px, e, timeout_s)  # the kill can only break epoch e, not a slow survivor's e - 1
             if victim and plan["when"] == "before_ring":
                 conn.send(("dying", e, time.monotonic()))
                 os.kill(os.getpid(), signal.SIGKILL)
