@@ -90,11 +90,10 @@ def test_combine_does_not_reread_topk_idx(node_size, layout, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("node_size", [2, 1], ids=["node", "internode"])
 def test_combine_does_not_reread_topk_idx_gpu(node_size):
-    """The same on 2 GPUs (the fused kernel writes the buffer's copy on the device)."""
-    n = dist_util.cuda_device_count()
-    if n < 2:
-        pytest.skip(f"needs 2 CUDA GPUs, found {n}")
-    results = dist_util.run(2, _reuse_worker, node_size, "packed", FP8, timeout=300, backend="nccl")
+    """The same on GPUs (the compiled kernel writes the buffer's copy on the device)."""
+    dist_util.need_gpu()
+    results = dist_util.run(2, _reuse_worker, node_size, "packed", FP8, timeout=300,
+                            backend=dist_util.gpu_backend(2))
     for rank, res in enumerate(results):
         assert all(res.values()), f"rank {rank}: combine after the caller reused topk_idx: {res}"
 
