@@ -53,7 +53,7 @@ def _differing_worker(rank, world_size, differing):
     group = moe_ep.EPGroup()
     res = []
     for name, v0, v1 in differing:
-        kw = dict(BASE, timeout_s=20, **{name: (v0, v1)[rank]})
+        kw = dict(BASE, timeout_s=60, **{name: (v0, v1)[rank]})
         res.append((name, *_outcome(lambda: moe_ep.EPBuffer(group, **kw).close())))
     return res, _round_trip(group)
 
@@ -65,7 +65,7 @@ def test_differing_arguments_raise_naming_them():
             assert typ == "ValueError", (rank, name, typ, msg)
             assert msg.startswith(f"{name}: expected the same value on every rank"), (rank, msg)
             assert f"{v0!s} on rank 0" in msg.replace("'", "") and f"{v1!s} on rank 1" in msg.replace("'", ""), msg
-            assert secs < 10, (rank, name, secs)  # no timeout: the exchange answers at once
+            assert secs < 30, (rank, name, secs)  # answered by the exchange, not by the 60 s deadline
         assert ok, f"rank {rank}: a correct buffer after the refused ones gave a wrong answer"
 
 
@@ -92,19 +92,13 @@ def _refused_worker(rank, world_size, timeout_s):
 
 
 def test_refused_rank_is_named_and_nobody_hangs():
-    timeout_s = 30.0
-    dist_util.run(2, _noop)  # the pool is up: time only the constructors
-    t0 = time.monotonic()
-    (r0, ok0), (r1, ok1) = dist_util.run(2, _refused_worker, timeout_s, timeout=120)
-    assert time.monotonic() - t0 < timeout_s / 2, "a rank waited for its deadline"
+    timeout_s = 60.0
+    (r0, ok0), (r1, ok1) = dist_util.run(2, _refused_worker, timeout_s, timeout=300)
     assert r0[0] == "ValueError" and r0[1].startswith("hidden: expected a multiple of 16"), r0
     assert r1[0] == "RuntimeError", r1
     assert "rank 1: EPBuffer construction failed on rank(s) [0]" in r1[1] and "hidden" in r1[1], r1
+    assert r1[2] < timeout_s / 2, f"rank 1 waited {r1[2]:.1f} s: for its deadline, not for rank 0's error"
     assert ok0 and ok1
-
-
-def _noop(rank, world_size):
-    return None
 
 
 def _late_worker(rank, world_size, timeout_s, late_s):
@@ -119,12 +113,12 @@ def _late_worker(rank, world_size, timeout_s, late_s):
 
 
 def test_rank_that_does_not_arrive_is_named_within_the_deadline():
-    timeout_s, late_s = 2.0, 6.0
-    (r0, ok0), (r1, ok1) = dist_util.run(2, _late_worker, timeout_s, late_s, timeout=120)
+    timeout_s, late_s = 3.0, 20.0  # late by far more than the deadline, whatever the machine's load
+    (r0, ok0), (r1, ok1) = dist_util.run(2, _late_worker, timeout_s, late_s, timeout=300)
     typ, msg, secs = r1
     assert typ == "CommTimeoutError", r1
     assert "rank 1: rank(s) [0] did not reach EPBuffer construction" in msg, msg
-    assert timeout_s * 0.9 <= secs <= timeout_s + 3.0, secs
+    assert timeout_s * 0.9 <= secs <= timeout_s + 10.0, secs
     # The late rank does not go on alone: it learns that rank 1 gave up, and says so.
     assert r0[0] == "RuntimeError" and r0[1].startswith("rank 0: EPBuffer construction failed on rank(s) [1]: "
                                                         "rank 1: CommTimeoutError"), r0
