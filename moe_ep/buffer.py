@@ -219,7 +219,8 @@ class EPBuffer:
         self._check_usable()
         return _dispatch.dispatch(self, x, topk_idx, topk_weights, x_scales, return_recv_hook)
 
-    def combine(self, expert_y: torch.Tensor, handle: DispatchResult, return_recv_hook: bool = False):
+    def combine(self, expert_y: torch.Tensor, handle: DispatchResult, return_recv_hook: bool = False,
+                topk_weights: Optional[torch.Tensor] = None):
         """Weighted sum of the expert outputs back on each token's rank.
 
         Args:
@@ -228,12 +229,17 @@ class EPBuffer:
             handle: the latest ``DispatchResult`` of this buffer.
             return_recv_hook: issue only the send half now and return ``(out, hook)``; ``out`` is
                 valid after ``hook()`` (as for ``dispatch``).
+            topk_weights: masked/packed: ``[T, K]`` float32 on ``group.device`` (T of the dispatch):
+                the weights to apply instead of those given to dispatch (combine-time weights, as
+                DeepEP's low-latency combine takes them); each source pushes them to the expert
+                owners first, so the combine waits one more flag per peer. Node peers only:
+                ``ValueError`` with other nodes.
         Returns:
-            ``[T, H]`` bfloat16: ``out[t] = sum_k w[t,k] * y(t, topk_idx[t,k])``; 0 for tokens with no
-            expert. With ``return_recv_hook``: ``(out, hook)``.
+            ``[T, H]`` bfloat16: ``out[t] = sum_k w[t,k] * y(t, topk_idx[t,k])`` (float32 sum, one
+            rounding per owner); 0 for tokens with no expert. With ``return_recv_hook``: ``(out, hook)``.
         """
         self._check_usable()
-        return _combine.combine(self, expert_y, handle, return_recv_hook)
+        return _combine.combine(self, expert_y, handle, return_recv_hook, topk_weights)
 
     def synchronize(self) -> None:
         """Waits for this buffer's work on the device, then raises any error a kernel recorded."""
@@ -379,6 +385,21 @@ class EPBuffer:
                     return self.node0 + s
             return None
         self._host_wait(missing, epoch, "dispatch")
+
+    def _host_wait_weights(self, epoch: int) -> None:
+        """Every node source's combine-time weight flag of each chunk of its latest dispatch."""
+        N, C = self.node_size, self.chunks
+        wflag = self._flags("wgt_flag", N * C).view(N, C)
+        hoff = self.off["hdr"] // 4 + (self._epochs[0] & 1) * N * self.ws_layout.HDR
+        hdr = self.workspace.local.view(torch.int32)
+
+        def missing():
+            for s in range(N):
+                nc = max(1, chunking(int(hdr[hoff + s * self.ws_layout.HDR]), C)[1])
+                if int(wflag[s, :nc].min()) < epoch:
+                    return self.node0 + s
+            return None
+        self._host_wait(missing, epoch, "combine")
 
     def _host_wait_combine(self, epoch: int, T: int) -> None:
         """Every node owner's flag of each chunk of this rank's tokens (chunk 0 at least)."""

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import _aligned, _check_tensor, _pow2, launch_half, launch_halves, pipelined_width
+from .dispatch import _aligned, _check_tensor, _pow2, pipelined_width
 from .kernels.combine import combine_kernel
 from .handle import DispatchResult
 
 
-def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False):
+def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False, topk_weights=None):
     buf._check_no_pending("combine")
     if not isinstance(handle, DispatchResult) or handle._buffer is not buf:
         raise TypeError("handle: expected the DispatchResult returned by this buffer's dispatch")
@@ -19,37 +19,61 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False)
     _check_tensor("expert_y", expert_y, (torch.bfloat16,), tuple(buf.expert_x.shape), buf.device)
     T = handle.num_tokens
     rp = buf.remote
+    weights = topk_weights is not None
+    if weights:
+        _check_tensor("topk_weights", topk_weights, (torch.float32,), (T, buf.topk), buf.device)
+        if rp is not None:
+            raise ValueError("topk_weights: combine-time weights reach node peers only; with other nodes "
+                             f"(node_size={buf.node_size} < world_size={buf.world_size}) pass the weights to dispatch")
     out = torch.empty(T, buf.hidden, dtype=torch.bfloat16, device=buf.device)
     # With other nodes the node owners' sum stays float32 until the remote rows are added.
     base = torch.empty(T, buf.hidden, dtype=torch.float32, device=buf.device) if rp is not None else out
     idx = buf.route_idx[:T]  # the dispatch's expert ids, kept by the buffer: the caller's topk_idx may be reused
     args = (expert_y, idx, base, buf._ws_ptr, buf.workspace.peer_ptrs, buf.state, buf.err, buf.recv_pos,
-            buf._timeout_ns, T)
-    key = ("combine", _aligned(expert_y), _aligned(base))
+            topk_weights if weights else buf.err, buf._timeout_ns, T)
+    key = ("combine", _aligned(expert_y), _aligned(base), weights)
     epoch = buf._epochs[1] + 1
-    consts = lambda: _combine_consts(buf)  # noqa: E731
-    dyn = (0, 1, 2, 9)
+    dyn = (0, 1, 2, 8, 10)
+
+    def launch(push: bool, send: bool, recv: bool) -> None:
+        buf._launch(key + (push, send, recv), combine_kernel, buf.num_programs, args,
+                    lambda: dict(_combine_consts(buf), WEIGHTS=weights, PUSH=push, SEND=send, RECV=recv), dyn)
+
+    def send_half() -> None:
+        if weights and not buf.fused:  # the push waits for nothing; the send half waits for every push
+            launch(True, False, False)
+            if buf.interp:
+                buf._host_wait_weights(epoch)
+            launch(False, True, False)
+        else:
+            launch(weights, True, False)
+
+    def recv_half() -> None:
+        if buf.interp:
+            buf._host_wait_combine(epoch, T)
+        launch(False, False, True)
+
     if rp is None:
         if not return_recv_hook:
-            launch_halves(buf, key, combine_kernel, args, dyn, consts, lambda: buf._host_wait_combine(epoch, T))
+            if buf.fused:
+                launch(weights, True, True)
+            else:
+                send_half()
+                recv_half()
             recv = None
         else:
-            launch_half(buf, key, combine_kernel, args, dyn, consts, True, False)
-
-            def recv():
-                if buf.interp:
-                    buf._host_wait_combine(epoch, T)
-                launch_half(buf, key, combine_kernel, args, dyn, consts, False, True)
+            send_half()
+            recv = recv_half
     else:
         depoch = buf._epochs[0]  # the proxy's combine carries the epoch of the dispatch it answers
         rp.combine_send(buf, expert_y, handle._serial, depoch)  # refuses a second combine first
-        launch_half(buf, key, combine_kernel, args, dyn, consts, True, False)
+        launch(False, True, False)
 
         def recv():
             if buf.interp:
                 buf._host_wait_combine(epoch, T)
             rp.wait(buf, "combine", depoch)
-            launch_half(buf, key, combine_kernel, args, dyn, consts, False, True)
+            launch(False, False, True)
             rp.combine_recv(buf, idx, base, out)
         if not return_recv_hook:
             recv()
@@ -65,7 +89,7 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False)
 def _combine_consts(buf) -> dict:
     """The combine kernel's constexprs (all fixed by the buffer)."""
     off, H, BLOCK_T = buf.off, buf.hidden, buf.block_t
-    return dict(off_cflag=off["comb_flag"], off_hdr=off["hdr"], off_meta_w=off["meta_w"], off_comb=off["comb"],
+    return dict(off_cflag=off["comb_flag"], off_wflag=off["wgt_flag"], off_hdr=off["hdr"], off_meta_w=off["meta_w"], off_comb=off["comb"],
                 RANK=buf.rank - buf.node0, NODE0=buf.node0, N=buf.node_size, M=buf.max_tokens, K=buf.topk,
                 E=buf.num_experts, BASE_F32=buf.remote is not None,
                 EL=buf.num_local_experts, H=H, HDR=buf.ws_layout.HDR, CMAX=buf.chunks, BLOCK_T=BLOCK_T,

@@ -4,6 +4,8 @@ Regions, each 256-byte aligned; ``par`` = epoch & 1 double-buffers everything pe
   hdr_flag   int64 [N]                   written by source rank s at [s]: its header is in place
   disp_flag  int64 [N][CMAX]             written by source rank s at [s][c]: its chunk c is in place
   comb_flag  int64 [N][CMAX]             written by expert owner o at [o][c]: chunk c of this rank's tokens
+  wgt_flag   int64 [N][CMAX]             written by source rank s at [s][c]: combine-time weights of its
+                                         chunk c are in meta_w (only combines given topk_weights)
   hdr        int32 [2][N][HDR]           [0] tokens of the source, [1 + e] selections of local expert e
   meta_i     int32 [2][N][M][2K]         local expert id (or -1) and position j, per (source, slot)
   meta_w     f32   [2][N][M][K]          weights
@@ -64,6 +66,7 @@ class WorkspaceLayout:
             ("hdr_flag", 8 * N),
             ("disp_flag", 8 * N * self.CMAX),
             ("comb_flag", 8 * N * self.CMAX),
+            ("wgt_flag", 8 * N * self.CMAX),
             ("hdr", 4 * 2 * N * self.HDR),
             ("meta_i", 4 * 2 * N * M * 2 * K),
             ("meta_w", 4 * 2 * N * M * K),

@@ -33,6 +33,7 @@ class Case:
 
     ``calls``: routing kinds in order; ``"repeat"`` repeats call 0's inputs exactly (determinism).
     ``dtype``: ``bf16``, ``fp8`` (bf16 input quantized in-kernel) or ``fp8pre`` (fp8 input + scales).
+    ``late_weights``: the weights go to combine (``topk_weights=``); dispatch gets wrong ones.
     """
 
     R: int
@@ -46,11 +47,12 @@ class Case:
     data: str = "tagged"
     calls: Sequence[str] = ("uniform", "skewed", "sparse", "repeat")
     seed: int = 0
+    late_weights: bool = False
 
     @property
     def name(self) -> str:
         return (f"R{self.R}-E{self.E}-K{self.K}-{self.dtype}-{self.layout}-a{self.align}-H{self.H}-M{self.M}-"
-                f"{self.data}-s{self.seed}")
+                f"{self.data}-s{self.seed}" + ("-late" if self.late_weights else ""))
 
     def token_counts(self, call: int) -> List[int]:
         """Ragged T per rank: each call mixes max_tokens, 0 and an in-between count."""
@@ -407,7 +409,8 @@ def run_calls(group, buf, case: Case) -> List[str]:
         w = inp.topk_weights.to(dev)
         sc = inp.x_scales.to(dev) if inp.x_scales is not None else None
         ref = reference_dispatch(group, case.E, x, idx, w, x_scales=sc, dispatch_dtype=dt)
-        h = buf.dispatch(x, idx, w, x_scales=sc) if sc is not None else buf.dispatch(x, idx, w)
+        wd = w * 3 + 1 if case.late_weights else w  # late: combine must replace these
+        h = buf.dispatch(x, idx, wd, x_scales=sc) if sc is not None else buf.dispatch(x, idx, wd)
         f = check_dispatch(h, ref, case, where)
         fails += f
         if not f:
@@ -426,7 +429,7 @@ def run_calls(group, buf, case: Case) -> List[str]:
         # Combine runs even after a bad dispatch, so every rank makes the same calls.
         y = make_expert_y(h, case, fn, ref.first_expert) if not f else \
             torch.full(h.expert_x.shape, float("nan"), dtype=torch.bfloat16, device=dev)
-        out = buf.combine(y, h)
+        out = buf.combine(y, h, topk_weights=w) if case.late_weights else buf.combine(y, h)
         exp = reference_moe(group, case.E, x, idx, w, fn, x_scales=sc, dispatch_dtype=dt)
         if not f:
             exp_abs = moe_local(case.E, x, idx, w.abs(), lambda e, rows: fn(e, rows).abs(),

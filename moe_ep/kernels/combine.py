@@ -10,6 +10,15 @@ source, so a program only waits for its counterparts. An owner flags chunk 0 eve
 with no tokens: every combine then waits for every owner once, which keeps the parity argument of
 the double-buffered ``comb`` region (ARCHITECTURE.md §5) true for repeated combines too. As in
 dispatch, one launch does both halves on a GPU; the interpreter gets them as two launches.
+
+Combine-time weights (``WEIGHTS``; DeepEP's low-latency combine takes the weights at combine, not at
+dispatch): before the send half, each source stores its tokens' weights over the ones its dispatch
+put in every node peer's ``meta_w`` (same slots, same dispatch parity) and raises
+``wgt_flag[source][c]`` there per chunk (the ``PUSH`` part); the owner's send half waits for that
+flag before it reads a chunk's weights. The push never waits, so in one launch program ``p`` still
+waits only for program ``p`` of its peers; without a fused launch the push is a launch of its own.
+Why the slots are free: a source's combine ends only after every node owner has flagged every
+chunk back, i.e. has read that source's weights of the previous combine.
 """
 import triton
 import triton.language as tl
@@ -28,11 +37,13 @@ def combine_kernel(
     state_ptr,         # int64 [2, P]: [0, p] dispatch epoch, [1, p] combine epoch completed by program p
     err_ptr,           # int64 [8] error record
     recv_pos_ptr,      # int32 [N, M, K] from the dispatch kernel
+    w_ptr,             # float32 [T, K]: combine-time weights of this rank's tokens (read when WEIGHTS)
     timeout_ns, T,
-    off_cflag: tl.constexpr, off_hdr: tl.constexpr, off_meta_w: tl.constexpr, off_comb: tl.constexpr,
+    off_cflag: tl.constexpr, off_wflag: tl.constexpr, off_hdr: tl.constexpr, off_meta_w: tl.constexpr,
+    off_comb: tl.constexpr,
     RANK: tl.constexpr, NODE0: tl.constexpr, N: tl.constexpr, M: tl.constexpr, K: tl.constexpr, E: tl.constexpr,
     EL: tl.constexpr, H: tl.constexpr, HDR: tl.constexpr, CMAX: tl.constexpr, BASE_F32: tl.constexpr,
-    SEND: tl.constexpr, RECV: tl.constexpr,
+    WEIGHTS: tl.constexpr, PUSH: tl.constexpr, SEND: tl.constexpr, RECV: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr,
     INTERP: tl.constexpr,
 ):
@@ -45,6 +56,21 @@ def combine_kernel(
     rr = tl.arange(0, BLOCK_T)
     kk = tl.arange(0, BLOCK_K)
     km = kk < K
+    if PUSH:
+        BT, NC = chunking(T, CMAX)
+        for c in range(pid, tl.maximum(NC, 1), P):
+            t = c * BT + rr
+            m2 = ((rr < BT) & (t < T))[:, None] & km[None, :]
+            w = tl.load(w_ptr + t[:, None] * K + kk[None, :], mask=m2, other=0.0)
+            slot = ((dpar * N + RANK) * M + t).to(tl.int64)
+            for d in tl.static_range(N):
+                # Every peer gets the chunk's weights, as at dispatch: the owner reads only its own
+                # experts' (recv_pos says which), and the flag then means the same on every peer.
+                base = tl.load(peer_ptr + d)
+                tl.store(ptr_at(base, off_meta_w, tl.float32) + slot[:, None] * K + kk[None, :], w, mask=m2)
+            tl.debug_barrier()  # every thread's stores happen before the flag's release
+            for d in tl.static_range(N):
+                raise_flag(ptr_at(tl.load(peer_ptr + d), off_wflag, tl.int64) + RANK * CMAX + c, epoch)
     if SEND:
         hdr = ptr_at(ws, off_hdr, tl.int32) + dpar * N * HDR
         meta_w = ptr_at(ws, off_meta_w, tl.float32)
@@ -54,8 +80,12 @@ def combine_kernel(
             base = tl.load(peer_ptr + s)
             dst = ptr_at(base, off_comb, tl.bfloat16)
             for c in range(pid, tl.maximum(NC, 1), P):
+                ok = tl.full([], 1, tl.int32)
+                if WEIGHTS:  # the source's combine-time weights of this chunk are in place
+                    ok = wait_flag(ptr_at(ws, off_wflag, tl.int64) + s * CMAX + c, epoch, t0_ns, timeout_ns, err_ptr,
+                                   NODE0 + s, PHASE_COMBINE, INTERP)
                 t = c * BT + rr
-                tm = (rr < BT) & (t < ts)
+                tm = (rr < BT) & (t < ts) & (ok != 0)  # no weights in time: nothing sent, no flag
                 m2 = tm[:, None] & km[None, :]
                 r = tl.load(recv_pos_ptr + (s * M + t)[:, None] * K + kk[None, :], mask=m2, other=-1)
                 w = tl.load(meta_w + ((dpar * N + s) * M + t)[:, None] * K + kk[None, :], mask=m2 & (r >= 0),
@@ -75,7 +105,8 @@ def combine_kernel(
                         acc += y.to(tl.float32) * wk[:, None]
                     tl.store(out[:, None] + hh[None, :], to_bf16(acc, INTERP), mask=go[:, None] & hm)
                 tl.debug_barrier()  # every thread's stores happen before the flag's release
-                raise_flag(ptr_at(base, off_cflag, tl.int64) + RANK * CMAX + c, epoch)
+                if ok != 0:  # (else the source times out too, naming this rank: never a stale weight)
+                    raise_flag(ptr_at(base, off_cflag, tl.int64) + RANK * CMAX + c, epoch)
     if RECV:
         BT, NC = chunking(T, CMAX)
         comb = ptr_at(ws, off_comb, tl.bfloat16)
