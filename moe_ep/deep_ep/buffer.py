@@ -1,0 +1,481 @@
+"""``Buffer``: DeepEP V1's ``deep_ep.Buffer`` (``deep_ep/buffers/legacy.py``) on moe_ep.
+
+Names, arguments, defaults, return tuples, shapes and dtypes are DeepEP's. Underneath, one
+``moe_ep.EPGroup`` over the given process group and EPBuffers created on first use per call shape
+(DeepEP's Buffer is sized in bytes, moe_ep's by shape): normal mode on the ``rows`` layout, the
+low-latency pair on the ``masked`` layout. Creating an EPBuffer is collective, which is safe here
+because every rank makes the same calls in the same order (as DeepEP requires too).
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from ..buffer import EPBuffer, interpreting
+from ..group import EPGroup
+from ..layout import WorkspaceLayout
+from . import low_latency as _ll
+from . import normal as _normal
+from .config import Config
+from .event import EventOverlap, record_event
+from .routing import check_topk_idx, dispatch_layout
+
+FP8 = torch.float8_e4m3fn
+_MIN_ROWS_TOKENS = 64  # the smallest max_tokens of a normal-mode buffer (so a few sizes serve every batch)
+
+
+def _refuse(name: str, value, why: str) -> None:
+    raise NotImplementedError(f"{name}={value!r}: not implemented by moe_ep.deep_ep ({why})")
+
+
+def _pow2(n: int) -> int:
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
+class Buffer:
+    """DeepEP's expert-parallel communication buffer, on moe_ep.
+
+    Args (DeepEP's; those marked "tuning" only tune DeepEP's own buffers and are accepted, kept as
+    attributes and otherwise unused: moe_ep sizes its buffers per call shape, picks its program
+    count, and reaches node peers by stores and other nodes through its proxy):
+        group: the torch ``ProcessGroup`` of the EP ranks (required; ``comm`` is not supported).
+        num_nvl_bytes, num_rdma_bytes: tuning (byte sizes of DeepEP's buffers; no call fails for
+            being "too small").
+        low_latency_mode: tuning (both modes work on every Buffer).
+        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl: tuning.
+        explicitly_destroy: as DeepEP: ``destroy()`` is allowed only when set.
+        enable_shrink: rank masking is not implemented: True raises ``NotImplementedError``.
+        comm: an ``mpi4py`` communicator instead of ``group``: not implemented (raises).
+        timeout_s: moe_ep's deadline for every wait on a peer (``CommTimeoutError`` instead of a
+            hang); not a DeepEP argument.
+
+    Calls are issued on a communication stream of the Buffer (as DeepEP's): it waits for the
+    current stream (or ``previous_event``); unless ``async_finish``, the current stream then waits
+    for it. Calls with ``return_recv_hook`` run on the current stream. On CPU every call has
+    finished when it returns.
+    """
+
+    num_sms: int = 20
+
+    def __init__(self, group: Optional[dist.ProcessGroup], num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
+                 explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None,
+                 timeout_s: float = 30.0) -> None:
+        if comm is not None:
+            _refuse("comm", comm, "pass the torch ProcessGroup as group")
+        if group is None:
+            raise ValueError("group: expected a torch.distributed ProcessGroup, got None")
+        if enable_shrink:
+            _refuse("enable_shrink", enable_shrink, "moe_ep has no rank masking; a stuck peer gives CommTimeoutError")
+        for name, v in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes),
+                        ("num_qps_per_rank", num_qps_per_rank)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name}: expected an int >= 0, got {v!r}")
+        self.group = group
+        self.ep_group = EPGroup(group)
+        self.rank, self.group_size = self.ep_group.rank, self.ep_group.world_size
+        self.device = self.ep_group.device
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+        self.low_latency_mode = bool(low_latency_mode)
+        self.num_qps_per_rank = num_qps_per_rank
+        self.allow_nvlink_for_low_latency_mode, self.allow_mnnvl = allow_nvlink_for_low_latency_mode, allow_mnnvl
+        self.explicitly_destroy, self.enable_shrink = explicitly_destroy, enable_shrink
+        self.timeout_s = timeout_s
+        self._rows: Dict[tuple, List[_normal.RowsSlot]] = {}
+        self._ll: Dict[tuple, List[_ll.LowLatencySlot]] = {}
+        self._ll_turn: Dict[tuple, int] = {}
+        self._comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._destroyed = False
+
+    # ------------------------------------------------------------------ DeepEP's static API
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """True: moe_ep's fp8 paths need no special build."""
+        return True
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """Sets ``Buffer.num_sms`` (tuning: the SM count of DeepEP's normal kernels; DeepEP's rule,
+        an even count, is kept)."""
+        if not isinstance(new_num_sms, int) or new_num_sms < 2 or new_num_sms % 2 != 0:
+            raise ValueError(f"new_num_sms: expected an even positive int, got {new_num_sms!r}")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event on the current stream (a complete one on CPU)."""
+        dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and not interpreting() \
+            else torch.device("cpu")
+        return EventOverlap(record_event(dev))
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """Bytes of the node workspaces of the two bf16 low-latency buffers of this shape with all
+        ranks on one node, top-8 (informational: the byte count passed to Buffer is not used)."""
+        lay = WorkspaceLayout(N=num_ranks, M=num_max_dispatch_tokens_per_rank, K=8, EL=max(1, num_experts // num_ranks),
+                              H=hidden, payload_bytes=2 * hidden)
+        return 2 * lay.offsets()["total"]
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """A Config (tuning only)."""
+        return Config(Buffer.num_sms, 6, 256, 6, 128)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        """A Config (tuning only)."""
+        return Config(Buffer.num_sms, 4, 256, 6, 128)
+
+    # ------------------------------------------------------------------ lifetime
+    def destroy(self) -> None:
+        """Releases every buffer (only with ``explicitly_destroy=True``, as in DeepEP)."""
+        if not self.explicitly_destroy:
+            raise RuntimeError("destroy: the Buffer was made with explicitly_destroy=False (as in DeepEP, destroy() "
+                               "needs explicitly_destroy=True)")
+        for slots in list(self._rows.values()) + list(self._ll.values()):
+            for s in slots:
+                s.epbuf.close()
+        self._rows.clear()
+        self._ll.clear()
+        self._destroyed = True
+
+    def get_comm_stream(self):
+        """The stream this Buffer's calls run on (None on CPU)."""
+        return self._comm_stream
+
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
+                                use_rdma_buffer: bool = False) -> torch.Tensor:
+        """Not available: moe_ep has no single raw buffer (one per call shape, made on first use)."""
+        _refuse("get_local_buffer_tensor", dtype, "moe_ep's buffers are per call shape; use "
+                "get_next_low_latency_combine_buffer for zero-copy combine input")
+
+    # ------------------------------------------------------------------ normal mode
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
+                            previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                            allocate_on_comm_stream: bool = False
+                            ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, EventOverlap]:
+        """DeepEP's layout: ``(num_tokens_per_rank int32 [R], num_tokens_per_rdma_rank int32 [nodes]
+        or None on one node, num_tokens_per_expert int32 [E], is_token_in_rank bool [T, R], event)``
+        for ``topk_idx`` int64 ``[T, K]`` (-1: none). Plain torch, no communication."""
+        self._check_alive()
+        self._check_experts(num_experts)
+        check_topk_idx("topk_idx", topk_idx, num_experts, self.device)
+        return self._issue(lambda: dispatch_layout(topk_idx, num_experts, self.group_size, self.ep_group.node_size),
+                           previous_event, async_finish, unpack=True)
+
+    def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]], handle=None,
+                 num_tokens_per_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+                 is_token_in_rank: Optional[torch.Tensor] = None, num_tokens_per_expert: Optional[torch.Tensor] = None,
+                 topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
+                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False):
+        """DeepEP's normal dispatch: ``(recv_x, recv_topk_idx, recv_topk_weights,
+        num_recv_tokens_per_expert_list, handle, event)``.
+
+        ``x``: bfloat16 ``[T, H]``, or ``(float8_e4m3fn [T, H], float32 [T, H/128])``. Received rows
+        come in ascending (source rank, source token) order, one per token that selected an expert
+        of this rank; ``recv_topk_idx`` int64 ``[n, K]`` holds local expert ids (-1 elsewhere),
+        ``recv_topk_weights`` float32 ``[n, K]`` (0 where the id is -1). The list holds each local
+        expert's selections rounded up to ``expert_alignment``; empty with ``num_worst_tokens``,
+        where ``n = num_worst_tokens`` and nothing waits on the host. Without top-k (then
+        ``is_token_in_rank`` and ``num_tokens_per_expert`` route) ``recv_topk_*`` are None. With a
+        ``handle`` (cached mode: no top-k) the handle's routing is sent again and
+        ``(recv_x, None, None, None, None, event)`` comes back.
+        """
+        self._check_alive()
+        self._check_config(config)
+        for name, v in (("expert_alignment", expert_alignment),):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name}: expected a positive int, got {v!r}")
+        if not isinstance(num_worst_tokens, int) or isinstance(num_worst_tokens, bool) or num_worst_tokens < 0:
+            raise ValueError(f"num_worst_tokens: expected an int >= 0, got {num_worst_tokens!r}")
+        x, x_scales = self._unpack_x(x)
+        if handle is not None:
+            return self._cached_dispatch(x, x_scales, handle, topk_idx, topk_weights, previous_event, async_finish)
+        return self._dispatch(x, x_scales, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                              topk_weights, expert_alignment, num_worst_tokens, previous_event, async_finish)
+
+    def combine(self, x: torch.Tensor, handle, topk_weights: Optional[torch.Tensor] = None,
+                bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], None] = None,
+                config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
+                async_finish: bool = False, allocate_on_comm_stream: bool = False
+                ) -> Tuple[torch.Tensor, Optional[torch.Tensor], EventOverlap]:
+        """DeepEP's normal combine: ``(combined_x bf16 [T, H], combined_topk_weights float32 [T, K]
+        or None, event)``: per source token the sum over the ranks that received it of their row of
+        ``x`` (bf16 ``[n, H]``, no weights applied) plus ``bias`` (one or two bf16 ``[T, H]``), and of
+        their ``topk_weights`` rows (float32 ``[n, K]``)."""
+        self._check_alive()
+        self._check_config(config)
+        if not isinstance(handle, _normal.NormalHandle):
+            raise TypeError(f"handle: expected the handle of this Buffer's dispatch, got {type(handle).__name__}")
+        out, ev = self._issue(lambda: _normal.combine(handle, x, topk_weights, bias), previous_event, async_finish)
+        return out[0], out[1], ev
+
+    # ------------------------------------------------------------------ low-latency mode
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Nothing to clean: moe_ep's flags carry epochs, so no buffer needs zeroing between calls
+        or after normal-mode calls."""
+        self._check_alive()
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False):
+        """DeepEP's low-latency dispatch: ``(recv_x, recv_count, handle, event, hook)``.
+
+        ``x`` bfloat16 ``[T, H]`` (T <= num_max_dispatch_tokens_per_rank), ``topk_idx`` int64 ``[T, K]``.
+        ``recv_x``: bf16 ``[E_local, R*M, H]``, or with ``use_fp8`` ``(float8_e4m3fn [E_local, R*M, H],
+        float32 [E_local, R*M, H/128])``, the scales column-major in the last two dims; rows of an
+        expert in ascending (source rank, token) order; ``recv_count`` int32 ``[E_local]`` on the
+        device. Results stay valid until the dispatch after next (two buffers take turns).
+        """
+        self._check_alive()
+        for name, v in (("round_scale", round_scale), ("use_ue8m0", use_ue8m0)):
+            if v:
+                _refuse(name, v, "scales are float32 (max(|x|)/448 per 128 channels)")
+        if dispatch_wait_recv_cost_stats is not None:
+            _refuse("dispatch_wait_recv_cost_stats", "<tensor>", "no per-peer wait timing")
+        self._check_experts(num_experts)
+        if not isinstance(num_max_dispatch_tokens_per_rank, int) or num_max_dispatch_tokens_per_rank < 1:
+            raise ValueError(f"num_max_dispatch_tokens_per_rank: expected a positive int, got "
+                             f"{num_max_dispatch_tokens_per_rank!r}")
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.bfloat16:
+            raise ValueError(f"x: expected a bfloat16 [num_tokens, hidden] tensor, got "
+                             f"{getattr(x, 'dtype', type(x).__name__)} {list(getattr(x, 'shape', []))}")
+        if x.shape[0] > num_max_dispatch_tokens_per_rank:
+            raise ValueError(f"x: expected at most num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank} "
+                             f"tokens, got {x.shape[0]}")
+        if use_fp8 and x.shape[1] % 128 != 0:
+            raise ValueError(f"x: fp8 dispatch needs hidden divisible by 128 (DeepEP's scale layout), got {x.shape[1]}")
+        check_topk_idx("topk_idx", topk_idx, num_experts, self.device, num_tokens=x.shape[0])
+        slot = self._ll_slot(num_experts, x.shape[1], num_max_dispatch_tokens_per_rank, topk_idx.shape[1],
+                             FP8 if use_fp8 else torch.bfloat16)
+        (recv_x, count, handle, hook), ev = self._issue(
+            lambda: _ll.dispatch(slot, x, topk_idx, cumulative_local_expert_recv_stats, return_recv_hook),
+            None, async_finish, on_current=return_recv_hook)
+        return recv_x, count, handle, ev, hook
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle,
+                            use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
+                            return_recv_hook: bool = False, out: Optional[torch.Tensor] = None,
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None):
+        """DeepEP's low-latency combine: ``(combined_x bf16 [T, H], event, hook)``,
+        ``combined_x[t] = sum_k topk_weights[t, k] * x[expert, row of (t, k)]`` (float32 sums).
+
+        ``x`` bf16 ``[E_local, R*M, H]`` (ignored with ``zero_copy``: the buffer from
+        ``get_next_low_latency_combine_buffer`` is read); ``topk_weights`` float32 ``[T, K]``; the
+        experts are the dispatch's (``topk_idx`` is checked for shape, the dispatch's ids are used);
+        ``out``: written in place and returned.
+        """
+        self._check_alive()
+        if use_logfmt:
+            _refuse("use_logfmt", use_logfmt, "combine sends bfloat16")
+        if combine_wait_recv_cost_stats is not None:
+            _refuse("combine_wait_recv_cost_stats", "<tensor>", "no per-peer wait timing")
+        if not isinstance(handle, _ll.LowLatencyHandle):
+            raise TypeError(f"handle: expected the handle of this Buffer's low_latency_dispatch, got "
+                            f"{type(handle).__name__}")
+        (res, hook), ev = self._issue(
+            lambda: _ll.combine(handle, x, topk_idx, topk_weights, zero_copy, return_recv_hook, out),
+            None, async_finish, on_current=return_recv_hook)
+        return res, ev, hook
+
+    def get_next_low_latency_combine_buffer(self, handle) -> torch.Tensor:
+        """bf16 ``[E_local, R*M, H]`` to fill with expert outputs for ``low_latency_combine(...,
+        zero_copy=True)`` of ``handle``."""
+        if not isinstance(handle, _ll.LowLatencyHandle):
+            raise TypeError(f"handle: expected the handle of this Buffer's low_latency_dispatch, got "
+                            f"{type(handle).__name__}")
+        return handle.slot.next_combine_buffer()
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False):
+        _refuse("low_latency_update_mask_buffer", rank_to_mask, "no rank masking (enable_shrink)")
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor):
+        _refuse("low_latency_query_mask_buffer", "<tensor>", "no rank masking (enable_shrink)")
+
+    def low_latency_clean_mask_buffer(self):
+        _refuse("low_latency_clean_mask_buffer", None, "no rank masking (enable_shrink)")
+
+    # ------------------------------------------------------------------ internals
+    def _check_alive(self) -> None:
+        if self._destroyed:
+            raise RuntimeError("Buffer: destroyed")
+
+    def _check_experts(self, num_experts) -> None:
+        if not isinstance(num_experts, int) or num_experts < 1 or num_experts % self.group_size != 0:
+            raise ValueError(f"num_experts: expected a positive multiple of the group size {self.group_size}, "
+                             f"got {num_experts!r}")
+
+    @staticmethod
+    def _check_config(config) -> None:
+        if config is not None and not isinstance(config, Config):
+            raise TypeError(f"config: expected moe_ep.deep_ep.Config, got {type(config).__name__}")
+
+    def _unpack_x(self, x):
+        if isinstance(x, tuple):
+            if len(x) != 2:
+                raise ValueError(f"x: expected a tensor or a (float8_e4m3fn x, float32 scales) pair, got a tuple of {len(x)}")
+            q, s = x
+            if not isinstance(q, torch.Tensor) or q.dtype != FP8:
+                raise TypeError(f"x: the first of the pair must be float8_e4m3fn, got {getattr(q, 'dtype', type(q))}")
+            if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or s.dim() != 2 or q.dim() != 2 or \
+                    q.shape[1] % 128 != 0 or tuple(s.shape) != (q.shape[0], q.shape[1] // 128):
+                raise ValueError(f"x: the scales must be float32 [num_tokens, hidden // 128] (hidden a multiple of 128), "
+                                 f"got {getattr(s, 'dtype', type(s))} {list(getattr(s, 'shape', []))} for x "
+                                 f"{list(q.shape)}")
+            return q, s.contiguous()  # DeepEP takes column-major scales too
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2:
+            raise ValueError(f"x: expected a bfloat16 [num_tokens, hidden] tensor or an fp8 pair, got "
+                             f"{getattr(x, 'dtype', type(x).__name__)} {list(getattr(x, 'shape', []))}")
+        return x, None
+
+    def _issue(self, fn: Callable, previous_event: Optional[EventOverlap], async_finish: bool,
+               on_current: bool = False, unpack: bool = False):
+        """Runs ``fn`` with DeepEP's stream semantics; returns ``(fn(), event)`` (or ``(*fn(),
+        event)`` with ``unpack``)."""
+        if previous_event is not None and not isinstance(previous_event, EventOverlap):
+            raise TypeError(f"previous_event: expected an EventOverlap, got {type(previous_event).__name__}")
+        if self._comm_stream is None or on_current:
+            if previous_event is not None and previous_event.event is not None:
+                previous_event.current_stream_wait()
+            res = fn()
+            ev = EventOverlap(record_event(self.device)) if async_finish else EventOverlap(None)
+        else:
+            cur = torch.cuda.current_stream(self.device)
+            comm = self._comm_stream
+            if previous_event is not None and previous_event.event is not None:
+                comm.wait_event(previous_event.event)
+            else:
+                comm.wait_stream(cur)
+            with torch.cuda.stream(comm):
+                res = fn()
+            if async_finish:
+                ev = EventOverlap(record_event(self.device, comm))
+            else:
+                cur.wait_stream(comm)
+                ev = EventOverlap(None)
+        return (*res, ev) if unpack else (res, ev)
+
+    def _ll_slot(self, num_experts: int, hidden: int, M: int, K: int, dtype: torch.dtype) -> _ll.LowLatencySlot:
+        """The next of the two low-latency buffers of this shape (made on first use)."""
+        key = (num_experts, hidden, M, K, dtype)
+        slots = self._ll.get(key)
+        if slots is None:
+            slots = self._ll[key] = []
+        turn = self._ll_turn.get(key, 0)
+        self._ll_turn[key] = turn + 1
+        if len(slots) < 2:
+            slots.append(_ll.LowLatencySlot(self._epbuffer(num_experts, hidden, M, K, dtype, "masked")))
+            return slots[-1]
+        return slots[turn % 2]
+
+    def _rows_slot(self, num_experts: int, hidden: int, tokens: int, K: int, dtype: torch.dtype) -> _normal.RowsSlot:
+        """A rows buffer of this shape holding at least ``tokens`` per rank: the largest one made so
+        far, or a new one of the next power of two (every rank asks with the same ``tokens``)."""
+        key = (num_experts, hidden, K, dtype)
+        slots = self._rows.setdefault(key, [])
+        if slots and slots[-1].epbuf.max_tokens >= tokens:
+            return slots[-1]
+        slots.append(_normal.RowsSlot(self._epbuffer(num_experts, hidden, max(_MIN_ROWS_TOKENS, _pow2(tokens)), K,
+                                                     dtype, "rows")))
+        return slots[-1]
+
+    def _epbuffer(self, num_experts: int, hidden: int, M: int, K: int, dtype: torch.dtype, layout: str) -> EPBuffer:
+        return EPBuffer(self.ep_group, num_experts, hidden, M, K, dispatch_dtype=dtype, layout=layout,
+                        timeout_s=self.timeout_s)
+
+    def _dispatch(self, x, x_scales, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                  topk_weights, expert_alignment, num_worst_tokens, previous_event, async_finish):
+        R, dev, T, H = self.group_size, self.device, x.shape[0], x.shape[1]
+        with_topk = topk_idx is not None
+        if with_topk != (topk_weights is not None):
+            raise ValueError("topk_idx / topk_weights: expected both or neither")
+        if num_tokens_per_expert is None or not isinstance(num_tokens_per_expert, torch.Tensor) or \
+                num_tokens_per_expert.dim() != 1:
+            raise ValueError("num_tokens_per_expert: expected the int32 [num_experts] tensor of get_dispatch_layout")
+        E = int(num_tokens_per_expert.shape[0])
+        self._check_experts(E)
+        EL = E // R
+        if not isinstance(is_token_in_rank, torch.Tensor) or is_token_in_rank.dtype != torch.bool or \
+                tuple(is_token_in_rank.shape) != (T, R):
+            raise ValueError(f"is_token_in_rank: expected the bool [{T}, {R}] tensor of get_dispatch_layout, got "
+                             f"{getattr(is_token_in_rank, 'dtype', type(is_token_in_rank).__name__)} "
+                             f"{list(getattr(is_token_in_rank, 'shape', []))}")
+        if not isinstance(num_tokens_per_rank, torch.Tensor) or tuple(num_tokens_per_rank.shape) != (R,):
+            raise ValueError(f"num_tokens_per_rank: expected the int32 [{R}] tensor of get_dispatch_layout")
+        if with_topk:
+            check_topk_idx("topk_idx", topk_idx, E, dev, num_tokens=T)
+            K = topk_idx.shape[1]
+            if not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32 or \
+                    tuple(topk_weights.shape) != (T, K):
+                raise ValueError(f"topk_weights: expected a float32 [{T}, {K}] tensor, got "
+                                 f"{getattr(topk_weights, 'dtype', type(topk_weights).__name__)} "
+                                 f"{list(getattr(topk_weights, 'shape', []))}")
+            ids, w = topk_idx.contiguous().clone(), topk_weights.contiguous().clone()
+        else:
+            K = R
+            ids = _normal.routing_from_ranks(is_token_in_rank.to(dev), EL)
+            w = torch.zeros(T, K, dtype=torch.float32, device=dev)
+        dtype = FP8 if x_scales is not None else torch.bfloat16
+        gathered = None
+        if num_worst_tokens == 0:
+            # Every rank's token count fixes the buffer's max_tokens (same on all ranks); without
+            # top-k the expert counts travel along (the rows layout counts only its own ids).
+            mine = (T, None if with_topk else num_tokens_per_expert.view(R, EL).cpu().tolist())
+            gathered = self.ep_group.all_gather_object(mine)
+            tokens = max(g[0] for g in gathered)
+        else:
+            if T > num_worst_tokens:
+                raise ValueError(f"x: {T} tokens, more than num_worst_tokens={num_worst_tokens}, which sizes the buffer "
+                                 f"(the other ranks then time out)")
+            tokens = num_worst_tokens
+        slot = self._rows_slot(E, H, tokens, K, dtype)
+
+        def run():
+            check = None
+            if num_worst_tokens == 0:
+                ntr, _, nte, itr = dispatch_layout(ids, E, R, self.ep_group.node_size)
+                check = ((itr != is_token_in_rank.to(dev)).any() | (ntr != num_tokens_per_rank.to(dev)).any())
+                if with_topk:
+                    check = check | (nte != num_tokens_per_expert.to(dev)).any()
+            d = slot.epbuf.dispatch(x, ids, w, x_scales=x_scales)
+            recv_x, r_idx, r_w, counts, rows = _normal.received(slot, d, x_scales is not None, num_worst_tokens,
+                                                                with_topk, check)
+            if not with_topk and counts is not None:
+                counts = [sum(g[1][self.rank][e] for g in gathered) for e in range(EL)]
+            lst = _normal.aligned(counts, expert_alignment) if counts is not None else []
+            return recv_x, r_idx, r_w, lst, _normal.NormalHandle(slot, d, ids, w, rows, with_topk)
+
+        (recv_x, r_idx, r_w, lst, handle), ev = self._issue(run, previous_event, async_finish)
+        return recv_x, r_idx, r_w, lst, handle, ev
+
+    def _cached_dispatch(self, x, x_scales, handle, topk_idx, topk_weights, previous_event, async_finish):
+        if not isinstance(handle, _normal.NormalHandle):
+            raise TypeError(f"handle: expected the handle of this Buffer's dispatch, got {type(handle).__name__}")
+        if topk_idx is not None or topk_weights is not None:
+            raise ValueError("topk_idx / topk_weights: a cached dispatch (handle given) takes neither; it repeats "
+                             "the handle's routing")
+        if x.shape[0] != handle.num_tokens:
+            raise ValueError(f"x: expected the {handle.num_tokens} tokens of the handle's dispatch, got {x.shape[0]}")
+        E, K = handle.slot.epbuf.num_experts, handle.slot.epbuf.topk
+        dtype = FP8 if x_scales is not None else torch.bfloat16
+        slot = self._rows_slot(E, x.shape[1], handle.max_tokens, K, dtype)
+
+        def run():
+            d = slot.epbuf.dispatch(x, handle.topk_idx, handle.topk_weights, x_scales=x_scales)
+            handle.slot, handle.result = slot, d
+            rows = handle.num_rows
+            xr = d.expert_x[:rows].clone()
+            return (xr, d.expert_scales[:rows].clone()) if x_scales is not None else xr
+
+        recv_x, ev = self._issue(run, previous_event, async_finish)
+        return recv_x, None, None, None, None, ev

@@ -1,0 +1,130 @@
+"""DeepEP's low-latency pair on moe_ep's masked layout.
+
+DeepEP's ``recv_x [E_local, R*M, H]`` and ``recv_count [E_local]`` are the masked layout's
+``expert_x`` and ``expert_counts`` (M = ``num_max_dispatch_tokens_per_rank``); the weights come at
+combine (``EPBuffer.combine(topk_weights=)``), the dispatch sends zeros in their place. Two
+EPBuffers per shape take dispatches in turn, so, as in DeepEP, the results of the last two
+dispatches stay valid together (two micro-batches in flight).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from ..buffer import EPBuffer
+from ..handle import DispatchResult
+
+
+class LowLatencySlot:
+    """One masked EPBuffer of a low-latency shape and what DeepEP's calls need beside it: the zero
+    weights its dispatch sends, the column-major copy of fp8 scales, the combine input buffer."""
+
+    def __init__(self, epbuf: EPBuffer):
+        self.epbuf = epbuf
+        R, M, K, EL = epbuf.world_size, epbuf.max_tokens, epbuf.topk, epbuf.num_local_experts
+        self.zero_weights = torch.zeros(M, K, dtype=torch.float32, device=epbuf.device)
+        # DeepEP's scales are [E_local, R*M, H/128] with the last two dims column-major (TMA-ready):
+        # a [E_local, H/128, R*M] tensor, handed out transposed.
+        self.scales_cm = (torch.empty(EL, epbuf.num_scale_blocks, R * M, dtype=torch.float32, device=epbuf.device)
+                          if epbuf.fp8 else None)
+        self.combine_in: Optional[torch.Tensor] = None
+
+    def next_combine_buffer(self) -> torch.Tensor:
+        """bf16 ``[E_local, R*M, H]``: what a ``zero_copy`` combine of this slot reads."""
+        if self.combine_in is None:
+            self.combine_in = torch.zeros(self.epbuf.expert_x.shape, dtype=torch.bfloat16, device=self.epbuf.device)
+        return self.combine_in
+
+
+class LowLatencyHandle:
+    """What ``low_latency_dispatch`` hands to ``low_latency_combine``: the slot and its dispatch.
+    (DeepEP's handle is a tuple of its source-info tensors; this one is opaque.)"""
+
+    def __init__(self, slot: LowLatencySlot, result: DispatchResult, num_max_dispatch_tokens_per_rank: int,
+                 hidden: int, num_experts: int):
+        self.slot, self.result = slot, result
+        self.num_max_dispatch_tokens_per_rank, self.hidden, self.num_experts = \
+            num_max_dispatch_tokens_per_rank, hidden, num_experts
+
+    @property
+    def num_tokens(self) -> int:
+        return self.result.num_tokens
+
+
+def _chain(first: Callable[[], None], then: Callable[[], None]) -> Callable[[], None]:
+    def hook() -> None:
+        first()
+        then()
+    return hook
+
+
+def dispatch(slot: LowLatencySlot, x: torch.Tensor, topk_idx: torch.Tensor,
+             cumulative_local_expert_recv_stats: Optional[torch.Tensor], return_recv_hook: bool):
+    """``(recv_x, recv_count, handle, hook)`` of DeepEP's ``low_latency_dispatch`` (hook None
+    without ``return_recv_hook``)."""
+    buf = slot.epbuf
+    stats = cumulative_local_expert_recv_stats
+    if stats is not None and (not isinstance(stats, torch.Tensor) or stats.dtype != torch.int32
+                              or tuple(stats.shape) != (buf.num_local_experts,) or stats.device != buf.device):
+        raise ValueError(f"cumulative_local_expert_recv_stats: expected an int32 [{buf.num_local_experts}] tensor on "
+                         f"{buf.device}, got {stats.dtype if isinstance(stats, torch.Tensor) else type(stats).__name__} "
+                         f"{list(stats.shape) if isinstance(stats, torch.Tensor) else ''}")
+    T = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else 0
+    got = buf.dispatch(x, topk_idx, slot.zero_weights[:T], return_recv_hook=return_recv_hook)
+    d, recv_hook = got if return_recv_hook else (got, None)
+
+    def finish() -> None:  # on the received layout, after the receive half
+        if slot.scales_cm is not None:
+            slot.scales_cm.copy_(d.expert_scales.transpose(1, 2))
+        if stats is not None:
+            stats.add_(d.expert_counts)
+
+    hook = None
+    if recv_hook is not None:
+        hook = _chain(recv_hook, finish)
+    else:
+        finish()
+    recv_x = (d.expert_x, slot.scales_cm.transpose(1, 2)) if slot.scales_cm is not None else d.expert_x
+    handle = LowLatencyHandle(slot, d, buf.max_tokens, buf.hidden, buf.num_experts)
+    return recv_x, d.expert_counts, handle, hook
+
+
+def combine(handle: LowLatencyHandle, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+            zero_copy: bool, return_recv_hook: bool, out: Optional[torch.Tensor]):
+    """``(combined_x, hook)`` of DeepEP's ``low_latency_combine``."""
+    slot, d = handle.slot, handle.result
+    buf = slot.epbuf
+    T, K = handle.num_tokens, buf.topk
+    shape = tuple(buf.expert_x.shape)
+    if zero_copy:
+        if slot.combine_in is None:
+            raise ValueError("zero_copy: no combine buffer was taken; fill get_next_low_latency_combine_buffer(handle) "
+                             "first")
+        y = slot.combine_in
+    else:
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or tuple(x.shape) != shape:
+            raise ValueError(f"x: expected a bfloat16 tensor of shape {list(shape)} (num_local_experts, "
+                             f"num_ranks * num_max_dispatch_tokens_per_rank, hidden), got "
+                             f"{getattr(x, 'dtype', type(x).__name__)} {list(getattr(x, 'shape', []))}")
+        y = x
+    if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2 or tuple(topk_idx.shape) != (T, K):
+        raise ValueError(f"topk_idx: expected the dispatch's [{T}, {K}] expert ids, got "
+                         f"{list(getattr(topk_idx, 'shape', []))}")
+    if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16
+                            or tuple(out.shape) != (T, buf.hidden) or out.device != buf.device):
+        raise ValueError(f"out: expected a bfloat16 [{T}, {buf.hidden}] tensor on {buf.device}, got "
+                         f"{getattr(out, 'dtype', type(out).__name__)} {list(getattr(out, 'shape', []))}")
+    got = buf.combine(y, d, return_recv_hook=return_recv_hook, topk_weights=topk_weights)
+    o, recv_hook = got if return_recv_hook else (got, None)
+
+    def finish() -> None:
+        if out is not None:
+            out.copy_(o)
+
+    hook = None
+    if recv_hook is not None:
+        hook = _chain(recv_hook, finish)
+    else:
+        finish()
+    return (out if out is not None else o), hook

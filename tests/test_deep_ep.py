@@ -1,0 +1,133 @@
+"""moe_ep.deep_ep against the pure-torch model of DeepEP's calls (tests/deep_ep_model.py), on CPU
+rank pools (R = 1..4) and, marked gpu, on one GPU (R=1 and several ranks sharing it)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import deep_ep_model as model
+import dist_util
+
+FP8 = torch.float8_e4m3fn
+RANKS = [1, 2, 3, 4]
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---------------------------------------------------------------------------- inputs
+def _inputs(rank: int, R: int, E: int, K: int, H: int, M: int, call: int, holes: bool = True):
+    """This rank's (x bf16 [T, H], topk_idx int64 [T, K], topk_weights float32 [T, K]) of ``call``:
+    T rotates over M, 0 and a middle count; distinct experts per token; some -1 ids."""
+    g = torch.Generator().manual_seed(1000 * call + 17 * rank + R)
+    T = [M, 0, max(1, M // 2)][(call + rank) % 3]
+    x = (torch.randn(T, H, generator=g) * 2).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else torch.zeros(0, K, dtype=torch.int64)
+    if holes and T:
+        idx[torch.rand(T, K, generator=g) < 0.2] = -1
+    w = torch.rand(T, K, generator=g) + 0.5
+    return x, idx.to(torch.int64), w
+
+
+def _gather(group, x, idx, w):
+    from moe_ep.reference import gather_inputs
+
+    g = gather_inputs(group, x, idx, w)
+    return [t.cpu() for t in g.x], [t.cpu() for t in g.topk_idx], [t.cpu() for t in g.topk_weights]
+
+
+def _expert_scale(e: int) -> float:
+    return 1.0 + 0.25 * (e % 4)
+
+
+def _close(got: torch.Tensor, exp: torch.Tensor, bound: torch.Tensor) -> bool:
+    return bool(((got.float().cpu() - exp).abs() <= bound + 1e-6).all())
+
+
+# ---------------------------------------------------------------------------- low-latency mode
+def _ll_worker(rank, R, fp8, E_per_rank, K, H, M, calls):
+    import torch.distributed as dist
+
+    import moe_ep.deep_ep as deep_ep
+    from moe_ep.fp8 import dequantize_fp8, quantize_fp8
+
+    buffer = deep_ep.Buffer(dist.group.WORLD, 0, 1 << 20, low_latency_mode=True, num_qps_per_rank=E_per_rank)
+    group, dev = buffer.ep_group, buffer.device
+    E, EL = E_per_rank * R, E_per_rank
+    K = min(K, E)
+    fails = []
+    for call in range(calls):
+        where = f"[ll R{R} {'fp8' if fp8 else 'bf16'} rank {rank} call {call}]"
+        x, idx, w = _inputs(rank, R, E, K, H, M, call)
+        x, idx, w = x.to(dev), idx.to(dev), w.to(dev)
+        xs, idxs, _ = _gather(group, x, idx, w)
+        ref = model.ll_dispatch(xs, idxs, rank, E, fp8)
+        hook_mode = call % 2 == 1
+        stats = torch.full((EL,), 5, dtype=torch.int32, device=dev)
+        recv_x, recv_count, handle, event, hook = buffer.low_latency_dispatch(
+            x, idx, M, E, cumulative_local_expert_recv_stats=stats, use_fp8=fp8,
+            async_finish=not hook_mode, return_recv_hook=hook_mode)
+        if hook_mode:
+            assert event.event is None
+            hook()
+        else:
+            event.current_stream_wait()
+        counts = recv_count.cpu().tolist()
+        if counts != ref.counts:
+            fails.append(f"{where} recv_count {counts} != {ref.counts}")
+            continue
+        if stats.cpu().tolist() != [5 + c for c in ref.counts]:
+            fails.append(f"{where} cumulative stats {stats.tolist()} != 5 + {ref.counts}")
+        q, sc = (recv_x if fp8 else (recv_x, None))
+        if tuple(q.shape) != (EL, R * M, H) or q.dtype != (FP8 if fp8 else torch.bfloat16):
+            fails.append(f"{where} recv_x {q.dtype} {list(q.shape)}")
+            continue
+        if fp8:
+            # DeepEP's layout: [E_local, R*M, H/128], column-major in the last two dims.
+            if tuple(sc.shape) != (EL, R * M, H // 128) or sc.stride()[1] != 1:
+                fails.append(f"{where} scales shape {list(sc.shape)} strides {sc.stride()}")
+                continue
+        for e in range(EL):
+            n = counts[e]
+            if fp8:
+                steps = model.e4m3_steps(q[e, :n].cpu(), ref.rows[e])
+                if n and int(steps.max()) > 1:
+                    fails.append(f"{where} expert {e}: fp8 bytes {int(steps.max())} e4m3 steps from DeepEP's")
+                if not torch.allclose(sc[e, :n].cpu(), ref.scales[e], rtol=1e-6, atol=0):
+                    fails.append(f"{where} expert {e}: scales differ from DeepEP's")
+            elif not torch.equal(q[e, :n].cpu(), ref.rows[e]):
+                fails.append(f"{where} expert {e}: rows differ (order: source rank, then token)")
+        # Experts: a per-expert scale of the received values, bf16 out; combine with new weights.
+        vals = (q.float() * sc.repeat_interleave(128, dim=-1)) if fp8 else q.float()
+        scale = torch.tensor([_expert_scale(rank * EL + e) for e in range(EL)], device=dev).view(EL, 1, 1)
+        y = (vals * scale).to(torch.bfloat16)
+        w2 = (torch.rand(w.shape, generator=torch.Generator().manual_seed(call + 99 * rank)) + 0.25).to(dev)
+        out_t = torch.empty(x.shape[0], H, dtype=torch.bfloat16, device=dev) if call % 3 == 2 else None
+        combined, cev, chook = buffer.low_latency_combine(y, idx, w2, handle, async_finish=not hook_mode,
+                                                          return_recv_hook=hook_mode, out=out_t)
+        if hook_mode:
+            chook()
+        else:
+            cev.current_stream_wait()
+        if out_t is not None and combined is not out_t:
+            fails.append(f"{where} combine did not return out")
+        # Model: what the source's own tokens become (moe_ep's fp8 is what the source can compute).
+        mine = dequantize_fp8(*quantize_fp8(x.cpu())) if fp8 else x.cpu().float()
+        exp = model.ll_combine(idx.cpu(), w2.cpu(),
+                               lambda e, t: (mine[t] * _expert_scale(e)).to(torch.bfloat16).float(), H)
+        bound = model.ll_combine(idx.cpu(), w2.cpu(),
+                                 lambda e, t: (mine[t] * _expert_scale(e)).abs(), H) * 2.0 ** -7
+        if tuple(combined.shape) != (x.shape[0], H) or not _close(combined, exp, bound):
+            fails.append(f"{where} combined_x differs from sum_k w*y (max err "
+                         f"{(combined.float().cpu() - exp).abs().max().item() if combined.numel() else 0})")
+    return fails
+
+
+@pytest.mark.parametrize("R", RANKS)
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_low_latency(R, fp8):
+    fails = dist_util.run(R, _ll_worker, fp8, 2 if R < 4 else 1, 3, 256 if fp8 else 128, 4, 3)
+    fails = [f for r in fails for f in r]
+    assert not fails, "\n".join(fails[:20])
