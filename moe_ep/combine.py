@@ -9,7 +9,7 @@ from .kernels.combine import combine_kernel
 from .handle import DispatchResult
 
 
-def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False):
+def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False, topk_weights=None):
     buf._check_no_pending("combine")
     if not isinstance(handle, DispatchResult) or handle._buffer is not buf:
         raise TypeError("handle: expected the DispatchResult returned by this buffer's dispatch")
@@ -17,18 +17,28 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False)
         raise ValueError("handle: stale; a later dispatch on this buffer replaced its routing "
                          "(combine the latest dispatch, or use one buffer per in-flight layer)")
     _check_tensor("expert_y", expert_y, (torch.bfloat16,), tuple(buf.expert_x.shape), buf.device)
+    rows = buf.layout == "rows"
+    if topk_weights is not None:
+        if not rows:
+            raise ValueError(f"topk_weights: combine takes weights with layout='rows' only (this buffer's layout is "
+                             f"{buf.layout!r}: its combine applies the dispatch's weights itself)")
+        _check_tensor("topk_weights", topk_weights, (torch.float32,), (buf.capacity, buf.topk), buf.device)
     T = handle.num_tokens
     rp = buf.remote
     out = torch.empty(T, buf.hidden, dtype=torch.bfloat16, device=buf.device)
+    wout = torch.empty(T, buf.topk, dtype=torch.float32, device=buf.device) if topk_weights is not None else None
     # With other nodes the node owners' sum stays float32 until the remote rows are added.
     base = torch.empty(T, buf.hidden, dtype=torch.float32, device=buf.device) if rp is not None else out
     idx = buf.route_idx[:T]  # the dispatch's expert ids, kept by the buffer: the caller's topk_idx may be reused
+    # Rows layout: this rank's own rows are read from expert_y by the receive half (not across a hook).
+    own_y = rows and not return_recv_hook
     args = (expert_y, idx, base, buf._ws_ptr, buf.workspace.peer_ptrs, buf.state, buf.err, buf.recv_pos,
-            buf._timeout_ns, T)
-    key = ("combine", _aligned(expert_y), _aligned(base))
+            buf._timeout_ns, T, topk_weights if topk_weights is not None else buf.err,
+            wout if wout is not None else buf.err)
+    key = ("combine", _aligned(expert_y), _aligned(base), own_y, topk_weights is not None)
     epoch = buf._epochs[1] + 1
-    consts = lambda: _combine_consts(buf)  # noqa: E731
-    dyn = (0, 1, 2, 9)
+    consts = lambda: _combine_consts(buf, own_y, topk_weights is not None)  # noqa: E731
+    dyn = (0, 1, 2, 9, 10, 11)
     if rp is None:
         if not return_recv_hook:
             launch_halves(buf, key, combine_kernel, args, dyn, consts, lambda: buf._host_wait_combine(epoch, T))
@@ -42,7 +52,7 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False)
                 launch_half(buf, key, combine_kernel, args, dyn, consts, False, True)
     else:
         depoch = buf._epochs[0]  # the proxy's combine carries the epoch of the dispatch it answers
-        rp.combine_send(buf, expert_y, handle._serial, depoch)  # refuses a second combine first
+        rp.combine_send(buf, expert_y, handle._serial, depoch, topk_weights)  # refuses a second combine first
         launch_half(buf, key, combine_kernel, args, dyn, consts, True, False)
 
         def recv():
@@ -50,20 +60,21 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False)
                 buf._host_wait_combine(epoch, T)
             rp.wait(buf, "combine", depoch)
             launch_half(buf, key, combine_kernel, args, dyn, consts, False, True)
-            rp.combine_recv(buf, idx, base, out)
+            rp.combine_recv(buf, idx, base, out, wout)
         if not return_recv_hook:
             recv()
             recv = None
     buf._epochs[1] = epoch
+    result = (out, wout) if wout is not None else out
     if recv is not None:
-        return out, buf._make_hook("combine", recv)
+        return result, buf._make_hook("combine", recv)
     if buf.interp:
         buf._check_usable()
-    return out
+    return result
 
 
-def _combine_consts(buf) -> dict:
-    """The combine kernel's constexprs (all fixed by the buffer)."""
+def _combine_consts(buf, own_y: bool, wts: bool) -> dict:
+    """The combine kernel's constexprs (all fixed by the buffer, except OWN_Y and, with weights, WIN/WOUT)."""
     off, H, BLOCK_T = buf.off, buf.hidden, buf.block_t
     return dict(off_cflag=off["comb_flag"], off_hdr=off["hdr"], off_meta_w=off["meta_w"], off_comb=off["comb"],
                 RANK=buf.rank - buf.node0, NODE0=buf.node0, N=buf.node_size, M=buf.max_tokens, K=buf.topk,
@@ -72,4 +83,5 @@ def _combine_consts(buf) -> dict:
                 BLOCK_K=_pow2(buf.topk, 2),
                 BLOCK_H=pipelined_width(max(16, min(_pow2(H), 2048 * buf.tile, 8192 * buf.tile // BLOCK_T)),
                                         buf.stages, buf.topk * BLOCK_T * 2),
-                STAGES=buf.stages, INTERP=buf.interp, num_warps=buf.num_warps)
+                STAGES=buf.stages, INTERP=buf.interp, ROWS=buf.layout == "rows", OWN_Y=own_y, WIN=wts, WOUT=wts,
+                off_comb_w=off["comb_w"], num_warps=buf.num_warps)
