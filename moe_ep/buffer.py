@@ -43,8 +43,10 @@ class EPBuffer:
         dispatch_dtype: ``torch.bfloat16`` or ``torch.float8_e4m3fn`` (quantized in-kernel,
             float32 scale per 128 channels, see ``moe_ep.fp8``).
         combine_dtype: ``torch.bfloat16``.
-        layout: ``"masked"`` or ``"packed"``.
-        expert_alignment: packed only: each expert's block starts at a multiple of this.
+        layout: ``"masked"`` (a block of ``R*max_tokens`` rows per local expert), ``"packed"`` (one
+            row per selection, experts' rows contiguous) or ``"rows"`` (one row per (source rank,
+            source token) with its local ids and weights; combine takes one row per received row).
+        expert_alignment: packed only: each expert's block starts at a multiple of this (1 for rows).
         timeout_s: deadline of every wait for a peer; on expiry ``CommTimeoutError``.
         num_programs: Triton programs per launch (default: SM count on GPU, 2 on CPU); the same on
             every rank.
@@ -83,8 +85,11 @@ class EPBuffer:
             raise TypeError(f"dispatch_dtype: expected torch.bfloat16 or torch.float8_e4m3fn, got {dispatch_dtype}")
         if combine_dtype != torch.bfloat16:
             raise TypeError(f"combine_dtype: expected torch.bfloat16, got {combine_dtype}")
-        if layout not in ("masked", "packed"):
-            raise ValueError(f"layout: expected 'masked' or 'packed', got {layout!r}")
+        if layout not in ("masked", "packed", "rows"):
+            raise ValueError(f"layout: expected 'masked', 'packed' or 'rows', got {layout!r}")
+        if layout == "rows" and expert_alignment != 1:
+            raise ValueError(f"expert_alignment: expected 1 with layout='rows' (rows are not grouped by expert; "
+                             f"aligning them is the caller's business), got {expert_alignment}")
         if not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool) and math.isfinite(timeout_s)
                 and 0 < timeout_s <= MAX_TIMEOUT_S):
             raise ValueError(f"timeout_s: expected a finite number of seconds in (0, {MAX_TIMEOUT_S:g}] (every wait "
@@ -147,11 +152,12 @@ class EPBuffer:
         self.node_size, self.node0 = G, self.rank - self.rank % G
         self.num_scale_blocks = num_scale_blocks(hidden) if self.fp8 else 0
         esize = 1 if self.fp8 else 2
+        rows = layout == "rows"
         self.ws_layout = WorkspaceLayout(N=N, M=M, K=topk, EL=EL, H=hidden,
-                                         payload_bytes=hidden * esize + 4 * self.num_scale_blocks)
+                                         payload_bytes=hidden * esize + 4 * self.num_scale_blocks, rows=rows)
         self.off = self.ws_layout.offsets()
-        check_device_memory(group, self._device_bytes(lead_rows=EL * R * M if layout == "masked" else
-                                                      R * M * topk + EL * (expert_alignment - 1)))
+        lead_rows = {"masked": EL * R * M, "packed": R * M * topk + EL * (expert_alignment - 1), "rows": R * M}
+        check_device_memory(group, self._device_bytes(lead_rows=lead_rows[layout]))
         self.workspace = SymmetricWorkspace(group, self.off["total"])
         if self.rank == 0:
             _log.info("moe_ep buffer: %d ranks, nodes of %d, node memory %s (%s), %d programs", R, G,
@@ -164,7 +170,8 @@ class EPBuffer:
         self._err_host = self.err.numpy()  # same memory: reading it costs no tensor op
         self.chunks = self.ws_layout.CMAX
         self.block_t = _pow2(-(-max_tokens // self.chunks))  # the largest chunk of any source
-        self.hist = torch.zeros(num_experts, self.chunks, dtype=torch.int32, device=dev)
+        # Rows layout: N more rows, the tokens of each chunk with a selection on each node peer.
+        self.hist = torch.zeros(num_experts + (N if rows else 0), self.chunks, dtype=torch.int32, device=dev)
         self.recv_pos = torch.zeros(N, M, topk, dtype=torch.int32, device=dev)
         # This rank's expert ids of the latest dispatch (written by its send half, -1 where none or
         # out of range): combine reads these, not the caller's topk_idx, which may be reused.
@@ -174,6 +181,9 @@ class EPBuffer:
         if layout == "masked":
             self.capacity = R * M  # rows per expert
             lead = (EL, R * M)
+        elif rows:
+            self.capacity = R * M  # rows in all: one per (source rank, source token)
+            lead = (self.capacity,)
         else:
             self.capacity = R * M * topk + EL * (expert_alignment - 1)  # total rows: never overflows
             lead = (self.capacity,)
@@ -183,6 +193,11 @@ class EPBuffer:
                               if self.fp8 else None)
         self.expert_counts = torch.zeros(EL, dtype=torch.int32, device=dev)
         self.expert_offsets = torch.zeros(EL + 1, dtype=torch.int32, device=dev) if layout == "packed" else None
+        # Rows layout: per received row its local ids, weights and source; the count of rows.
+        self.recv_topk_idx = torch.zeros(R * M, topk, dtype=torch.int32, device=dev) if rows else None
+        self.recv_topk_weights = torch.zeros(R * M, topk, dtype=torch.float32, device=dev) if rows else None
+        self.recv_src = torch.zeros(R * M, dtype=torch.int32, device=dev) if rows else None
+        self.num_recv = torch.zeros(1, dtype=torch.int32, device=dev) if rows else None
         self.remote = self._start_remote(private_capacity, overflow_capacity) if G < R else None
         # What every launch passes and never changes, ready for the cheap launch path.
         self._launch = Launcher(dev)
@@ -225,7 +240,8 @@ class EPBuffer:
 
         Args:
             expert_y: bfloat16, the layout and shape of ``handle.expert_x``; only the first
-                ``expert_counts[e]`` rows of each expert are read.
+                ``expert_counts[e]`` rows of each expert are read (rows layout: rows ``< num_recv``,
+                each already reduced over its local experts by the caller).
             handle: the latest ``DispatchResult`` of this buffer.
             return_recv_hook: issue only the send half now and return ``(out, hook)``; ``out`` is
                 valid after ``hook()`` (as for ``dispatch``).
@@ -233,10 +249,14 @@ class EPBuffer:
                 the weights to apply instead of those given to dispatch (combine-time weights, as
                 DeepEP's low-latency combine takes them); each source pushes them to the expert
                 owners first, so the combine waits one more flag per peer. Node peers only:
-                ``ValueError`` with other nodes.
+                ``ValueError`` with other nodes. Rows layout: float32 ``[R*max_tokens, K]`` per
+                received row (rows ``< num_recv`` read); their sums over ranks come back with ``out``.
         Returns:
-            ``[T, H]`` bfloat16: ``out[t] = sum_k w[t,k] * y(t, topk_idx[t,k])`` (float32 sum, one
-            rounding per owner); 0 for tokens with no expert. With ``return_recv_hook``: ``(out, hook)``.
+            ``[T, H]`` bfloat16: masked/packed ``out[t] = sum_k w[t,k] * y(t, topk_idx[t,k])`` (float32
+            sum, one rounding per owner); rows: ``out[t] = sum over the ranks that received t of
+            expert_y[its row there]`` (no weights applied; summed in float32, rounded once); 0 for
+            tokens sent nowhere. Rows with ``topk_weights``: ``(out, w)``, ``w`` float32 ``[T, K]`` the
+            sum over ranks of the rows' ``topk_weights``. With ``return_recv_hook``: ``(that, hook)``.
         """
         self._check_usable()
         return _combine.combine(self, expert_y, handle, return_recv_hook, topk_weights)
@@ -282,6 +302,8 @@ class EPBuffer:
         esize = 1 if self.fp8 else 2
         layout_rows = lead_rows * (H * esize + 4 * self.num_scale_blocks)
         local = 4 * (self.num_experts * self.ws_layout.CMAX + (N + 1) * M * K + self.num_programs * 64 + 2 * EL + 2)
+        if self.layout == "rows":  # the node peers' rows of the histogram; per received row ids, weights, source
+            local += 4 * (N * self.ws_layout.CMAX + self.world_size * M * (2 * K + 1) + 1)
         return self.off["total"] + layout_rows + local + 16 * self.num_programs
 
     def _start_remote(self, private_capacity: Optional[int], overflow_capacity: Optional[int]):

@@ -17,36 +17,47 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
         raise ValueError("handle: stale; a later dispatch on this buffer replaced its routing "
                          "(combine the latest dispatch, or use one buffer per in-flight layer)")
     _check_tensor("expert_y", expert_y, (torch.bfloat16,), tuple(buf.expert_x.shape), buf.device)
+    rows = buf.layout == "rows"
     T = handle.num_tokens
     rp = buf.remote
-    weights = topk_weights is not None
-    if weights:
+    # Weights at combine: rows, per received row (summed back with the rows); masked/packed, per
+    # source token, pushed to the owners to replace the dispatch's (``push``).
+    row_w = rows and topk_weights is not None
+    push = not rows and topk_weights is not None
+    if row_w:
+        _check_tensor("topk_weights", topk_weights, (torch.float32,), (buf.capacity, buf.topk), buf.device)
+    if push:
         _check_tensor("topk_weights", topk_weights, (torch.float32,), (T, buf.topk), buf.device)
         if rp is not None:
             raise ValueError("topk_weights: combine-time weights reach node peers only; with other nodes "
                              f"(node_size={buf.node_size} < world_size={buf.world_size}) pass the weights to dispatch")
     out = torch.empty(T, buf.hidden, dtype=torch.bfloat16, device=buf.device)
+    wout = torch.empty(T, buf.topk, dtype=torch.float32, device=buf.device) if row_w else None
     # With other nodes the node owners' sum stays float32 until the remote rows are added.
     base = torch.empty(T, buf.hidden, dtype=torch.float32, device=buf.device) if rp is not None else out
     idx = buf.route_idx[:T]  # the dispatch's expert ids, kept by the buffer: the caller's topk_idx may be reused
+    # Rows layout: this rank's own rows are read from expert_y by the receive half (not across a hook).
+    own_y = rows and not return_recv_hook
     args = (expert_y, idx, base, buf._ws_ptr, buf.workspace.peer_ptrs, buf.state, buf.err, buf.recv_pos,
-            topk_weights if weights else buf.err, buf._timeout_ns, T)
-    key = ("combine", _aligned(expert_y), _aligned(base), weights)
+            topk_weights if push else buf.err, buf._timeout_ns, T, topk_weights if row_w else buf.err,
+            wout if wout is not None else buf.err)
+    key = ("combine", _aligned(expert_y), _aligned(base), own_y, row_w, push)
     epoch = buf._epochs[1] + 1
-    dyn = (0, 1, 2, 8, 10)
+    dyn = (0, 1, 2, 8, 10, 11, 12)
 
-    def launch(push: bool, send: bool, recv: bool) -> None:
-        buf._launch(key + (push, send, recv), combine_kernel, buf.num_programs, args,
-                    lambda: dict(_combine_consts(buf), WEIGHTS=weights, PUSH=push, SEND=send, RECV=recv), dyn)
+    def launch(push_half: bool, send: bool, recv: bool) -> None:
+        buf._launch(key + (push_half, send, recv), combine_kernel, buf.num_programs, args,
+                    lambda: dict(_combine_consts(buf, own_y, row_w), WEIGHTS=push, PUSH=push_half, SEND=send,
+                                 RECV=recv), dyn)
 
     def send_half() -> None:
-        if weights and not buf.fused:  # the push waits for nothing; the send half waits for every push
+        if push and not buf.fused:  # the push waits for nothing; the send half waits for every push
             launch(True, False, False)
             if buf.interp:
                 buf._host_wait_weights(epoch)
             launch(False, True, False)
         else:
-            launch(weights, True, False)
+            launch(push, True, False)
 
     def recv_half() -> None:
         if buf.interp:
@@ -56,7 +67,7 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
     if rp is None:
         if not return_recv_hook:
             if buf.fused:
-                launch(weights, True, True)
+                launch(push, True, True)
             else:
                 send_half()
                 recv_half()
@@ -66,7 +77,7 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
             recv = recv_half
     else:
         depoch = buf._epochs[0]  # the proxy's combine carries the epoch of the dispatch it answers
-        rp.combine_send(buf, expert_y, handle._serial, depoch)  # refuses a second combine first
+        rp.combine_send(buf, expert_y, handle._serial, depoch, topk_weights)  # refuses a second combine first
         launch(False, True, False)
 
         def recv():
@@ -74,20 +85,21 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
                 buf._host_wait_combine(epoch, T)
             rp.wait(buf, "combine", depoch)
             launch(False, False, True)
-            rp.combine_recv(buf, idx, base, out)
+            rp.combine_recv(buf, idx, base, out, wout)
         if not return_recv_hook:
             recv()
             recv = None
     buf._epochs[1] = epoch
+    result = (out, wout) if wout is not None else out
     if recv is not None:
-        return out, buf._make_hook("combine", recv)
+        return result, buf._make_hook("combine", recv)
     if buf.interp:
         buf._check_usable()
-    return out
+    return result
 
 
-def _combine_consts(buf) -> dict:
-    """The combine kernel's constexprs (all fixed by the buffer)."""
+def _combine_consts(buf, own_y: bool, wts: bool) -> dict:
+    """The combine kernel's constexprs (all fixed by the buffer, except OWN_Y and, with weights, WIN/WOUT)."""
     off, H, BLOCK_T = buf.off, buf.hidden, buf.block_t
     return dict(off_cflag=off["comb_flag"], off_wflag=off["wgt_flag"], off_hdr=off["hdr"], off_meta_w=off["meta_w"], off_comb=off["comb"],
                 RANK=buf.rank - buf.node0, NODE0=buf.node0, N=buf.node_size, M=buf.max_tokens, K=buf.topk,
@@ -96,4 +108,5 @@ def _combine_consts(buf) -> dict:
                 BLOCK_K=_pow2(buf.topk, 2),
                 BLOCK_H=pipelined_width(max(16, min(_pow2(H), 2048 * buf.tile, 8192 * buf.tile // BLOCK_T)),
                                         buf.stages, buf.topk * BLOCK_T * 2),
-                STAGES=buf.stages, INTERP=buf.interp, num_warps=buf.num_warps)
+                STAGES=buf.stages, INTERP=buf.interp, ROWS=buf.layout == "rows", OWN_Y=own_y, WIN=wts, WOUT=wts,
+                off_comb_w=off["comb_w"], num_warps=buf.num_warps)

@@ -102,21 +102,27 @@ def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = 
     BT, NC = chunking(T, CMAX)
     direct = T * buf.topk <= 2048  # decode sizes: the send half counts earlier selections itself
     fp8_in = x_scales is not None
+    rows = buf.layout == "rows"
+    # Rows layout: this rank's own rows come from x in the receive half, so x must still hold them
+    # then: true within one call, not across a receive hook (the caller may reuse x meanwhile).
+    own_x = rows and not return_recv_hook
     if T > 0 and not direct:
         buf._launch(("hist", NC, _pow2(BT), topk_idx.dtype, _aligned(topk_idx)), route_hist_kernel, NC,
                     (topk_idx, buf.hist, buf.state, buf.err, T, BT),
                     lambda: dict(E=buf.num_experts, K=buf.topk, CMAX=CMAX, BLOCK_T=_pow2(BT),
-                                 BLOCK_K=_pow2(buf.topk, 2), BLOCK_E=_pow2(buf.num_experts, 2)), (0, 4, 5))
+                                 BLOCK_K=_pow2(buf.topk, 2), BLOCK_E=_pow2(buf.num_experts, 2), ROWS=rows,
+                                 N=buf.node_size, NODE0=buf.node0, EL=buf.num_local_experts,
+                                 BLOCK_N=_pow2(buf.node_size, 2)), (0, 4, 5))
     xs = x_scales if fp8_in else buf.err
     rp = buf.remote
     args = (x.view(torch.uint8) if fp8_in else x, xs, topk_idx, topk_weights, buf.hist, buf.workspace.peer_ptrs,
             buf._ws_ptr, buf.state, buf.err, buf.expert_x_words, buf._out_scales, buf.expert_counts, buf._out_offsets,
             buf.recv_pos, buf.scratch, rp.state.sel if rp is not None else buf.scratch, buf.route_idx, T, BT, NC,
-            buf._timeout_ns)
-    key = ("dispatch", fp8_in, direct, topk_idx.dtype, _aligned(x), _aligned(xs), _aligned(topk_idx),
+            buf._timeout_ns) + _rows_args(buf)
+    key = ("dispatch", fp8_in, direct, own_x, topk_idx.dtype, _aligned(x), _aligned(xs), _aligned(topk_idx),
            _aligned(topk_weights))
     epoch = buf._epochs[0] + 1
-    consts = lambda: _dispatch_consts(buf, fp8_in, direct)  # noqa: E731
+    consts = lambda: _dispatch_consts(buf, fp8_in, direct, own_x)  # noqa: E731
     if rp is None:
         if not return_recv_hook:
             launch_halves(buf, key, dispatch_kernel, args, _DISPATCH_DYNAMIC, consts,
@@ -149,7 +155,9 @@ def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = 
     buf._epochs[0] = epoch
     buf._serial += 1
     result = DispatchResult(buf.expert_x, buf.expert_scales, buf.expert_counts, buf.expert_offsets,
-                            num_tokens=T, _buffer=buf, _serial=buf._serial)
+                            recv_topk_idx=buf.recv_topk_idx, recv_topk_weights=buf.recv_topk_weights,
+                            recv_src=buf.recv_src, num_recv=buf.num_recv, num_tokens=T, _buffer=buf,
+                            _serial=buf._serial)
     if recv is not None:
         return result, buf._make_hook("dispatch", recv)
     if buf.interp:
@@ -158,6 +166,15 @@ def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = 
 
 
 _DISPATCH_DYNAMIC = (0, 1, 2, 3, 17, 18, 19)  # x, x_scales, topk_idx, topk_weights, T, BT, NC
+
+
+def _rows_args(buf) -> tuple:
+    """The dispatch kernel's rows-layout arguments (rows_from, recv ids, weights, source, count);
+    other layouts pass a placeholder, which the kernel never touches."""
+    if buf.layout != "rows":
+        return (buf.scratch,) * 5
+    rows_from = buf.remote.state.rows_from if buf.remote is not None else buf.scratch
+    return rows_from, buf.recv_topk_idx, buf.recv_topk_weights, buf.recv_src, buf.num_recv
 
 
 SMEM_BUDGET = 160 * 1024  # bytes of shared memory the pipelined loops' stages may take (H100/H200: 227 KB)
@@ -171,8 +188,8 @@ def pipelined_width(width: int, stages: int, row_bytes: int) -> int:
     return width
 
 
-def _dispatch_consts(buf, fp8_in: bool, direct: bool) -> dict:
-    """The dispatch kernel's constexprs (all fixed by the buffer, except PREQ and DIRECT)."""
+def _dispatch_consts(buf, fp8_in: bool, direct: bool, own_x: bool) -> dict:
+    """The dispatch kernel's constexprs (all fixed by the buffer, except PREQ, DIRECT and OWN_X)."""
     off, lay, H, BLOCK_T = buf.off, buf.ws_layout, buf.hidden, buf.block_t
     W = H * (1 if buf.fp8 else 2) // 4
     nb = max(1, buf.num_scale_blocks)
@@ -188,4 +205,5 @@ def _dispatch_consts(buf, fp8_in: bool, direct: bool) -> dict:
                 CMAX=buf.chunks, ALIGN=buf.expert_alignment, CAP=buf.capacity, FP8=buf.fp8, PREQ=fp8_in,
                 DIRECT=direct, PACKED=buf.layout == "packed", BLOCK_T=BLOCK_T, BLOCK_K=_pow2(buf.topk, 2),
                 BLOCK_C=min(buf.chunks, 64), BLOCK_H=block_h, BLOCK_EL=buf.block_el, BLOCK_W=block_w,
-                BLOCK_NB=_pow2(nb, 2), STAGES=S, INTERP=buf.interp, num_warps=buf.num_warps)
+                BLOCK_NB=_pow2(nb, 2), STAGES=S, INTERP=buf.interp, ROWS=buf.layout == "rows", OWN_X=own_x,
+                num_warps=buf.num_warps)

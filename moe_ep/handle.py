@@ -13,16 +13,28 @@ class DispatchResult:
     next dispatch on the same buffer.
 
     Attributes:
-        expert_x: masked ``[E_local, R*max_tokens, H]``; packed ``[capacity, H]``; dispatch dtype.
+        expert_x: masked ``[E_local, R*max_tokens, H]``; packed ``[capacity, H]``; rows ``[R*max_tokens, H]``
+            (row i: the i-th (source rank, source token) that selected an expert of this rank, in
+            ascending order; rows ``< num_recv`` defined); dispatch dtype.
         expert_scales: fp8 only: float32 ``[..., ceil(H/128)]`` with expert_x's leading dims; else None.
-        expert_counts: int32 ``[E_local]`` on the device: valid rows per local expert.
+        expert_counts: int32 ``[E_local]`` on the device: selections of each local expert (masked,
+            packed: its valid rows).
         expert_offsets: packed only: int32 ``[E_local + 1]``; expert e's rows start at offsets[e].
+        recv_topk_idx: rows only: int32 ``[R*max_tokens, K]``: per received row, the local expert id
+            of the token's k-th selection where it is an expert of this rank, else -1.
+        recv_topk_weights: rows only: float32 ``[R*max_tokens, K]``: its weight there, else 0.
+        recv_src: rows only: int32 ``[R*max_tokens]``: ``source rank * max_tokens + source token``.
+        num_recv: rows only: int32 ``[1]`` on the device: how many rows are defined.
     """
 
     expert_x: torch.Tensor
     expert_scales: Optional[torch.Tensor]
     expert_counts: torch.Tensor
     expert_offsets: Optional[torch.Tensor]
+    recv_topk_idx: Optional[torch.Tensor] = None
+    recv_topk_weights: Optional[torch.Tensor] = None
+    recv_src: Optional[torch.Tensor] = None
+    num_recv: Optional[torch.Tensor] = None
     num_tokens: int = 0
     _buffer: object = field(default=None, repr=False)
     _serial: int = field(default=0, repr=False)

@@ -90,27 +90,36 @@ class RemotePath:
         return self.state.sel
 
     def recv(self, buf) -> None:
-        """Expands the remote sources' rows into the expert layout."""
+        """Expands the remote sources' rows into the expert layout (rows layout: places them)."""
+        if buf.layout == "rows":
+            R_.unpack_rows(self.spec, self.state, self.regions["round1"], self.regions["overflow"], buf.expert_x,
+                           buf.expert_scales, buf.recv_topk_idx, buf.recv_topk_weights, buf.recv_src,
+                           num_programs=self.programs, num_warps=buf.num_warps)
+            return
         R_.unpack(self.spec, self.state, self.regions["round1"], self.regions["overflow"], buf.expert_x,
                   buf.expert_scales, buf.expert_counts, buf.expert_offsets, num_programs=self.programs,
                   num_warps=buf.num_warps)
 
     # ------------------------------------------------------------------ combine
-    def combine_send(self, buf, expert_y: torch.Tensor, serial: int, epoch: int) -> None:
-        """Pre-reduces the rows received from remote sources and rings the combine doorbell."""
+    def combine_send(self, buf, expert_y: torch.Tensor, serial: int, epoch: int,
+                     topk_weights: Optional[torch.Tensor] = None) -> None:
+        """Pre-reduces the rows received from remote sources (rows layout: sends them back as they
+        are, with ``topk_weights``) and rings the combine doorbell."""
         if serial == self.combined:
             raise ValueError("handle: already combined; over the inter-node path each dispatch is combined once "
                              "(dispatch again for another combine)")
         self.combined = serial
         R_.combine_pack(self.spec, self.state, expert_y, self.regions["comb_send"], num_programs=self.programs,
-                        num_warps=buf.num_warps)
+                        num_warps=buf.num_warps, topk_weights=topk_weights)
         R_.ring(self.state, self.mailbox, "combine")
 
-    def combine_recv(self, buf, topk_idx: torch.Tensor, base: torch.Tensor, out: torch.Tensor) -> None:
+    def combine_recv(self, buf, topk_idx: torch.Tensor, base: torch.Tensor, out: torch.Tensor,
+                     wout: Optional[torch.Tensor] = None) -> None:
         """``out = bf16(base + the remote owners' rows)``; base float32 [T, H] (the node owners' sum),
-        topk_idx [T, K] the dispatch's routing."""
+        topk_idx [T, K] the dispatch's routing; rows layout: ``wout`` float32 [T, K] += the remote
+        owners' combine weights."""
         R_.combine_unpack(self.spec, self.state, self.regions["comb_recv"], topk_idx, out, base=base,
-                          num_programs=self.programs, num_warps=buf.num_warps)
+                          num_programs=self.programs, num_warps=buf.num_warps, wout=wout)
 
     def check(self) -> None:
         """Raises the proxy's error, or one a remote kernel recorded (bad ids, rows beyond the send

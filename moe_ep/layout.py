@@ -6,11 +6,13 @@ Regions, each 256-byte aligned; ``par`` = epoch & 1 double-buffers everything pe
   comb_flag  int64 [N][CMAX]             written by expert owner o at [o][c]: chunk c of this rank's tokens
   wgt_flag   int64 [N][CMAX]             written by source rank s at [s][c]: combine-time weights of its
                                          chunk c are in meta_w (only combines given topk_weights)
-  hdr        int32 [2][N][HDR]           [0] tokens of the source, [1 + e] selections of local expert e
+  hdr        int32 [2][N][HDR]           [0] tokens of the source, [1 + e] selections of local expert e,
+                                         [1 + EL] its rows for this rank (rows layout)
   meta_i     int32 [2][N][M][2K]         local expert id (or -1) and position j, per (source, slot)
   meta_w     f32   [2][N][M][K]          weights
   rows       u8    [2][N][M][RB]         dispatch payload (+ fp8 scales)
   comb       bf16  [2][N][M][H]          pre-reduced combine rows, per (owner, slot)
+  comb_w     f32   [2][N][M][K]          rows layout only: the combine weights of each (owner, slot)
 """
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ class WorkspaceLayout:
     EL: int
     H: int
     payload_bytes: int   # H * element size, plus 4 * ceil(H/128) scale bytes for fp8
+    rows: bool = False   # the rows layout (EPBuffer(layout="rows")): comb_w is sized
 
     @property
     def CMAX(self) -> int:
@@ -54,7 +57,7 @@ class WorkspaceLayout:
 
     @property
     def HDR(self) -> int:
-        return _align(1 + self.EL, 4)
+        return _align(2 + self.EL, 4)
 
     @property
     def RB(self) -> int:
@@ -72,6 +75,7 @@ class WorkspaceLayout:
             ("meta_w", 4 * 2 * N * M * K),
             ("rows", 2 * N * M * self.RB),
             ("comb", 2 * 2 * N * M * self.H),
+            ("comb_w", 4 * 2 * N * M * K if self.rows else 0),
         ]
         off, out = 0, {}
         for name, size in sizes:

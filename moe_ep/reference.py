@@ -10,6 +10,11 @@ rank and may be 0).
   one row per selection ``(source rank, token, k)`` with ``topk_idx == e``, in ascending
   ``(source rank, token, k)`` order (an implementation may order rows differently; compare as
   multisets).
+- :func:`reference_rows` is what the ``rows`` layout delivers to this rank: one row per
+  ``(source rank, source token)`` that selected at least one expert of this rank, in ascending
+  ``(source rank, source token)`` order (exact: the rows layout's order is part of its contract),
+  with the token's ids mapped to local ids (-1 elsewhere) and its weights (0 elsewhere);
+  :func:`rows_combine_local` is what its combine returns for a per-rank row function.
 - :func:`reference_moe` is the end-to-end answer of dispatch, an expert function and combine:
   ``out[t] = sum_{k: topk_idx[t,k] != -1} topk_weights[t,k] * expert_fn(topk_idx[t,k], xq[t])``
   in float32, where ``xq`` is what dispatch delivers (the bf16 values, or the dequantized fp8
@@ -187,6 +192,112 @@ def reference_dispatch(group, num_experts: int, x: torch.Tensor, topk_idx: torch
     return dispatch_from_gathered(inputs, group.rank, group.world_size, num_experts, dispatch_dtype)
 
 
+# ---------------------------------------------------------------------------- the rows layout
+@dataclass
+class ReferenceRows:
+    """What a ``rows``-layout dispatch delivers to ``rank``: ``n`` rows, one per ``(source rank,
+    source token)`` that selected at least one of ``rank``'s experts, in ascending (source rank,
+    source token) order.
+
+    ``rows`` float32 ``[n, H]`` (dequantized for fp8); ``q`` fp8 ``[n, H]`` and ``scales`` float32
+    ``[n, nb]`` (fp8 only, else None); ``topk_idx`` int32 ``[n, K]``: local expert id (global id -
+    rank * E_local) where the token's k-th selection is on ``rank``, else -1; ``topk_weights``
+    float32 ``[n, K]``: the weight there, else 0; ``src`` int64 ``[n]``: ``source rank *
+    max_tokens + source token``; ``counts``: selections of each local expert among the rows (a
+    token listing an expert twice counts 2).
+    """
+
+    rank: int
+    rows: torch.Tensor
+    q: Optional[torch.Tensor]
+    scales: Optional[torch.Tensor]
+    topk_idx: torch.Tensor
+    topk_weights: torch.Tensor
+    src: torch.Tensor
+    counts: List[int]
+
+    @property
+    def num_recv(self) -> int:
+        return int(self.src.shape[0])
+
+
+def local_routing(topk_idx: torch.Tensor, topk_weights: torch.Tensor, rank: int, num_local_experts: int):
+    """``(ids int32 [T, K], weights float32 [T, K], mask bool [T])`` of ``topk_idx`` as ``rank``
+    sees it: local ids where a selection is one of its experts (-1 elsewhere), the weight there (0
+    elsewhere), and which tokens selected at least one of its experts."""
+    idx = topk_idx.to(torch.int64)
+    mine = (idx >= rank * num_local_experts) & (idx < (rank + 1) * num_local_experts)
+    lid = torch.where(mine, idx - rank * num_local_experts, torch.full_like(idx, -1)).to(torch.int32)
+    w = torch.where(mine, topk_weights.float(), torch.zeros_like(topk_weights, dtype=torch.float32))
+    return lid, w, mine.any(dim=1)
+
+
+def rows_from_gathered(inputs: GatheredInputs, rank: int, world_size: int, num_experts: int, max_tokens: int,
+                       dispatch_dtype: torch.dtype = torch.bfloat16) -> ReferenceRows:
+    """The non-collective part of :func:`reference_rows`: ``inputs`` holds all ranks' inputs."""
+    if num_experts % world_size != 0:
+        raise ValueError(f"num_experts: expected a multiple of world_size={world_size}, got {num_experts}")
+    EL = num_experts // world_size
+    fp8 = dispatch_dtype == FP8
+    rows, qs, ss, ids, ws, src = [], [], [], [], [], []
+    counts = torch.zeros(EL, dtype=torch.int64)
+    for s in range(len(inputs.x)):
+        sc = inputs.x_scales[s] if inputs.x_scales is not None else None
+        vals, q, scl = delivered_rows(inputs.x[s], sc, dispatch_dtype)
+        _check_ids(inputs.topk_idx[s], num_experts, s)
+        lid, w, has = local_routing(inputs.topk_idx[s], inputs.topk_weights[s], rank, EL)
+        t = has.nonzero().flatten()  # ascending token order
+        rows.append(vals[t])
+        if fp8:
+            qs.append(q[t])
+            ss.append(scl[t])
+        ids.append(lid[t])
+        ws.append(w[t])
+        src.append(s * max_tokens + t)
+        counts += torch.bincount(lid[lid >= 0].to(torch.int64), minlength=EL)
+    K = inputs.topk_idx[0].shape[1] if inputs.topk_idx else 0
+    H = inputs.x[0].shape[1] if inputs.x else 0
+    cat = lambda parts, shape, dt: torch.cat(parts) if parts else torch.zeros(shape, dtype=dt)  # noqa: E731
+    return ReferenceRows(rank, cat(rows, (0, H), torch.float32), cat(qs, (0, H), FP8) if fp8 else None,
+                         cat(ss, (0, 0), torch.float32) if fp8 else None, cat(ids, (0, K), torch.int32),
+                         cat(ws, (0, K), torch.float32), cat(src, (0,), torch.int64), counts.tolist())
+
+
+def reference_rows(group, num_experts: int, max_tokens: int, x: torch.Tensor, topk_idx: torch.Tensor,
+                   topk_weights: torch.Tensor, x_scales: Optional[torch.Tensor] = None,
+                   dispatch_dtype: torch.dtype = torch.bfloat16) -> ReferenceRows:
+    """Collective: what a ``rows``-layout dispatch delivers to this rank; see :class:`ReferenceRows`."""
+    inputs = gather_inputs(group, x, topk_idx, topk_weights, x_scales)
+    return rows_from_gathered(inputs, group.rank, group.world_size, num_experts, max_tokens, dispatch_dtype)
+
+
+RowFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def rows_combine_local(num_experts: int, world_size: int, x: torch.Tensor, topk_idx: torch.Tensor,
+                       topk_weights: torch.Tensor, row_fn: RowFn, x_scales: Optional[torch.Tensor] = None,
+                       dispatch_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """float32 ``[T, W]``: what a ``rows``-layout combine returns on this rank when every rank ``r``
+    hands back ``row_fn(r, rows, ids, weights)`` for the rows it received (``rows`` float32
+    ``[n, H]`` as delivered, ``ids``/``weights`` ``[n, K]`` as in :class:`ReferenceRows`; it must
+    map each row on its own and return float32 ``[n, W]``): per token, the float32 sum over the
+    ranks that received it (0 for a token sent nowhere). Needs no other rank."""
+    vals, _, _ = delivered_rows(x, x_scales, dispatch_dtype)
+    vals = vals.cpu()
+    idx, w = topk_idx.to(torch.int64).cpu(), topk_weights.float().cpu()
+    _check_ids(idx, num_experts, -1)
+    EL = num_experts // world_size
+    out = None
+    for r in range(world_size):
+        lid, wr, has = local_routing(idx, w, r, EL)
+        t = has.nonzero().flatten()
+        y = row_fn(r, vals[t], lid[t], wr[t]).float().cpu()  # called for every rank, even with 0 rows
+        if out is None:
+            out = torch.zeros(vals.shape[0], y.shape[1])
+        out.index_add_(0, t, y)
+    return out.to(x.device)
+
+
 # ---------------------------------------------------------------------------- dispatch + experts + combine
 ExpertFn = Callable[[int, torch.Tensor], torch.Tensor]
 
@@ -241,4 +352,5 @@ def reference_combine(group, num_experts: int, x: torch.Tensor, topk_idx: torch.
 
 
 __all__ = ["GatheredInputs", "ReferenceDispatch", "gather_inputs", "delivered_rows", "dispatch_from_gathered",
-           "reference_dispatch", "moe_local", "reference_moe", "reference_combine"]
+           "reference_dispatch", "ReferenceRows", "local_routing", "rows_from_gathered", "reference_rows",
+           "rows_combine_local", "moe_local", "reference_moe", "reference_combine"]

@@ -22,6 +22,7 @@ from .fp8 import num_scale_blocks
 from .kernels.remote import (remote_combine_pack_kernel, remote_combine_unpack_kernel, remote_count_kernel,
                              remote_pack_kernel, remote_sel_kernel, remote_unpack_kernel)
 from .kernels.mailbox import ring_kernel, wait_ready_kernel
+from .kernels.rows import remote_unpack_rows_kernel
 from .layout import chunking, max_chunks
 
 REGIONS = ("disp_send", "round1", "overflow", "comb_send", "comb_recv")  # the proxy's registration order
@@ -44,7 +45,7 @@ class RemoteSpec:
     ``private_capacity`` (rows per source in the round-1 slot), ``overflow_capacity``;
     ``max_send_rows`` (rows in the send buffer; default ``M * min(K, R - G)``: a token sends one
     row per destination rank, and its K selections reach at most K remote ranks);
-    ``layout`` ``"masked"``/``"packed"`` and ``expert_alignment`` as in ``EPBuffer``.
+    ``layout`` ``"masked"``/``"packed"``/``"rows"`` and ``expert_alignment`` as in ``EPBuffer``.
     """
 
     rank: int
@@ -101,7 +102,9 @@ class RemoteSpec:
 
     @property
     def comb_row_bytes(self) -> int:
-        """One bf16 combine row."""
+        """One bf16 combine row (rows layout: followed by its K float32 combine weights, 16-byte aligned)."""
+        if self.layout == "rows":
+            return _align(2 * self.hidden + 4 * self.topk, 16)
         return 2 * self.hidden
 
     @property
@@ -120,9 +123,10 @@ class RemoteSpec:
 
     @property
     def expert_capacity(self) -> int:
-        """Masked: rows per expert (``R * M``); packed: rows in all (``R*M*K + EL*(alignment-1)``)."""
+        """Masked: rows per expert (``R * M``); packed: rows in all (``R*M*K + EL*(alignment-1)``);
+        rows: rows in all (``R * M``)."""
         R, M = self.world, self.max_tokens
-        if self.layout == "masked":
+        if self.layout in ("masked", "rows"):
             return R * M
         return R * M * self.topk + self.num_local_experts * (self.expert_alignment - 1)
 
@@ -156,7 +160,8 @@ class RemoteState:
     ``send_pos`` [M, R]: row of each token in ``rows_p`` (-1: none); ``sel`` [R, EL]: the count
     matrix (selections of each local expert per source); ``rpos`` [recv_rows, K] / ``rw`` float32
     [recv_rows, K]: expert-layout row and weight of each received (row, k); ``recv_rows`` [R]: rows
-    received from each remote source; ``err`` int64 [8] error record.
+    received from each remote source; ``rows_from`` [R]: rows (one per token) each source sends
+    this rank (the rows layout's prefix); ``err`` int64 [8] error record.
     """
 
     def __init__(self, spec: RemoteSpec, device: torch.device | str = "cpu"):
@@ -169,6 +174,7 @@ class RemoteState:
         self.sel = z(R, EL)
         self.rpos, self.rw = z(max(1, spec.recv_rows), K), z(max(1, spec.recv_rows), K, dt=torch.float32)
         self.recv_rows = z(R)
+        self.rows_from = z(R)
         # Error record: pinned host memory on a GPU, so the host reads it without a device sync.
         self.err = torch.zeros(8, dtype=torch.int64, pin_memory=torch.device(device).type == "cuda")
         self.err_host = self.err.numpy()  # the same memory: reading it costs no tensor op
@@ -229,9 +235,10 @@ def pack(spec: RemoteSpec, st: RemoteState, x: torch.Tensor, topk_idx: torch.Ten
 def fill_count_matrix(spec: RemoteSpec, st: RemoteState, round1: torch.Tensor) -> None:
     """``st.sel[s, e]`` = selections of local expert ``e`` from source ``s``: rows ``s != rank``
     from the round-1 headers of epoch ``st.epoch`` (every source, node peers included, writes
-    one there), row ``rank`` from this rank's own histogram. Run after ``disp_ready``, after ``pack``."""
+    one there), row ``rank`` from this rank's own histogram; ``st.rows_from`` likewise from the
+    count vectors. Run after ``disp_ready``, after ``pack``."""
     EL = spec.num_local_experts
-    _launch(remote_sel_kernel, 1, (round1, st.ehist, st.sel, st.epoch, st.num_chunks),
+    _launch(remote_sel_kernel, 1, (round1, st.ehist, st.sel, st.epoch, st.num_chunks, st.rhist, st.rows_from),
             dict(RANK=spec.rank, R=spec.world, EL=EL, HDR=spec.hdr_bytes, SLOT=spec.slot_bytes, CMAX=spec.chunks,
                  BLOCK_EL=_pow2(EL), BLOCK_C=min(spec.chunks, 64)))
 
@@ -261,30 +268,60 @@ def unpack(spec: RemoteSpec, st: RemoteState, round1: torch.Tensor, overflow: to
                  BLOCK_W=max(16, min(_pow2(W), 256)), BLOCK_NB=_pow2(nb), num_warps=num_warps))
 
 
+def unpack_rows(spec: RemoteSpec, st: RemoteState, round1: torch.Tensor, overflow: torch.Tensor,
+                expert_x: torch.Tensor, expert_scales: Optional[torch.Tensor], recv_topk_idx: torch.Tensor,
+                recv_topk_weights: torch.Tensor, recv_src: torch.Tensor, num_programs: int = 2,
+                num_warps: int = 4) -> None:
+    """Rows layout, dispatch receive side: every remote source's rows (round-1 slot, then overflow)
+    into the rows layout at ``rows of every lower source + i`` (``st.rows_from``), with their local
+    ids, weights and sources; ``st.rpos[g, 0]`` = the row of received row ``g``.
+
+    expert_x ``[R*M, H]`` (bf16 or fp8), expert_scales float32 ``[R*M, NB]`` (fp8), recv_topk_idx
+    int32 / recv_topk_weights float32 ``[R*M, K]``, recv_src int32 ``[R*M]``."""
+    H, K = spec.hidden, spec.topk
+    W = H * (1 if spec.fp8 else 2) // 4
+    nb = max(1, spec.num_scale_blocks)
+    _launch(remote_unpack_rows_kernel, num_programs,
+            (round1, overflow, st.rows_from, expert_x.view(torch.uint8).view(torch.int32),
+             expert_scales if spec.fp8 else st.rw, recv_topk_idx, recv_topk_weights, recv_src, st.rpos, st.recv_rows,
+             st.epoch),
+            dict(_common(spec), G=spec.node_size, M=spec.max_tokens, K=K, H=H, W=W, NB=nb, PW=spec.payload_bytes // 4,
+                 RB=spec.row_bytes, HDR=spec.hdr_bytes, PCAP=spec.private_capacity, OVCAP=spec.overflow_capacity,
+                 ROWS=spec.recv_rows, FP8=spec.fp8, BLOCK_RW=16, BLOCK_W=max(16, min(_pow2(W), 256)),
+                 BLOCK_NB=_pow2(nb), num_warps=num_warps))
+
+
 def combine_pack(spec: RemoteSpec, st: RemoteState, expert_y: torch.Tensor, comb_send: torch.Tensor,
-                 num_programs: int = 2, num_warps: int = 4) -> None:
+                 num_programs: int = 2, num_warps: int = 4, topk_weights: Optional[torch.Tensor] = None) -> None:
     """Owner side: one pre-reduced bf16 row per received row (``sum_k w * y[rpos]`` in float32, one
-    rounding) into ``comb_send`` (uint8), in the order received. expert_y: bf16, the layout of expert_x."""
-    H = spec.hidden
-    _launch(remote_combine_pack_kernel, num_programs, (expert_y, st.rpos, st.rw, st.recv_rows, comb_send),
+    rounding) into ``comb_send`` (uint8), in the order received. expert_y: bf16, the layout of expert_x.
+    Rows layout: the received row of ``expert_y`` as it is, then its ``topk_weights`` (float32
+    ``[R*M, K]``; zeros when None)."""
+    H, rows = spec.hidden, spec.layout == "rows"
+    wy = topk_weights if topk_weights is not None else st.rw
+    _launch(remote_combine_pack_kernel, num_programs, (expert_y, st.rpos, wy if rows else st.rw, st.recv_rows,
+                                                       comb_send),
             dict(R=spec.world, K=spec.topk, H=H, BLOCK_RW=16, BLOCK_K=_pow2(spec.topk),
                  BLOCK_H=max(16, min(_pow2(H), 512)), BLOCK_R=_pow2(spec.world), INTERP=_interp(),
-                 num_warps=num_warps))
+                 CRB=spec.comb_row_bytes, ROWS=rows, WIN=topk_weights is not None, num_warps=num_warps))
 
 
 def combine_unpack(spec: RemoteSpec, st: RemoteState, comb_recv: torch.Tensor, topk_idx: torch.Tensor,
                    out: torch.Tensor, base: Optional[torch.Tensor] = None, num_programs: int = 2,
-                   num_warps: int = 4) -> None:
+                   num_warps: int = 4, wout: Optional[torch.Tensor] = None) -> None:
     """Source side: ``out[t] = bf16(base[t] + sum over remote owners p of row(p, t))`` in float32,
     ``row(p, t)`` at ``sum of c_{rank,p'} over remote p' < p + send_pos[t, p]`` in the epoch's copy
     of ``comb_recv`` (uint8). topk_idx: the [T, K] routing given to ``pack``; out: bf16 [T, H];
-    base: float32 [T, H] (the node owners' sum) or None."""
+    base: float32 [T, H] (the node owners' sum) or None. Rows layout: ``wout`` float32 [T, K]
+    (the node owners' weight sums) gets the remote owners' rows' weights added."""
     T, H = out.shape
     _launch(remote_combine_unpack_kernel, num_programs,
-            (comb_recv, topk_idx, st.send_pos, st.send_counts, base if base is not None else st.rw, out, st.epoch, T),
+            (comb_recv, topk_idx, st.send_pos, st.send_counts, base if base is not None else st.rw, out, st.epoch, T,
+             wout if wout is not None else st.rw),
             dict(_common(spec), G=spec.node_size, E=spec.num_experts, EL=spec.num_local_experts, K=spec.topk, H=H,
                  MAXROWS=spec.max_send_rows, HAS_BASE=base is not None, BLOCK_T=16,
-                 BLOCK_H=max(16, min(_pow2(H), 512)), INTERP=_interp(), num_warps=num_warps))
+                 BLOCK_H=max(16, min(_pow2(H), 512)), INTERP=_interp(), CRB=spec.comb_row_bytes,
+                 WOUT=wout is not None, num_warps=num_warps))
 
 
 def ring(st: RemoteState, mailbox: torch.Tensor, phase: str) -> None:
@@ -301,5 +338,5 @@ def wait_ready(st: RemoteState, mailbox: torch.Tensor, err: torch.Tensor, timeou
             dict(WORD=1 if phase == "dispatch" else 3, PHASE=0 if phase == "dispatch" else 1, INTERP=_interp()))
 
 
-__all__ = ["RemoteSpec", "RemoteState", "REGIONS", "pack", "fill_count_matrix", "unpack", "combine_pack",
+__all__ = ["RemoteSpec", "RemoteState", "REGIONS", "pack", "fill_count_matrix", "unpack", "unpack_rows", "combine_pack",
            "combine_unpack", "ring", "wait_ready"]

@@ -11,6 +11,11 @@ Data kinds:
   expert function keeps every partial sum representable in bf16, so combine is checked exactly.
 - ``random``: bf16 normals of varied magnitude per row (one all-zero row per rank), weights in
   [0, 1), a float expert function; combine is checked against a bf16 tolerance.
+
+The rows layout (``layout="rows"``) is checked against ``moe_ep.reference.reference_rows`` row for
+row in order (its order is part of the contract), with every field of its result; the caller's
+expert step reduces each row over its local experts (so combine's answer is the same MoE output),
+and every other call also hands back combine weights (``rows_wy``), whose sums are checked too.
 """
 from __future__ import annotations
 
@@ -232,12 +237,131 @@ def poison(handle, out: Optional[torch.Tensor] = None) -> None:
         handle.expert_scales.fill_(float("nan"))
     else:
         handle.expert_x.fill_(float("nan"))
+    if handle.recv_topk_idx is not None:
+        handle.recv_topk_idx.fill_(-7)
+        handle.recv_topk_weights.fill_(float("nan"))
+        handle.recv_src.fill_(-7)
+        handle.num_recv.fill_(-7)
     if out is not None and out.numel():
         out.fill_(float("nan"))
 
 
+def reference_for(group, case: Case, x, idx, w, sc):
+    """The oracle of ``case``'s layout for one dispatch (collective)."""
+    from moe_ep.reference import reference_dispatch, reference_rows
+
+    if case.layout == "rows":
+        return reference_rows(group, case.E, case.M, x, idx, w, x_scales=sc, dispatch_dtype=DTYPES[case.dtype])
+    return reference_dispatch(group, case.E, x, idx, w, x_scales=sc, dispatch_dtype=DTYPES[case.dtype])
+
+
+def first_expert(ref, case: Case) -> int:
+    """The global id of the first local expert of the rank ``ref`` is for."""
+    return ref.rank * (case.E // case.R)
+
+
+def check_rows(handle, ref, case: Case, where: str) -> List[str]:
+    """A rows-layout dispatch result against ``moe_ep.reference.ReferenceRows``: shapes, dtypes,
+    counts, then every defined row in order (bit-exact payload, ids, weights, sources)."""
+    fails: List[str] = []
+    R, M, H, K, EL = case.R, case.M, case.H, case.K, case.E // case.R
+    CAP = R * M
+    dt = DTYPES[case.dtype]
+    fp8 = dt == FP8
+    nb = -(-H // 128)
+    x, sc = handle.expert_x, handle.expert_scales
+    want = [("expert_x", x, dt, (CAP, H)), ("recv_topk_idx", handle.recv_topk_idx, torch.int32, (CAP, K)),
+            ("recv_topk_weights", handle.recv_topk_weights, torch.float32, (CAP, K)),
+            ("recv_src", handle.recv_src, torch.int32, (CAP,)), ("num_recv", handle.num_recv, torch.int32, (1,)),
+            ("expert_counts", handle.expert_counts, torch.int32, (EL,))]
+    if fp8:
+        want.append(("expert_scales", sc, torch.float32, (CAP, nb)))
+    elif sc is not None:
+        fails.append(f"{where}: expert_scales should be None for bf16 dispatch")
+    if handle.expert_offsets is not None:
+        fails.append(f"{where}: expert_offsets should be None for the rows layout")
+    for name, t, dtype, shape in want:
+        if t is None or t.dtype != dtype or tuple(t.shape) != shape or t.device != x.device:
+            fails.append(f"{where}: {name} {None if t is None else (t.dtype, list(t.shape), str(t.device))}, "
+                         f"expected {dtype} {list(shape)} on {x.device}")
+    if fails:
+        return fails
+    n = int(handle.num_recv[0])
+    if n != ref.num_recv:
+        return [f"{where}: num_recv {n}, expected {ref.num_recv} (sources {ref.src.tolist()[:12]})"]
+    counts = [int(c) for c in handle.expert_counts.cpu()]
+    if counts != ref.counts:
+        fails.append(f"{where}: expert_counts {counts}, expected {ref.counts}")
+    got_src = handle.recv_src[:n].cpu().to(torch.int64)
+    if not torch.equal(got_src, ref.src):
+        bad = (got_src != ref.src).nonzero().flatten()[:MAX_REPORT].tolist()
+        return fails + [f"{where}: recv_src differs at rows {bad}: got {got_src[bad].tolist()}, expected "
+                        f"{ref.src[bad].tolist()} (order (source rank, source token))"]
+    if not torch.equal(handle.recv_topk_idx[:n].cpu(), ref.topk_idx):
+        bad = (handle.recv_topk_idx[:n].cpu() != ref.topk_idx).any(1).nonzero().flatten()[:MAX_REPORT].tolist()
+        fails.append(f"{where}: recv_topk_idx differs at rows {bad}: got {handle.recv_topk_idx[bad].tolist()}, "
+                     f"expected {ref.topk_idx[bad].tolist()}")
+    gw = handle.recv_topk_weights[:n].cpu()
+    if not torch.equal(gw.view(torch.int32), ref.topk_weights.view(torch.int32)):
+        bad = (gw.view(torch.int32) != ref.topk_weights.view(torch.int32)).any(1).nonzero().flatten()[:MAX_REPORT]
+        fails.append(f"{where}: recv_topk_weights differ at rows {bad.tolist()}: got {gw[bad].tolist()}, expected "
+                     f"{ref.topk_weights[bad].tolist()}")
+    if fp8:
+        got = _key_rows(x[:n].cpu(), sc[:n].cpu())
+        exp = _key_rows(ref.q, ref.scales)
+    else:
+        got = _key_rows(x[:n].cpu(), None)
+        exp = _key_rows(_bf16_bits(ref.rows), None)
+    bad = [i for i in range(n) if got[i] != exp[i]]
+    if bad:
+        fails.append(f"{where}: {len(bad)} of {n} rows differ from the oracle (bit for bit), e.g. rows {bad[:MAX_REPORT]} "
+                     f"(sources {[int(ref.src[i]) for i in bad[:MAX_REPORT]]})")
+    return fails
+
+
+def rows_wy(r: int, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The combine weights rank ``r`` hands back with its rows in the tests: the received weights
+    plus (r + 1) / 16 in every column, so a token's sum over ranks tells which ranks answered
+    (exact in float32 for the tagged weights)."""
+    return w.float() + (r + 1) / 16.0
+
+
+def rows_expert_y(handle, case: Case, fn, rank: int):
+    """The caller's side of a rows-layout combine: ``(y, wy)`` with ``y[i] = sum_k w[i,k] *
+    fn(first + ids[i,k], row i)`` over the row's local experts (rounded to bf16 once) and ``wy``
+    from ``rows_wy``; NaN past ``num_recv`` (combine must not read it)."""
+    y = torch.full(handle.expert_x.shape, float("nan"), dtype=torch.bfloat16, device=handle.expert_x.device)
+    wy = torch.full(handle.recv_topk_weights.shape, float("nan"), device=handle.expert_x.device)
+    n = int(handle.num_recv[0])
+    if n == 0:
+        return y, wy
+    vals = _as_float(handle.expert_x[:n], handle.expert_scales[:n] if handle.expert_scales is not None else None)
+    ids, w = handle.recv_topk_idx[:n].long(), handle.recv_topk_weights[:n]
+    y[:n] = rows_fn(fn, case.E // case.R)(rank, vals, ids, w).to(torch.bfloat16)
+    wy[:n] = rows_wy(rank, ids, w)
+    return y, wy
+
+
+def rows_fn(fn, EL: int):
+    """``row_fn`` of ``moe_ep.reference.rows_combine_local`` for the expert function ``fn`` (EL
+    local experts per rank): the weighted sum over a row's local experts."""
+    def row_fn(r, vals, ids, w):
+        f0 = r * EL
+        acc = torch.zeros(vals.shape, dtype=torch.float32, device=vals.device)
+        for k in range(ids.shape[1]):
+            for e in ids[:, k].unique().tolist():
+                if e < 0:
+                    continue
+                m = ids[:, k] == e
+                acc[m] += w[m, k:k + 1].float() * fn(f0 + e, vals[m]).float()
+        return acc
+    return row_fn
+
+
 def check_dispatch(handle, ref, case: Case, where: str) -> List[str]:
     """Compares one rank's dispatch result with the oracle; returns failure strings."""
+    if case.layout == "rows":
+        return check_rows(handle, ref, case, where)
     fails: List[str] = []
     R, E, H = case.R, case.E, case.H
     EL = E // R
@@ -339,6 +463,8 @@ def _explain(gx, gs, got_keys, exp_keys, ref, e, case) -> str:
 
 def make_expert_y(handle, case: Case, fn, first_expert: int) -> torch.Tensor:
     EL = case.E // case.R
+    if case.layout == "rows":
+        return rows_expert_y(handle, case, fn, first_expert // EL)[0]
     y = torch.full(handle.expert_x.shape, float("nan"), dtype=torch.bfloat16, device=handle.expert_x.device)
     for e in range(EL):
         c = int(handle.expert_counts[e])
@@ -394,13 +520,14 @@ def make_buffer(group, case: Case, timeout_s: float = 60.0):
 
 def run_calls(group, buf, case: Case) -> List[str]:
     """All calls of ``case`` on ``buf``, each checked against the oracle; returns failure strings."""
-    from moe_ep.reference import moe_local, reference_dispatch, reference_moe
+    from moe_ep.reference import moe_local, reference_moe
 
     r, dev = group.rank, group.device
     dt = DTYPES[case.dtype]
     fn = expert_fn_for(case)
     fails: List[str] = []
     first = None
+    rows = case.layout == "rows"
     for call in range(len(case.calls)):
         where = f"[{case.name} rank {r} call {call} {case.calls[call]}]"
         inp = make_inputs(case, call)[r]
@@ -408,11 +535,15 @@ def run_calls(group, buf, case: Case) -> List[str]:
         idx = inp.topk_idx.to(dev)
         w = inp.topk_weights.to(dev)
         sc = inp.x_scales.to(dev) if inp.x_scales is not None else None
-        ref = reference_dispatch(group, case.E, x, idx, w, x_scales=sc, dispatch_dtype=dt)
+        ref = reference_for(group, case, x, idx, w, sc)
         wd = w * 3 + 1 if case.late_weights else w  # late: combine must replace these
         h = buf.dispatch(x, idx, wd, x_scales=sc) if sc is not None else buf.dispatch(x, idx, wd)
         f = check_dispatch(h, ref, case, where)
         fails += f
+        if rows:  # checked row for row in order against the oracle: determinism included
+            fails += _rows_combine(group, buf, h, case, call, x, idx, w, sc, bad=bool(f), where=where)
+            poison(h)
+            continue
         if not f:
             snap = [received(h, case, e) for e in range(case.E // case.R)]
             snap_meta = ([int(c) for c in h.expert_counts.cpu()],
@@ -427,7 +558,7 @@ def run_calls(group, buf, case: Case) -> List[str]:
                     fails.append(f"{where}: not deterministic: the same inputs as call 0 gave rows in a "
                                  f"different order (or different counts/offsets)")
         # Combine runs even after a bad dispatch, so every rank makes the same calls.
-        y = make_expert_y(h, case, fn, ref.first_expert) if not f else \
+        y = make_expert_y(h, case, fn, first_expert(ref, case)) if not f else \
             torch.full(h.expert_x.shape, float("nan"), dtype=torch.bfloat16, device=dev)
         out = buf.combine(y, h, topk_weights=w) if case.late_weights else buf.combine(y, h)
         exp = reference_moe(group, case.E, x, idx, w, fn, x_scales=sc, dispatch_dtype=dt)
@@ -439,6 +570,47 @@ def run_calls(group, buf, case: Case) -> List[str]:
         poison(h, out)
         h.expert_counts.fill_(-7)
     return fails
+
+
+def _rows_combine(group, buf, h, case: Case, call: int, x, idx, w, sc, bad: bool, where: str) -> List[str]:
+    """A rows-layout combine after a checked dispatch (every rank calls it, even after a bad
+    dispatch); even calls also hand back combine weights and check their sums."""
+    from moe_ep.reference import moe_local, reference_moe, rows_combine_local
+
+    dt, fn, r, EL = DTYPES[case.dtype], expert_fn_for(case), group.rank, case.E // case.R
+    y, wy = rows_expert_y(h, case, fn, r) if not bad else (
+        torch.zeros(h.expert_x.shape, dtype=torch.bfloat16, device=x.device),
+        torch.zeros(h.recv_topk_weights.shape, device=x.device))
+    fails: List[str] = []
+    if call % 2 == 0:
+        out, wout = buf.combine(y, h, topk_weights=wy)
+        exp_w = rows_combine_local(case.E, case.R, x, idx, w, lambda rr, v, i, ww: rows_wy(rr, i, ww), x_scales=sc,
+                                   dispatch_dtype=dt)
+        if not bad:
+            fails += _check_weights(wout, exp_w, case, where)
+    else:
+        out = buf.combine(y, h)
+    exp = reference_moe(group, case.E, x, idx, w, fn, x_scales=sc, dispatch_dtype=dt)
+    if not bad:
+        exp_abs = moe_local(case.E, x, idx, w.abs(), lambda e, rows: fn(e, rows).abs(), x_scales=sc, dispatch_dtype=dt)
+        fails += check_combine(out, exp, exp_abs, x.shape[0], case, where)
+    poison(h, out)
+    return fails
+
+
+def _check_weights(wout: torch.Tensor, exp: torch.Tensor, case: Case, where: str) -> List[str]:
+    """Combined weights: exact for tagged data (dyadic sums), else within float32 rounding of a
+    few additions (the order over ranks differs across nodes)."""
+    T = exp.shape[0]
+    if wout.dtype != torch.float32 or tuple(wout.shape) != (T, case.K):
+        return [f"{where}: combined weights {wout.dtype} {list(wout.shape)}, expected float32 [{T}, {case.K}]"]
+    got, exp = wout.cpu(), exp.cpu()
+    bad = got != exp if case.data == "tagged" else ~((got - exp).abs() <= 1e-6 * exp.abs() + 1e-30)
+    if not bool(bad.any()):
+        return []
+    t = int(bad.any(1).nonzero()[0])
+    return [f"{where}: combined weights differ on tokens {bad.any(1).nonzero().flatten()[:12].tolist()}; token {t}: "
+            f"got {got[t].tolist()} expected {exp[t].tolist()}"]
 
 
 def run_case(group, case: Case, timeout_s: float = 60.0) -> List[str]:

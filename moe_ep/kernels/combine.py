@@ -19,6 +19,11 @@ flag before it reads a chunk's weights. The push never waits, so in one launch p
 waits only for program ``p`` of its peers; without a fused launch the push is a launch of its own.
 Why the slots are free: a source's combine ends only after every node owner has flagged every
 chunk back, i.e. has read that source's weights of the previous combine.
+
+``ROWS`` (the rows layout): the owner sends each received row back as it is (the caller has
+reduced its local experts) with the row's combine weights (``comb_w``, zeros when the caller gave
+none), and the source sums rows and weights over owners; ``OWN_Y``: this rank's own rows skip the
+workspace (the receive half reads them from ``expert_y``).
 """
 import triton
 import triton.language as tl
@@ -37,15 +42,18 @@ def combine_kernel(
     state_ptr,         # int64 [2, P]: [0, p] dispatch epoch, [1, p] combine epoch completed by program p
     err_ptr,           # int64 [8] error record
     recv_pos_ptr,      # int32 [N, M, K] from the dispatch kernel
-    w_ptr,             # float32 [T, K]: combine-time weights of this rank's tokens (read when WEIGHTS)
+    cw_ptr,            # WEIGHTS: float32 [T, K] combine-time weights of this rank's tokens (masked/packed)
     timeout_ns, T,
+    wy_ptr,            # ROWS and WIN: float32 [rows, K] combine weights of each received row
+    wout_ptr,          # ROWS and WOUT: float32 [T, K] out: their sum over owners (added to later when BASE_F32)
     off_cflag: tl.constexpr, off_wflag: tl.constexpr, off_hdr: tl.constexpr, off_meta_w: tl.constexpr,
     off_comb: tl.constexpr,
     RANK: tl.constexpr, NODE0: tl.constexpr, N: tl.constexpr, M: tl.constexpr, K: tl.constexpr, E: tl.constexpr,
     EL: tl.constexpr, H: tl.constexpr, HDR: tl.constexpr, CMAX: tl.constexpr, BASE_F32: tl.constexpr,
     WEIGHTS: tl.constexpr, PUSH: tl.constexpr, SEND: tl.constexpr, RECV: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr,
-    INTERP: tl.constexpr,
+    INTERP: tl.constexpr, ROWS: tl.constexpr, OWN_Y: tl.constexpr, WIN: tl.constexpr, WOUT: tl.constexpr,
+    off_comb_w: tl.constexpr,
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -61,7 +69,7 @@ def combine_kernel(
         for c in range(pid, tl.maximum(NC, 1), P):
             t = c * BT + rr
             m2 = ((rr < BT) & (t < T))[:, None] & km[None, :]
-            w = tl.load(w_ptr + t[:, None] * K + kk[None, :], mask=m2, other=0.0)
+            w = tl.load(cw_ptr + t[:, None] * K + kk[None, :], mask=m2, other=0.0)
             slot = ((dpar * N + RANK) * M + t).to(tl.int64)
             for d in tl.static_range(N):
                 # Every peer gets the chunk's weights, as at dispatch: the owner reads only its own
@@ -92,18 +100,12 @@ def combine_kernel(
                             other=0.0)
                 go = tl.max((r >= 0).to(tl.int32), axis=1) > 0
                 out = dst + ((par * N + RANK) * M + t).to(tl.int64) * H
-                for h0 in tl.range(0, H, BLOCK_H, num_stages=STAGES):
-                    hh = h0 + tl.arange(0, BLOCK_H)
-                    hm = hh[None, :] < H
-                    acc = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)
-                    for k in tl.static_range(K):
-                        # Pre-reduction: this rank's experts of a token sum here, one row goes back.
-                        # (A [rows, K, H] block load measured slower: 360 vs 284 us at prefill.)
-                        rk = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1).to(tl.int64)
-                        wk = tl.sum(tl.where(kk[None, :] == k, w, 0.0), axis=1)
-                        y = tl.load(y_ptr + rk[:, None] * H + hh[None, :], mask=(rk[:, None] >= 0) & hm, other=0.0)
-                        acc += y.to(tl.float32) * wk[:, None]
-                    tl.store(out[:, None] + hh[None, :], to_bf16(acc, INTERP), mask=go[:, None] & hm)
+                if ROWS:
+                    if not (OWN_Y and (s == RANK)):
+                        _send_rows(y_ptr, wy_ptr, r, kk, out, ptr_at(base, off_comb_w, tl.float32) +
+                                   ((par * N + RANK) * M + t).to(tl.int64) * K, K, H, WIN, BLOCK_H, STAGES)
+                else:
+                    _send_reduced(y_ptr, r, w, kk, go, out, K, H, BLOCK_T, BLOCK_H, STAGES, INTERP)
                 tl.debug_barrier()  # every thread's stores happen before the flag's release
                 if ok != 0:  # (else the source times out too, naming this rank: never a stale weight)
                     raise_flag(ptr_at(base, off_cflag, tl.int64) + RANK * CMAX + c, epoch)
@@ -125,16 +127,73 @@ def combine_kernel(
                 ids = tl.load(topk_ptr + t[:, None] * K + kk[None, :], mask=tm[:, None] & km[None, :],
                               other=-1).to(tl.int32)
                 dst = tl.where((ids >= 0) & (ids < E), ids // EL - NODE0, -1)  # node peer, if any
+                if OWN_Y:  # this rank's rows of its own tokens, read from expert_y where dispatch put them
+                    own = tl.load(recv_pos_ptr + (RANK * M + t) * K, mask=tm, other=-1).to(tl.int64)
+                if WOUT:  # the rows' combine weights, summed over owners like the rows
+                    wacc = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
+                    for d in tl.static_range(N):
+                        go = tl.max((dst == d).to(tl.int32), axis=1) > 0
+                        m2 = go[:, None] & km[None, :]
+                        if OWN_Y and d == RANK:
+                            if WIN:
+                                wacc += tl.load(wy_ptr + own[:, None] * K + kk[None, :], mask=m2, other=0.0)
+                        else:
+                            wsrc = ptr_at(ws, off_comb_w, tl.float32) + ((par * N + d) * M + t).to(tl.int64) * K
+                            wacc += tl.load(wsrc[:, None] + kk[None, :], mask=m2, other=0.0)
+                    # (with BASE_F32 the remote owners' weights are added to these later)
+                    tl.store(wout_ptr + t[:, None] * K + kk[None, :], wacc, mask=tm[:, None] & km[None, :])
                 for h0 in range(0, H, BLOCK_H):
                     hh = h0 + tl.arange(0, BLOCK_H)
                     hm = tm[:, None] & (hh[None, :] < H)
                     acc = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)
                     for d in tl.static_range(N):
                         go = tl.max((dst == d).to(tl.int32), axis=1) > 0
-                        src = comb + ((par * N + d) * M + t).to(tl.int64) * H
+                        if OWN_Y and d == RANK:
+                            src = y_ptr + own * H
+                        else:
+                            src = comb + ((par * N + d) * M + t).to(tl.int64) * H
                         acc += tl.load(src[:, None] + hh[None, :], mask=hm & go[:, None], other=0.0).to(tl.float32)
                     if BASE_F32:  # the remote owners' rows are added later, then rounded once
                         tl.store(out_ptr + t[:, None] * H + hh[None, :], acc, mask=hm)
                     else:
                         tl.store(out_ptr + t[:, None] * H + hh[None, :], to_bf16(acc, INTERP), mask=hm)
         tl.store(state_ptr + P + pid, epoch)  # each program keeps its own epoch: no cross-program step
+
+
+@triton.jit
+def _send_rows(y_ptr, wy_ptr, r, kk, out, wout, K: tl.constexpr, H: tl.constexpr, WIN: tl.constexpr,
+               BLOCK_H: tl.constexpr, STAGES: tl.constexpr):
+    """Rows layout, owner side: the received row ``r[:, 0]`` of each token of a chunk (-1: none)
+    back into its source's ``comb`` slot ``out`` as it is, and its combine weights (or zeros)
+    into ``wout``."""
+    rk = tl.sum(tl.where(kk[None, :] == 0, r, 0), axis=1).to(tl.int64)
+    go = rk >= 0
+    m2 = go[:, None] & (kk[None, :] < K)
+    if WIN:
+        wv = tl.load(wy_ptr + rk[:, None] * K + kk[None, :], mask=m2, other=0.0)
+    else:
+        wv = tl.zeros(m2.shape, tl.float32)
+    tl.store(wout[:, None] + kk[None, :], wv, mask=m2)
+    for h0 in tl.range(0, H, BLOCK_H, num_stages=STAGES):
+        hh = h0 + tl.arange(0, BLOCK_H)
+        hm = go[:, None] & (hh[None, :] < H)
+        tl.store(out[:, None] + hh[None, :], tl.load(y_ptr + rk[:, None] * H + hh[None, :], mask=hm), mask=hm)
+
+
+@triton.jit
+def _send_reduced(y_ptr, r, w, kk, go, out, K: tl.constexpr, H: tl.constexpr, BLOCK_T: tl.constexpr,
+                  BLOCK_H: tl.constexpr, STAGES: tl.constexpr, INTERP: tl.constexpr):
+    """Masked / packed layouts, owner side: ``sum_k w * y[r[:, k]]`` of each token of a chunk
+    (``go``: it has a row here) into its source's ``comb`` slot ``out``, rounded to bf16 once."""
+    for h0 in tl.range(0, H, BLOCK_H, num_stages=STAGES):
+        hh = h0 + tl.arange(0, BLOCK_H)
+        hm = hh[None, :] < H
+        acc = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)
+        for k in tl.static_range(K):
+            # Pre-reduction: this rank's experts of a token sum here, one row goes back.
+            # (A [rows, K, H] block load measured slower: 360 vs 284 us at prefill.)
+            rk = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1).to(tl.int64)
+            wk = tl.sum(tl.where(kk[None, :] == k, w, 0.0), axis=1)
+            y = tl.load(y_ptr + rk[:, None] * H + hh[None, :], mask=(rk[:, None] >= 0) & hm, other=0.0)
+            acc += y.to(tl.float32) * wk[:, None]
+        tl.store(out[:, None] + hh[None, :], to_bf16(acc, INTERP), mask=go[:, None] & hm)

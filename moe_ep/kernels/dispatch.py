@@ -24,6 +24,7 @@ import triton.language as tl
 from .common import (ERR_BAD_EXPERT, ERR_CAPACITY, PHASE_DISPATCH, abort_combines, chunking, deadline_start, ptr_at,
                      raise_flag,
                      payload_tile, record_error, wait_flag)
+from .rows import on_peer, recv_rows_chunk, tokens_before
 
 
 @triton.jit
@@ -53,10 +54,12 @@ def _send_chunk(c, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, 
                 E: tl.constexpr, EL: tl.constexpr, H: tl.constexpr, NB: tl.constexpr, RB: tl.constexpr,
                 CMAX: tl.constexpr, FP8: tl.constexpr, PREQ: tl.constexpr, DIRECT: tl.constexpr, BLOCK_T: tl.constexpr,
                 BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr,
-                INTERP: tl.constexpr):
+                INTERP: tl.constexpr, ROWS: tl.constexpr, OWN_X: tl.constexpr):
     """Chunk ``c`` (tokens [c*BT, (c+1)*BT)): the buffer's copy of its expert ids (what combine
     reads, so the caller may reuse ``topk_idx``), metadata to every peer, the payload once per
-    destination rank, then the chunk's flag in every peer."""
+    destination rank, then the chunk's flag in every peer. ``ROWS``: the metadata's ``j`` columns
+    carry the token's row among this rank's rows for the peer (``kernels/rows.py``); ``OWN_X``:
+    no payload for this rank itself (its receive half reads ``x``)."""
     S: tl.constexpr = BLOCK_T * BLOCK_K
     tt = tl.arange(0, BLOCK_T)
     kk = tl.arange(0, BLOCK_K)
@@ -79,7 +82,9 @@ def _send_chunk(c, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, 
     # Position j of each selection among this rank's selections of its expert, which fixes the
     # order (source rank, token, k): earlier chunks + earlier in this chunk.
     pre = tl.zeros((S,), tl.int32)
-    if DIRECT:
+    if ROWS:
+        pass  # no per-expert positions: the rows layout places whole tokens
+    elif DIRECT:
         for f0 in range(0, c * BT * K, 256):
             ff2 = f0 + tl.arange(0, 256)
             prev = tl.load(topk_ptr + ff2, mask=ff2 < c * BT * K, other=-1).to(tl.int32)
@@ -100,30 +105,40 @@ def _send_chunk(c, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, 
         lid = tl.where(dst == d, ids - (NODE0 + d) * EL, -1)
         mi = ptr_at(base, off_meta_i, tl.int32) + slot[:, None] * (2 * K) + kk[None, :]
         tl.store(mi, lid, mask=m2)
-        tl.store(mi + K, j, mask=m2)
+        if ROWS:  # the token's row among this rank's rows for d: earlier chunks + earlier in the chunk
+            on = on_peer(ids, d, NODE0, EL)
+            pos = tokens_before(topk_ptr, hist_ptr, c, BT, T, d, NODE0, E, EL, K, CMAX, DIRECT, BLOCK_K, BLOCK_C) + \
+                tl.sum(tl.where(tt[None, :] < tt[:, None], on[None, :], 0), axis=1)
+            tl.store(mi + K, tl.broadcast_to(pos[:, None], (BLOCK_T, BLOCK_K)), mask=m2)
+        else:
+            tl.store(mi + K, j, mask=m2)
         mw = ptr_at(base, off_meta_w, tl.float32) + slot[:, None] * K + kk[None, :]
         tl.store(mw, w, mask=m2)
     # Payload: read (and quantize) each tile once, store it to every destination rank.
-    for h0 in tl.range(0, H, BLOCK_H, num_stages=STAGES):
-        hh = h0 + tl.arange(0, BLOCK_H)
-        hm = tm[:, None] & (hh[None, :] < H)
-        if FP8:
-            bb = h0 // 128 + tl.arange(0, BLOCK_H // 128)
-            bm = tm[:, None] & (bb[None, :] < NB)
-        else:
-            bb, bm = hh, hm  # unused
-        q, sc = payload_tile(x_ptr, xs_ptr, t, hh, hm, bb, bm, H, NB, FP8, PREQ, BLOCK_T, BLOCK_H, INTERP)
-        for d in tl.static_range(N):
-            go = tl.max((dst == d).to(tl.int32), axis=1) > 0
-            base = tl.load(peer_ptr + d)
+    if not (OWN_X and N == 1):  # OWN_X alone in its node: no payload goes through the workspace
+        if OWN_X:  # only tokens bound for another node peer are read here
+            tm = tm & (tl.max(((dst >= 0) & (dst < N) & (dst != RANK)).to(tl.int32), axis=1) > 0)
+        for h0 in tl.range(0, H, BLOCK_H, num_stages=STAGES):
+            hh = h0 + tl.arange(0, BLOCK_H)
+            hm = tm[:, None] & (hh[None, :] < H)
             if FP8:
-                tl.store(ptr_at(base, off_rows, tl.uint8) + slot[:, None] * RB + hh[None, :], q,
-                         mask=hm & go[:, None])
-                tl.store(ptr_at(base, off_rows, tl.float32) + slot[:, None] * (RB // 4) + H // 4 + bb[None, :],
-                         sc, mask=bm & go[:, None])
+                bb = h0 // 128 + tl.arange(0, BLOCK_H // 128)
+                bm = tm[:, None] & (bb[None, :] < NB)
             else:
-                tl.store(ptr_at(base, off_rows, tl.bfloat16) + slot[:, None] * (RB // 2) + hh[None, :], q,
-                         mask=hm & go[:, None])
+                bb, bm = hh, hm  # unused
+            q, sc = payload_tile(x_ptr, xs_ptr, t, hh, hm, bb, bm, H, NB, FP8, PREQ, BLOCK_T, BLOCK_H, INTERP)
+            for d in tl.static_range(N):
+                if not (OWN_X and d == RANK):
+                    go = tl.max((dst == d).to(tl.int32), axis=1) > 0
+                    base = tl.load(peer_ptr + d)
+                    if FP8:
+                        tl.store(ptr_at(base, off_rows, tl.uint8) + slot[:, None] * RB + hh[None, :], q,
+                                 mask=hm & go[:, None])
+                        tl.store(ptr_at(base, off_rows, tl.float32) + slot[:, None] * (RB // 4) + H // 4 + bb[None, :],
+                                 sc, mask=bm & go[:, None])
+                    else:
+                        tl.store(ptr_at(base, off_rows, tl.bfloat16) + slot[:, None] * (RB // 2) + hh[None, :], q,
+                                 mask=hm & go[:, None])
     tl.debug_barrier()  # every thread's stores happen before the flag's release
     for d in tl.static_range(N):
         raise_flag(ptr_at(tl.load(peer_ptr + d), off_dflag, tl.int64) + RANK * CMAX + c, epoch)
@@ -211,6 +226,11 @@ def dispatch_kernel(
     route_ptr,         # int32 [M, K]: this rank's expert ids (-1 where none or out of range), read by combine
     T, BT, NC,         # tokens, tokens per chunk, chunks (of this rank)
     timeout_ns,
+    rows_from_ptr,     # ROWS and GLOBAL: int32 [R], rows each source sends this rank (the count matrix's)
+    recv_ids_ptr,      # ROWS: int32 [CAP, K] local expert ids of each received row (-1: another rank's)
+    recv_wts_ptr,      # ROWS: float32 [CAP, K] their weights (0 where the id is -1)
+    recv_src_ptr,      # ROWS: int32 [CAP] source rank * M + source token of each received row
+    num_recv_ptr,      # ROWS: int32 [1] received rows
     off_hflag: tl.constexpr, off_dflag: tl.constexpr, off_hdr: tl.constexpr, off_meta_i: tl.constexpr,
     off_meta_w: tl.constexpr, off_rows: tl.constexpr, off_cflag: tl.constexpr,
     RANK: tl.constexpr, NODE0: tl.constexpr, R: tl.constexpr, N: tl.constexpr, M: tl.constexpr,
@@ -221,7 +241,7 @@ def dispatch_kernel(
     SEND: tl.constexpr, RECV: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_EL: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_NB: tl.constexpr, STAGES: tl.constexpr,
-    INTERP: tl.constexpr,
+    INTERP: tl.constexpr, ROWS: tl.constexpr, OWN_X: tl.constexpr,
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -238,12 +258,15 @@ def dispatch_kernel(
             tl.store(ph, T)
             ee = tl.arange(0, BLOCK_EL)
             tl.store(ph + 1 + ee, cnt, mask=ee < EL)
+            if ROWS:  # this rank's rows for d: where d places the rows of the sources above this one
+                tl.store(ph + 1 + EL, tokens_before(topk_ptr, hist_ptr, NC, BT, T, d, NODE0, E, EL, K, CMAX, DIRECT,
+                                                    BLOCK_K, BLOCK_C))
             tl.debug_barrier()
             raise_flag(ptr_at(base, off_hflag, tl.int64) + RANK, epoch)
         if pid < NC:
             _send_chunk(pid, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, route_ptr, T, BT, epoch, par,
                         off_dflag, off_meta_i, off_meta_w, off_rows, RANK, NODE0, N, M, K, E, EL, H, NB, RB, CMAX,
-                        FP8, PREQ, DIRECT, BLOCK_T, BLOCK_K, BLOCK_C, BLOCK_H, STAGES, INTERP)
+                        FP8, PREQ, DIRECT, BLOCK_T, BLOCK_K, BLOCK_C, BLOCK_H, STAGES, INTERP, ROWS, OWN_X)
     ok = tl.full([], 1, tl.int32)
     nrecv = 0
     if RECV:
@@ -261,7 +284,18 @@ def dispatch_kernel(
             if GLOBAL:  # every source of every node (the count matrix from the proxy's headers)
                 for s in range(R):
                     tot += tl.load(sel_ptr + s * EL + ee, mask=em, other=0)
-            if PACKED:
+            if ROWS:  # CAP = R * M rows: never over
+                over = tl.max(tot) < 0  # never: the rows layout holds every row
+                if pid == 0:
+                    nrows = tl.zeros([], tl.int32)
+                    if GLOBAL:
+                        for s in range(R):
+                            nrows += tl.load(rows_from_ptr + s)
+                    else:
+                        for s in range(N):
+                            nrows += tl.load(hdr + s * HDR + 1 + EL)
+                    tl.store(num_recv_ptr, nrows)
+            elif PACKED:
                 padded = (tot + ALIGN - 1) // ALIGN * ALIGN
                 incl = tl.cumsum(padded, 0)
                 total = tl.max(incl)
@@ -290,13 +324,20 @@ def dispatch_kernel(
             if i < NC:
                 _send_chunk(i, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, route_ptr, T, BT, epoch,
                             par, off_dflag, off_meta_i, off_meta_w, off_rows, RANK, NODE0, N, M, K, E, EL, H, NB, RB, CMAX,
-                            FP8, PREQ, DIRECT, BLOCK_T, BLOCK_K, BLOCK_C, BLOCK_H, STAGES, INTERP)
+                            FP8, PREQ, DIRECT, BLOCK_T, BLOCK_K, BLOCK_C, BLOCK_H, STAGES, INTERP, ROWS, OWN_X)
         if RECV:
             if ok != 0:
                 for s in range(N):
-                    _recv_chunk(s, i - LAG, ws, hdr, sel_ptr, scratch_ptr + pid * BLOCK_EL, out_x_ptr, out_s_ptr,
-                                recv_pos_ptr, err_ptr, epoch, par, t0_ns, timeout_ns, off_dflag, off_meta_i,
-                                off_rows, NODE0, EL, GLOBAL, N, M, K, W, H, NB, RB, HDR, CMAX, CAP, PACKED, FP8, BLOCK_T, BLOCK_K,
-                                BLOCK_W, BLOCK_NB, STAGES, INTERP)
+                    if ROWS:
+                        recv_rows_chunk(s, i - LAG, ws, hdr, rows_from_ptr, x_ptr, xs_ptr, out_x_ptr, out_s_ptr,
+                                        recv_ids_ptr, recv_wts_ptr, recv_src_ptr, recv_pos_ptr, err_ptr, epoch, par,
+                                        t0_ns, timeout_ns, off_dflag, off_meta_i, off_meta_w, off_rows, RANK, NODE0,
+                                        EL, GLOBAL, N, M, K, W, H, NB, RB, HDR, CMAX, FP8, PREQ, OWN_X, BLOCK_T,
+                                        BLOCK_K, BLOCK_W, BLOCK_H, BLOCK_NB, STAGES, INTERP)
+                    else:
+                        _recv_chunk(s, i - LAG, ws, hdr, sel_ptr, scratch_ptr + pid * BLOCK_EL, out_x_ptr, out_s_ptr,
+                                    recv_pos_ptr, err_ptr, epoch, par, t0_ns, timeout_ns, off_dflag, off_meta_i,
+                                    off_rows, NODE0, EL, GLOBAL, N, M, K, W, H, NB, RB, HDR, CMAX, CAP, PACKED, FP8,
+                                    BLOCK_T, BLOCK_K, BLOCK_W, BLOCK_NB, STAGES, INTERP)
     if RECV:
         tl.store(state_ptr + pid, epoch)  # each program keeps its own epoch: no cross-program step

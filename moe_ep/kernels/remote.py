@@ -231,6 +231,8 @@ def remote_sel_kernel(
     sel_ptr,           # int32 [R, EL]: out, selections of each local expert from each source
     epoch_ptr,         # int64 [1]
     NC,
+    rhist_ptr,         # int32 [R, CMAX] of this rank's dispatch
+    rows_from_ptr,     # int32 [R]: out, rows (one per token) each source sends this rank
     RANK: tl.constexpr, R: tl.constexpr, EL: tl.constexpr, HDR: tl.constexpr, SLOT: tl.constexpr,
     CMAX: tl.constexpr, BLOCK_EL: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
@@ -239,12 +241,16 @@ def remote_sel_kernel(
     ee = tl.arange(0, BLOCK_EL)
     em = ee < EL
     words = round1_ptr.to(tl.pointer_type(tl.int32))
+    one = tl.arange(0, 2)
     for s in range(R):
         if s == RANK:
             v = _chunk_sum(ehist_ptr, RANK * EL + ee, em, NC, CMAX, BLOCK_C)
+            n = _chunk_sum(rhist_ptr, RANK + one * 0, one < 1, NC, CMAX, BLOCK_C)
         else:
             v = tl.load(words + ((par * R + s) * SLOT) // 4 + R + ee, mask=em, other=0)
+            n = tl.load(words + ((par * R + s) * SLOT) // 4 + RANK + one * 0, mask=one < 1, other=0)
         tl.store(sel_ptr + s * EL + ee, v, mask=em)
+        tl.store(rows_from_ptr + s + one, n, mask=one < 1)
 
 
 @triton.jit
@@ -359,12 +365,15 @@ def remote_unpack_kernel(
 def remote_combine_pack_kernel(
     y_ptr,             # bf16 [rows, H]: expert outputs in the layout of expert_x
     rpos_ptr,          # int32 [ROWS, K] from remote_unpack_kernel
-    rw_ptr,            # float32 [ROWS, K]
+    rw_ptr,            # float32 [ROWS, K]; ROWS and WIN: the caller's combine weights [rows, K]
     recv_rows_ptr,     # int32 [R]
-    comb_send_ptr,     # uint8: the proxy's combine send buffer, [ROWS][2H]
+    comb_send_ptr,     # uint8: the proxy's combine send buffer, [ROWS][CRB]
     R: tl.constexpr, K: tl.constexpr, H: tl.constexpr, BLOCK_RW: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, INTERP: tl.constexpr,
+    CRB: tl.constexpr, ROWS: tl.constexpr = False, WIN: tl.constexpr = False,
 ):
+    """Rows layout (``ROWS``): row ``rpos[g, 0]`` of ``y`` goes back as it is, followed by its K
+    combine weights (float32 at byte ``2H``; zeros without ``WIN``); a row is ``CRB`` bytes."""
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     rr = tl.arange(0, BLOCK_R)
@@ -377,18 +386,32 @@ def remote_combine_pack_kernel(
         gm = g < total
         m2 = gm[:, None] & (kk[None, :] < K)
         r = tl.load(rpos_ptr + g[:, None] * K + kk[None, :], mask=m2, other=-1)
-        w = tl.load(rw_ptr + g[:, None] * K + kk[None, :], mask=m2, other=0.0)
-        for h0 in range(0, H, BLOCK_H):
-            hh = h0 + tl.arange(0, BLOCK_H)
-            hm = hh[None, :] < H
-            acc = tl.zeros((BLOCK_RW, BLOCK_H), tl.float32)
-            for k in tl.static_range(K):
-                # Pre-reduction: this rank's experts of the row sum here (float32), one bf16 row goes back.
-                rk = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1).to(tl.int64)
-                wk = tl.sum(tl.where(kk[None, :] == k, w, 0.0), axis=1)
-                y = tl.load(y_ptr + rk[:, None] * H + hh[None, :], mask=(rk[:, None] >= 0) & hm, other=0.0)
-                acc += y.to(tl.float32) * wk[:, None]
-            tl.store(out + g.to(tl.int64)[:, None] * H + hh[None, :], to_bf16(acc, INTERP), mask=gm[:, None] & hm)
+        if ROWS:
+            row = tl.sum(tl.where(kk[None, :] == 0, r, 0), axis=1).to(tl.int64)
+            dst = comb_send_ptr + g.to(tl.int64) * CRB
+            if WIN:
+                wv = tl.load(rw_ptr + row[:, None] * K + kk[None, :], mask=m2, other=0.0)
+            else:
+                wv = tl.zeros((BLOCK_RW, BLOCK_K), tl.float32)
+            tl.store((dst + 2 * H).to(tl.pointer_type(tl.float32))[:, None] + kk[None, :], wv, mask=m2)
+            for h0 in range(0, H, BLOCK_H):
+                hh = h0 + tl.arange(0, BLOCK_H)
+                hm = gm[:, None] & (hh[None, :] < H)
+                tl.store(dst.to(tl.pointer_type(tl.bfloat16))[:, None] + hh[None, :],
+                         tl.load(y_ptr + row[:, None] * H + hh[None, :], mask=hm), mask=hm)
+        else:
+            w = tl.load(rw_ptr + g[:, None] * K + kk[None, :], mask=m2, other=0.0)
+            for h0 in range(0, H, BLOCK_H):
+                hh = h0 + tl.arange(0, BLOCK_H)
+                hm = hh[None, :] < H
+                acc = tl.zeros((BLOCK_RW, BLOCK_H), tl.float32)
+                for k in tl.static_range(K):
+                    # Pre-reduction: this rank's experts of the row sum here (float32), one bf16 row goes back.
+                    rk = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1).to(tl.int64)
+                    wk = tl.sum(tl.where(kk[None, :] == k, w, 0.0), axis=1)
+                    y = tl.load(y_ptr + rk[:, None] * H + hh[None, :], mask=(rk[:, None] >= 0) & hm, other=0.0)
+                    acc += y.to(tl.float32) * wk[:, None]
+                tl.store(out + g.to(tl.int64)[:, None] * H + hh[None, :], to_bf16(acc, INTERP), mask=gm[:, None] & hm)
 
 
 @triton.jit(do_not_specialize=['T'])
@@ -401,10 +424,14 @@ def remote_combine_unpack_kernel(
     out_ptr,           # bf16 [T, H]: out
     epoch_ptr,         # int64 [1]
     T,
+    wout_ptr,          # WOUT: float32 [T, K], the node owners' weight sums: the remote owners' are added
     RANK: tl.constexpr, R: tl.constexpr, G: tl.constexpr, E: tl.constexpr, EL: tl.constexpr, K: tl.constexpr,
     H: tl.constexpr, MAXROWS: tl.constexpr, HAS_BASE: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, INTERP: tl.constexpr,
+    CRB: tl.constexpr, WOUT: tl.constexpr = False,
 ):
+    """A combine row is ``CRB`` bytes (``2H``, or rows layout ``2H`` + K float32 weights, which
+    ``WOUT`` sums into ``wout``)."""
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     par = tl.load(epoch_ptr) & 1
@@ -428,6 +455,14 @@ def remote_combine_unpack_kernel(
         sp = tl.load(send_pos_ptr + t[:, None] * R + dst, mask=use, other=-1)
         row = tl.sum(tl.where(hit, roff[None, None, :], 0), axis=2) + sp
         row = tl.where(use & (sp >= 0), par * MAXROWS + row, -1).to(tl.int64)
+        if WOUT:
+            wacc = tl.load(wout_ptr + t[:, None] * K + kk[None, :], mask=tm[:, None] & (kk[None, :] < K), other=0.0)
+            for k in tl.static_range(K):
+                rk = _col(row, kk, k)
+                wrow = (comb_recv_ptr + rk * CRB + 2 * H).to(tl.pointer_type(tl.float32))
+                wacc += tl.load(wrow[:, None] + kk[None, :], mask=(tm & (rk >= 0))[:, None] & (kk[None, :] < K),
+                                other=0.0)
+            tl.store(wout_ptr + t[:, None] * K + kk[None, :], wacc, mask=tm[:, None] & (kk[None, :] < K))
         for h0 in range(0, H, BLOCK_H):
             hh = h0 + tl.arange(0, BLOCK_H)
             hm = tm[:, None] & (hh[None, :] < H)
@@ -437,6 +472,6 @@ def remote_combine_unpack_kernel(
                 acc = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)
             for k in tl.static_range(K):
                 rk = _col(row, kk, k)
-                acc += tl.load(comb + rk[:, None] * H + hh[None, :], mask=hm & (rk[:, None] >= 0),
+                acc += tl.load(comb + rk[:, None] * (CRB // 2) + hh[None, :], mask=hm & (rk[:, None] >= 0),
                                other=0.0).to(tl.float32)
             tl.store(out_ptr + t[:, None] * H + hh[None, :], to_bf16(acc, INTERP), mask=hm)

@@ -1,0 +1,198 @@
+"""The rows layout (``EPBuffer(layout="rows")``): one received row per (source rank, source token)
+instead of one per selection, in ascending (source rank, source token) order.
+
+The send side is the dispatch kernel's, with the position ``j`` among an expert's selections
+replaced by the token's row among this source's rows for the destination (``pos``: tokens of
+earlier chunks with a selection there, from the routing histogram's per-peer rows or, at decode
+sizes, by counting; plus earlier tokens of the chunk). The header carries the source's rows for
+the destination (``hdr[1 + EL]``), so the receiver places row ``pos`` of source ``s`` at
+``rows of all sources below s + pos`` without a scan of its own (with other nodes, the count
+matrix's rows, ``rows_from``). A rank's own rows skip the workspace: its receive half reads them
+from ``x`` (and its combine's from ``expert_y``), which halves the bytes moved at R = 1.
+"""
+import triton
+import triton.language as tl
+
+from .common import PHASE_DISPATCH, chunking, payload_tile, ptr_at, wait_flag
+from .remote import _excl, _pick
+
+
+@triton.jit
+def on_peer(ids, d, NODE0: tl.constexpr, EL: tl.constexpr):
+    """[rows] int32: 1 where the token (a row of the [rows, BLOCK_K] ``ids``, -1 = none) has a
+    selection on node peer ``d``."""
+    return tl.max(((ids >= 0) & (ids // EL == NODE0 + d)).to(tl.int32), axis=1)
+
+
+@triton.jit
+def tokens_before(topk_ptr, hist_ptr, c, BT, T, d, NODE0: tl.constexpr, E: tl.constexpr, EL: tl.constexpr,
+                  K: tl.constexpr, CMAX: tl.constexpr, DIRECT: tl.constexpr, BLOCK_K: tl.constexpr,
+                  BLOCK_C: tl.constexpr):
+    """Tokens of this rank's chunks ``[0, c)`` with a selection on node peer ``d``: counted from the
+    ids at decode sizes (``DIRECT``), else summed over row ``E + d`` of the routing histogram."""
+    n = tl.zeros([], tl.int32)
+    if DIRECT:
+        tt = tl.arange(0, 64)
+        kk = tl.arange(0, BLOCK_K)
+        end = tl.minimum(c * BT, T)
+        for t0 in range(0, end, 64):
+            t = t0 + tt
+            m = (t[:, None] < end) & (kk[None, :] < K)
+            ids = tl.load(topk_ptr + t[:, None] * K + kk[None, :], mask=m, other=-1).to(tl.int32)
+            ids = tl.where((ids >= 0) & (ids < E), ids, -1)
+            n += tl.sum(on_peer(ids, d, NODE0, EL))
+    else:
+        cc = tl.arange(0, BLOCK_C)
+        for c0 in range(0, c, BLOCK_C):
+            n += tl.sum(tl.load(hist_ptr + (E + d) * CMAX + c0 + cc, mask=c0 + cc < c, other=0))
+    return n
+
+
+@triton.jit
+def recv_rows_chunk(s, c, ws, hdr, rows_from_ptr, x_ptr, xs_ptr, out_x_ptr, out_s_ptr, ids_ptr, wts_ptr, src_ptr,
+                    recv_pos_ptr, err_ptr, epoch, par, t0_ns, timeout_ns, off_dflag: tl.constexpr,
+                    off_meta_i: tl.constexpr, off_meta_w: tl.constexpr, off_rows: tl.constexpr,
+                    RANK: tl.constexpr, NODE0: tl.constexpr, EL: tl.constexpr, GLOBAL: tl.constexpr,
+                    N: tl.constexpr, M: tl.constexpr, K: tl.constexpr, W: tl.constexpr, H: tl.constexpr,
+                    NB: tl.constexpr, RB: tl.constexpr, HDR: tl.constexpr, CMAX: tl.constexpr, FP8: tl.constexpr,
+                    PREQ: tl.constexpr, OWN_X: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_NB: tl.constexpr, STAGES: tl.constexpr,
+                    INTERP: tl.constexpr):
+    """Waits for chunk ``c`` of node source ``s``, then writes each of its tokens that selected an
+    expert of this rank as one row: payload (and scales), local ids, weights, source; records the
+    row in ``recv_pos[s, t, 0]`` (-1: none) for combine."""
+    ts = tl.load(hdr + s * HDR)
+    BT, NC = chunking(ts, CMAX)
+    if c < NC:
+        ok = wait_flag(ptr_at(ws, off_dflag, tl.int64) + s * CMAX + c, epoch, t0_ns, timeout_ns, err_ptr, NODE0 + s,
+                       PHASE_DISPATCH, INTERP)
+        if ok != 0:
+            rr = tl.arange(0, BLOCK_T)
+            kk = tl.arange(0, BLOCK_K)
+            t = c * BT + rr
+            tm = (rr < BT) & (t < ts)
+            m2 = tm[:, None] & (kk[None, :] < K)
+            slot = (s * M + t).to(tl.int64) + par * (N * M)
+            meta = ptr_at(ws, off_meta_i, tl.int32) + slot * (2 * K)
+            lid = tl.load(meta[:, None] + kk[None, :], mask=m2, other=-1)
+            pos = tl.load(meta + K, mask=tm, other=0)
+            w = tl.load(ptr_at(ws, off_meta_w, tl.float32) + slot[:, None] * K + kk[None, :], mask=m2 & (lid >= 0),
+                        other=0.0)
+            has = tm & (tl.max((lid >= 0).to(tl.int32), axis=1) > 0)
+            # Rows of every source below s come first: the order (source rank, source token).
+            base = tl.zeros([], tl.int32)
+            if GLOBAL:
+                for s2 in range(NODE0 + s):
+                    base += tl.load(rows_from_ptr + s2)
+            else:
+                for s2 in range(s):
+                    base += tl.load(hdr + s2 * HDR + 1 + EL)
+            row = tl.where(has, base + pos, -1)
+            tl.store(recv_pos_ptr + (s * M + t) * K, row, mask=tm)
+            r = row.to(tl.int64)
+            hm2 = has[:, None] & (kk[None, :] < K)
+            tl.store(ids_ptr + r[:, None] * K + kk[None, :], lid, mask=hm2)
+            tl.store(wts_ptr + r[:, None] * K + kk[None, :], w, mask=hm2)
+            tl.store(src_ptr + r, (NODE0 + s) * M + t, mask=has)
+            if OWN_X and (s == RANK):
+                # This rank's own rows come straight from x (quantized here for fp8): the send half
+                # stored no payload into this rank's workspace.
+                for h0 in tl.range(0, H, BLOCK_H, num_stages=STAGES):
+                    hh = h0 + tl.arange(0, BLOCK_H)
+                    hm = has[:, None] & (hh[None, :] < H)
+                    if FP8:
+                        bb = h0 // 128 + tl.arange(0, BLOCK_H // 128)
+                        bm = has[:, None] & (bb[None, :] < NB)
+                    else:
+                        bb, bm = hh, hm  # unused
+                    q, sc = payload_tile(x_ptr, xs_ptr, t, hh, hm, bb, bm, H, NB, FP8, PREQ, BLOCK_T, BLOCK_H, INTERP)
+                    if FP8:
+                        tl.store(out_x_ptr.to(tl.pointer_type(tl.uint8)) + r[:, None] * H + hh[None, :], q, mask=hm)
+                        tl.store(out_s_ptr + r[:, None] * NB + bb[None, :], sc, mask=bm)
+                    else:
+                        tl.store(out_x_ptr.to(tl.pointer_type(tl.bfloat16)) + r[:, None] * H + hh[None, :], q,
+                                 mask=hm)
+            else:
+                src = ptr_at(ws, off_rows, tl.int32) + slot * (RB // 4)
+                for w0 in tl.range(0, W, BLOCK_W, num_stages=STAGES):
+                    ww = w0 + tl.arange(0, BLOCK_W)
+                    wm = has[:, None] & (ww[None, :] < W)
+                    tl.store(out_x_ptr + r[:, None] * W + ww[None, :], tl.load(src[:, None] + ww[None, :], mask=wm),
+                             mask=wm)
+                if FP8:
+                    bb = tl.arange(0, BLOCK_NB)
+                    bm = has[:, None] & (bb[None, :] < NB)
+                    sv = tl.load(src[:, None].to(tl.pointer_type(tl.float32)) + H // 4 + bb[None, :], mask=bm)
+                    tl.store(out_s_ptr + r[:, None] * NB + bb[None, :], sv, mask=bm)
+
+
+
+@triton.jit
+def remote_unpack_rows_kernel(
+    round1_ptr,        # uint8: round-1 region, [2][R][HDR + PCAP*RB]
+    overflow_ptr,      # uint8: overflow region, [2][OVCAP*RB]
+    rows_from_ptr,     # int32 [R]: rows each source sends this rank (remote_sel_kernel)
+    out_x_ptr,         # int32 view of expert_x: [R*M, W]
+    out_s_ptr,         # float32 [R*M, NB] expert_scales (FP8 only)
+    ids_ptr,           # int32 [R*M, K]: out, local expert ids of each row (-1: another rank's)
+    wts_ptr,           # float32 [R*M, K]: out, their weights (0 where the id is -1)
+    src_ptr,           # int32 [R*M]: out, source rank * M + source token
+    rpos_ptr,          # int32 [ROWS, K]: out, [g, 0] = the row of received row g (combine order)
+    recv_rows_ptr,     # int32 [R]: out, rows received from each remote source (0 for the others)
+    epoch_ptr,         # int64 [1]
+    RANK: tl.constexpr, R: tl.constexpr, G: tl.constexpr, M: tl.constexpr, K: tl.constexpr, H: tl.constexpr,
+    W: tl.constexpr, NB: tl.constexpr, PW: tl.constexpr, RB: tl.constexpr, HDR: tl.constexpr,
+    PCAP: tl.constexpr, OVCAP: tl.constexpr, ROWS: tl.constexpr, FP8: tl.constexpr, BLOCK_RW: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_NB: tl.constexpr,
+):
+    """Rows layout, receive side of the inter-node path: remote source ``s``'s row ``i`` (token
+    order, as packed) becomes row ``rows of every source below s + i``, the intranode order
+    (source rank, source token) over all sources."""
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    SLOT: tl.constexpr = HDR + PCAP * RB
+    par = tl.load(epoch_ptr) & 1
+    r1w = round1_ptr.to(tl.pointer_type(tl.int32))
+    ovw = overflow_ptr.to(tl.pointer_type(tl.int32))
+    rr = tl.arange(0, BLOCK_R)
+    remote = (rr < R) & (rr // G != RANK // G)
+    c = tl.load(r1w + ((par * R + rr) * SLOT) // 4 + RANK, mask=remote, other=0)
+    ovoff = _excl(tl.maximum(c - PCAP, 0))     # first overflow row of each source (remote s' < s)
+    goff = _excl(c)                            # first received row (combine order) of each source
+    first = _excl(tl.load(rows_from_ptr + rr, mask=rr < R, other=0))  # first output row of each source
+    if pid == 0:
+        tl.store(recv_rows_ptr + rr, c, mask=rr < R)
+    ii = tl.arange(0, BLOCK_RW)
+    kk = tl.arange(0, BLOCK_K)
+    for s in range(R):
+        n = _pick(c, rr, s)
+        ov0 = _pick(ovoff, rr, s)
+        g0 = _pick(goff, rr, s)
+        o0 = _pick(first, rr, s)
+        for b in range(pid, tl.cdiv(n, BLOCK_RW), P):
+            i = b * BLOCK_RW + ii
+            g = g0 + i
+            in1 = i < PCAP
+            im = (i < n) & (g < ROWS) & (in1 | (ov0 + i - PCAP < OVCAP))
+            w1 = ((par * R + s) * SLOT + HDR + i.to(tl.int64) * RB) // 4
+            w2 = (par * OVCAP * RB + (ov0 + i - PCAP).to(tl.int64) * RB) // 4
+            src = tl.where(in1, r1w + tl.multiple_of(tl.where(in1, w1, 0), 4),
+                           ovw + tl.multiple_of(tl.where(in1, 0, w2), 4))
+            m2 = im[:, None] & (kk[None, :] < K)
+            tok = tl.load(src + PW, mask=im, other=0)
+            lid = tl.load(src[:, None] + PW + 1 + kk[None, :], mask=m2, other=-1)
+            wt = tl.load(src[:, None] + PW + 1 + 2 * K + kk[None, :], mask=m2, other=0).to(tl.float32, bitcast=True)
+            o = (o0 + i).to(tl.int64)
+            tl.store(ids_ptr + o[:, None] * K + kk[None, :], lid, mask=m2)
+            tl.store(wts_ptr + o[:, None] * K + kk[None, :], tl.where(lid >= 0, wt, 0.0), mask=m2)
+            tl.store(src_ptr + o, s * M + tok, mask=im)
+            tl.store(rpos_ptr + g * K, o.to(tl.int32), mask=im)
+            for w0 in range(0, W, BLOCK_W):
+                ww = w0 + tl.arange(0, BLOCK_W)
+                wm = im[:, None] & (ww[None, :] < W)
+                tl.store(out_x_ptr + o[:, None] * W + ww[None, :], tl.load(src[:, None] + ww[None, :], mask=wm), mask=wm)
+            if FP8:
+                bb = tl.arange(0, BLOCK_NB)
+                bm = im[:, None] & (bb[None, :] < NB)
+                sv = tl.load(src[:, None].to(tl.pointer_type(tl.float32)) + H // 4 + bb[None, :], mask=bm)
+                tl.store(out_s_ptr + o[:, None] * NB + bb[None, :], sv, mask=bm)
