@@ -6,7 +6,8 @@ Loops over ranks and tokens on purpose: slow and plain, nothing shared with the 
 - ``normal_dispatch``: the rows a rank receives (ascending source rank, then token), their local
   top-k ids (-1 where another rank's), weights (0 there), and the per-expert counts rounded up to
   ``expert_alignment``.
-- ``normal_combine``: per source token, the sum over the ranks that received it of their rows.
+- ``normal_combine``: per source token, the sum over the ranks that received it of their rows;
+  ``combined_weights``: the weights' sum.
 - ``ll_dispatch``: per local expert, the rows (ascending source rank, then token) and their count;
   fp8 as DeepEP quantizes (``scale = amax / 448`` per 128 channels, ``q = x * (448 / amax)``).
 - ``ll_combine``: ``sum_k w[t, k] * y(expert, row)`` in float32.
@@ -81,17 +82,24 @@ def normal_dispatch(xs: List[torch.Tensor], scales: Optional[List[torch.Tensor]]
                       torch.tensor(wts, dtype=torch.float32).view(-1, K), src, counts)
 
 
-def normal_combine(rows_of: Callable[[int], List[tuple]], y_of: Callable[[int], torch.Tensor], rank: int, T: int,
-                   R: int, H: int) -> torch.Tensor:
-    """float32 ``[T, H]``: per token of ``rank``, the sum of ``y_of(r)[i]`` over ranks r and rows i
-    with ``rows_of(r)[i] == (rank, t)``."""
+def normal_combine(vals: torch.Tensor, idx: torch.Tensor, num_experts: int, num_ranks: int,
+                   y_of: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """float32 ``[T, H]`` for this rank's tokens: the sum, over the ranks that received token t
+    (each once, however many of its experts are there), of the row that rank sends back,
+    ``y_of(rank, vals[t])`` (``vals``: what the token's row held on arrival, float32)."""
+    T, H = vals.shape
+    EL = num_experts // num_ranks
     out = torch.zeros(T, H)
-    for r in range(R):
-        y = y_of(r).float()
-        for i, (s, t) in enumerate(rows_of(r)):
-            if s == rank:
-                out[t] += y[i]
+    for t in range(T):
+        for r in sorted({e // EL for e in idx[t].tolist() if e >= 0}):
+            out[t] += y_of(r, vals[t]).float()
     return out
+
+
+def combined_weights(idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """float32 ``[T, K]``: what combine returns for the weights when every rank sends back the
+    ``recv_topk_weights`` it received: each k comes from the one rank owning its expert."""
+    return torch.where(idx >= 0, w, torch.zeros_like(w))
 
 
 def deepep_quantize(x: torch.Tensor):

@@ -128,6 +128,111 @@ def _ll_worker(rank, R, fp8, E_per_rank, K, H, M, calls):
 @pytest.mark.parametrize("R", RANKS)
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_low_latency(R, fp8):
-    fails = dist_util.run(R, _ll_worker, fp8, 2 if R < 4 else 1, 3, 256 if fp8 else 128, 4, 3)
+    fails = dist_util.run(R, _ll_worker, fp8, 2 if R < 4 else 1, 3, 128, 4, 3)
+    fails = [f for r in fails for f in r]
+    assert not fails, "\n".join(fails[:20])
+
+
+# ---------------------------------------------------------------------------- normal mode
+NORMAL_CALLS = ("bf16", "fp8pre", "notopk", "worst", "bf16")
+
+
+def _normal_worker(rank, R, E_per_rank, K, H, M, calls):
+    import torch.distributed as dist
+
+    import moe_ep.deep_ep as deep_ep
+    from moe_ep.fp8 import dequantize_fp8, quantize_fp8
+
+    buffer = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 20)
+    group, dev = buffer.ep_group, buffer.device
+    E = E_per_rank * R
+    K = min(K, E)
+    fails = []
+    for call, mode in enumerate(calls):
+        where = f"[normal R{R} rank {rank} call {call} {mode}]"
+        x, idx, w = _inputs(rank, R, E, K, H, M, call)
+        x, idx, w = x.to(dev), idx.to(dev), w.to(dev)
+        T = x.shape[0]
+        xs, idxs, ws = _gather(group, x, idx, w)
+        # get_dispatch_layout against the model
+        ntr, ntrr, nte, itr, ev = buffer.get_dispatch_layout(idx, E, async_finish=call % 2 == 1)
+        exp_layout = model.layout(idx.cpu(), E, R, group.node_size)
+        for name, got, want in zip(("num_tokens_per_rank", "num_tokens_per_rdma_rank", "num_tokens_per_expert",
+                                    "is_token_in_rank"), (ntr, ntrr, nte, itr), exp_layout):
+            if (got is None) != (want is None) or (got is not None and not torch.equal(got.cpu(), want)):
+                fails.append(f"{where} {name}: {got} != {want}")
+        fp8 = mode == "fp8pre"
+        align = 3 if call % 2 == 0 else 1
+        if fp8:
+            q, s = quantize_fp8(x)
+            x_in = (q, s.T.contiguous().T)  # DeepEP callers pass column-major scales too
+            vals = dequantize_fp8(q, s).cpu()
+            qs = [quantize_fp8(t) for t in xs]
+            ref = model.normal_dispatch([a for a, _ in qs], [b for _, b in qs], idxs, ws, rank, E, align)
+        else:
+            x_in, vals = x, x.cpu().float()
+            ref = model.normal_dispatch(xs, None, idxs, ws, rank, E, align)
+        with_topk = mode != "notopk"
+        worst = R * M if mode == "worst" else 0
+        prev = buffer.capture() if call % 2 == 0 else None
+        recv_x, r_idx, r_w, lst, handle, event = buffer.dispatch(
+            x_in, num_tokens_per_rank=ntr, num_tokens_per_rdma_rank=ntrr, is_token_in_rank=itr,
+            num_tokens_per_expert=nte, topk_idx=idx if with_topk else None, topk_weights=w if with_topk else None,
+            expert_alignment=align, num_worst_tokens=worst, previous_event=prev, async_finish=call % 2 == 1)
+        if call % 2 == 1:
+            event.current_stream_wait()
+        n = ref.x.shape[0]
+        rx, rs = recv_x if fp8 else (recv_x, None)
+        rows = worst or n
+        if rx.shape[0] != rows:
+            fails.append(f"{where} recv_x has {rx.shape[0]} rows, expected {rows}")
+            continue
+        same = torch.equal(rx[:n].cpu().view(torch.uint8), ref.x.view(torch.uint8)) and \
+            (rs is None or torch.equal(rs[:n].cpu(), ref.scales))
+        if not same:
+            fails.append(f"{where} recv_x differs from the model (order: source rank, then token)")
+        if lst != ([] if worst else ref.counts):
+            fails.append(f"{where} num_recv_tokens_per_expert_list {lst} != {[] if worst else ref.counts}")
+        if with_topk:
+            if r_idx.dtype != torch.int64 or not torch.equal(r_idx[:n].cpu(), ref.topk_idx) or \
+                    not torch.equal(r_w[:n].cpu(), ref.topk_weights):
+                fails.append(f"{where} recv_topk_idx / recv_topk_weights differ from the model")
+            if worst and not bool((r_idx[n:] == -1).all()):
+                fails.append(f"{where} rows past the received count must have top-k ids -1")
+        elif r_idx is not None or r_w is not None:
+            fails.append(f"{where} without top-k, recv_topk_idx / recv_topk_weights must be None")
+        if mode == "notopk":  # cached dispatch: the handle's routing again, new data
+            x2 = (x * 2).to(torch.bfloat16)
+            rx2, *rest, ev2 = buffer.dispatch(x2, handle=handle)
+            exp2 = model.normal_dispatch([(t * 2).to(torch.bfloat16) for t in xs], None, idxs, ws, rank, E).x
+            if any(v is not None for v in rest) or not torch.equal(rx2.cpu(), exp2):
+                fails.append(f"{where} cached dispatch differs from the model")
+            rx = rx2
+            vals = x2.cpu().float()
+        # Experts: rank r sends back bf16(row * (r + 1)); combine sums them over the receiving ranks.
+        got_vals = (rx.float() * rs.repeat_interleave(128, dim=-1)) if fp8 else rx.float()
+        y = (got_vals * (rank + 1)).to(torch.bfloat16)
+        bias = (torch.full((T, H), 0.5, dtype=torch.bfloat16, device=dev) if call % 3 == 0 else None)
+        cx, cw, cev = buffer.combine(y, handle, topk_weights=r_w if with_topk else None, bias=bias,
+                                     async_finish=call % 2 == 1)
+        if call % 2 == 1:
+            cev.current_stream_wait()
+        fn = lambda r, v: (v * (r + 1)).to(torch.bfloat16).float()  # noqa: E731
+        exp = model.normal_combine(vals, idx.cpu(), E, R, fn) + (0.5 if bias is not None else 0.0)
+        bound = model.normal_combine(vals.abs(), idx.cpu(), E, R, lambda r, v: v * (r + 1)) * 2.0 ** -7 + \
+            (2.0 ** -8 * exp.abs() if bias is not None else 0.0)
+        if tuple(cx.shape) != (T, H) or cx.dtype != torch.bfloat16 or not _close(cx, exp, bound):
+            fails.append(f"{where} combined_x differs from the model")
+        if with_topk:
+            if cw is None or not torch.equal(cw.cpu(), model.combined_weights(idx.cpu(), w.cpu())):
+                fails.append(f"{where} combined_topk_weights differ from the model")
+        elif cw is not None:
+            fails.append(f"{where} combined_topk_weights must be None without topk_weights")
+    return fails
+
+
+@pytest.mark.parametrize("R", RANKS)
+def test_normal(R):
+    fails = dist_util.run(R, _normal_worker, 2 if R < 4 else 1, 3, 128, 4, NORMAL_CALLS)
     fails = [f for r in fails for f in r]
     assert not fails, "\n".join(fails[:20])
