@@ -47,7 +47,9 @@ def _close(got: torch.Tensor, exp: torch.Tensor, bound: torch.Tensor) -> bool:
 
 
 # ---------------------------------------------------------------------------- low-latency mode
-def _ll_worker(rank, R, fp8, E_per_rank, K, H, M, calls):
+def _ll_worker(rank, R, dtypes, E_per_rank, K, H, M):
+    """One low-latency dispatch + combine per entry of ``dtypes`` ("bf16" / "fp8"), checked
+    against the model; odd calls use receive hooks, even ones async_finish events."""
     import torch.distributed as dist
 
     import moe_ep.deep_ep as deep_ep
@@ -58,13 +60,14 @@ def _ll_worker(rank, R, fp8, E_per_rank, K, H, M, calls):
     E, EL = E_per_rank * R, E_per_rank
     K = min(K, E)
     fails = []
-    for call in range(calls):
-        where = f"[ll R{R} {'fp8' if fp8 else 'bf16'} rank {rank} call {call}]"
+    for call, dt in enumerate(dtypes):
+        fp8 = dt == "fp8"
+        where = f"[ll R{R} {dt} rank {rank} call {call}]"
         x, idx, w = _inputs(rank, R, E, K, H, M, call)
         x, idx, w = x.to(dev), idx.to(dev), w.to(dev)
         xs, idxs, _ = _gather(group, x, idx, w)
         ref = model.ll_dispatch(xs, idxs, rank, E, fp8)
-        hook_mode = call % 2 == 1
+        hook_mode = call % 4 in (1, 2)
         stats = torch.full((EL,), 5, dtype=torch.int32, device=dev)
         recv_x, recv_count, handle, event, hook = buffer.low_latency_dispatch(
             x, idx, M, E, cumulative_local_expert_recv_stats=stats, use_fp8=fp8,
@@ -125,10 +128,12 @@ def _ll_worker(rank, R, fp8, E_per_rank, K, H, M, calls):
     return fails
 
 
+LL_CALLS = ("bf16", "fp8", "bf16", "fp8")
+
+
 @pytest.mark.parametrize("R", RANKS)
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_low_latency(R, fp8):
-    fails = dist_util.run(R, _ll_worker, fp8, 2 if R < 4 else 1, 3, 128, 4, 3)
+def test_low_latency(R):
+    fails = dist_util.run(R, _ll_worker, LL_CALLS, 2 if R < 4 else 1, 3, 128, 4)
     fails = [f for r in fails for f in r]
     assert not fails, "\n".join(fails[:20])
 
@@ -236,3 +241,236 @@ def test_normal(R):
     fails = dist_util.run(R, _normal_worker, 2 if R < 4 else 1, 3, 128, 4, NORMAL_CALLS)
     fails = [f for r in fails for f in r]
     assert not fails, "\n".join(fails[:20])
+
+
+# ---------------------------------------------------------------------------- EPBuffer: weights at combine
+def _late_weights_worker(rank, R, layout):
+    import moe_ep
+    from ep_cases import Case, run_calls
+
+    group = moe_ep.EPGroup()
+    case = Case(R=R, E=2 * R, K=2, layout=layout, late_weights=True, seed=R, calls=("uniform", "sparse"))
+    with moe_ep.EPBuffer(group, case.E, case.H, case.M, case.K, layout=layout, timeout_s=60.0) as buf:
+        return run_calls(group, buf, case)
+
+
+@pytest.mark.parametrize("R", [1, 3])
+@pytest.mark.parametrize("layout", ["masked", "packed"])
+def test_combine_time_weights(R, layout):
+    """EPBuffer.combine(topk_weights=) replaces the dispatch's weights (which are wrong on purpose)."""
+    fails = [f for r in dist_util.run(R, _late_weights_worker, layout) for f in r]
+    assert not fails, "\n".join(fails[:20])
+
+
+def _missing_weights_worker(rank, R):
+    import moe_ep
+
+    group = moe_ep.EPGroup()
+    with moe_ep.EPBuffer(group, 2 * R, 128, 2, 1, timeout_s=3.0) as buf:
+        x = torch.ones(2, 128, dtype=torch.bfloat16)
+        idx = torch.tensor([[0], [2 * R - 1]])
+        d = buf.dispatch(x, idx, torch.zeros(2, 1))
+        y = torch.ones(d.expert_x.shape, dtype=torch.bfloat16)
+        try:
+            # Rank 0 brings no combine-time weights: rank 1's owner half must not use stale ones.
+            buf.combine(y, d, topk_weights=None if rank == 0 else torch.ones(2, 1))
+        except moe_ep.CommTimeoutError as exc:
+            return ("timeout", exc.peer)
+        return ("returned", None)
+
+
+def test_missing_combine_weights_time_out():
+    got = dist_util.run(2, _missing_weights_worker)
+    assert got == [("timeout", 1), ("timeout", 0)], got
+
+
+# ---------------------------------------------------------------------------- refused options, bad input
+def _expect(fails, what, fn, exc, words):
+    try:
+        fn()
+    except exc as e:
+        if not all(w in str(e) for w in words):
+            fails.append(f"{what}: {type(e).__name__} does not name {words}: {e}")
+        return
+    except Exception as e:  # noqa: BLE001
+        fails.append(f"{what}: expected {exc.__name__}, got {type(e).__name__}: {e}")
+        return
+    fails.append(f"{what}: no error")
+
+
+def _options_worker(rank, R):
+    import torch.distributed as dist
+
+    import moe_ep
+    import moe_ep.deep_ep as deep_ep
+
+    G = dist.group.WORLD
+    fails = []
+    NI = NotImplementedError
+    _expect(fails, "enable_shrink", lambda: deep_ep.Buffer(G, enable_shrink=True), NI, ["enable_shrink"])
+    _expect(fails, "comm", lambda: deep_ep.Buffer(None, comm=object()), NI, ["comm"])
+    _expect(fails, "group None", lambda: deep_ep.Buffer(None), ValueError, ["group"])
+    _expect(fails, "num_nvl_bytes", lambda: deep_ep.Buffer(G, num_nvl_bytes=-1), ValueError, ["num_nvl_bytes"])
+    b = deep_ep.Buffer(G, 0, 0, low_latency_mode=True)
+    E, H, M, K = 2 * R, 128, 4, 2
+    x = torch.randn(3, H).to(torch.bfloat16)
+    idx = torch.tensor([[0, 1], [1, -1], [-1, -1]], dtype=torch.int64)
+    w = torch.rand(3, K)
+    for opt in ("round_scale", "use_ue8m0"):
+        _expect(fails, opt, lambda: b.low_latency_dispatch(x, idx, M, E, **{opt: True}), NI, [opt])
+    _expect(fails, "dispatch_wait_recv_cost_stats",
+            lambda: b.low_latency_dispatch(x, idx, M, E, dispatch_wait_recv_cost_stats=torch.zeros(R, R,
+                                                                                                   dtype=torch.int64)),
+            NI, ["dispatch_wait_recv_cost_stats"])
+    _expect(fails, "ll too many tokens", lambda: b.low_latency_dispatch(x, idx, 2, E), ValueError, ["x", "2"])
+    _expect(fails, "ll x dtype", lambda: b.low_latency_dispatch(x.float(), idx, M, E), ValueError, ["x"])
+    _expect(fails, "ll experts", lambda: b.low_latency_dispatch(x, idx, M, 0), ValueError, ["num_experts"])
+    _expect(fails, "ll fp8 hidden", lambda: b.low_latency_dispatch(torch.zeros(1, 144, dtype=torch.bfloat16),
+                                                                   idx[:1], M, E), ValueError, ["hidden", "128"])
+    _expect(fails, "ll stats", lambda: b.low_latency_dispatch(x, idx, M, E, use_fp8=False,
+                                                              cumulative_local_expert_recv_stats=torch.zeros(7)),
+            ValueError, ["cumulative_local_expert_recv_stats"])
+    recv_x, count, handle, _, _ = b.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+    y = torch.ones(recv_x.shape, dtype=torch.bfloat16)
+    _expect(fails, "use_logfmt", lambda: b.low_latency_combine(y, idx, w, handle, use_logfmt=True), NI, ["use_logfmt"])
+    _expect(fails, "combine_wait_recv_cost_stats",
+            lambda: b.low_latency_combine(y, idx, w, handle, combine_wait_recv_cost_stats=torch.zeros(1)), NI,
+            ["combine_wait_recv_cost_stats"])
+    _expect(fails, "zero_copy without buffer", lambda: b.low_latency_combine(y, idx, w, handle, zero_copy=True),
+            ValueError, ["zero_copy", "get_next_low_latency_combine_buffer"])
+    _expect(fails, "ll combine x shape", lambda: b.low_latency_combine(y[:, :1], idx, w, handle), ValueError, ["x"])
+    _expect(fails, "ll combine weights", lambda: b.low_latency_combine(y, idx, w.double(), handle), TypeError,
+            ["topk_weights"])
+    _expect(fails, "ll combine out", lambda: b.low_latency_combine(y, idx, w, handle, out=torch.empty(3, 7)),
+            ValueError, ["out"])
+    _expect(fails, "ll handle", lambda: b.low_latency_combine(y, idx, w, object()), TypeError, ["handle"])
+    # zero copy: the buffer handed out is what combine reads
+    zc = b.get_next_low_latency_combine_buffer(handle)
+    zc.copy_(y * 2)
+    a, _, _ = b.low_latency_combine(None, idx, w, handle, zero_copy=True)
+    recv_x, count, handle, _, _ = b.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+    c, _, _ = b.low_latency_combine(y * 2, idx, w, handle)
+    if not torch.equal(a, c):
+        fails.append("zero_copy combine differs from the same input passed as x")
+    for name, call in (("get_local_buffer_tensor", lambda: b.get_local_buffer_tensor(torch.bfloat16)),
+                       ("low_latency_update_mask_buffer", lambda: b.low_latency_update_mask_buffer(0, True)),
+                       ("low_latency_query_mask_buffer", lambda: b.low_latency_query_mask_buffer(torch.zeros(R))),
+                       ("low_latency_clean_mask_buffer", lambda: b.low_latency_clean_mask_buffer())):
+        _expect(fails, name, call, NI, [name])
+    _expect(fails, "destroy", lambda: b.destroy(), RuntimeError, ["explicitly_destroy"])
+    # normal mode
+    ntr, _, nte, itr, _ = b.get_dispatch_layout(idx, E)
+    kw = dict(num_tokens_per_rank=ntr, is_token_in_rank=itr, num_tokens_per_expert=nte)
+    _expect(fails, "topk without weights", lambda: b.dispatch(x, topk_idx=idx, **kw), ValueError, ["topk_weights"])
+    _expect(fails, "bad layout", lambda: b.dispatch(x, topk_idx=idx, topk_weights=w, **{**kw, "is_token_in_rank": ~itr}),
+            ValueError, ["is_token_in_rank"])
+    _expect(fails, "x dtype", lambda: b.dispatch(x.half(), topk_idx=idx, topk_weights=w, **kw), ValueError, ["x"])
+    _expect(fails, "fp8 scales", lambda: b.dispatch((x.to(FP8), torch.ones(3, 2)), topk_idx=idx, topk_weights=w, **kw),
+            ValueError, ["scales"])
+    _expect(fails, "alignment", lambda: b.dispatch(x, topk_idx=idx, topk_weights=w, expert_alignment=0, **kw),
+            ValueError, ["expert_alignment"])
+    _expect(fails, "config", lambda: b.dispatch(x, topk_idx=idx, topk_weights=w, config=object(), **kw), TypeError,
+            ["config"])
+    _expect(fails, "worst too small", lambda: b.dispatch(x, topk_idx=idx, topk_weights=w, num_worst_tokens=2, **kw),
+            ValueError, ["num_worst_tokens"])
+    rx, ri, rw, lst, h, _ = b.dispatch(x, topk_idx=idx, topk_weights=w, config=deep_ep.Config(), **kw)
+    _expect(fails, "cached with topk", lambda: b.dispatch(x, handle=h, topk_idx=idx), ValueError, ["topk_idx"])
+    _expect(fails, "combine x rows", lambda: b.combine(rx[:0].bfloat16() if rx.shape[0] else rx[:1], h), ValueError,
+            ["x"])
+    _expect(fails, "combine bias", lambda: b.combine(rx, h, bias=torch.zeros(2, H)), ValueError, ["bias"])
+    _expect(fails, "combine handle", lambda: b.combine(rx, handle), TypeError, ["handle"])
+    _expect(fails, "previous_event", lambda: b.combine(rx, h, previous_event=object()), TypeError, ["previous_event"])
+    # EPBuffer: combine-time weights with the wrong shape
+    with moe_ep.EPBuffer(b.ep_group, E, H, M, K) as eb:
+        d = eb.dispatch(x, idx, w)
+        _expect(fails, "EPBuffer topk_weights", lambda: eb.combine(torch.ones(d.expert_x.shape, dtype=torch.bfloat16),
+                                                                   d, topk_weights=w[:1]), ValueError, ["topk_weights"])
+    return fails
+
+
+def test_refused_options_and_bad_input():
+    fails = dist_util.run(1, _options_worker)[0]
+    assert not fails, "\n".join(fails)
+
+
+# ---------------------------------------------------------------------------- the example
+def test_example_runs():
+    """examples/deep_ep_user.py, as a DeepEP user runs it (2 CPU ranks of its own)."""
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("WORLD_SIZE", None)
+    p = subprocess.run([sys.executable, os.path.join(REPO, "examples", "deep_ep_user.py"), "--ranks", "2"],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert p.returncode == 0 and "OK" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------- GPU
+GPU_RANKS = [1, 2, 4]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R", GPU_RANKS)
+def test_deep_ep_gpu(R):
+    """Both modes at R=1 and with several ranks on the GPUs there are (sharing one: CUDA IPC)."""
+    dist_util.need_gpu()
+    backend = dist_util.gpu_backend(R)
+    fails = []
+    fails += [f for r in dist_util.run(R, _ll_worker, LL_CALLS * 2, 2, 4, 256, 8, backend=backend) for f in r]
+    fails += [f for r in dist_util.run(R, _normal_worker, 2, 4, 256, 8, NORMAL_CALLS, backend=backend) for f in r]
+    assert not fails, "\n".join(fails[:20])
+
+
+def _ll_graph_worker(rank, R, fp8):
+    """The low-latency pair captured in a CUDA graph once, replayed with new inputs and routing."""
+    import torch.distributed as dist
+
+    import moe_ep.deep_ep as deep_ep
+    from moe_ep.fp8 import dequantize_fp8, quantize_fp8
+
+    buffer = deep_ep.Buffer(dist.group.WORLD, low_latency_mode=True)
+    dev = buffer.device
+    E, EL, K, H, M = 4 * R, 4, 4, 256, 8
+    x, idx, w = (torch.zeros(M, H, dtype=torch.bfloat16, device=dev), torch.zeros(M, K, dtype=torch.int64, device=dev),
+                 torch.zeros(M, K, device=dev))
+    scale = torch.tensor([_expert_scale(rank * EL + e) for e in range(EL)], device=dev).view(EL, 1, 1)
+
+    def step():
+        recv_x, count, handle, _, _ = buffer.low_latency_dispatch(x, idx, M, E, use_fp8=fp8)
+        vals = (recv_x[0].float() * recv_x[1].repeat_interleave(128, dim=-1)) if fp8 else recv_x.float()
+        out, _, _ = buffer.low_latency_combine((vals * scale).to(torch.bfloat16), idx, w, handle)
+        return out
+
+    def load(call):
+        g = torch.Generator().manual_seed(call * 13 + rank)
+        x.copy_(torch.randn(M, H, generator=g).to(torch.bfloat16))
+        i = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(M)])
+        i[torch.rand(M, K, generator=g) < 0.2] = -1
+        idx.copy_(i)
+        w.copy_(torch.rand(M, K, generator=g) + 0.5)
+
+    load(0)
+    step()
+    step()  # both buffers of the shape exist before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    fails = []
+    for call in range(1, 5):
+        load(call)
+        graph.replay()
+        torch.cuda.synchronize()
+        mine = dequantize_fp8(*quantize_fp8(x.cpu())) if fp8 else x.cpu().float()
+        exp = model.ll_combine(idx.cpu(), w.cpu(), lambda e, t: (mine[t] * _expert_scale(e)).to(torch.bfloat16).float(), H)
+        bound = model.ll_combine(idx.cpu(), w.cpu(), lambda e, t: (mine[t] * _expert_scale(e)).abs(), H) * 2.0 ** -7
+        if not _close(out, exp, bound):
+            fails.append(f"[graph R{R} fp8={fp8} rank {rank} replay {call}] combined_x differs from the model")
+    return fails
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R", [1, 2])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_low_latency_cuda_graph(R, fp8):
+    dist_util.need_gpu()
+    fails = [f for r in dist_util.run(R, _ll_graph_worker, fp8, backend=dist_util.gpu_backend(R)) for f in r]
+    assert not fails, "\n".join(fails)

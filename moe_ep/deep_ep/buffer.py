@@ -244,6 +244,9 @@ class Buffer:
         if dispatch_wait_recv_cost_stats is not None:
             _refuse("dispatch_wait_recv_cost_stats", "<tensor>", "no per-peer wait timing")
         self._check_experts(num_experts)
+        if self.ep_group.node_size < self.group_size:
+            _refuse("low_latency_dispatch", f"node_size={self.ep_group.node_size} < {self.group_size} ranks",
+                    "the low-latency combine's weights do not cross moe_ep's proxy yet; use normal mode across nodes")
         if not isinstance(num_max_dispatch_tokens_per_rank, int) or num_max_dispatch_tokens_per_rank < 1:
             raise ValueError(f"num_max_dispatch_tokens_per_rank: expected a positive int, got "
                              f"{num_max_dispatch_tokens_per_rank!r}")
