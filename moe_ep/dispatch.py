@@ -15,6 +15,9 @@ from .kernels.route import route_hist_kernel
 # On CPU the expert ids are checked on the host (free there); tests turn this off to exercise the
 # device-side check that GPUs rely on.
 HOST_ID_CHECK = True
+# Decode sizes: up to this many selections (T * K) a dispatch counts earlier selections in its own
+# kernel (DIRECT) instead of launching the routing histogram first (cheaper than a launch there).
+DIRECT_MAX = 2048
 
 
 def _pow2(n: int, lo: int = 1) -> int:
@@ -100,7 +103,7 @@ def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = 
     T = validate(buf, x, topk_idx, topk_weights, x_scales)
     CMAX = buf.chunks
     BT, NC = chunking(T, CMAX)
-    direct = T * buf.topk <= 2048  # decode sizes: the send half counts earlier selections itself
+    direct = T * buf.topk <= DIRECT_MAX  # decode sizes: the send half counts earlier selections itself
     fp8_in = x_scales is not None
     rows = buf.layout == "rows"
     # Rows layout: this rank's own rows come from x in the receive half, so x must still hold them

@@ -95,7 +95,10 @@ class MoELayer(nn.Module):
         if not isinstance(shared_experts, int) or isinstance(shared_experts, bool) or shared_experts < 0:
             raise ValueError(f"shared_experts: expected an int >= 0, got {shared_experts!r}")
         if layout not in ("masked", "packed"):
-            raise ValueError(f"layout: expected 'masked' or 'packed', got {layout!r}")
+            # (EPBuffer's "rows" layout hands the expert step whole tokens, not rows grouped per
+            # expert; this layer's grouped GEMMs need the latter.)
+            raise ValueError(f"layout: expected 'masked' or 'packed' (MoELayer does not take the rows layout), "
+                             f"got {layout!r}")
         if grouped_mm not in (None, True, False):
             raise TypeError(f"grouped_mm: expected None, True or False, got {grouped_mm!r}")
         act = check_activation(activation)

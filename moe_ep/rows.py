@@ -59,6 +59,9 @@ def row_groups(d, layout: str, num_rows: Optional[int] = None, host: bool = Fals
         num_rows: packed only: how many leading rows to keep (at least ``offsets[-1]``); default all.
         host: also fill the host ``starts``/``counts`` (a device sync on GPU).
     """
+    if layout not in ("masked", "packed"):
+        raise ValueError(f"layout: expected 'masked' or 'packed' (a rows-layout result has one row per token, "
+                         f"not groups per expert), got {layout!r}")
     counts = d.expert_counts.long()
     EL = counts.shape[0]
     dev = counts.device

@@ -99,12 +99,26 @@ def test_matrix_gpu(R):
     _run_matrix(R, cases, backend=dist_util.gpu_backend(R), timeout=1200)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("R", [1, 2, 4])
+def test_rows_matrix_gpu(R):
+    """The rows layout's CPU matrix (tests/test_rows.py) on the GPUs there are (ranks sharing them
+    when fewer than R: CUDA IPC node memory), plus a prefill-sized case (routing histogram)."""
+    from test_rows import rows_cases
+
+    dist_util.need_gpu()
+    cases = rows_cases(R) + [Case(R=R, E=8 * R, K=8, dtype="fp8", layout="rows", H=512, M=384, data="random",
+                                  calls=("uniform", "skewed", "repeat"), seed=500 + R)]
+    _run_matrix(R, cases, backend=dist_util.gpu_backend(R), timeout=1200)
+
+
 def _graph_worker(rank, world_size, case_kw, node_size=None):
     """Captures dispatch -> expert -> combine into a CUDA graph once, replays with new routing.
-    ``node_size`` < R: other nodes through the proxy (in a gloo-cuda pool ranks may share a GPU)."""
+    ``node_size`` < R: other nodes through the proxy (in a gloo-cuda pool ranks may share a GPU).
+    Rows layout: combine also hands back weights (``rows_wy``), whose sums are checked."""
     import moe_ep
-    from ep_cases import check_combine, check_dispatch, expert_fn_for
-    from moe_ep.reference import moe_local, reference_dispatch, reference_moe
+    from ep_cases import _check_weights, check_combine, check_dispatch, expert_fn_for, reference_for, rows_wy
+    from moe_ep.reference import moe_local, reference_moe, rows_combine_local
 
     group = moe_ep.EPGroup(node_size=node_size)
     dev = group.device
@@ -129,6 +143,8 @@ def _graph_worker(rank, world_size, case_kw, node_size=None):
             if h.expert_scales is not None:
                 vals = vals * h.expert_scales.repeat_interleave(128, dim=-1)[..., :case.H]
             y = _expert_all_rows(fn, vals, h, case, first)
+            if case.layout == "rows":
+                return h, buf.combine(y, h, topk_weights=rows_wy(rank, h.recv_topk_idx, h.recv_topk_weights))
             return h, buf.combine(y, h)
 
         step()  # warm-up (compiles the kernels) outside the graph
@@ -139,7 +155,7 @@ def _graph_worker(rank, world_size, case_kw, node_size=None):
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            h, out = step()
+            h, out_w = step()
         for c in range(len(calls)):
             x, idx, w, sc = pad[c]
             sx.copy_(x.to(dev)); sidx.copy_(idx.to(dev)); sw.copy_(w.to(dev))
@@ -148,10 +164,18 @@ def _graph_worker(rank, world_size, case_kw, node_size=None):
             g.replay()
             torch.cuda.synchronize()
             where = f"[graph {case.name} rank {rank} replay {c} {calls[c]}]"
-            ref = reference_dispatch(group, case.E, sx, sidx, sw, x_scales=ssc, dispatch_dtype=dt)
+            ref = reference_for(group, case, sx, sidx, sw, ssc)
             f = check_dispatch(h, ref, case, where)
             fails += f
             exp = reference_moe(group, case.E, sx, sidx, sw, fn, x_scales=ssc, dispatch_dtype=dt)
+            if case.layout == "rows":
+                out, wout = out_w
+                exp_w = rows_combine_local(case.E, case.R, sx, sidx, sw, lambda r, v, i, ww: rows_wy(r, i, ww),
+                                           x_scales=ssc, dispatch_dtype=dt)
+                if not f:
+                    fails += _check_weights(wout, exp_w, case, where)
+            else:
+                out = out_w
             if not f:
                 exp_abs = moe_local(case.E, sx, sidx, sw.abs(), lambda e, r: fn(e, r).abs(), x_scales=ssc,
                                     dispatch_dtype=dt)
@@ -180,6 +204,14 @@ def _expert_all_rows(fn, vals, h, case, first):
     EL = case.E // case.R
     if case.layout == "masked":
         return torch.stack([fn(first + e, vals[e]) for e in range(EL)]).to(torch.bfloat16)
+    if case.layout == "rows":  # each row reduced over its local experts (rows past num_recv: ignored)
+        ids, w = h.recv_topk_idx, h.recv_topk_weights
+        y = torch.zeros_like(vals)
+        for e in range(EL):
+            fe = fn(first + e, vals)
+            for k in range(case.K):
+                y += torch.where((ids[:, k] == e).unsqueeze(1), w[:, k:k + 1] * fe, 0.0)
+        return y.to(torch.bfloat16)
     rows = torch.arange(vals.shape[0], device=vals.device)
     owner = (torch.bucketize(rows, h.expert_offsets[1:].long(), right=True)).clamp(max=EL - 1)
     y = torch.zeros_like(vals)
@@ -191,8 +223,10 @@ def _expert_all_rows(fn, vals, h, case, first):
 @pytest.mark.gpu
 @pytest.mark.parametrize("R", [1, 2, 4])
 @pytest.mark.parametrize("kw", [dict(dtype="fp8", layout="masked", K=8, data="random"),
-                                dict(dtype="bf16", layout="packed", align=16, K=2, data="tagged")],
-                         ids=["fp8-masked", "bf16-packed"])
+                                dict(dtype="bf16", layout="packed", align=16, K=2, data="tagged"),
+                                dict(dtype="fp8", layout="rows", K=8, data="tagged"),
+                                dict(dtype="bf16", layout="rows", K=3, data="random")],
+                         ids=["fp8-masked", "bf16-packed", "fp8-rows", "bf16-rows"])
 def test_cuda_graph_replay(R, kw):
     dist_util.need_gpu()
     case_kw = dict(R=R, E=4 * R, H=256, M=16, seed=77, **kw)

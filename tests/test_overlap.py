@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import dist_util
-from ep_cases import DTYPES, Case, check_combine, check_dispatch, expert_fn_for, make_inputs, make_expert_y
+from ep_cases import (DTYPES, Case, check_combine, check_dispatch, expert_fn_for, first_expert, make_expert_y, make_inputs,
+                      reference_for)
 
 
 def _inputs(case: Case, call: int, rank: int, dev):
@@ -20,12 +21,11 @@ def _inputs(case: Case, call: int, rank: int, dev):
 def _two_batches(group, bufs, cases, call: int):
     """Batch A and batch B: both send halves, then both receive halves (B's before A's for
     combine), each result checked against the oracle. Returns failure strings."""
-    from moe_ep.reference import moe_local, reference_dispatch, reference_moe
+    from moe_ep.reference import moe_local, reference_moe
 
     r = group.rank
     ins = [_inputs(c, call, r, group.device) for c in cases]
-    refs = [reference_dispatch(group, c.E, x, i, w, x_scales=s, dispatch_dtype=DTYPES[c.dtype])
-            for c, (x, i, w, s) in zip(cases, ins)]
+    refs = [reference_for(group, c, x, i, w, s) for c, (x, i, w, s) in zip(cases, ins)]
     pend = [b.dispatch(x, i, w, x_scales=s, return_recv_hook=True) for b, (x, i, w, s) in zip(bufs, ins)]
     for _, hook in pend:
         hook()
@@ -35,7 +35,7 @@ def _two_batches(group, bufs, cases, call: int):
         f = check_dispatch(h, ref, c, where)
         fails += f
         fn = expert_fn_for(c)
-        ys.append(make_expert_y(h, c, fn, ref.first_expert) if not f else
+        ys.append(make_expert_y(h, c, fn, first_expert(ref, c)) if not f else
                   torch.zeros(h.expert_x.shape, dtype=torch.bfloat16, device=group.device))
     outs = [b.combine(y, h, return_recv_hook=True) for b, y, (h, _) in zip(bufs, ys, pend)]
     for _, hook in reversed(outs):

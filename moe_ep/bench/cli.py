@@ -78,8 +78,9 @@ def run_parser() -> argparse.ArgumentParser:
     w.add_argument("--dispatch-dtype", choices=["fp8", "bf16"], default=None,
                    help="dispatch payload: fp8 (e4m3, a float32 scale per 128 channels) or bf16. Default: fp8")
     w.add_argument("--combine-dtype", choices=["bf16"], default=None, help="combine payload (bf16)")
-    w.add_argument("--layout", choices=["masked", "packed"], default=None,
-                   help="moe_ep's expert layout: masked [E_local, R*T, H] or packed by expert. "
+    w.add_argument("--layout", choices=["masked", "packed", "rows"], default=None,
+                   help="moe_ep's expert layout: masked [E_local, R*T, H], packed by expert, or rows (one per "
+                        "(token, rank)). "
                         "Default: masked for decode, packed for prefill")
     w.add_argument("--expert-alignment", type=int, default=1, help="packed layout: expert blocks start at multiples of this")
     w.add_argument("--routing", choices=ROUTINGS, default="uniform",

@@ -3,6 +3,7 @@
 GPU (one process per GPU, NVLink):
     torchrun --nproc-per-node=2 -m moe_ep.bench.intranode --preset decode --dispatch-dtype fp8 --layout masked
     torchrun --nproc-per-node=2 -m moe_ep.bench.intranode --preset prefill --dispatch-dtype fp8 --layout packed
+    torchrun --nproc-per-node=1 -m moe_ep.bench.intranode --preset prefill --layout rows --num-programs 32
 
 CPU end-to-end check of this script (gloo, 2 ranks, tiny shapes, interpreter, wall clock):
     python -m moe_ep.bench.intranode --cpu-smoke
@@ -61,8 +62,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m moe_ep.bench.intranode", description=__doc__.split("\n")[0])
     p.add_argument("--preset", choices=["decode", "prefill"], default="decode")
     p.add_argument("--dispatch-dtype", choices=["fp8", "bf16"], default="fp8")
-    p.add_argument("--layout", choices=["masked", "packed"], default=None,
-                   help="default: masked for decode, packed for prefill")
+    p.add_argument("--layout", choices=["masked", "packed", "rows"], default=None,
+                   help="default: masked for decode, packed for prefill (rows: one row per (token, rank), "
+                        "the fake experts reduce each row over its local experts)")
     p.add_argument("--expert-alignment", type=int, default=1)
     p.add_argument("--num-tokens", type=int, default=None, help="override the preset's tokens per rank")
     p.add_argument("--hidden", type=int, default=None)
@@ -242,11 +244,17 @@ def dequant(q: torch.Tensor, scales: Optional[torch.Tensor]) -> torch.Tensor:
 
 
 def fake_expert_output(d, layout: str, rank: int, e_local: int, scale: torch.Tensor) -> torch.Tensor:
-    """y = dequant(expert_x) * scale[global expert], bf16, in the dispatch output's layout."""
+    """y = dequant(expert_x) * scale[global expert], bf16, in the dispatch output's layout (rows:
+    each row times ``sum_k w[k] * scale[its k-th local expert]``, the row reduced over its local
+    experts; rows past ``num_recv`` are never read)."""
     xf = dequant(d.expert_x, d.expert_scales)
     s = scale[rank * e_local: (rank + 1) * e_local]
     if layout == "masked":
         return (xf * s[:, None, None]).to(torch.bfloat16)
+    if layout == "rows":
+        ids = d.recv_topk_idx.long()
+        coef = torch.where(ids >= 0, d.recv_topk_weights * s[ids.clamp(0, e_local - 1)], 0.0).sum(dim=1)
+        return (xf * coef[:, None]).to(torch.bfloat16)
     rows = torch.arange(xf.shape[0], device=xf.device)
     offsets = d.expert_offsets.to(torch.int64)
     expert_of_row = (torch.searchsorted(offsets[1:], rows, right=True)).clamp_max(e_local - 1)
