@@ -142,13 +142,20 @@ def test_low_latency(R):
 NORMAL_CALLS = ("bf16", "fp8pre", "notopk", "worst", "bf16")
 
 
-def _normal_worker(rank, R, E_per_rank, K, H, M, calls):
+def _normal_worker(rank, R, E_per_rank, K, H, M, calls, node_size=None):
+    """The normal-mode calls of ``calls`` checked against the model; ``node_size`` < R: other
+    nodes through the proxy (where the low-latency pair is refused)."""
     import torch.distributed as dist
 
     import moe_ep.deep_ep as deep_ep
     from moe_ep.fp8 import dequantize_fp8, quantize_fp8
 
-    buffer = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 20)
+    if node_size is not None:
+        os.environ["MOE_EP_NODE_SIZE"] = str(node_size)
+    try:
+        buffer = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 20)
+    finally:
+        os.environ.pop("MOE_EP_NODE_SIZE", None)
     group, dev = buffer.ep_group, buffer.device
     E = E_per_rank * R
     K = min(K, E)
@@ -233,12 +240,23 @@ def _normal_worker(rank, R, E_per_rank, K, H, M, calls):
                 fails.append(f"{where} combined_topk_weights differ from the model")
         elif cw is not None:
             fails.append(f"{where} combined_topk_weights must be None without topk_weights")
+    if group.node_size < R:
+        _expect(fails, "low-latency across nodes", lambda: buffer.low_latency_dispatch(
+            torch.zeros(1, H, dtype=torch.bfloat16), torch.zeros(1, K, dtype=torch.int64), M, E), NotImplementedError,
+            ["low_latency_dispatch", "node_size"])
     return fails
 
 
 @pytest.mark.parametrize("R", RANKS)
 def test_normal(R):
     fails = dist_util.run(R, _normal_worker, 2 if R < 4 else 1, 3, 128, 4, NORMAL_CALLS)
+    fails = [f for r in fails for f in r]
+    assert not fails, "\n".join(fails[:20])
+
+
+def test_normal_across_nodes():
+    """3 nodes of one rank: every row through moe_ep's proxy (DeepEP's RDMA path)."""
+    fails = dist_util.run(3, _normal_worker, 1, 3, 128, 4, NORMAL_CALLS, 1)
     fails = [f for r in fails for f in r]
     assert not fails, "\n".join(fails[:20])
 
