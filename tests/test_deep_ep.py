@@ -398,6 +398,29 @@ def _options_worker(rank, R):
     _expect(fails, "combine bias", lambda: b.combine(rx, h, bias=torch.zeros(2, H)), ValueError, ["bias"])
     _expect(fails, "combine handle", lambda: b.combine(rx, handle), TypeError, ["handle"])
     _expect(fails, "previous_event", lambda: b.combine(rx, h, previous_event=object()), TypeError, ["previous_event"])
+    # The static API and tuning-only objects
+    if not (isinstance(deep_ep.Buffer.get_low_latency_rdma_size_hint(M, H, R, E), int) and
+            deep_ep.Buffer.get_low_latency_rdma_size_hint(M, H, R, E) > 0):
+        fails.append("get_low_latency_rdma_size_hint: expected a positive int")
+    cfg = deep_ep.Buffer.get_dispatch_config(R)
+    if not isinstance(cfg, deep_ep.Config) or not isinstance(deep_ep.Buffer.get_combine_config(R), deep_ep.Config) \
+            or cfg.get_nvl_buffer_size_hint(2 * H, R) <= 0 or cfg.get_rdma_buffer_size_hint(2 * H, R) <= 0:
+        fails.append("get_dispatch_config / get_combine_config / Config size hints")
+    _expect(fails, "set_num_sms odd", lambda: deep_ep.Buffer.set_num_sms(3), ValueError, ["new_num_sms"])
+    deep_ep.Buffer.set_num_sms(24)
+    if deep_ep.Buffer.num_sms != 24 or deep_ep.Buffer.get_dispatch_config(R).num_sms != 24:
+        fails.append("set_num_sms: not kept")
+    ev = deep_ep.Buffer.capture()
+    ev.current_stream_wait()
+    with ev:
+        pass
+    _expect(fails, "event without async", lambda: deep_ep.EventOverlap(None).current_stream_wait(), RuntimeError,
+            ["async_finish"])
+    # destroy (explicitly_destroy=True), then every call refuses
+    d = deep_ep.Buffer(G, explicitly_destroy=True)
+    d.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+    d.destroy()
+    _expect(fails, "after destroy", lambda: d.low_latency_dispatch(x, idx, M, E), RuntimeError, ["destroyed"])
     # EPBuffer: combine-time weights with the wrong shape
     with moe_ep.EPBuffer(b.ep_group, E, H, M, K) as eb:
         d = eb.dispatch(x, idx, w)
@@ -492,3 +515,33 @@ def test_low_latency_cuda_graph(R, fp8):
     dist_util.need_gpu()
     fails = [f for r in dist_util.run(R, _ll_graph_worker, fp8, backend=dist_util.gpu_backend(R)) for f in r]
     assert not fails, "\n".join(fails)
+
+
+def test_combine_time_weights_compile_for_sm90(tmp_path):
+    """The combine kernel with combine-time weights (the push, the owner's wait) compiles for
+    sm_90 on a machine without a GPU: fused (one launch) and as separate push / send / receive."""
+    pytest.importorskip("triton.backends.nvidia")
+    import moe_ep
+    from moe_ep.kernels.aot import signature
+    from test_compile_sm90 import _compile
+
+    rec = []
+
+    def spy(key, fn, grid, args, consts, dynamic=None):
+        consts = consts() if callable(consts) else consts
+        if fn.fn.__name__ == "combine_kernel":
+            rec.append((fn.fn.__module__, fn.fn.__name__, signature(fn.arg_names, args, consts)))
+
+    g = moe_ep.EPGroup()
+    T, H, K = 128, 7168, 8
+    for fused in (True, False):
+        buf = moe_ep.EPBuffer(g, 256, H, T, K, layout="masked", num_programs=132)
+        buf.num_warps, buf.fused, buf.interp, buf._launch = 8, fused, False, spy
+        h = buf.dispatch(torch.zeros(T, H, dtype=torch.bfloat16), torch.zeros(T, K, dtype=torch.int64),
+                         torch.zeros(T, K))
+        buf.combine(torch.empty(h.expert_x.shape, dtype=torch.bfloat16), h, topk_weights=torch.ones(T, K))
+        buf.close()
+    assert len(rec) == 1 + 3, [r[1] for r in rec]  # fused: one launch; else push, send, receive
+    for i, (name, vec_stores, byte_stores, timers, _) in enumerate(_compile(rec, tmp_path)):
+        # The push-only launch (i == 1) stores weights (4-byte words) and waits for nothing.
+        assert byte_stores == 0 and timers > 0 and (vec_stores > 0 or i == 1), (i, vec_stores, byte_stores, timers)
