@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import _aligned, _check_tensor, _pow2, pipelined_width
+from .dispatch import _aligned, _check_tensor, _pow2, launch_half, launch_halves, pipelined_width
 from .kernels.combine import combine_kernel
 from .handle import DispatchResult
 
@@ -20,71 +20,60 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
     rows = buf.layout == "rows"
     T = handle.num_tokens
     rp = buf.remote
-    # Weights at combine: rows, per received row (summed back with the rows); masked/packed, per
-    # source token, pushed to the owners to replace the dispatch's (``push``).
-    row_w = rows and topk_weights is not None
-    push = not rows and topk_weights is not None
-    if row_w:
-        _check_tensor("topk_weights", topk_weights, (torch.float32,), (buf.capacity, buf.topk), buf.device)
-    if push:
-        _check_tensor("topk_weights", topk_weights, (torch.float32,), (T, buf.topk), buf.device)
-        if rp is not None:
-            raise ValueError("topk_weights: combine-time weights reach node peers only; with other nodes "
-                             f"(node_size={buf.node_size} < world_size={buf.world_size}) pass the weights to dispatch")
+    # masked/packed: weights at combine, per source token, pushed to the owners over the dispatch's
+    push = topk_weights is not None and not rows
+    if topk_weights is not None:
+        if rows:
+            _check_tensor("topk_weights", topk_weights, (torch.float32,), (buf.capacity, buf.topk), buf.device)
+        else:
+            _check_tensor("topk_weights", topk_weights, (torch.float32,), (T, buf.topk), buf.device)
+            if rp is not None:
+                raise ValueError(f"topk_weights: combine-time weights reach node peers only; with other nodes "
+                                 f"(node_size={buf.node_size} < world_size={buf.world_size}) pass them to dispatch")
     out = torch.empty(T, buf.hidden, dtype=torch.bfloat16, device=buf.device)
-    wout = torch.empty(T, buf.topk, dtype=torch.float32, device=buf.device) if row_w else None
+    wout = torch.empty(T, buf.topk, dtype=torch.float32, device=buf.device) if rows and topk_weights is not None \
+        else None
     # With other nodes the node owners' sum stays float32 until the remote rows are added.
     base = torch.empty(T, buf.hidden, dtype=torch.float32, device=buf.device) if rp is not None else out
     idx = buf.route_idx[:T]  # the dispatch's expert ids, kept by the buffer: the caller's topk_idx may be reused
     # Rows layout: this rank's own rows are read from expert_y by the receive half (not across a hook).
     own_y = rows and not return_recv_hook
     args = (expert_y, idx, base, buf._ws_ptr, buf.workspace.peer_ptrs, buf.state, buf.err, buf.recv_pos,
-            topk_weights if push else buf.err, buf._timeout_ns, T, topk_weights if row_w else buf.err,
-            wout if wout is not None else buf.err)
-    key = ("combine", _aligned(expert_y), _aligned(base), own_y, row_w, push)
+            buf._timeout_ns, T, topk_weights if wout is not None else buf.err,
+            wout if wout is not None else buf.err, topk_weights if push else buf.err)
+    key = ("combine", _aligned(expert_y), _aligned(base), own_y, wout is not None, push)
     epoch = buf._epochs[1] + 1
-    dyn = (0, 1, 2, 8, 10, 11, 12)
-
-    def launch(push_half: bool, send: bool, recv: bool) -> None:
-        buf._launch(key + (push_half, send, recv), combine_kernel, buf.num_programs, args,
-                    lambda: dict(_combine_consts(buf, own_y, row_w), WEIGHTS=push, PUSH=push_half, SEND=send,
-                                 RECV=recv), dyn)
-
-    def send_half() -> None:
-        if push and not buf.fused:  # the push waits for nothing; the send half waits for every push
-            launch(True, False, False)
-            if buf.interp:
-                buf._host_wait_weights(epoch)
-            launch(False, True, False)
-        else:
-            launch(push, True, False)
-
-    def recv_half() -> None:
+    # A fused launch pushes the weights itself; else the push is a launch of its own, before the
+    # send half (which waits for every peer's push).
+    consts = lambda: dict(_combine_consts(buf, own_y, wout is not None), WEIGHTS=push,  # noqa: E731
+                          PUSH=push and buf.fused)
+    dyn = (0, 1, 2, 9, 10, 11, 12)
+    if push and not buf.fused:
+        buf._launch(key + ("push",), combine_kernel, buf.num_programs, args,
+                    lambda: dict(consts(), PUSH=True, SEND=False, RECV=False), dyn)
         if buf.interp:
-            buf._host_wait_combine(epoch, T)
-        launch(False, False, True)
-
+            buf._host_wait_weights(epoch)
     if rp is None:
         if not return_recv_hook:
-            if buf.fused:
-                launch(push, True, True)
-            else:
-                send_half()
-                recv_half()
+            launch_halves(buf, key, combine_kernel, args, dyn, consts, lambda: buf._host_wait_combine(epoch, T))
             recv = None
         else:
-            send_half()
-            recv = recv_half
+            launch_half(buf, key, combine_kernel, args, dyn, consts, True, False)
+
+            def recv():
+                if buf.interp:
+                    buf._host_wait_combine(epoch, T)
+                launch_half(buf, key, combine_kernel, args, dyn, consts, False, True)
     else:
         depoch = buf._epochs[0]  # the proxy's combine carries the epoch of the dispatch it answers
         rp.combine_send(buf, expert_y, handle._serial, depoch, topk_weights)  # refuses a second combine first
-        launch(False, True, False)
+        launch_half(buf, key, combine_kernel, args, dyn, consts, True, False)
 
         def recv():
             if buf.interp:
                 buf._host_wait_combine(epoch, T)
             rp.wait(buf, "combine", depoch)
-            launch(False, False, True)
+            launch_half(buf, key, combine_kernel, args, dyn, consts, False, True)
             rp.combine_recv(buf, idx, base, out, wout)
         if not return_recv_hook:
             recv()
@@ -101,7 +90,8 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
 def _combine_consts(buf, own_y: bool, wts: bool) -> dict:
     """The combine kernel's constexprs (all fixed by the buffer, except OWN_Y and, with weights, WIN/WOUT)."""
     off, H, BLOCK_T = buf.off, buf.hidden, buf.block_t
-    return dict(off_cflag=off["comb_flag"], off_wflag=off["wgt_flag"], off_hdr=off["hdr"], off_meta_w=off["meta_w"], off_comb=off["comb"],
+    return dict(off_cflag=off["comb_flag"], off_wflag=off["wgt_flag"], off_hdr=off["hdr"], off_meta_w=off["meta_w"],
+                off_comb=off["comb"],
                 RANK=buf.rank - buf.node0, NODE0=buf.node0, N=buf.node_size, M=buf.max_tokens, K=buf.topk,
                 E=buf.num_experts, BASE_F32=buf.remote is not None,
                 EL=buf.num_local_experts, H=H, HDR=buf.ws_layout.HDR, CMAX=buf.chunks, BLOCK_T=BLOCK_T,
