@@ -9,11 +9,14 @@ Loops over ranks and tokens on purpose: slow and plain, nothing shared with the 
 - ``normal_combine``: per source token, the sum over the ranks that received it of their rows;
   ``combined_weights``: the weights' sum.
 - ``ll_dispatch``: per local expert, the rows (ascending source rank, then token) and their count;
-  fp8 as DeepEP quantizes (``scale = amax / 448`` per 128 channels, ``q = x * (448 / amax)``).
+  fp8 as DeepEP quantizes (``scale = amax / 448`` per 128 channels, ``q = x * (448 / amax)``; with
+  ``round_scale`` the scale is the power of two ``2^ceil(log2(amax / 448))``, and with ``use_ue8m0``
+  its exponent byte, four to an int32).
 - ``ll_combine``: ``sum_k w[t, k] * y(expert, row)`` in float32.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
@@ -102,13 +105,35 @@ def combined_weights(idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.where(idx >= 0, w, torch.zeros_like(w))
 
 
-def deepep_quantize(x: torch.Tensor):
+def deepep_quantize(x: torch.Tensor, round_scale: bool = False):
     """DeepEP's per-128-channel fp8 cast of bf16 ``[n, H]``: ``(fp8 [n, H], float32 [n, H/128])``."""
     n, H = x.shape
     b = x.float().view(n, H // 128, 128)
     amax = b.abs().amax(-1).clamp_min(1e-4)
+    if round_scale:
+        scale = torch.tensor([[2.0 ** math.ceil(math.log2(v / 448.0)) for v in row] for row in amax.tolist()]
+                             ).view(n, H // 128)
+        for i in range(n):  # log2 may round across a power of two: the smallest 2^e >= amax / 448
+            for j in range(H // 128):
+                while scale[i, j] / 2 >= amax[i, j] / 448.0:
+                    scale[i, j] /= 2
+                while scale[i, j] < amax[i, j] / 448.0:
+                    scale[i, j] *= 2
+        return (b / scale.unsqueeze(-1)).to(FP8).view(n, H), scale
     q = (b * (448.0 / amax).unsqueeze(-1)).to(FP8).view(n, H)
     return q, amax / 448.0
+
+
+def ue8m0_pack(scale: torch.Tensor) -> torch.Tensor:
+    """Power-of-two float32 scales ``[n, B]`` -> int32 ``[n, B/4]``: each scale's biased exponent
+    (``log2(scale) + 127``) as a byte, block ``4j + i`` in byte ``i`` of int ``j``."""
+    n, B = scale.shape
+    out = torch.zeros(n, B // 4, dtype=torch.int64)
+    for i in range(n):
+        for j in range(B):
+            e = int(round(math.log2(float(scale[i, j])))) + 127
+            out[i, j // 4] |= e << (8 * (j % 4))
+    return torch.where(out >= 2 ** 31, out - 2 ** 32, out).to(torch.int32)
 
 
 @dataclass
@@ -119,7 +144,8 @@ class LLRecv:
     counts: List[int]
 
 
-def ll_dispatch(xs: List[torch.Tensor], idxs: List[torch.Tensor], rank: int, num_experts: int, fp8: bool) -> LLRecv:
+def ll_dispatch(xs: List[torch.Tensor], idxs: List[torch.Tensor], rank: int, num_experts: int, fp8: bool,
+                round_scale: bool = False, use_ue8m0: bool = False) -> LLRecv:
     R = len(xs)
     EL = num_experts // R
     out = LLRecv([], [] if fp8 else None, [], [])
@@ -134,9 +160,9 @@ def ll_dispatch(xs: List[torch.Tensor], idxs: List[torch.Tensor], rank: int, num
         H = xs[0].shape[1]
         x = torch.stack(rows) if rows else torch.zeros(0, H, dtype=torch.bfloat16)
         if fp8:
-            q, sc = deepep_quantize(x) if rows else (torch.zeros(0, H, dtype=FP8), torch.zeros(0, H // 128))
+            q, sc = deepep_quantize(x, round_scale) if rows else (torch.zeros(0, H, dtype=FP8), torch.zeros(0, H // 128))
             out.rows.append(q)
-            out.scales.append(sc)
+            out.scales.append(ue8m0_pack(sc) if use_ue8m0 else sc)
         else:
             out.rows.append(x)
         out.src.append(src)

@@ -23,7 +23,8 @@ def _inputs(rank: int, R: int, E: int, K: int, H: int, M: int, call: int, holes:
     T rotates over M, 0 and a middle count; distinct experts per token; some -1 ids."""
     g = torch.Generator().manual_seed(1000 * call + 17 * rank + R)
     T = [M, 0, max(1, M // 2)][(call + rank) % 3]
-    x = (torch.randn(T, H, generator=g) * 2).to(torch.bfloat16)
+    # 128-channel blocks of different magnitudes, so fp8 scales differ from block to block
+    x = (torch.randn(T, H, generator=g) * 2.0 ** (torch.arange(H) // 128 % 4)).to(torch.bfloat16)
     idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else torch.zeros(0, K, dtype=torch.int64)
     if holes and T:
         idx[torch.rand(T, K, generator=g) < 0.2] = -1
@@ -48,8 +49,9 @@ def _close(got: torch.Tensor, exp: torch.Tensor, bound: torch.Tensor) -> bool:
 
 # ---------------------------------------------------------------------------- low-latency mode
 def _ll_worker(rank, R, dtypes, E_per_rank, K, H, M):
-    """One low-latency dispatch + combine per entry of ``dtypes`` ("bf16" / "fp8"), checked
-    against the model; odd calls use receive hooks, even ones async_finish events."""
+    """One low-latency dispatch + combine per entry of ``dtypes`` ("bf16", "fp8", "pow2":
+    round_scale, "ue8m0": round_scale and use_ue8m0), checked against the model; calls 1 and 2 of
+    every 4 use receive hooks, the others async_finish events."""
     import torch.distributed as dist
 
     import moe_ep.deep_ep as deep_ep
@@ -61,16 +63,16 @@ def _ll_worker(rank, R, dtypes, E_per_rank, K, H, M):
     K = min(K, E)
     fails = []
     for call, dt in enumerate(dtypes):
-        fp8 = dt == "fp8"
+        fp8, pow2, ue8m0 = dt != "bf16", dt in ("pow2", "ue8m0"), dt == "ue8m0"
         where = f"[ll R{R} {dt} rank {rank} call {call}]"
         x, idx, w = _inputs(rank, R, E, K, H, M, call)
         x, idx, w = x.to(dev), idx.to(dev), w.to(dev)
         xs, idxs, _ = _gather(group, x, idx, w)
-        ref = model.ll_dispatch(xs, idxs, rank, E, fp8)
+        ref = model.ll_dispatch(xs, idxs, rank, E, fp8, pow2, ue8m0)
         hook_mode = call % 4 in (1, 2)
         stats = torch.full((EL,), 5, dtype=torch.int32, device=dev)
         recv_x, recv_count, handle, event, hook = buffer.low_latency_dispatch(
-            x, idx, M, E, cumulative_local_expert_recv_stats=stats, use_fp8=fp8,
+            x, idx, M, E, cumulative_local_expert_recv_stats=stats, use_fp8=fp8, round_scale=pow2, use_ue8m0=ue8m0,
             async_finish=not hook_mode, return_recv_hook=hook_mode)
         if hook_mode:
             assert event.event is None
@@ -88,21 +90,26 @@ def _ll_worker(rank, R, dtypes, E_per_rank, K, H, M):
             fails.append(f"{where} recv_x {q.dtype} {list(q.shape)}")
             continue
         if fp8:
-            # DeepEP's layout: [E_local, R*M, H/128], column-major in the last two dims.
-            if tuple(sc.shape) != (EL, R * M, H // 128) or sc.stride()[1] != 1:
+            # DeepEP's layout: [E_local, R*M, H/128] (UE8M0: int32 [.., H/512]), column-major in the last two dims.
+            if tuple(sc.shape) != (EL, R * M, H // (512 if ue8m0 else 128)) or sc.stride()[1] != 1 or \
+                    sc.dtype != (torch.int32 if ue8m0 else torch.float32):
                 fails.append(f"{where} scales shape {list(sc.shape)} strides {sc.stride()}")
                 continue
         for e in range(EL):
             n = counts[e]
             if fp8:
                 steps = model.e4m3_steps(q[e, :n].cpu(), ref.rows[e])
-                if n and int(steps.max()) > 1:
+                if n and int(steps.max()) > (0 if pow2 else 1):  # power-of-two scales: exactly DeepEP's bytes
                     fails.append(f"{where} expert {e}: fp8 bytes {int(steps.max())} e4m3 steps from DeepEP's")
-                if not torch.allclose(sc[e, :n].cpu(), ref.scales[e], rtol=1e-6, atol=0):
+                if not (torch.equal(sc[e, :n].cpu(), ref.scales[e]) if pow2 else
+                        torch.allclose(sc[e, :n].cpu(), ref.scales[e], rtol=1e-6, atol=0)):
                     fails.append(f"{where} expert {e}: scales differ from DeepEP's")
             elif not torch.equal(q[e, :n].cpu(), ref.rows[e]):
                 fails.append(f"{where} expert {e}: rows differ (order: source rank, then token)")
         # Experts: a per-expert scale of the received values, bf16 out; combine with new weights.
+        if ue8m0:  # four exponent bytes per int32 -> float32 scales per 128 channels
+            exps = torch.stack([(sc >> (8 * i)) & 0xFF for i in range(4)], dim=-1).flatten(-2)
+            sc = torch.ldexp(torch.ones(exps.shape, device=dev), exps - 127)
         vals = (q.float() * sc.repeat_interleave(128, dim=-1)) if fp8 else q.float()
         scale = torch.tensor([_expert_scale(rank * EL + e) for e in range(EL)], device=dev).view(EL, 1, 1)
         y = (vals * scale).to(torch.bfloat16)
@@ -116,8 +123,13 @@ def _ll_worker(rank, R, dtypes, E_per_rank, K, H, M):
             cev.current_stream_wait()
         if out_t is not None and combined is not out_t:
             fails.append(f"{where} combine did not return out")
-        # Model: what the source's own tokens become (moe_ep's fp8 is what the source can compute).
-        mine = dequantize_fp8(*quantize_fp8(x.cpu())) if fp8 else x.cpu().float()
+        # Model: what the source's own tokens become (the source can compute moe_ep's fp8 values,
+        # and DeepEP's power-of-two ones, which moe_ep matches exactly).
+        if pow2:
+            pq, ps = model.deepep_quantize(x.cpu(), round_scale=True)
+            mine = pq.float() * ps.repeat_interleave(128, dim=-1)
+        else:
+            mine = dequantize_fp8(*quantize_fp8(x.cpu())) if fp8 else x.cpu().float()
         exp = model.ll_combine(idx.cpu(), w2.cpu(),
                                lambda e, t: (mine[t] * _expert_scale(e)).to(torch.bfloat16).float(), H)
         bound = model.ll_combine(idx.cpu(), w2.cpu(),
@@ -134,6 +146,13 @@ LL_CALLS = ("bf16", "fp8", "bf16", "fp8")
 @pytest.mark.parametrize("R", RANKS)
 def test_low_latency(R):
     fails = dist_util.run(R, _ll_worker, LL_CALLS, 2 if R < 4 else 1, 3, 128, 4)
+    fails = [f for r in fails for f in r]
+    assert not fails, "\n".join(fails[:20])
+
+
+def test_low_latency_round_scale():
+    """round_scale (power-of-two scales) and use_ue8m0 (their exponents packed in int32), H=512."""
+    fails = dist_util.run(2, _ll_worker, ("pow2", "ue8m0"), 1, 2, 512, 3)
     fails = [f for r in fails for f in r]
     assert not fails, "\n".join(fails[:20])
 
@@ -334,8 +353,12 @@ def _options_worker(rank, R):
     x = torch.randn(3, H).to(torch.bfloat16)
     idx = torch.tensor([[0, 1], [1, -1], [-1, -1]], dtype=torch.int64)
     w = torch.rand(3, K)
-    for opt in ("round_scale", "use_ue8m0"):
-        _expect(fails, opt, lambda: b.low_latency_dispatch(x, idx, M, E, **{opt: True}), NI, [opt])
+    _expect(fails, "use_ue8m0 alone", lambda: b.low_latency_dispatch(x, idx, M, E, use_ue8m0=True), ValueError,
+            ["use_ue8m0", "round_scale"])
+    _expect(fails, "round_scale bf16", lambda: b.low_latency_dispatch(x, idx, M, E, use_fp8=False, round_scale=True),
+            ValueError, ["round_scale", "use_fp8"])
+    _expect(fails, "ue8m0 hidden", lambda: b.low_latency_dispatch(x, idx, M, E, round_scale=True, use_ue8m0=True),
+            ValueError, ["hidden", "512"])
     _expect(fails, "dispatch_wait_recv_cost_stats",
             lambda: b.low_latency_dispatch(x, idx, M, E, dispatch_wait_recv_cost_stats=torch.zeros(R, R,
                                                                                                    dtype=torch.int64)),
@@ -456,6 +479,7 @@ def test_deep_ep_gpu(R):
     backend = dist_util.gpu_backend(R)
     fails = []
     fails += [f for r in dist_util.run(R, _ll_worker, LL_CALLS * 2, 2, 4, 256, 8, backend=backend) for f in r]
+    fails += [f for r in dist_util.run(R, _ll_worker, ("pow2", "ue8m0"), 2, 4, 1024, 8, backend=backend) for f in r]
     fails += [f for r in dist_util.run(R, _normal_worker, 2, 4, 256, 8, NORMAL_CALLS, backend=backend) for f in r]
     assert not fails, "\n".join(fails[:20])
 

@@ -235,12 +235,16 @@ class Buffer:
         ``recv_x``: bf16 ``[E_local, R*M, H]``, or with ``use_fp8`` ``(float8_e4m3fn [E_local, R*M, H],
         float32 [E_local, R*M, H/128])``, the scales column-major in the last two dims; rows of an
         expert in ascending (source rank, token) order; ``recv_count`` int32 ``[E_local]`` on the
-        device. Results stay valid until the dispatch after next (two buffers take turns).
+        device. ``round_scale``: power-of-two scales ``2^ceil(log2(amax / 448))``; with ``use_ue8m0``
+        their biased exponents, four to an int32, ``[E_local, R*M, H/512]`` (H a multiple of 512);
+        these two move bf16 and cast on arrival (DeepEP's values exactly, twice the bytes of fp8).
+        Results stay valid until the dispatch after next (two buffers take turns).
         """
         self._check_alive()
-        for name, v in (("round_scale", round_scale), ("use_ue8m0", use_ue8m0)):
-            if v:
-                _refuse(name, v, "scales are float32 (max(|x|)/448 per 128 channels)")
+        if use_ue8m0 and not round_scale:
+            raise ValueError("use_ue8m0: needs round_scale=True (as in DeepEP)")
+        if round_scale and not use_fp8:
+            raise ValueError("round_scale: needs use_fp8=True")
         if dispatch_wait_recv_cost_stats is not None:
             _refuse("dispatch_wait_recv_cost_stats", "<tensor>", "no per-peer wait timing")
         self._check_experts(num_experts)
@@ -256,11 +260,12 @@ class Buffer:
         if x.shape[0] > num_max_dispatch_tokens_per_rank:
             raise ValueError(f"x: expected at most num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank} "
                              f"tokens, got {x.shape[0]}")
-        if use_fp8 and x.shape[1] % 128 != 0:
-            raise ValueError(f"x: fp8 dispatch needs hidden divisible by 128 (DeepEP's scale layout), got {x.shape[1]}")
+        if use_fp8 and x.shape[1] % (512 if use_ue8m0 else 128) != 0:
+            raise ValueError(f"x: fp8 dispatch needs hidden divisible by {512 if use_ue8m0 else 128} (DeepEP's scale "
+                             f"layout{', four UE8M0 scales per int32' if use_ue8m0 else ''}), got {x.shape[1]}")
         check_topk_idx("topk_idx", topk_idx, num_experts, self.device, num_tokens=x.shape[0])
-        slot = self._ll_slot(num_experts, x.shape[1], num_max_dispatch_tokens_per_rank, topk_idx.shape[1],
-                             FP8 if use_fp8 else torch.bfloat16)
+        scales = None if not use_fp8 else "ue8m0" if use_ue8m0 else "pow2" if round_scale else "float"
+        slot = self._ll_slot(num_experts, x.shape[1], num_max_dispatch_tokens_per_rank, topk_idx.shape[1], scales)
         (recv_x, count, handle, hook), ev = self._issue(
             lambda: _ll.dispatch(slot, x, topk_idx, cumulative_local_expert_recv_stats, return_recv_hook),
             None, async_finish, on_current=return_recv_hook)
@@ -368,16 +373,18 @@ class Buffer:
                 ev = EventOverlap(None)
         return (*res, ev) if unpack else (res, ev)
 
-    def _ll_slot(self, num_experts: int, hidden: int, M: int, K: int, dtype: torch.dtype) -> _ll.LowLatencySlot:
-        """The next of the two low-latency buffers of this shape (made on first use)."""
-        key = (num_experts, hidden, M, K, dtype)
+    def _ll_slot(self, num_experts: int, hidden: int, M: int, K: int, scales: Optional[str]) -> _ll.LowLatencySlot:
+        """The next of the two low-latency buffers of this shape and scale format (made on first use;
+        ``LowLatencySlot``: only the ``"float"`` format moves fp8, the power-of-two ones move bf16)."""
+        key = (num_experts, hidden, M, K, scales)
         slots = self._ll.get(key)
         if slots is None:
             slots = self._ll[key] = []
         turn = self._ll_turn.get(key, 0)
         self._ll_turn[key] = turn + 1
         if len(slots) < 2:
-            slots.append(_ll.LowLatencySlot(self._epbuffer(num_experts, hidden, M, K, dtype, "masked")))
+            dtype = FP8 if scales == "float" else torch.bfloat16
+            slots.append(_ll.LowLatencySlot(self._epbuffer(num_experts, hidden, M, K, dtype, "masked"), scales))
             return slots[-1]
         return slots[turn % 2]
 

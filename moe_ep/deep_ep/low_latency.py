@@ -4,7 +4,9 @@ DeepEP's ``recv_x [E_local, R*M, H]`` and ``recv_count [E_local]`` are the maske
 ``expert_x`` and ``expert_counts`` (M = ``num_max_dispatch_tokens_per_rank``); the weights come at
 combine (``EPBuffer.combine(topk_weights=)``), the dispatch sends zeros in their place. Two
 EPBuffers per shape take dispatches in turn, so, as in DeepEP, the results of the last two
-dispatches stay valid together (two micro-batches in flight).
+dispatches stay valid together (two micro-batches in flight). DeepEP's power-of-two scales
+(``round_scale``, ``use_ue8m0``) are not a format of the kernels: those dispatches move bf16 and
+the rows are cast on arrival, exactly as DeepEP casts them.
 """
 from __future__ import annotations
 
@@ -18,16 +20,27 @@ from ..handle import DispatchResult
 
 class LowLatencySlot:
     """One masked EPBuffer of a low-latency shape and what DeepEP's calls need beside it: the zero
-    weights its dispatch sends, the column-major copy of fp8 scales, the combine input buffer."""
+    weights its dispatch sends, the column-major copy of fp8 scales, the combine input buffer.
 
-    def __init__(self, epbuf: EPBuffer):
-        self.epbuf = epbuf
-        R, M, K, EL = epbuf.world_size, epbuf.max_tokens, epbuf.topk, epbuf.num_local_experts
-        self.zero_weights = torch.zeros(M, K, dtype=torch.float32, device=epbuf.device)
-        # DeepEP's scales are [E_local, R*M, H/128] with the last two dims column-major (TMA-ready):
-        # a [E_local, H/128, R*M] tensor, handed out transposed.
-        self.scales_cm = (torch.empty(EL, epbuf.num_scale_blocks, R * M, dtype=torch.float32, device=epbuf.device)
-                          if epbuf.fp8 else None)
+    ``scales``: None (bf16), ``"float"`` (the buffer's fp8 scales), ``"pow2"`` / ``"ue8m0"``
+    (DeepEP's ``round_scale`` / ``use_ue8m0``: the buffer moves bf16 and the rows are cast here,
+    on arrival, into this slot's fp8 tensor)."""
+
+    def __init__(self, epbuf: EPBuffer, scales: Optional[str] = None):
+        self.epbuf, self.scales = epbuf, scales
+        R, M, K, EL, H = epbuf.world_size, epbuf.max_tokens, epbuf.topk, epbuf.num_local_experts, epbuf.hidden
+        dev = epbuf.device
+        self.zero_weights = torch.zeros(M, K, dtype=torch.float32, device=dev)
+        # DeepEP's scales are [E_local, R*M, blocks] with the last two dims column-major (TMA-ready):
+        # a [E_local, blocks, R*M] tensor, handed out transposed.
+        self.scales_cm = None
+        self.q = None
+        if scales == "float":
+            self.scales_cm = torch.empty(EL, epbuf.num_scale_blocks, R * M, dtype=torch.float32, device=dev)
+        elif scales in ("pow2", "ue8m0"):
+            self.q = torch.empty(EL, R * M, H, dtype=torch.float8_e4m3fn, device=dev)
+            self.scales_cm = (torch.empty(EL, H // 512, R * M, dtype=torch.int32, device=dev) if scales == "ue8m0"
+                              else torch.empty(EL, H // 128, R * M, dtype=torch.float32, device=dev))
         self.combine_in: Optional[torch.Tensor] = None
 
     def next_combine_buffer(self) -> torch.Tensor:
@@ -50,6 +63,27 @@ class LowLatencyHandle:
     @property
     def num_tokens(self) -> int:
         return self.result.num_tokens
+
+
+def pow2_quantize(x: torch.Tensor, q_out: torch.Tensor, scales_cm: torch.Tensor, ue8m0: bool) -> None:
+    """DeepEP's ``round_scale`` cast of bf16 ``x [E_local, R*M, H]`` into ``q_out`` (float8_e4m3fn,
+    same shape) and ``scales_cm``: per 128 channels the power of two ``2^ceil(log2(amax / 448))``
+    (amax at least 1e-4), float32 ``[E_local, H/128, R*M]``; with ``ue8m0`` its exponent byte
+    (+127), four blocks packed to an int32 (block 4j+i in byte i), ``[E_local, H/512, R*M]``."""
+    EL, RM, H = x.shape
+    b = x.float().view(EL, RM, H // 128, 128)
+    ratio = b.abs().amax(-1).clamp_min(1e-4) / 448.0
+    bits = ratio.view(torch.int32)
+    # ceil(log2(ratio)) from the bits, exact (log2 in float32 may round across a power of two)
+    exp = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    scale_inv = torch.ldexp(torch.ones_like(ratio), exp)
+    q_out.copy_((b / scale_inv.unsqueeze(-1)).view(EL, RM, H).to(torch.float8_e4m3fn))  # exact division by 2^e
+    if ue8m0:
+        byte = (exp + 127).view(EL, RM, H // 512, 4)
+        packed = byte[..., 0] | (byte[..., 1] << 8) | (byte[..., 2] << 16) | (byte[..., 3] << 24)
+        scales_cm.copy_(packed.transpose(1, 2))
+    else:
+        scales_cm.copy_(scale_inv.transpose(1, 2))
 
 
 def _chain(first: Callable[[], None], then: Callable[[], None]) -> Callable[[], None]:
@@ -75,8 +109,10 @@ def dispatch(slot: LowLatencySlot, x: torch.Tensor, topk_idx: torch.Tensor,
     d, recv_hook = got if return_recv_hook else (got, None)
 
     def finish() -> None:  # on the received layout, after the receive half
-        if slot.scales_cm is not None:
+        if slot.scales == "float":
             slot.scales_cm.copy_(d.expert_scales.transpose(1, 2))
+        elif slot.q is not None:
+            pow2_quantize(d.expert_x, slot.q, slot.scales_cm, slot.scales == "ue8m0")
         if stats is not None:
             stats.add_(d.expert_counts)
 
@@ -85,7 +121,10 @@ def dispatch(slot: LowLatencySlot, x: torch.Tensor, topk_idx: torch.Tensor,
         hook = _chain(recv_hook, finish)
     else:
         finish()
-    recv_x = (d.expert_x, slot.scales_cm.transpose(1, 2)) if slot.scales_cm is not None else d.expert_x
+    if slot.scales is None:
+        recv_x = d.expert_x
+    else:
+        recv_x = (slot.q if slot.q is not None else d.expert_x, slot.scales_cm.transpose(1, 2))
     handle = LowLatencyHandle(slot, d, buf.max_tokens, buf.hidden, buf.num_experts)
     return recv_x, d.expert_counts, handle, hook
 
