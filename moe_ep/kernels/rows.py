@@ -13,7 +13,7 @@ from ``x`` (and its combine's from ``expert_y``), which halves the bytes moved a
 import triton
 import triton.language as tl
 
-from .common import landed_chunk, payload_cols, payload_tile, ptr_at
+from .common import ERR_CAPACITY, PHASE_DISPATCH, landed_chunk, payload_cols, payload_tile, ptr_at, record_error
 from .remote import _excl, _pick, received_counts, received_row
 
 
@@ -125,6 +125,7 @@ def remote_unpack_rows_kernel(
     src_ptr,           # int32 [R*M]: out, source rank * M + source token
     rpos_ptr,          # int32 [ROWS, K]: out, [g, 0] = the row of received row g (combine order)
     recv_rows_ptr,     # int32 [R]: out, rows received from each remote source (0 for the others)
+    err_ptr,           # int64 [8]
     epoch_ptr,         # int64 [1]
     RANK: tl.constexpr, R: tl.constexpr, G: tl.constexpr, M: tl.constexpr, K: tl.constexpr, H: tl.constexpr,
     W: tl.constexpr, NB: tl.constexpr, PW: tl.constexpr, RB: tl.constexpr, HDR: tl.constexpr,
@@ -143,6 +144,8 @@ def remote_unpack_rows_kernel(
     rr = tl.arange(0, BLOCK_R)
     c, ovoff, goff = received_counts(r1w, par, rr, RANK, R, G, SLOT, PCAP)
     first = _excl(tl.load(rows_from_ptr + rr, mask=rr < R, other=0))  # first output row of each source
+    if tl.sum(c) > ROWS:  # more than the combine send buffer holds (the proxy refuses it too)
+        record_error(err_ptr, ERR_CAPACITY, -1, PHASE_DISPATCH, tl.load(epoch_ptr), tl.sum(c))
     if pid == 0:
         tl.store(recv_rows_ptr + rr, c, mask=rr < R)
     ii = tl.arange(0, BLOCK_RW)
