@@ -284,7 +284,7 @@ def unpack_rows(spec: RemoteSpec, st: RemoteState, round1: torch.Tensor, overflo
     _launch(remote_unpack_rows_kernel, num_programs,
             (round1, overflow, st.rows_from, expert_x.view(torch.uint8).view(torch.int32),
              expert_scales if spec.fp8 else st.rw, recv_topk_idx, recv_topk_weights, recv_src, st.rpos, st.recv_rows,
-             st.epoch),
+             st.err, st.epoch),
             dict(_common(spec), G=spec.node_size, M=spec.max_tokens, K=K, H=H, W=W, NB=nb, PW=spec.payload_bytes // 4,
                  RB=spec.row_bytes, HDR=spec.hdr_bytes, PCAP=spec.private_capacity, OVCAP=spec.overflow_capacity,
                  ROWS=spec.recv_rows, FP8=spec.fp8, BLOCK_RW=16, BLOCK_W=max(16, min(_pow2(W), 256)),

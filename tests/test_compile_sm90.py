@@ -138,3 +138,54 @@ def test_internode_kernels_compile_for_sm90(monkeypatch, tmp_path):
     results = _compile(rec, tmp_path)
     waits = [timers for name, _, _, timers, _ in results if name == "wait_ready_kernel"]
     assert waits and all(t > 0 for t in waits), "wait_ready_kernel compiled without the GPU deadline"
+
+
+def test_rows_kernels_compile_for_sm90(monkeypatch, tmp_path):
+    """The rows layout's launches (decode and prefill, fused and in halves, combine with weights;
+    the inter-node unpack and combine with weights) compile for sm_90 with vector stores."""
+    pytest.importorskip("triton.backends.nvidia")
+    rec = _record(monkeypatch, [(4096, 7168, torch.float8_e4m3fn, "rows", True),
+                                (128, 7168, torch.bfloat16, "rows", True),
+                                (128, 7168, torch.float8_e4m3fn, "rows", False)])
+    g = moe_ep.EPGroup()
+    buf = moe_ep.EPBuffer(g, 256, 7168, 256, 8, layout="rows", num_programs=132)
+    buf.interp, buf.fused = False, True
+    buf._launch = lambda key, fn, grid, args, consts, dynamic=None: rec.append(
+        (fn.fn.__module__, fn.fn.__name__, signature(fn.arg_names, args, consts() if callable(consts) else consts)))
+    h = buf.dispatch(torch.zeros(256, 7168, dtype=torch.bfloat16), torch.zeros(256, 8, dtype=torch.int64),
+                     torch.zeros(256, 8))
+    buf.combine(torch.empty(h.expert_x.shape, dtype=torch.bfloat16), h, topk_weights=torch.zeros(256, 8))
+    buf.close()
+    from moe_ep import remote as R_
+
+    spec = R_.RemoteSpec(rank=0, world=2, node_size=1, num_experts=256, topk=8, hidden=7168, max_tokens=128, fp8=True,
+                         private_capacity=64, overflow_capacity=64, layout="rows")
+    st = R_.RemoteState(spec)
+    regions = {n: torch.zeros(16, dtype=torch.uint8) for n in R_.REGIONS}
+
+    def spy(fn, grid, args, consts):
+        rec.append((fn.fn.__module__, fn.fn.__name__, signature(fn.arg_names, args, dict(consts, INTERP=False)
+                                                                if "INTERP" in consts else consts)))
+
+    monkeypatch.setattr(R_, "_launch", spy)
+    CAP = 2 * 128
+    R_.unpack_rows(spec, st, regions["round1"], regions["overflow"], torch.zeros(CAP, 7168, dtype=torch.float8_e4m3fn),
+                   torch.zeros(CAP, 56), torch.zeros(CAP, 8, dtype=torch.int32), torch.zeros(CAP, 8),
+                   torch.zeros(CAP, dtype=torch.int32), num_programs=132, num_warps=8)
+    R_.combine_pack(spec, st, torch.zeros(CAP, 7168, dtype=torch.bfloat16), regions["comb_send"], num_programs=132,
+                    num_warps=8, topk_weights=torch.zeros(CAP, 8))
+    R_.combine_unpack(spec, st, regions["comb_recv"], torch.zeros(128, 8, dtype=torch.int64),
+                      torch.zeros(128, 7168, dtype=torch.bfloat16), base=torch.zeros(128, 7168), num_programs=132,
+                      num_warps=8, wout=torch.zeros(128, 8))
+    names = [r[1] for r in rec]
+    assert names.count("route_hist_kernel") == 1 and "remote_unpack_rows_kernel" in names, names
+    results = _compile(rec, tmp_path)
+    assert all(byte_stores == 0 for _, _, byte_stores, _, _ in results), results
+    for name, vec_stores, _, _, _ in results:
+        if name in ("remote_unpack_rows_kernel", "remote_combine_pack_kernel", "remote_combine_unpack_kernel"):
+            assert vec_stores > 0, (name, vec_stores)
+    # Every dispatch / combine launch stores rows as vectors, except the two send halves of the
+    # unfused R = 1 buffer: its own rows skip the workspace, so they store no payload at all.
+    node = [v for name, v, _, _, _ in results if name in ("dispatch_kernel", "combine_kernel")]
+    assert len(node) == 10 and sum(v == 0 for v in node) == 2, results
+    assert any(cvts for name, _, _, _, cvts in results if name == "dispatch_kernel"), "no hardware fp8 conversion"

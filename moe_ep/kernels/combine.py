@@ -28,8 +28,8 @@ workspace (the receive half reads them from ``expert_y``).
 import triton
 import triton.language as tl
 
-from .common import (ABORT_FLAG, ERR_CAPACITY, PHASE_COMBINE, PHASE_DISPATCH, chunking, deadline_start, ptr_at,
-                     raise_flag, record_error, to_bf16, wait_flag)
+from .common import (ABORT_FLAG, ERR_CAPACITY, PHASE_COMBINE, PHASE_DISPATCH, chunking, deadline_start, pre_reduce,
+                     ptr_at, raise_flag, record_error, to_bf16, wait_flag)
 
 
 @triton.jit(do_not_specialize=['ws', 'timeout_ns', 'T'])
@@ -105,7 +105,7 @@ def combine_kernel(
                         _send_rows(y_ptr, wy_ptr, r, kk, out, ptr_at(base, off_comb_w, tl.float32) +
                                    ((par * N + RANK) * M + t).to(tl.int64) * K, K, H, WIN, BLOCK_H, STAGES)
                 else:
-                    _send_reduced(y_ptr, r, w, kk, go, out, K, H, BLOCK_T, BLOCK_H, STAGES, INTERP)
+                    pre_reduce(y_ptr, r, w, kk, go, out, K, H, BLOCK_T, BLOCK_H, STAGES, INTERP)
                 tl.debug_barrier()  # every thread's stores happen before the flag's release
                 if ok != 0:  # (else the source times out too, naming this rank: never a stale weight)
                     raise_flag(ptr_at(base, off_cflag, tl.int64) + RANK * CMAX + c, epoch)
@@ -179,21 +179,3 @@ def _send_rows(y_ptr, wy_ptr, r, kk, out, wout, K: tl.constexpr, H: tl.constexpr
         hm = go[:, None] & (hh[None, :] < H)
         tl.store(out[:, None] + hh[None, :], tl.load(y_ptr + rk[:, None] * H + hh[None, :], mask=hm), mask=hm)
 
-
-@triton.jit
-def _send_reduced(y_ptr, r, w, kk, go, out, K: tl.constexpr, H: tl.constexpr, BLOCK_T: tl.constexpr,
-                  BLOCK_H: tl.constexpr, STAGES: tl.constexpr, INTERP: tl.constexpr):
-    """Masked / packed layouts, owner side: ``sum_k w * y[r[:, k]]`` of each token of a chunk
-    (``go``: it has a row here) into its source's ``comb`` slot ``out``, rounded to bf16 once."""
-    for h0 in tl.range(0, H, BLOCK_H, num_stages=STAGES):
-        hh = h0 + tl.arange(0, BLOCK_H)
-        hm = hh[None, :] < H
-        acc = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)
-        for k in tl.static_range(K):
-            # Pre-reduction: this rank's experts of a token sum here, one row goes back.
-            # (A [rows, K, H] block load measured slower: 360 vs 284 us at prefill.)
-            rk = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1).to(tl.int64)
-            wk = tl.sum(tl.where(kk[None, :] == k, w, 0.0), axis=1)
-            y = tl.load(y_ptr + rk[:, None] * H + hh[None, :], mask=(rk[:, None] >= 0) & hm, other=0.0)
-            acc += y.to(tl.float32) * wk[:, None]
-        tl.store(out[:, None] + hh[None, :], to_bf16(acc, INTERP), mask=go[:, None] & hm)

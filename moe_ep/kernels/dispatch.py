@@ -21,9 +21,8 @@ programs one after another, so on a CPU the host launches the two halves separat
 import triton
 import triton.language as tl
 
-from .common import (ERR_BAD_EXPERT, ERR_CAPACITY, PHASE_DISPATCH, abort_combines, chunking, deadline_start, ptr_at,
-                     raise_flag,
-                     payload_tile, record_error, wait_flag)
+from .common import (ERR_BAD_EXPERT, ERR_CAPACITY, PHASE_DISPATCH, abort_combines, chunking, deadline_start,
+                     landed_chunk, payload_cols, payload_tile, ptr_at, raise_flag, record_error, wait_flag)
 from .rows import on_peer, recv_rows_chunk, tokens_before
 
 
@@ -119,13 +118,7 @@ def _send_chunk(c, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, 
         if OWN_X:  # only tokens bound for another node peer are read here
             tm = tm & (tl.max(((dst >= 0) & (dst < N) & (dst != RANK)).to(tl.int32), axis=1) > 0)
         for h0 in tl.range(0, H, BLOCK_H, num_stages=STAGES):
-            hh = h0 + tl.arange(0, BLOCK_H)
-            hm = tm[:, None] & (hh[None, :] < H)
-            if FP8:
-                bb = h0 // 128 + tl.arange(0, BLOCK_H // 128)
-                bm = tm[:, None] & (bb[None, :] < NB)
-            else:
-                bb, bm = hh, hm  # unused
+            hh, hm, bb, bm = payload_cols(h0, tm, H, NB, FP8, BLOCK_H)
             q, sc = payload_tile(x_ptr, xs_ptr, t, hh, hm, bb, bm, H, NB, FP8, PREQ, BLOCK_T, BLOCK_H, INTERP)
             for d in tl.static_range(N):
                 if not (OWN_X and d == RANK):
@@ -154,55 +147,48 @@ def _recv_chunk(s, c, ws, hdr, sel_ptr, scratch_ptr, out_x_ptr, out_s_ptr, recv_
                 BLOCK_W: tl.constexpr, BLOCK_NB: tl.constexpr, STAGES: tl.constexpr, INTERP: tl.constexpr):
     """Waits for chunk ``c`` of source ``s``, then copies each of its rows to every position its
     selections have in the expert layout and records those positions in ``recv_pos``."""
-    ts = tl.load(hdr + s * HDR)
-    BT, NC = chunking(ts, CMAX)
-    if c < NC:
-        ok = wait_flag(ptr_at(ws, off_dflag, tl.int64) + s * CMAX + c, epoch, t0_ns, timeout_ns, err_ptr, NODE0 + s,
-                       PHASE_DISPATCH, INTERP)
-        if ok != 0:
-            rr = tl.arange(0, BLOCK_T)
-            kk = tl.arange(0, BLOCK_K)
-            t = c * BT + rr
-            tm = (rr < BT) & (t < ts)
-            m2 = tm[:, None] & (kk[None, :] < K)
-            slot = (s * M + t).to(tl.int64) + par * (N * M)
-            meta = ptr_at(ws, off_meta_i, tl.int32)
-            lid = tl.load(meta + slot[:, None] * (2 * K) + kk[None, :], mask=m2, other=-1)
-            j = tl.load(meta + slot[:, None] * (2 * K) + K + kk[None, :], mask=m2, other=0)
-            valid = m2 & (lid >= 0)
-            # Rows of expert e from sources below s come first (deterministic order); with other
-            # nodes, every global source below this one, from the count matrix.
-            pos = j
-            if GLOBAL:
-                for s2 in range(NODE0 + s):
-                    pos += tl.load(sel_ptr + s2 * EL + lid, mask=valid, other=0)
-            else:
-                for s2 in range(s):
-                    pos += tl.load(hdr + s2 * HDR + 1 + lid, mask=valid, other=0)
-            if PACKED:
-                r = tl.load(scratch_ptr + lid, mask=valid, other=0) + pos
-                valid = valid & (r < CAP)
-            else:
-                valid = valid & (pos < CAP)
-                r = lid * CAP + pos
-            r = tl.where(valid, r, -1)
-            tl.store(recv_pos_ptr + (s * M + t)[:, None] * K + kk[None, :], r, mask=m2)
-            r = r.to(tl.int64)
-            src = ptr_at(ws, off_rows, tl.int32) + slot * (RB // 4)
-            for w0 in tl.range(0, W, BLOCK_W, num_stages=STAGES):
-                ww = w0 + tl.arange(0, BLOCK_W)
-                wm = tm[:, None] & (ww[None, :] < W)
-                v = tl.load(src[:, None] + ww[None, :], mask=wm)
-                for k in tl.static_range(K):
-                    rk = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1)
-                    tl.store(out_x_ptr + rk[:, None] * W + ww[None, :], v, mask=wm & (rk[:, None] >= 0))
-            if FP8:
-                bb = tl.arange(0, BLOCK_NB)
-                bm = tm[:, None] & (bb[None, :] < NB)
-                sv = tl.load(src[:, None].to(tl.pointer_type(tl.float32)) + H // 4 + bb[None, :], mask=bm)
-                for k in tl.static_range(K):
-                    rk = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1)
-                    tl.store(out_s_ptr + rk[:, None] * NB + bb[None, :], sv, mask=bm & (rk[:, None] >= 0))
+    ok, t, tm, slot = landed_chunk(ws, hdr, s, c, err_ptr, epoch, par, t0_ns, timeout_ns, off_dflag, NODE0, N, M, HDR,
+                                   CMAX, BLOCK_T, INTERP)
+    if ok != 0:
+        kk = tl.arange(0, BLOCK_K)
+        m2 = tm[:, None] & (kk[None, :] < K)
+        meta = ptr_at(ws, off_meta_i, tl.int32)
+        lid = tl.load(meta + slot[:, None] * (2 * K) + kk[None, :], mask=m2, other=-1)
+        j = tl.load(meta + slot[:, None] * (2 * K) + K + kk[None, :], mask=m2, other=0)
+        valid = m2 & (lid >= 0)
+        # Rows of expert e from sources below s come first (deterministic order); with other
+        # nodes, every global source below this one, from the count matrix.
+        pos = j
+        if GLOBAL:
+            for s2 in range(NODE0 + s):
+                pos += tl.load(sel_ptr + s2 * EL + lid, mask=valid, other=0)
+        else:
+            for s2 in range(s):
+                pos += tl.load(hdr + s2 * HDR + 1 + lid, mask=valid, other=0)
+        if PACKED:
+            r = tl.load(scratch_ptr + lid, mask=valid, other=0) + pos
+            valid = valid & (r < CAP)
+        else:
+            valid = valid & (pos < CAP)
+            r = lid * CAP + pos
+        r = tl.where(valid, r, -1)
+        tl.store(recv_pos_ptr + (s * M + t)[:, None] * K + kk[None, :], r, mask=m2)
+        r = r.to(tl.int64)
+        src = ptr_at(ws, off_rows, tl.int32) + slot * (RB // 4)
+        for w0 in tl.range(0, W, BLOCK_W, num_stages=STAGES):
+            ww = w0 + tl.arange(0, BLOCK_W)
+            wm = tm[:, None] & (ww[None, :] < W)
+            v = tl.load(src[:, None] + ww[None, :], mask=wm)
+            for k in tl.static_range(K):
+                rk = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1)
+                tl.store(out_x_ptr + rk[:, None] * W + ww[None, :], v, mask=wm & (rk[:, None] >= 0))
+        if FP8:
+            bb = tl.arange(0, BLOCK_NB)
+            bm = tm[:, None] & (bb[None, :] < NB)
+            sv = tl.load(src[:, None].to(tl.pointer_type(tl.float32)) + H // 4 + bb[None, :], mask=bm)
+            for k in tl.static_range(K):
+                rk = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1)
+                tl.store(out_s_ptr + rk[:, None] * NB + bb[None, :], sv, mask=bm & (rk[:, None] >= 0))
 
 
 @triton.jit(do_not_specialize=['T', 'BT', 'NC', 'ws', 'timeout_ns'])

@@ -20,7 +20,8 @@ The epoch (for the parity copies of the regions peers write) is read on the devi
 import triton
 import triton.language as tl
 
-from .common import ERR_BAD_EXPERT, ERR_CAPACITY, PHASE_DISPATCH, payload_tile, record_error, to_bf16
+from .common import (ERR_BAD_EXPERT, ERR_CAPACITY, PHASE_DISPATCH, payload_cols, payload_tile, pre_reduce,
+                     record_error, to_bf16)
 
 
 @triton.jit
@@ -204,13 +205,7 @@ def remote_pack_kernel(
             tl.store(tw[:, None] + 1 + 2 * K + kk[None, :], w.to(tl.int32, bitcast=True), mask=m2)
         # Payload: each tile read (and quantized) once, stored to every remote destination.
         for h0 in range(0, H, BLOCK_H):
-            hh = h0 + tl.arange(0, BLOCK_H)
-            hm = tm[:, None] & (hh[None, :] < H)
-            if FP8:
-                bb = h0 // 128 + tl.arange(0, BLOCK_H // 128)
-                bm = tm[:, None] & (bb[None, :] < NB)
-            else:
-                bb, bm = hh, hm  # unused
+            hh, hm, bb, bm = payload_cols(h0, tm, H, NB, FP8, BLOCK_H)
             q, sc = payload_tile(x_ptr, xs_ptr, t, hh, hm, bb, bm, H, NB, FP8, PREQ, BLOCK_T, BLOCK_H, INTERP)
             for k in tl.static_range(K):
                 okd = _col(okk.to(tl.int32), kk, k) > 0
@@ -254,6 +249,32 @@ def remote_sel_kernel(
 
 
 @triton.jit
+def received_counts(r1w, par, rr, RANK: tl.constexpr, R: tl.constexpr, G: tl.constexpr, SLOT: tl.constexpr,
+                    PCAP: tl.constexpr):
+    """``(c, ovoff, goff)`` per source (indexed by ``rr``): ``c_{s,RANK}`` from each remote source's
+    round-1 header (0 for the others), the first overflow row of each (remote s' < s), the first
+    received-row index in combine order of each. ``r1w``: the round-1 region as int32 words."""
+    remote = (rr < R) & (rr // G != RANK // G)
+    c = tl.load(r1w + ((par * R + rr) * SLOT) // 4 + RANK, mask=remote, other=0)
+    return c, _excl(tl.maximum(c - PCAP, 0)), _excl(c)
+
+
+@triton.jit
+def received_row(r1w, ovw, par, s, i, n, g, ov0, R: tl.constexpr, SLOT: tl.constexpr, HDR: tl.constexpr,
+                 RB: tl.constexpr, PCAP: tl.constexpr, OVCAP: tl.constexpr, ROWS: tl.constexpr):
+    """``(words, mask)``: where row ``i`` of remote source ``s`` (``n`` rows, combine index ``g``,
+    first overflow row ``ov0``) is, as int32 words: its round-1 slot for ``i < PCAP``, else the
+    shared overflow region. (The proxy raises no ready word for counts that do not fit; the
+    bounds only keep reads in.)"""
+    in1 = i < PCAP
+    im = (i < n) & (g < ROWS) & (in1 | (ov0 + i - PCAP < OVCAP))
+    w1 = ((par * R + s) * SLOT + HDR + i.to(tl.int64) * RB) // 4
+    w2 = (par * OVCAP * RB + (ov0 + i - PCAP).to(tl.int64) * RB) // 4
+    src = tl.where(in1, r1w + tl.multiple_of(tl.where(in1, w1, 0), 4), ovw + tl.multiple_of(tl.where(in1, 0, w2), 4))
+    return src, im
+
+
+@triton.jit
 def _scatter(ptr, r, kk, width: tl.constexpr, cols, v, m, K: tl.constexpr):
     """Stores the tile ``v`` [rows, cols] at row ``r[:, k]`` (row width ``width``) of ``ptr`` for
     every k with ``r[:, k] >= 0``."""
@@ -290,11 +311,7 @@ def remote_unpack_kernel(
     r1w = round1_ptr.to(tl.pointer_type(tl.int32))
     ovw = overflow_ptr.to(tl.pointer_type(tl.int32))
     rr = tl.arange(0, BLOCK_R)
-    remote = (rr < R) & (rr // G != RANK // G)
-    # c_{s,RANK} from each remote source's round-1 header; the protocol's offsets follow from it.
-    c = tl.load(r1w + ((par * R + rr) * SLOT) // 4 + RANK, mask=remote, other=0)
-    ovoff = _excl(tl.maximum(c - PCAP, 0))     # first overflow row of each source (remote s' < s)
-    goff = _excl(c)                            # first received-row index (combine order) of each source
+    c, ovoff, goff = received_counts(r1w, par, rr, RANK, R, G, SLOT, PCAP)
     ee = tl.arange(0, BLOCK_EL)
     em = ee < EL
     tot = tl.zeros((BLOCK_EL,), tl.int32)
@@ -325,14 +342,7 @@ def remote_unpack_kernel(
         for b in range(pid, tl.cdiv(n, BLOCK_RW), P):
             i = b * BLOCK_RW + ii
             g = g0 + i
-            # Row i of source s: its round-1 slot for i < PCAP, else the shared overflow region. (The
-            # proxy raises no ready word for counts that do not fit; the bounds only keep reads in.)
-            in1 = i < PCAP
-            im = (i < n) & (g < ROWS) & (in1 | (ov0 + i - PCAP < OVCAP))
-            w1 = ((par * R + s) * SLOT + HDR + i.to(tl.int64) * RB) // 4
-            w2 = (par * OVCAP * RB + (ov0 + i - PCAP).to(tl.int64) * RB) // 4
-            src = tl.where(in1, r1w + tl.multiple_of(tl.where(in1, w1, 0), 4),
-                           ovw + tl.multiple_of(tl.where(in1, 0, w2), 4))
+            src, im = received_row(r1w, ovw, par, s, i, n, g, ov0, R, SLOT, HDR, RB, PCAP, OVCAP, ROWS)
             m2 = im[:, None] & (kk[None, :] < K)
             lid = tl.load(src[:, None] + PW + 1 + kk[None, :], mask=m2, other=-1)
             j = tl.load(src[:, None] + PW + 1 + K + kk[None, :], mask=m2, other=0)
@@ -400,18 +410,9 @@ def remote_combine_pack_kernel(
                 tl.store(dst.to(tl.pointer_type(tl.bfloat16))[:, None] + hh[None, :],
                          tl.load(y_ptr + row[:, None] * H + hh[None, :], mask=hm), mask=hm)
         else:
+            # Pre-reduction: this rank's experts of the row sum here (float32), one bf16 row goes back.
             w = tl.load(rw_ptr + g[:, None] * K + kk[None, :], mask=m2, other=0.0)
-            for h0 in range(0, H, BLOCK_H):
-                hh = h0 + tl.arange(0, BLOCK_H)
-                hm = hh[None, :] < H
-                acc = tl.zeros((BLOCK_RW, BLOCK_H), tl.float32)
-                for k in tl.static_range(K):
-                    # Pre-reduction: this rank's experts of the row sum here (float32), one bf16 row goes back.
-                    rk = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1).to(tl.int64)
-                    wk = tl.sum(tl.where(kk[None, :] == k, w, 0.0), axis=1)
-                    y = tl.load(y_ptr + rk[:, None] * H + hh[None, :], mask=(rk[:, None] >= 0) & hm, other=0.0)
-                    acc += y.to(tl.float32) * wk[:, None]
-                tl.store(out + g.to(tl.int64)[:, None] * H + hh[None, :], to_bf16(acc, INTERP), mask=gm[:, None] & hm)
+            pre_reduce(y_ptr, r, w, kk, gm, out + g.to(tl.int64) * H, K, H, BLOCK_RW, BLOCK_H, 1, INTERP)
 
 
 @triton.jit(do_not_specialize=['T'])

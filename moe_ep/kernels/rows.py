@@ -13,8 +13,8 @@ from ``x`` (and its combine's from ``expert_y``), which halves the bytes moved a
 import triton
 import triton.language as tl
 
-from .common import PHASE_DISPATCH, chunking, payload_tile, ptr_at, wait_flag
-from .remote import _excl, _pick
+from .common import ERR_CAPACITY, PHASE_DISPATCH, landed_chunk, payload_cols, payload_tile, ptr_at, record_error
+from .remote import _excl, _pick, received_counts, received_row
 
 
 @triton.jit
@@ -61,70 +61,56 @@ def recv_rows_chunk(s, c, ws, hdr, rows_from_ptr, x_ptr, xs_ptr, out_x_ptr, out_
     """Waits for chunk ``c`` of node source ``s``, then writes each of its tokens that selected an
     expert of this rank as one row: payload (and scales), local ids, weights, source; records the
     row in ``recv_pos[s, t, 0]`` (-1: none) for combine."""
-    ts = tl.load(hdr + s * HDR)
-    BT, NC = chunking(ts, CMAX)
-    if c < NC:
-        ok = wait_flag(ptr_at(ws, off_dflag, tl.int64) + s * CMAX + c, epoch, t0_ns, timeout_ns, err_ptr, NODE0 + s,
-                       PHASE_DISPATCH, INTERP)
-        if ok != 0:
-            rr = tl.arange(0, BLOCK_T)
-            kk = tl.arange(0, BLOCK_K)
-            t = c * BT + rr
-            tm = (rr < BT) & (t < ts)
-            m2 = tm[:, None] & (kk[None, :] < K)
-            slot = (s * M + t).to(tl.int64) + par * (N * M)
-            meta = ptr_at(ws, off_meta_i, tl.int32) + slot * (2 * K)
-            lid = tl.load(meta[:, None] + kk[None, :], mask=m2, other=-1)
-            pos = tl.load(meta + K, mask=tm, other=0)
-            w = tl.load(ptr_at(ws, off_meta_w, tl.float32) + slot[:, None] * K + kk[None, :], mask=m2 & (lid >= 0),
-                        other=0.0)
-            has = tm & (tl.max((lid >= 0).to(tl.int32), axis=1) > 0)
-            # Rows of every source below s come first: the order (source rank, source token).
-            base = tl.zeros([], tl.int32)
-            if GLOBAL:
-                for s2 in range(NODE0 + s):
-                    base += tl.load(rows_from_ptr + s2)
-            else:
-                for s2 in range(s):
-                    base += tl.load(hdr + s2 * HDR + 1 + EL)
-            row = tl.where(has, base + pos, -1)
-            tl.store(recv_pos_ptr + (s * M + t) * K, row, mask=tm)
-            r = row.to(tl.int64)
-            hm2 = has[:, None] & (kk[None, :] < K)
-            tl.store(ids_ptr + r[:, None] * K + kk[None, :], lid, mask=hm2)
-            tl.store(wts_ptr + r[:, None] * K + kk[None, :], w, mask=hm2)
-            tl.store(src_ptr + r, (NODE0 + s) * M + t, mask=has)
-            if OWN_X and (s == RANK):
-                # This rank's own rows come straight from x (quantized here for fp8): the send half
-                # stored no payload into this rank's workspace.
-                for h0 in tl.range(0, H, BLOCK_H, num_stages=STAGES):
-                    hh = h0 + tl.arange(0, BLOCK_H)
-                    hm = has[:, None] & (hh[None, :] < H)
-                    if FP8:
-                        bb = h0 // 128 + tl.arange(0, BLOCK_H // 128)
-                        bm = has[:, None] & (bb[None, :] < NB)
-                    else:
-                        bb, bm = hh, hm  # unused
-                    q, sc = payload_tile(x_ptr, xs_ptr, t, hh, hm, bb, bm, H, NB, FP8, PREQ, BLOCK_T, BLOCK_H, INTERP)
-                    if FP8:
-                        tl.store(out_x_ptr.to(tl.pointer_type(tl.uint8)) + r[:, None] * H + hh[None, :], q, mask=hm)
-                        tl.store(out_s_ptr + r[:, None] * NB + bb[None, :], sc, mask=bm)
-                    else:
-                        tl.store(out_x_ptr.to(tl.pointer_type(tl.bfloat16)) + r[:, None] * H + hh[None, :], q,
-                                 mask=hm)
-            else:
-                src = ptr_at(ws, off_rows, tl.int32) + slot * (RB // 4)
-                for w0 in tl.range(0, W, BLOCK_W, num_stages=STAGES):
-                    ww = w0 + tl.arange(0, BLOCK_W)
-                    wm = has[:, None] & (ww[None, :] < W)
-                    tl.store(out_x_ptr + r[:, None] * W + ww[None, :], tl.load(src[:, None] + ww[None, :], mask=wm),
-                             mask=wm)
+    ok, t, tm, slot = landed_chunk(ws, hdr, s, c, err_ptr, epoch, par, t0_ns, timeout_ns, off_dflag, NODE0, N, M, HDR,
+                                   CMAX, BLOCK_T, INTERP)
+    if ok != 0:
+        kk = tl.arange(0, BLOCK_K)
+        m2 = tm[:, None] & (kk[None, :] < K)
+        meta = ptr_at(ws, off_meta_i, tl.int32) + slot * (2 * K)
+        lid = tl.load(meta[:, None] + kk[None, :], mask=m2, other=-1)
+        pos = tl.load(meta + K, mask=tm, other=0)
+        w = tl.load(ptr_at(ws, off_meta_w, tl.float32) + slot[:, None] * K + kk[None, :], mask=m2 & (lid >= 0),
+                    other=0.0)
+        has = tm & (tl.max((lid >= 0).to(tl.int32), axis=1) > 0)
+        # Rows of every source below s come first: the order (source rank, source token).
+        base = tl.zeros([], tl.int32)
+        if GLOBAL:
+            for s2 in range(NODE0 + s):
+                base += tl.load(rows_from_ptr + s2)
+        else:
+            for s2 in range(s):
+                base += tl.load(hdr + s2 * HDR + 1 + EL)
+        row = tl.where(has, base + pos, -1)
+        tl.store(recv_pos_ptr + (s * M + t) * K, row, mask=tm)
+        r = row.to(tl.int64)
+        hm2 = has[:, None] & (kk[None, :] < K)
+        tl.store(ids_ptr + r[:, None] * K + kk[None, :], lid, mask=hm2)
+        tl.store(wts_ptr + r[:, None] * K + kk[None, :], w, mask=hm2)
+        tl.store(src_ptr + r, (NODE0 + s) * M + t, mask=has)
+        if OWN_X and (s == RANK):
+            # This rank's own rows come straight from x (quantized here for fp8): the send half
+            # stored no payload into this rank's workspace.
+            for h0 in tl.range(0, H, BLOCK_H, num_stages=STAGES):
+                hh, hm, bb, bm = payload_cols(h0, has, H, NB, FP8, BLOCK_H)
+                q, sc = payload_tile(x_ptr, xs_ptr, t, hh, hm, bb, bm, H, NB, FP8, PREQ, BLOCK_T, BLOCK_H, INTERP)
                 if FP8:
-                    bb = tl.arange(0, BLOCK_NB)
-                    bm = has[:, None] & (bb[None, :] < NB)
-                    sv = tl.load(src[:, None].to(tl.pointer_type(tl.float32)) + H // 4 + bb[None, :], mask=bm)
-                    tl.store(out_s_ptr + r[:, None] * NB + bb[None, :], sv, mask=bm)
-
+                    tl.store(out_x_ptr.to(tl.pointer_type(tl.uint8)) + r[:, None] * H + hh[None, :], q, mask=hm)
+                    tl.store(out_s_ptr + r[:, None] * NB + bb[None, :], sc, mask=bm)
+                else:
+                    tl.store(out_x_ptr.to(tl.pointer_type(tl.bfloat16)) + r[:, None] * H + hh[None, :], q,
+                             mask=hm)
+        else:
+            src = ptr_at(ws, off_rows, tl.int32) + slot * (RB // 4)
+            for w0 in tl.range(0, W, BLOCK_W, num_stages=STAGES):
+                ww = w0 + tl.arange(0, BLOCK_W)
+                wm = has[:, None] & (ww[None, :] < W)
+                tl.store(out_x_ptr + r[:, None] * W + ww[None, :], tl.load(src[:, None] + ww[None, :], mask=wm),
+                         mask=wm)
+            if FP8:
+                bb = tl.arange(0, BLOCK_NB)
+                bm = has[:, None] & (bb[None, :] < NB)
+                sv = tl.load(src[:, None].to(tl.pointer_type(tl.float32)) + H // 4 + bb[None, :], mask=bm)
+                tl.store(out_s_ptr + r[:, None] * NB + bb[None, :], sv, mask=bm)
 
 
 @triton.jit
@@ -139,6 +125,7 @@ def remote_unpack_rows_kernel(
     src_ptr,           # int32 [R*M]: out, source rank * M + source token
     rpos_ptr,          # int32 [ROWS, K]: out, [g, 0] = the row of received row g (combine order)
     recv_rows_ptr,     # int32 [R]: out, rows received from each remote source (0 for the others)
+    err_ptr,           # int64 [8]
     epoch_ptr,         # int64 [1]
     RANK: tl.constexpr, R: tl.constexpr, G: tl.constexpr, M: tl.constexpr, K: tl.constexpr, H: tl.constexpr,
     W: tl.constexpr, NB: tl.constexpr, PW: tl.constexpr, RB: tl.constexpr, HDR: tl.constexpr,
@@ -155,11 +142,10 @@ def remote_unpack_rows_kernel(
     r1w = round1_ptr.to(tl.pointer_type(tl.int32))
     ovw = overflow_ptr.to(tl.pointer_type(tl.int32))
     rr = tl.arange(0, BLOCK_R)
-    remote = (rr < R) & (rr // G != RANK // G)
-    c = tl.load(r1w + ((par * R + rr) * SLOT) // 4 + RANK, mask=remote, other=0)
-    ovoff = _excl(tl.maximum(c - PCAP, 0))     # first overflow row of each source (remote s' < s)
-    goff = _excl(c)                            # first received row (combine order) of each source
+    c, ovoff, goff = received_counts(r1w, par, rr, RANK, R, G, SLOT, PCAP)
     first = _excl(tl.load(rows_from_ptr + rr, mask=rr < R, other=0))  # first output row of each source
+    if tl.sum(c) > ROWS:  # more than the combine send buffer holds (the proxy refuses it too)
+        record_error(err_ptr, ERR_CAPACITY, -1, PHASE_DISPATCH, tl.load(epoch_ptr), tl.sum(c))
     if pid == 0:
         tl.store(recv_rows_ptr + rr, c, mask=rr < R)
     ii = tl.arange(0, BLOCK_RW)
@@ -172,12 +158,7 @@ def remote_unpack_rows_kernel(
         for b in range(pid, tl.cdiv(n, BLOCK_RW), P):
             i = b * BLOCK_RW + ii
             g = g0 + i
-            in1 = i < PCAP
-            im = (i < n) & (g < ROWS) & (in1 | (ov0 + i - PCAP < OVCAP))
-            w1 = ((par * R + s) * SLOT + HDR + i.to(tl.int64) * RB) // 4
-            w2 = (par * OVCAP * RB + (ov0 + i - PCAP).to(tl.int64) * RB) // 4
-            src = tl.where(in1, r1w + tl.multiple_of(tl.where(in1, w1, 0), 4),
-                           ovw + tl.multiple_of(tl.where(in1, 0, w2), 4))
+            src, im = received_row(r1w, ovw, par, s, i, n, g, ov0, R, SLOT, HDR, RB, PCAP, OVCAP, ROWS)
             m2 = im[:, None] & (kk[None, :] < K)
             tok = tl.load(src + PW, mask=im, other=0)
             lid = tl.load(src[:, None] + PW + 1 + kk[None, :], mask=m2, other=-1)
