@@ -71,18 +71,12 @@ TOPOLOGIES = {"2x1-round2-only": (2, 1, 0), "2x1-default": (2, 1, None), "2x2-pc
 
 
 @pytest.mark.parametrize("topo", list(TOPOLOGIES))
-def test_matrix_gpu_internode(topo):
+@pytest.mark.parametrize("layouts", ["masked-packed", "rows"])
+def test_matrix_gpu_internode(topo, layouts):
     R, G, pc = TOPOLOGIES[topo]
-    cases = [Case(R=R, calls=CALLS, seed=90 + i + 100 * (R > 2), **{**kw, "E": kw["E"] * R // 2})
-             for i, kw in enumerate(CASES)]
-    _run(R, _matrix_worker, cases, pc, G)
-
-
-@pytest.mark.parametrize("topo", list(TOPOLOGIES))
-def test_rows_gpu_internode(topo):
-    R, G, pc = TOPOLOGIES[topo]
-    cases = [Case(R=R, calls=CALLS, seed=190 + i + 100 * (R > 2), **{**kw, "E": kw["E"] * R // 2})
-             for i, kw in enumerate(ROWS_CASES)]
+    kws, seed = (CASES, 90) if layouts == "masked-packed" else (ROWS_CASES, 190)
+    cases = [Case(R=R, calls=CALLS, seed=seed + i + 100 * (R > 2), **{**kw, "E": kw["E"] * R // 2})
+             for i, kw in enumerate(kws)]
     _run(R, _matrix_worker, cases, pc, G)
 
 
