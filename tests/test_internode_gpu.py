@@ -50,6 +50,11 @@ CASES = [
     dict(E=4, K=2, dtype="fp8pre", layout="packed", H=384, M=16, data="random"),
     dict(E=16, K=8, dtype="fp8", layout="masked", H=7168, M=128, data="random"),  # decode rows
 ]
+ROWS_CASES = [  # the rows layout (one row per (token, rank); tests/test_rows.py on CPU)
+    dict(E=8, K=4, dtype="fp8", layout="rows", H=256, M=32, data="random"),
+    dict(E=8, K=8, dtype="bf16", layout="rows", H=128, M=48),
+    dict(E=4, K=2, dtype="fp8pre", layout="rows", H=384, M=16, data="random"),
+]
 
 
 def _run(R: int, fn, *args):
@@ -66,17 +71,20 @@ TOPOLOGIES = {"2x1-round2-only": (2, 1, 0), "2x1-default": (2, 1, None), "2x2-pc
 
 
 @pytest.mark.parametrize("topo", list(TOPOLOGIES))
-def test_matrix_gpu_internode(topo):
+@pytest.mark.parametrize("layouts", ["masked-packed", "rows"])
+def test_matrix_gpu_internode(topo, layouts):
     R, G, pc = TOPOLOGIES[topo]
-    cases = [Case(R=R, calls=CALLS, seed=90 + i + 100 * (R > 2), **{**kw, "E": kw["E"] * R // 2})
-             for i, kw in enumerate(CASES)]
+    kws, seed = (CASES, 90) if layouts == "masked-packed" else (ROWS_CASES, 190)
+    cases = [Case(R=R, calls=CALLS, seed=seed + i + 100 * (R > 2), **{**kw, "E": kw["E"] * R // 2})
+             for i, kw in enumerate(kws)]
     _run(R, _matrix_worker, cases, pc, G)
 
 
 @pytest.mark.parametrize("R,G", [(2, 1), (4, 2)], ids=["2x1", "2x2"])
 @pytest.mark.parametrize("kw", [dict(dtype="fp8", layout="masked", K=8, data="random"),
-                                dict(dtype="bf16", layout="packed", align=16, K=2, data="tagged")],
-                         ids=["fp8-masked", "bf16-packed"])
+                                dict(dtype="bf16", layout="packed", align=16, K=2, data="tagged"),
+                                dict(dtype="fp8", layout="rows", K=8, data="tagged")],
+                         ids=["fp8-masked", "bf16-packed", "fp8-rows"])
 def test_cuda_graph_replay_internode(kw, R, G):
     from test_dispatch_combine import _graph_worker
 

@@ -76,12 +76,12 @@ def _misuse(buf, case: Case, group) -> list:
     return log
 
 
-def _worker(rank, world_size, cases, node_size, misuse):
+def _worker(rank, world_size, cases, node_size, misuse, timeout_s=30.0):
     import moe_ep
 
     group = moe_ep.EPGroup(node_size=node_size)  # in a gloo-cuda pool: cuda:<rank % GPUs>
     bufs = [moe_ep.EPBuffer(group, c.E, c.H, c.M, c.K, dispatch_dtype=DTYPES[c.dtype], layout=c.layout,
-                            expert_alignment=c.align, timeout_s=30.0) for c in cases]
+                            expert_alignment=c.align, timeout_s=timeout_s) for c in cases]
     try:
         fails = []
         for call in range(len(cases[0].calls)):
