@@ -118,7 +118,7 @@ def main(argv=None) -> None:
         med = statistics.median
         lines.append(f"host to issue (median, no sync): dispatch {med(t_d + t_d2):.1f} us, combine {med(t_c):.1f} us, "
                      f"combine(out=) {med(t_co):.1f} us   [launch path {launch_path()}]")
-        # host time of each half alone would desynchronise the ranks: time the pair, then profile
+        # where the host time of the pairs goes
         pr = cProfile.Profile()
         pr.enable()
         for _ in range(args.calls):
