@@ -72,7 +72,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     import moe_ep
     from moe_ep.group import init_distributed
-    from moe_ep.kernels.launch import launch, launch_path
+    from moe_ep.kernels.launch import Launcher, NativePlan, _hot, launch, launch_path
 
     how = init_distributed()
     group = moe_ep.EPGroup()
@@ -136,6 +136,18 @@ def main(argv=None) -> None:
         e1 = _host_us(lambda: launch(_empty_kernel, 1, (a, 3), {}), 1000)
         e2 = _host_us(lambda: _empty_kernel[(1,)](a, 3), 1000)
         lines.append(f"empty kernel launch, host: moe_ep launch() {e1:.1f} us, kernel[grid] {e2:.1f} us")
+        # what one launch costs below Python: a bound plan (pack + one ctypes call + cuLaunchKernel),
+        # a ctypes call that does nothing, and a tiny torch op for comparison
+        la = Launcher(dev)
+        plan = la(("empty",), _empty_kernel, 1, (a, 3), {}, (0,))
+        if isinstance(plan, NativePlan):
+            b, s, p0 = plan.bind((a, 3), [0]), la.stream(), a.data_ptr()
+            e3 = _host_us(lambda: b.launch(s, (p0,)), 1000)
+            nop = _hot().moe_ep_abi_version
+            e4 = _host_us(nop, 1000)
+            e5 = _host_us(lambda: a.add_(1), 1000)
+            lines.append(f"one native launch (bound plan) {e3:.1f} us; a no-op ctypes call {e4:.2f} us; "
+                         f"torch a.add_(1) {e5:.1f} us")
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(50):

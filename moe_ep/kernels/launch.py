@@ -119,13 +119,14 @@ class _Native:
         if self.id < 0:
             raise NativeUnavailable(nat.last_error())
         self.nslots = len(slots)
-        self.stage = (ctypes.c_int64 * (1 + len(slots))).from_address(L.moe_ep_launch_plan_stage(self.id))
-        self._pack = struct.Struct(f"<{1 + len(slots)}q").pack_into
+        self.stage = (ctypes.c_uint64 * (1 + len(slots))).from_address(L.moe_ep_launch_plan_stage(self.id))
+        # unsigned: values come as _raw gives them (two's complement); the C side keeps the low bytes
+        self._pack = struct.Struct(f"<{1 + len(slots)}Q").pack_into
         self._go = _hot().moe_ep_launch
         self.params = L.moe_ep_launch_plan_params
 
     def launch(self, stream: int, values) -> None:
-        """Launches on ``stream`` with ``values`` (ints, one per slot)."""
+        """Launches on ``stream`` with ``values`` (one per slot: pointers, or ints as ``_raw`` gives them)."""
         self._pack(self.stage, 0, stream, *values)
         if self._go(self.id):
             nat = _native_lib()
@@ -133,7 +134,7 @@ class _Native:
 
     def packed(self, values) -> bytes:
         """The parameter bytes a launch with ``values`` passes (what ``launch`` would hand the driver)."""
-        self._pack(self.stage, 0, 0, *values)
+        self._pack(self.stage, 0, 0, *(v & (2**64 - 1) for v in values))
         buf = ctypes.create_string_buffer(4096)
         n = self.params(self.id, buf, len(buf))
         return buf.raw[:n]
