@@ -18,6 +18,7 @@ from .fp8 import num_scale_blocks
 from .group import EPGroup
 from .handle import DispatchResult
 from .kernels.launch import Launcher
+from .replay import Replay
 from .layout import WorkspaceLayout, chunking
 from .memory import SymmetricWorkspace, check_device_memory
 
@@ -201,6 +202,8 @@ class EPBuffer:
         self.remote = self._start_remote(private_capacity, overflow_capacity) if G < R else None
         # What every launch passes and never changes, ready for the cheap launch path.
         self._launch = Launcher(dev)
+        self._replays = (Replay(), Replay())  # dispatch's, combine's (moe_ep.replay)
+        self._err_ptr = self.err.data_ptr()
         self._ws_ptr = self.workspace.local.data_ptr()
         self._timeout_ns = int(self.timeout_s * 1e9)
         self._out_scales = self.expert_scales if self.fp8 else self.err
@@ -235,7 +238,7 @@ class EPBuffer:
         return _dispatch.dispatch(self, x, topk_idx, topk_weights, x_scales, return_recv_hook)
 
     def combine(self, expert_y: torch.Tensor, handle: DispatchResult, return_recv_hook: bool = False,
-                topk_weights: Optional[torch.Tensor] = None):
+                topk_weights: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None):
         """Weighted sum of the expert outputs back on each token's rank.
 
         Args:
@@ -251,6 +254,10 @@ class EPBuffer:
                 owners first, so the combine waits one more flag per peer. Node peers only:
                 ``ValueError`` with other nodes. Rows layout: float32 ``[R*max_tokens, K]`` per
                 received row (rows ``< num_recv`` read); their sums over ranks come back with ``out``.
+            out: optional ``[T, H]`` bfloat16 contiguous tensor on the buffer's device to write the
+                result into (it is returned), saving an allocation per call; it must not overlap
+                ``expert_y``, and it is written on the current stream when the combine runs, so it
+                must stay alive (and unread by other streams) until then. Default: a new tensor.
         Returns:
             ``[T, H]`` bfloat16: masked/packed ``out[t] = sum_k w[t,k] * y(t, topk_idx[t,k])`` (float32
             sum, one rounding per owner); rows: ``out[t] = sum over the ranks that received t of
@@ -259,7 +266,7 @@ class EPBuffer:
             sum over ranks of the rows' ``topk_weights``. With ``return_recv_hook``: ``(that, hook)``.
         """
         self._check_usable()
-        return _combine.combine(self, expert_y, handle, return_recv_hook, topk_weights)
+        return _combine.combine(self, expert_y, handle, return_recv_hook, topk_weights, out)
 
     def synchronize(self) -> None:
         """Waits for this buffer's work on the device, then raises any error a kernel recorded."""

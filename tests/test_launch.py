@@ -7,7 +7,9 @@ compile, which positions are read again. What it hands Triton's C launcher befor
 Triton's source; on a GPU (``-m gpu``) with what Triton's own launch passes, call for call.
 """
 import inspect
+import struct
 import re
+import types
 
 import pytest
 import torch
@@ -25,6 +27,8 @@ def _k(a_ptr, b_ptr, n, BLOCK: tl.constexpr, FLAG: tl.constexpr):
 
 class _Compiled:
     function, packed_metadata = 7, (1, 2)
+    src = types.SimpleNamespace(signature={"a_ptr": "*fp32", "b_ptr": "*i32", "n": "i32", "BLOCK": "constexpr",
+                                           "FLAG": "constexpr"})
 
     def __init__(self):
         self.calls = []
@@ -48,6 +52,7 @@ def fake_gpu(monkeypatch):
             return go
 
     monkeypatch.setattr(L, "_interpreting", lambda: False)
+    monkeypatch.setenv("MOE_EP_LAUNCH", "triton")  # the stand-in has no CUfunction: Triton's launcher path
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda dev: 1000 + dev, raising=False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(L, "_GLOBAL", L.Launcher())
@@ -126,11 +131,13 @@ def _axpb(x_ptr, y_ptr, n, BLOCK: tl.constexpr, ADD: tl.constexpr):
 
 
 @pytest.mark.gpu
-def test_cached_launch_matches_tritons_launch_gpu():
-    """Triton's own launch and the Launcher's cached one hand CompiledKernel.run the same values
-    (but for launch metadata and hooks), and the cached launch computes the right thing."""
+def test_cached_launch_matches_tritons_launch_gpu(monkeypatch):
+    """Triton's own launch and the Launcher's cached one (MOE_EP_LAUNCH=triton: through Triton's
+    launcher) hand CompiledKernel.run the same values (but for launch metadata and hooks), and the
+    cached launch computes the right thing."""
     if dist_util.cuda_device_count() < 1:
         pytest.skip("needs a CUDA GPU")
+    monkeypatch.setenv("MOE_EP_LAUNCH", "triton")
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
     x = torch.arange(64, dtype=torch.float32, device=dev)
@@ -155,3 +162,137 @@ def test_cached_launch_matches_tritons_launch_gpu():
     assert theirs[:6] == ours[:6]                          # grid, stream, function, metadata
     assert theirs[9:] == ours[9:]                          # the arguments (tensors as addresses), constexprs
     assert torch.equal(y2, x * 5 + 1) and torch.equal(y1, y2)
+
+
+# ---------------------------------------------------------------------------- the native path
+def _triton_param_types(signature: dict) -> list:
+    """The C types of the parameters Triton's own launcher hands cuLaunchKernel for ``signature``
+    (read from the source its make_launcher generates: the ``params`` array and the declarations
+    of ``_launch``)."""
+    from triton.backends.nvidia.driver import make_launcher
+
+    src = make_launcher({}, signature, None)
+    decl = re.search(r"static void _launch\(([^)]*)\)", src).group(1)
+    types_of = {name: ty for ty, name in (d.strip().rsplit(" ", 1) for d in decl.split(","))}
+    params = re.search(r"void \*params\[\] = \{([^}]*)\}", src).group(1)
+    return [types_of[p.strip().lstrip("&")] for p in params.split(",") if p.strip()]
+
+
+_C_SIZES = {"CUdeviceptr": 8, "int8_t": 1, "uint8_t": 1, "int16_t": 2, "uint16_t": 2, "int32_t": 4, "uint32_t": 4,
+            "int64_t": 8, "uint64_t": 8}
+
+_SIGNATURES = [
+    {"x": "*bf16", "y": "*fp32", "T": "i32", "BLOCK": "constexpr"},
+    {"a": "*u8", "n": "i64", "flag": "i1", "C": "constexpr", "s": "fp32", "h": "bf16", "q": "u16", "r": "i8"},
+    {"only": "constexpr"},
+    {"p": "*i64", "q": "*i32", "w": "fp16", "d": "fp64", "u": "u32", "v": "u64", "k": "i16", "b": "u8"},
+]
+
+
+@pytest.mark.parametrize("sig", _SIGNATURES, ids=range(len(_SIGNATURES)))
+def test_param_sizes_are_those_of_tritons_launcher(sig):
+    """What the native plan packs per parameter is what the installed Triton's launcher passes:
+    the same parameters in the same order (constexprs dropped, the two scratch pointers last),
+    each of the same size."""
+    assert L.param_sizes(list(sig.values())) == [_C_SIZES[t] for t in _triton_param_types(sig)]
+
+
+def test_param_sizes_refuse_unknown_types():
+    with pytest.raises(ValueError, match="signature: no native packing"):
+        L.param_sizes(["*fp32", "tensordesc<fp32[16, 16]>"])
+
+
+def _fake_compiled(signature: dict, **meta):
+    md = dict(global_scratch_size=0, profile_scratch_size=0, num_ctas=1, launch_cooperative_grid=False,
+              launch_pdl=False, num_warps=4, shared=0)
+    md.update(meta)
+    # function 0: a native plan that packs but cannot launch (no driver needed)
+    return types.SimpleNamespace(src=types.SimpleNamespace(signature=signature), metadata=types.SimpleNamespace(**md),
+                                 name="k", function=0, run=None, packed_metadata=(4, 1, 0))
+
+
+class _Fn:
+    arg_names = ["x_ptr", "y_ptr", "T", "ONE", "scale", "flag", "BLOCK"]
+
+
+_SIG = {"x_ptr": "*bf16", "y_ptr": "*i32", "T": "i32", "ONE": "constexpr", "scale": "fp32", "flag": "i1",
+        "BLOCK": "constexpr"}
+
+
+def test_native_plan_packs_every_parameter_and_patches_the_dynamic_ones():
+    """The bytes a native launch hands the driver: each non-constexpr argument at its C alignment
+    (struct's native layout), the scratch pointers 0; dynamic arguments re-read per launch; a bound
+    launch fixes the other dynamic values at those of the call it was bound from."""
+    x, y = torch.zeros(8, dtype=torch.bfloat16), torch.zeros(8, dtype=torch.int32)
+    args = (x, y, 5, 1, 0.75, True)
+    plan = L.NativePlan(_fake_compiled(_SIG), 3, args, dict(BLOCK=16), (0, 2), _Fn.arg_names)
+
+    def expect(xp, yp, T):
+        return struct.pack("@QQifbxxxQQ", xp, yp, T, 0.75, 1, 0, 0)
+    assert plan._all.packed([x.data_ptr(), 5]) == expect(x.data_ptr(), y.data_ptr(), 5)
+    assert plan._all.packed([x.data_ptr() + 64, 2**31 - 1]) == expect(x.data_ptr() + 64, y.data_ptr(), 2**31 - 1)
+    assert plan._all.packed([x.data_ptr(), -3]) == expect(x.data_ptr(), y.data_ptr(), -3)
+    bound = plan.bind((x, y, 77, 1, 0.75, True), [0])      # T fixed at 77, x patched per launch
+    assert bound.packed([4096]) == expect(4096, y.data_ptr(), 77)
+    assert plan.bind((x, y, 77, 1, 0.75, True), [0]) is bound  # kept by what it fixes
+    assert plan.bind((x, y, 78, 1, 0.75, True), [0]) is not bound
+
+
+def test_plan_choice(monkeypatch):
+    """Native where it packs exactly what Triton passes; Triton's launcher for what it does not
+    cover or when MOE_EP_LAUNCH=triton; kernel[grid] when a changing value was compiled in."""
+    x, y = torch.zeros(8, dtype=torch.bfloat16), torch.zeros(8, dtype=torch.int32)
+    args, consts = (x, y, 5, 1, 0.75, True), dict(BLOCK=16)
+    fn = _Fn()
+
+    def plan(path="native", sig=_SIG, dyn=(0, 2), **meta):
+        return type(L.make_plan(_fake_compiled(sig, **meta), fn, 1, args, consts, dyn, path)).__name__
+    assert plan() == "NativePlan"
+    assert plan("triton") == "TritonPlan"
+    assert plan(global_scratch_size=128) == "TritonPlan"
+    assert plan(profile_scratch_size=8) == "TritonPlan"
+    assert plan(num_ctas=2) == "TritonPlan"
+    assert plan(launch_cooperative_grid=True) == "TritonPlan"
+    assert plan(launch_pdl=True) == "TritonPlan"
+    assert plan(dyn=(0, 4)) == "TritonPlan"                    # a float that changes
+    assert plan(sig={**_SIG, "T": "constexpr"}) == "JitPlan"   # T == 1 when compiled: Triton made it a constant
+    monkeypatch.setattr(L, "NATIVE_TRITON", ((9, 9),))
+    assert plan() == "TritonPlan"
+
+
+def test_launch_path_setting(monkeypatch):
+    monkeypatch.setenv("MOE_EP_LAUNCH", "cuda-graph")
+    with pytest.raises(ValueError, match="MOE_EP_LAUNCH: expected one of native, triton"):
+        L.Launcher(torch.device("cuda", 0))
+    monkeypatch.setenv("MOE_EP_LAUNCH", "triton")
+    assert L.Launcher(torch.device("cuda", 0)).path == "triton"
+    monkeypatch.delenv("MOE_EP_LAUNCH")
+    assert L.Launcher(torch.device("cuda", 0)).path == "native"
+
+
+@pytest.mark.gpu
+def test_native_launch_matches_tritons_launch_gpu():
+    """The same kernel through Triton's launch and through a native plan (first call, replays with
+    other pointers and values, a bound launch): the same results."""
+    if dist_util.cuda_device_count() < 1:
+        pytest.skip("needs a CUDA GPU")
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    x = torch.arange(64, dtype=torch.float32, device=dev)
+    consts = dict(BLOCK=64, ADD=1.0)
+    la = L.Launcher(dev)
+    assert la.path == "native"
+    outs = []
+    for n in (3, 5, 7, -2):
+        y_ref, y = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+        _axpb[(1,)](x, y_ref, n, **consts)
+        plan = la(("axpb",), _axpb, 1, (x, y, n), consts, (1, 2))
+        outs.append((y_ref, y, n))
+    assert type(plan).__name__ == "NativePlan"
+    bound = plan.bind((x, y, 9), [1])
+    y9 = torch.full_like(x, float("nan"))
+    bound.launch(la.stream(), [y9.data_ptr()])
+    torch.cuda.synchronize()
+    for y_ref, y, n in outs:
+        assert torch.equal(y, y_ref) and torch.equal(y, x * n + 1), n
+    assert torch.equal(y9, x * 9 + 1)

@@ -24,6 +24,7 @@ struct Cuda {
   CUresult (*mem_get_handle_for_address_range)(void* handle, CUdeviceptr dptr, size_t size, int type,
                                                unsigned long long flags) = nullptr;  // CUDA 11.7+
   CUresult (*get_error_string)(CUresult, const char**) = nullptr;
+  CuLaunchKernel launch_kernel = nullptr;
 };
 
 std::atomic<int> g_override{-1};
@@ -59,6 +60,7 @@ const Cuda* cuda(bool load, std::string* why) {
       api.mem_get_handle_for_address_range = reinterpret_cast<decltype(api.mem_get_handle_for_address_range)>(
           dlsym(h, "cuMemGetHandleForAddressRange"));
       api.get_error_string = reinterpret_cast<decltype(api.get_error_string)>(dlsym(h, "cuGetErrorString"));
+      api.launch_kernel = reinterpret_cast<CuLaunchKernel>(dlsym(h, "cuLaunchKernel"));
       if (!api.pointer_get_attribute) err = name + " has no symbol cuPointerGetAttribute";
     }
     loaded = true;  // one attempt per process (after the driver was seen or asked for)
@@ -118,6 +120,18 @@ bool cuda_dmabuf_fd(const void* ptr, uint64_t len, int* fd, uint64_t* offset, st
   *fd = h;
   *offset = reinterpret_cast<uintptr_t>(ptr) - base;
   return true;
+}
+
+CuLaunchKernel cuda_launch_kernel(std::string* why) {
+  const Cuda* c = cuda(true, why);
+  if (!c) return nullptr;
+  if (!c->launch_kernel) *why = lib_name() + " has no symbol cuLaunchKernel";
+  return c->launch_kernel;
+}
+
+std::string cuda_error_string(int rc) {
+  const Cuda* c = cuda(false, nullptr);
+  return c ? cu_error(*c, rc) : "CUresult " + std::to_string(rc);
 }
 
 }  // namespace moe_ep

@@ -30,4 +30,15 @@ bool cuda_dmabuf_fd(const void* ptr, uint64_t len, int* fd, uint64_t* offset, st
 // [ptr, ptr + len), page a power of two.
 void dmabuf_range(uint64_t ptr, uint64_t len, uint64_t page, uint64_t* base, uint64_t* size);
 
+// cuLaunchKernel as cuda.h declares it (CUfunction, grid x/y/z, block x/y/z, shared bytes, CUstream,
+// kernelParams, extra), and a message for its CUresult.
+using CuLaunchKernel = int (*)(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                               unsigned bz, unsigned shared, void* stream, void** params, void** extra);
+
+// The driver's cuLaunchKernel (loads the driver if needed); null with *why when unavailable.
+CuLaunchKernel cuda_launch_kernel(std::string* why);
+
+// The driver's name and text for a CUresult, e.g. "invalid argument (CUresult 1)".
+std::string cuda_error_string(int rc);
+
 }  // namespace moe_ep

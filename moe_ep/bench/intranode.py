@@ -78,6 +78,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="also time the NCCL all-to-all baseline (default on)")
     p.add_argument("--num-programs", type=int, default=None,
                    help="passed to EPBuffer(num_programs=N); default: the buffer's choice")
+    p.add_argument("--combine-out", action="store_true",
+                   help="combine into one preallocated tensor (combine(..., out=)): no allocation per call")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", type=str, default=None, help="write results as JSON (rank 0)")
     p.add_argument("--cpu-smoke", action="store_true",
@@ -415,8 +417,11 @@ def run_bench(args: argparse.Namespace) -> dict:
         def dispatch():
             state["d"] = buf.dispatch(x, topk_idx, topk_weights)
 
+        combine_kw = (dict(out=torch.empty(x.shape[0], args.hidden, dtype=torch.bfloat16, device=device))
+                      if args.combine_out else {})
+
         def combine():
-            state["out"] = buf.combine(state["y"], state["d"])
+            state["out"] = buf.combine(state["y"], state["d"], **combine_kw)
 
         def pair():
             dispatch()

@@ -2,18 +2,23 @@
 
     torchrun --nproc-per-node=1 -m moe_ep.bench.profile_ops --preset decode
     torchrun --nproc-per-node=2 -m moe_ep.bench.profile_ops --preset prefill --num-programs 32
+    torchrun --nproc-per-node=4 -m moe_ep.bench.profile_ops   # 4 ranks on 1 GPU: gloo, CUDA IPC
 
-Prints, for rank 0: the host time of a call (Python and launch, no device sync; the mean over
-many calls), the top host functions of those calls (cProfile), the launch cost of an empty Triton
-kernel through ``moe_ep.kernels.launch`` and through ``kernel[grid]``, and the device time of each
-kernel (torch.profiler, mean over calls). Not a benchmark of record: ``moe_ep.bench.intranode`` is.
+Prints, for rank 0: the host time to issue a call (Python and launch, no device sync; the median
+over many calls of dispatch, of combine returning a new tensor and of combine with ``out=``), the
+top host functions of those calls (cProfile), the launch cost of an empty Triton kernel through
+``moe_ep.kernels.launch`` and through ``kernel[grid]``, and the device time of each kernel
+(torch.profiler, mean over calls). ``MOE_EP_LAUNCH=triton`` times Triton's launcher instead of the
+native one. Not a benchmark of record: ``moe_ep.bench.intranode`` is.
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
 import io
+import os
 import pstats
+import statistics
 import time
 
 import torch
@@ -40,6 +45,23 @@ def _host_us(fn, n: int) -> float:
     return (time.perf_counter() - t) * 1e6 / n
 
 
+def _issue_us(fns, n: int) -> list[list[float]]:
+    """Host times (us) of each of ``fns``, called in turn ``n`` times (no sync in between but every
+    50 rounds, outside the timings, to keep the queue short)."""
+    times: list[list[float]] = [[] for _ in fns]
+    clock = time.perf_counter_ns
+    torch.cuda.synchronize()
+    for i in range(n):
+        for f, ts in zip(fns, times):
+            t = clock()
+            f()
+            ts.append((clock() - t) / 1e3)
+        if i % 50 == 49:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    return times
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m moe_ep.bench.profile_ops", description=__doc__.split("\n")[0])
     p.add_argument("--preset", choices=["decode", "prefill"], default="decode")
@@ -49,9 +71,10 @@ def main(argv=None) -> None:
     p.add_argument("--calls", type=int, default=200)
     args = p.parse_args(argv)
     import moe_ep
-    from moe_ep.kernels.launch import launch
+    from moe_ep.group import init_distributed
+    from moe_ep.kernels.launch import Launcher, NativePlan, _hot, launch, launch_path
 
-    dist.init_process_group("nccl")
+    how = init_distributed()
     group = moe_ep.EPGroup()
     dev, rank, R = group.device, group.rank, group.world_size
     cfg = PRESETS[args.preset]
@@ -69,6 +92,7 @@ def main(argv=None) -> None:
         d = buf.dispatch(x, idx, w)
         y = torch.zeros(d.expert_x.shape, dtype=torch.bfloat16, device=dev)
         buf.combine(y, d)
+        out = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
         st = {}
 
         def disp():
@@ -77,14 +101,24 @@ def main(argv=None) -> None:
         def comb():
             buf.combine(y, st["d"])
 
+        def comb_out():
+            buf.combine(y, st["d"], out=out)
+
         def pair():
             disp()
             comb()
 
         for _ in range(20):
             pair()
+            disp()
+            comb_out()
         hd = _host_us(pair, args.calls)
-        # host time of each half alone would desynchronise the ranks: time the pair, then profile
+        # every rank issues the same sequence: dispatch, combine, dispatch, combine(out=)
+        t_d, t_c, t_d2, t_co = _issue_us([disp, comb, disp, comb_out], args.calls)
+        med = statistics.median
+        lines.append(f"host to issue (median, no sync): dispatch {med(t_d + t_d2):.1f} us, combine {med(t_c):.1f} us, "
+                     f"combine(out=) {med(t_co):.1f} us   [launch path {launch_path()}]")
+        # where the host time of the pairs goes
         pr = cProfile.Profile()
         pr.enable()
         for _ in range(args.calls):
@@ -102,6 +136,18 @@ def main(argv=None) -> None:
         e1 = _host_us(lambda: launch(_empty_kernel, 1, (a, 3), {}), 1000)
         e2 = _host_us(lambda: _empty_kernel[(1,)](a, 3), 1000)
         lines.append(f"empty kernel launch, host: moe_ep launch() {e1:.1f} us, kernel[grid] {e2:.1f} us")
+        # what one launch costs below Python: a bound plan (pack + one ctypes call + cuLaunchKernel),
+        # a ctypes call that does nothing, and a tiny torch op for comparison
+        la = Launcher(dev)
+        plan = la(("empty",), _empty_kernel, 1, (a, 3), {}, (0,))
+        if isinstance(plan, NativePlan):
+            b, s, p0 = plan.bind((a, 3), [0]), la.stream(), a.data_ptr()
+            e3 = _host_us(lambda: b.launch(s, (p0,)), 1000)
+            nop = _hot().moe_ep_abi_version
+            e4 = _host_us(nop, 1000)
+            e5 = _host_us(lambda: a.add_(1), 1000)
+            lines.append(f"one native launch (bound plan) {e3:.1f} us; a no-op ctypes call {e4:.2f} us; "
+                         f"torch a.add_(1) {e5:.1f} us")
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(50):
@@ -120,7 +166,7 @@ def main(argv=None) -> None:
     dist.barrier()
     if rank == 0:
         print(f"== profile_ops {args.preset} R={R} T={T} H={H} K={K} E={E} {args.dispatch_dtype} {layout} "
-              f"[{torch.cuda.get_device_name(dev)}]")
+              f"[{torch.cuda.get_device_name(dev)}; {how}; MOE_EP_LAUNCH={os.environ.get('MOE_EP_LAUNCH', '')}]")
         print("\n".join(lines))
     dist.destroy_process_group()
 

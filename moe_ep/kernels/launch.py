@@ -1,66 +1,311 @@
 """Cheap kernel launches.
 
 ``kernel[grid](...)`` costs ~12-40 us of Python per launch (argument binding, specialization
-keys, cache lookup), and eager callers pay it every call. A ``Launcher`` (one per buffer) keeps
-Triton's compiled kernel after the first launch of a configuration and afterwards calls its C
-launcher directly with raw pointers. The caller names the configuration with a small ``key``: it
-must hold everything of that call that can change the compiled code and is not fixed for the
-buffer (the grid, constexprs that vary, the dtype and 16-byte alignment of user tensors); the
-buffer's own tensors and sizes never change, so they need no key. ``launch()`` is the same path
-with a key computed from every argument, for callers without a buffer. Under the interpreter the
-plain ``kernel[grid]`` path runs.
+keys, cache lookup), and eager callers pay it every call. A ``Launcher`` (one per buffer) keeps a
+*plan* per configuration after its first launch (which compiles through ``kernel[grid]``):
+
+- ``NativePlan`` (the default on a GPU): the compiled kernel's ``CUfunction`` and every parameter
+  packed once, the way Triton's launcher passes them (``param_sizes``); a launch writes the stream
+  and the values that change into the plan's stage and makes one ctypes call, which patches them
+  in and calls ``cuLaunchKernel`` (csrc/proxy/launch.cc);
+- ``TritonPlan``: Triton's own C launcher (``CompiledKernel.run``) with raw values: the fallback
+  for what the native path does not cover (scratch memory, clusters, cooperative or PDL launches,
+  a Triton release whose launcher it was not checked against), and the path ``MOE_EP_LAUNCH=triton``
+  forces;
+- ``JitPlan``: ``kernel[grid]`` every time, when a value meant to change was specialized into the
+  compiled code (Triton's launcher would ignore a new value there).
+
+The caller names the configuration with a small ``key``: it must hold everything of that call
+that can change the compiled code and is not fixed for the buffer (the grid, constexprs that vary,
+the dtype and 16-byte alignment of user tensors); the buffer's own tensors and sizes never change,
+so they need no key. ``launch()`` is the same path with a key computed from every argument, for
+callers without a buffer. Under the interpreter the plain ``kernel[grid]`` path runs.
 """
 from __future__ import annotations
 
+import ctypes
 import os
-from typing import Hashable, Optional
+import struct
+from typing import Hashable, Optional, Sequence
 
 import torch
+import triton
+
+LAUNCH_PATHS = ("native", "triton")
+# Triton releases whose launcher (backends/nvidia/driver.py: make_launcher) the native packing was
+# checked against: tests/test_launch.py compares param_sizes with it. Others take TritonPlan.
+NATIVE_TRITON = ((3, 6),)
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def launch_path() -> str:
+    """``MOE_EP_LAUNCH``: ``native`` (default) or ``triton`` (Triton's C launcher for every cached
+    launch). Raises ValueError naming the variable for any other value."""
+    v = os.environ.get("MOE_EP_LAUNCH", "") or "native"
+    if v not in LAUNCH_PATHS:
+        raise ValueError(f"MOE_EP_LAUNCH: expected one of {', '.join(LAUNCH_PATHS)}, got {v!r}")
+    return v
+
+
 def spec_of(args: tuple) -> tuple:
     """What of ``args`` can change Triton's compiled code: dtype and 16-byte alignment of each
-    tensor, 32/64-bit width of each int."""
+    tensor; of each int, its width (32/64 bit) and the values Triton specializes (1, multiple of 16)."""
     return tuple((a.dtype, (a.data_ptr() & 15) == 0) if isinstance(a, torch.Tensor) else
-                 (a >= 2**31 or a < -2**31) if isinstance(a, int) else a for a in args)
+                 (a >= 2**31 or a < -2**31, a == 1, a % 16 == 0) if isinstance(a, int) and not isinstance(a, bool)
+                 else a for a in args)
+
+
+# Bytes of each scalar parameter type as Triton's launcher passes it (ty_to_cpp, FLOAT_STORAGE_TYPE
+# in triton/backends/nvidia/driver.py); pointers ("*...") are 8.
+_SIZES = {"i1": 1, "i8": 1, "u1": 1, "u8": 1, "i16": 2, "u16": 2, "fp16": 2, "bf16": 2, "i32": 4, "u32": 4,
+          "fp32": 4, "f32": 4, "i64": 8, "u64": 8, "fp64": 8}
+_FLOATS = ("fp16", "bf16", "fp32", "f32", "fp64")
+SCRATCH_PARAMS = 2  # Triton 3.6 passes every kernel a global and a profile scratch pointer, last
+
+
+def param_sizes(signature: Sequence[str]) -> list[int]:
+    """Bytes of each parameter cuLaunchKernel gets for a kernel of Triton ``signature`` (its
+    argument types in order, ``constexpr`` for those compiled in): one per non-constexpr
+    argument, then the two scratch pointers. Raises ValueError for types it does not pack
+    (tensor descriptors, tuples)."""
+    out = []
+    for ty in signature:
+        if ty == "constexpr":
+            continue
+        if not isinstance(ty, str) or not (ty.startswith("*") or ty in _SIZES):
+            raise ValueError(f"signature: no native packing for parameter type {ty!r}")
+        out.append(8 if ty.startswith("*") else _SIZES[ty])
+    return out + [8] * SCRATCH_PARAMS
+
+
+def _raw(ty: str, v) -> int:
+    """The bits of value ``v`` for a parameter of type ``ty`` (two's complement for ints; floats
+    as Triton packs them: bf16 is the top half of the float32)."""
+    if isinstance(v, torch.Tensor):
+        return v.data_ptr()
+    if ty in _FLOATS:
+        if ty == "fp64":
+            return struct.unpack("<Q", struct.pack("<d", v))[0]
+        if ty == "fp16":
+            return struct.unpack("<H", struct.pack("<e", v))[0]
+        f32 = struct.unpack("<I", struct.pack("<f", v))[0]
+        return f32 >> 16 if ty == "bf16" else f32
+    return int(v or 0) & (2**64 - 1)
+
+
+def _native_lib():
+    from ..proxy import native
+    return native
+
+
+class NativeUnavailable(Exception):
+    """Why a compiled kernel cannot take the native path (the plan falls back to Triton's)."""
+
+
+class _Native:
+    """One native plan (csrc/proxy/launch.cc) patching ``slots`` (parameter indices) per launch."""
+
+    def __init__(self, function: int, grid: int, block: int, shared: int, sizes: list, values: list, slots: list):
+        nat = _native_lib()
+        L = nat.lib()
+        n = len(sizes)
+        self._destroy = L.moe_ep_launch_plan_destroy
+        self.id = L.moe_ep_launch_plan_create(
+            function, grid, block, shared, n, (ctypes.c_uint32 * n)(*sizes), (ctypes.c_uint64 * n)(*values),
+            len(slots), (ctypes.c_int * max(1, len(slots)))(*slots))
+        if self.id < 0:
+            raise NativeUnavailable(nat.last_error())
+        self.nslots = len(slots)
+        self.stage = (ctypes.c_uint64 * (1 + len(slots))).from_address(L.moe_ep_launch_plan_stage(self.id))
+        # unsigned: values come as _raw gives them (two's complement); the C side keeps the low bytes
+        self._pack = struct.Struct(f"<{1 + len(slots)}Q").pack_into
+        self._go = _hot().moe_ep_launch
+        self.params = L.moe_ep_launch_plan_params
+
+    def launch(self, stream: int, values) -> None:
+        """Launches on ``stream`` with ``values`` (one per slot: pointers, or ints as ``_raw`` gives them)."""
+        self._pack(self.stage, 0, stream, *values)
+        if self._go(self.id):
+            nat = _native_lib()
+            raise RuntimeError(f"moe_ep native launch: {nat.last_error()}")
+
+    def packed(self, values) -> bytes:
+        """The parameter bytes a launch with ``values`` passes (what ``launch`` would hand the driver)."""
+        self._pack(self.stage, 0, 0, *(v & (2**64 - 1) for v in values))
+        buf = ctypes.create_string_buffer(4096)
+        n = self.params(self.id, buf, len(buf))
+        return buf.raw[:n]
+
+    def __del__(self):
+        if getattr(self, "id", -1) >= 0:
+            self._destroy(self.id)
+
+
+_HOT = None
+
+
+def _hot():
+    """The library again through ctypes.PyDLL for ``moe_ep_launch``: it keeps the GIL (no release
+    and re-take around a call of ~1 us that never blocks), and with no argtypes its one small int
+    argument converts cheaply."""
+    global _HOT
+    if _HOT is None:
+        _HOT = ctypes.PyDLL(_native_lib().lib()._name)
+    return _HOT
+
+
+class NativePlan:
+    """A compiled kernel launched through ``cuLaunchKernel`` with prepacked parameters; ``dynamic``
+    (positions in ``args``) are read again at each ``launch``."""
+
+    def __init__(self, compiled, grid: int, args: tuple, consts: dict, dynamic: Sequence[int], arg_names):
+        md = compiled.metadata
+        if tuple(int(v) for v in triton.__version__.split(".")[:2]) not in NATIVE_TRITON:
+            raise NativeUnavailable(f"triton {triton.__version__} (the native packing knows {NATIVE_TRITON})")
+        for what, bad in (("global scratch", md.global_scratch_size), ("profile scratch", md.profile_scratch_size),
+                          ("a cluster", getattr(md, "num_ctas", 1) != 1),
+                          ("a cooperative launch", md.launch_cooperative_grid), ("PDL", md.launch_pdl)):
+            if bad:
+                raise NativeUnavailable(f"kernel {compiled.name} needs {what}")
+        sig = compiled.src.signature
+        types = [sig[n] for n in arg_names]
+        sizes = param_sizes(types)
+        values, param_of = [], {}
+        vals = list(args) + [consts.get(n) for n in arg_names[len(args):]]
+        for i, (ty, v) in enumerate(zip(types, vals)):
+            if ty != "constexpr":
+                param_of[i] = len(values)
+                values.append(_raw(ty, v))
+        values += [0] * SCRATCH_PARAMS
+        for i in dynamic:
+            if i not in param_of:
+                raise NativeUnavailable(f"argument {arg_names[i]} was compiled in")
+            if types[i] in _FLOATS:
+                raise NativeUnavailable(f"argument {arg_names[i]} is a float that changes")
+        compiled.run  # noqa: B018  (loads the module: compiled.function is set once loaded)
+        self.compiled, self.grid, self.types, self.param_of = compiled, grid, types, param_of
+        self._shape = (compiled.function, grid, 32 * md.num_warps, md.shared, sizes, values)
+        self.dynamic = tuple(dynamic)
+        self._all = _Native(*self._shape, [param_of[i] for i in self.dynamic])
+        self._bound: dict = {}
+
+    def launch(self, args: tuple, stream: int) -> None:
+        self._all.launch(stream, [_raw(self.types[i], args[i]) for i in self.dynamic])
+
+    def bind(self, args: tuple, positions: Sequence[int]):
+        """A launch like ``launch(args)`` but for ``positions`` (of ``args``), whose values it takes
+        as ints at each ``launch(stream, values)``. Bound launches are kept by what they fix."""
+        fixed = tuple((i, _raw(self.types[i], args[i])) for i in self.dynamic if i not in positions)
+        k = (tuple(positions), fixed)
+        b = self._bound.get(k)
+        if b is None:
+            function, grid, block, shared, sizes, values = self._shape
+            values = list(values)
+            for i, v in fixed:
+                values[self.param_of[i]] = v
+            b = self._bound[k] = _Native(function, grid, block, shared, sizes, values,
+                                         [self.param_of[i] for i in positions])
+        return b
+
+
+class TritonPlan:
+    """A compiled kernel launched through Triton's C launcher (``CompiledKernel.run``)."""
+
+    def __init__(self, compiled, grid: int, args: tuple, consts: dict, dynamic: Sequence[int], arg_names):
+        self.compiled, self.grid, self.dynamic = compiled, grid, tuple(dynamic)
+        self.vals = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
+        self.vals += [consts[n] for n in arg_names[len(args):]]
+
+    def launch(self, args: tuple, stream: int) -> None:
+        vals = self.vals.copy()
+        for i in self.dynamic:
+            a = args[i]
+            vals[i] = a.data_ptr() if isinstance(a, torch.Tensor) else a
+        self.compiled.run(*leading_args(self.compiled, self.grid, stream), *vals)
+
+    def bind(self, args: tuple, positions: Sequence[int]):
+        """As ``NativePlan.bind``."""
+        vals = self.vals.copy()
+        for i in self.dynamic:
+            a = args[i]
+            vals[i] = a.data_ptr() if isinstance(a, torch.Tensor) else a
+        return _TritonBound(self.compiled, self.grid, vals, tuple(positions))
+
+
+class _TritonBound:
+    def __init__(self, compiled, grid: int, vals: list, positions: tuple):
+        self.compiled, self.grid, self.vals, self.positions = compiled, grid, vals, positions
+
+    def launch(self, stream: int, values) -> None:
+        vals = self.vals.copy()
+        for i, v in zip(self.positions, values):
+            vals[i] = v
+        self.compiled.run(*leading_args(self.compiled, self.grid, stream), *vals)
+
+
+class JitPlan:
+    """``kernel[grid]`` every launch (for a kernel whose changing values Triton compiled in)."""
+
+    def __init__(self, fn, grid: int, consts: dict, dynamic: Sequence[int]):
+        self.fn, self.grid, self.consts, self.dynamic = fn, grid, consts, tuple(dynamic)
+
+    def launch(self, args: tuple, stream: int) -> None:
+        self.fn[(self.grid,)](*args, **self.consts)
+
+    def bind(self, args: tuple, positions: Sequence[int]):
+        return None  # not replayable: the caller keeps calling launch()
+
+
+def make_plan(compiled, fn, grid: int, args: tuple, consts: dict, dynamic: Sequence[int], path: str):
+    """The plan for a kernel just compiled (and launched) by ``fn[(grid,)](*args, **consts)``."""
+    sig = compiled.src.signature
+    if any(sig.get(fn.arg_names[i]) == "constexpr" for i in dynamic):
+        return JitPlan(fn, grid, consts, dynamic)
+    if path == "native":
+        try:
+            return NativePlan(compiled, grid, args, consts, dynamic, fn.arg_names)
+        except NativeUnavailable:
+            pass
+    return TritonPlan(compiled, grid, args, consts, dynamic, fn.arg_names)
 
 
 class Launcher:
-    """Per-buffer cache of compiled kernels, called through Triton's C launcher."""
+    """Per-buffer cache of launch plans (see the module docstring)."""
 
     def __init__(self, device: Optional[torch.device] = None):
         self.interp = _interpreting()
+        self.path = launch_path() if device is not None else None  # a buffer's: its env checked at construction
         self.device_index = device.index if device is not None and device.type == "cuda" else None
         self._plans: dict = {}
 
-    def __call__(self, key: Hashable, fn, grid: int, args: tuple, consts, dynamic: Optional[tuple] = None) -> None:
+    def stream(self) -> int:
+        """The current CUDA stream of this launcher's device (its raw handle)."""
+        dev = self.device_index if self.device_index is not None else torch.cuda.current_device()
+        return torch._C._cuda_getCurrentRawStream(dev)
+
+    def __call__(self, key: Hashable, fn, grid: int, args: tuple, consts, dynamic: Optional[tuple] = None):
         """Launches ``fn`` on ``grid`` programs with runtime ``args`` (kernel parameter order) and
         constexpr ``consts`` (the remaining parameters; a dict, or a function returning it, called
         only when the kernel must be compiled); ``key`` as in the module docstring. ``dynamic``:
         the positions in ``args`` that may change between calls with one key (default: all); the
-        others are read once, when the kernel is compiled."""
+        others are read once, when the kernel is compiled. Returns the plan (None under the
+        interpreter)."""
         if self.interp:
             fn[(grid,)](*args, **(consts() if callable(consts) else consts))
-            return
+            return None
         plan = self._plans.get(key)
         if plan is None:
             consts = consts() if callable(consts) else consts
             compiled = fn[(grid,)](*args, **consts)
-            vals = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
-            self._plans[key] = (compiled, vals + [consts[n] for n in fn.arg_names[len(args):]],
-                                range(len(args)) if dynamic is None else dynamic)
-            return
-        compiled, vals, dyn = plan
-        vals = vals.copy()
-        for i in dyn:
-            a = args[i]
-            vals[i] = a.data_ptr() if isinstance(a, torch.Tensor) else a
-        dev = self.device_index if self.device_index is not None else torch.cuda.current_device()
-        compiled.run(*leading_args(compiled, grid, torch._C._cuda_getCurrentRawStream(dev)), *vals)
+            dyn = range(len(args)) if dynamic is None else dynamic
+            self.path = self.path or launch_path()
+            self._plans[key] = make_plan(compiled, fn, grid, args, consts, dyn, self.path)
+            return self._plans[key]
+        plan.launch(args, self.stream())
+        return plan
 
 
 # What Triton's own launch (``JITFunction.run`` in triton 3.6) passes to ``CompiledKernel.run``

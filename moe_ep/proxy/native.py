@@ -164,7 +164,12 @@ def lib() -> ctypes.CDLL:
             _c(L, "moe_ep_bench_post", i32, vp, i32, u32, u64, u32, u64, u64, u32, i64, i64, i64,
                ctypes.POINTER(i64))
             _c(L, "moe_ep_bench_drive", i32, ctypes.POINTER(i64), i64, i64, i32, i64, i64, i64, ctypes.POINTER(i64))
-            if L.moe_ep_abi_version() != 5:
+            _c(L, "moe_ep_launch_plan_create", i32, u64, u32, u32, u32, i32, ctypes.POINTER(u32),
+               ctypes.POINTER(u64), i32, ctypes.POINTER(i32))
+            _c(L, "moe_ep_launch_plan_destroy", None, i32)
+            _c(L, "moe_ep_launch_plan_stage", u64, i32)
+            _c(L, "moe_ep_launch_plan_params", i64, i32, ctypes.c_char_p, sz)
+            if L.moe_ep_abi_version() != 6:
                 raise NativeError("native proxy library has an unexpected ABI version; rebuild moe_ep")
             _lib = L
         return _lib

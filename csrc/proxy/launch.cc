@@ -1,0 +1,152 @@
+// Native kernel launches for moe_ep/kernels/launch.py (docs/ARCHITECTURE.md, "Eager launches").
+//
+// A plan is one compiled kernel ready to launch: its CUfunction, grid, block and shared memory,
+// and every kernel parameter already packed the way cuLaunchKernel takes them (one value per
+// parameter, kernelParams[i] pointing at it). The values that change between launches (a few
+// pointers) are slots: the caller writes the stream and the slot values into the plan's stage
+// (host memory it packs directly, so a launch is one ctypes call with one small int) and
+// moe_ep_launch copies them into their parameters and launches. libcuda is opened at run time
+// (cuda_mem.cc): nothing here needs CUDA to build.
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "cuda_mem.h"
+#include "imm_counter.h"
+#include "transport.h"
+
+namespace {
+
+constexpr int kMaxSlots = 15;      // values patched per launch (the stage holds the stream first)
+constexpr int kMaxPlans = 1 << 16;  // plans alive at once in a process
+
+struct Plan {
+  void* function = nullptr;
+  unsigned grid = 0, block = 0, shared = 0;
+  moe_ep::CuLaunchKernel launch = nullptr;  // null: a plan that only packs (no driver needed)
+  std::vector<uint8_t> storage;             // the parameters, each at an offset aligned to its size
+  std::vector<size_t> offset, size;         // per parameter
+  std::vector<void*> params;                // kernelParams: &storage[offset[i]]
+  int nslots = 0;
+  int slot_param[kMaxSlots] = {};
+  uint64_t stage[1 + kMaxSlots] = {};  // [0] the CUstream, [1 + k] the value of slot k
+
+  void apply() {
+    // Little-endian: the low `size` bytes of a slot's 64-bit value are the value of a narrower parameter.
+    for (int k = 0; k < nslots; ++k) {
+      const int p = slot_param[k];
+      std::memcpy(&storage[offset[p]], &stage[1 + k], size[p]);
+    }
+  }
+};
+
+std::mutex g_mu;                    // guards creation and destruction (launches read without it)
+Plan* g_plans[kMaxPlans] = {};
+std::vector<int> g_free;
+int g_next = 0;
+
+Plan* plan_of(int id) { return id >= 0 && id < kMaxPlans ? g_plans[id] : nullptr; }
+
+}  // namespace
+
+#pragma GCC visibility push(default)
+extern "C" {
+
+// Creates a plan: `function` a CUfunction (0: a plan that packs but cannot launch, for tests),
+// launched on `grid` programs of `block` threads with `shared` bytes of dynamic shared memory;
+// `nparams` parameters of `sizes[i]` bytes (1, 2, 4 or 8) holding `values[i]` (low bytes); slot k
+// patches parameter `slots[k]`. Returns the plan's id (>= 0), or a negative code (message in
+// moe_ep_last_error).
+int moe_ep_launch_plan_create(uint64_t function, uint32_t grid, uint32_t block, uint32_t shared, int nparams,
+                              const uint32_t* sizes, const uint64_t* values, int nslots, const int* slots) {
+  if (nparams < 0 || nslots < 0 || nslots > kMaxSlots)
+    return moe_ep::set_error(moe_ep::kErrInvalid, "launch plan: " + std::to_string(nslots) + " slots (at most " +
+                                                      std::to_string(kMaxSlots) + ") or a negative count");
+  auto plan = std::make_unique<Plan>();
+  if (function != 0) {
+    std::string why;
+    plan->launch = moe_ep::cuda_launch_kernel(&why);
+    if (!plan->launch) return moe_ep::set_error(moe_ep::kErrSystem, "launch plan: " + why);
+  }
+  plan->function = reinterpret_cast<void*>(function);
+  plan->grid = grid, plan->block = block, plan->shared = shared;
+  size_t end = 0;
+  for (int i = 0; i < nparams; ++i) {
+    const size_t s = sizes[i];
+    if (s != 1 && s != 2 && s != 4 && s != 8)
+      return moe_ep::set_error(moe_ep::kErrInvalid, "launch plan: parameter " + std::to_string(i) + " has " +
+                                                        std::to_string(s) + " bytes (expected 1, 2, 4 or 8)");
+    end = (end + s - 1) / s * s;
+    plan->offset.push_back(end);
+    plan->size.push_back(s);
+    end += s;
+  }
+  plan->storage.assign(end + 8, 0);  // + 8: a plan without parameters still has valid storage
+  for (int i = 0; i < nparams; ++i) {
+    std::memcpy(&plan->storage[plan->offset[i]], &values[i], plan->size[i]);
+    plan->params.push_back(&plan->storage[plan->offset[i]]);
+  }
+  for (int k = 0; k < nslots; ++k) {
+    if (slots[k] < 0 || slots[k] >= nparams)
+      return moe_ep::set_error(moe_ep::kErrInvalid, "launch plan: slot " + std::to_string(k) + " names parameter " +
+                                                        std::to_string(slots[k]) + " of " + std::to_string(nparams));
+    plan->slot_param[k] = slots[k];
+  }
+  plan->nslots = nslots;
+  std::lock_guard<std::mutex> lk(g_mu);
+  int id;
+  if (!g_free.empty()) {
+    id = g_free.back();
+    g_free.pop_back();
+  } else if (g_next < kMaxPlans) {
+    id = g_next++;
+  } else {
+    return moe_ep::set_error(moe_ep::kErrInvalid, "launch plan: " + std::to_string(kMaxPlans) + " plans alive");
+  }
+  g_plans[id] = plan.release();
+  return id;
+}
+
+void moe_ep_launch_plan_destroy(int id) {
+  std::lock_guard<std::mutex> lk(g_mu);
+  if (Plan* p = plan_of(id)) {
+    g_plans[id] = nullptr;
+    delete p;
+    g_free.push_back(id);
+  }
+}
+
+// The address of plan `id`'s stage (uint64 [1 + slots]: the stream, then the slot values), or 0.
+uint64_t moe_ep_launch_plan_stage(int id) {
+  Plan* p = plan_of(id);
+  return p ? reinterpret_cast<uint64_t>(p->stage) : 0;
+}
+
+// What the next launch of plan `id` passes: the stage applied, the parameter storage copied to
+// `out` (up to `len` bytes); returns the storage's size, or -1 for an unknown id.
+int64_t moe_ep_launch_plan_params(int id, uint8_t* out, size_t len) {
+  Plan* p = plan_of(id);
+  if (!p) return -1;
+  p->apply();
+  const size_t n = p->storage.size() - 8;
+  std::memcpy(out, p->storage.data(), n < len ? n : len);
+  return int64_t(n);
+}
+
+// Launches plan `id` with the values in its stage. 0, or the CUresult (> 0), or a negative code;
+// the message in moe_ep_last_error.
+int moe_ep_launch(int id) {
+  Plan* p = plan_of(id);
+  if (!p || !p->launch) return moe_ep::set_error(moe_ep::kErrInvalid, "launch: no launchable plan " + std::to_string(id));
+  p->apply();
+  if (p->grid == 0) return 0;  // as Triton's launcher: an empty grid launches nothing
+  const int rc = p->launch(p->function, p->grid, 1, 1, p->block, 1, 1, p->shared,
+                           reinterpret_cast<void*>(p->stage[0]), p->params.data(), nullptr);
+  if (rc != 0) return moe_ep::set_error(rc, "cuLaunchKernel failed: " + moe_ep::cuda_error_string(rc));
+  return 0;
+}
+
+}  // extern "C"
+#pragma GCC visibility pop

@@ -1,0 +1,210 @@
+"""Replayed calls (moe_ep/replay.py): a dispatch or combine whose inputs have a signature that
+passed validation before launches the recorded plans with only the input pointers patched.
+
+On CPU the buffer's launcher is swapped for one whose plans run the kernels in the interpreter
+(``_InterpLauncher``): a replayed launch rebuilds each patched tensor from its raw pointer, so
+a stale or misplaced pointer reads or writes the wrong memory and the oracle check fails. One
+rank (R=1), where the interpreter needs no host wait between a dispatch's two halves.
+On a GPU the same calls run the native plans (``-m gpu``).
+"""
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+import dist_util
+from ep_cases import Case, make_buffer, make_inputs, run_calls
+
+
+class _InterpBound:
+    """A bound launch that rebuilds the tensors at ``positions`` from their pointers."""
+
+    def __init__(self, plan, args: tuple, positions):
+        self.plan, self.args, self.positions = plan, args, list(positions)
+
+    def launch(self, stream: int, values) -> None:
+        args = list(self.args)
+        for i, p in zip(self.positions, values):
+            like = args[i]  # the recorded tensor: the same signature, so the same shape and dtype
+            if like.numel() == 0:
+                args[i] = torch.empty_like(like)
+                continue
+            raw = (ctypes.c_char * (like.numel() * like.element_size())).from_address(p)
+            args[i] = torch.frombuffer(raw, dtype=like.dtype).view(like.shape)
+        self.plan.launches.append(len(self.positions))
+        self.plan.fn[(self.plan.grid,)](*args, **self.plan.consts)
+
+
+class _InterpPlan:
+    def __init__(self, fn, grid, consts, dynamic):
+        self.fn, self.grid, self.consts, self.dynamic = fn, grid, consts, tuple(dynamic)
+        self.launches = []
+
+    def bind(self, args, positions):
+        return _InterpBound(self, args, positions)
+
+
+class _InterpLauncher:
+    """Runs every launch in the interpreter and returns a plan for it (a fresh one per launch:
+    which plan a replay binds is then visible to the test)."""
+
+    def __init__(self):
+        self.plans = []
+
+    def stream(self) -> int:
+        return 0
+
+    def __call__(self, key, fn, grid, args, consts, dynamic=None):
+        consts = consts() if callable(consts) else consts
+        fn[(grid,)](*args, **consts)
+        self.plans.append(_InterpPlan(fn, grid, consts, range(len(args)) if dynamic is None else dynamic))
+        return self.plans[-1]
+
+
+def _replayed(launcher) -> int:
+    return sum(len(p.launches) for p in launcher.plans)
+
+
+def _replay_worker(rank, world_size, cases):
+    import moe_ep
+
+    group = moe_ep.EPGroup()
+    fails, hits = [], {}
+    for case in cases:
+        with make_buffer(group, case, 20.0) as buf:
+            buf._launch = la = _InterpLauncher()
+            fails += run_calls(group, buf, case)
+            hits[case.name] = _replayed(la)
+    return fails, hits
+
+
+# Token counts per call at R=1 cycle through max_tokens, 0, a middle count: calls 3-5 repeat the
+# signatures of calls 0-2 with new tensors (call 5: call 0's values again).
+_CALLS = ("uniform", "skewed", "sparse", "uniform", "skewed", "repeat")
+
+
+@pytest.mark.parametrize("dtype,layout", [("bf16", "masked"), ("fp8", "packed"), ("fp8pre", "masked")])
+def test_replayed_calls_match_the_oracle(dtype, layout):
+    case = Case(R=1, E=4, K=2, dtype=dtype, layout=layout, align=16 if layout == "packed" else 1, M=6,
+                calls=_CALLS, seed=5)
+    (fails, hits), = dist_util.run(1, _replay_worker, [case], timeout=600)
+    assert not fails, "\n".join(fails[:20])
+    assert hits[case.name] > 0, "no call was replayed"
+
+
+def _errors_worker(rank, world_size):
+    """After calls that recorded replays, each input changed in one way raises what validation
+    raises for it (same type, same message) and launches nothing; then a correct call still works."""
+    import moe_ep
+    from moe_ep.dispatch import validate
+
+    group = moe_ep.EPGroup()
+    case = Case(R=1, E=4, K=2, dtype="bf16", layout="masked", M=6, calls=("uniform", "skewed", "sparse", "uniform"), seed=9)
+    log = []
+    with make_buffer(group, case, 20.0) as buf:
+        buf._launch = la = _InterpLauncher()
+        assert not run_calls(group, buf, case)
+        assert _replayed(la) > 0, "call 3 (call 0's token count) was not replayed"
+        inp = make_inputs(case, 0)[0]
+        x, idx, w = inp.x, inp.topk_idx, inp.topk_weights
+        T, H = x.shape
+        bad_dispatch = {
+            "x shape": (torch.zeros(T, H + 16, dtype=torch.bfloat16), idx, w),
+            "x dtype": (x.half(), idx, w),
+            "x non-contiguous": (torch.zeros(T, 2 * H, dtype=torch.bfloat16)[:, ::2], idx, w),
+            "x device": (x.to("meta"), idx, w),
+            "x not a tensor": (x.tolist(), idx, w),
+            "topk_idx shape": (x, idx[:, :1].contiguous(), w),
+            "topk_idx dtype": (x, idx.float(), w),
+            "topk_weights non-contiguous": (x, idx, torch.zeros(T, 2 * case.K)[:, ::2]),
+            "topk_weights dtype": (x, idx, w.double()),
+            "too many tokens": (torch.zeros(T + 3, H, dtype=torch.bfloat16), torch.zeros(T + 3, case.K, dtype=torch.long),
+                                torch.zeros(T + 3, case.K)),
+        }
+        for what, args in bad_dispatch.items():
+            try:
+                validate(buf, *args, None)
+                log.append(f"{what}: validation accepts it (test bug)")
+                continue
+            except (TypeError, ValueError) as e:
+                want = (type(e), str(e))
+            before = _replayed(la)
+            try:
+                buf.dispatch(*args)
+                log.append(f"{what}: dispatch accepted it")
+            except (TypeError, ValueError) as e:
+                if (type(e), str(e)) != want:
+                    log.append(f"{what}: dispatch raised {type(e).__name__}({e}), validation {want[0].__name__}({want[1]})")
+            if _replayed(la) != before:
+                log.append(f"{what}: a replayed launch ran")
+        h = buf.dispatch(x, idx, w)
+        y = torch.zeros(h.expert_x.shape, dtype=torch.bfloat16)
+        buf.combine(y, h, out=torch.empty(T, H, dtype=torch.bfloat16))  # records the combine with out=
+        h = buf.dispatch(x, idx, w)
+        shape = tuple(y.shape)
+        bad_combine = {
+            "expert_y dtype": ((y.half(), h), "expert_y"),
+            "expert_y shape": ((y[:-1].contiguous(), h), "expert_y"),
+            "expert_y non-contiguous": ((torch.zeros(shape[:-1] + (2 * H,), dtype=torch.bfloat16)[..., ::2], h),
+                                        "expert_y"),
+            "out shape": ((y, h, False, torch.empty(T + 1, H, dtype=torch.bfloat16)), "out"),
+            "out dtype": ((y, h, False, torch.empty(T, H)), "out"),
+            "out non-contiguous": ((y, h, False, torch.empty(T, 2 * H, dtype=torch.bfloat16)[:, ::2]), "out"),
+            "out not a tensor": ((y, h, False, [0.0] * H), "out"),
+        }
+        for what, (args, name) in bad_combine.items():
+            before = _replayed(la)
+            try:
+                buf.combine(*args)
+                log.append(f"{what}: combine accepted it")
+            except (TypeError, ValueError) as e:
+                if not str(e).startswith(f"{name}: expected"):
+                    log.append(f"{what}: combine raised {type(e).__name__}({e}), not naming {name}")
+            if _replayed(la) != before:
+                log.append(f"{what}: a replayed launch ran")
+        out = torch.full((T, H), float("nan"), dtype=torch.bfloat16)
+        before = _replayed(la)
+        got = buf.combine(y, h, out=out)
+        if got is not out or _replayed(la) == before or bool(got.isnan().any()):
+            log.append("combine(out=) after the bad calls: not replayed into out")
+    return log
+
+
+def test_changed_inputs_are_validated_on_the_fast_path():
+    log, = dist_util.run(1, _errors_worker, timeout=600)
+    assert not log, "\n".join(log)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("launch", ["native", "triton"])
+def test_replayed_calls_match_the_oracle_gpu(launch):
+    """The native (and Triton-launcher) plans replayed on a GPU, new tensors every call."""
+    dist_util.need_gpu()
+    cases = [Case(R=1, E=4, K=2, dtype=d, layout=lay, align=16 if lay == "packed" else 1, M=6, calls=_CALLS, seed=5)
+             for d, lay in (("bf16", "masked"), ("fp8", "packed"), ("fp8pre", "masked"))]
+    results = dist_util.run(1, _gpu_worker, cases, launch, timeout=600, backend=dist_util.gpu_backend(1))
+    fails = [f for r in results for f in r]
+    assert not fails, "\n".join(fails[:20])
+
+
+def _gpu_worker(rank, world_size, cases, launch):
+    import os
+
+    import moe_ep
+    from moe_ep.kernels.launch import NativePlan
+
+    os.environ["MOE_EP_LAUNCH"] = launch  # the pool's process: read when a buffer is made
+    group = moe_ep.EPGroup()
+    fails = []
+    for case in cases:
+        with make_buffer(group, case, 20.0) as buf:
+            fails += run_calls(group, buf, case)
+            kinds = {type(p).__name__ for p in buf._launch._plans.values()}
+            if (launch == "native") != (kinds == {NativePlan.__name__}):
+                fails.append(f"[{case.name}] MOE_EP_LAUNCH={launch}: plans {kinds}")
+            if not any(r._entries for r in buf._replays):
+                fails.append(f"[{case.name}] nothing recorded for replay")
+    os.environ.pop("MOE_EP_LAUNCH", None)
+    return fails
