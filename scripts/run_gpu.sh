@@ -8,6 +8,7 @@
 #
 #   bash scripts/run_gpu.sh            # or: ITERS=500 bash scripts/run_gpu.sh
 #   TESTS="tests/test_shared_gpu.py" BENCH=0 bash scripts/run_gpu.sh   # some tests, no benchmark
+#   CONFIGS="prefill fp8 rows,prefill bf16 rows" TESTS="tests/test_rows.py" bash scripts/run_gpu.sh
 #   SHARED=1 bash scripts/run_gpu.sh   # also: the demo as 4 ranks on the GPUs, EP16 (2 nodes x 8 ranks
 #                                    # through the proxy) at decode, and the R=4 matrix under MPS
 set -euo pipefail
@@ -26,6 +27,7 @@ TESTS=${TESTS:--m gpu}        # pytest arguments
 BENCH=${BENCH:-1}             # 0: no intranode benchmark
 SHARED=${SHARED:-0}           # 1: the shared-GPU runs (demo x4, EP16 through the proxy, MPS)
 PREFILL_PROGRAMS=${PREFILL_PROGRAMS:-32}   # the prefill targets are at <= 32 SMs; "" = the buffer's default
+CONFIGS=${CONFIGS:-"decode fp8 masked,prefill fp8 packed,prefill bf16 packed"}   # "preset dtype layout", comma-separated
 mkdir -p "$RESULTS"
 t0=$SECONDS
 step() { echo "== [$(( SECONDS - t0 ))s] $*"; }
@@ -78,7 +80,8 @@ fi
 
 bench_rc=0
 jsons=()
-for cfg in "decode fp8 masked" "prefill fp8 packed" "prefill bf16 packed"; do
+IFS=, read -r -a configs <<<"$CONFIGS"
+for cfg in "${configs[@]}"; do
     [ "$BENCH" = 1 ] || break
     read -r preset dtype layout <<<"$cfg"
     json="$RESULTS/bench_${preset}_${dtype}_${layout}.json"
