@@ -254,7 +254,7 @@ def rows_from_gathered(inputs: GatheredInputs, rank: int, world_size: int, num_e
         ids.append(lid[t])
         ws.append(w[t])
         src.append(s * max_tokens + t)
-        counts += torch.bincount(lid[lid >= 0].to(torch.int64), minlength=EL)
+        counts += torch.bincount(lid[lid >= 0].to(torch.int64), minlength=EL).cpu()
     K = inputs.topk_idx[0].shape[1] if inputs.topk_idx else 0
     H = inputs.x[0].shape[1] if inputs.x else 0
     cat = lambda parts, shape, dt: torch.cat(parts) if parts else torch.zeros(shape, dtype=dt)  # noqa: E731

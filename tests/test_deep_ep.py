@@ -187,6 +187,8 @@ def _normal_worker(rank, R, E_per_rank, K, H, M, calls, node_size=None):
         xs, idxs, ws = _gather(group, x, idx, w)
         # get_dispatch_layout against the model
         ntr, ntrr, nte, itr, ev = buffer.get_dispatch_layout(idx, E, async_finish=call % 2 == 1)
+        if call % 2 == 1:
+            ev.current_stream_wait()  # async_finish: the results are ready once the event is (DeepEP's rule)
         exp_layout = model.layout(idx.cpu(), E, R, group.node_size)
         for name, got, want in zip(("num_tokens_per_rank", "num_tokens_per_rdma_rank", "num_tokens_per_expert",
                                     "is_token_in_rank"), (ntr, ntrr, nte, itr), exp_layout):
