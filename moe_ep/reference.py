@@ -204,7 +204,7 @@ class ReferenceRows:
     rank * E_local) where the token's k-th selection is on ``rank``, else -1; ``topk_weights``
     float32 ``[n, K]``: the weight there, else 0; ``src`` int64 ``[n]``: ``source rank *
     max_tokens + source token``; ``counts``: selections of each local expert among the rows (a
-    token listing an expert twice counts 2).
+    token listing an expert twice counts 2). Tensors are on the host (CPU) for every input device.
     """
 
     rank: int
@@ -257,7 +257,8 @@ def rows_from_gathered(inputs: GatheredInputs, rank: int, world_size: int, num_e
         counts += torch.bincount(lid[lid >= 0].to(torch.int64), minlength=EL).cpu()
     K = inputs.topk_idx[0].shape[1] if inputs.topk_idx else 0
     H = inputs.x[0].shape[1] if inputs.x else 0
-    cat = lambda parts, shape, dt: torch.cat(parts) if parts else torch.zeros(shape, dtype=dt)  # noqa: E731
+    # On the host, whatever device the inputs are on: the oracle is compared, not computed with.
+    cat = lambda parts, shape, dt: torch.cat(parts).cpu() if parts else torch.zeros(shape, dtype=dt)  # noqa: E731
     return ReferenceRows(rank, cat(rows, (0, H), torch.float32), cat(qs, (0, H), FP8) if fp8 else None,
                          cat(ss, (0, 0), torch.float32) if fp8 else None, cat(ids, (0, K), torch.int32),
                          cat(ws, (0, K), torch.float32), cat(src, (0,), torch.int64), counts.tolist())
