@@ -1,4 +1,5 @@
-"""Dispatched rows as the experts see them, and small integer side channels carried with the rows.
+"""Dispatched rows as MoELayer's experts see them, and integer side channels carried with the rows
+(host side; the rows *layout*'s kernels are ``moe_ep/kernels/rows.py``).
 
 :func:`row_groups` turns a ``DispatchResult`` (masked or packed) into flat rows with one group per
 local expert. The side channels (used by the differentiable path of ``MoELayer``) ride in extra

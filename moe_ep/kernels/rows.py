@@ -1,4 +1,5 @@
-"""The rows layout (``EPBuffer(layout="rows")``): one received row per (source rank, source token)
+"""Kernel pieces of the rows layout (``EPBuffer(layout="rows")``; not ``moe_ep/rows.py``, which groups
+dispatched rows for MoELayer's experts): one received row per (source rank, source token)
 instead of one per selection, in ascending (source rank, source token) order.
 
 The send side is the dispatch kernel's, with the position ``j`` among an expert's selections
