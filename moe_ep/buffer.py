@@ -237,7 +237,7 @@ class EPBuffer:
         self._check_usable()
         return _dispatch.dispatch(self, x, topk_idx, topk_weights, x_scales, return_recv_hook)
 
-    def combine(self, expert_y: torch.Tensor, handle: DispatchResult, return_recv_hook: bool = False,
+    def combine(self, expert_y: torch.Tensor, handle: DispatchResult, return_recv_hook: bool = False, *,
                 topk_weights: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None):
         """Weighted sum of the expert outputs back on each token's rank.
 

@@ -149,15 +149,18 @@ def _errors_worker(rank, world_size):
             "expert_y shape": ((y[:-1].contiguous(), h), "expert_y"),
             "expert_y non-contiguous": ((torch.zeros(shape[:-1] + (2 * H,), dtype=torch.bfloat16)[..., ::2], h),
                                         "expert_y"),
-            "out shape": ((y, h, False, torch.empty(T + 1, H, dtype=torch.bfloat16)), "out"),
-            "out dtype": ((y, h, False, torch.empty(T, H)), "out"),
-            "out non-contiguous": ((y, h, False, torch.empty(T, 2 * H, dtype=torch.bfloat16)[:, ::2]), "out"),
-            "out not a tensor": ((y, h, False, [0.0] * H), "out"),
+            "out shape": ((y, h, torch.empty(T + 1, H, dtype=torch.bfloat16)), "out"),
+            "out dtype": ((y, h, torch.empty(T, H)), "out"),
+            "out non-contiguous": ((y, h, torch.empty(T, 2 * H, dtype=torch.bfloat16)[:, ::2]), "out"),
+            "out not a tensor": ((y, h, [0.0] * H), "out"),
         }
         for what, (args, name) in bad_combine.items():
             before = _replayed(la)
             try:
-                buf.combine(*args)
+                if name == "out":
+                    buf.combine(args[0], args[1], out=args[2])
+                else:
+                    buf.combine(*args)
                 log.append(f"{what}: combine accepted it")
             except (TypeError, ValueError) as e:
                 if not str(e).startswith(f"{name}: expected"):
