@@ -13,23 +13,18 @@ from . import combine as _combine
 from . import dispatch as _dispatch
 from .agreement import collective_init
 from .errors import BufferBrokenError, CapacityError, CommTimeoutError
-from .dispatch import _pow2
 from .fp8 import num_scale_blocks
 from .group import EPGroup
 from .handle import DispatchResult
+from .kernels.interpret import interpreting, speed_up
 from .kernels.launch import Launcher
 from .replay import Replay
-from .layout import WorkspaceLayout, chunking
+from .layout import WorkspaceLayout, chunking, pow2
 from .memory import SymmetricWorkspace, check_device_memory
 
 _PHASES = {0: "dispatch", 1: "combine"}
 _log = logging.getLogger("moe_ep")
 MAX_TIMEOUT_S = 1e6  # the longest deadline accepted (about 11.6 days); there is no "no deadline"
-
-
-def interpreting() -> bool:
-    """True when Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 class EPBuffer:
@@ -109,6 +104,8 @@ class EPBuffer:
         self.timeout_s = float(timeout_s)
         self.fp8 = dispatch_dtype == torch.float8_e4m3fn
         self.interp = interpreting()
+        if self.interp:
+            speed_up()
         if self.device.type == "cpu" and not self.interp:
             raise RuntimeError("moe_ep on CPU runs its Triton kernels in the interpreter: set TRITON_INTERPRET=1 "
                                "before importing triton")
@@ -170,7 +167,7 @@ class EPBuffer:
         self.err = torch.zeros(8, dtype=torch.int64, pin_memory=dev.type == "cuda")
         self._err_host = self.err.numpy()  # same memory: reading it costs no tensor op
         self.chunks = self.ws_layout.CMAX
-        self.block_t = _pow2(-(-max_tokens // self.chunks))  # the largest chunk of any source
+        self.block_t = pow2(-(-max_tokens // self.chunks))  # the largest chunk of any source
         # Rows layout: N more rows, the tokens of each chunk with a selection on each node peer.
         self.hist = torch.zeros(num_experts + (N if rows else 0), self.chunks, dtype=torch.int32, device=dev)
         self.recv_pos = torch.zeros(N, M, topk, dtype=torch.int32, device=dev)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import _aligned, _check_tensor, _pow2, launch_half, launch_halves, pipelined_width
+from .dispatch import _aligned, _check_tensor, launch_half, launch_halves, pipelined_width
+from .layout import pow2
 from .kernels.combine import combine_kernel
 from .handle import DispatchResult
 from .replay import signature
@@ -115,8 +116,8 @@ def _combine_consts(buf, own_y: bool, wts: bool) -> dict:
                 RANK=buf.rank - buf.node0, NODE0=buf.node0, N=buf.node_size, M=buf.max_tokens, K=buf.topk,
                 E=buf.num_experts, BASE_F32=buf.remote is not None,
                 EL=buf.num_local_experts, H=H, HDR=buf.ws_layout.HDR, CMAX=buf.chunks, BLOCK_T=BLOCK_T,
-                BLOCK_K=_pow2(buf.topk, 2),
-                BLOCK_H=pipelined_width(max(16, min(_pow2(H), 2048 * buf.tile, 8192 * buf.tile // BLOCK_T)),
+                BLOCK_K=pow2(buf.topk, 2),
+                BLOCK_H=pipelined_width(max(16, min(pow2(H), 2048 * buf.tile, 8192 * buf.tile // BLOCK_T)),
                                         buf.stages, buf.topk * BLOCK_T * 2),
                 STAGES=buf.stages, INTERP=buf.interp, ROWS=buf.layout == "rows", OWN_Y=own_y, WIN=wts, WOUT=wts,
                 off_comb_w=off["comb_w"], num_warps=buf.num_warps)

@@ -8,7 +8,7 @@ import torch
 
 from .kernels.dispatch import dispatch_kernel
 from .handle import DispatchResult
-from .layout import chunking
+from .layout import chunking, pow2
 from .kernels.route import route_hist_kernel
 from .replay import signature
 
@@ -19,10 +19,6 @@ HOST_ID_CHECK = True
 # Decode sizes: up to this many selections (T * K) a dispatch counts earlier selections in its own
 # kernel (DIRECT) instead of launching the routing histogram first (cheaper than a launch there).
 DIRECT_MAX = 2048
-
-
-def _pow2(n: int, lo: int = 1) -> int:
-    return max(lo, 1 << (max(n, 1) - 1).bit_length())
 
 
 def _on(t: torch.Tensor, device: torch.device) -> bool:
@@ -120,12 +116,12 @@ def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = 
     launches = []
     if T > 0 and not direct:
         hist_args = (topk_idx, buf.hist, buf.state, buf.err, T, BT)
-        launches.append((buf._launch(("hist", NC, _pow2(BT), topk_idx.dtype, _aligned(topk_idx)), route_hist_kernel,
+        launches.append((buf._launch(("hist", NC, pow2(BT), topk_idx.dtype, _aligned(topk_idx)), route_hist_kernel,
                                      NC, hist_args,
-                                     lambda: dict(E=buf.num_experts, K=buf.topk, CMAX=CMAX, BLOCK_T=_pow2(BT),
-                                                  BLOCK_K=_pow2(buf.topk, 2), BLOCK_E=_pow2(buf.num_experts, 2),
+                                     lambda: dict(E=buf.num_experts, K=buf.topk, CMAX=CMAX, BLOCK_T=pow2(BT),
+                                                  BLOCK_K=pow2(buf.topk, 2), BLOCK_E=pow2(buf.num_experts, 2),
                                                   ROWS=rows, N=buf.node_size, NODE0=buf.node0,
-                                                  EL=buf.num_local_experts, BLOCK_N=_pow2(buf.node_size, 2)),
+                                                  EL=buf.num_local_experts, BLOCK_N=pow2(buf.node_size, 2)),
                                      (0, 4, 5)), hist_args))
     xs = x_scales if fp8_in else buf.err
     rp = buf.remote
@@ -215,15 +211,15 @@ def _dispatch_consts(buf, fp8_in: bool, direct: bool, own_x: bool) -> dict:
     nb = max(1, buf.num_scale_blocks)
     S = buf.stages
     # fp8 tiles hold whole 128-channel scale blocks, whatever the pipelining budget says
-    block_h = max(128 if buf.fp8 else 16, pipelined_width(min(_pow2(H), 8192 * buf.tile // BLOCK_T), S,
+    block_h = max(128 if buf.fp8 else 16, pipelined_width(min(pow2(H), 8192 * buf.tile // BLOCK_T), S,
                                                           BLOCK_T * (1 if fp8_in else 2)))
-    block_w = pipelined_width(max(16, min(_pow2(W), 2048 * buf.tile, 4096 * buf.tile // BLOCK_T)), S, BLOCK_T * 4)
+    block_w = pipelined_width(max(16, min(pow2(W), 2048 * buf.tile, 4096 * buf.tile // BLOCK_T)), S, BLOCK_T * 4)
     return dict(off_hflag=off["hdr_flag"], off_dflag=off["disp_flag"], off_hdr=off["hdr"], off_meta_i=off["meta_i"],
                 off_meta_w=off["meta_w"], off_rows=off["rows"], off_cflag=off["comb_flag"], RANK=buf.rank - buf.node0, NODE0=buf.node0,
                 R=buf.world_size, N=buf.node_size, M=buf.max_tokens, GLOBAL=buf.remote is not None,
                 K=buf.topk, E=buf.num_experts, EL=buf.num_local_experts, H=H, W=W, NB=nb, RB=lay.RB, HDR=lay.HDR,
                 CMAX=buf.chunks, ALIGN=buf.expert_alignment, CAP=buf.capacity, FP8=buf.fp8, PREQ=fp8_in,
-                DIRECT=direct, PACKED=buf.layout == "packed", BLOCK_T=BLOCK_T, BLOCK_K=_pow2(buf.topk, 2),
+                DIRECT=direct, PACKED=buf.layout == "packed", BLOCK_T=BLOCK_T, BLOCK_K=pow2(buf.topk, 2),
                 BLOCK_C=min(buf.chunks, 64), BLOCK_H=block_h, BLOCK_EL=buf.block_el, BLOCK_W=block_w,
-                BLOCK_NB=_pow2(nb, 2), STAGES=S, INTERP=buf.interp, ROWS=buf.layout == "rows", OWN_X=own_x,
+                BLOCK_NB=pow2(nb, 2), STAGES=S, INTERP=buf.interp, ROWS=buf.layout == "rows", OWN_X=own_x,
                 num_warps=buf.num_warps)

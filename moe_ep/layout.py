@@ -23,14 +23,15 @@ def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
-def _pow2(n: int) -> int:
-    return 1 << (max(n, 1) - 1).bit_length()
+def pow2(n: int, lo: int = 1) -> int:
+    """The smallest power of two >= ``max(n, 1)``, at least ``lo`` (Triton block sizes)."""
+    return max(lo, 1 << (max(n, 1) - 1).bit_length())
 
 
 def max_chunks(max_tokens: int) -> int:
     """CMAX, the most chunks a source's tokens are cut into: one token per chunk at decode sizes
     (many programs share few tokens), at most 16 tokens per chunk at prefill sizes."""
-    return max(_pow2(-(-max_tokens // 16)), min(_pow2(max_tokens), 256))
+    return max(pow2(-(-max_tokens // 16)), min(pow2(max_tokens), 256))
 
 
 def chunking(T: int, cmax: int) -> tuple:

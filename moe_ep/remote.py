@@ -22,18 +22,15 @@ from .fp8 import num_scale_blocks
 from .kernels.remote import (remote_combine_pack_kernel, remote_combine_unpack_kernel, remote_count_kernel,
                              remote_pack_kernel, remote_sel_kernel, remote_unpack_kernel)
 from .kernels.mailbox import ring_kernel, wait_ready_kernel
+from .kernels.interpret import interpreting
 from .kernels.rows import remote_unpack_rows_kernel
-from .layout import chunking, max_chunks
+from .layout import chunking, max_chunks, pow2
 
 REGIONS = ("disp_send", "round1", "overflow", "comb_send", "comb_recv")  # the proxy's registration order
 
 
 def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
-
-
-def _pow2(n: int, lo: int = 2) -> int:
-    return max(lo, 1 << (max(n, 1) - 1).bit_length())
 
 
 @dataclass(frozen=True)
@@ -181,19 +178,13 @@ class RemoteState:
         self.num_chunks = 0  # chunks of the last pack (the host knows T)
 
 
-def _interp() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def _launch(fn, grid: int, args: tuple, consts: dict) -> None:
     """Every launch of this module goes through here (tests replace it to record launches)."""
     fn[(grid,)](*args, **consts)
 
 
 def _common(spec: RemoteSpec) -> dict:
-    return dict(RANK=spec.rank, R=spec.world, BLOCK_R=_pow2(spec.world), BLOCK_K=_pow2(spec.topk))
+    return dict(RANK=spec.rank, R=spec.world, BLOCK_R=pow2(spec.world, 2), BLOCK_K=pow2(spec.topk, 2))
 
 
 def pack(spec: RemoteSpec, st: RemoteState, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -216,11 +207,11 @@ def pack(spec: RemoteSpec, st: RemoteState, x: torch.Tensor, topk_idx: torch.Ten
     NC = NC if T > 0 else 0
     st.num_chunks = NC
     E, K, EL = spec.num_experts, spec.topk, spec.num_local_experts
-    BLOCK_T = _pow2(BT)
+    BLOCK_T = pow2(BT, 2)
     if NC:
         _launch(remote_count_kernel, NC, (topk_idx, st.rhist, st.ehist, st.err, st.epoch, T, BT),
-                dict(R=spec.world, E=E, EL=EL, K=K, CMAX=CMAX, BLOCK_T=BLOCK_T, BLOCK_K=_pow2(K), BLOCK_E=_pow2(E),
-                     BLOCK_R=_pow2(spec.world), num_warps=num_warps))
+                dict(R=spec.world, E=E, EL=EL, K=K, CMAX=CMAX, BLOCK_T=BLOCK_T, BLOCK_K=pow2(K, 2), BLOCK_E=pow2(E, 2),
+                     BLOCK_R=pow2(spec.world, 2), num_warps=num_warps))
     H = spec.hidden
     _launch(remote_pack_kernel, num_programs,
             (x.view(torch.uint8) if preq else x, x_scales if preq else st.rw, topk_idx, topk_weights, st.rhist,
@@ -228,7 +219,7 @@ def pack(spec: RemoteSpec, st: RemoteState, x: torch.Tensor, topk_idx: torch.Ten
             dict(_common(spec), G=spec.node_size, E=E, EL=EL, K=K, H=H, NB=max(1, spec.num_scale_blocks),
                  PW=spec.payload_bytes // 4, RB=spec.row_bytes, HDR=spec.hdr_bytes, MAXROWS=spec.max_send_rows,
                  CMAX=CMAX, FP8=spec.fp8, PREQ=preq, BLOCK_T=BLOCK_T, BLOCK_C=min(CMAX, 64),
-                 BLOCK_H=max(128, min(_pow2(H), 4096 // BLOCK_T)), BLOCK_EL=_pow2(EL), INTERP=_interp(),
+                 BLOCK_H=max(128, min(pow2(H, 2), 4096 // BLOCK_T)), BLOCK_EL=pow2(EL, 2), INTERP=interpreting(),
                  num_warps=num_warps))
 
 
@@ -240,7 +231,7 @@ def fill_count_matrix(spec: RemoteSpec, st: RemoteState, round1: torch.Tensor) -
     EL = spec.num_local_experts
     _launch(remote_sel_kernel, 1, (round1, st.ehist, st.sel, st.epoch, st.num_chunks, st.rhist, st.rows_from),
             dict(RANK=spec.rank, R=spec.world, EL=EL, HDR=spec.hdr_bytes, SLOT=spec.slot_bytes, CMAX=spec.chunks,
-                 BLOCK_EL=_pow2(EL), BLOCK_C=min(spec.chunks, 64)))
+                 BLOCK_EL=pow2(EL, 2), BLOCK_C=min(spec.chunks, 64)))
 
 
 def unpack(spec: RemoteSpec, st: RemoteState, round1: torch.Tensor, overflow: torch.Tensor,
@@ -264,8 +255,8 @@ def unpack(spec: RemoteSpec, st: RemoteState, round1: torch.Tensor, overflow: to
             dict(_common(spec), G=spec.node_size, EL=EL, K=K, H=H, W=W, NB=nb, PW=spec.payload_bytes // 4,
                  RB=spec.row_bytes, HDR=spec.hdr_bytes, PCAP=spec.private_capacity, OVCAP=spec.overflow_capacity,
                  ROWS=spec.recv_rows, CAP=spec.expert_capacity, ALIGN=spec.expert_alignment,
-                 PACKED=spec.layout == "packed", FP8=spec.fp8, BLOCK_RW=16, BLOCK_EL=_pow2(EL),
-                 BLOCK_W=max(16, min(_pow2(W), 256)), BLOCK_NB=_pow2(nb), num_warps=num_warps))
+                 PACKED=spec.layout == "packed", FP8=spec.fp8, BLOCK_RW=16, BLOCK_EL=pow2(EL, 2),
+                 BLOCK_W=max(16, min(pow2(W, 2), 256)), BLOCK_NB=pow2(nb, 2), num_warps=num_warps))
 
 
 def unpack_rows(spec: RemoteSpec, st: RemoteState, round1: torch.Tensor, overflow: torch.Tensor,
@@ -287,8 +278,8 @@ def unpack_rows(spec: RemoteSpec, st: RemoteState, round1: torch.Tensor, overflo
              st.err, st.epoch),
             dict(_common(spec), G=spec.node_size, M=spec.max_tokens, K=K, H=H, W=W, NB=nb, PW=spec.payload_bytes // 4,
                  RB=spec.row_bytes, HDR=spec.hdr_bytes, PCAP=spec.private_capacity, OVCAP=spec.overflow_capacity,
-                 ROWS=spec.recv_rows, FP8=spec.fp8, BLOCK_RW=16, BLOCK_W=max(16, min(_pow2(W), 256)),
-                 BLOCK_NB=_pow2(nb), num_warps=num_warps))
+                 ROWS=spec.recv_rows, FP8=spec.fp8, BLOCK_RW=16, BLOCK_W=max(16, min(pow2(W, 2), 256)),
+                 BLOCK_NB=pow2(nb, 2), num_warps=num_warps))
 
 
 def combine_pack(spec: RemoteSpec, st: RemoteState, expert_y: torch.Tensor, comb_send: torch.Tensor,
@@ -301,8 +292,8 @@ def combine_pack(spec: RemoteSpec, st: RemoteState, expert_y: torch.Tensor, comb
     wy = topk_weights if topk_weights is not None else st.rw
     _launch(remote_combine_pack_kernel, num_programs, (expert_y, st.rpos, wy if rows else st.rw, st.recv_rows,
                                                        comb_send),
-            dict(R=spec.world, K=spec.topk, H=H, BLOCK_RW=16, BLOCK_K=_pow2(spec.topk),
-                 BLOCK_H=max(16, min(_pow2(H), 512)), BLOCK_R=_pow2(spec.world), INTERP=_interp(),
+            dict(R=spec.world, K=spec.topk, H=H, BLOCK_RW=16, BLOCK_K=pow2(spec.topk, 2),
+                 BLOCK_H=max(16, min(pow2(H, 2), 512)), BLOCK_R=pow2(spec.world, 2), INTERP=interpreting(),
                  CRB=spec.comb_row_bytes, ROWS=rows, WIN=topk_weights is not None, num_warps=num_warps))
 
 
@@ -320,7 +311,7 @@ def combine_unpack(spec: RemoteSpec, st: RemoteState, comb_recv: torch.Tensor, t
              wout if wout is not None else st.rw),
             dict(_common(spec), G=spec.node_size, E=spec.num_experts, EL=spec.num_local_experts, K=spec.topk, H=H,
                  MAXROWS=spec.max_send_rows, HAS_BASE=base is not None, BLOCK_T=16,
-                 BLOCK_H=max(16, min(_pow2(H), 512)), INTERP=_interp(), CRB=spec.comb_row_bytes,
+                 BLOCK_H=max(16, min(pow2(H, 2), 512)), INTERP=interpreting(), CRB=spec.comb_row_bytes,
                  WOUT=wout is not None, num_warps=num_warps))
 
 
@@ -335,7 +326,7 @@ def wait_ready(st: RemoteState, mailbox: torch.Tensor, err: torch.Tensor, timeou
     """Kernel side of a ready word: the launches after this one see what the proxy received for
     ``st.epoch`` (or ``err``, int64 [8] host-visible, records the proxy's error or the timeout)."""
     _launch(wait_ready_kernel, 1, (mailbox, st.epoch, err, timeout_ns),
-            dict(WORD=1 if phase == "dispatch" else 3, PHASE=0 if phase == "dispatch" else 1, INTERP=_interp()))
+            dict(WORD=1 if phase == "dispatch" else 3, PHASE=0 if phase == "dispatch" else 1, INTERP=interpreting()))
 
 
 __all__ = ["RemoteSpec", "RemoteState", "REGIONS", "pack", "fill_count_matrix", "unpack", "unpack_rows", "combine_pack",

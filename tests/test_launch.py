@@ -51,7 +51,7 @@ def fake_gpu(monkeypatch):
                 return c
             return go
 
-    monkeypatch.setattr(L, "_interpreting", lambda: False)
+    monkeypatch.setattr(L, "interpreting", lambda: False)
     monkeypatch.setenv("MOE_EP_LAUNCH", "triton")  # the stand-in has no CUfunction: Triton's launcher path
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda dev: 1000 + dev, raising=False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)

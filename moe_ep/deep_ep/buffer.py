@@ -14,9 +14,10 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from ..buffer import EPBuffer, interpreting
+from ..buffer import EPBuffer
+from ..kernels.interpret import interpreting
 from ..group import EPGroup
-from ..layout import WorkspaceLayout
+from ..layout import WorkspaceLayout, pow2
 from . import low_latency as _ll
 from . import normal as _normal
 from .config import Config
@@ -29,10 +30,6 @@ _MIN_ROWS_TOKENS = 64  # the smallest max_tokens of a normal-mode buffer (so a f
 
 def _refuse(name: str, value, why: str) -> None:
     raise NotImplementedError(f"{name}={value!r}: not implemented by moe_ep.deep_ep ({why})")
-
-
-def _pow2(n: int) -> int:
-    return 1 << (max(n, 1) - 1).bit_length()
 
 
 class Buffer:
@@ -395,7 +392,7 @@ class Buffer:
         slots = self._rows.setdefault(key, [])
         if slots and slots[-1].epbuf.max_tokens >= tokens:
             return slots[-1]
-        slots.append(_normal.RowsSlot(self._epbuffer(num_experts, hidden, max(_MIN_ROWS_TOKENS, _pow2(tokens)), K,
+        slots.append(_normal.RowsSlot(self._epbuffer(num_experts, hidden, max(_MIN_ROWS_TOKENS, pow2(tokens)), K,
                                                      dtype, "rows")))
         return slots[-1]
 

@@ -31,14 +31,12 @@ from typing import Hashable, Optional, Sequence
 import torch
 import triton
 
+from .interpret import interpreting
+
 LAUNCH_PATHS = ("native", "triton")
 # Triton releases whose launcher (backends/nvidia/driver.py: make_launcher) the native packing was
 # checked against: tests/test_launch.py compares param_sizes with it. Others take TritonPlan.
 NATIVE_TRITON = ((3, 6),)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def launch_path() -> str:
@@ -276,7 +274,7 @@ class Launcher:
     """Per-buffer cache of launch plans (see the module docstring)."""
 
     def __init__(self, device: Optional[torch.device] = None):
-        self.interp = _interpreting()
+        self.interp = interpreting()
         self.path = launch_path() if device is not None else None  # a buffer's: its env checked at construction
         self.device_index = device.index if device is not None and device.type == "cuda" else None
         self._plans: dict = {}
@@ -325,7 +323,7 @@ _GLOBAL = Launcher()
 
 def launch(fn, grid: int, args: tuple, consts: dict) -> None:
     """``Launcher`` with a key computed from every argument (no buffer to hold fixed ones)."""
-    if _GLOBAL.interp != _interpreting():
-        _GLOBAL.interp = _interpreting()
+    if _GLOBAL.interp != interpreting():
+        _GLOBAL.interp = interpreting()
     key = (fn, grid, spec_of(args), tuple(consts.items())) if not _GLOBAL.interp else None
     _GLOBAL(key, fn, grid, args, consts)
