@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .kernels.interpret import interpreting
+
 
 def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
@@ -28,10 +30,16 @@ def pow2(n: int, lo: int = 1) -> int:
     return max(lo, 1 << (max(n, 1) - 1).bit_length())
 
 
+INTERP_MAX_CHUNKS = 4
+
+
 def max_chunks(max_tokens: int) -> int:
     """CMAX, the most chunks a source's tokens are cut into: one token per chunk at decode sizes
-    (many programs share few tokens), at most 16 tokens per chunk at prefill sizes."""
-    return max(pow2(-(-max_tokens // 16)), min(pow2(max_tokens), 256))
+    (many programs share few tokens), at most 16 tokens per chunk at prefill sizes. Under Triton's
+    interpreter (CPU ranks) at most ``INTERP_MAX_CHUNKS``: its programs run one after another, so
+    more chunks overlap nothing and only add interpreted steps (four still run the chunk logic)."""
+    cmax = max(pow2(-(-max_tokens // 16)), min(pow2(max_tokens), 256))
+    return min(cmax, INTERP_MAX_CHUNKS) if interpreting() else cmax
 
 
 def chunking(T: int, cmax: int) -> tuple:
