@@ -37,9 +37,10 @@ def max_chunks(max_tokens: int) -> int:
     """CMAX, the most chunks a source's tokens are cut into: one token per chunk at decode sizes
     (many programs share few tokens), at most 16 tokens per chunk at prefill sizes. Under Triton's
     interpreter (CPU ranks) at most ``INTERP_MAX_CHUNKS``: its programs run one after another, so
-    more chunks overlap nothing and only add interpreted steps (four still run the chunk logic)."""
-    cmax = max(pow2(-(-max_tokens // 16)), min(pow2(max_tokens), 256))
-    return min(cmax, INTERP_MAX_CHUNKS) if interpreting() else cmax
+    more chunks overlap nothing and only add interpreted steps (four still run the chunk logic);
+    the 16 tokens per chunk hold there too (the kernels' per-chunk tiles are quadratic in them)."""
+    most = 256 if not interpreting() else INTERP_MAX_CHUNKS
+    return max(pow2(-(-max_tokens // 16)), min(pow2(max_tokens), most))
 
 
 def chunking(T: int, cmax: int) -> tuple:

@@ -30,7 +30,15 @@ pickle.dump(out, open(sys.argv[1] + ".out", "wb"))
 """
 
 
+def gpu_chunking(monkeypatch) -> None:
+    """Chunk counts as on a GPU (the interpreter caps them: moe_ep.layout.max_chunks)."""
+    import moe_ep.layout
+
+    monkeypatch.setattr(moe_ep.layout, "interpreting", lambda: False)
+
+
 def _record(monkeypatch, configs):
+    gpu_chunking(monkeypatch)
     rec = []
 
     def spy(key, fn, grid, args, consts, dynamic=None):
@@ -93,6 +101,7 @@ def _record_remote(monkeypatch, T: int, fp8: bool, layout: str):
     GPU would make them (INTERP off), not run."""
     from moe_ep import remote as R_
 
+    gpu_chunking(monkeypatch)
     rec = []
 
     def spy(fn, grid, args, consts):

@@ -543,14 +543,15 @@ def test_low_latency_cuda_graph(R, fp8):
     assert not fails, "\n".join(fails)
 
 
-def test_combine_time_weights_compile_for_sm90(tmp_path):
+def test_combine_time_weights_compile_for_sm90(monkeypatch, tmp_path):
     """The combine kernel with combine-time weights (the push, the owner's wait) compiles for
     sm_90 on a machine without a GPU: fused (one launch) and as separate push / send / receive."""
     pytest.importorskip("triton.backends.nvidia")
     import moe_ep
     from moe_ep.kernels.aot import signature
-    from test_compile_sm90 import _compile
+    from test_compile_sm90 import _compile, gpu_chunking
 
+    gpu_chunking(monkeypatch)
     rec = []
 
     def spy(key, fn, grid, args, consts, dynamic=None):

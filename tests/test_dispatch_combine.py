@@ -23,12 +23,16 @@ KS = [1, 2, 8]
 LOCAL_EXPERTS = [1, 2, 4]
 
 
-def matrix_cases(R: int, dtype: str):
+def matrix_cases(R: int, dtype: str, full: bool = False):
     """A covering design: every (layout, alignment) for the dtype, with K, experts per rank and the
-    data kind rotating so each R x dtype sees every K, several E and both data kinds."""
+    data kind rotating so each R x dtype sees every K, several E and both data kinds. At R=4 (the
+    slowest on CPU; ``full`` on GPUs: test_matrix_gpu) half of them, rotating with the dtype so
+    that the three dtypes together reach every (layout, alignment)."""
     d = list(DTYPES).index(dtype)
     cases = []
     for i, (layout, align) in enumerate(itertools.product(["masked", "packed"], [1, 16])):
+        if R == 4 and not full and (i + d) % 4 not in (0, 1):
+            continue
         K = KS[(i + R + d) % 3]
         EL = LOCAL_EXPERTS[(i + 2 * d + R) % 3]
         E = EL * R
@@ -61,23 +65,26 @@ def test_matrix(R, dtype):
     _run_matrix(R, matrix_cases(R, dtype))
 
 
-@pytest.mark.parametrize("R", RANKS)
+@pytest.mark.parametrize("R", [1, 2, 3])  # R=4 adds no size the others miss (GPUs run it: test_matrix_gpu)
 def test_edges(R):
     _run_matrix(R, edge_cases(R))
 
 
 def test_matrix_covers_the_contract():
     """The rotation really reaches every value the issue lists."""
-    cases = [c for R in RANKS for d in DTYPES for c in matrix_cases(R, d)] + [c for R in RANKS for c in edge_cases(R)]
+    cases = [c for R in RANKS for d in DTYPES for c in matrix_cases(R, d)] + [c for R in (1, 2, 3) for c in edge_cases(R)]
     assert {c.R for c in cases} == set(RANKS)
     assert {c.K for c in cases} == set(KS)
+    every = {("masked", 1), ("masked", 16), ("packed", 1), ("packed", 16)}
     for R in RANKS:
         for d in DTYPES:
             mine = matrix_cases(R, d)
-            assert {c.K for c in mine} == set(KS), (R, d)
-            assert {(c.layout, c.align) for c in mine} == {("masked", 1), ("masked", 16), ("packed", 1), ("packed", 16)}
+            assert {c.K for c in mine} == set(KS) or R == 4, (R, d)
+            assert {(c.layout, c.align) for c in mine} == every or R == 4
             assert {c.data for c in mine} == {"tagged", "random"}
         assert len({c.E for d in DTYPES for c in matrix_cases(R, d)}) >= 2 or R == 1
+        assert {(c.layout, c.align) for d in DTYPES for c in matrix_cases(R, d)} == every
+        assert {c.K for d in DTYPES for c in matrix_cases(R, d)} == set(KS)
     for c in cases:
         assert c.E % c.R == 0 and c.E <= 16 and c.M <= 16
         Ts = [T for call in range(len(c.calls)) for T in c.token_counts(call)]
@@ -94,7 +101,7 @@ GPU_RANKS = [1, 2, 4, 8]
 def test_matrix_gpu(R):
     """R ranks on the GPUs there are (sharing them when fewer than R: CUDA IPC node memory)."""
     dist_util.need_gpu()
-    cases = [c for d in DTYPES for c in matrix_cases(min(R, 4), d)] + edge_cases(min(R, 4))
+    cases = [c for d in DTYPES for c in matrix_cases(min(R, 4), d, full=True)] + edge_cases(min(R, 4))
     cases = [Case(**{**c.__dict__, "R": R, "E": c.E // c.R * R if c.E // c.R * R <= 64 else R}) for c in cases]
     _run_matrix(R, cases, backend=dist_util.gpu_backend(R), timeout=1200)
 

@@ -525,6 +525,9 @@ pickle.dump(out, open(sys.argv[1] + ".out", "wb"))
 
 def test_remote_kernels_compile_for_sm90(monkeypatch, tmp_path):
     pytest.importorskip("triton.backends.nvidia")
+    from test_compile_sm90 import gpu_chunking
+
+    gpu_chunking(monkeypatch)
     rec = []
 
     def spy(fn, grid, args, consts):
