@@ -1,0 +1,145 @@
+"""moe_ep.bench.copy_floor at tiny sizes: every variant's kernel writes what torch writes, the checker
+rejects a wrong output (and a wrong output becomes an error row, never a time), and the command line
+writes its JSON. On a machine without a GPU the kernels run in Triton's interpreter."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moe_ep.bench import copy_floor as cf
+from moe_ep.kernels.interpret import interpreting
+
+needs_interpreter = pytest.mark.skipif(not interpreting(), reason="--device cpu runs in Triton's interpreter")
+
+# 37 rows (no multiple of 2, 3 or 8: partial steps), 2304-byte rows (576 words: a masked 1024-word
+# block, and 9 chunks of 64 words, so the 4- and 8-chunk boxes run past a row's end)
+ROWS, ROW_BYTES, EXPAND, PROGRAMS = 37, 2304, 3, (2, 3)
+
+
+@pytest.fixture(scope="module")
+def device() -> torch.device:
+    if interpreting():
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU and no TRITON_INTERPRET")
+    return torch.device("cuda")
+
+
+@pytest.fixture(scope="module")
+def inp(device) -> cf.Inputs:
+    return cf.make_inputs(ROWS, ROW_BYTES, EXPAND, device, seed=1)
+
+
+def _tma_or_skip(device):
+    why = cf.tma_unavailable(device)
+    if why:
+        pytest.skip(why)
+
+
+@pytest.mark.parametrize("programs", PROGRAMS)
+def test_gathers_match_torch(inp, device, programs):
+    ref = cf.reference_gather(inp)
+    assert not ref.equal(inp.src), "the permutation must move rows"
+    runs = {"plain": lambda o: cf.gather_plain(inp.src, inp.perm, o, programs=programs),
+            "pipelined-3": lambda o: cf.gather_pipelined(inp.src, inp.perm, o, programs=programs, stages=3)}
+    for n in (2, 4, 8):
+        runs[f"inflight-{n}"] = lambda o, n=n: cf.gather_inflight(inp.src, inp.perm, o, programs=programs,
+                                                                   rows_in_flight=n)
+    for name, run in runs.items():
+        out = torch.zeros_like(inp.src)
+        run(out)
+        assert cf.check(out, ref) is None, name
+
+
+@pytest.mark.parametrize("programs", PROGRAMS)
+def test_expand_matches_torch(inp, programs):
+    out = torch.zeros(ROWS * EXPAND, ROW_BYTES // 4, dtype=torch.int32, device=inp.src.device)
+    cf.expand_rows(inp.src, inp.dest, out, programs=programs)
+    ref = cf.reference_expand(inp)
+    assert cf.check(out, ref) is None
+    for k in range(EXPAND):  # the reference itself: row dest[i, k] is src[i]
+        assert ref[inp.dest[:, k].long()].equal(inp.src)
+
+
+@pytest.mark.parametrize("box_rows", (4, 8))
+def test_tma_matches_torch(inp, device, box_rows):
+    _tma_or_skip(device)
+    assert cf.tma_box(ROW_BYTES // 4, box_rows) == (box_rows, 64)
+    out = torch.zeros_like(inp.src)
+    cf.gather_tma(inp.src, inp.perm, out, programs=3, box_rows=box_rows, stages=2)
+    assert cf.check(out, cf.reference_gather(inp)) is None
+
+
+def test_tma_box():
+    assert cf.tma_box(1792, 8) == (8, 256)  # 7168-byte rows: 7 chunks of 256 words, one box of 8
+    assert cf.tma_box(1792, 4) == (4, 256)
+    assert cf.tma_box(64, 8) == (1, 64)  # a row of one 64-word chunk: one-chunk boxes
+    assert cf.tma_box(4096, 16) == (16, 256)
+
+
+def test_check_rejects_wrong_outputs(inp):
+    ref = cf.reference_gather(inp)
+    out = ref.clone()
+    assert cf.check(out, ref) is None
+    out[5, 7] ^= 1  # one bit of one word
+    assert "1 of 37 rows (first: row 5)" in cf.check(out, ref)
+    assert "expected" in cf.check(ref[:-1], ref)
+    # a kernel that gathers through the wrong permutation is caught
+    wrong = torch.zeros_like(inp.src)
+    cf.gather_plain(inp.src, inp.perm.roll(1), wrong, programs=2)
+    assert cf.check(wrong, ref) is not None
+
+
+def test_a_wrong_output_is_an_error_row_not_a_time(inp):
+    out = torch.zeros_like(inp.src)
+
+    def half_done(programs):  # a "kernel" that skips its last row
+        out[:-1] = cf.reference_gather(inp)[:-1]
+
+    v = cf.Variant("broken", half_done, out, lambda: cf.reference_gather(inp), 1, 1)
+    row = cf.measure(v, 2, iters=1, warmup=0, cuda=False)
+    assert row["error"].startswith("wrong output") and "p50_us" not in row
+    good = cf.Variant("good", lambda p: out.copy_(cf.reference_gather(inp)), out, lambda: cf.reference_gather(inp),
+                      100, 100)
+    row = cf.measure(good, 2, iters=2, warmup=0, cuda=False)
+    assert "error" not in row and row["p50_us"] > 0 and row["gbps_per_program"] == pytest.approx(row["gbps"] / 2)
+
+
+@needs_interpreter
+def test_cli_cpu_writes_json(tmp_path, capsys):
+    path = tmp_path / "floor.json"
+    assert cf.main(["--device", "cpu", "--programs", "2", "--iters", "1", "--warmup", "0",
+                    "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    assert doc["times_meaningful"] is False and doc["hardware"] == "cpu"
+    assert doc["args"]["rows"] == 64 and doc["args"]["row_bytes"] == 256
+    assert {"torch", "triton", "commit"} <= set(doc["env"])
+    names = [r["variant"] for r in doc["rows"]]
+    assert names == ["plain", "inflight-2", "inflight-4", "inflight-8", "pipelined-3", "expand-8", "tma-1x64-s3",
+                     "torch copy_", "torch index_select"]
+    for r in doc["rows"]:
+        assert "error" not in r, r
+        assert r["programs"] == ("n/a" if r["variant"].startswith("torch") else 2)
+        assert r["p50_us"] > 0 and r["gbps"] > 0
+    expand = doc["rows"][names.index("expand-8")]
+    assert expand["write_bytes"] == 8 * expand["read_bytes"] == 8 * 64 * 256
+    table = capsys.readouterr().out.strip().splitlines()
+    assert table[-1].startswith("times are meaningless")
+    assert table[-2].startswith("torch index_select")
+
+
+def test_cli_errors(monkeypatch, capsys):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(SystemExit):
+        cf.parse_args(["--device", "cpu"])
+    assert "TRITON_INTERPRET=1" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        cf.parse_args([])
+    assert "no CUDA GPU" in capsys.readouterr().err
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for bad in (["--row-bytes", "100"], ["--inflight", "3"], ["--programs", "0"]):
+        with pytest.raises(SystemExit):
+            cf.parse_args(["--device", "cpu"] + bad)
