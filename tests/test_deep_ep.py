@@ -13,7 +13,7 @@ import deep_ep_model as model
 import dist_util
 
 FP8 = torch.float8_e4m3fn
-RANKS = [1, 2, 3, 4]
+RANKS = [1, 2, 3]  # CPU ranks; R=4 and up run on GPUs (the *_gpu tests)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -145,7 +145,7 @@ LL_CALLS = ("bf16", "fp8", "bf16", "fp8")
 
 @pytest.mark.parametrize("R", RANKS)
 def test_low_latency(R):
-    fails = dist_util.run(R, _ll_worker, LL_CALLS, 2 if R < 4 else 1, 3, 128, 4)
+    fails = dist_util.run(R, _ll_worker, LL_CALLS, 1 if R == 3 else 2, 3, 128, 4)
     fails = [f for r in fails for f in r]
     assert not fails, "\n".join(fails[:20])
 
@@ -270,7 +270,7 @@ def _normal_worker(rank, R, E_per_rank, K, H, M, calls, node_size=None):
 
 @pytest.mark.parametrize("R", RANKS)
 def test_normal(R):
-    fails = dist_util.run(R, _normal_worker, 2 if R < 4 else 1, 3, 128, 4, NORMAL_CALLS)
+    fails = dist_util.run(R, _normal_worker, 1 if R == 3 else 2, 3, 128, 4, NORMAL_CALLS)
     fails = [f for r in fails for f in r]
     assert not fails, "\n".join(fails[:20])
 

@@ -65,14 +65,14 @@ def test_matrix(R, dtype):
     _run_matrix(R, matrix_cases(R, dtype))
 
 
-@pytest.mark.parametrize("R", [1, 2, 3])  # R=4 adds no size the others miss (GPUs run it: test_matrix_gpu)
+@pytest.mark.parametrize("R", [1, 3])  # R=2 and 4 add no size the others miss (GPUs run them: test_matrix_gpu)
 def test_edges(R):
     _run_matrix(R, edge_cases(R))
 
 
 def test_matrix_covers_the_contract():
     """The rotation really reaches every value the issue lists."""
-    cases = [c for R in RANKS for d in DTYPES for c in matrix_cases(R, d)] + [c for R in (1, 2, 3) for c in edge_cases(R)]
+    cases = [c for R in RANKS for d in DTYPES for c in matrix_cases(R, d)] + [c for R in (1, 3) for c in edge_cases(R)]
     assert {c.R for c in cases} == set(RANKS)
     assert {c.K for c in cases} == set(KS)
     every = {("masked", 1), ("masked", 16), ("packed", 1), ("packed", 16)}
