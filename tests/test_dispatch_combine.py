@@ -359,9 +359,10 @@ def _validation_worker(rank, world_size):
     _expect(log, "topk 0", lambda: mk(topk=0), ["topk", "topk_idx"])
     _expect(log, "group not an EPGroup", lambda: moe_ep.EPBuffer(None, 2 * R, 128, 8, 2), ["group"])
     fails = []
-    for case in (Case(R=R, E=2 * R, K=2, dtype="bf16", layout="masked", calls=("uniform", "skewed", "sparse")),
-                 Case(R=R, E=2 * R, K=8, dtype="fp8pre", layout="packed", align=16, calls=("sparse", "uniform", "skewed")),
-                 Case(R=R, E=4 * R, K=2, dtype="fp8", layout="packed", calls=("skewed", "sparse", "uniform"))):
+    # One checked call after the rejected ones shows nothing reached a peer (the matrix covers routing).
+    for case in (Case(R=R, E=2 * R, K=2, dtype="bf16", layout="masked", calls=("skewed",)),
+                 Case(R=R, E=2 * R, K=8, dtype="fp8pre", layout="packed", align=16, calls=("sparse",)),
+                 Case(R=R, E=4 * R, K=2, dtype="fp8", layout="packed", calls=("uniform",))):
         buf = make_buffer(group, case, 20.0)
         with buf:
             if rank == 0:

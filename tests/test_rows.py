@@ -159,3 +159,54 @@ def test_rows_errors(R):
     logs = dist_util.run(R, _errors_worker, timeout=300)
     log = [m for lg in logs for m in lg]
     assert not log, "\n".join(log)
+
+
+def _hook_inputs_worker(rank, world_size):
+    """Rows dispatch and combine with receive hooks while the caller overwrites its inputs between
+    the call and the hook: the hook must not read them again (a rank's own rows go through the
+    workspace when a hook is asked for)."""
+    from moe_ep.reference import moe_local, reference_moe
+    from ep_cases import (DTYPES, check_combine, check_dispatch, expert_fn_for, make_buffer, make_inputs,
+                          reference_for, rows_expert_y)
+
+    fails = []
+    for dtype in ("bf16", "fp8"):
+        case = Case(R=world_size, E=2 * world_size, K=2, dtype=dtype, layout="rows", data="random",
+                    calls=("uniform",), seed=70 + rank)
+        inp = make_inputs(case, 0)[rank]
+        x, idx, w = inp.x.clone(), inp.topk_idx.clone(), inp.topk_weights.clone()
+        where = f"[{case.name} rank {rank}]"
+        with make_buffer(_group(), case) as buf:
+            ref = reference_for(buf.group, case, inp.x, inp.topk_idx, inp.topk_weights, None)
+            h, hook = buf.dispatch(x, idx, w, return_recv_hook=True)
+            x.fill_(float("nan"))
+            idx.fill_(0)
+            w.fill_(5.0)
+            hook()
+            bad = check_dispatch(h, ref, case, where + " dispatch hook after x, topk_idx, topk_weights changed")
+            fails += bad
+            fn = expert_fn_for(case)
+            y, _ = rows_expert_y(h, case, fn, rank)
+            out, chook = buf.combine(y, h, return_recv_hook=True)
+            y.fill_(float("nan"))
+            chook()
+            if not bad:
+                dt = DTYPES[dtype]
+                exp = reference_moe(buf.group, case.E, inp.x, inp.topk_idx, inp.topk_weights, fn, dispatch_dtype=dt)
+                exp_abs = moe_local(case.E, inp.x, inp.topk_idx, inp.topk_weights.abs(),
+                                    lambda e, rows: fn(e, rows).abs(), dispatch_dtype=dt)
+                fails += check_combine(out, exp, exp_abs, inp.x.shape[0], case,
+                                       where + " combine hook after expert_y changed")
+    return fails
+
+
+def _group():
+    import moe_ep
+
+    return moe_ep.EPGroup()
+
+
+@pytest.mark.parametrize("R", [1, 2])
+def test_rows_hooks_do_not_reread_inputs(R):
+    fails = [f for r in dist_util.run(R, _hook_inputs_worker, timeout=300) for f in r]
+    assert not fails, "\n".join(fails[:20])
