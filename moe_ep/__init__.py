@@ -3,11 +3,36 @@
 Public API: ``EPGroup``, ``EPBuffer`` (``dispatch`` / ``combine``), ``DispatchResult``,
 ``CommTimeoutError``; the pure-torch oracle is ``moe_ep.reference``. ``MoELayer`` is a drop-in
 expert-parallel MoE block; ``moe_ep.integrations.hf`` puts it into HF transformers models.
+
+The classes are imported on first use (PEP 562), so ``python -m moe_ep.doctor --no-torch`` and
+the torch-free tools load without torch (about 50 s on an emulated machine, 2-3 s natively).
 """
-from .buffer import DispatchResult, EPBuffer
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from .errors import BufferBrokenError, CapacityError, CommTimeoutError
-from .group import EPGroup
-from .layer import MoELayer
+
+if TYPE_CHECKING:
+    from .buffer import DispatchResult, EPBuffer
+    from .group import EPGroup
+    from .layer import MoELayer
 
 __all__ = ["EPGroup", "EPBuffer", "DispatchResult", "CommTimeoutError", "CapacityError", "BufferBrokenError", "MoELayer"]
 __version__ = "0.1.0"
+
+_LAZY = {"EPBuffer": ".buffer", "DispatchResult": ".buffer", "EPGroup": ".group", "MoELayer": ".layer"}
+
+
+def __getattr__(name: str):
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(where, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

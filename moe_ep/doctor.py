@@ -278,12 +278,21 @@ def transport(native_ok: bool) -> dict:
     return out
 
 
+def ipc_binding() -> Optional[str]:
+    """``"cupy <version>"`` when cupy's CUDA runtime binding (what ``moe_ep.memory``'s IPC backend
+    calls) imports, else None. Here, not in ``moe_ep.memory``, so that ``--no-torch`` loads no torch."""
+    try:
+        import cupy
+        import cupy.cuda.runtime  # noqa: F401
+    except Exception:  # noqa: BLE001
+        return None
+    return f"cupy {cupy.__version__}"
+
+
 def node_memory(num_gpus: int, use_torch: bool = True) -> dict:
     """How a job's node peers would map each other's memory here (``moe_ep.memory``): symmetric memory
     when every rank of a node has its own GPU and torch has it, CUDA IPC (cupy) when ranks share a GPU
     or it does not; ``MOE_EP_NODE_MEMORY`` forces one."""
-    from .memory import ipc_binding
-
     symm = None
     if use_torch:
         from .memory import symm_available

@@ -153,16 +153,6 @@ def symm_available() -> bool:
     return hasattr(symm_mem, "empty") and hasattr(symm_mem, "rendezvous")
 
 
-def ipc_binding() -> Optional[str]:
-    """``"cupy <version>"`` when cupy's CUDA runtime binding (what the IPC backend calls) imports, else None."""
-    try:
-        import cupy
-        import cupy.cuda.runtime  # noqa: F401
-    except Exception:  # noqa: BLE001
-        return None
-    return f"cupy {cupy.__version__}"
-
-
 def check_device_memory(group: EPGroup, nbytes: int, what: str = "buffer") -> None:
     """Raises ``MemoryError`` on every rank, before anything is allocated, when the ranks that share
     a GPU together need more than it has free (``nbytes`` per rank: this rank's need). Collective

@@ -215,3 +215,16 @@ def test_node_memory_report(monkeypatch):
     rep = doctor.report(use_torch=False, use_pyverbs=False)
     text = doctor.render(rep)
     assert "Node memory: a GPU per rank -> " in text and "MOE_EP_NODE_MEMORY=ipc" in text
+
+
+def test_no_torch_report_loads_no_torch():
+    """``moe_ep.doctor --no-torch`` (and the torch-free rdma tests) must not import torch: ``import
+    moe_ep`` loads its classes lazily, and the node-memory row needs no torch without it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from moe_ep import doctor; doctor.render(doctor.report(use_torch=False, use_pyverbs=False)); "
+            "import moe_ep; assert moe_ep.__version__; print('torch' in sys.modules)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "False", "torch was imported"
