@@ -219,6 +219,10 @@ def _killed_worker(rank, world_size, victim, when, timeout_s, node_size=1):
             res["after"] = "no error"
         except moe_ep.BufferBrokenError:
             res["after"] = "BufferBrokenError"
+    # A survivor that gives up closes its connections, which a slower survivor may notice before
+    # the killed rank's and then name this survivor (a cascade; ARCHITECTURE §6). Each survivor
+    # keeps its buffer open for one deadline, so every one reports the killed rank by itself.
+    time.sleep(timeout_s)
     buf.close()  # no collective: the process group lost a member
     return res
 
