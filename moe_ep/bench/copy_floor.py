@@ -63,14 +63,17 @@ GPU_DEFAULTS = dict(rows=32768, row_bytes=7168, programs=[16, 32, 64, 132], iter
 # ----------------------------------------------------------------------------- kernels
 
 @triton.jit
-def _gather_plain_kernel(src_ptr, perm_ptr, dst_ptr, rows, WORDS: tl.constexpr, BLOCK_W: tl.constexpr):
-    """``dst[i] = src[perm[i]]`` for i = pid, pid + programs, ...: one row loaded, then stored."""
+def _gather_kernel(src_ptr, perm_ptr, dst_ptr, rows, WORDS: tl.constexpr, BLOCK_W: tl.constexpr,
+                   STAGES: tl.constexpr):
+    """``dst[i] = src[perm[i]]`` for i = pid, pid + programs, ...; STAGES=1: one row loaded, then
+    stored (``plain``); more: the row loop software-pipelined by Triton, STAGES deep."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_W)
     # persistent: a fixed grid walks all rows, as dispatch/combine do; an int64 row index, as
-    # rows * words passes 2**31 at scale
-    for i in range(pid.to(tl.int64), rows, programs):
+    # rows * words passes 2**31 at scale. num_stages: the compiler issues the loads of the next
+    # STAGES - 1 rows (asynchronous copies into shared memory) before storing this one.
+    for i in tl.range(pid.to(tl.int64), rows, programs, num_stages=STAGES):
         s = tl.load(perm_ptr + i).to(tl.int64)
         for c in tl.static_range(0, WORDS, BLOCK_W):
             m = c + cols < WORDS  # WORDS % 4 == 0 keeps the mask constant over 16-byte vectors
@@ -96,23 +99,6 @@ def _gather_inflight_kernel(src_ptr, perm_ptr, dst_ptr, rows, WORDS: tl.constexp
             # so N times the bytes are in flight per program (latency hidden by more outstanding loads)
             v = tl.load(src_ptr + s[:, None] * WORDS + (c + cols)[None, :], mask=m)
             tl.store(dst_ptr + i[:, None] * WORDS + (c + cols)[None, :], v, mask=m)
-
-
-@triton.jit
-def _gather_pipelined_kernel(src_ptr, perm_ptr, dst_ptr, rows, WORDS: tl.constexpr, BLOCK_W: tl.constexpr,
-                             STAGES: tl.constexpr):
-    """``dst[i] = src[perm[i]]``, the plain loop software-pipelined by Triton, STAGES deep."""
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    cols = tl.arange(0, BLOCK_W)
-    # num_stages: the compiler issues the loads of the next STAGES - 1 rows (asynchronous copies
-    # into shared memory) before storing this one: bytes in flight without a wider register tile
-    for i in tl.range(pid.to(tl.int64), rows, programs, num_stages=STAGES):
-        s = tl.load(perm_ptr + i).to(tl.int64)
-        for c in tl.static_range(0, WORDS, BLOCK_W):
-            m = c + cols < WORDS
-            v = tl.load(src_ptr + s * WORDS + c + cols, mask=m)
-            tl.store(dst_ptr + i * WORDS + c + cols, v, mask=m)
 
 
 @triton.jit
@@ -164,8 +150,7 @@ def _block_words(words: int) -> int:
 def gather_plain(src: torch.Tensor, perm: torch.Tensor, out: torch.Tensor, *, programs: int,
                  num_warps: int = 16) -> None:
     """``out[i] = src[perm[i]]``. src, out: int32 [R, W] contiguous, same device; perm: int32 [R]."""
-    _gather_plain_kernel[(programs,)](src_ptr=src, perm_ptr=perm, dst_ptr=out, rows=src.shape[0],
-                                      WORDS=_words(src), BLOCK_W=_block_words(_words(src)), num_warps=num_warps)
+    gather_pipelined(src, perm, out, programs=programs, stages=1, num_warps=num_warps)
 
 
 def gather_inflight(src: torch.Tensor, perm: torch.Tensor, out: torch.Tensor, *, programs: int,
@@ -179,9 +164,9 @@ def gather_inflight(src: torch.Tensor, perm: torch.Tensor, out: torch.Tensor, *,
 def gather_pipelined(src: torch.Tensor, perm: torch.Tensor, out: torch.Tensor, *, programs: int, stages: int,
                      num_warps: int = 16) -> None:
     """``out[i] = src[perm[i]]``, the row loop pipelined ``stages`` deep; shapes as gather_plain."""
-    _gather_pipelined_kernel[(programs,)](src_ptr=src, perm_ptr=perm, dst_ptr=out, rows=src.shape[0],
-                                          WORDS=_words(src), BLOCK_W=_block_words(_words(src)), STAGES=stages,
-                                          num_warps=num_warps)
+    _gather_kernel[(programs,)](src_ptr=src, perm_ptr=perm, dst_ptr=out, rows=src.shape[0],
+                                WORDS=_words(src), BLOCK_W=_block_words(_words(src)), STAGES=stages,
+                                num_warps=num_warps)
 
 
 def expand_rows(src: torch.Tensor, dest: torch.Tensor, out: torch.Tensor, *, programs: int,
