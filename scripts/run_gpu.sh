@@ -9,6 +9,7 @@
 #   bash scripts/run_gpu.sh            # or: ITERS=500 bash scripts/run_gpu.sh
 #   TESTS="tests/test_shared_gpu.py" BENCH=0 bash scripts/run_gpu.sh   # some tests, no benchmark
 #   CONFIGS="prefill fp8 rows,prefill bf16 rows" TESTS="tests/test_rows.py" bash scripts/run_gpu.sh
+#   TESTS=none COPY_FLOOR=1 CONFIGS="prefill fp8 packed 132" bash scripts/run_gpu.sh   # benchmarks only
 #   SHARED=1 bash scripts/run_gpu.sh   # also: the demo as 4 ranks on the GPUs, EP16 (2 nodes x 8 ranks
 #                                    # through the proxy) at decode, and the R=4 matrix under MPS
 set -euo pipefail
@@ -27,7 +28,8 @@ TESTS=${TESTS:--m gpu}        # pytest arguments
 BENCH=${BENCH:-1}             # 0: no intranode benchmark
 SHARED=${SHARED:-0}           # 1: the shared-GPU runs (demo x4, EP16 through the proxy, MPS)
 PREFILL_PROGRAMS=${PREFILL_PROGRAMS:-32}   # the prefill targets are at <= 32 SMs; "" = the buffer's default
-CONFIGS=${CONFIGS:-"decode fp8 masked,prefill fp8 packed,prefill bf16 packed"}   # "preset dtype layout", comma-separated
+CONFIGS=${CONFIGS:-"decode fp8 masked,prefill fp8 packed,prefill bf16 packed"}   # "preset dtype layout [programs]", comma-separated
+COPY_FLOOR=${COPY_FLOOR:-0}   # 1: the copy-floor micro-benchmark (moe_ep.bench.copy_floor) at 7168- and 14336-byte rows
 mkdir -p "$RESULTS"
 t0=$SECONDS
 step() { echo "== [$(( SECONDS - t0 ))s] $*"; }
@@ -38,13 +40,25 @@ NGPU=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')
 "$PYTHON" -c 'import torch, triton; print(f"   torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}")'
 if [ "$NGPU" -lt 1 ]; then echo "no CUDA GPU visible"; exit 1; fi
 
-step "GPU tests: python -m pytest -q $TESTS"
-set +e
-# shellcheck disable=SC2086
-"$PYTHON" -m pytest -q -rs --junitxml="$RESULTS/pytest_gpu.xml" $TESTS 2>&1 | tee "$RESULTS/pytest_gpu.log"
-test_rc=${PIPESTATUS[0]}
-set -e
-step "GPU tests exit status $test_rc"
+test_rc=0
+if [ "$TESTS" != none ]; then
+    step "GPU tests: python -m pytest -q $TESTS"
+    set +e
+    # shellcheck disable=SC2086
+    "$PYTHON" -m pytest -q -rs --junitxml="$RESULTS/pytest_gpu.xml" $TESTS 2>&1 | tee "$RESULTS/pytest_gpu.log"
+    test_rc=${PIPESTATUS[0]}
+    set -e
+    step "GPU tests exit status $test_rc"
+fi
+
+floor_rc=0
+if [ "$COPY_FLOOR" = 1 ]; then
+    for rb in 7168 14336; do
+        step "python -m moe_ep.bench.copy_floor --row-bytes $rb"
+        "$PYTHON" -m moe_ep.bench.copy_floor --row-bytes "$rb" --json "$RESULTS/copy_floor_$rb.json" \
+            2>&1 | tee "$RESULTS/copy_floor_$rb.log" || floor_rc=1
+    done
+fi
 
 shared_rc=0
 shared_runs=()
@@ -83,10 +97,13 @@ jsons=()
 IFS=, read -r -a configs <<<"$CONFIGS"
 for cfg in "${configs[@]}"; do
     [ "$BENCH" = 1 ] || break
-    read -r preset dtype layout <<<"$cfg"
-    json="$RESULTS/bench_${preset}_${dtype}_${layout}.json"
+    read -r preset dtype layout programs <<<"$cfg"
+    if [ -z "$programs" ] && [ "$preset" = prefill ]; then programs=$PREFILL_PROGRAMS; fi
+    json="$RESULTS/bench_${preset}_${dtype}_${layout}${programs:+_p$programs}.json"
     args=(--preset "$preset" --dispatch-dtype "$dtype" --layout "$layout" --iters "$ITERS" --output "$json")
-    if [ "$preset" = prefill ] && [ -n "$PREFILL_PROGRAMS" ]; then args+=(--num-programs "$PREFILL_PROGRAMS"); fi
+    if [ -n "$programs" ]; then args+=(--num-programs "$programs"); fi
+    # shellcheck disable=SC2206
+    args+=(${BENCH_ARGS:-})   # more intranode arguments, e.g. BENCH_ARGS=--no-baseline
     step "torchrun --nproc-per-node=$NGPU -m moe_ep.bench.intranode ${args[*]}"
     if "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node="$NGPU" -m moe_ep.bench.intranode "${args[@]}" \
             2>&1 | tee -a "$RESULTS/bench.log"; then
@@ -102,7 +119,7 @@ if [ ${#jsons[@]} -gt 0 ]; then
     "$PYTHON" -m moe_ep.bench.intranode --summarize "${jsons[@]}"
 fi
 for r in "${shared_runs[@]}"; do echo "   $r"; done
-"$PYTHON" - "$RESULTS/pytest_gpu.xml" <<'PY' || true
+[ "$TESTS" = none ] || "$PYTHON" - "$RESULTS/pytest_gpu.xml" <<'PY' || true
 import collections, sys, xml.etree.ElementTree as ET
 counts = collections.OrderedDict()
 for case in ET.parse(sys.argv[1]).iter("testcase"):
@@ -113,5 +130,5 @@ print(f"   {'test file':<32} {'passed':>6} {'failed':>6} {'skipped':>7}")
 for f, c in counts.items():
     print(f"   {f:<32} {c['passed']:>6} {c['failure'] + c['error']:>6} {c['skipped']:>7}")
 PY
-echo "GPU tests: $(tail -n 1 "$RESULTS/pytest_gpu.log")"
-[ "$test_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$shared_rc" -eq 0 ]
+[ "$TESTS" = none ] || echo "GPU tests: $(tail -n 1 "$RESULTS/pytest_gpu.log")"
+[ "$test_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$shared_rc" -eq 0 ] && [ "$floor_rc" -eq 0 ]
