@@ -50,8 +50,9 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
         else None
     # With other nodes the node owners' sum stays float32 until the remote rows are added.
     base = torch.empty(T, buf.hidden, dtype=torch.float32, device=buf.device) if rp is not None else out
-    # Rows layout: this rank's own rows are read from expert_y by the receive half (not across a hook).
-    own_y = rows and not return_recv_hook
+    # This rank's own tokens' rows are read from expert_y by the receive half (rows layout: as they
+    # are; masked/packed: pre-reduced there), not across a hook (the caller may reuse expert_y).
+    own_y = not return_recv_hook
     # The dispatch's expert ids, kept by the buffer (rows [0, T)): the caller's topk_idx may be reused.
     args = (expert_y, buf.route_idx, base, buf._ws_ptr, buf.workspace.peer_ptrs, buf.state, buf.err, buf.recv_pos,
             buf._timeout_ns, T, topk_weights if wout is not None else buf.err,

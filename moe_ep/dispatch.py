@@ -110,9 +110,10 @@ def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = 
     direct = T * buf.topk <= DIRECT_MAX  # decode sizes: the send half counts earlier selections itself
     fp8_in = x_scales is not None
     rows = buf.layout == "rows"
-    # Rows layout: this rank's own rows come from x in the receive half, so x must still hold them
-    # then: true within one call, not across a receive hook (the caller may reuse x meanwhile).
-    own_x = rows and not return_recv_hook
+    # This rank's own rows come from x in the receive half (no round trip through the workspace),
+    # so x must still hold them then: true within one call (stream order), not across a receive
+    # hook (the caller may reuse x meanwhile).
+    own_x = not return_recv_hook
     launches = []
     if T > 0 and not direct:
         hist_args = (topk_idx, buf.hist, buf.state, buf.err, T, BT)

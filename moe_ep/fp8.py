@@ -1,8 +1,9 @@
 """fp8 e4m3 block quantization, the torch reference of what the dispatch kernel does in-kernel.
 
 Format: one float32 scale per 128 channels (the last block may be shorter),
-``scale = max(amax(|x_block|), 1e-4) / 448`` and ``q = fp8_e4m3fn(x / scale)`` rounded to nearest
-even; ``x ~= q * scale``.
+``scale = max(amax(|x_block|), 1e-4) / 448`` and ``q = fp8_e4m3fn(x * (448 / max(amax, 1e-4)))``
+rounded to nearest even (DeepEP's rounding: both quotients exact IEEE divisions, then one float32
+multiply per element); ``x ~= q * scale``.
 
 Non-finite input: a block holding a NaN or an infinity (e4m3fn has no infinity, and an infinite
 scale would turn the block's finite values into ``0 * inf``) becomes NaN as a whole: its scale is
@@ -37,7 +38,8 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # A tensor divisor on purpose: torch on CUDA turns division by a Python scalar into a multiply
     # by its reciprocal (one bit less exact), while the kernel and torch on CPU divide exactly.
     scales = amax / torch.full_like(amax, FP8_MAX)
-    q = (blocks / scales.unsqueeze(-1)).to(torch.float8_e4m3fn).view(torch.uint8)
+    inv = torch.full_like(amax, FP8_MAX) / amax
+    q = (blocks * inv.unsqueeze(-1)).to(torch.float8_e4m3fn).view(torch.uint8)
     nan_scale = torch.tensor(NAN_SCALE_BITS, dtype=torch.int32, device=x.device).view(torch.float32)
     scales = torch.where(bad, nan_scale, scales)
     q = torch.where(bad.unsqueeze(-1), torch.tensor(NAN_BYTE, dtype=torch.uint8, device=x.device), q)

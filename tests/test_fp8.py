@@ -60,8 +60,12 @@ def test_bits_are_round_to_nearest_even(hidden):
     x = torch.randn(64, hidden, generator=g) * torch.exp(torch.randn(64, 1, generator=g) * 3)
     x = x.to(torch.bfloat16)
     q, s = quantize_fp8(x)
-    scaled = (x.float().view(64, -1) / s.repeat_interleave(FP8_BLOCK, dim=1)[:, :hidden])
-    # x / (amax / 448) can round to just above 448; it must still become 448 (not NaN).
+    # DeepEP's rounding: x * (448 / amax), the reciprocal an exact division (amax = 448 * scale).
+    xf = x.float()
+    amax = torch.stack([xf[:, b * FP8_BLOCK:(b + 1) * FP8_BLOCK].abs().amax(1) for b in range(s.shape[1])], 1)
+    inv = torch.full_like(amax, FP8_MAX) / amax.clamp_min(AMAX_FLOOR)
+    scaled = xf * inv.repeat_interleave(FP8_BLOCK, dim=1)[:, :hidden]
+    # x * (448 / amax) can round to just above 448; it must still become 448 (not NaN).
     assert scaled.abs().max() <= FP8_MAX * (1 + 2 ** -20)
     assert not torch.isnan(q.float()).any()
     assert torch.equal(_bits(q).flatten(), _round_e4m3(scaled))

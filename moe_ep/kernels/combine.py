@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .common import (ABORT_FLAG, ERR_CAPACITY, PHASE_COMBINE, PHASE_DISPATCH, chunking, deadline_start, pre_reduce,
-                     ptr_at, raise_flag, record_error, to_bf16, wait_flag)
+                     pre_reduce_tile, ptr_at, raise_flag, record_error, to_bf16, wait_flag)
 
 
 @triton.jit(do_not_specialize=['ws', 'timeout_ns', 'T'])
@@ -100,10 +100,11 @@ def combine_kernel(
                             other=0.0)
                 go = tl.max((r >= 0).to(tl.int32), axis=1) > 0
                 out = dst + ((par * N + RANK) * M + t).to(tl.int64) * H
-                if ROWS:
-                    if not (OWN_Y and (s == RANK)):
-                        _send_rows(y_ptr, wy_ptr, r, kk, out, ptr_at(base, off_comb_w, tl.float32) +
-                                   ((par * N + RANK) * M + t).to(tl.int64) * K, K, H, WIN, BLOCK_H, STAGES)
+                if OWN_Y and (s == RANK):
+                    pass  # this rank's own tokens: its receive half reads expert_y itself
+                elif ROWS:
+                    _send_rows(y_ptr, wy_ptr, r, kk, out, ptr_at(base, off_comb_w, tl.float32) +
+                               ((par * N + RANK) * M + t).to(tl.int64) * K, K, H, WIN, BLOCK_H, STAGES)
                 else:
                     pre_reduce(y_ptr, r, w, kk, go, out, K, H, BLOCK_T, BLOCK_H, STAGES, INTERP)
                 tl.debug_barrier()  # every thread's stores happen before the flag's release
@@ -129,6 +130,14 @@ def combine_kernel(
                 dst = tl.where((ids >= 0) & (ids < E), ids // EL - NODE0, -1)  # node peer, if any
                 if OWN_Y:  # this rank's rows of its own tokens, read from expert_y where dispatch put them
                     own = tl.load(recv_pos_ptr + (RANK * M + t) * K, mask=tm, other=-1).to(tl.int64)
+                    if not ROWS:  # every selection's row, and its weight, for the pre-reduction here
+                        m2 = tm[:, None] & km[None, :]
+                        own_r = tl.load(recv_pos_ptr + (RANK * M + t)[:, None] * K + kk[None, :], mask=m2, other=-1)
+                        if WEIGHTS:
+                            own_w = tl.load(cw_ptr + t[:, None] * K + kk[None, :], mask=m2 & (own_r >= 0), other=0.0)
+                        else:
+                            own_w = tl.load(ptr_at(ws, off_meta_w, tl.float32) + ((dpar * N + RANK) * M + t)[:, None] * K
+                                            + kk[None, :], mask=m2 & (own_r >= 0), other=0.0)
                 if WOUT:  # the rows' combine weights, summed over owners like the rows
                     wacc = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
                     for d in tl.static_range(N):
@@ -148,11 +157,18 @@ def combine_kernel(
                     acc = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)
                     for d in tl.static_range(N):
                         go = tl.max((dst == d).to(tl.int32), axis=1) > 0
-                        if OWN_Y and d == RANK:
-                            src = y_ptr + own * H
+                        if OWN_Y and (d == RANK) and (not ROWS):
+                            # The owner's pre-reduction of this rank's own tokens, done here and
+                            # rounded to bf16 as the owner's row would be: same bits, no round trip.
+                            part = pre_reduce_tile(y_ptr, own_r, own_w, kk, hh, hm & go[:, None], K, H, BLOCK_T,
+                                                   BLOCK_H)
+                            acc += to_bf16(part, INTERP).to(tl.float32)
                         else:
-                            src = comb + ((par * N + d) * M + t).to(tl.int64) * H
-                        acc += tl.load(src[:, None] + hh[None, :], mask=hm & go[:, None], other=0.0).to(tl.float32)
+                            if OWN_Y and d == RANK:
+                                src = y_ptr + own * H
+                            else:
+                                src = comb + ((par * N + d) * M + t).to(tl.int64) * H
+                            acc += tl.load(src[:, None] + hh[None, :], mask=hm & go[:, None], other=0.0).to(tl.float32)
                     if BASE_F32:  # the remote owners' rows are added later, then rounded once
                         tl.store(out_ptr + t[:, None] * H + hh[None, :], acc, mask=hm)
                     else:

@@ -138,15 +138,17 @@ def _send_chunk(c, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, 
 
 
 @triton.jit
-def _recv_chunk(s, c, ws, hdr, sel_ptr, scratch_ptr, out_x_ptr, out_s_ptr, recv_pos_ptr, err_ptr, epoch, par, t0_ns,
-                timeout_ns, off_dflag: tl.constexpr, off_meta_i: tl.constexpr, off_rows: tl.constexpr,
-                NODE0: tl.constexpr, EL: tl.constexpr, GLOBAL: tl.constexpr, N: tl.constexpr, M: tl.constexpr,
-                K: tl.constexpr, W: tl.constexpr, H: tl.constexpr,
-                NB: tl.constexpr, RB: tl.constexpr, HDR: tl.constexpr, CMAX: tl.constexpr, CAP: tl.constexpr,
-                PACKED: tl.constexpr, FP8: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                BLOCK_W: tl.constexpr, BLOCK_NB: tl.constexpr, STAGES: tl.constexpr, INTERP: tl.constexpr):
+def _recv_chunk(s, c, ws, hdr, sel_ptr, scratch_ptr, x_ptr, xs_ptr, out_x_ptr, out_s_ptr, recv_pos_ptr, err_ptr,
+                epoch, par, t0_ns, timeout_ns, off_dflag: tl.constexpr, off_meta_i: tl.constexpr,
+                off_rows: tl.constexpr, RANK: tl.constexpr, NODE0: tl.constexpr, EL: tl.constexpr,
+                GLOBAL: tl.constexpr, N: tl.constexpr, M: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
+                H: tl.constexpr, NB: tl.constexpr, RB: tl.constexpr, HDR: tl.constexpr, CMAX: tl.constexpr,
+                CAP: tl.constexpr, PACKED: tl.constexpr, FP8: tl.constexpr, PREQ: tl.constexpr, OWN_X: tl.constexpr,
+                BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr,
+                BLOCK_NB: tl.constexpr, STAGES: tl.constexpr, INTERP: tl.constexpr):
     """Waits for chunk ``c`` of source ``s``, then copies each of its rows to every position its
-    selections have in the expert layout and records those positions in ``recv_pos``."""
+    selections have in the expert layout and records those positions in ``recv_pos``. ``OWN_X``:
+    this rank's own rows (``s == RANK``) come from ``x`` (quantized here for fp8), not the workspace."""
     ok, t, tm, slot = landed_chunk(ws, hdr, s, c, err_ptr, epoch, par, t0_ns, timeout_ns, off_dflag, NODE0, N, M, HDR,
                                    CMAX, BLOCK_T, INTERP)
     if ok != 0:
@@ -174,21 +176,47 @@ def _recv_chunk(s, c, ws, hdr, sel_ptr, scratch_ptr, out_x_ptr, out_s_ptr, recv_
         r = tl.where(valid, r, -1)
         tl.store(recv_pos_ptr + (s * M + t)[:, None] * K + kk[None, :], r, mask=m2)
         r = r.to(tl.int64)
-        src = ptr_at(ws, off_rows, tl.int32) + slot * (RB // 4)
-        for w0 in tl.range(0, W, BLOCK_W, num_stages=STAGES):
-            ww = w0 + tl.arange(0, BLOCK_W)
-            wm = tm[:, None] & (ww[None, :] < W)
-            v = tl.load(src[:, None] + ww[None, :], mask=wm)
-            for k in tl.static_range(K):
-                rk = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1)
-                tl.store(out_x_ptr + rk[:, None] * W + ww[None, :], v, mask=wm & (rk[:, None] >= 0))
-        if FP8:
-            bb = tl.arange(0, BLOCK_NB)
-            bm = tm[:, None] & (bb[None, :] < NB)
-            sv = tl.load(src[:, None].to(tl.pointer_type(tl.float32)) + H // 4 + bb[None, :], mask=bm)
-            for k in tl.static_range(K):
-                rk = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1)
-                tl.store(out_s_ptr + rk[:, None] * NB + bb[None, :], sv, mask=bm & (rk[:, None] >= 0))
+        if OWN_X and (s == RANK):
+            # Own rows straight from x: one read (and one quantization) feeds the K stores, and
+            # nothing goes through the workspace (at R = 1 that is all rows).
+            for h0 in tl.range(0, H, BLOCK_H, num_stages=STAGES):
+                hh, hm, bb, bm = payload_cols(h0, tm, H, NB, FP8, BLOCK_H)
+                q, sc = payload_tile(x_ptr, xs_ptr, t, hh, hm, bb, bm, H, NB, FP8, PREQ, BLOCK_T, BLOCK_H, INTERP)
+                for k in tl.static_range(K):
+                    rk = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1)
+                    go = (rk >= 0)[:, None]
+                    if FP8:
+                        tl.store(out_x_ptr.to(tl.pointer_type(tl.uint8)) + rk[:, None] * H + hh[None, :], q,
+                                 mask=hm & go)
+                        tl.store(out_s_ptr + rk[:, None] * NB + bb[None, :], sc, mask=bm & go)
+                    else:
+                        tl.store(out_x_ptr.to(tl.pointer_type(tl.bfloat16)) + rk[:, None] * H + hh[None, :], q,
+                                 mask=hm & go)
+        else:
+            _expand_rows(ptr_at(ws, off_rows, tl.int32) + slot * (RB // 4), r, tm, kk, out_x_ptr, out_s_ptr, K, W, H,
+                         NB, FP8, BLOCK_W, BLOCK_NB, STAGES)
+
+
+@triton.jit
+def _expand_rows(src, r, tm, kk, out_x_ptr, out_s_ptr, K: tl.constexpr, W: tl.constexpr, H: tl.constexpr,
+                 NB: tl.constexpr, FP8: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_NB: tl.constexpr,
+                 STAGES: tl.constexpr):
+    """Workspace rows ``src`` (int32 words) of a chunk's tokens (mask ``tm``) to the K positions
+    ``r`` [tokens, BLOCK_K] (-1: none) of each: each tile read once, stored K times."""
+    for w0 in tl.range(0, W, BLOCK_W, num_stages=STAGES):
+        ww = w0 + tl.arange(0, BLOCK_W)
+        wm = tm[:, None] & (ww[None, :] < W)
+        v = tl.load(src[:, None] + ww[None, :], mask=wm)
+        for k in tl.static_range(K):
+            rk = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1)
+            tl.store(out_x_ptr + rk[:, None] * W + ww[None, :], v, mask=wm & (rk[:, None] >= 0))
+    if FP8:
+        bb = tl.arange(0, BLOCK_NB)
+        bm = tm[:, None] & (bb[None, :] < NB)
+        sv = tl.load(src[:, None].to(tl.pointer_type(tl.float32)) + H // 4 + bb[None, :], mask=bm)
+        for k in tl.static_range(K):
+            rk = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1)
+            tl.store(out_s_ptr + rk[:, None] * NB + bb[None, :], sv, mask=bm & (rk[:, None] >= 0))
 
 
 @triton.jit(do_not_specialize=['T', 'BT', 'NC', 'ws', 'timeout_ns'])
@@ -321,9 +349,10 @@ def dispatch_kernel(
                                         EL, GLOBAL, N, M, K, W, H, NB, RB, HDR, CMAX, FP8, PREQ, OWN_X, BLOCK_T,
                                         BLOCK_K, BLOCK_W, BLOCK_H, BLOCK_NB, STAGES, INTERP)
                     else:
-                        _recv_chunk(s, i - LAG, ws, hdr, sel_ptr, scratch_ptr + pid * BLOCK_EL, out_x_ptr, out_s_ptr,
-                                    recv_pos_ptr, err_ptr, epoch, par, t0_ns, timeout_ns, off_dflag, off_meta_i,
-                                    off_rows, NODE0, EL, GLOBAL, N, M, K, W, H, NB, RB, HDR, CMAX, CAP, PACKED, FP8,
-                                    BLOCK_T, BLOCK_K, BLOCK_W, BLOCK_NB, STAGES, INTERP)
+                        _recv_chunk(s, i - LAG, ws, hdr, sel_ptr, scratch_ptr + pid * BLOCK_EL, x_ptr, xs_ptr,
+                                    out_x_ptr, out_s_ptr, recv_pos_ptr, err_ptr, epoch, par, t0_ns, timeout_ns,
+                                    off_dflag, off_meta_i, off_rows, RANK, NODE0, EL, GLOBAL, N, M, K, W, H, NB, RB,
+                                    HDR, CMAX, CAP, PACKED, FP8, PREQ, OWN_X, BLOCK_T, BLOCK_K, BLOCK_W, BLOCK_H,
+                                    BLOCK_NB, STAGES, INTERP)
     if RECV:
         tl.store(state_ptr + pid, epoch)  # each program keeps its own epoch: no cross-program step
