@@ -131,12 +131,20 @@ class EPBuffer:
         few = self.num_programs <= 64 or max_tokens * topk <= 2048
         warps = (16 if few else 8) if self.device.type == "cuda" else 4
         self.num_warps = int(os.environ.get("MOE_EP_NUM_WARPS", warps))
-        # Bytes a program moves per loop step scale with this (payload tiles of the send, expand and
-        # combine loops): few programs need more bytes in flight each. Measured on H200 at prefill
-        # fp8, 32 programs, 16 warps: scale 1 / 2 / 4 gave dispatch 362.6 / 342.8 / 699.9 us and
-        # combine 478.2 / 404.3 / 2188.3 us (4 spills registers). MOE_EP_TILE overrides, for tuning.
-        few_sms = self.num_programs <= 64 and self.device.type == "cuda"
-        self.tile = int(os.environ.get("MOE_EP_TILE", 2 if few_sms else 1))
+        # Bytes a program moves per loop step scale with these (payload tiles): ``tile`` for
+        # dispatch's loops, ``combine_tile`` for combine's send half (the owner's pre-reduction for
+        # a peer), ``combine_recv_tile`` for its receive half (the sum of the owners' rows, and this
+        # rank's own pre-reduction). Measured on H200 at prefill, R=1, fp8 (docs/PERFORMANCE.md,
+        # "Payload tile sweep"): dispatch 272 / 317 us at tile 2 / 1 with 32 programs and 111 / 123
+        # us with 132; the receive-half pre-reduction 249 / 283 us at tile 1 / 2 (32 programs);
+        # the send-half pre-reduction 404 / 478 us at tile 2 / 1 (32 programs, earlier kernels).
+        # Tiles of 4 spill registers. MOE_EP_TILE sets all three, for tuning.
+        gpu = self.device.type == "cuda"
+        few_sms = self.num_programs <= 64 and gpu
+        forced = os.environ.get("MOE_EP_TILE")
+        self.tile = int(forced or (2 if gpu else 1))
+        self.combine_tile = int(forced or (2 if few_sms else 1))
+        self.combine_recv_tile = int(forced or 1)
         # Software-pipeline depth of the payload loops (Triton's loop pipeliner: asynchronous copies
         # into shared memory, STAGES tiles in flight); 1 = plain loops. MOE_EP_STAGES overrides.
         self.stages = int(os.environ.get("MOE_EP_STAGES", 1)) if self.device.type == "cuda" else 1

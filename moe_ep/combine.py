@@ -118,7 +118,13 @@ def _combine_consts(buf, own_y: bool, wts: bool) -> dict:
                 E=buf.num_experts, BASE_F32=buf.remote is not None,
                 EL=buf.num_local_experts, H=H, HDR=buf.ws_layout.HDR, CMAX=buf.chunks, BLOCK_T=BLOCK_T,
                 BLOCK_K=pow2(buf.topk, 2),
-                BLOCK_H=pipelined_width(max(16, min(pow2(H), 2048 * buf.tile, 8192 * buf.tile // BLOCK_T)),
-                                        buf.stages, buf.topk * BLOCK_T * 2),
+                BLOCK_H=_channel_tile(buf, buf.combine_tile), BLOCK_HR=_channel_tile(buf, buf.combine_recv_tile),
                 STAGES=buf.stages, INTERP=buf.interp, ROWS=buf.layout == "rows", OWN_Y=own_y, WIN=wts, WOUT=wts,
                 off_comb_w=off["comb_w"], num_warps=buf.num_warps)
+
+
+def _channel_tile(buf, tile: int) -> int:
+    """Channels per combine loop step at payload tile scale ``tile``: K gathered rows of BLOCK_T
+    tokens each must fit the pipelining budget when the loops are pipelined."""
+    return pipelined_width(max(16, min(pow2(buf.hidden), 2048 * tile, 8192 * tile // buf.block_t)), buf.stages,
+                           buf.topk * buf.block_t * 2)

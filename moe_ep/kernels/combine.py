@@ -51,8 +51,8 @@ def combine_kernel(
     RANK: tl.constexpr, NODE0: tl.constexpr, N: tl.constexpr, M: tl.constexpr, K: tl.constexpr, E: tl.constexpr,
     EL: tl.constexpr, H: tl.constexpr, HDR: tl.constexpr, CMAX: tl.constexpr, BASE_F32: tl.constexpr,
     WEIGHTS: tl.constexpr, PUSH: tl.constexpr, SEND: tl.constexpr, RECV: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr,
-    INTERP: tl.constexpr, ROWS: tl.constexpr, OWN_Y: tl.constexpr, WIN: tl.constexpr, WOUT: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HR: tl.constexpr,
+    STAGES: tl.constexpr, INTERP: tl.constexpr, ROWS: tl.constexpr, OWN_Y: tl.constexpr, WIN: tl.constexpr, WOUT: tl.constexpr,
     off_comb_w: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -151,17 +151,17 @@ def combine_kernel(
                             wacc += tl.load(wsrc[:, None] + kk[None, :], mask=m2, other=0.0)
                     # (with BASE_F32 the remote owners' weights are added to these later)
                     tl.store(wout_ptr + t[:, None] * K + kk[None, :], wacc, mask=tm[:, None] & km[None, :])
-                for h0 in range(0, H, BLOCK_H):
-                    hh = h0 + tl.arange(0, BLOCK_H)
+                for h0 in range(0, H, BLOCK_HR):  # (its own channel tile: K loads per step with OWN_Y)
+                    hh = h0 + tl.arange(0, BLOCK_HR)
                     hm = tm[:, None] & (hh[None, :] < H)
-                    acc = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)
+                    acc = tl.zeros((BLOCK_T, BLOCK_HR), tl.float32)
                     for d in tl.static_range(N):
                         go = tl.max((dst == d).to(tl.int32), axis=1) > 0
                         if OWN_Y and (d == RANK) and (not ROWS):
                             # The owner's pre-reduction of this rank's own tokens, done here and
                             # rounded to bf16 as the owner's row would be: same bits, no round trip.
                             part = pre_reduce_tile(y_ptr, own_r, own_w, kk, hh, hm & go[:, None], K, H, BLOCK_T,
-                                                   BLOCK_H)
+                                                   BLOCK_HR)
                             acc += to_bf16(part, INTERP).to(tl.float32)
                         else:
                             if OWN_Y and d == RANK:
