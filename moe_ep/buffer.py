@@ -144,7 +144,9 @@ class EPBuffer:
         forced = os.environ.get("MOE_EP_TILE")
         self.tile = int(forced or (2 if gpu else 1))
         self.combine_tile = int(forced or (2 if few_sms else 1))
-        self.combine_recv_tile = int(forced or 1)
+        # (rows layout: the receive half reads one own row per token, no pre-reduction: the send
+        # half's tile, measured 69 us at tile 2 against 90 us at tile 1, T=4096, 32 programs)
+        self.combine_recv_tile = int(forced or (self.combine_tile if layout == "rows" else 1))
         # Software-pipeline depth of the payload loops (Triton's loop pipeliner: asynchronous copies
         # into shared memory, STAGES tiles in flight); 1 = plain loops. MOE_EP_STAGES overrides.
         self.stages = int(os.environ.get("MOE_EP_STAGES", 1)) if self.device.type == "cuda" else 1
