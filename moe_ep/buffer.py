@@ -264,9 +264,11 @@ class EPBuffer:
             out: optional ``[T, H]`` bfloat16 contiguous tensor on the buffer's device to write the
                 result into (it is returned), saving an allocation per call; it must not overlap
                 ``expert_y``, and it is written on the current stream when the combine runs, so it
-                must stay alive (and unread by other streams) until then. Default: a new tensor.
+                must stay alive (and unread by other streams) until then. A float32 ``out`` gets the
+                float32 sum itself, not rounded (for a caller that adds a bias or a residual before
+                the one rounding to bf16). Default: a new bfloat16 tensor.
         Returns:
-            ``[T, H]`` bfloat16: masked/packed ``out[t] = sum_k w[t,k] * y(t, topk_idx[t,k])`` (float32
+            ``[T, H]`` bfloat16 (or the float32 ``out``): masked/packed ``out[t] = sum_k w[t,k] * y(t, topk_idx[t,k])`` (float32
             sum, one rounding per owner); rows: ``out[t] = sum over the ranks that received t of
             expert_y[its row there]`` (no weights applied; summed in float32, rounded once); 0 for
             tokens sent nowhere. Rows with ``topk_weights``: ``(out, w)``, ``w`` float32 ``[T, K]`` the

@@ -32,7 +32,8 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
         return _combined(buf, out, None)
     _check_tensor("expert_y", expert_y, (torch.bfloat16,), tuple(buf.expert_x.shape), buf.device)
     if out is not None:
-        _check_tensor("out", out, (torch.bfloat16,), (T, buf.hidden), buf.device)
+        _check_tensor("out", out, (torch.bfloat16, torch.float32), (T, buf.hidden), buf.device)
+    out_f32 = out is not None and out.dtype == torch.float32
     rp = buf.remote
     # masked/packed: weights at combine, per source token, pushed to the owners over the dispatch's
     push = topk_weights is not None and not rows
@@ -48,8 +49,10 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
         out = torch.empty(T, buf.hidden, dtype=torch.bfloat16, device=buf.device)
     wout = torch.empty(T, buf.topk, dtype=torch.float32, device=buf.device) if rows and topk_weights is not None \
         else None
-    # With other nodes the node owners' sum stays float32 until the remote rows are added.
-    base = torch.empty(T, buf.hidden, dtype=torch.float32, device=buf.device) if rp is not None else out
+    # With other nodes the node owners' sum stays float32 until the remote rows are added; a float32
+    # ``out`` takes the sum itself (the kernel skips the rounding).
+    base = torch.empty(T, buf.hidden, dtype=torch.float32, device=buf.device) if rp is not None and not out_f32 \
+        else out
     # This rank's own tokens' rows are read from expert_y by the receive half (rows layout: as they
     # are; masked/packed: pre-reduced there), not across a hook (the caller may reuse expert_y).
     own_y = not return_recv_hook
@@ -57,12 +60,12 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
     args = (expert_y, buf.route_idx, base, buf._ws_ptr, buf.workspace.peer_ptrs, buf.state, buf.err, buf.recv_pos,
             buf._timeout_ns, T, topk_weights if wout is not None else buf.err,
             wout if wout is not None else buf.err, topk_weights if push else buf.err)
-    key = ("combine", _aligned(expert_y), _aligned(base), own_y, wout is not None, push)
+    key = ("combine", _aligned(expert_y), _aligned(base), own_y, wout is not None, push, out_f32)
     epoch = buf._epochs[1] + 1
     # A fused launch pushes the weights itself; else the push is a launch of its own, before the
     # send half (which waits for every peer's push).
     consts = lambda: dict(_combine_consts(buf, own_y, wout is not None), WEIGHTS=push,  # noqa: E731
-                          PUSH=push and buf.fused)
+                          PUSH=push and buf.fused, BASE_F32=rp is not None or out_f32)
     dyn = (0, 2, 9) + ((10, 11, 12) if topk_weights is not None else ())
     if push and not buf.fused:
         buf._launch(key + ("push",), combine_kernel, buf.num_programs, args,
@@ -115,7 +118,7 @@ def _combine_consts(buf, own_y: bool, wts: bool) -> dict:
     return dict(off_cflag=off["comb_flag"], off_wflag=off["wgt_flag"], off_hdr=off["hdr"], off_meta_w=off["meta_w"],
                 off_comb=off["comb"],
                 RANK=buf.rank - buf.node0, NODE0=buf.node0, N=buf.node_size, M=buf.max_tokens, K=buf.topk,
-                E=buf.num_experts, BASE_F32=buf.remote is not None,
+                E=buf.num_experts,
                 EL=buf.num_local_experts, H=H, HDR=buf.ws_layout.HDR, CMAX=buf.chunks, BLOCK_T=BLOCK_T,
                 BLOCK_K=pow2(buf.topk, 2),
                 BLOCK_H=_channel_tile(buf, buf.combine_tile), BLOCK_HR=_channel_tile(buf, buf.combine_recv_tile),

@@ -302,7 +302,8 @@ def combine_unpack(spec: RemoteSpec, st: RemoteState, comb_recv: torch.Tensor, t
                    num_warps: int = 4, wout: Optional[torch.Tensor] = None) -> None:
     """Source side: ``out[t] = bf16(base[t] + sum over remote owners p of row(p, t))`` in float32,
     ``row(p, t)`` at ``sum of c_{rank,p'} over remote p' < p + send_pos[t, p]`` in the epoch's copy
-    of ``comb_recv`` (uint8). topk_idx: the [T, K] routing given to ``pack``; out: bf16 [T, H];
+    of ``comb_recv`` (uint8). topk_idx: the [T, K] routing given to ``pack``; out: bf16 [T, H], or
+    float32 [T, H] for the sum itself (not rounded);
     base: float32 [T, H] (the node owners' sum) or None. Rows layout: ``wout`` float32 [T, K]
     (the node owners' weight sums) gets the remote owners' rows' weights added."""
     T, H = out.shape
@@ -312,7 +313,7 @@ def combine_unpack(spec: RemoteSpec, st: RemoteState, comb_recv: torch.Tensor, t
             dict(_common(spec), G=spec.node_size, E=spec.num_experts, EL=spec.num_local_experts, K=spec.topk, H=H,
                  MAXROWS=spec.max_send_rows, HAS_BASE=base is not None, BLOCK_T=16,
                  BLOCK_H=max(16, min(pow2(H, 2), 512)), INTERP=interpreting(), CRB=spec.comb_row_bytes,
-                 WOUT=wout is not None, num_warps=num_warps))
+                 WOUT=wout is not None, OUT_F32=out.dtype == torch.float32, num_warps=num_warps))
 
 
 def ring(st: RemoteState, mailbox: torch.Tensor, phase: str) -> None:

@@ -256,6 +256,10 @@ def _normal_worker(rank, R, E_per_rank, K, H, M, calls, node_size=None):
             (2.0 ** -8 * exp.abs() if bias is not None else 0.0)
         if tuple(cx.shape) != (T, H) or cx.dtype != torch.bfloat16 or not _close(cx, exp, bound):
             fails.append(f"{where} combined_x differs from the model")
+        elif bias is not None and not torch.equal(cx.cpu(), exp.to(torch.bfloat16)):
+            # (the rows' float32 sum is exact here: a few bf16 values of like magnitude) DeepEP
+            # rounds once, after the bias: a rounding before it lands elements one bf16 step off.
+            fails.append(f"{where} combined_x with bias is not the sum plus bias rounded once")
         if with_topk:
             if cw is None or not torch.equal(cw.cpu(), model.combined_weights(idx.cpu(), w.cpu())):
                 fails.append(f"{where} combined_topk_weights differ from the model")

@@ -378,6 +378,19 @@ def _validation_worker(rank, world_size):
             out = buf.combine(y, h)
             if out.shape != (inp.x.shape[0], case.H) or (out != 0).any():
                 fails.append(f"[{case.name}] combine of zero expert outputs after bad calls is not 0")
+            if case.layout == "masked":
+                # A float32 out gets the same sum unrounded: rounding it gives the bf16 result, and
+                # with two owners of every token (R = 2: experts 0 and E-1) some sums are not bf16 values.
+                g = torch.Generator().manual_seed(rank)
+                h = buf.dispatch(torch.randn(4, case.H, generator=g).to(torch.bfloat16),
+                                 torch.tensor([[0, case.E - 1]] * 4), torch.rand(4, 2, generator=g))
+                y = torch.randn(h.expert_x.shape, generator=g).to(torch.bfloat16)
+                o16 = buf.combine(y, h)
+                o32 = buf.combine(y, h, out=torch.empty(o16.shape, dtype=torch.float32))
+                if o32.dtype != torch.float32 or not torch.equal(o32.to(torch.bfloat16), o16):
+                    fails.append(f"[{case.name}] combine(out=float32) is not the bf16 result unrounded")
+                elif R > 1 and bool((o32 == o32.to(torch.bfloat16).float()).all()):
+                    fails.append(f"[{case.name}] combine(out=float32) returned only bf16 values (rounded?)")
     return log, fails
 
 

@@ -150,7 +150,7 @@ def _errors_worker(rank, world_size):
             "expert_y non-contiguous": ((torch.zeros(shape[:-1] + (2 * H,), dtype=torch.bfloat16)[..., ::2], h),
                                         "expert_y"),
             "out shape": ((y, h, torch.empty(T + 1, H, dtype=torch.bfloat16)), "out"),
-            "out dtype": ((y, h, torch.empty(T, H)), "out"),
+            "out dtype": ((y, h, torch.empty(T, H, dtype=torch.float16)), "out"),
             "out non-contiguous": ((y, h, torch.empty(T, 2 * H, dtype=torch.bfloat16)[:, ::2]), "out"),
             "out not a tensor": ((y, h, [0.0] * H), "out"),
         }

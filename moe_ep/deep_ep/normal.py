@@ -132,17 +132,19 @@ def combine(handle: NormalHandle, x: torch.Tensor, topk_weights: Optional[torch.
                              f"{list(getattr(topk_weights, 'shape', []))}")
     y = slot.stage_y()
     y[:n].copy_(x)
+    # With a bias the float32 sum comes back unrounded and is rounded once, after the bias is added
+    # (DeepEP's one rounding).
+    out32 = torch.empty(T, buf.hidden, dtype=torch.float32, device=buf.device) if biases else None
     if topk_weights is not None:
         w = slot.stage_w()
         w[:n].copy_(topk_weights)
-        out, combined_w = buf.combine(y, d, topk_weights=w)
+        out, combined_w = buf.combine(y, d, topk_weights=w, out=out32)
     else:
-        out, combined_w = buf.combine(y, d), None
+        out, combined_w = buf.combine(y, d, out=out32), None
     if biases:
-        acc = out.float()
         for b in biases:
-            acc += b.float()
-        out = acc.to(torch.bfloat16)
+            out += b.float()
+        out = out.to(torch.bfloat16)
     return out, combined_w
 
 

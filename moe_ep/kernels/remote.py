@@ -422,14 +422,14 @@ def remote_combine_unpack_kernel(
     send_pos_ptr,      # int32 [M, R] from remote_pack_kernel
     send_counts_ptr,   # int32 [R] from remote_pack_kernel
     base_ptr,          # float32 [T, H]: the node owners' sum (HAS_BASE), else unused
-    out_ptr,           # bf16 [T, H]: out
+    out_ptr,           # bf16 [T, H]: out (float32 when OUT_F32: the sum, not rounded)
     epoch_ptr,         # int64 [1]
     T,
     wout_ptr,          # WOUT: float32 [T, K], the node owners' weight sums: the remote owners' are added
     RANK: tl.constexpr, R: tl.constexpr, G: tl.constexpr, E: tl.constexpr, EL: tl.constexpr, K: tl.constexpr,
     H: tl.constexpr, MAXROWS: tl.constexpr, HAS_BASE: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, INTERP: tl.constexpr,
-    CRB: tl.constexpr, WOUT: tl.constexpr = False,
+    CRB: tl.constexpr, WOUT: tl.constexpr = False, OUT_F32: tl.constexpr = False,
 ):
     """A combine row is ``CRB`` bytes (``2H``, or rows layout ``2H`` + K float32 weights, which
     ``WOUT`` sums into ``wout``)."""
@@ -475,4 +475,7 @@ def remote_combine_unpack_kernel(
                 rk = _col(row, kk, k)
                 acc += tl.load(comb + rk[:, None] * (CRB // 2) + hh[None, :], mask=hm & (rk[:, None] >= 0),
                                other=0.0).to(tl.float32)
-            tl.store(out_ptr + t[:, None] * H + hh[None, :], to_bf16(acc, INTERP), mask=hm)
+            if OUT_F32:
+                tl.store(out_ptr + t[:, None] * H + hh[None, :], acc, mask=hm)
+            else:
+                tl.store(out_ptr + t[:, None] * H + hh[None, :], to_bf16(acc, INTERP), mask=hm)
