@@ -91,10 +91,11 @@ def test_kernels_compile_for_sm90(monkeypatch, tmp_path):
         # Peer stores must be 8- or 16-byte vectors: one NVLink transaction per byte is 10-100x slower.
         if name in ("dispatch_kernel", "combine_kernel"):
             c = spec["consts"]
-            # (alone in its node, a send half stores no payload: its own rows go from x / expert_y
-            # to their places in the receive half)
+            # Alone in its node, a send half stores no payload at all: its own rows go from x /
+            # expert_y to their places in the receive half, not through the workspace.
             alone_send = c["N"] == 1 and c["SEND"] and not c["RECV"] and c.get("OWN_X", c.get("OWN_Y"))
-            assert (vec_stores > 0 or alone_send) and byte_stores == 0, (name, vec_stores, byte_stores)
+            assert (vec_stores == 0 if alone_send else vec_stores > 0) and byte_stores == 0, \
+                (name, vec_stores, byte_stores)
             assert timers > 0, f"{name}: compiled without the GPU deadline (INTERP variant?)"
             fp8_cvt += cvts
     assert fp8_cvt > 0, "fp8 quantization does not use the hardware conversion on sm_90"

@@ -23,8 +23,10 @@ from test_verbs_transport import rdma_test
 DEADLINE_S = 900.0  # the whole run; under emulation each rank's `import torch` alone takes ~50 s
 TIMEOUT_S = 300.0   # the buffers' deadline: an emulated rank can lag its peer by a minute (first launches)
 # (Case fields, private_capacity): one buffer each
-CASES = [(dict(R=2, E=4, K=2, dtype="bf16", layout="masked", M=4, calls=("uniform", "sparse"), seed=5), None),
-         (dict(R=2, E=2, K=3, dtype="fp8", layout="packed", align=16, M=4, data="random", calls=("skewed", "uniform"),
+# (M=2: two chunks of one token each per source, so each program of the two still takes a chunk;
+# the interpreter's steps under emulation are what this test's time is made of)
+CASES = [(dict(R=2, E=4, K=2, dtype="bf16", layout="masked", M=2, calls=("uniform", "sparse"), seed=5), None),
+         (dict(R=2, E=2, K=3, dtype="fp8", layout="packed", align=16, M=2, data="random", calls=("skewed", "uniform"),
                seed=6), 0)]
 
 
