@@ -268,8 +268,8 @@ class EPBuffer:
                 float32 sum itself, not rounded (for a caller that adds a bias or a residual before
                 the one rounding to bf16). Default: a new bfloat16 tensor.
         Returns:
-            ``[T, H]`` bfloat16 (or the float32 ``out``): masked/packed ``out[t] = sum_k w[t,k] * y(t, topk_idx[t,k])`` (float32
-            sum, one rounding per owner); rows: ``out[t] = sum over the ranks that received t of
+            ``[T, H]`` bfloat16 (or the float32 ``out``): masked/packed
+            ``out[t] = sum_k w[t,k] * y(t, topk_idx[t,k])`` (float32 sum, one rounding per owner); rows: ``out[t] = sum over the ranks that received t of
             expert_y[its row there]`` (no weights applied; summed in float32, rounded once); 0 for
             tokens sent nowhere. Rows with ``topk_weights``: ``(out, w)``, ``w`` float32 ``[T, K]`` the
             sum over ranks of the rows' ``topk_weights``. With ``return_recv_hook``: ``(that, hook)``.

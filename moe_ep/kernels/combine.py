@@ -52,8 +52,8 @@ def combine_kernel(
     EL: tl.constexpr, H: tl.constexpr, HDR: tl.constexpr, CMAX: tl.constexpr, BASE_F32: tl.constexpr,
     WEIGHTS: tl.constexpr, PUSH: tl.constexpr, SEND: tl.constexpr, RECV: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HR: tl.constexpr,
-    STAGES: tl.constexpr, INTERP: tl.constexpr, ROWS: tl.constexpr, OWN_Y: tl.constexpr, WIN: tl.constexpr, WOUT: tl.constexpr,
-    off_comb_w: tl.constexpr,
+    STAGES: tl.constexpr, INTERP: tl.constexpr, ROWS: tl.constexpr, OWN_Y: tl.constexpr, WIN: tl.constexpr,
+    WOUT: tl.constexpr, off_comb_w: tl.constexpr,
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -129,8 +129,9 @@ def combine_kernel(
                               other=-1).to(tl.int32)
                 dst = tl.where((ids >= 0) & (ids < E), ids // EL - NODE0, -1)  # node peer, if any
                 if OWN_Y:  # this rank's rows of its own tokens, read from expert_y where dispatch put them
-                    own = tl.load(recv_pos_ptr + (RANK * M + t) * K, mask=tm, other=-1).to(tl.int64)
-                    if not ROWS:  # every selection's row, and its weight, for the pre-reduction here
+                    if ROWS:  # one row per token
+                        own = tl.load(recv_pos_ptr + (RANK * M + t) * K, mask=tm, other=-1).to(tl.int64)
+                    else:  # every selection's row, and its weight, for the pre-reduction here
                         m2 = tm[:, None] & km[None, :]
                         own_r = tl.load(recv_pos_ptr + (RANK * M + t)[:, None] * K + kk[None, :], mask=m2, other=-1)
                         if WEIGHTS:

@@ -160,6 +160,20 @@ def payload_tile(x_ptr, xs_ptr, t, hh, hm, bb, bm, H: tl.constexpr, NB: tl.const
 
 
 @triton.jit
+def store_payload(out_x_ptr, out_s_ptr, row, q, sc, hh, hm, bb, bm, H: tl.constexpr, NB: tl.constexpr,
+                  FP8: tl.constexpr):
+    """Stores a ``payload_tile`` (``q``, ``sc``; columns ``hh``/``bb``, masks ``hm``/``bm``) as rows
+    ``row`` (int64 [tokens], -1: none) of ``expert_x`` (``out_x_ptr`` of any element type: bytes
+    for fp8, bf16 otherwise) and, for fp8, of ``expert_scales`` (float32 ``[rows, NB]``)."""
+    go = (row >= 0)[:, None]
+    if FP8:
+        tl.store(out_x_ptr.to(tl.pointer_type(tl.uint8)) + row[:, None] * H + hh[None, :], q, mask=hm & go)
+        tl.store(out_s_ptr + row[:, None] * NB + bb[None, :], sc, mask=bm & go)
+    else:
+        tl.store(out_x_ptr.to(tl.pointer_type(tl.bfloat16)) + row[:, None] * H + hh[None, :], q, mask=hm & go)
+
+
+@triton.jit
 def to_fp8(v, INTERP: tl.constexpr):
     """float32 (|v| <= 448) -> float8_e4m3fn bits (uint8), rounded to nearest even.
 

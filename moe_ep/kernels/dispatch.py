@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 
 from .common import (ERR_BAD_EXPERT, ERR_CAPACITY, PHASE_DISPATCH, abort_combines, chunking, deadline_start,
-                     landed_chunk, payload_cols, payload_tile, ptr_at, raise_flag, record_error, wait_flag)
+                     landed_chunk, payload_cols, payload_tile, ptr_at, raise_flag, record_error, store_payload,
+                     wait_flag)
 from .rows import on_peer, recv_rows_chunk, tokens_before
 
 
@@ -183,15 +184,8 @@ def _recv_chunk(s, c, ws, hdr, sel_ptr, scratch_ptr, x_ptr, xs_ptr, out_x_ptr, o
                 hh, hm, bb, bm = payload_cols(h0, tm, H, NB, FP8, BLOCK_H)
                 q, sc = payload_tile(x_ptr, xs_ptr, t, hh, hm, bb, bm, H, NB, FP8, PREQ, BLOCK_T, BLOCK_H, INTERP)
                 for k in tl.static_range(K):
-                    rk = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1)
-                    go = (rk >= 0)[:, None]
-                    if FP8:
-                        tl.store(out_x_ptr.to(tl.pointer_type(tl.uint8)) + rk[:, None] * H + hh[None, :], q,
-                                 mask=hm & go)
-                        tl.store(out_s_ptr + rk[:, None] * NB + bb[None, :], sc, mask=bm & go)
-                    else:
-                        tl.store(out_x_ptr.to(tl.pointer_type(tl.bfloat16)) + rk[:, None] * H + hh[None, :], q,
-                                 mask=hm & go)
+                    store_payload(out_x_ptr, out_s_ptr, tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1), q, sc, hh,
+                                  hm, bb, bm, H, NB, FP8)
         else:
             _expand_rows(ptr_at(ws, off_rows, tl.int32) + slot * (RB // 4), r, tm, kk, out_x_ptr, out_s_ptr, K, W, H,
                          NB, FP8, BLOCK_W, BLOCK_NB, STAGES)

@@ -14,7 +14,8 @@ from ``x`` (and its combine's from ``expert_y``), which halves the bytes moved a
 import triton
 import triton.language as tl
 
-from .common import ERR_CAPACITY, PHASE_DISPATCH, landed_chunk, payload_cols, payload_tile, ptr_at, record_error
+from .common import (ERR_CAPACITY, PHASE_DISPATCH, landed_chunk, payload_cols, payload_tile, ptr_at, record_error,
+                     store_payload)
 from .remote import _excl, _pick, received_counts, received_row
 
 
@@ -94,12 +95,7 @@ def recv_rows_chunk(s, c, ws, hdr, rows_from_ptr, x_ptr, xs_ptr, out_x_ptr, out_
             for h0 in tl.range(0, H, BLOCK_H, num_stages=STAGES):
                 hh, hm, bb, bm = payload_cols(h0, has, H, NB, FP8, BLOCK_H)
                 q, sc = payload_tile(x_ptr, xs_ptr, t, hh, hm, bb, bm, H, NB, FP8, PREQ, BLOCK_T, BLOCK_H, INTERP)
-                if FP8:
-                    tl.store(out_x_ptr.to(tl.pointer_type(tl.uint8)) + r[:, None] * H + hh[None, :], q, mask=hm)
-                    tl.store(out_s_ptr + r[:, None] * NB + bb[None, :], sc, mask=bm)
-                else:
-                    tl.store(out_x_ptr.to(tl.pointer_type(tl.bfloat16)) + r[:, None] * H + hh[None, :], q,
-                             mask=hm)
+                store_payload(out_x_ptr, out_s_ptr, r, q, sc, hh, hm, bb, bm, H, NB, FP8)
         else:
             src = ptr_at(ws, off_rows, tl.int32) + slot * (RB // 4)
             for w0 in tl.range(0, W, BLOCK_W, num_stages=STAGES):
