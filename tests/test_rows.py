@@ -162,16 +162,17 @@ def test_rows_errors(R):
 
 
 def _hook_inputs_worker(rank, world_size):
-    """Rows dispatch and combine with receive hooks while the caller overwrites its inputs between
-    the call and the hook: the hook must not read them again (a rank's own rows go through the
-    workspace when a hook is asked for)."""
+    """Dispatch and combine with receive hooks, every layout, while the caller overwrites its inputs
+    between the call and the hook: the hook must not read them again (a rank's own rows, which a
+    plain call reads from x / expert_y in its receive half, go through the workspace when a hook is
+    asked for)."""
     from moe_ep.reference import moe_local, reference_moe
-    from ep_cases import (DTYPES, check_combine, check_dispatch, expert_fn_for, make_buffer, make_inputs,
-                          reference_for, rows_expert_y)
+    from ep_cases import (DTYPES, check_combine, check_dispatch, expert_fn_for, first_expert, make_buffer,
+                          make_expert_y, make_inputs, reference_for, rows_expert_y)
 
     fails = []
-    for dtype in ("bf16", "fp8"):
-        case = Case(R=world_size, E=2 * world_size, K=2, dtype=dtype, layout="rows", data="random",
+    for dtype, layout in (("bf16", "rows"), ("fp8", "rows"), ("fp8", "masked"), ("bf16", "packed")):
+        case = Case(R=world_size, E=2 * world_size, K=2, dtype=dtype, layout=layout, data="random",
                     calls=("uniform",), seed=70 + rank)
         inp = make_inputs(case, 0)[rank]
         x, idx, w = inp.x.clone(), inp.topk_idx.clone(), inp.topk_weights.clone()
@@ -186,7 +187,11 @@ def _hook_inputs_worker(rank, world_size):
             bad = check_dispatch(h, ref, case, where + " dispatch hook after x, topk_idx, topk_weights changed")
             fails += bad
             fn = expert_fn_for(case)
-            y, _ = rows_expert_y(h, case, fn, rank)
+            if layout == "rows":
+                y, _ = rows_expert_y(h, case, fn, rank)
+            else:
+                y = make_expert_y(h, case, fn, first_expert(ref, case)) if not bad else \
+                    torch.zeros(h.expert_x.shape, dtype=torch.bfloat16)
             out, chook = buf.combine(y, h, return_recv_hook=True)
             y.fill_(float("nan"))
             chook()
@@ -207,6 +212,6 @@ def _group():
 
 
 @pytest.mark.parametrize("R", [1, 2])
-def test_rows_hooks_do_not_reread_inputs(R):
+def test_hooks_do_not_reread_inputs(R):
     fails = [f for r in dist_util.run(R, _hook_inputs_worker, timeout=300) for f in r]
     assert not fails, "\n".join(fails[:20])
