@@ -23,15 +23,19 @@ MAX_SIGNATURES = 16  # per buffer and op; beyond, the oldest is forgotten (a wor
 def signature(tensors: Sequence[Optional[torch.Tensor]]) -> tuple[Optional[tuple], list]:
     """``(signature, data pointers)`` of ``tensors`` (None entries: None and 0); the signature is
     None when an entry is not a tensor. Cheap: a few attribute reads per tensor, no device work
-    (one list comprehension: this runs on every eager call)."""
-    sig = tuple([(t.shape, t.dtype, t.device, t.is_contiguous(), t.data_ptr() & 15) if isinstance(t, torch.Tensor)
-                 else (None if t is None else _NOT_A_TENSOR) for t in tensors])
-    if _NOT_A_TENSOR in sig:
-        return None, []
-    return sig, [0 if t is None else t.data_ptr() for t in tensors]
-
-
-_NOT_A_TENSOR = object()
+    (this runs on every eager call: each pointer is read once)."""
+    sig, ptrs = [], []
+    for t in tensors:
+        if t is None:
+            sig.append(None)
+            ptrs.append(0)
+        elif isinstance(t, torch.Tensor):
+            p = t.data_ptr()
+            sig.append((t.shape, t.dtype, t.device, t.is_contiguous(), p & 15))
+            ptrs.append(p)
+        else:
+            return None, []
+    return tuple(sig), ptrs
 
 
 class _Entry:

@@ -10,6 +10,7 @@
 #   TESTS="tests/test_shared_gpu.py" BENCH=0 bash scripts/run_gpu.sh   # some tests, no benchmark
 #   CONFIGS="prefill fp8 rows,prefill bf16 rows" TESTS="tests/test_rows.py" bash scripts/run_gpu.sh
 #   TESTS=none COPY_FLOOR=1 CONFIGS="prefill fp8 packed 132" bash scripts/run_gpu.sh   # benchmarks only
+#   PROFILE="1 2 4" bash scripts/run_gpu.sh   # also: host time per call (moe_ep.bench.profile_ops, decode) at R=1, 2, 4
 #   SHARED=1 bash scripts/run_gpu.sh   # also: the demo as 4 ranks on the GPUs, EP16 (2 nodes x 8 ranks
 #                                    # through the proxy) at decode, and the R=4 matrix under MPS
 set -euo pipefail
@@ -29,6 +30,7 @@ BENCH=${BENCH:-1}             # 0: no intranode benchmark
 SHARED=${SHARED:-0}           # 1: the shared-GPU runs (demo x4, EP16 through the proxy, MPS)
 PREFILL_PROGRAMS=${PREFILL_PROGRAMS:-32}   # the prefill targets are at <= 32 SMs; "" = the buffer's default
 CONFIGS=${CONFIGS:-"decode fp8 masked,prefill fp8 packed,prefill bf16 packed"}   # "preset dtype layout [programs]", comma-separated
+PROFILE=${PROFILE:-}          # rank counts for moe_ep.bench.profile_ops --preset decode (ranks share the GPUs there are)
 COPY_FLOOR=${COPY_FLOOR:-0}   # 1: the copy-floor micro-benchmark (moe_ep.bench.copy_floor) at 7168- and 14336-byte rows
 mkdir -p "$RESULTS"
 t0=$SECONDS
@@ -59,6 +61,19 @@ if [ "$COPY_FLOOR" = 1 ]; then
             2>&1 | tee "$RESULTS/copy_floor_$rb.log" || floor_rc=1
     done
 fi
+
+profile_rc=0
+profiles=()
+for r in $PROFILE; do
+    step "torchrun --nproc-per-node=$r -m moe_ep.bench.profile_ops --preset decode"
+    if "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node="$r" -m moe_ep.bench.profile_ops --preset decode \
+            >"$RESULTS/profile_r$r.log" 2>&1; then
+        grep -E "^== profile_ops|host to issue|host per|empty kernel|one native launch" "$RESULTS/profile_r$r.log" || true
+        profiles+=("R=$r: $(grep -m1 'host to issue' "$RESULTS/profile_r$r.log")")
+    else
+        tail -n 20 "$RESULTS/profile_r$r.log"; profile_rc=1; profiles+=("R=$r: FAILED")
+    fi
+done
 
 shared_rc=0
 shared_runs=()
@@ -119,6 +134,7 @@ if [ ${#jsons[@]} -gt 0 ]; then
     "$PYTHON" -m moe_ep.bench.intranode --summarize "${jsons[@]}"
 fi
 for r in "${shared_runs[@]}"; do echo "   $r"; done
+for r in "${profiles[@]}"; do echo "   $r"; done
 [ "$TESTS" = none ] || "$PYTHON" - "$RESULTS/pytest_gpu.xml" <<'PY' || true
 import collections, sys, xml.etree.ElementTree as ET
 counts = collections.OrderedDict()
@@ -131,4 +147,4 @@ for f, c in counts.items():
     print(f"   {f:<32} {c['passed']:>6} {c['failure'] + c['error']:>6} {c['skipped']:>7}")
 PY
 [ "$TESTS" = none ] || echo "GPU tests: $(tail -n 1 "$RESULTS/pytest_gpu.log")"
-[ "$test_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$shared_rc" -eq 0 ] && [ "$floor_rc" -eq 0 ]
+[ "$test_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$shared_rc" -eq 0 ] && [ "$floor_rc" -eq 0 ] && [ "$profile_rc" -eq 0 ]

@@ -122,55 +122,89 @@ def _max_nan(a, b):
 def payload_tile(x_ptr, xs_ptr, t, hh, hm, bb, bm, H: tl.constexpr, NB: tl.constexpr, FP8: tl.constexpr,
                  PREQ: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, INTERP: tl.constexpr):
     """One tile of dispatch payload for tokens ``t`` and channels ``hh`` (masks ``hm``; for fp8 the
-    128-channel blocks ``bb``, mask ``bm``): bf16 values (returned twice), or fp8 bits (uint8) and
-    their float32 scales. fp8 is quantized here (``moe_ep.fp8``: ``scale = max(amax, 1e-4) / 448``
-    per 128 channels, ``q = rne(x * (448 / amax))``; a block with a NaN or an infinity all NaN) unless PREQ,
-    where bytes and scales travel as given.
-    The one place both the node send and the remote pack get their payload from."""
-    if FP8:
-        if PREQ:
-            q = tl.load(x_ptr + t[:, None] * H + hh[None, :], mask=hm, other=0)
-            sc = tl.load(xs_ptr + t[:, None] * NB + bb[None, :], mask=bm, other=0.0)
-            return q, sc
-        else:
-            v = tl.load(x_ptr + t[:, None] * H + hh[None, :], mask=hm, other=0.0).to(tl.float32)
-            vb = tl.reshape(v, (BLOCK_T * BLOCK_H // 128, 128))
-            if INTERP:  # the interpreter's max drops NaN (np.nanmax): test the exponent bits per element
-                raw = tl.max(tl.abs(vb), axis=1)
-                exp_ones = (vb.to(tl.uint32, bitcast=True) & 0x7F800000) == 0x7F800000
-                bad = tl.max(exp_ones.to(tl.int32), axis=1) > 0
-            else:  # one NaN-propagating max per element (max.NaN.f32): NaN or inf in the block <=> not finite
-                raw = tl.reduce(tl.abs(vb), 1, _max_nan)
-                bad = ~(raw <= 3.4028234663852886e38)
-            amax = tl.maximum(raw, 1e-4)
-            # Exact IEEE divisions once per block, then one multiply per element (DeepEP's
-            # x * (448 / amax)): a per-element division cost ~100 us of a 4096-token dispatch at 32 SMs.
-            scf = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
-            inv = tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax)
-            qf = vb * tl.broadcast_to(inv[:, None], vb.shape)
-            # A block with a NaN or an infinity is NaN as a whole, scale and bytes (moe_ep.fp8),
-            # whatever the fp8 conversion makes of it.
-            scf = tl.where(bad, tl.full(scf.shape, NAN_SCALE_BITS, tl.int32).to(tl.float32, bitcast=True), scf)
-            q = tl.where(bad[:, None], tl.full(vb.shape, NAN_BYTE, tl.uint8), to_fp8(qf, INTERP))
-            return (tl.reshape(q, (BLOCK_T, BLOCK_H)),
-                    tl.reshape(scf, (BLOCK_T, BLOCK_H // 128)))
+    128-channel blocks ``bb``, mask ``bm``): ``quantize_tile(load_tile(...))``. The one place both
+    the node send and the remote pack get their payload from."""
+    v, s = load_tile(x_ptr, xs_ptr, t, hh, hm, bb, bm, H, NB, FP8, PREQ)
+    return quantize_tile(v, s, FP8, PREQ, BLOCK_T, BLOCK_H, INTERP)
+
+
+@triton.jit
+def load_tile(x_ptr, xs_ptr, t, hh, hm, bb, bm, H: tl.constexpr, NB: tl.constexpr, FP8: tl.constexpr,
+              PREQ: tl.constexpr):
+    """The loads of a ``payload_tile``: ``x[t, hh]`` (bf16, or fp8 bytes when PREQ) and, when
+    PREQ, ``x_scales[t, bb]`` (else the same values again, unused). Apart from the quantization so
+    that a loop can issue the next tile's loads before it works on this one."""
+    if FP8 and PREQ:
+        return (tl.load(x_ptr + t[:, None] * H + hh[None, :], mask=hm, other=0),
+                tl.load(xs_ptr + t[:, None] * NB + bb[None, :], mask=bm, other=0.0))
     else:
         v = tl.load(x_ptr + t[:, None] * H + hh[None, :], mask=hm, other=0.0)
         return v, v
 
 
 @triton.jit
-def store_payload(out_x_ptr, out_s_ptr, row, q, sc, hh, hm, bb, bm, H: tl.constexpr, NB: tl.constexpr,
-                  FP8: tl.constexpr):
-    """Stores a ``payload_tile`` (``q``, ``sc``; columns ``hh``/``bb``, masks ``hm``/``bm``) as rows
-    ``row`` (int64 [tokens], -1: none) of ``expert_x`` (``out_x_ptr`` of any element type: bytes
-    for fp8, bf16 otherwise) and, for fp8, of ``expert_scales`` (float32 ``[rows, NB]``)."""
-    go = (row >= 0)[:, None]
-    if FP8:
-        tl.store(out_x_ptr.to(tl.pointer_type(tl.uint8)) + row[:, None] * H + hh[None, :], q, mask=hm & go)
-        tl.store(out_s_ptr + row[:, None] * NB + bb[None, :], sc, mask=bm & go)
+def quantize_tile(v, s, FP8: tl.constexpr, PREQ: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                  INTERP: tl.constexpr):
+    """A loaded tile (``load_tile``) as payload: bf16 values (returned twice), or fp8 bits (uint8)
+    and their float32 scales. fp8 is quantized here (``moe_ep.fp8``: ``scale = max(amax, 1e-4) / 448``
+    per 128 channels, ``q = rne(x * (448 / amax))``; a block with a NaN or an infinity all NaN)
+    unless PREQ, where bytes and scales travel as given."""
+    if FP8 and not PREQ:
+        vb = tl.reshape(v.to(tl.float32), (BLOCK_T * BLOCK_H // 128, 128))
+        if INTERP:  # the interpreter's max drops NaN (np.nanmax): test the exponent bits per element
+            raw = tl.max(tl.abs(vb), axis=1)
+            exp_ones = (vb.to(tl.uint32, bitcast=True) & 0x7F800000) == 0x7F800000
+            bad = tl.max(exp_ones.to(tl.int32), axis=1) > 0
+        else:  # one NaN-propagating max per element (max.NaN.f32): NaN or inf in the block <=> not finite
+            raw = tl.reduce(tl.abs(vb), 1, _max_nan)
+            bad = ~(raw <= 3.4028234663852886e38)
+        amax = tl.maximum(raw, 1e-4)
+        # Exact IEEE divisions once per block, then one multiply per element (DeepEP's
+        # x * (448 / amax)): a per-element division cost ~100 us of a 4096-token dispatch at 32 SMs.
+        scf = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+        inv = tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax)
+        # A block with a NaN or an infinity is NaN as a whole, scale and bytes (moe_ep.fp8).
+        nan = tl.full(scf.shape, NAN_SCALE_BITS, tl.int32).to(tl.float32, bitcast=True)
+        scf = tl.where(bad, nan, scf)
+        if INTERP:  # the bit-level conversion does not map NaN to NaN: select the bytes
+            qf = vb * tl.broadcast_to(inv[:, None], vb.shape)
+            q = tl.where(bad[:, None], tl.full(vb.shape, NAN_BYTE, tl.uint8), to_fp8(qf, INTERP))
+        else:  # a NaN factor makes every product NaN, which the hardware conversion maps to 0x7F:
+            # no per-element select (with its byte unpacking, a quarter of the loop's instructions)
+            qf = vb * tl.broadcast_to(tl.where(bad, nan, inv)[:, None], vb.shape)
+            q = to_fp8(qf, INTERP)
+        return tl.reshape(q, (BLOCK_T, BLOCK_H)), tl.reshape(scf, (BLOCK_T, BLOCK_H // 128))
     else:
-        tl.store(out_x_ptr.to(tl.pointer_type(tl.bfloat16)) + row[:, None] * H + hh[None, :], q, mask=hm & go)
+        return v, s
+
+
+@triton.jit
+def store_own_rows(x_ptr, xs_ptr, t, tm, r, kk, out_x_ptr, out_s_ptr, KS: tl.constexpr, H: tl.constexpr,
+                   NB: tl.constexpr, FP8: tl.constexpr, PREQ: tl.constexpr, BLOCK_T: tl.constexpr,
+                   BLOCK_H: tl.constexpr, INTERP: tl.constexpr):
+    """A rank's own tokens ``t`` (mask ``tm``) straight from ``x`` into the expert layout: each
+    tile read (and quantized) once, stored as rows ``r[:, k]`` (int64 [BLOCK_T, BLOCK_K], -1:
+    none) for ``k < KS`` of ``expert_x`` (``out_x_ptr`` of any element type: bytes for fp8, bf16
+    otherwise) and, for fp8, of ``expert_scales`` (float32 ``[rows, NB]``)."""
+    hh, hm, bb, bm = payload_cols(0, tm, H, NB, FP8, BLOCK_H)
+    v, vs = load_tile(x_ptr, xs_ptr, t, hh, hm, bb, bm, H, NB, FP8, PREQ)
+    for h0 in range(0, H, BLOCK_H):
+        # The next tile's loads go out before this tile is quantized and stored, so their latency
+        # hides behind that work (a program keeps two tiles in flight, not one).
+        hn, hnm, bn, bnm = payload_cols(h0 + BLOCK_H, tm, H, NB, FP8, BLOCK_H)
+        vn, vsn = load_tile(x_ptr, xs_ptr, t, hn, hnm, bn, bnm, H, NB, FP8, PREQ)
+        hh, hm, bb, bm = payload_cols(h0, tm, H, NB, FP8, BLOCK_H)
+        q, sc = quantize_tile(v, vs, FP8, PREQ, BLOCK_T, BLOCK_H, INTERP)
+        for k in tl.static_range(KS):
+            row = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1)
+            go = (row >= 0)[:, None]
+            if FP8:
+                tl.store(out_x_ptr.to(tl.pointer_type(tl.uint8)) + row[:, None] * H + hh[None, :], q, mask=hm & go)
+                tl.store(out_s_ptr + row[:, None] * NB + bb[None, :], sc, mask=bm & go)
+            else:
+                tl.store(out_x_ptr.to(tl.pointer_type(tl.bfloat16)) + row[:, None] * H + hh[None, :], q,
+                         mask=hm & go)
+        v, vs = vn, vsn
 
 
 @triton.jit

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .common import (ERR_BAD_EXPERT, ERR_CAPACITY, PHASE_DISPATCH, abort_combines, chunking, deadline_start,
-                     landed_chunk, payload_cols, payload_tile, ptr_at, raise_flag, record_error, store_payload,
+                     landed_chunk, payload_cols, payload_tile, ptr_at, raise_flag, record_error, store_own_rows,
                      wait_flag)
 from .rows import on_peer, recv_rows_chunk, tokens_before
 
@@ -180,12 +180,8 @@ def _recv_chunk(s, c, ws, hdr, sel_ptr, scratch_ptr, x_ptr, xs_ptr, out_x_ptr, o
         if OWN_X and (s == RANK):
             # Own rows straight from x: one read (and one quantization) feeds the K stores, and
             # nothing goes through the workspace (at R = 1 that is all rows).
-            for h0 in tl.range(0, H, BLOCK_H, num_stages=STAGES):
-                hh, hm, bb, bm = payload_cols(h0, tm, H, NB, FP8, BLOCK_H)
-                q, sc = payload_tile(x_ptr, xs_ptr, t, hh, hm, bb, bm, H, NB, FP8, PREQ, BLOCK_T, BLOCK_H, INTERP)
-                for k in tl.static_range(K):
-                    store_payload(out_x_ptr, out_s_ptr, tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1), q, sc, hh,
-                                  hm, bb, bm, H, NB, FP8)
+            store_own_rows(x_ptr, xs_ptr, t, tm, r, kk, out_x_ptr, out_s_ptr, K, H, NB, FP8, PREQ, BLOCK_T, BLOCK_H,
+                           INTERP)
         else:
             _expand_rows(ptr_at(ws, off_rows, tl.int32) + slot * (RB // 4), r, tm, kk, out_x_ptr, out_s_ptr, K, W, H,
                          NB, FP8, BLOCK_W, BLOCK_NB, STAGES)

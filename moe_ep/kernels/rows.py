@@ -14,8 +14,7 @@ from ``x`` (and its combine's from ``expert_y``), which halves the bytes moved a
 import triton
 import triton.language as tl
 
-from .common import (ERR_CAPACITY, PHASE_DISPATCH, landed_chunk, payload_cols, payload_tile, ptr_at, record_error,
-                     store_payload)
+from .common import ERR_CAPACITY, PHASE_DISPATCH, landed_chunk, ptr_at, record_error, store_own_rows
 from .remote import _excl, _pick, received_counts, received_row
 
 
@@ -92,10 +91,8 @@ def recv_rows_chunk(s, c, ws, hdr, rows_from_ptr, x_ptr, xs_ptr, out_x_ptr, out_
         if OWN_X and (s == RANK):
             # This rank's own rows come straight from x (quantized here for fp8): the send half
             # stored no payload into this rank's workspace.
-            for h0 in tl.range(0, H, BLOCK_H, num_stages=STAGES):
-                hh, hm, bb, bm = payload_cols(h0, has, H, NB, FP8, BLOCK_H)
-                q, sc = payload_tile(x_ptr, xs_ptr, t, hh, hm, bb, bm, H, NB, FP8, PREQ, BLOCK_T, BLOCK_H, INTERP)
-                store_payload(out_x_ptr, out_s_ptr, r, q, sc, hh, hm, bb, bm, H, NB, FP8)
+            store_own_rows(x_ptr, xs_ptr, t, has, tl.where(kk[None, :] == 0, r[:, None], -1), kk, out_x_ptr,
+                           out_s_ptr, 1, H, NB, FP8, PREQ, BLOCK_T, BLOCK_H, INTERP)
         else:
             src = ptr_at(ws, off_rows, tl.int32) + slot * (RB // 4)
             for w0 in tl.range(0, W, BLOCK_W, num_stages=STAGES):
