@@ -24,7 +24,7 @@ out = []
 for mod, name, spec in pickle.load(open(sys.argv[1], "rb")):
     k = compile_for(getattr(importlib.import_module(mod), name), spec)
     ptx = k.asm["ptx"]
-    out.append((name, len(re.findall(r"st\.global\.v[24]", ptx)), len(re.findall(r"st\.global\.b8", ptx)),
+    out.append((name, len(re.findall(r"st\.global(?:\.cs)?\.v[24]", ptx)), len(re.findall(r"st\.global(?:\.cs)?\.b8", ptx)),
                 len(re.findall(r"globaltimer", ptx)), len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx))))
 pickle.dump(out, open(sys.argv[1] + ".out", "wb"))
 """

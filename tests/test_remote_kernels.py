@@ -518,7 +518,7 @@ for mod, name, spec in pickle.load(open(sys.argv[1], "rb")):
     if "INTERP" in spec["consts"]:
         spec["consts"]["INTERP"] = False  # recorded under the interpreter; compile the GPU form
     ptx = compile_for(getattr(importlib.import_module(mod), name), spec).asm["ptx"]
-    out.append((name, len(re.findall(r"st\.global\.v[24]", ptx)), len(re.findall(r"st\.global\.b8", ptx))))
+    out.append((name, len(re.findall(r"st\.global(?:\.cs)?\.v[24]", ptx)), len(re.findall(r"st\.global(?:\.cs)?\.b8", ptx))))
 pickle.dump(out, open(sys.argv[1] + ".out", "wb"))
 """
 

@@ -199,14 +199,14 @@ def _expand_rows(src, r, tm, kk, out_x_ptr, out_s_ptr, K: tl.constexpr, W: tl.co
         v = tl.load(src[:, None] + ww[None, :], mask=wm)
         for k in tl.static_range(K):
             rk = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1)
-            tl.store(out_x_ptr + rk[:, None] * W + ww[None, :], v, mask=wm & (rk[:, None] >= 0))
+            tl.store(out_x_ptr + rk[:, None] * W + ww[None, :], v, mask=wm & (rk[:, None] >= 0), cache_modifier=".cs")
     if FP8:
         bb = tl.arange(0, BLOCK_NB)
         bm = tm[:, None] & (bb[None, :] < NB)
         sv = tl.load(src[:, None].to(tl.pointer_type(tl.float32)) + H // 4 + bb[None, :], mask=bm)
         for k in tl.static_range(K):
             rk = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1)
-            tl.store(out_s_ptr + rk[:, None] * NB + bb[None, :], sv, mask=bm & (rk[:, None] >= 0))
+            tl.store(out_s_ptr + rk[:, None] * NB + bb[None, :], sv, mask=bm & (rk[:, None] >= 0), cache_modifier=".cs")
 
 
 @triton.jit(do_not_specialize=['T', 'BT', 'NC', 'ws', 'timeout_ns'])
