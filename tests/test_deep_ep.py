@@ -286,6 +286,67 @@ def test_normal_across_nodes():
     assert not fails, "\n".join(fails[:20])
 
 
+def _waiting_worker(rank, R):
+    """DeepEP's handles outlive later dispatches: two micro-batches dispatched before either is
+    combined (and combined in the other order) each get the model's result; a handle combined
+    and then overtaken by later dispatches asks for a cached dispatch first, after which it works;
+    more than MAX_WAITING dispatches waiting for their combine is refused, naming the limit."""
+    import torch.distributed as dist
+
+    import moe_ep.deep_ep as deep_ep
+    from moe_ep.deep_ep.buffer import MAX_WAITING
+
+    buffer = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 20, explicitly_destroy=True)
+    group, dev = buffer.ep_group, buffer.device
+    E, K, H, M = 2 * R, 2, 128, 4
+    fails = []
+
+    def dispatch(call, scale=1):
+        x, idx, w = (t.to(dev) for t in _inputs(rank, R, E, K, H, M, call, holes=False))
+        x = (x * scale).to(torch.bfloat16)
+        ntr, ntrr, nte, itr, _ = buffer.get_dispatch_layout(idx, E)
+        recv_x, _, r_w, _, handle, _ = buffer.dispatch(x, num_tokens_per_rank=ntr, num_tokens_per_rdma_rank=ntrr,
+                                                       is_token_in_rank=itr, num_tokens_per_expert=nte,
+                                                       topk_idx=idx, topk_weights=w)
+        return dict(x=x, idx=idx, w=w, recv_x=recv_x, r_w=r_w, handle=handle)
+
+    def combine(where, b, recv_x=None):
+        y = ((b["recv_x"] if recv_x is None else recv_x).float() * (rank + 1)).to(torch.bfloat16)
+        cx, cw, _ = buffer.combine(y, b["handle"], topk_weights=b["r_w"])
+        vals = b["x"].cpu().float()
+        exp = model.normal_combine(vals, b["idx"].cpu(), E, R, lambda r, v: (v * (r + 1)).to(torch.bfloat16).float())
+        bound = model.normal_combine(vals.abs(), b["idx"].cpu(), E, R, lambda r, v: v * (r + 1)) * 2.0 ** -7
+        if not _close(cx, exp, bound):
+            fails.append(f"[rank {rank}] {where}: combined_x differs from the model")
+        if not torch.equal(cw.cpu(), model.combined_weights(b["idx"].cpu(), b["w"].cpu())):
+            fails.append(f"[rank {rank}] {where}: combined_topk_weights differ from the model")
+
+    a, b = dispatch(0), dispatch(3)  # same shape (call 3 has call 0's token counts)
+    combine("B combined while A waits", b)
+    combine("A combined after B", a)
+    c, d = dispatch(6), dispatch(9)  # take both free buffers
+    _expect(fails, "combine of A after later dispatches took its buffer", lambda: combine("stale A", a), ValueError,
+            ["handle", "dispatch(x, handle=handle)"])
+    recv2, *_ = buffer.dispatch((a["x"] * 2).to(torch.bfloat16), handle=a["handle"])  # cached: A's routing again
+    a2 = dict(a, x=(a["x"] * 2).to(torch.bfloat16))
+    combine("A after its cached dispatch", a2, recv_x=recv2)
+    combine("D", d)
+    combine("C", c)
+    held = [dispatch(12 + 3 * i) for i in range(MAX_WAITING)]
+    _expect(fails, "one dispatch more than MAX_WAITING waiting", lambda: dispatch(24), ValueError,
+            ["MAX_WAITING", "combine one first"])
+    for i, h in enumerate(held):
+        combine(f"held {i}", h)
+    combine("after the refusal", dispatch(24))
+    buffer.destroy()
+    return fails
+
+
+def test_handles_outlive_later_dispatches():
+    fails = [f for r in dist_util.run(2, _waiting_worker) for f in r]
+    assert not fails, "\n".join(fails[:20])
+
+
 # ---------------------------------------------------------------------------- EPBuffer: weights at combine
 def _late_weights_worker(rank, R, layout):
     import moe_ep

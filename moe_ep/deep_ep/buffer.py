@@ -26,6 +26,10 @@ from .routing import check_topk_idx, dispatch_layout
 
 FP8 = torch.float8_e4m3fn
 _MIN_ROWS_TOKENS = 64  # the smallest max_tokens of a normal-mode buffer (so a few sizes serve every batch)
+# Normal-mode dispatches of one shape that may wait for their combine at once (each holds a rows
+# buffer: two micro-batches in flight need two; a training step's cached dispatch and its combine
+# come in pairs, so one layer at a time)
+MAX_WAITING = 4
 
 
 def _refuse(name: str, value, why: str) -> None:
@@ -213,6 +217,7 @@ class Buffer:
         if not isinstance(handle, _normal.NormalHandle):
             raise TypeError(f"handle: expected the handle of this Buffer's dispatch, got {type(handle).__name__}")
         out, ev = self._issue(lambda: _normal.combine(handle, x, topk_weights, bias), previous_event, async_finish)
+        handle.slot.combined(handle)
         return out[0], out[1], ev
 
     # ------------------------------------------------------------------ low-latency mode
@@ -385,13 +390,24 @@ class Buffer:
             return slots[-1]
         return slots[turn % 2]
 
-    def _rows_slot(self, num_experts: int, hidden: int, tokens: int, K: int, dtype: torch.dtype) -> _normal.RowsSlot:
-        """A rows buffer of this shape holding at least ``tokens`` per rank: the largest one made so
-        far, or a new one of the next power of two (every rank asks with the same ``tokens``)."""
+    def _rows_slot(self, num_experts: int, hidden: int, tokens: int, K: int, dtype: torch.dtype,
+                   prefer: Optional[_normal.RowsSlot] = None) -> _normal.RowsSlot:
+        """A rows buffer of this shape holding at least ``tokens`` per rank whose latest dispatch is
+        not waiting for its combine (``prefer`` if it qualifies or already holds the caller's
+        handle; else the latest made that is free; else a new one of the next power of two, at
+        most ``MAX_WAITING`` waiting at once). Every rank makes the same calls in the same order
+        (DeepEP's rule), so every rank picks the same slot."""
         key = (num_experts, hidden, K, dtype)
         slots = self._rows.setdefault(key, [])
-        if slots and slots[-1].epbuf.max_tokens >= tokens:
-            return slots[-1]
+        if prefer is not None and prefer in slots and prefer.epbuf.max_tokens >= tokens:
+            return prefer
+        free = [s for s in slots if not s.waiting and s.epbuf.max_tokens >= tokens]
+        if free:
+            return free[-1]
+        waiting = sum(s.waiting for s in slots)
+        if waiting >= MAX_WAITING:
+            raise ValueError(f"dispatch: {waiting} normal-mode dispatches of this shape are waiting for their combine "
+                             f"(moe_ep keeps one buffer for each, at most MAX_WAITING={MAX_WAITING}); combine one first")
         slots.append(_normal.RowsSlot(self._epbuffer(num_experts, hidden, max(_MIN_ROWS_TOKENS, pow2(tokens)), K,
                                                      dtype, "rows")))
         return slots[-1]
@@ -460,7 +476,9 @@ class Buffer:
             if not with_topk and counts is not None:
                 counts = [sum(g[1][self.rank][e] for g in gathered) for e in range(EL)]
             lst = _normal.aligned(counts, expert_alignment) if counts is not None else []
-            return recv_x, r_idx, r_w, lst, _normal.NormalHandle(slot, d, ids, w, rows, with_topk)
+            handle = _normal.NormalHandle(slot, d, ids, w, rows, with_topk)
+            slot.hold(handle)
+            return recv_x, r_idx, r_w, lst, handle
 
         (recv_x, r_idx, r_w, lst, handle), ev = self._issue(run, previous_event, async_finish)
         return recv_x, r_idx, r_w, lst, handle, ev
@@ -475,11 +493,14 @@ class Buffer:
             raise ValueError(f"x: expected the {handle.num_tokens} tokens of the handle's dispatch, got {x.shape[0]}")
         E, K = handle.slot.epbuf.num_experts, handle.slot.epbuf.topk
         dtype = FP8 if x_scales is not None else torch.bfloat16
-        slot = self._rows_slot(E, x.shape[1], handle.max_tokens, K, dtype)
+        # Its own slot again while it still holds it (a second cached dispatch before the combine).
+        mine = handle.slot if handle.slot.latest is handle else None
+        slot = self._rows_slot(E, x.shape[1], handle.max_tokens, K, dtype, prefer=mine)
 
         def run():
             d = slot.epbuf.dispatch(x, handle.topk_idx, handle.topk_weights, x_scales=x_scales)
-            handle.slot, handle.result = slot, d
+            handle.result = d
+            slot.hold(handle)
             rows = handle.num_rows
             xr = d.expert_x[:rows].clone()
             return (xr, d.expert_scales[:rows].clone()) if x_scales is not None else xr

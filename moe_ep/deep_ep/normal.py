@@ -21,10 +21,15 @@ from ..handle import DispatchResult
 class RowsSlot:
     """One rows EPBuffer and its staging tensors: the combine input (DeepEP's ``x`` holds the
     received count of rows, the rows layout reads capacity-sized tensors) and the zero weights a
-    dispatch without top-k sends."""
+    dispatch without top-k sends. ``latest``: the handle whose dispatch the buffer holds now;
+    ``waiting``: that handle's combine is still due, so no other dispatch may take this slot
+    (DeepEP's handles stay valid across later dispatches: two micro-batches dispatched before
+    either is combined each keep a slot)."""
 
     def __init__(self, epbuf: EPBuffer):
         self.epbuf = epbuf
+        self.latest: Optional["NormalHandle"] = None
+        self.waiting = False
         self._stage_y: Optional[torch.Tensor] = None
         self._stage_w: Optional[torch.Tensor] = None
         self.zero_weights = torch.zeros(epbuf.max_tokens, epbuf.topk, dtype=torch.float32, device=epbuf.device)
@@ -32,6 +37,20 @@ class RowsSlot:
     @property
     def capacity(self) -> int:
         return self.epbuf.world_size * self.epbuf.max_tokens
+
+    def hold(self, handle: "NormalHandle") -> None:
+        """``handle``'s dispatch was just issued on this slot: it holds the slot until its combine.
+        A handle moving here from another slot (a cached dispatch) frees that one."""
+        old = handle.slot
+        if old is not self and old.latest is handle:
+            old.waiting = False
+        handle.slot = self
+        self.latest, self.waiting = handle, True
+
+    def combined(self, handle: "NormalHandle") -> None:
+        """``handle``'s combine was issued: the slot takes other dispatches again."""
+        if self.latest is handle:
+            self.waiting = False
 
     def stage_y(self) -> torch.Tensor:
         if self._stage_y is None:
@@ -117,6 +136,9 @@ def combine(handle: NormalHandle, x: torch.Tensor, topk_weights: Optional[torch.
     """``(combined_x, combined_topk_weights)`` of DeepEP's normal ``combine``."""
     slot, d = handle.slot, handle.result
     buf, n = slot.epbuf, handle.num_rows
+    if slot.latest is not handle:
+        raise ValueError("handle: a later dispatch took its buffer after this handle's combine; repeat its routing "
+                         "with dispatch(x, handle=handle) before combining it again")
     if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or tuple(x.shape) != (n, buf.hidden):
         raise ValueError(f"x: expected a bfloat16 [{n}, {buf.hidden}] tensor (one row per received row), got "
                          f"{getattr(x, 'dtype', type(x).__name__)} {list(getattr(x, 'shape', []))}")
