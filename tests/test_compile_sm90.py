@@ -20,13 +20,36 @@ from moe_ep.kernels.aot import signature
 _COMPILE = r"""
 import importlib, pickle, re, sys
 from moe_ep.kernels.aot import compile_for
-out = []
+
+
+def own_loop(ptx):
+    # The loop holding the last fp8 conversion (the dispatch's own-row loop; None without one):
+    # loads in the block before it, per-element byte selects, plain and streaming vector stores in it.
+    lines = ptx.split("\n")
+    cvt = [i for i, l in enumerate(lines) if "cvt.rn.satfinite.e4m3x2" in l]
+    if not cvt:
+        return None
+    labels = [i for i, l in enumerate(lines) if re.match(r"^\$L__BB\d+_\d+:", l)]
+    top = max(i for i in labels if i < cvt[-1])
+    pre = max(i for i in labels if i < top)
+    name = lines[top].split(":")[0]
+    end = next(i for i in range(cvt[-1], len(lines)) if re.search(r"bra(\.uni)?\s+" + re.escape(name) + ";", lines[i]))
+    body = lines[top:end]
+    return dict(prologue_loads=sum("ld.global.v4" in l for l in lines[pre:top]),
+                selects_b16=sum("selp.b16" in l for l in body),
+                plain_vector_stores=sum(bool(re.search(r"st\.global\.v[24]", l)) for l in body),
+                streaming_stores=sum("st.global.cs" in l for l in body))
+
+
+out, loops = [], []
 for mod, name, spec in pickle.load(open(sys.argv[1], "rb")):
     k = compile_for(getattr(importlib.import_module(mod), name), spec)
     ptx = k.asm["ptx"]
     out.append((name, len(re.findall(r"st\.global(?:\.cs)?\.v[24]", ptx)), len(re.findall(r"st\.global(?:\.cs)?\.b8", ptx)),
                 len(re.findall(r"globaltimer", ptx)), len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx))))
+    loops.append(own_loop(ptx))
 pickle.dump(out, open(sys.argv[1] + ".out", "wb"))
+pickle.dump(loops, open(sys.argv[1] + ".loops", "wb"))
 """
 
 
@@ -61,20 +84,21 @@ def _record(monkeypatch, configs):
     return rec
 
 
-def _compile(rec, tmp_path, script: str = _COMPILE):
-    """Runs ``script`` on the pickled ``rec`` in a fresh process without TRITON_INTERPRET (the
-    default script compiles recorded launches for sm_90 and returns (name, vector stores, byte
-    stores, globaltimer reads, fp8 conversions) per launch); returns what it pickled."""
+def _compile(rec, tmp_path, loops: bool = False):
+    """Compiles recorded launches for sm_90 in a fresh process without TRITON_INTERPRET; returns
+    (name, vector stores, byte stores, globaltimer reads, fp8 conversions) per launch, and with
+    ``loops`` also the own-row loop's counts per launch (``own_loop`` above; None without fp8)."""
     path = tmp_path / "launches.pkl"
     pickle.dump(rec, open(path, "wb"))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    p = subprocess.run([sys.executable, "-c", script, str(path)], env=env, capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-c", _COMPILE, str(path)], env=env, capture_output=True, text=True,
                        timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
-    return pickle.load(open(str(path) + ".out", "rb"))
+    results = pickle.load(open(str(path) + ".out", "rb"))
+    return (results, pickle.load(open(str(path) + ".loops", "rb"))) if loops else results
 
 
 def test_kernels_compile_for_sm90(monkeypatch, tmp_path):
@@ -100,41 +124,6 @@ def test_kernels_compile_for_sm90(monkeypatch, tmp_path):
             assert timers > 0, f"{name}: compiled without the GPU deadline (INTERP variant?)"
             fp8_cvt += cvts
     assert fp8_cvt > 0, "fp8 quantization does not use the hardware conversion on sm_90"
-
-
-_OWN_LOOP = r"""
-import pickle, re, sys
-from moe_ep.kernels.aot import compile_for
-from moe_ep.kernels.dispatch import dispatch_kernel
-ptx = compile_for(dispatch_kernel, pickle.load(open(sys.argv[1], "rb"))).asm["ptx"].split("\n")
-# the fp8 own-row loop: from the last label before the last fp8 conversion to its back branch
-cvt = max(i for i, l in enumerate(ptx) if "cvt.rn.satfinite.e4m3x2" in l)
-top = max(i for i in range(cvt) if re.match(r"^\$L__BB\d+_\d+:", ptx[i]))
-label = ptx[top].split(":")[0]
-end = next(i for i in range(cvt, len(ptx)) if re.search(r"bra(\.uni)?\s+" + re.escape(label) + ";", ptx[i]))
-body = ptx[top:end]
-# the block before the loop issues the first tile's loads (each step then loads the next one)
-pre = max(i for i in range(top) if re.match(r"^\$L__BB\d+_\d+:", ptx[i]))
-pickle.dump(dict(prologue_loads=sum("ld.global.v4" in l for l in ptx[pre:top]),
-                 selects_b16=sum("selp.b16" in l for l in body),
-                 plain_vector_stores=sum(bool(re.search(r"st\.global\.v[24]", l)) for l in body),
-                 streaming_stores=sum("st.global.cs" in l for l in body)), open(sys.argv[1] + ".out", "wb"))
-"""
-
-
-def test_own_row_loop_sm90(monkeypatch, tmp_path):
-    """The fp8 prefill dispatch's own-row loop (R=1: every row), in the sm_90 PTX: the first
-    tile is loaded before the loop (each step loads the next tile before working on this one: two
-    tiles in flight), no per-element select for non-finite blocks (the NaN factor does it),
-    streaming stores only. (The kernels before this loop had no prologue load and 32 selects.)"""
-    pytest.importorskip("triton.backends.nvidia")
-    rec = [r for r in _record(monkeypatch, [(4096, 7168, torch.float8_e4m3fn, "packed", True)])
-           if r[1] == "dispatch_kernel"]
-    assert len(rec) == 1
-    got = _compile(rec[0][2], tmp_path, _OWN_LOOP)
-    assert got["prologue_loads"] > 0, got
-    assert got["selects_b16"] == 0, got
-    assert got["streaming_stores"] > 0 and got["plain_vector_stores"] == 0, got
 
 
 def _record_remote(monkeypatch, T: int, fp8: bool, layout: str):
@@ -229,8 +218,16 @@ def test_rows_kernels_compile_for_sm90(monkeypatch, tmp_path):
                       num_warps=8, wout=torch.zeros(128, 8))
     names = [r[1] for r in rec]
     assert names.count("route_hist_kernel") == 1 and "remote_unpack_rows_kernel" in names, names
-    results = _compile(rec, tmp_path)
+    results, loops = _compile(rec, tmp_path, loops=True)
     assert all(byte_stores == 0 for _, _, byte_stores, _, _ in results), results
+    own = [(r[2]["consts"], loop) for r, loop in zip(rec, loops) if r[1] == "dispatch_kernel"]
+    own = [loop for c, loop in own if c["FP8"] and c["RECV"] and c["OWN_X"] and c["H"] > c["BLOCK_H"]]
+    # The own-row loop at T=4096 (7 tiles of 1024 channels; at R=1 it writes every row): its first
+    # tile is loaded before the loop (each step then loads the next one before working on this one:
+    # two tiles in flight), no per-element select for non-finite blocks (the NaN factor does it),
+    # streaming stores only. (The kernels before it had no prologue load and 32 selects.)
+    assert len(own) == 1 and own[0]["prologue_loads"] > 0 and own[0]["selects_b16"] == 0 and \
+        own[0]["streaming_stores"] > 0 and own[0]["plain_vector_stores"] == 0, own
     for name, vec_stores, _, _, _ in results:
         if name in ("remote_unpack_rows_kernel", "remote_combine_pack_kernel", "remote_combine_unpack_kernel"):
             assert vec_stores > 0, (name, vec_stores)
