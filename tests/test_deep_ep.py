@@ -290,7 +290,8 @@ def _waiting_worker(rank, R):
     """DeepEP's handles outlive later dispatches: two micro-batches dispatched before either is
     combined (and combined in the other order) each get the model's result; a handle combined
     and then overtaken by later dispatches asks for a cached dispatch first, after which it works;
-    more than MAX_WAITING dispatches waiting for their combine is refused, naming the limit."""
+    more than MAX_WAITING dispatches waiting for their combine is refused, naming the limit; another
+    Buffer's handle is refused."""
     import torch.distributed as dist
 
     import moe_ep.deep_ep as deep_ep
@@ -337,7 +338,15 @@ def _waiting_worker(rank, R):
             ["MAX_WAITING", "combine one first"])
     for i, h in enumerate(held):
         combine(f"held {i}", h)
-    combine("after the refusal", dispatch(24))
+    last = dispatch(24)
+    other = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 20, explicitly_destroy=True)
+    y = last["recv_x"].to(torch.bfloat16)
+    _expect(fails, "another Buffer's handle", lambda: other.combine(y, last["handle"]), ValueError,
+            ["handle", "another Buffer"])
+    _expect(fails, "another Buffer's handle (cached dispatch)", lambda: other.dispatch(last["x"], handle=last["handle"]),
+            ValueError, ["handle", "another Buffer"])
+    combine("after the refusal", last)
+    other.destroy()
     buffer.destroy()
     return fails
 

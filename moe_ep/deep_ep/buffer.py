@@ -214,8 +214,7 @@ class Buffer:
         their ``topk_weights`` rows (float32 ``[n, K]``)."""
         self._check_alive()
         self._check_config(config)
-        if not isinstance(handle, _normal.NormalHandle):
-            raise TypeError(f"handle: expected the handle of this Buffer's dispatch, got {type(handle).__name__}")
+        self._check_handle(handle)
         out, ev = self._issue(lambda: _normal.combine(handle, x, topk_weights, bias), previous_event, async_finish)
         handle.slot.combined(handle)
         return out[0], out[1], ev
@@ -390,6 +389,14 @@ class Buffer:
             return slots[-1]
         return slots[turn % 2]
 
+    def _check_handle(self, handle) -> None:
+        """``handle`` must be a normal-mode handle of this Buffer (its rows buffer is one of ours)."""
+        if not isinstance(handle, _normal.NormalHandle):
+            raise TypeError(f"handle: expected the handle of this Buffer's dispatch, got {type(handle).__name__}")
+        if not any(handle.slot in slots for slots in self._rows.values()):
+            raise ValueError("handle: expected the handle of this Buffer's dispatch, got one of another Buffer "
+                             "(or of this one before destroy())")
+
     def _rows_slot(self, num_experts: int, hidden: int, tokens: int, K: int, dtype: torch.dtype,
                    prefer: Optional[_normal.RowsSlot] = None) -> _normal.RowsSlot:
         """A rows buffer of this shape holding at least ``tokens`` per rank whose latest dispatch is
@@ -484,8 +491,7 @@ class Buffer:
         return recv_x, r_idx, r_w, lst, handle, ev
 
     def _cached_dispatch(self, x, x_scales, handle, topk_idx, topk_weights, previous_event, async_finish):
-        if not isinstance(handle, _normal.NormalHandle):
-            raise TypeError(f"handle: expected the handle of this Buffer's dispatch, got {type(handle).__name__}")
+        self._check_handle(handle)
         if topk_idx is not None or topk_weights is not None:
             raise ValueError("topk_idx / topk_weights: a cached dispatch (handle given) takes neither; it repeats "
                              "the handle's routing")
