@@ -121,12 +121,26 @@ def main(argv=None) -> None:
         print("OK", flush=True)
 
 
-def _spawned(rank: int, world_size: int, port: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+def _finish(ok: bool) -> None:
+    """After a run that passed, every rank gets past its last collective before any tears the
+    group down: a rank that destroys it (or exits) while a peer still talks to it can abort that
+    peer's exit (gloo, seen once in CI after every check had passed). After a failure no barrier:
+    the peers may be stuck in another collective, and tearing down is what stops them."""
     try:
-        main([])
+        if ok:
+            dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _spawned(rank: int, world_size: int, port: int) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    ok = False
+    try:
+        main([])
+        ok = True
+    finally:
+        _finish(ok)
 
 
 if __name__ == "__main__":
@@ -138,10 +152,12 @@ if __name__ == "__main__":
         how = init_distributed()
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"moe_ep demo: {how}", flush=True)
+        ok = False
         try:
             main()
+            ok = True
         finally:
-            dist.destroy_process_group()
+            _finish(ok)
     else:  # a laptop: 4 CPU ranks
         import socket
 
