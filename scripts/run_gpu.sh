@@ -133,6 +133,7 @@ step "summary (GPU tests exit $test_rc)"
 if [ ${#jsons[@]} -gt 0 ]; then
     "$PYTHON" -m moe_ep.bench.intranode --summarize "${jsons[@]}"
 fi
+[ ${#jsons[@]} -eq 0 ] || grep "kernel p50 by launch" "$RESULTS/bench.log" | sed 's/^/   /' || true
 for r in "${shared_runs[@]}"; do echo "   $r"; done
 for r in "${profiles[@]}"; do echo "   $r"; done
 [ "$TESTS" = none ] || "$PYTHON" - "$RESULTS/pytest_gpu.xml" <<'PY' || true

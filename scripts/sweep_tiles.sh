@@ -27,6 +27,7 @@ for cfg in $CONFIGS; do
     MOE_EP_TILE=$tile MOE_EP_NUM_WARPS=$warps MOE_EP_STAGES=$stages "$PYTHON" -m torch.distributed.run --nproc-per-node="$NGPU" \
         -m moe_ep.bench.intranode --preset "$PRESET" --dispatch-dtype "$dtype" --layout "$layout" --num-programs "$PROGRAMS" \
         --no-baseline --iters "$ITERS" --output "$out" >"$out.log" 2>&1 || { tail -20 "$out.log"; continue; }
+    grep -m1 "kernel p50 by launch" "$out.log" || true
 done
 "$PYTHON" - "$RESULTS" <<'PY'
 import glob, json, sys

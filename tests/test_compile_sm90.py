@@ -30,10 +30,14 @@ def own_loop(ptx):
     if not cvt:
         return None
     labels = [i for i, l in enumerate(lines) if re.match(r"^\$L__BB\d+_\d+:", l)]
-    top = max(i for i in labels if i < cvt[-1])
+
+    def back_edge(i):  # the branch after the conversion back to label line i (its loop's end), or None
+        name = re.escape(lines[i].split(":")[0])
+        return next((j for j in range(cvt[-1], len(lines)) if re.search(r"bra(\.uni)?\s+" + name + ";", lines[j])), None)
+    # The innermost loop around the conversion: the last label before it that a later branch goes back to.
+    top = max(i for i in labels if i < cvt[-1] and back_edge(i) is not None)
     pre = max(i for i in labels if i < top)
-    name = lines[top].split(":")[0]
-    end = next(i for i in range(cvt[-1], len(lines)) if re.search(r"bra(\.uni)?\s+" + re.escape(name) + ";", lines[i]))
+    end = back_edge(top)
     body = lines[top:end]
     return dict(prologue_loads=sum("ld.global.v4" in l for l in lines[pre:top]),
                 selects_b16=sum("selp.b16" in l for l in body),

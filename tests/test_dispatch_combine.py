@@ -70,6 +70,32 @@ def test_edges(R):
     _run_matrix(R, edge_cases(R))
 
 
+def _one_launch_worker(rank, world_size, cases):
+    import moe_ep
+
+    group = moe_ep.EPGroup()
+    fails = []
+    for case in cases:
+        with make_buffer(group, case) as buf:
+            # Both halves in one launch, as on a GPU. The interpreter runs its programs one after
+            # another, which a one-rank launch survives: every wait there is for a chunk the
+            # waiting program sent itself or for the header program 0 wrote first.
+            buf.fused = True
+            fails += run_calls(group, buf, case)
+    return fails
+
+
+def test_one_launch_at_one_rank():
+    """The GPUs' one-launch dispatch and combine (a program receives its own chunks without a
+    flag, ``SELF_SYNC``), on a CPU rank: every layout, with and without combine-time weights."""
+    cases = [Case(R=1, E=4, K=2, dtype="fp8", layout="masked", data="random", seed=71),
+             Case(R=1, E=2, K=8, dtype="bf16", layout="packed", align=16, seed=72, late_weights=True),
+             Case(R=1, E=4, K=3, dtype="fp8", layout="rows", data="random", seed=73),
+             Case(R=1, E=2, K=2, dtype="bf16", layout="rows", seed=74)]
+    fails = [f for rank_fails in dist_util.run(1, _one_launch_worker, cases, timeout=600) for f in rank_fails]
+    assert not fails, f"{len(fails)} failed checks:\n" + "\n".join(fails[:40])
+
+
 def test_matrix_covers_the_contract():
     """The rotation really reaches every value the issue lists."""
     cases = [c for R in RANKS for d in DTYPES for c in matrix_cases(R, d)] + [c for R in (1, 3) for c in edge_cases(R)]

@@ -135,9 +135,11 @@ class Timer:
         return [[s.elapsed_time(e) * 1e3 for s, e in per_fn] for per_fn in events]
 
 
-def kernel_times(d_fn, c_fn, iters: int, stream) -> tuple[list[float], list[float]]:
+def kernel_times(d_fn, c_fn, iters: int, stream, per_kernel: Optional[dict] = None) -> tuple[list[float], list[float]]:
     """Device time of each call (the sum of its kernels' durations, torch.profiler), for ``iters``
-    alternating dispatch / combine calls: what the GPU spends, without launch gaps."""
+    alternating dispatch / combine calls: what the GPU spends, without launch gaps. ``per_kernel``
+    (a dict) gets each kernel's name -> its durations (µs), to see which launch of a call takes
+    the time."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof, torch.cuda.stream(stream):
@@ -151,6 +153,8 @@ def kernel_times(d_fn, c_fn, iters: int, stream) -> tuple[list[float], list[floa
     d, c = [], []
     last = None
     for e in kernels:  # consecutive kernels of one op belong to one call
+        if per_kernel is not None:
+            per_kernel.setdefault(e.name, []).append(e.device_time)
         op = "c" if "combine" in e.name else "d"
         out = c if op == "c" else d
         if op == last:
@@ -455,7 +459,11 @@ def run_bench(args: argparse.Namespace) -> dict:
                     g_c.replay()
                     g_p.replay()
             measure("graph", g_d.replay, g_c.replay, g_p.replay, programs)
-            t_d, t_c = kernel_times(g_d.replay, g_c.replay, args.iters, stream)
+            per_kernel: dict = {}
+            t_d, t_c = kernel_times(g_d.replay, g_c.replay, args.iters, stream, per_kernel)
+            if rank == 0:
+                print("kernel p50 by launch: " + ", ".join(f"{name} {percentile(v, 50):.1f} µs"
+                                                           for name, v in sorted(per_kernel.items())), flush=True)
             results.append(stats("dispatch", "kernel", t_d, device, d_bytes, programs))
             results.append(stats("combine", "kernel", t_c, device, c_bytes, programs))
             results.append(stats("dispatch+combine", "kernel", [a + b for a, b in zip(t_d, t_c)], device,

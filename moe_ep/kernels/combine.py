@@ -58,6 +58,9 @@ def combine_kernel(
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     t0_ns = deadline_start(INTERP)
+    # Both halves in one launch with OWN_Y: this rank's own tokens need no flag (nothing of theirs
+    # goes through the workspace; a system-scope release would wait for every store before it).
+    SELF_SYNC: tl.constexpr = SEND and RECV and OWN_Y
     dpar = tl.load(state_ptr + pid) & 1
     epoch = tl.load(state_ptr + P + pid) + 1
     par = epoch & 1
@@ -109,7 +112,11 @@ def combine_kernel(
                     pre_reduce(y_ptr, r, w, kk, go, out, K, H, BLOCK_T, BLOCK_H, STAGES, INTERP)
                 tl.debug_barrier()  # every thread's stores happen before the flag's release
                 if ok != 0:  # (else the source times out too, naming this rank: never a stale weight)
-                    raise_flag(ptr_at(base, off_cflag, tl.int64) + RANK * CMAX + c, epoch)
+                    if SELF_SYNC:
+                        if s != RANK:
+                            raise_flag(ptr_at(base, off_cflag, tl.int64) + RANK * CMAX + c, epoch)
+                    else:
+                        raise_flag(ptr_at(base, off_cflag, tl.int64) + RANK * CMAX + c, epoch)
     if RECV:
         BT, NC = chunking(T, CMAX)
         comb = ptr_at(ws, off_comb, tl.bfloat16)
@@ -117,8 +124,13 @@ def combine_kernel(
             ok = tl.full([], 1, tl.int32)
             for owner in range(N):
                 flag = ptr_at(ws, off_cflag, tl.int64) + owner * CMAX + c
-                ok = ok & wait_flag(flag, epoch, t0_ns, timeout_ns, err_ptr, NODE0 + owner, PHASE_COMBINE, INTERP)
-                v = tl.load(flag)
+                if SELF_SYNC:
+                    if owner != RANK:
+                        ok = ok & wait_flag(flag, epoch, t0_ns, timeout_ns, err_ptr, NODE0 + owner, PHASE_COMBINE,
+                                            INTERP)
+                else:
+                    ok = ok & wait_flag(flag, epoch, t0_ns, timeout_ns, err_ptr, NODE0 + owner, PHASE_COMBINE, INTERP)
+                v = tl.load(flag)  # (an own-dispatch overflow is still seen: abort_combines wrote it)
                 if v >= ABORT_FLAG:  # the owner overflowed its masked layout in the dispatch combined here
                     record_error(err_ptr, ERR_CAPACITY, NODE0 + owner, PHASE_DISPATCH, tl.load(state_ptr + pid),
                                  v - ABORT_FLAG)
@@ -152,9 +164,21 @@ def combine_kernel(
                             wacc += tl.load(wsrc[:, None] + kk[None, :], mask=m2, other=0.0)
                     # (with BASE_F32 the remote owners' weights are added to these later)
                     tl.store(wout_ptr + t[:, None] * K + kk[None, :], wacc, mask=tm[:, None] & km[None, :])
+                if OWN_Y and ROWS:  # this rank's own rows: the first tile's loads, ahead of the loop
+                    own_m = tm & (tl.max((dst == RANK).to(tl.int32), axis=1) > 0)
+                    hh = tl.arange(0, BLOCK_HR)
+                    nxt = tl.load(y_ptr + own[:, None] * H + hh[None, :], mask=own_m[:, None] & (hh[None, :] < H),
+                                  other=0.0)
                 for h0 in range(0, H, BLOCK_HR):  # (its own channel tile: K loads per step with OWN_Y)
                     hh = h0 + tl.arange(0, BLOCK_HR)
                     hm = tm[:, None] & (hh[None, :] < H)
+                    if OWN_Y and ROWS:
+                        # The next tile's loads go out before this one is summed and stored (a
+                        # register double buffer, as in dispatch's store_own_rows).
+                        cur = nxt
+                        hn = hh + BLOCK_HR
+                        nxt = tl.load(y_ptr + own[:, None] * H + hn[None, :], mask=own_m[:, None] & (hn[None, :] < H),
+                                      other=0.0)
                     acc = tl.zeros((BLOCK_T, BLOCK_HR), tl.float32)
                     for d in tl.static_range(N):
                         go = tl.max((dst == d).to(tl.int32), axis=1) > 0
@@ -164,11 +188,10 @@ def combine_kernel(
                             part = pre_reduce_tile(y_ptr, own_r, own_w, kk, hh, hm & go[:, None], K, H, BLOCK_T,
                                                    BLOCK_HR)
                             acc += to_bf16(part, INTERP).to(tl.float32)
+                        elif OWN_Y and (d == RANK):
+                            acc += cur.to(tl.float32)
                         else:
-                            if OWN_Y and d == RANK:
-                                src = y_ptr + own * H
-                            else:
-                                src = comb + ((par * N + d) * M + t).to(tl.int64) * H
+                            src = comb + ((par * N + d) * M + t).to(tl.int64) * H
                             acc += tl.load(src[:, None] + hh[None, :], mask=hm & go[:, None], other=0.0).to(tl.float32)
                     if BASE_F32:  # the remote owners' rows are added later, then rounded once
                         tl.store(out_ptr + t[:, None] * H + hh[None, :], acc, mask=hm)

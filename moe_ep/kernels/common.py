@@ -179,15 +179,24 @@ def quantize_tile(v, s, FP8: tl.constexpr, PREQ: tl.constexpr, BLOCK_T: tl.const
 
 
 @triton.jit
-def store_own_rows(x_ptr, xs_ptr, t, tm, r, kk, out_x_ptr, out_s_ptr, KS: tl.constexpr, H: tl.constexpr,
+def first_own_tile(x_ptr, xs_ptr, t, tm, H: tl.constexpr, NB: tl.constexpr, FP8: tl.constexpr, PREQ: tl.constexpr,
+                   BLOCK_H: tl.constexpr):
+    """The loads of the first tile ``store_own_rows`` stores (tokens ``t``, mask ``tm``): a
+    receiver issues them as soon as it knows the chunk's tokens, before it reads the chunk's
+    metadata, so their latency hides behind that."""
+    hh, hm, bb, bm = payload_cols(0, tm, H, NB, FP8, BLOCK_H)
+    return load_tile(x_ptr, xs_ptr, t, hh, hm, bb, bm, H, NB, FP8, PREQ)
+
+
+@triton.jit
+def store_own_rows(v, vs, x_ptr, xs_ptr, t, tm, r, kk, out_x_ptr, out_s_ptr, KS: tl.constexpr, H: tl.constexpr,
                    NB: tl.constexpr, FP8: tl.constexpr, PREQ: tl.constexpr, BLOCK_T: tl.constexpr,
                    BLOCK_H: tl.constexpr, INTERP: tl.constexpr):
     """A rank's own tokens ``t`` (mask ``tm``) straight from ``x`` into the expert layout: each
     tile read (and quantized) once, stored as rows ``r[:, k]`` (int64 [BLOCK_T, BLOCK_K], -1:
     none) for ``k < KS`` of ``expert_x`` (``out_x_ptr`` of any element type: bytes for fp8, bf16
-    otherwise) and, for fp8, of ``expert_scales`` (float32 ``[rows, NB]``)."""
-    hh, hm, bb, bm = payload_cols(0, tm, H, NB, FP8, BLOCK_H)
-    v, vs = load_tile(x_ptr, xs_ptr, t, hh, hm, bb, bm, H, NB, FP8, PREQ)
+    otherwise) and, for fp8, of ``expert_scales`` (float32 ``[rows, NB]``). ``v, vs``: the first
+    tile, from ``first_own_tile``."""
     for h0 in range(0, H, BLOCK_H):
         # The next tile's loads go out before this tile is quantized and stored, so their latency
         # hides behind that work (a program keeps two tiles in flight, not one).
@@ -297,17 +306,26 @@ def payload_cols(h0, tm, H: tl.constexpr, NB: tl.constexpr, FP8: tl.constexpr, B
 
 @triton.jit
 def landed_chunk(ws, hdr, s, c, err_ptr, epoch, par, t0_ns, timeout_ns, off_dflag: tl.constexpr,
-                 NODE0: tl.constexpr, N: tl.constexpr, M: tl.constexpr, HDR: tl.constexpr, CMAX: tl.constexpr,
-                 BLOCK_T: tl.constexpr, INTERP: tl.constexpr):
+                 RANK: tl.constexpr, NODE0: tl.constexpr, N: tl.constexpr, M: tl.constexpr, HDR: tl.constexpr,
+                 CMAX: tl.constexpr, BLOCK_T: tl.constexpr, SELF_SYNC: tl.constexpr, INTERP: tl.constexpr):
     """Dispatch receive side: waits for chunk ``c`` of node source ``s`` (if the source has that
     chunk, from its header ``hdr``); returns ``(ok, t, tm, slot)``: whether it landed (0 also for
-    no such chunk), the chunk's token indices, their mask, their workspace slots (int64)."""
+    no such chunk), the chunk's token indices, their mask, their workspace slots (int64).
+    ``SELF_SYNC`` (both halves in one launch): chunk ``c`` of this rank itself was sent by this
+    very program an iteration earlier, and a CTA barrier since orders its writes before these
+    reads, so it is not waited for (its flag is not raised either)."""
     ts = tl.load(hdr + s * HDR)
     BT, NC = chunking(ts, CMAX)
     ok = tl.full([], 0, tl.int32)
     if c < NC:
-        ok = wait_flag(ptr_at(ws, off_dflag, tl.int64) + s * CMAX + c, epoch, t0_ns, timeout_ns, err_ptr, NODE0 + s,
-                       PHASE_DISPATCH, INTERP)
+        if SELF_SYNC:  # one launch: this program itself wrote its own chunk (no flag, no wait)
+            ok = tl.full([], 1, tl.int32)
+            if s != RANK:
+                ok = wait_flag(ptr_at(ws, off_dflag, tl.int64) + s * CMAX + c, epoch, t0_ns, timeout_ns, err_ptr,
+                               NODE0 + s, PHASE_DISPATCH, INTERP)
+        else:
+            ok = wait_flag(ptr_at(ws, off_dflag, tl.int64) + s * CMAX + c, epoch, t0_ns, timeout_ns, err_ptr,
+                           NODE0 + s, PHASE_DISPATCH, INTERP)
     rr = tl.arange(0, BLOCK_T)
     t = c * BT + rr
     tm = (rr < BT) & (t < ts)

@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 from .common import (ERR_BAD_EXPERT, ERR_CAPACITY, PHASE_DISPATCH, abort_combines, chunking, deadline_start,
-                     landed_chunk, payload_cols, payload_tile, ptr_at, raise_flag, record_error, store_own_rows,
-                     wait_flag)
+                     first_own_tile, landed_chunk, payload_cols, payload_tile, ptr_at, raise_flag, record_error,
+                     store_own_rows, wait_flag)
 from .rows import on_peer, recv_rows_chunk, tokens_before
 
 
@@ -54,12 +54,13 @@ def _send_chunk(c, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, 
                 E: tl.constexpr, EL: tl.constexpr, H: tl.constexpr, NB: tl.constexpr, RB: tl.constexpr,
                 CMAX: tl.constexpr, FP8: tl.constexpr, PREQ: tl.constexpr, DIRECT: tl.constexpr, BLOCK_T: tl.constexpr,
                 BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr,
-                INTERP: tl.constexpr, ROWS: tl.constexpr, OWN_X: tl.constexpr):
+                INTERP: tl.constexpr, ROWS: tl.constexpr, OWN_X: tl.constexpr, SELF_SYNC: tl.constexpr):
     """Chunk ``c`` (tokens [c*BT, (c+1)*BT)): the buffer's copy of its expert ids (what combine
     reads, so the caller may reuse ``topk_idx``), metadata to every peer, the payload once per
     destination rank, then the chunk's flag in every peer. ``ROWS``: the metadata's ``j`` columns
     carry the token's row among this rank's rows for the peer (``kernels/rows.py``); ``OWN_X``:
-    no payload for this rank itself (its receive half reads ``x``)."""
+    no payload for this rank itself (its receive half reads ``x``); ``SELF_SYNC``: no flag for
+    this rank itself (``landed_chunk``)."""
     S: tl.constexpr = BLOCK_T * BLOCK_K
     tt = tl.arange(0, BLOCK_T)
     kk = tl.arange(0, BLOCK_K)
@@ -107,7 +108,7 @@ def _send_chunk(c, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, 
         tl.store(mi, lid, mask=m2)
         if ROWS:  # the token's row among this rank's rows for d: earlier chunks + earlier in the chunk
             on = on_peer(ids, d, NODE0, EL)
-            pos = tokens_before(topk_ptr, hist_ptr, c, BT, T, d, NODE0, E, EL, K, CMAX, DIRECT, BLOCK_K, BLOCK_C) + \
+            pos = tokens_before(topk_ptr, hist_ptr, c, BT, T, d, NODE0, E, EL, K, CMAX, DIRECT, BLOCK_K) + \
                 tl.sum(tl.where(tt[None, :] < tt[:, None], on[None, :], 0), axis=1)
             tl.store(mi + K, tl.broadcast_to(pos[:, None], (BLOCK_T, BLOCK_K)), mask=m2)
         else:
@@ -135,23 +136,27 @@ def _send_chunk(c, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, 
                                  mask=hm & go[:, None])
     tl.debug_barrier()  # every thread's stores happen before the flag's release
     for d in tl.static_range(N):
-        raise_flag(ptr_at(tl.load(peer_ptr + d), off_dflag, tl.int64) + RANK * CMAX + c, epoch)
+        # (A system-scope release waits for every store of the program before it: skipping the
+        # one this rank does not need keeps them in flight at R = 1.)
+        if not (SELF_SYNC and d == RANK):
+            raise_flag(ptr_at(tl.load(peer_ptr + d), off_dflag, tl.int64) + RANK * CMAX + c, epoch)
 
 
 @triton.jit
-def _recv_chunk(s, c, ws, hdr, sel_ptr, scratch_ptr, x_ptr, xs_ptr, out_x_ptr, out_s_ptr, recv_pos_ptr, err_ptr,
-                epoch, par, t0_ns, timeout_ns, off_dflag: tl.constexpr, off_meta_i: tl.constexpr,
+def _recv_chunk(v, vs, s, c, ws, hdr, sel_ptr, scratch_ptr, x_ptr, xs_ptr, out_x_ptr, out_s_ptr, recv_pos_ptr,
+                err_ptr, epoch, par, t0_ns, timeout_ns, off_dflag: tl.constexpr, off_meta_i: tl.constexpr,
                 off_rows: tl.constexpr, RANK: tl.constexpr, NODE0: tl.constexpr, EL: tl.constexpr,
                 GLOBAL: tl.constexpr, N: tl.constexpr, M: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
                 H: tl.constexpr, NB: tl.constexpr, RB: tl.constexpr, HDR: tl.constexpr, CMAX: tl.constexpr,
                 CAP: tl.constexpr, PACKED: tl.constexpr, FP8: tl.constexpr, PREQ: tl.constexpr, OWN_X: tl.constexpr,
                 BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr,
-                BLOCK_NB: tl.constexpr, STAGES: tl.constexpr, INTERP: tl.constexpr):
+                BLOCK_NB: tl.constexpr, STAGES: tl.constexpr, SELF_SYNC: tl.constexpr, INTERP: tl.constexpr):
     """Waits for chunk ``c`` of source ``s``, then copies each of its rows to every position its
     selections have in the expert layout and records those positions in ``recv_pos``. ``OWN_X``:
-    this rank's own rows (``s == RANK``) come from ``x`` (quantized here for fp8), not the workspace."""
-    ok, t, tm, slot = landed_chunk(ws, hdr, s, c, err_ptr, epoch, par, t0_ns, timeout_ns, off_dflag, NODE0, N, M, HDR,
-                                   CMAX, BLOCK_T, INTERP)
+    this rank's own rows (``s == RANK``) come from ``x`` (quantized here for fp8), not the workspace,
+    and ``v, vs`` is their first tile (``first_own_tile``, loaded by the caller)."""
+    ok, t, tm, slot = landed_chunk(ws, hdr, s, c, err_ptr, epoch, par, t0_ns, timeout_ns, off_dflag, RANK, NODE0, N, M,
+                                   HDR, CMAX, BLOCK_T, SELF_SYNC, INTERP)
     if ok != 0:
         kk = tl.arange(0, BLOCK_K)
         m2 = tm[:, None] & (kk[None, :] < K)
@@ -180,8 +185,8 @@ def _recv_chunk(s, c, ws, hdr, sel_ptr, scratch_ptr, x_ptr, xs_ptr, out_x_ptr, o
         if OWN_X and (s == RANK):
             # Own rows straight from x: one read (and one quantization) feeds the K stores, and
             # nothing goes through the workspace (at R = 1 that is all rows).
-            store_own_rows(x_ptr, xs_ptr, t, tm, r, kk, out_x_ptr, out_s_ptr, K, H, NB, FP8, PREQ, BLOCK_T, BLOCK_H,
-                           INTERP)
+            store_own_rows(v, vs, x_ptr, xs_ptr, t, tm, r, kk, out_x_ptr, out_s_ptr, K, H, NB, FP8, PREQ, BLOCK_T,
+                           BLOCK_H, INTERP)
         else:
             _expand_rows(ptr_at(ws, off_rows, tl.int32) + slot * (RB // 4), r, tm, kk, out_x_ptr, out_s_ptr, K, W, H,
                          NB, FP8, BLOCK_W, BLOCK_NB, STAGES)
@@ -250,6 +255,9 @@ def dispatch_kernel(
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     t0_ns = deadline_start(INTERP)
+    # Both halves in one launch: a program receives its own rank's chunks, which it sent itself
+    # (landed_chunk), without a flag.
+    SELF_SYNC: tl.constexpr = SEND and RECV
     epoch = tl.load(state_ptr + pid) + 1
     par = epoch & 1
     hdr = ptr_at(ws, off_hdr, tl.int32) + par * N * HDR
@@ -264,13 +272,13 @@ def dispatch_kernel(
             tl.store(ph + 1 + ee, cnt, mask=ee < EL)
             if ROWS:  # this rank's rows for d: where d places the rows of the sources above this one
                 tl.store(ph + 1 + EL, tokens_before(topk_ptr, hist_ptr, NC, BT, T, d, NODE0, E, EL, K, CMAX, DIRECT,
-                                                    BLOCK_K, BLOCK_C))
+                                                    BLOCK_K))
             tl.debug_barrier()
             raise_flag(ptr_at(base, off_hflag, tl.int64) + RANK, epoch)
         if pid < NC:
             _send_chunk(pid, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, route_ptr, T, BT, epoch, par,
                         off_dflag, off_meta_i, off_meta_w, off_rows, RANK, NODE0, N, M, K, E, EL, H, NB, RB, CMAX,
-                        FP8, PREQ, DIRECT, BLOCK_T, BLOCK_K, BLOCK_C, BLOCK_H, STAGES, INTERP, ROWS, OWN_X)
+                        FP8, PREQ, DIRECT, BLOCK_T, BLOCK_K, BLOCK_C, BLOCK_H, STAGES, INTERP, ROWS, OWN_X, SELF_SYNC)
     ok = tl.full([], 1, tl.int32)
     nrecv = 0
     if RECV:
@@ -324,25 +332,32 @@ def dispatch_kernel(
     LAG = P if SEND else 0
     end = tl.maximum(NC if SEND else 0, (nrecv + LAG) if RECV else 0)
     for i in range(pid + LAG, end, P):
+        if OWN_X and RECV:  # own chunk i - LAG: its first tile's loads go out before the send work
+            tt = tl.arange(0, BLOCK_T)
+            v, vs = first_own_tile(x_ptr, xs_ptr, (i - LAG) * BT + tt, (tt < BT) & ((i - LAG) * BT + tt < T), H, NB,
+                                   FP8, PREQ, BLOCK_H)
+        else:
+            v, vs = 0, 0
         if SEND:
             if i < NC:
                 _send_chunk(i, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, route_ptr, T, BT, epoch,
                             par, off_dflag, off_meta_i, off_meta_w, off_rows, RANK, NODE0, N, M, K, E, EL, H, NB, RB, CMAX,
-                            FP8, PREQ, DIRECT, BLOCK_T, BLOCK_K, BLOCK_C, BLOCK_H, STAGES, INTERP, ROWS, OWN_X)
+                            FP8, PREQ, DIRECT, BLOCK_T, BLOCK_K, BLOCK_C, BLOCK_H, STAGES, INTERP, ROWS, OWN_X,
+                            SELF_SYNC)
         if RECV:
             if ok != 0:
                 for s in range(N):
                     if ROWS:
-                        recv_rows_chunk(s, i - LAG, ws, hdr, rows_from_ptr, x_ptr, xs_ptr, out_x_ptr, out_s_ptr,
-                                        recv_ids_ptr, recv_wts_ptr, recv_src_ptr, recv_pos_ptr, err_ptr, epoch, par,
-                                        t0_ns, timeout_ns, off_dflag, off_meta_i, off_meta_w, off_rows, RANK, NODE0,
+                        recv_rows_chunk(v, vs, s, i - LAG, ws, hdr, rows_from_ptr, x_ptr, xs_ptr, out_x_ptr,
+                                        out_s_ptr, recv_ids_ptr, recv_wts_ptr, recv_src_ptr, recv_pos_ptr, err_ptr,
+                                        epoch, par, t0_ns, timeout_ns, off_dflag, off_meta_i, off_meta_w, off_rows, RANK, NODE0,
                                         EL, GLOBAL, N, M, K, W, H, NB, RB, HDR, CMAX, FP8, PREQ, OWN_X, BLOCK_T,
-                                        BLOCK_K, BLOCK_W, BLOCK_H, BLOCK_NB, STAGES, INTERP)
+                                        BLOCK_K, BLOCK_W, BLOCK_H, BLOCK_NB, STAGES, SELF_SYNC, INTERP)
                     else:
-                        _recv_chunk(s, i - LAG, ws, hdr, sel_ptr, scratch_ptr + pid * BLOCK_EL, x_ptr, xs_ptr,
+                        _recv_chunk(v, vs, s, i - LAG, ws, hdr, sel_ptr, scratch_ptr + pid * BLOCK_EL, x_ptr, xs_ptr,
                                     out_x_ptr, out_s_ptr, recv_pos_ptr, err_ptr, epoch, par, t0_ns, timeout_ns,
                                     off_dflag, off_meta_i, off_rows, RANK, NODE0, EL, GLOBAL, N, M, K, W, H, NB, RB,
                                     HDR, CMAX, CAP, PACKED, FP8, PREQ, OWN_X, BLOCK_T, BLOCK_K, BLOCK_W, BLOCK_H,
-                                    BLOCK_NB, STAGES, INTERP)
+                                    BLOCK_NB, STAGES, SELF_SYNC, INTERP)
     if RECV:
         tl.store(state_ptr + pid, epoch)  # each program keeps its own epoch: no cross-program step

@@ -14,7 +14,7 @@ from ``x`` (and its combine's from ``expert_y``), which halves the bytes moved a
 import triton
 import triton.language as tl
 
-from .common import ERR_CAPACITY, PHASE_DISPATCH, landed_chunk, ptr_at, record_error, store_own_rows
+from .common import ERR_CAPACITY, PHASE_DISPATCH, first_own_tile, landed_chunk, ptr_at, record_error, store_own_rows
 from .remote import _excl, _pick, received_counts, received_row
 
 
@@ -27,8 +27,7 @@ def on_peer(ids, d, NODE0: tl.constexpr, EL: tl.constexpr):
 
 @triton.jit
 def tokens_before(topk_ptr, hist_ptr, c, BT, T, d, NODE0: tl.constexpr, E: tl.constexpr, EL: tl.constexpr,
-                  K: tl.constexpr, CMAX: tl.constexpr, DIRECT: tl.constexpr, BLOCK_K: tl.constexpr,
-                  BLOCK_C: tl.constexpr):
+                  K: tl.constexpr, CMAX: tl.constexpr, DIRECT: tl.constexpr, BLOCK_K: tl.constexpr):
     """Tokens of this rank's chunks ``[0, c)`` with a selection on node peer ``d``: counted from the
     ids at decode sizes (``DIRECT``), else summed over row ``E + d`` of the routing histogram."""
     n = tl.zeros([], tl.int32)
@@ -42,28 +41,29 @@ def tokens_before(topk_ptr, hist_ptr, c, BT, T, d, NODE0: tl.constexpr, E: tl.co
             ids = tl.load(topk_ptr + t[:, None] * K + kk[None, :], mask=m, other=-1).to(tl.int32)
             ids = tl.where((ids >= 0) & (ids < E), ids, -1)
             n += tl.sum(on_peer(ids, d, NODE0, EL))
-    else:
-        cc = tl.arange(0, BLOCK_C)
-        for c0 in range(0, c, BLOCK_C):
+    else:  # blocks of 256 counts: at prefill sizes (CMAX = 256) one load, not a loop of dependent ones
+        cc = tl.arange(0, 256)
+        for c0 in range(0, c, 256):
             n += tl.sum(tl.load(hist_ptr + (E + d) * CMAX + c0 + cc, mask=c0 + cc < c, other=0))
     return n
 
 
 @triton.jit
-def recv_rows_chunk(s, c, ws, hdr, rows_from_ptr, x_ptr, xs_ptr, out_x_ptr, out_s_ptr, ids_ptr, wts_ptr, src_ptr,
-                    recv_pos_ptr, err_ptr, epoch, par, t0_ns, timeout_ns, off_dflag: tl.constexpr,
+def recv_rows_chunk(v, vs, s, c, ws, hdr, rows_from_ptr, x_ptr, xs_ptr, out_x_ptr, out_s_ptr, ids_ptr, wts_ptr,
+                    src_ptr, recv_pos_ptr, err_ptr, epoch, par, t0_ns, timeout_ns, off_dflag: tl.constexpr,
                     off_meta_i: tl.constexpr, off_meta_w: tl.constexpr, off_rows: tl.constexpr,
                     RANK: tl.constexpr, NODE0: tl.constexpr, EL: tl.constexpr, GLOBAL: tl.constexpr,
                     N: tl.constexpr, M: tl.constexpr, K: tl.constexpr, W: tl.constexpr, H: tl.constexpr,
                     NB: tl.constexpr, RB: tl.constexpr, HDR: tl.constexpr, CMAX: tl.constexpr, FP8: tl.constexpr,
                     PREQ: tl.constexpr, OWN_X: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
                     BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_NB: tl.constexpr, STAGES: tl.constexpr,
-                    INTERP: tl.constexpr):
+                    SELF_SYNC: tl.constexpr, INTERP: tl.constexpr):
     """Waits for chunk ``c`` of node source ``s``, then writes each of its tokens that selected an
     expert of this rank as one row: payload (and scales), local ids, weights, source; records the
-    row in ``recv_pos[s, t, 0]`` (-1: none) for combine."""
-    ok, t, tm, slot = landed_chunk(ws, hdr, s, c, err_ptr, epoch, par, t0_ns, timeout_ns, off_dflag, NODE0, N, M, HDR,
-                                   CMAX, BLOCK_T, INTERP)
+    row in ``recv_pos[s, t, 0]`` (-1: none) for combine. ``v, vs``: the first tile of this rank's own
+    rows (``first_own_tile``, loaded by the caller; used when ``OWN_X`` and ``s == RANK``)."""
+    ok, t, tm, slot = landed_chunk(ws, hdr, s, c, err_ptr, epoch, par, t0_ns, timeout_ns, off_dflag, RANK, NODE0, N, M,
+                                   HDR, CMAX, BLOCK_T, SELF_SYNC, INTERP)
     if ok != 0:
         kk = tl.arange(0, BLOCK_K)
         m2 = tm[:, None] & (kk[None, :] < K)
@@ -91,7 +91,7 @@ def recv_rows_chunk(s, c, ws, hdr, rows_from_ptr, x_ptr, xs_ptr, out_x_ptr, out_
         if OWN_X and (s == RANK):
             # This rank's own rows come straight from x (quantized here for fp8): the send half
             # stored no payload into this rank's workspace.
-            store_own_rows(x_ptr, xs_ptr, t, has, tl.where(kk[None, :] == 0, r[:, None], -1), kk, out_x_ptr,
+            store_own_rows(v, vs, x_ptr, xs_ptr, t, has, tl.where(kk[None, :] == 0, r[:, None], -1), kk, out_x_ptr,
                            out_s_ptr, 1, H, NB, FP8, PREQ, BLOCK_T, BLOCK_H, INTERP)
         else:
             src = ptr_at(ws, off_rows, tl.int32) + slot * (RB // 4)
