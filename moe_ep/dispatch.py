@@ -171,10 +171,7 @@ def _dispatched(buf, T: int, recv):
     """The end of a dispatch of ``T`` tokens just issued (``recv``: its receive half, for a hook)."""
     buf._epochs[0] += 1
     buf._serial += 1
-    result = DispatchResult(buf.expert_x, buf.expert_scales, buf.expert_counts, buf.expert_offsets,
-                            recv_topk_idx=buf.recv_topk_idx, recv_topk_weights=buf.recv_topk_weights,
-                            recv_src=buf.recv_src, num_recv=buf.num_recv, num_tokens=T, _buffer=buf,
-                            _serial=buf._serial)
+    result = DispatchResult.issued(buf._result_fields, T, buf._serial)
     if recv is not None:
         return result, buf._make_hook("dispatch", recv)
     if buf.interp:

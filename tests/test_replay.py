@@ -211,3 +211,17 @@ def _gpu_worker(rank, world_size, cases, launch):
                 fails.append(f"[{case.name}] nothing recorded for replay")
     os.environ.pop("MOE_EP_LAUNCH", None)
     return fails
+
+
+def test_issued_result_is_the_dataclass_one():
+    """``DispatchResult.issued`` (the eager path's constructor) gives the object ``__init__`` gives."""
+    import dataclasses
+
+    from moe_ep.handle import DispatchResult
+
+    names = [f.name for f in dataclasses.fields(DispatchResult)]
+    shared = {n: object() for n in names if n not in ("num_tokens", "_serial")}
+    a = DispatchResult.issued(shared, 3, 7)
+    b = DispatchResult(**shared, num_tokens=3, _serial=7)
+    assert type(a) is DispatchResult
+    assert [getattr(a, n) for n in names] == [getattr(b, n) for n in names]
