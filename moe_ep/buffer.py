@@ -52,6 +52,10 @@ class EPBuffer:
         overflow_capacity: with other nodes: round-2 rows this rank can take from all remote
             sources in one dispatch (default: all that could come, ``(R - node_size) * (M -
             private_capacity)``); a batch needing more raises ``CapacityError`` on every rank.
+        expert_capacity: masked only: rows of each local expert's block (default ``R*max_tokens``,
+            every row that can come when a token lists an expert at most once). Fewer rows take
+            less memory; a dispatch that brings an expert more raises ``CapacityError`` naming the
+            rank and the expert (nothing is dropped silently).
 
     All calls on one buffer must be issued on one CUDA stream (the current one), in the same
     order on every rank. Construction is collective: every rank passes the same arguments (checked,
@@ -65,7 +69,7 @@ class EPBuffer:
                  dispatch_dtype: torch.dtype = torch.bfloat16, combine_dtype: torch.dtype = torch.bfloat16,
                  layout: str = "masked", expert_alignment: int = 1, timeout_s: float = 30.0,
                  num_programs: Optional[int] = None, private_capacity: Optional[int] = None,
-                 overflow_capacity: Optional[int] = None):
+                 overflow_capacity: Optional[int] = None, expert_capacity: Optional[int] = None):
         if not isinstance(group, EPGroup):
             raise TypeError(f"group: expected moe_ep.EPGroup, got {type(group).__name__}")
         R = group.world_size
@@ -90,6 +94,14 @@ class EPBuffer:
                 and 0 < timeout_s <= MAX_TIMEOUT_S):
             raise ValueError(f"timeout_s: expected a finite number of seconds in (0, {MAX_TIMEOUT_S:g}] (every wait "
                              f"has a deadline), got {timeout_s!r}")
+        if expert_capacity is not None:
+            if layout != "masked":
+                raise ValueError(f"expert_capacity: only with layout='masked' (got layout={layout!r}, whose capacity "
+                                 f"holds every row)")
+            if not isinstance(expert_capacity, int) or isinstance(expert_capacity, bool) or \
+                    not 1 <= expert_capacity <= R * max_tokens:
+                raise ValueError(f"expert_capacity: expected None or an int in [1, world_size * max_tokens = "
+                                 f"{R * max_tokens}], got {expert_capacity!r}")
         G = group.node_size
         for name, v in (("private_capacity", private_capacity), ("overflow_capacity", overflow_capacity)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
@@ -153,7 +165,7 @@ class EPBuffer:
 
         # Every rank's arguments must agree before any memory is touched (program p serves chunks
         # p, p+P, ... on every rank, so num_programs too).
-        self._agreement.agree(self._signature(private_capacity, overflow_capacity), self.timeout_s)
+        self._agreement.agree(self._signature(private_capacity, overflow_capacity, expert_capacity), self.timeout_s)
 
         # N: the ranks of this node (reached by stores); the other R - N through the proxy.
         dev, EL, N, M = self.device, self.num_local_experts, G, max_tokens
@@ -164,7 +176,7 @@ class EPBuffer:
         self.ws_layout = WorkspaceLayout(N=N, M=M, K=topk, EL=EL, H=hidden,
                                          payload_bytes=hidden * esize + 4 * self.num_scale_blocks, rows=rows)
         self.off = self.ws_layout.offsets()
-        lead_rows = {"masked": EL * R * M, "packed": R * M * topk + EL * (expert_alignment - 1), "rows": R * M}
+        lead_rows = {"masked": EL * (expert_capacity or R * M), "packed": R * M * topk + EL * (expert_alignment - 1), "rows": R * M}
         check_device_memory(group, self._device_bytes(lead_rows=lead_rows[layout]))
         self.workspace = SymmetricWorkspace(group, self.off["total"])
         if self.rank == 0:
@@ -187,8 +199,8 @@ class EPBuffer:
         self.block_el = max(2, 1 << (EL - 1).bit_length())
         self.scratch = torch.zeros(self.num_programs, self.block_el, dtype=torch.int32, device=dev)
         if layout == "masked":
-            self.capacity = R * M  # rows per expert
-            lead = (EL, R * M)
+            self.capacity = expert_capacity or R * M  # rows per expert
+            lead = (EL, self.capacity)
         elif rows:
             self.capacity = R * M  # rows in all: one per (source rank, source token)
             lead = (self.capacity,)
@@ -306,7 +318,8 @@ class EPBuffer:
         self.close()
 
     # ------------------------------------------------------------------ internals
-    def _signature(self, private_capacity: Optional[int], overflow_capacity: Optional[int]) -> dict:
+    def _signature(self, private_capacity: Optional[int], overflow_capacity: Optional[int],
+                   expert_capacity: Optional[int]) -> dict:
         """What every rank must agree on, by argument name (``moe_ep.agreement``)."""
         remote = self.group.node_size < self.world_size
         return dict(num_experts=self.num_experts, hidden=self.hidden, max_tokens=self.max_tokens, topk=self.topk,
@@ -314,7 +327,7 @@ class EPBuffer:
                     layout=self.layout, expert_alignment=self.expert_alignment, num_programs=self.num_programs,
                     node_size=self.group.node_size, device_type=self.device.type,
                     private_capacity=private_capacity, overflow_capacity=overflow_capacity,
-                    transport=os.environ.get("MOE_EP_TRANSPORT", "auto") if remote else None)
+                    expert_capacity=expert_capacity, transport=os.environ.get("MOE_EP_TRANSPORT", "auto") if remote else None)
 
     def _device_bytes(self, lead_rows: int) -> int:
         """Device memory this buffer will take: the workspace and the rank-local tensors (the
@@ -359,8 +372,8 @@ class EPBuffer:
             where = "this rank" if peer == self.rank else f"rank {peer}"
             return CapacityError(f"rank {self.rank}: expert {detail >> 32} on {where} received {detail & 0xFFFFFFFF} "
                                  f"rows in {phase_name} epoch {epoch}, more than the masked layout holds "
-                                 f"({self.capacity} per expert); only possible when tokens list an expert more than "
-                                 f"once. Use layout='packed'.")
+                                 f"({self.capacity} per expert); with the default capacity only possible when tokens "
+                                 f"list an expert more than once. Use layout='packed' or a larger expert_capacity.")
         if code == 4 and self.remote is not None:  # the wait kernel saw the proxy's error record
             try:
                 self.remote.proxy.check_error()

@@ -42,7 +42,8 @@ class RemotePath:
         self.spec = R_.RemoteSpec(rank=buf.rank, world=R, node_size=G, num_experts=buf.num_experts, topk=buf.topk,
                                   hidden=buf.hidden, max_tokens=M, fp8=buf.fp8, private_capacity=private_capacity,
                                   overflow_capacity=overflow_capacity, layout=buf.layout,
-                                  expert_alignment=buf.expert_alignment)
+                                  expert_alignment=buf.expert_alignment,
+                                  masked_capacity=buf.capacity if buf.layout == "masked" else None)
         self.state = R_.RemoteState(self.spec, buf.device)
         kw = {k: v for k, v in self.spec.proxy_kwargs().items() if k != "node_size"}
         self.gpu = buf.device.type == "cuda"

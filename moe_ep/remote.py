@@ -58,6 +58,7 @@ class RemoteSpec:
     max_send_rows: Optional[int] = None
     layout: str = "masked"
     expert_alignment: int = 1
+    masked_capacity: Optional[int] = None  # masked: rows per expert when not R * M (EPBuffer's expert_capacity)
 
     def __post_init__(self):
         if self.world % self.node_size or self.num_experts % self.world or self.hidden % 16:
@@ -120,10 +121,12 @@ class RemoteSpec:
 
     @property
     def expert_capacity(self) -> int:
-        """Masked: rows per expert (``R * M``); packed: rows in all (``R*M*K + EL*(alignment-1)``);
-        rows: rows in all (``R * M``)."""
+        """Masked: rows per expert (``R * M``, or ``masked_capacity``); packed: rows in all
+        (``R*M*K + EL*(alignment-1)``); rows: rows in all (``R * M``)."""
         R, M = self.world, self.max_tokens
-        if self.layout in ("masked", "rows"):
+        if self.layout == "masked":
+            return self.masked_capacity or R * M
+        if self.layout == "rows":
             return R * M
         return R * M * self.topk + self.num_local_experts * (self.expert_alignment - 1)
 

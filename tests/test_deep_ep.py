@@ -48,16 +48,24 @@ def _close(got: torch.Tensor, exp: torch.Tensor, bound: torch.Tensor) -> bool:
 
 
 # ---------------------------------------------------------------------------- low-latency mode
-def _ll_worker(rank, R, dtypes, E_per_rank, K, H, M):
+def _ll_worker(rank, R, dtypes, E_per_rank, K, H, M, node_size=None):
     """One low-latency dispatch + combine per entry of ``dtypes`` ("bf16", "fp8", "pow2":
     round_scale, "ue8m0": round_scale and use_ue8m0), checked against the model; calls 1 and 2 of
-    every 4 use receive hooks, the others async_finish events."""
+    every 4 use receive hooks, the others async_finish events. ``node_size`` < R: other nodes
+    through the proxy (each (token, k) travels as a token of its own)."""
     import torch.distributed as dist
 
     import moe_ep.deep_ep as deep_ep
     from moe_ep.fp8 import dequantize_fp8, quantize_fp8
 
-    buffer = deep_ep.Buffer(dist.group.WORLD, 0, 1 << 20, low_latency_mode=True, num_qps_per_rank=E_per_rank)
+    if node_size is not None:
+        os.environ["MOE_EP_NODE_SIZE"] = str(node_size)
+    try:
+        buffer = deep_ep.Buffer(dist.group.WORLD, 0, 1 << 20, low_latency_mode=True, num_qps_per_rank=E_per_rank)
+    finally:
+        os.environ.pop("MOE_EP_NODE_SIZE", None)
+    if node_size is not None and buffer.ep_group.node_size != node_size:
+        return [f"[ll rank {rank}] node_size {buffer.ep_group.node_size} != {node_size}"]
     group, dev = buffer.ep_group, buffer.device
     E, EL = E_per_rank * R, E_per_rank
     K = min(K, E)
@@ -150,6 +158,14 @@ def test_low_latency(R):
     assert not fails, "\n".join(fails[:20])
 
 
+def test_low_latency_across_nodes():
+    """3 nodes of one rank and 2 nodes of two: DeepEP's low-latency pair through moe_ep's proxy."""
+    for R, node_size in ((3, 1), (4, 2)):
+        fails = dist_util.run(R, _ll_worker, LL_CALLS, 2, 3, 128, 4, node_size)
+        fails = [f for r in fails for f in r]
+        assert not fails, f"R={R} node_size={node_size}:\n" + "\n".join(fails[:20])
+
+
 def test_low_latency_round_scale():
     """round_scale (power-of-two scales) and use_ue8m0 (their exponents packed in int32), H=512."""
     fails = dist_util.run(2, _ll_worker, ("pow2", "ue8m0"), 1, 2, 512, 3)
@@ -163,7 +179,7 @@ NORMAL_CALLS = ("bf16", "fp8pre", "notopk", "worst", "bf16")
 
 def _normal_worker(rank, R, E_per_rank, K, H, M, calls, node_size=None):
     """The normal-mode calls of ``calls`` checked against the model; ``node_size`` < R: other
-    nodes through the proxy (where the low-latency pair is refused)."""
+    nodes through the proxy."""
     import torch.distributed as dist
 
     import moe_ep.deep_ep as deep_ep
@@ -265,10 +281,6 @@ def _normal_worker(rank, R, E_per_rank, K, H, M, calls, node_size=None):
                 fails.append(f"{where} combined_topk_weights differ from the model")
         elif cw is not None:
             fails.append(f"{where} combined_topk_weights must be None without topk_weights")
-    if group.node_size < R:
-        _expect(fails, "low-latency across nodes", lambda: buffer.low_latency_dispatch(
-            torch.zeros(1, H, dtype=torch.bfloat16), torch.zeros(1, K, dtype=torch.int64), M, E), NotImplementedError,
-            ["low_latency_dispatch", "node_size"])
     return fails
 
 
@@ -560,14 +572,20 @@ def test_deep_ep_gpu(R):
     assert not fails, "\n".join(fails[:20])
 
 
-def _ll_graph_worker(rank, R, fp8):
-    """The low-latency pair captured in a CUDA graph once, replayed with new inputs and routing."""
+def _ll_graph_worker(rank, R, fp8, node_size=None):
+    """The low-latency pair captured in a CUDA graph once, replayed with new inputs and routing
+    (``node_size`` < R: across nodes, through the proxy)."""
     import torch.distributed as dist
 
     import moe_ep.deep_ep as deep_ep
     from moe_ep.fp8 import dequantize_fp8, quantize_fp8
 
-    buffer = deep_ep.Buffer(dist.group.WORLD, low_latency_mode=True)
+    if node_size is not None:
+        os.environ["MOE_EP_NODE_SIZE"] = str(node_size)
+    try:
+        buffer = deep_ep.Buffer(dist.group.WORLD, low_latency_mode=True)
+    finally:
+        os.environ.pop("MOE_EP_NODE_SIZE", None)
     dev = buffer.device
     E, EL, K, H, M = 4 * R, 4, 4, 256, 8
     x, idx, w = (torch.zeros(M, H, dtype=torch.bfloat16, device=dev), torch.zeros(M, K, dtype=torch.int64, device=dev),
@@ -614,6 +632,14 @@ def _ll_graph_worker(rank, R, fp8):
 def test_low_latency_cuda_graph(R, fp8):
     dist_util.need_gpu()
     fails = [f for r in dist_util.run(R, _ll_graph_worker, fp8, backend=dist_util.gpu_backend(R)) for f in r]
+    assert not fails, "\n".join(fails)
+
+
+@pytest.mark.gpu
+def test_low_latency_cuda_graph_across_nodes():
+    """Two nodes of one rank: the pair through the proxy (each (token, k) a token) in a graph."""
+    dist_util.need_gpu()
+    fails = [f for r in dist_util.run(2, _ll_graph_worker, True, 1, backend=dist_util.gpu_backend(2)) for f in r]
     assert not fails, "\n".join(fails)
 
 

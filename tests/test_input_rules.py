@@ -196,3 +196,48 @@ def test_masked_overflow_reaches_the_sender_gpu():
     timeout_s = 30.0
     _check_overflow(dist_util.run(2, _overflow_worker, timeout_s, timeout=120, backend=dist_util.gpu_backend(2)),
                     timeout_s)
+
+
+# ---------------------------------------------------------------------------- masked expert_capacity
+def _expert_capacity_worker(rank, world_size):
+    """A masked buffer with ``expert_capacity=3`` rows per expert (R*M = 16): a dispatch that fits
+    is exact; one that brings an expert 4 rows raises CapacityError on both ranks."""
+    import moe_ep
+
+    group = moe_ep.EPGroup()
+    dev = group.device
+    E, H, M, K = 4, 128, 8, 2
+    out = {}
+    for bad in (dict(layout="packed", expert_capacity=3), dict(layout="masked", expert_capacity=0),
+                dict(layout="masked", expert_capacity=17)):
+        try:
+            moe_ep.EPBuffer(group, E, H, M, K, **bad).close()
+            out[str(bad)] = "accepted"
+        except ValueError as exc:
+            out[str(bad)] = "expert_capacity" in str(exc)
+    with moe_ep.EPBuffer(group, E, H, M, K, layout="masked", expert_capacity=3, timeout_s=60.0) as buf:
+        out["shape"] = tuple(buf.expert_x.shape)
+        x = torch.stack([torch.full((H,), float(10 * rank + t + 1)) for t in range(2)]).to(torch.bfloat16).to(dev)
+        w = torch.tensor([[0.5, 0.25]] * 2, device=dev)
+        idx = torch.tensor([[0, 1], [2, 3]], dtype=torch.int64, device=dev)  # every expert: one row per rank
+        h = buf.dispatch(x, idx, w)
+        got = buf.combine(h.expert_x.clone(), h)
+        out["fits"] = (h.expert_counts.cpu().tolist(), torch.equal(got.float().cpu(), 0.75 * x.float().cpu()))
+        try:  # expert 0 (rank 0's) gets two rows from each rank: 4 > 3
+            h = buf.dispatch(x, torch.tensor([[0, 1], [0, 1]], dtype=torch.int64, device=dev), w)
+            buf.combine(h.expert_x.clone(), h)
+            buf.synchronize()
+            out["over"] = None
+        except moe_ep.CapacityError as exc:
+            out["over"] = str(exc)
+    return out
+
+
+def test_masked_expert_capacity():
+    for rank, out in enumerate(dist_util.run(2, _expert_capacity_worker, timeout=180)):
+        refused = [k for k, v in out.items() if k.startswith("{") and v is not True]
+        assert not refused, f"rank {rank}: not refused with a ValueError naming expert_capacity: {refused}"
+        assert out["shape"] == (2, 3, 128), out["shape"]
+        assert out["fits"] == ([2, 2], True), out["fits"]
+        assert out["over"] is not None and "expert 0" in out["over"] and "received 4 rows" in out["over"] \
+            and "expert_capacity" in out["over"], (rank, out["over"])

@@ -239,7 +239,8 @@ class Buffer:
         device. ``round_scale``: power-of-two scales ``2^ceil(log2(amax / 448))``; with ``use_ue8m0``
         their biased exponents, four to an int32, ``[E_local, R*M, H/512]`` (H a multiple of 512);
         these two move bf16 and cast on arrival (DeepEP's values exactly, twice the bytes of fp8).
-        Results stay valid until the dispatch after next (two buffers take turns).
+        Results stay valid until the dispatch after next (two buffers take turns). Across nodes
+        each (token, k) travels on its own, as in DeepEP (``moe_ep/deep_ep/low_latency.py``).
         """
         self._check_alive()
         if use_ue8m0 and not round_scale:
@@ -249,9 +250,6 @@ class Buffer:
         if dispatch_wait_recv_cost_stats is not None:
             _refuse("dispatch_wait_recv_cost_stats", "<tensor>", "no per-peer wait timing")
         self._check_experts(num_experts)
-        if self.ep_group.node_size < self.group_size:
-            _refuse("low_latency_dispatch", f"node_size={self.ep_group.node_size} < {self.group_size} ranks",
-                    "the low-latency combine's weights do not cross moe_ep's proxy yet; use normal mode across nodes")
         if not isinstance(num_max_dispatch_tokens_per_rank, int) or num_max_dispatch_tokens_per_rank < 1:
             raise ValueError(f"num_max_dispatch_tokens_per_rank: expected a positive int, got "
                              f"{num_max_dispatch_tokens_per_rank!r}")
@@ -385,7 +383,13 @@ class Buffer:
         self._ll_turn[key] = turn + 1
         if len(slots) < 2:
             dtype = FP8 if scales == "float" else torch.bfloat16
-            slots.append(_ll.LowLatencySlot(self._epbuffer(num_experts, hidden, M, K, dtype, "masked"), scales))
+            if self.ep_group.node_size < self.group_size:  # each (token, k) a token (low_latency.py)
+                epbuf = self._epbuffer(num_experts, hidden, M * K, 1, dtype, "masked",
+                                       expert_capacity=self.group_size * M)
+                slots.append(_ll.LowLatencySlot(epbuf, M, K, scales, expand=K))
+            else:
+                epbuf = self._epbuffer(num_experts, hidden, M, K, dtype, "masked")
+                slots.append(_ll.LowLatencySlot(epbuf, M, K, scales))
             return slots[-1]
         return slots[turn % 2]
 
@@ -419,9 +423,10 @@ class Buffer:
                                                      dtype, "rows")))
         return slots[-1]
 
-    def _epbuffer(self, num_experts: int, hidden: int, M: int, K: int, dtype: torch.dtype, layout: str) -> EPBuffer:
+    def _epbuffer(self, num_experts: int, hidden: int, M: int, K: int, dtype: torch.dtype, layout: str,
+                  expert_capacity: Optional[int] = None) -> EPBuffer:
         return EPBuffer(self.ep_group, num_experts, hidden, M, K, dispatch_dtype=dtype, layout=layout,
-                        timeout_s=self.timeout_s)
+                        timeout_s=self.timeout_s, expert_capacity=expert_capacity)
 
     def _dispatch(self, x, x_scales, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                   topk_weights, expert_alignment, num_worst_tokens, previous_event, async_finish):

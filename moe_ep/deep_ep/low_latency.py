@@ -7,6 +7,14 @@ EPBuffers per shape take dispatches in turn, so, as in DeepEP, the results of th
 dispatches stay valid together (two micro-batches in flight). DeepEP's power-of-two scales
 (``round_scale``, ``use_ue8m0``) are not a format of the kernels: those dispatches move bf16 and
 the rows are cast on arrival, exactly as DeepEP casts them.
+
+Across nodes (``node_size < R``) the weights cannot reach a remote owner's pre-reduction at
+combine (the proxy carries them only at dispatch), so each (token, k) travels as a token of its
+own, as DeepEP's low-latency kernels send it: the slot's buffer has ``max_tokens = M*K``,
+``topk = 1`` and ``expert_capacity = R*M`` (the same ``[E_local, R*M, H]`` layout, since a token
+lists an expert once), its dispatch sends weight 1, its combine returns each (token, k)'s expert
+row in float32, and the source applies the combine weights and sums over k in float32 (one
+rounding). It moves K rows per token where the node path moves one per rank.
 """
 from __future__ import annotations
 
@@ -19,28 +27,36 @@ from ..handle import DispatchResult
 
 
 class LowLatencySlot:
-    """One masked EPBuffer of a low-latency shape and what DeepEP's calls need beside it: the zero
+    """One masked EPBuffer of a low-latency shape and what DeepEP's calls need beside it: the
     weights its dispatch sends, the column-major copy of fp8 scales, the combine input buffer.
 
-    ``scales``: None (bf16), ``"float"`` (the buffer's fp8 scales), ``"pow2"`` / ``"ue8m0"``
-    (DeepEP's ``round_scale`` / ``use_ue8m0``: the buffer moves bf16 and the rows are cast here,
-    on arrival, into this slot's fp8 tensor)."""
+    ``M``, ``K``: DeepEP's ``num_max_dispatch_tokens_per_rank`` and top-k. ``expand``: 1 (the
+    buffer's tokens are DeepEP's), or K across nodes (module docstring: the buffer's tokens are
+    the (token, k) pairs, with staging tensors for them). ``scales``: None (bf16), ``"float"``
+    (the buffer's fp8 scales), ``"pow2"`` / ``"ue8m0"`` (DeepEP's ``round_scale`` / ``use_ue8m0``:
+    the buffer moves bf16 and the rows are cast here, on arrival, into this slot's fp8 tensor)."""
 
-    def __init__(self, epbuf: EPBuffer, scales: Optional[str] = None):
-        self.epbuf, self.scales = epbuf, scales
-        R, M, K, EL, H = epbuf.world_size, epbuf.max_tokens, epbuf.topk, epbuf.num_local_experts, epbuf.hidden
+    def __init__(self, epbuf: EPBuffer, M: int, K: int, scales: Optional[str] = None, expand: int = 1):
+        self.epbuf, self.scales, self.M, self.K, self.expand = epbuf, scales, M, K, expand
+        EL, H, rows = epbuf.num_local_experts, epbuf.hidden, epbuf.expert_x.shape[1]
         dev = epbuf.device
-        self.zero_weights = torch.zeros(M, K, dtype=torch.float32, device=dev)
+        if expand == 1:  # the weights come at combine: the dispatch sends zeros in their place
+            self.weights = torch.zeros(M, K, dtype=torch.float32, device=dev)
+        else:  # weight 1 per (token, k): the owner's "pre-reduction" returns the expert row as it is
+            self.weights = torch.ones(M * K, 1, dtype=torch.float32, device=dev)
+            self.x_stage = torch.empty(M * K, H, dtype=torch.bfloat16, device=dev)
+            self.ids_stage = torch.empty(M * K, 1, dtype=torch.int64, device=dev)
+            self.rows_f32 = torch.empty(M * K, H, dtype=torch.float32, device=dev)
         # DeepEP's scales are [E_local, R*M, blocks] with the last two dims column-major (TMA-ready):
         # a [E_local, blocks, R*M] tensor, handed out transposed.
         self.scales_cm = None
         self.q = None
         if scales == "float":
-            self.scales_cm = torch.empty(EL, epbuf.num_scale_blocks, R * M, dtype=torch.float32, device=dev)
+            self.scales_cm = torch.empty(EL, epbuf.num_scale_blocks, rows, dtype=torch.float32, device=dev)
         elif scales in ("pow2", "ue8m0"):
-            self.q = torch.empty(EL, R * M, H, dtype=torch.float8_e4m3fn, device=dev)
-            self.scales_cm = (torch.empty(EL, H // 512, R * M, dtype=torch.int32, device=dev) if scales == "ue8m0"
-                              else torch.empty(EL, H // 128, R * M, dtype=torch.float32, device=dev))
+            self.q = torch.empty(EL, rows, H, dtype=torch.float8_e4m3fn, device=dev)
+            self.scales_cm = (torch.empty(EL, H // 512, rows, dtype=torch.int32, device=dev) if scales == "ue8m0"
+                              else torch.empty(EL, H // 128, rows, dtype=torch.float32, device=dev))
         self.combine_in: Optional[torch.Tensor] = None
 
     def next_combine_buffer(self) -> torch.Tensor:
@@ -54,15 +70,9 @@ class LowLatencyHandle:
     """What ``low_latency_dispatch`` hands to ``low_latency_combine``: the slot and its dispatch.
     (DeepEP's handle is a tuple of its source-info tensors; this one is opaque.)"""
 
-    def __init__(self, slot: LowLatencySlot, result: DispatchResult, num_max_dispatch_tokens_per_rank: int,
-                 hidden: int, num_experts: int):
-        self.slot, self.result = slot, result
-        self.num_max_dispatch_tokens_per_rank, self.hidden, self.num_experts = \
-            num_max_dispatch_tokens_per_rank, hidden, num_experts
-
-    @property
-    def num_tokens(self) -> int:
-        return self.result.num_tokens
+    def __init__(self, slot: LowLatencySlot, result: DispatchResult, num_tokens: int, hidden: int, num_experts: int):
+        self.slot, self.result, self.num_tokens = slot, result, num_tokens
+        self.num_max_dispatch_tokens_per_rank, self.hidden, self.num_experts = slot.M, hidden, num_experts
 
 
 def pow2_quantize(x: torch.Tensor, q_out: torch.Tensor, scales_cm: torch.Tensor, ue8m0: bool) -> None:
@@ -105,7 +115,14 @@ def dispatch(slot: LowLatencySlot, x: torch.Tensor, topk_idx: torch.Tensor,
                          f"{buf.device}, got {stats.dtype if isinstance(stats, torch.Tensor) else type(stats).__name__} "
                          f"{list(stats.shape) if isinstance(stats, torch.Tensor) else ''}")
     T = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else 0
-    got = buf.dispatch(x, topk_idx, slot.zero_weights[:T], return_recv_hook=return_recv_hook)
+    if slot.expand == 1:
+        got = buf.dispatch(x, topk_idx, slot.weights[:T], return_recv_hook=return_recv_hook)
+    else:  # each (token, k) a token of its own (module docstring); the staging copies are stream-ordered
+        K, H = slot.K, buf.hidden
+        xs, ids = slot.x_stage[:T * K], slot.ids_stage[:T * K]
+        xs.view(T, K, H).copy_(x[:, None, :].expand(T, K, H))
+        ids.copy_(topk_idx.reshape(T * K, 1))
+        got = buf.dispatch(xs, ids, slot.weights[:T * K], return_recv_hook=return_recv_hook)
     d, recv_hook = got if return_recv_hook else (got, None)
 
     def finish() -> None:  # on the received layout, after the receive half
@@ -125,7 +142,7 @@ def dispatch(slot: LowLatencySlot, x: torch.Tensor, topk_idx: torch.Tensor,
         recv_x = d.expert_x
     else:
         recv_x = (slot.q if slot.q is not None else d.expert_x, slot.scales_cm.transpose(1, 2))
-    handle = LowLatencyHandle(slot, d, buf.max_tokens, buf.hidden, buf.num_experts)
+    handle = LowLatencyHandle(slot, d, T, buf.hidden, buf.num_experts)
     return recv_x, d.expert_counts, handle, hook
 
 
@@ -134,7 +151,7 @@ def combine(handle: LowLatencyHandle, x: torch.Tensor, topk_idx: torch.Tensor, t
     """``(combined_x, hook)`` of DeepEP's ``low_latency_combine``."""
     slot, d = handle.slot, handle.result
     buf = slot.epbuf
-    T, K = handle.num_tokens, buf.topk
+    T, K = handle.num_tokens, slot.K
     shape = tuple(buf.expert_x.shape)
     if zero_copy:
         if slot.combine_in is None:
@@ -154,11 +171,25 @@ def combine(handle: LowLatencyHandle, x: torch.Tensor, topk_idx: torch.Tensor, t
                             or tuple(out.shape) != (T, buf.hidden) or out.device != buf.device):
         raise ValueError(f"out: expected a bfloat16 [{T}, {buf.hidden}] tensor on {buf.device}, got "
                          f"{getattr(out, 'dtype', type(out).__name__)} {list(getattr(out, 'shape', []))}")
-    got = buf.combine(y, d, return_recv_hook=return_recv_hook, topk_weights=topk_weights)
+    if slot.expand == 1:
+        got = buf.combine(y, d, return_recv_hook=return_recv_hook, topk_weights=topk_weights)
+    else:
+        if not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32 or \
+                tuple(topk_weights.shape) != (T, K) or topk_weights.device != buf.device:
+            raise ValueError(f"topk_weights: expected a float32 [{T}, {K}] tensor on {buf.device}, got "
+                             f"{getattr(topk_weights, 'dtype', type(topk_weights).__name__)} "
+                             f"{list(getattr(topk_weights, 'shape', []))}")
+        w = topk_weights.clone()  # read after a receive hook: the caller may reuse its tensor meanwhile
+        got = buf.combine(y, d, return_recv_hook=return_recv_hook, out=slot.rows_f32[:T * K])
     o, recv_hook = got if return_recv_hook else (got, None)
+    if slot.expand > 1:  # a bf16 tensor to return now; the hook (or this call) fills it
+        o = out if out is not None else torch.empty(T, buf.hidden, dtype=torch.bfloat16, device=buf.device)
 
     def finish() -> None:
-        if out is not None:
+        if slot.expand > 1:  # sum_k w * (the expert row of (token, k)), float32, rounded once
+            rows = slot.rows_f32[:T * K].view(T, K, buf.hidden)
+            o.copy_((rows * w[:, :, None]).sum(dim=1))
+        elif out is not None:
             out.copy_(o)
 
     hook = None
