@@ -13,7 +13,8 @@ class DispatchResult:
     next dispatch on the same buffer.
 
     Attributes:
-        expert_x: masked ``[E_local, expert_capacity (default R*max_tokens), H]``; packed ``[capacity, H]``; rows ``[R*max_tokens, H]``
+        expert_x: masked ``[E_local, expert_capacity (default R*max_tokens), H]``; packed
+            ``[capacity, H]``; rows ``[R*max_tokens, H]``
             (row i: the i-th (source rank, source token) that selected an expert of this rank, in
             ascending order; rows ``< num_recv`` defined); dispatch dtype.
         expert_scales: fp8 only: float32 ``[..., ceil(H/128)]`` with expert_x's leading dims; else None.
