@@ -16,7 +16,7 @@ BASE = dict(num_experts=4, hidden=128, max_tokens=4, topk=2)
 # (argument, rank 0's value, rank 1's value): each must be refused when the ranks differ
 DIFFERING = [("hidden", 128, 256), ("topk", 2, 1), ("dispatch_dtype", torch.bfloat16, torch.float8_e4m3fn),
              ("max_tokens", 4, 8), ("num_experts", 4, 8), ("layout", "masked", "packed"),
-             ("expert_alignment", 1, 16), ("num_programs", 2, 3)]
+             ("expert_alignment", 1, 16), ("num_programs", 2, 3), ("expert_capacity", 3, 4)]
 
 
 def _outcome(fn):
