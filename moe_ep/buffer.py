@@ -226,7 +226,8 @@ class EPBuffer:
         self.remote = self._start_remote(private_capacity, overflow_capacity) if G < R else None
         # What every launch passes and never changes, ready for the cheap launch path.
         self._launch = Launcher(dev)
-        self._replays = (Replay(), Replay())  # dispatch's, combine's (moe_ep.replay)
+        # moe_ep.replay: dispatch without and with x_scales, combine without and with out
+        self._replays = (Replay(), Replay(), Replay(), Replay())
         self._err_ptr = self.err.data_ptr()
         self._ws_ptr = self.workspace.local.data_ptr()
         self._timeout_ns = int(self.timeout_s * 1e9)

@@ -8,7 +8,6 @@ from .dispatch import _aligned, _check_tensor, launch_half, launch_halves, pipel
 from .layout import pow2
 from .kernels.combine import combine_kernel
 from .handle import DispatchResult
-from .replay import signature
 
 
 def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False, topk_weights=None, out=None):
@@ -22,13 +21,17 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
     T = handle.num_tokens
     # Replays (moe_ep.replay): plain calls only; combine-time weights and hooks take the full path.
     replayable = topk_weights is None and not return_recv_hook
-    sig, ptrs = signature((expert_y, out)) if replayable else (None, [])
-    sig = (sig, T) if sig is not None else None
-    hit = buf._replays[1].get(sig)
+    # One Replay per set of inputs: without and with out (T comes from the handle, not a shape).
+    if out is None:
+        replay, tensors = buf._replays[2], (expert_y,)
+    else:
+        replay, tensors = buf._replays[3], (expert_y, out)
+    hit, sig, ptrs = replay.find(tensors, T) if replayable else (None, None, [])
     if hit is not None:
         if out is None:
             out = torch.empty(T, buf.hidden, dtype=torch.bfloat16, device=buf.device)
-        hit.run(buf._launch.stream(), (ptrs[0], out.data_ptr()))
+            ptrs = (ptrs[0], out.data_ptr())
+        hit.run(buf._launch.stream(), ptrs)
         return _combined(buf, out, None)
     _check_tensor("expert_y", expert_y, (torch.bfloat16,), tuple(buf.expert_x.shape), buf.device)
     if out is not None:
@@ -76,7 +79,7 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
         if not return_recv_hook:
             launches = launch_halves(buf, key, combine_kernel, args, dyn, consts,
                                      lambda: buf._host_wait_combine(epoch, T))
-            buf._replays[1].record(sig, launches, (ptrs[0], base.data_ptr()) if sig is not None else (), None)
+            replay.record(sig, tensors, launches, (ptrs[0], base.data_ptr()) if sig is not None else (), None)
             recv = None
         else:
             launch_half(buf, key, combine_kernel, args, dyn, consts, True, False)

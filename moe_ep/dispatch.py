@@ -10,7 +10,6 @@ from .kernels.dispatch import dispatch_kernel
 from .handle import DispatchResult
 from .layout import chunking, pow2
 from .kernels.route import route_hist_kernel
-from .replay import signature
 
 
 # On CPU the expert ids are checked on the host (free there); tests turn this off to exercise the
@@ -98,11 +97,15 @@ def _aligned(t: torch.Tensor) -> bool:
 def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = None,
              return_recv_hook: bool = False):
     buf._check_no_pending("dispatch")
-    sig, ptrs = signature((x, topk_idx, topk_weights, x_scales))
-    # The dispatch kernel's input pointers (its arguments 0-3), the replayed ones (moe_ep.replay).
-    inputs = (ptrs[0], ptrs[3] or buf._err_ptr, ptrs[1], ptrs[2]) if sig is not None else ()
-    hit = buf._replays[0].get(sig) if not return_recv_hook else None
-    if hit is not None:
+    # Replays (moe_ep.replay), one per set of inputs: with and without x_scales.
+    if x_scales is None:
+        replay, tensors = buf._replays[0], (x, topk_idx, topk_weights)
+    else:
+        replay, tensors = buf._replays[1], (x, topk_idx, topk_weights, x_scales)
+    hit, sig, ptrs = replay.find(tensors)
+    # The dispatch kernel's input pointers (its arguments 0-3), the replayed ones.
+    inputs = (ptrs[0], ptrs[3] if x_scales is not None else buf._err_ptr, ptrs[1], ptrs[2]) if ptrs else ()
+    if hit is not None and not return_recv_hook:
         return _dispatched(buf, hit.run(buf._launch.stream(), inputs), None)
     T = validate(buf, x, topk_idx, topk_weights, x_scales)
     CMAX = buf.chunks
@@ -138,7 +141,7 @@ def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = 
         if not return_recv_hook:
             launches += launch_halves(buf, key, dispatch_kernel, args, _DISPATCH_DYNAMIC, consts,
                                       lambda: buf._host_wait_dispatch(epoch))
-            buf._replays[0].record(sig, launches, inputs, T)
+            replay.record(sig, tensors, launches, inputs, T)
             recv = None
         else:
             launch_half(buf, key, dispatch_kernel, args, _DISPATCH_DYNAMIC, consts, True, False)

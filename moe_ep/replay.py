@@ -9,7 +9,17 @@ Any other signature (a new shape, dtype, device, a non-contiguous view, a misali
 non-tensor) takes the full path and gets its full validation and errors.
 
 The signature must fix every launch argument that is not an input pointer: the callers' token
-counts and chunking come from input shapes, everything else from the buffer.
+counts and chunking come from input shapes (or from ``extra``), everything else from the buffer.
+
+A call's tensors are given without the optional ones it leaves out (``None``): each op keeps one
+``Replay`` per set of inputs it takes (dispatch with or without ``x_scales``, combine with or
+without ``out``), so the tensors of one ``Replay`` always number the same.
+
+The common case, a call like the latest replayed one, costs one C call: each entry keeps a guard
+(torch's ``TensorGuards``, the check torch.compile runs before reusing a graph: dtype, device,
+dispatch keys, requires_grad, every size and stride) built when it is recorded; the latest hit's
+guard and its pointers' alignment are checked first, and only a call that fails them computes the
+signature in Python. A torch without that guard takes the Python path every call.
 """
 from __future__ import annotations
 
@@ -20,31 +30,47 @@ import torch
 MAX_SIGNATURES = 16  # per buffer and op; beyond, the oldest is forgotten (a workload of many shapes)
 
 
-def signature(tensors: Sequence[Optional[torch.Tensor]]) -> tuple[Optional[tuple], list]:
-    """``(signature, data pointers)`` of ``tensors`` (None entries: None and 0); the signature is
-    None when an entry is not a tensor. Cheap: a few attribute reads per tensor, no device work
-    (this runs on every eager call: each pointer is read once)."""
+try:  # torch's own metadata check (torch/csrc/dynamo/guards.cpp); absent from some builds
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except ImportError:  # pragma: no cover
+    _TensorGuards = None
+
+
+_data_ptr = torch.Tensor.data_ptr
+
+
+def signature(tensors: Sequence[torch.Tensor]) -> tuple[Optional[tuple], list]:
+    """``(signature, data pointers)`` of ``tensors``; the signature is None when one is not a
+    tensor. A few attribute reads per tensor, no device work (each pointer is read once)."""
     sig, ptrs = [], []
     for t in tensors:
-        if t is None:
-            sig.append(None)
-            ptrs.append(0)
-        elif isinstance(t, torch.Tensor):
-            p = t.data_ptr()
-            sig.append((t.shape, t.dtype, t.device, t.is_contiguous(), p & 15))
-            ptrs.append(p)
-        else:
+        if not isinstance(t, torch.Tensor):
             return None, []
+        p = t.data_ptr()
+        sig.append((t.shape, t.dtype, t.device, t.is_contiguous(), p & 15))
+        ptrs.append(p)
     return tuple(sig), ptrs
+
+
+def guard(tensors: Sequence[torch.Tensor]):
+    """A ``TensorGuards`` passing exactly the tensors with the dtype, device, dispatch keys,
+    requires_grad, sizes and strides of ``tensors`` (None where torch has none, or it refuses)."""
+    if _TensorGuards is None:
+        return None
+    try:
+        return _TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                             dynamic_dims_strides=[list(t.stride()) for t in tensors])
+    except Exception:  # noqa: BLE001  (an internal API: any refusal means the Python path)
+        return None
 
 
 class _Entry:
     """The launches of one signature: each a bound plan and which inputs feed its slots."""
 
-    __slots__ = ("steps", "value")
+    __slots__ = ("steps", "value", "extra", "guard")
 
-    def __init__(self, steps: tuple, value):
-        self.steps, self.value = steps, value
+    def __init__(self, steps: tuple, value, extra, guard):
+        self.steps, self.value, self.extra, self.guard = steps, value, extra, guard
 
     def run(self, stream: int, inputs: tuple):
         """Launches every step on ``stream`` with this call's ``inputs``; returns the recorded value."""
@@ -54,30 +80,40 @@ class _Entry:
 
 
 class Replay:
-    """The replayable calls of one op on one buffer, by signature."""
+    """The replayable calls of one op on one buffer with one set of inputs, by signature."""
 
     def __init__(self):
         self._entries: dict = {}
-        self._last: tuple = (None, None)  # the latest hit: an equality test is cheaper than a hash
+        self._last: Optional[_Entry] = None  # the latest hit whose guard can be tried first
 
-    def get(self, sig: Optional[tuple]) -> Optional[_Entry]:
-        """The entry of ``sig`` (None: never recorded, or ``sig`` is None)."""
+    def find(self, tensors: tuple, extra=None) -> tuple[Optional[_Entry], Optional[tuple], list]:
+        """``(entry, signature, pointers)`` for a call with ``tensors`` (its inputs, none left
+        out) and ``extra`` (what else fixes its launches: a hashable the inputs' shapes do not
+        give). ``entry`` is None when no call like it was recorded; ``signature`` is None when
+        the latest hit's guard passed (no need for it) or an input is not a tensor."""
+        last = self._last
+        if last is not None and last.extra == extra and last.guard.check(*tensors):
+            ptrs = list(map(_data_ptr, tensors))
+            bits = 0
+            for p in ptrs:
+                bits |= p
+            if not bits & 15:  # the guard is kept only for entries whose pointers were all aligned
+                return last, None, ptrs
+        sig, ptrs = signature(tensors)
         if sig is None:
-            return None
-        last, entry = self._last
-        if sig == last:
-            return entry
+            return None, None, ptrs
+        sig = (sig, extra)
         entry = self._entries.get(sig)
-        if entry is not None:
-            self._last = (sig, entry)
-        return entry
+        if entry is not None and entry.guard is not None:
+            self._last = entry
+        return entry, sig, ptrs
 
-    def record(self, sig: Optional[tuple], launches: list, inputs: tuple, value) -> None:
+    def record(self, sig: Optional[tuple], tensors: tuple, launches: list, inputs: tuple, value) -> None:
         """Keeps ``launches`` (``(plan, args)`` in launch order, as the Launcher returned them)
-        for ``sig``, with ``value`` (what the call derived from its inputs, e.g. the token count).
-        Each tensor among a plan's dynamic arguments must be one of ``inputs`` (data pointers of
-        this call) and no other: a call with aliased inputs, or a plan that cannot be bound, is not
-        recorded (it keeps taking the full path)."""
+        for ``sig`` (as ``find`` gave it for ``tensors``), with ``value`` (what the call derived
+        from its inputs, e.g. the token count). Each tensor among a plan's dynamic arguments must
+        be one of ``inputs`` (data pointers of this call) and no other: a call with aliased
+        inputs, or a plan that cannot be bound, is not recorded (it keeps taking the full path)."""
         if sig is None or len(set(inputs)) != len(inputs) or any(p is None for p, _ in launches):
             return
         steps = []
@@ -96,5 +132,7 @@ class Replay:
             steps.append((bound, None if pick == list(range(len(inputs))) else tuple(pick)))
         if len(self._entries) >= MAX_SIGNATURES:
             self._entries.pop(next(iter(self._entries)))
-        self._entries[sig] = entry = _Entry(tuple(steps), value)
-        self._last = (sig, entry)
+        aligned = all(p & 15 == 0 for _, _, _, _, p in sig[0])
+        self._entries[sig] = entry = _Entry(tuple(steps), value, sig[1], guard(tensors) if aligned else None)
+        if entry.guard is not None:
+            self._last = entry

@@ -36,10 +36,13 @@ def own_loop(ptx):
         return next((j for j in range(cvt[-1], len(lines)) if re.search(r"bra(\.uni)?\s+" + name + ";", lines[j])), None)
     # The innermost loop around the conversion: the last label before it that a later branch goes back to.
     top = max(i for i in labels if i < cvt[-1] and back_edge(i) is not None)
-    pre = max(i for i in labels if i < top)
     end = back_edge(top)
     body = lines[top:end]
-    return dict(prologue_loads=sum("ld.global.v4" in l for l in lines[pre:top]),
+    # Loads before the loop whose registers the loop reads (its first tile, loaded ahead).
+    def feeds_loop(l):
+        regs = re.findall(r"%r\d+", l.split("{")[1].split("}")[0]) if "{" in l else []
+        return any(re.search(re.escape(r) + r"\b", b) for r in regs for b in lines[top:end])
+    return dict(prologue_loads=sum("ld.global.v4" in l and feeds_loop(l) for l in lines[:top]),
                 selects_b16=sum("selp.b16" in l for l in body),
                 plain_vector_stores=sum(bool(re.search(r"st\.global\.v[24]", l)) for l in body),
                 streaming_stores=sum("st.global.cs" in l for l in body))

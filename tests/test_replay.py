@@ -225,3 +225,53 @@ def test_issued_result_is_the_dataclass_one():
     b = DispatchResult(**shared, num_tokens=3, _serial=7)
     assert type(a) is DispatchResult
     assert [getattr(a, n) for n in names] == [getattr(b, n) for n in names]
+
+
+class _FakePlan:
+    dynamic = (0, 1)
+
+    def bind(self, args, positions):
+        return self
+
+
+def test_latest_hit_is_found_by_its_guard():
+    """A call like the latest recorded one is found by the guard alone (no signature computed);
+    each kind of difference the signature sees makes the guard fail, and the Python signature then
+    decides (a new signature: no entry; the same: the entry)."""
+    from moe_ep.replay import Replay, guard
+
+    def inputs():
+        return torch.zeros(4, 32, dtype=torch.bfloat16), torch.zeros(4, 2, dtype=torch.float32)
+
+    x, idx = inputs()
+    assert guard((x, idx)) is not None, "this torch has no TensorGuards: every replay takes the Python path"
+    rep = Replay()
+    entry, sig, ptrs = rep.find((x, idx), 4)
+    assert entry is None and sig is not None and ptrs == [x.data_ptr(), idx.data_ptr()]
+    rep.record(sig, (x, idx), [(_FakePlan(), (x, idx))], tuple(ptrs), 4)
+    x2, idx2 = inputs()
+    entry, sig, ptrs = rep.find((x2, idx2), 4)
+    assert entry is not None and entry.value == 4 and sig is None, "the guard did not find the latest entry"
+    assert ptrs == [x2.data_ptr(), idx2.data_ptr()]
+    misses = {
+        "shape": (torch.zeros(5, 32, dtype=torch.bfloat16), idx2),
+        "dtype": (x2.half(), idx2),
+        "strides": (torch.zeros(4, 64, dtype=torch.bfloat16)[:, ::2], idx2),
+        "device": (x2.to("meta"), idx2),
+        "not a tensor": (x2.tolist(), idx2),
+    }
+    for what, ts in misses.items():
+        entry, sig, _ = rep.find(ts, 4)
+        assert entry is None, f"{what}: found a recorded entry"
+    entry, sig, _ = rep.find((x2, idx2), 5)
+    assert entry is None, "another extra value found the entry"
+    # requires_grad fails the guard, not the signature (the kernels only read the data).
+    entry, sig, _ = rep.find((x2, torch.zeros(4, 2, requires_grad=True)), 4)
+    assert entry is not None and sig is not None
+    # A misaligned pointer fails the guard's alignment check; its signature is new.
+    raw = torch.zeros(4 * 32 + 1, dtype=torch.bfloat16)
+    entry, sig, _ = rep.find((raw[1:].view(4, 32), idx2), 4)
+    assert entry is None and sig is not None
+    # After misses, the recorded signature is still found (by the signature, then by the guard).
+    entry, sig, _ = rep.find(inputs(), 4)
+    assert entry is not None

@@ -148,6 +148,11 @@ def main(argv=None) -> None:
             e5 = _host_us(lambda: a.add_(1), 1000)
             lines.append(f"one native launch (bound plan) {e3:.1f} us; a no-op ctypes call {e4:.2f} us; "
                          f"torch a.add_(1) {e5:.1f} us")
+        # what a combine's new output tensor costs, three ways of asking the caching allocator
+        a1 = _host_us(lambda: torch.empty(T, H, dtype=torch.bfloat16, device=dev), 1000)
+        a2 = _host_us(lambda: out.new_empty((T, H)), 1000)
+        a3 = _host_us(lambda: torch.empty_like(out), 1000)
+        lines.append(f"a [T, H] bf16 output: torch.empty {a1:.2f} us, new_empty {a2:.2f} us, empty_like {a3:.2f} us")
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(50):
