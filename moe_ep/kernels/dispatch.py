@@ -60,9 +60,7 @@ def _send_chunk(c, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, 
     destination rank, then the chunk's flag in every peer. ``ROWS``: the metadata's ``j`` columns
     carry the token's row among this rank's rows for the peer (``kernels/rows.py``); ``OWN_X``:
     no payload for this rank itself (its receive half reads ``x``); ``SELF_SYNC``: no flag for
-    this rank itself (``landed_chunk``). Returns the metadata it stored for this rank itself
-    (``own_meta``: local ids, positions ``j`` or rows ``pos``, weights), so that the receive of
-    its own chunk, by this same program one iteration later, need not load it back."""
+    this rank itself (``landed_chunk``)."""
     S: tl.constexpr = BLOCK_T * BLOCK_K
     tt = tl.arange(0, BLOCK_T)
     kk = tl.arange(0, BLOCK_K)
@@ -101,8 +99,6 @@ def _send_chunk(c, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, 
     # Node peer of each selection (global rank - NODE0); one outside [0, N) is on another node.
     dst = tl.where(valid, ids // EL - NODE0, -1)
     slot = (RANK * M + t).to(tl.int64) + par * (N * M)
-    own_lid = tl.full((BLOCK_T, BLOCK_K), -1, tl.int32)
-    own_j = tl.zeros((BLOCK_T, BLOCK_K), tl.int32)
     for d in tl.static_range(N):
         base = tl.load(peer_ptr + d)
         # Metadata goes to every peer (ids -1 where the token is not for it): it is how the
@@ -114,15 +110,11 @@ def _send_chunk(c, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, 
             on = on_peer(ids, d, NODE0, EL)
             pos = tokens_before(topk_ptr, hist_ptr, c, BT, T, d, NODE0, E, EL, K, CMAX, DIRECT, BLOCK_K) + \
                 tl.sum(tl.where(tt[None, :] < tt[:, None], on[None, :], 0), axis=1)
-            jd = tl.broadcast_to(pos[:, None], (BLOCK_T, BLOCK_K))
+            tl.store(mi + K, tl.broadcast_to(pos[:, None], (BLOCK_T, BLOCK_K)), mask=m2)
         else:
-            jd = j
-        tl.store(mi + K, jd, mask=m2)
+            tl.store(mi + K, j, mask=m2)
         mw = ptr_at(base, off_meta_w, tl.float32) + slot[:, None] * K + kk[None, :]
         tl.store(mw, w, mask=m2)
-        if d == RANK:
-            own_lid = tl.where(m2, lid, -1)
-            own_j = jd
     # Payload: read (and quantize) each tile once, store it to every destination rank.
     if not (OWN_X and N == 1):  # OWN_X alone in its node: no payload goes through the workspace
         if OWN_X:  # only tokens bound for another node peer are read here
@@ -148,11 +140,10 @@ def _send_chunk(c, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, 
         # one this rank does not need keeps them in flight at R = 1.)
         if not (SELF_SYNC and d == RANK):
             raise_flag(ptr_at(tl.load(peer_ptr + d), off_dflag, tl.int64) + RANK * CMAX + c, epoch)
-    return own_lid, own_j, tl.where(own_lid >= 0, w, 0.0)
 
 
 @triton.jit
-def _recv_chunk(v, vs, own_lid, own_j, s, c, ws, hdr, sel_ptr, scratch_ptr, x_ptr, xs_ptr, out_x_ptr, out_s_ptr, recv_pos_ptr,
+def _recv_chunk(v, vs, s, c, ws, hdr, sel_ptr, scratch_ptr, x_ptr, xs_ptr, out_x_ptr, out_s_ptr, recv_pos_ptr,
                 err_ptr, epoch, par, t0_ns, timeout_ns, off_dflag: tl.constexpr, off_meta_i: tl.constexpr,
                 off_rows: tl.constexpr, RANK: tl.constexpr, NODE0: tl.constexpr, EL: tl.constexpr,
                 GLOBAL: tl.constexpr, N: tl.constexpr, M: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
@@ -163,20 +154,15 @@ def _recv_chunk(v, vs, own_lid, own_j, s, c, ws, hdr, sel_ptr, scratch_ptr, x_pt
     """Waits for chunk ``c`` of source ``s``, then copies each of its rows to every position its
     selections have in the expert layout and records those positions in ``recv_pos``. ``OWN_X``:
     this rank's own rows (``s == RANK``) come from ``x`` (quantized here for fp8), not the workspace,
-    and ``v, vs`` is their first tile (``first_own_tile``, loaded by the caller). ``SELF_SYNC``:
-    this rank's own chunk's metadata is ``own_lid, own_j`` (what ``_send_chunk`` returned for it),
-    not loaded back."""
+    and ``v, vs`` is their first tile (``first_own_tile``, loaded by the caller)."""
     ok, t, tm, slot = landed_chunk(ws, hdr, s, c, err_ptr, epoch, par, t0_ns, timeout_ns, off_dflag, RANK, NODE0, N, M,
                                    HDR, CMAX, BLOCK_T, SELF_SYNC, INTERP)
     if ok != 0:
         kk = tl.arange(0, BLOCK_K)
         m2 = tm[:, None] & (kk[None, :] < K)
-        if SELF_SYNC and (s == RANK):  # sent by this program an iteration ago: still in registers
-            lid, j = own_lid, own_j
-        else:
-            meta = ptr_at(ws, off_meta_i, tl.int32)
-            lid = tl.load(meta + slot[:, None] * (2 * K) + kk[None, :], mask=m2, other=-1)
-            j = tl.load(meta + slot[:, None] * (2 * K) + K + kk[None, :], mask=m2, other=0)
+        meta = ptr_at(ws, off_meta_i, tl.int32)
+        lid = tl.load(meta + slot[:, None] * (2 * K) + kk[None, :], mask=m2, other=-1)
+        j = tl.load(meta + slot[:, None] * (2 * K) + K + kk[None, :], mask=m2, other=0)
         valid = m2 & (lid >= 0)
         # Rows of expert e from sources below s come first (deterministic order); with other
         # nodes, every global source below this one, from the count matrix.
@@ -269,10 +255,6 @@ def dispatch_kernel(
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     t0_ns = deadline_start(INTERP)
-    # The metadata of the own chunk this program sent last (``_send_chunk``), for its receive.
-    own_lid = tl.full((BLOCK_T, BLOCK_K), -1, tl.int32)
-    own_j = tl.zeros((BLOCK_T, BLOCK_K), tl.int32)
-    own_w = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
     # Both halves in one launch: a program receives its own rank's chunks, which it sent itself
     # (landed_chunk), without a flag.
     SELF_SYNC: tl.constexpr = SEND and RECV
@@ -294,7 +276,7 @@ def dispatch_kernel(
             tl.debug_barrier()
             raise_flag(ptr_at(base, off_hflag, tl.int64) + RANK, epoch)
         if pid < NC:
-            own_lid, own_j, own_w = _send_chunk(pid, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, route_ptr, T, BT, epoch, par,
+            _send_chunk(pid, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, route_ptr, T, BT, epoch, par,
                         off_dflag, off_meta_i, off_meta_w, off_rows, RANK, NODE0, N, M, K, E, EL, H, NB, RB, CMAX,
                         FP8, PREQ, DIRECT, BLOCK_T, BLOCK_K, BLOCK_C, BLOCK_H, STAGES, INTERP, ROWS, OWN_X, SELF_SYNC)
     ok = tl.full([], 1, tl.int32)
@@ -356,10 +338,9 @@ def dispatch_kernel(
                                    FP8, PREQ, BLOCK_H)
         else:
             v, vs = 0, 0
-        sent_lid, sent_j, sent_w = own_lid, own_j, own_w
         if SEND:
             if i < NC:
-                sent_lid, sent_j, sent_w = _send_chunk(i, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, route_ptr, T, BT, epoch,
+                _send_chunk(i, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, route_ptr, T, BT, epoch,
                             par, off_dflag, off_meta_i, off_meta_w, off_rows, RANK, NODE0, N, M, K, E, EL, H, NB, RB, CMAX,
                             FP8, PREQ, DIRECT, BLOCK_T, BLOCK_K, BLOCK_C, BLOCK_H, STAGES, INTERP, ROWS, OWN_X,
                             SELF_SYNC)
@@ -367,17 +348,16 @@ def dispatch_kernel(
             if ok != 0:
                 for s in range(N):
                     if ROWS:
-                        recv_rows_chunk(v, vs, own_lid, own_j, own_w, s, i - LAG, ws, hdr, rows_from_ptr, x_ptr, xs_ptr, out_x_ptr,
+                        recv_rows_chunk(v, vs, s, i - LAG, ws, hdr, rows_from_ptr, x_ptr, xs_ptr, out_x_ptr,
                                         out_s_ptr, recv_ids_ptr, recv_wts_ptr, recv_src_ptr, recv_pos_ptr, err_ptr,
                                         epoch, par, t0_ns, timeout_ns, off_dflag, off_meta_i, off_meta_w, off_rows, RANK, NODE0,
                                         EL, GLOBAL, N, M, K, W, H, NB, RB, HDR, CMAX, FP8, PREQ, OWN_X, BLOCK_T,
                                         BLOCK_K, BLOCK_W, BLOCK_H, BLOCK_NB, STAGES, SELF_SYNC, INTERP)
                     else:
-                        _recv_chunk(v, vs, own_lid, own_j, s, i - LAG, ws, hdr, sel_ptr, scratch_ptr + pid * BLOCK_EL, x_ptr, xs_ptr,
+                        _recv_chunk(v, vs, s, i - LAG, ws, hdr, sel_ptr, scratch_ptr + pid * BLOCK_EL, x_ptr, xs_ptr,
                                     out_x_ptr, out_s_ptr, recv_pos_ptr, err_ptr, epoch, par, t0_ns, timeout_ns,
                                     off_dflag, off_meta_i, off_rows, RANK, NODE0, EL, GLOBAL, N, M, K, W, H, NB, RB,
                                     HDR, CMAX, CAP, PACKED, FP8, PREQ, OWN_X, BLOCK_T, BLOCK_K, BLOCK_W, BLOCK_H,
                                     BLOCK_NB, STAGES, SELF_SYNC, INTERP)
-        own_lid, own_j, own_w = sent_lid, sent_j, sent_w
     if RECV:
         tl.store(state_ptr + pid, epoch)  # each program keeps its own epoch: no cross-program step

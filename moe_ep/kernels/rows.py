@@ -49,7 +49,7 @@ def tokens_before(topk_ptr, hist_ptr, c, BT, T, d, NODE0: tl.constexpr, E: tl.co
 
 
 @triton.jit
-def recv_rows_chunk(v, vs, own_lid, own_j, own_w, s, c, ws, hdr, rows_from_ptr, x_ptr, xs_ptr, out_x_ptr, out_s_ptr, ids_ptr, wts_ptr,
+def recv_rows_chunk(v, vs, s, c, ws, hdr, rows_from_ptr, x_ptr, xs_ptr, out_x_ptr, out_s_ptr, ids_ptr, wts_ptr,
                     src_ptr, recv_pos_ptr, err_ptr, epoch, par, t0_ns, timeout_ns, off_dflag: tl.constexpr,
                     off_meta_i: tl.constexpr, off_meta_w: tl.constexpr, off_rows: tl.constexpr,
                     RANK: tl.constexpr, NODE0: tl.constexpr, EL: tl.constexpr, GLOBAL: tl.constexpr,
@@ -61,22 +61,17 @@ def recv_rows_chunk(v, vs, own_lid, own_j, own_w, s, c, ws, hdr, rows_from_ptr, 
     """Waits for chunk ``c`` of node source ``s``, then writes each of its tokens that selected an
     expert of this rank as one row: payload (and scales), local ids, weights, source; records the
     row in ``recv_pos[s, t, 0]`` (-1: none) for combine. ``v, vs``: the first tile of this rank's own
-    rows (``first_own_tile``, loaded by the caller; used when ``OWN_X`` and ``s == RANK``).
-    ``SELF_SYNC``: the own chunk's metadata is ``own_lid, own_j, own_w`` (from the send), not
-    loaded back."""
+    rows (``first_own_tile``, loaded by the caller; used when ``OWN_X`` and ``s == RANK``)."""
     ok, t, tm, slot = landed_chunk(ws, hdr, s, c, err_ptr, epoch, par, t0_ns, timeout_ns, off_dflag, RANK, NODE0, N, M,
                                    HDR, CMAX, BLOCK_T, SELF_SYNC, INTERP)
     if ok != 0:
         kk = tl.arange(0, BLOCK_K)
         m2 = tm[:, None] & (kk[None, :] < K)
-        if SELF_SYNC and (s == RANK):  # sent by this program an iteration ago: still in registers
-            lid, pos, w = own_lid, tl.max(own_j, axis=1), own_w
-        else:
-            meta = ptr_at(ws, off_meta_i, tl.int32) + slot * (2 * K)
-            lid = tl.load(meta[:, None] + kk[None, :], mask=m2, other=-1)
-            pos = tl.load(meta + K, mask=tm, other=0)
-            w = tl.load(ptr_at(ws, off_meta_w, tl.float32) + slot[:, None] * K + kk[None, :], mask=m2 & (lid >= 0),
-                        other=0.0)
+        meta = ptr_at(ws, off_meta_i, tl.int32) + slot * (2 * K)
+        lid = tl.load(meta[:, None] + kk[None, :], mask=m2, other=-1)
+        pos = tl.load(meta + K, mask=tm, other=0)
+        w = tl.load(ptr_at(ws, off_meta_w, tl.float32) + slot[:, None] * K + kk[None, :], mask=m2 & (lid >= 0),
+                    other=0.0)
         has = tm & (tl.max((lid >= 0).to(tl.int32), axis=1) > 0)
         # Rows of every source below s come first: the order (source rank, source token).
         base = tl.zeros([], tl.int32)
