@@ -11,7 +11,8 @@ from .handle import DispatchResult
 
 
 def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False, topk_weights=None, out=None):
-    buf._check_no_pending("combine")
+    if buf._pending is not None:
+        buf._check_no_pending("combine")
     if not isinstance(handle, DispatchResult) or handle._buffer is not buf:
         raise TypeError("handle: expected the DispatchResult returned by this buffer's dispatch")
     if handle._serial != buf._serial:

@@ -36,7 +36,25 @@ except ImportError:  # pragma: no cover
     _TensorGuards = None
 
 
-_data_ptr = torch.Tensor.data_ptr
+def _pointers_n(*ts):
+    ptrs = tuple(t.data_ptr() for t in ts)
+    low = 0
+    for p in ptrs:
+        low |= p & 15
+    return ptrs, low
+
+
+# (data pointers, OR of their low 4 bits) of 1-4 tensors, unrolled: a comprehension or map over
+# them costs three times as much (this runs on every replayed call).
+_POINTERS = {
+    1: lambda a: ((p := a.data_ptr(),), p & 15),
+    2: lambda a, b: ((p := a.data_ptr(), q := b.data_ptr()), (p | q) & 15),
+    3: lambda a, b, c: ((p := a.data_ptr(), q := b.data_ptr(), r := c.data_ptr()), (p | q | r) & 15),
+    4: lambda a, b, c, d: ((p := a.data_ptr(), q := b.data_ptr(), r := c.data_ptr(), u := d.data_ptr()),
+                           (p | q | r | u) & 15),
+}
+for _n in range(5, 9):
+    _POINTERS[_n] = _pointers_n
 
 
 def signature(tensors: Sequence[torch.Tensor]) -> tuple[Optional[tuple], list]:
@@ -93,11 +111,8 @@ class Replay:
         the latest hit's guard passed (no need for it) or an input is not a tensor."""
         last = self._last
         if last is not None and last.extra == extra and last.guard.check(*tensors):
-            ptrs = list(map(_data_ptr, tensors))
-            bits = 0
-            for p in ptrs:
-                bits |= p
-            if not bits & 15:  # the guard is kept only for entries whose pointers were all aligned
+            ptrs, low = _POINTERS[len(tensors)](*tensors)
+            if not low:  # the guard is kept only for entries whose pointers were all aligned
                 return last, None, ptrs
         sig, ptrs = signature(tensors)
         if sig is None:

@@ -247,12 +247,12 @@ def test_latest_hit_is_found_by_its_guard():
     assert guard((x, idx)) is not None, "this torch has no TensorGuards: every replay takes the Python path"
     rep = Replay()
     entry, sig, ptrs = rep.find((x, idx), 4)
-    assert entry is None and sig is not None and ptrs == [x.data_ptr(), idx.data_ptr()]
+    assert entry is None and sig is not None and list(ptrs) == [x.data_ptr(), idx.data_ptr()]
     rep.record(sig, (x, idx), [(_FakePlan(), (x, idx))], tuple(ptrs), 4)
     x2, idx2 = inputs()
     entry, sig, ptrs = rep.find((x2, idx2), 4)
     assert entry is not None and entry.value == 4 and sig is None, "the guard did not find the latest entry"
-    assert ptrs == [x2.data_ptr(), idx2.data_ptr()]
+    assert list(ptrs) == [x2.data_ptr(), idx2.data_ptr()]
     misses = {
         "shape": (torch.zeros(5, 32, dtype=torch.bfloat16), idx2),
         "dtype": (x2.half(), idx2),
