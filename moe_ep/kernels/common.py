@@ -144,11 +144,13 @@ def load_tile(x_ptr, xs_ptr, t, hh, hm, bb, bm, H: tl.constexpr, NB: tl.constexp
 
 @triton.jit
 def quantize_tile(v, s, FP8: tl.constexpr, PREQ: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-                  INTERP: tl.constexpr):
+                  INTERP: tl.constexpr, FLAT: tl.constexpr = False):
     """A loaded tile (``load_tile``) as payload: bf16 values (returned twice), or fp8 bits (uint8)
     and their float32 scales. fp8 is quantized here (``moe_ep.fp8``: ``scale = max(amax, 1e-4) / 448``
     per 128 channels, ``q = rne(x * (448 / amax))``; a block with a NaN or an infinity all NaN)
-    unless PREQ, where bytes and scales travel as given."""
+    unless PREQ, where bytes and scales travel as given. ``FLAT`` (quantized here only): the
+    scales as ``[BLOCK_T * BLOCK_H // 128]``, one per block in the layout of the block maxima
+    (``per_block`` gives other values that layout), not ``[BLOCK_T, BLOCK_H // 128]``."""
     if FP8 and not PREQ:
         vb = tl.reshape(v.to(tl.float32), (BLOCK_T * BLOCK_H // 128, 128))
         if INTERP:  # the interpreter's max drops NaN (np.nanmax): test the exponent bits per element
@@ -173,7 +175,10 @@ def quantize_tile(v, s, FP8: tl.constexpr, PREQ: tl.constexpr, BLOCK_T: tl.const
             # no per-element select (with its byte unpacking, a quarter of the loop's instructions)
             qf = vb * tl.broadcast_to(tl.where(bad, nan, inv)[:, None], vb.shape)
             q = to_fp8(qf, INTERP)
-        return tl.reshape(q, (BLOCK_T, BLOCK_H)), tl.reshape(scf, (BLOCK_T, BLOCK_H // 128))
+        if FLAT:
+            return tl.reshape(q, (BLOCK_T, BLOCK_H)), scf
+        else:
+            return tl.reshape(q, (BLOCK_T, BLOCK_H)), tl.reshape(scf, (BLOCK_T, BLOCK_H // 128))
     else:
         return v, s
 
@@ -197,13 +202,25 @@ def store_own_rows(v, vs, x_ptr, xs_ptr, t, tm, r, kk, out_x_ptr, out_s_ptr, KS:
     none) for ``k < KS`` of ``expert_x`` (``out_x_ptr`` of any element type: bytes for fp8, bf16
     otherwise) and, for fp8, of ``expert_scales`` (float32 ``[rows, NB]``). ``v, vs``: the first
     tile, from ``first_own_tile``."""
+    # One row per token (KS = 1, fp8 quantized here): the scales are stored from the layout the
+    # block maxima come in, with pointers made in it once per call; converting the scales to the
+    # tile's layout instead costs a trip through shared memory and two CTA barriers per tile.
+    FLAT: tl.constexpr = FP8 and (not PREQ) and KS == 1
+    if FLAT:
+        row0 = tl.sum(tl.where(kk[None, :] == 0, r, 0), axis=1)
+        hl = tl.arange(0, BLOCK_H)
+        srow = per_block(tl.broadcast_to(row0[:, None], (BLOCK_T, BLOCK_H)), BLOCK_T, BLOCK_H)
+        sblk = per_block(tl.broadcast_to((hl // 128)[None, :], (BLOCK_T, BLOCK_H)), BLOCK_T, BLOCK_H)
+        sptr = out_s_ptr + srow * NB + sblk
     for h0 in range(0, H, BLOCK_H):
         # The next tile's loads go out before this tile is quantized and stored, so their latency
         # hides behind that work (a program keeps two tiles in flight, not one).
         hn, hnm, bn, bnm = payload_cols(h0 + BLOCK_H, tm, H, NB, FP8, BLOCK_H)
         vn, vsn = load_tile(x_ptr, xs_ptr, t, hn, hnm, bn, bnm, H, NB, FP8, PREQ)
         hh, hm, bb, bm = payload_cols(h0, tm, H, NB, FP8, BLOCK_H)
-        q, sc = quantize_tile(v, vs, FP8, PREQ, BLOCK_T, BLOCK_H, INTERP)
+        q, sc = quantize_tile(v, vs, FP8, PREQ, BLOCK_T, BLOCK_H, INTERP, FLAT)
+        if FLAT:
+            store_in_place(sptr + h0 // 128, sc, (srow >= 0) & (h0 // 128 + sblk < NB), INTERP)
         for k in tl.static_range(KS):
             row = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1)
             go = (row >= 0)[:, None]
@@ -212,11 +229,34 @@ def store_own_rows(v, vs, x_ptr, xs_ptr, t, tm, r, kk, out_x_ptr, out_s_ptr, KS:
                 # it need not stay in cache (3% at prefill, 32 programs, against plain stores).
                 tl.store(out_x_ptr.to(tl.pointer_type(tl.uint8)) + row[:, None] * H + hh[None, :], q, mask=hm & go,
                          cache_modifier=".cs")
-                tl.store(out_s_ptr + row[:, None] * NB + bb[None, :], sc, mask=bm & go, cache_modifier=".cs")
+                if not FLAT:
+                    tl.store(out_s_ptr + row[:, None] * NB + bb[None, :], sc, mask=bm & go, cache_modifier=".cs")
             else:
                 tl.store(out_x_ptr.to(tl.pointer_type(tl.bfloat16)) + row[:, None] * H + hh[None, :], q,
                          mask=hm & go, cache_modifier=".cs")
         v, vs = vn, vsn
+
+
+@triton.jit
+def store_in_place(ptr, val, mask, INTERP: tl.constexpr):
+    """``tl.store(ptr, val, mask=mask)`` (float32, streaming) in the layout ``val`` comes in.
+    ``tl.store`` gives a store a layout of its own, and a value from a reduction then goes there
+    through shared memory between two CTA barriers; here each thread stores what it holds (a
+    value several threads hold is stored by each: the same bytes to the same address)."""
+    if INTERP:
+        tl.store(ptr, val, mask=mask)
+    else:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.cs.f32 [$1], $2; mov.b32 $0, 0; }",
+            "=r,l,f,r", [ptr.to(tl.uint64, bitcast=True), val, mask.to(tl.int32)], dtype=tl.int32, is_pure=False,
+            pack=1)
+
+
+@triton.jit
+def per_block(v, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """``v`` (int [BLOCK_T, BLOCK_H], constant over each 128-channel block of a row) as one value
+    per block, ``[BLOCK_T * BLOCK_H // 128]``: the shape and layout of ``quantize_tile``'s FLAT scales."""
+    return tl.max(tl.reshape(v, (BLOCK_T * BLOCK_H // 128, 128)), axis=1)
 
 
 @triton.jit
