@@ -275,3 +275,25 @@ def test_latest_hit_is_found_by_its_guard():
     # After misses, the recorded signature is still found (by the signature, then by the guard).
     entry, sig, _ = rep.find(inputs(), 4)
     assert entry is not None
+
+
+def test_new_output_is_a_fresh_tensor():
+    """combine's output without ``out=``: a new contiguous [T, hidden] bfloat16 tensor on the
+    buffer's device each call, sharing no memory with another call's or with its model."""
+    from types import SimpleNamespace
+
+    from moe_ep.combine import _SHAPES, new_output
+
+    buf = SimpleNamespace(hidden=24, device=torch.device("cpu"), _out_like={})
+    seen = []
+    for T in (5, 5, 0, 7, 5):
+        out = new_output(buf, T)
+        assert out.shape == (T, 24) and out.dtype == torch.bfloat16 and out.is_contiguous(), out
+        assert out.untyped_storage().nbytes() >= T * 24 * 2
+        out.fill_(T + len(seen))
+        seen.append(out)
+    for i, out in enumerate(seen):  # no call's tensor was written by a later one
+        assert bool((out == out.shape[0] + i).all()), i
+    for T in range(2 * _SHAPES):  # the kept shapes stay bounded
+        new_output(buf, T)
+    assert len(buf._out_like) <= _SHAPES + 1
