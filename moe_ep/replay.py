@@ -36,16 +36,8 @@ except ImportError:  # pragma: no cover
     _TensorGuards = None
 
 
-def _pointers_n(*ts):
-    ptrs = tuple(t.data_ptr() for t in ts)
-    low = 0
-    for p in ptrs:
-        low |= p & 15
-    return ptrs, low
-
-
-# (data pointers, OR of their low 4 bits) of 1-4 tensors, unrolled: a comprehension or map over
-# them costs three times as much (this runs on every replayed call).
+# (data pointers, OR of their low 4 bits) of the 1-4 input tensors of a call, unrolled: a
+# comprehension or map over them costs three times as much (this runs on every replayed call).
 _POINTERS = {
     1: lambda a: ((p := a.data_ptr(),), p & 15),
     2: lambda a, b: ((p := a.data_ptr(), q := b.data_ptr()), (p | q) & 15),
@@ -53,8 +45,6 @@ _POINTERS = {
     4: lambda a, b, c, d: ((p := a.data_ptr(), q := b.data_ptr(), r := c.data_ptr(), u := d.data_ptr()),
                            (p | q | r | u) & 15),
 }
-for _n in range(5, 9):
-    _POINTERS[_n] = _pointers_n
 
 
 def signature(tensors: Sequence[torch.Tensor]) -> tuple[Optional[tuple], list]:
@@ -105,7 +95,7 @@ class Replay:
         self._last: Optional[_Entry] = None  # the latest hit whose guard can be tried first
 
     def find(self, tensors: tuple, extra=None) -> tuple[Optional[_Entry], Optional[tuple], list]:
-        """``(entry, signature, pointers)`` for a call with ``tensors`` (its inputs, none left
+        """``(entry, signature, pointers)`` for a call with ``tensors`` (its 1-4 inputs, none left
         out) and ``extra`` (what else fixes its launches: a hashable the inputs' shapes do not
         give). ``entry`` is None when no call like it was recorded; ``signature`` is None when
         the latest hit's guard passed (no need for it) or an input is not a tensor."""
