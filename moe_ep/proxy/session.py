@@ -137,6 +137,9 @@ def _agreed_transport(group: EPGroup, name: Optional[str]) -> tuple[str, Optiona
     return kind, nic
 
 
+CPU_IDLE_SLEEP_US = 500.0  # an idle proxy's poll interval on CPU ranks (GPU ranks: Proxy's 20 us)
+
+
 def start_proxy(group: EPGroup, *, num_local_experts: int, row_bytes: int, comb_row_bytes: int,
                 private_capacity: int, overflow_capacity: int, max_send_rows: int, timeout_s: float = 30.0,
                 streams: int = 4, bind_host: Optional[str] = None, transport: Optional[str] = None,
@@ -162,10 +165,14 @@ def start_proxy(group: EPGroup, *, num_local_experts: int, row_bytes: int, comb_
     else:
         engine = TcpTransport(group.rank, group.world_size, streams=streams, bind_host=bind_host or _bind_host(group),
                               identity=identity)
+    # CPU ranks (kernels in the interpreter, milliseconds each) poll their idle proxy every
+    # CPU_IDLE_SLEEP_US: at the GPU's 20 us, each idle proxy woke 50,000 times a second, and a
+    # few ranks' proxies on a 2-core machine took the cores from the ranks themselves.
+    sleep_us = CPU_IDLE_SLEEP_US if group.device.type == "cpu" else 20.0
     proxy = Proxy(engine, node_size=group.node_size, num_local_experts=num_local_experts, row_bytes=row_bytes,
                   comb_row_bytes=comb_row_bytes, private_capacity=private_capacity,
                   overflow_capacity=overflow_capacity, max_send_rows=max_send_rows, timeout_s=timeout_s,
-                  regions=regions, mailbox=mailbox)
+                  sleep_us=sleep_us, regions=regions, mailbox=mailbox)
     engine.connect(group.all_gather_object(engine.endpoint), timeout_s)
     proxy.start()
     return proxy
