@@ -149,6 +149,48 @@ def test_nonfinite_input_gpu(R, dtype):
     run_on_gpus(R, _nonfinite_worker, dtype, "masked" if R == 1 else "packed", None)
 
 
+def _nonfinite_rows_worker(rank, world_size):
+    """Rows layout, fp8 quantized in the kernel (its scales stored from the block maxima's layout
+    on a GPU, kernels/common.py: store_in_place): NaN and +-inf blocks come out as moe_ep.fp8's,
+    bytes and scale bits alike. R=1 and every token routed here, so received row i is token i."""
+    import moe_ep
+    from moe_ep.fp8 import quantize_fp8
+
+    group = moe_ep.EPGroup()
+    dev = group.device
+    E, H, M, K, T = 4, 320, 8, 2, 7  # blocks of 128, 128 and a partial 64
+    x, idx, w = _inputs(rank, T, H, E, K, seed=3)
+    idx[1::4, -1] = 2  # no -1: every token has a row
+    nan, inf = float("nan"), float("inf")
+    x[0, 5], x[1, 130], x[2, 7], x[3, 3], x[3, 300], x[4, 319] = nan, inf, -inf, inf, nan, -inf
+    q, sc = quantize_fp8(x)
+    with moe_ep.EPBuffer(group, E, H, M, K, dispatch_dtype=FP8, layout="rows", timeout_s=30) as buf:
+        h = buf.dispatch(x.to(dev), idx.to(dev), w.to(dev))
+        n = int(h.num_recv[0])
+        got_q = h.expert_x[:n].cpu().view(torch.uint8)
+        got_s = h.expert_scales[:n].cpu().view(torch.int32)
+    fails = []
+    if n != T:
+        fails.append(f"num_recv {n}, expected {T}")
+    elif not torch.equal(got_q, q.view(torch.uint8)):
+        fails.append(f"bytes differ at {(got_q != q.view(torch.uint8)).nonzero().tolist()[:6]}")
+    elif not torch.equal(got_s, sc.view(torch.int32)):
+        fails.append(f"scales differ: got {got_s.tolist()} expected {sc.view(torch.int32).tolist()}")
+    return fails
+
+
+def test_nonfinite_input_rows():
+    fails = [f for r in dist_util.run(1, _nonfinite_rows_worker, timeout=300) for f in r]
+    assert not fails, "\n".join(fails)
+
+
+@pytest.mark.gpu
+def test_nonfinite_input_rows_gpu():
+    from test_layer import run_on_gpus
+
+    run_on_gpus(1, _nonfinite_rows_worker)
+
+
 # ---------------------------------------------------------------------------- masked overflow
 def _overflow_worker(rank, world_size, timeout_s):
     """Rank 0's tokens list rank 1's expert 1 four times: 16 rows for a masked capacity of R*M = 8."""
