@@ -118,10 +118,7 @@ def new_output(buf, T: int) -> torch.Tensor:
     if like is None:
         if len(buf._out_like) >= _SHAPES:
             buf._out_like.clear()
-        one = buf._out_like.get(None)
-        if one is None:
-            one = buf._out_like[None] = torch.empty(1, 1, dtype=torch.bfloat16, device=buf.device)
-        like = buf._out_like[T] = one.expand(T, buf.hidden)
+        like = buf._out_like[T] = buf._out_one.expand(T, buf.hidden)
     return torch.empty_like(like, memory_format=torch.contiguous_format)
 
 
