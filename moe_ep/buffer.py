@@ -21,7 +21,7 @@ from .handle import DispatchResult
 from .kernels.interpret import interpreting, speed_up
 from .kernels.launch import Launcher
 from .replay import Replay
-from .layout import WorkspaceLayout, chunking, pow2
+from .layout import OWN_TILE_TOKENS, WorkspaceLayout, chunking, pow2
 from .memory import SymmetricWorkspace, check_device_memory
 
 _PHASES = {0: "dispatch", 1: "combine"}
@@ -176,7 +176,8 @@ class EPBuffer:
         esize = 1 if self.fp8 else 2
         rows = layout == "rows"
         self.ws_layout = WorkspaceLayout(N=N, M=M, K=topk, EL=EL, H=hidden,
-                                         payload_bytes=hidden * esize + 4 * self.num_scale_blocks, rows=rows)
+                                         payload_bytes=hidden * esize + 4 * self.num_scale_blocks, rows=rows,
+                                         programs=num_programs)
         self.off = self.ws_layout.offsets()
         lead_rows = {"masked": EL * (expert_capacity or R * M), "packed": R * M * topk + EL * (expert_alignment - 1), "rows": R * M}
         check_device_memory(group, self._device_bytes(lead_rows=lead_rows[layout]))
@@ -193,6 +194,9 @@ class EPBuffer:
         self._err_code = ctypes.c_int64.from_address(self.err.data_ptr())  # its [0], read per call (~50 ns)
         self.chunks = self.ws_layout.CMAX
         self.block_t = pow2(-(-max_tokens // self.chunks))  # the largest chunk of any source
+        # Tokens per tile of the loops that move a chunk's payload (OWN_TILE_TOKENS at most: the
+        # rows layout's chunks are larger, and go through those loops in sub-blocks).
+        self.block_ts = min(self.block_t, OWN_TILE_TOKENS)
         # Rows layout: N more rows, the tokens of each chunk with a selection on each node peer.
         self.hist = torch.zeros(num_experts + (N if rows else 0), self.chunks, dtype=torch.int32, device=dev)
         self.recv_pos = torch.zeros(N, M, topk, dtype=torch.int32, device=dev)

@@ -213,8 +213,10 @@ def _dispatch_consts(buf, fp8_in: bool, direct: bool, own_x: bool) -> dict:
     nb = max(1, buf.num_scale_blocks)
     S = buf.stages
     # fp8 tiles hold whole 128-channel scale blocks, whatever the pipelining budget says
-    block_h = max(128 if buf.fp8 else 16, pipelined_width(min(pow2(H), 8192 * buf.tile // BLOCK_T), S,
-                                                          BLOCK_T * (1 if fp8_in else 2)))
+    def channels(tokens):  # channels per payload tile of ``tokens`` rows
+        return max(128 if buf.fp8 else 16, pipelined_width(min(pow2(H), 8192 * buf.tile // tokens), S,
+                                                           tokens * (1 if fp8_in else 2)))
+    block_h = channels(BLOCK_T)
     block_w = pipelined_width(max(16, min(pow2(W), 2048 * buf.tile, 4096 * buf.tile // BLOCK_T)), S, BLOCK_T * 4)
     return dict(off_hflag=off["hdr_flag"], off_dflag=off["disp_flag"], off_hdr=off["hdr"], off_meta_i=off["meta_i"],
                 off_meta_w=off["meta_w"], off_rows=off["rows"], off_cflag=off["comb_flag"], RANK=buf.rank - buf.node0, NODE0=buf.node0,
@@ -222,6 +224,6 @@ def _dispatch_consts(buf, fp8_in: bool, direct: bool, own_x: bool) -> dict:
                 K=buf.topk, E=buf.num_experts, EL=buf.num_local_experts, H=H, W=W, NB=nb, RB=lay.RB, HDR=lay.HDR,
                 CMAX=buf.chunks, ALIGN=buf.expert_alignment, CAP=buf.capacity, FP8=buf.fp8, PREQ=fp8_in,
                 DIRECT=direct, PACKED=buf.layout == "packed", BLOCK_T=BLOCK_T, BLOCK_K=pow2(buf.topk, 2),
-                BLOCK_C=min(buf.chunks, 64), BLOCK_H=block_h, BLOCK_EL=buf.block_el, BLOCK_W=block_w,
+                BLOCK_C=min(buf.chunks, 64), BLOCK_H=block_h, BLOCK_TS=buf.block_ts, BLOCK_HS=channels(buf.block_ts), BLOCK_EL=buf.block_el, BLOCK_W=block_w,
                 BLOCK_NB=pow2(nb, 2), STAGES=S, INTERP=buf.interp, ROWS=buf.layout == "rows", OWN_X=own_x,
                 num_warps=buf.num_warps)

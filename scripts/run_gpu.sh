@@ -11,6 +11,9 @@
 #   CONFIGS="prefill fp8 rows,prefill bf16 rows" TESTS="tests/test_rows.py" bash scripts/run_gpu.sh
 #   TESTS=none COPY_FLOOR=1 CONFIGS="prefill fp8 packed 132" bash scripts/run_gpu.sh   # benchmarks only
 #   PROFILE="1 2 4" bash scripts/run_gpu.sh   # also: host time per call (moe_ep.bench.profile_ops, decode) at R=1, 2, 4
+#   VARIANTS="prefill 32 | fp8 rows | fp8 rows MOE_EP_MAX_CHUNKS=128
+#             decode 132 | fp8 masked" bash scripts/run_gpu.sh   # tuning points, one process per line
+#                                    # (moe_ep.bench.variants: "PRESET PROGRAMS | point | point ...")
 #   SHARED=1 bash scripts/run_gpu.sh   # also: the demo as 4 ranks on the GPUs, EP16 (2 nodes x 8 ranks
 #                                    # through the proxy) at decode, and the R=4 matrix under MPS
 set -euo pipefail
@@ -32,6 +35,7 @@ PREFILL_PROGRAMS=${PREFILL_PROGRAMS:-32}   # the prefill targets are at <= 32 SM
 CONFIGS=${CONFIGS:-"decode fp8 masked,prefill fp8 packed,prefill bf16 packed"}   # "preset dtype layout [programs]", comma-separated
 PROFILE=${PROFILE:-}          # rank counts for moe_ep.bench.profile_ops --preset decode (ranks share the GPUs there are)
 COPY_FLOOR=${COPY_FLOOR:-0}   # 1: the copy-floor micro-benchmark (moe_ep.bench.copy_floor) at 7168- and 14336-byte rows
+VARIANTS=${VARIANTS:-}        # lines "PRESET PROGRAMS | point | point ..." for moe_ep.bench.variants (kernel p50 per point)
 mkdir -p "$RESULTS"
 t0=$SECONDS
 step() { echo "== [$(( SECONDS - t0 ))s] $*"; }
@@ -61,6 +65,21 @@ if [ "$COPY_FLOOR" = 1 ]; then
             2>&1 | tee "$RESULTS/copy_floor_$rb.log" || floor_rc=1
     done
 fi
+
+variants_rc=0
+variant_tables=()
+while IFS= read -r line; do
+    [ -n "${line// }" ] || continue
+    IFS='|' read -r -a parts <<<"$line"
+    read -r vpreset vprogs <<<"${parts[0]}"
+    vargs=(--preset "$vpreset" --num-programs "$vprogs" --iters "${VARIANT_ITERS:-50}")
+    for pt in "${parts[@]:1}"; do vargs+=(--point "$(echo "$pt" | xargs)"); done
+    vlog="$RESULTS/variants_${vpreset}_p${vprogs}.log"
+    step "torchrun --nproc-per-node=1 -m moe_ep.bench.variants ${vargs[*]}"
+    "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node=1 -m moe_ep.bench.variants "${vargs[@]}" \
+        >"$vlog" 2>&1 || variants_rc=1
+    variant_tables+=("$vpreset, $vprogs programs:" "$(sed -n '/^point /,$p' "$vlog")")
+done <<<"$VARIANTS"
 
 profile_rc=0
 profiles=()
@@ -136,6 +155,7 @@ fi
 [ ${#jsons[@]} -eq 0 ] || grep "kernel p50 by launch" "$RESULTS/bench.log" | sed 's/^/   /' || true
 for r in "${shared_runs[@]}"; do echo "   $r"; done
 for r in "${profiles[@]}"; do echo "   $r"; done
+for r in "${variant_tables[@]}"; do echo "$r" | sed 's/^/   /'; done
 [ "$TESTS" = none ] || "$PYTHON" - "$RESULTS/pytest_gpu.xml" <<'PY' || true
 import collections, sys, xml.etree.ElementTree as ET
 counts = collections.OrderedDict()
@@ -148,4 +168,5 @@ for f, c in counts.items():
     print(f"   {f:<32} {c['passed']:>6} {c['failure'] + c['error']:>6} {c['skipped']:>7}")
 PY
 [ "$TESTS" = none ] || echo "GPU tests: $(tail -n 1 "$RESULTS/pytest_gpu.log")"
-[ "$test_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$shared_rc" -eq 0 ] && [ "$floor_rc" -eq 0 ] && [ "$profile_rc" -eq 0 ]
+[ "$test_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$shared_rc" -eq 0 ] && [ "$floor_rc" -eq 0 ] && [ "$profile_rc" -eq 0 ] \
+    && [ "$variants_rc" -eq 0 ]

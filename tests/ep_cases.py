@@ -53,11 +53,13 @@ class Case:
     calls: Sequence[str] = ("uniform", "skewed", "sparse", "repeat")
     seed: int = 0
     late_weights: bool = False
+    programs: Optional[int] = None  # EPBuffer(num_programs=); None: the buffer's default
 
     @property
     def name(self) -> str:
         return (f"R{self.R}-E{self.E}-K{self.K}-{self.dtype}-{self.layout}-a{self.align}-H{self.H}-M{self.M}-"
-                f"{self.data}-s{self.seed}" + ("-late" if self.late_weights else ""))
+                f"{self.data}-s{self.seed}" + ("-late" if self.late_weights else "")
+                + (f"-p{self.programs}" if self.programs else ""))
 
     def token_counts(self, call: int) -> List[int]:
         """Ragged T per rank: each call mixes max_tokens, 0 and an in-between count."""
@@ -515,7 +517,7 @@ def make_buffer(group, case: Case, timeout_s: float = 60.0):
 
     return moe_ep.EPBuffer(group, case.E, case.H, case.M, case.K, dispatch_dtype=DTYPES[case.dtype],
                            combine_dtype=torch.bfloat16, layout=case.layout, expert_alignment=case.align,
-                           timeout_s=timeout_s)
+                           timeout_s=timeout_s, **({"num_programs": case.programs} if case.programs else {}))
 
 
 def run_calls(group, buf, case: Case) -> List[str]:

@@ -136,12 +136,15 @@ def test_matrix_gpu(R):
 @pytest.mark.parametrize("R", [1, 2, 4])
 def test_rows_matrix_gpu(R):
     """The rows layout's CPU matrix (tests/test_rows.py) on the GPUs there are (ranks sharing them
-    when fewer than R: CUDA IPC node memory), plus a prefill-sized case (routing histogram)."""
+    when fewer than R: CUDA IPC node memory), plus prefill-sized cases (routing histogram), two
+    of them on 4 programs: chunks of up to 96 tokens, whose own rows go in sub-blocks of 16."""
     from test_rows import rows_cases
 
     dist_util.need_gpu()
     cases = rows_cases(R) + [Case(R=R, E=8 * R, K=8, dtype="fp8", layout="rows", H=512, M=384, data="random",
                                   calls=("uniform", "skewed", "repeat"), seed=500 + R)]
+    cases += [Case(R=R, E=8 * R, K=8, dtype=d, layout="rows", H=1024, M=384, data="random", programs=4,
+                   calls=("uniform", "sparse", "repeat"), seed=520 + R) for d in ("fp8", "bf16")]
     _run_matrix(R, cases, backend=dist_util.gpu_backend(R), timeout=1200)
 
 

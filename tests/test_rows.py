@@ -64,6 +64,25 @@ def test_rows_matrix(R):
     assert not fails, f"{len(fails)} failed checks:\n" + "\n".join(fails[:40])
 
 
+@pytest.mark.parametrize("R", [1, 2])
+def test_rows_chunk_sub_blocks(R):
+    """Chunks larger than the payload loops' tile (``OWN_TILE_TOKENS``): a rank's own rows go in
+    sub-blocks, full and partial, each one's rows read back from ``recv_pos``, the next one's first
+    tile loaded by the last step of the one before. M=40 on two programs: chunks of 20 tokens (16 +
+    4) at T = M, one partial sub-block at the in-between T."""
+    from moe_ep.layout import OWN_TILE_TOKENS, max_chunks, pow2
+
+    M = 40
+    assert pow2(-(-M // max_chunks(M, 2))) > OWN_TILE_TOKENS  # the buffer's chunks do take sub-blocks
+    cases = [Case(R=R, E=2 * R, K=8, dtype=d, layout="rows", data="tagged" if d == "bf16" else "random",
+                  H=144 if d != "bf16" else 128, M=M, calls=("uniform", "sparse", "repeat"), seed=500 + i)
+             for i, d in enumerate(DTYPES)]
+    hist = [i == 1 for i in range(len(cases))]  # one case on the routing-histogram path
+    results = dist_util.run(R, _matrix_worker, cases, hist, timeout=900)
+    fails = [f for rank_fails in results for f in rank_fails]
+    assert not fails, f"{len(fails)} failed checks:\n" + "\n".join(fails[:40])
+
+
 def test_rows_cases_cover_the_contract():
     cases = [c for R in RANKS for c in rows_cases(R)]
     assert {c.dtype for c in cases} == set(DTYPES) and {c.K for c in cases} == {1, 2, 8}

@@ -194,14 +194,16 @@ def first_own_tile(x_ptr, xs_ptr, t, tm, H: tl.constexpr, NB: tl.constexpr, FP8:
 
 
 @triton.jit
-def store_own_rows(v, vs, x_ptr, xs_ptr, t, tm, r, kk, out_x_ptr, out_s_ptr, KS: tl.constexpr, H: tl.constexpr,
-                   NB: tl.constexpr, FP8: tl.constexpr, PREQ: tl.constexpr, BLOCK_T: tl.constexpr,
+def store_own_rows(v, vs, nt, nm, x_ptr, xs_ptr, t, tm, r, kk, out_x_ptr, out_s_ptr, KS: tl.constexpr,
+                   H: tl.constexpr, NB: tl.constexpr, FP8: tl.constexpr, PREQ: tl.constexpr, BLOCK_T: tl.constexpr,
                    BLOCK_H: tl.constexpr, INTERP: tl.constexpr):
     """A rank's own tokens ``t`` (mask ``tm``) straight from ``x`` into the expert layout: each
     tile read (and quantized) once, stored as rows ``r[:, k]`` (int64 [BLOCK_T, BLOCK_K], -1:
     none) for ``k < KS`` of ``expert_x`` (``out_x_ptr`` of any element type: bytes for fp8, bf16
     otherwise) and, for fp8, of ``expert_scales`` (float32 ``[rows, NB]``). ``v, vs``: the first
-    tile, from ``first_own_tile``."""
+    tile, from ``first_own_tile``. Returns the first tile of the tokens ``nt`` (mask ``nm``, all
+    false for none), loaded by the last step: the next call's ``v, vs`` when a caller goes on
+    with more tokens (a rows chunk's next sub-block) without a gap in the loads."""
     # One row per token (KS = 1, fp8 quantized here): the scales are stored from the layout the
     # block maxima come in, with pointers made in it once per call; converting the scales to the
     # tile's layout instead costs a trip through shared memory and two CTA barriers per tile.
@@ -214,9 +216,12 @@ def store_own_rows(v, vs, x_ptr, xs_ptr, t, tm, r, kk, out_x_ptr, out_s_ptr, KS:
         sptr = out_s_ptr + srow * NB + sblk
     for h0 in range(0, H, BLOCK_H):
         # The next tile's loads go out before this tile is quantized and stored, so their latency
-        # hides behind that work (a program keeps two tiles in flight, not one).
-        hn, hnm, bn, bnm = payload_cols(h0 + BLOCK_H, tm, H, NB, FP8, BLOCK_H)
-        vn, vsn = load_tile(x_ptr, xs_ptr, t, hn, hnm, bn, bnm, H, NB, FP8, PREQ)
+        # hides behind that work (a program keeps two tiles in flight, not one); after the last
+        # tile, the next tokens' first one.
+        last = h0 + BLOCK_H >= H
+        tn = tl.where(last, nt, t)
+        hn, hnm, bn, bnm = payload_cols(tl.where(last, 0, h0 + BLOCK_H), tl.where(last, nm, tm), H, NB, FP8, BLOCK_H)
+        vn, vsn = load_tile(x_ptr, xs_ptr, tn, hn, hnm, bn, bnm, H, NB, FP8, PREQ)
         hh, hm, bb, bm = payload_cols(h0, tm, H, NB, FP8, BLOCK_H)
         q, sc = quantize_tile(v, vs, FP8, PREQ, BLOCK_T, BLOCK_H, INTERP, FLAT)
         if FLAT:
@@ -235,6 +240,7 @@ def store_own_rows(v, vs, x_ptr, xs_ptr, t, tm, r, kk, out_x_ptr, out_s_ptr, KS:
                 tl.store(out_x_ptr.to(tl.pointer_type(tl.bfloat16)) + row[:, None] * H + hh[None, :], q,
                          mask=hm & go, cache_modifier=".cs")
         v, vs = vn, vsn
+    return v, vs
 
 
 @triton.jit

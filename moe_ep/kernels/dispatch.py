@@ -109,7 +109,7 @@ def _send_chunk(c, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, 
         if ROWS:  # the token's row among this rank's rows for d: earlier chunks + earlier in the chunk
             on = on_peer(ids, d, NODE0, EL)
             pos = tokens_before(topk_ptr, hist_ptr, c, BT, T, d, NODE0, E, EL, K, CMAX, DIRECT, BLOCK_K) + \
-                tl.sum(tl.where(tt[None, :] < tt[:, None], on[None, :], 0), axis=1)
+                tl.cumsum(on, 0) - on
             tl.store(mi + K, tl.broadcast_to(pos[:, None], (BLOCK_T, BLOCK_K)), mask=m2)
         else:
             tl.store(mi + K, j, mask=m2)
@@ -185,8 +185,8 @@ def _recv_chunk(v, vs, s, c, ws, hdr, sel_ptr, scratch_ptr, x_ptr, xs_ptr, out_x
         if OWN_X and (s == RANK):
             # Own rows straight from x: one read (and one quantization) feeds the K stores, and
             # nothing goes through the workspace (at R = 1 that is all rows).
-            store_own_rows(v, vs, x_ptr, xs_ptr, t, tm, r, kk, out_x_ptr, out_s_ptr, K, H, NB, FP8, PREQ, BLOCK_T,
-                           BLOCK_H, INTERP)
+            store_own_rows(v, vs, t, t < 0, x_ptr, xs_ptr, t, tm, r, kk, out_x_ptr, out_s_ptr, K, H, NB, FP8, PREQ,
+                           BLOCK_T, BLOCK_H, INTERP)  # (t < 0: no tokens after these)
         else:
             _expand_rows(ptr_at(ws, off_rows, tl.int32) + slot * (RB // 4), r, tm, kk, out_x_ptr, out_s_ptr, K, W, H,
                          NB, FP8, BLOCK_W, BLOCK_NB, STAGES)
@@ -250,7 +250,7 @@ def dispatch_kernel(
     SEND: tl.constexpr, RECV: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_EL: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_NB: tl.constexpr, STAGES: tl.constexpr,
-    INTERP: tl.constexpr, ROWS: tl.constexpr, OWN_X: tl.constexpr,
+    INTERP: tl.constexpr, ROWS: tl.constexpr, OWN_X: tl.constexpr, BLOCK_TS: tl.constexpr, BLOCK_HS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -333,9 +333,9 @@ def dispatch_kernel(
     end = tl.maximum(NC if SEND else 0, (nrecv + LAG) if RECV else 0)
     for i in range(pid + LAG, end, P):
         if OWN_X and RECV:  # own chunk i - LAG: its first tile's loads go out before the send work
-            tt = tl.arange(0, BLOCK_T)
+            tt = tl.arange(0, BLOCK_TS)
             v, vs = first_own_tile(x_ptr, xs_ptr, (i - LAG) * BT + tt, (tt < BT) & ((i - LAG) * BT + tt < T), H, NB,
-                                   FP8, PREQ, BLOCK_H)
+                                   FP8, PREQ, BLOCK_HS)
         else:
             v, vs = 0, 0
         if SEND:
@@ -352,7 +352,7 @@ def dispatch_kernel(
                                         out_s_ptr, recv_ids_ptr, recv_wts_ptr, recv_src_ptr, recv_pos_ptr, err_ptr,
                                         epoch, par, t0_ns, timeout_ns, off_dflag, off_meta_i, off_meta_w, off_rows, RANK, NODE0,
                                         EL, GLOBAL, N, M, K, W, H, NB, RB, HDR, CMAX, FP8, PREQ, OWN_X, BLOCK_T,
-                                        BLOCK_K, BLOCK_W, BLOCK_H, BLOCK_NB, STAGES, SELF_SYNC, INTERP)
+                                        BLOCK_K, BLOCK_W, BLOCK_TS, BLOCK_HS, BLOCK_NB, STAGES, SELF_SYNC, INTERP)
                     else:
                         _recv_chunk(v, vs, s, i - LAG, ws, hdr, sel_ptr, scratch_ptr + pid * BLOCK_EL, x_ptr, xs_ptr,
                                     out_x_ptr, out_s_ptr, recv_pos_ptr, err_ptr, epoch, par, t0_ns, timeout_ns,
