@@ -40,8 +40,10 @@ mkdir -p "$RESULTS"
 t0=$SECONDS
 step() { echo "== [$(( SECONDS - t0 ))s] $*"; }
 
-step "pip install --no-deps --no-build-isolation -e ."
-"$PYTHON" -m pip install -q --no-deps --no-build-isolation -e .
+if [ "${INSTALL:-1}" = 1 ]; then   # INSTALL=0: already installed by an earlier run on this machine
+    step "pip install --no-deps --no-build-isolation -e ."
+    "$PYTHON" -m pip install -q --no-deps --no-build-isolation -e .
+fi
 NGPU=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')
 "$PYTHON" -c 'import torch, triton; print(f"   torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}")'
 if [ "$NGPU" -lt 1 ]; then echo "no CUDA GPU visible"; exit 1; fi
