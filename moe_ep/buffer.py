@@ -144,6 +144,10 @@ class EPBuffer:
         # MOE_EP_NUM_WARPS overrides, for tuning.
         few = self.num_programs <= 64 or max_tokens * topk <= 2048
         warps = (16 if few else 8) if self.device.type == "cuda" else 4
+        if layout == "rows" and self.device.type == "cuda" and self.num_programs <= 64:
+            # The rows layout's large chunks at few programs: 32 warps (one H200, T=4096, 32
+            # programs, fp8: dispatch 60.4 -> 56.6 us, combine 50.8 -> 47.5 us against 16 warps).
+            warps = 32
         self.num_warps = int(os.environ.get("MOE_EP_NUM_WARPS", warps))
         # Bytes a program moves per loop step scale with these (payload tiles): ``tile`` for
         # dispatch's loops, ``combine_tile`` for combine's send half (the owner's pre-reduction for
