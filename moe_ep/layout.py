@@ -47,7 +47,8 @@ def max_chunks(max_tokens: int, programs: int = 0) -> int:
     chunk per program (the largest power of two <= programs), up to ``ROWS_CHUNK_TOKENS`` tokens
     each. A chunk's routing metadata is a chain of dependent loads and stores (~2.7 us on an
     H200 whatever its size), so fewer, larger chunks pay it fewer times: the rows fp8 dispatch at
-    T=4096 and 32 programs went from 75.1 us at 16 tokens per chunk to 62.3 at 32 (one H200).
+    T=4096 and 32 programs went from 75.1 us at 16 tokens per chunk to 59.5 at 128 (one H200;
+    the kernels take such chunks' own rows in sub-blocks of ``OWN_TILE_TOKENS``).
     ``MOE_EP_MAX_CHUNKS`` overrides that rule, for tuning."""
     most = 256 if not interpreting() else INTERP_MAX_CHUNKS
     if programs > 0:
