@@ -53,10 +53,9 @@ def max_chunks(max_tokens: int, programs: int = 0) -> int:
     most = 256 if not interpreting() else INTERP_MAX_CHUNKS
     if programs > 0:
         forced = os.environ.get("MOE_EP_MAX_CHUNKS")
-        if forced:
-            return max(pow2(-(-max_tokens // ROWS_CHUNK_TOKENS)), min(pow2(max_tokens), pow2(int(forced))))
-        fit = 1 << (programs.bit_length() - 1)  # one chunk per program
-        return max(pow2(-(-max_tokens // ROWS_CHUNK_TOKENS)), min(pow2(max_tokens), most, fit))
+        # one chunk per program (the largest power of two <= programs), or what the variable says
+        fit = pow2(int(forced)) if forced else min(most, 1 << (programs.bit_length() - 1))
+        return max(pow2(-(-max_tokens // ROWS_CHUNK_TOKENS)), min(pow2(max_tokens), fit))
     return max(pow2(-(-max_tokens // 16)), min(pow2(max_tokens), most))
 
 

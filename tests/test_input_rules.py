@@ -149,22 +149,30 @@ def test_nonfinite_input_gpu(R, dtype):
     run_on_gpus(R, _nonfinite_worker, dtype, "masked" if R == 1 else "packed", None)
 
 
-def _nonfinite_rows_worker(rank, world_size):
+def _nonfinite_rows_worker(rank, world_size, sub_blocks=False):
     """Rows layout, fp8 quantized in the kernel (its scales stored from the block maxima's layout
     on a GPU, kernels/common.py: store_in_place): NaN and +-inf blocks come out as moe_ep.fp8's,
-    bytes and scale bits alike. R=1 and every token routed here, so received row i is token i."""
+    bytes and scale bits alike. R=1 and every token routed here, so received row i is token i.
+    ``sub_blocks``: chunks of 19 tokens on two programs, whose own rows go in sub-blocks (16 + 3),
+    the non-finite values in both."""
     import moe_ep
     from moe_ep.fp8 import quantize_fp8
 
     group = moe_ep.EPGroup()
     dev = group.device
-    E, H, M, K, T = 4, 320, 8, 2, 7  # blocks of 128, 128 and a partial 64
+    E, H, K = 4, 320, 2  # blocks of 128, 128 and a partial 64
+    M, T, programs = (40, 37, 2) if sub_blocks else (8, 7, None)
     x, idx, w = _inputs(rank, T, H, E, K, seed=3)
     idx[1::4, -1] = 2  # no -1: every token has a row
     nan, inf = float("nan"), float("inf")
-    x[0, 5], x[1, 130], x[2, 7], x[3, 3], x[3, 300], x[4, 319] = nan, inf, -inf, inf, nan, -inf
+    for t0 in ((0, 17, 30) if sub_blocks else (0,)):
+        x[t0, 5], x[t0 + 1, 130], x[t0 + 2, 7], x[t0 + 3, 3], x[t0 + 3, 300], x[t0 + 4, 319] = \
+            nan, inf, -inf, inf, nan, -inf
     q, sc = quantize_fp8(x)
-    with moe_ep.EPBuffer(group, E, H, M, K, dispatch_dtype=FP8, layout="rows", timeout_s=30) as buf:
+    with moe_ep.EPBuffer(group, E, H, M, K, dispatch_dtype=FP8, layout="rows", timeout_s=30,
+                         **({"num_programs": programs} if programs else {})) as buf:
+        if sub_blocks:
+            assert buf.block_ts < buf.block_t, "no sub-blocks in this buffer"
         h = buf.dispatch(x.to(dev), idx.to(dev), w.to(dev))
         n = int(h.num_recv[0])
         got_q = h.expert_x[:n].cpu().view(torch.uint8)
@@ -179,16 +187,18 @@ def _nonfinite_rows_worker(rank, world_size):
     return fails
 
 
-def test_nonfinite_input_rows():
-    fails = [f for r in dist_util.run(1, _nonfinite_rows_worker, timeout=300) for f in r]
+@pytest.mark.parametrize("sub_blocks", [False, True], ids=["chunk", "sub-blocks"])
+def test_nonfinite_input_rows(sub_blocks):
+    fails = [f for r in dist_util.run(1, _nonfinite_rows_worker, sub_blocks, timeout=300) for f in r]
     assert not fails, "\n".join(fails)
 
 
 @pytest.mark.gpu
-def test_nonfinite_input_rows_gpu():
+@pytest.mark.parametrize("sub_blocks", [False, True], ids=["chunk", "sub-blocks"])
+def test_nonfinite_input_rows_gpu(sub_blocks):
     from test_layer import run_on_gpus
 
-    run_on_gpus(1, _nonfinite_rows_worker)
+    run_on_gpus(1, _nonfinite_rows_worker, sub_blocks)
 
 
 # ---------------------------------------------------------------------------- masked overflow

@@ -1,9 +1,9 @@
 """Tuning sweep in one process: ``moe_ep.bench.intranode`` at several settings of the buffer's
-tuning variables (``MOE_EP_TILE``, ``MOE_EP_PREFETCH``, ``MOE_EP_MAX_CHUNKS``, ...), one buffer
+tuning variables (``MOE_EP_TILE``, ``MOE_EP_NUM_WARPS``, ``MOE_EP_MAX_CHUNKS``, ...), one buffer
 each, without a new process (and CUDA context, and torch import) per point; one table last.
 
     torchrun --standalone --nproc-per-node=1 -m moe_ep.bench.variants --preset prefill \\
-        --num-programs 32 --iters 50 --point "fp8 rows" --point "fp8 rows MOE_EP_PREFETCH=2"
+        --num-programs 32 --iters 50 --point "fp8 rows" --point "fp8 rows MOE_EP_NUM_WARPS=16"
 
 A point is ``DTYPE LAYOUT [NAME=VALUE ...]``: the variables are set while that point's buffer is
 made and run, then restored. Kernel p50 (torch.profiler, graph replays) and the closed-form check
