@@ -138,12 +138,6 @@ class EPBuffer:
         # send and receive halves go as two launches. MOE_EP_SPLIT=1 forces two launches.
         self.fused = (self.device.type == "cuda" and num_programs <= sms
                       and os.environ.get("MOE_EP_SPLIT", "0") in ("", "0"))
-        # The routing histogram stored by the dispatch kernel's own programs (each its chunks'
-        # columns, then a ready flag the readers wait for) instead of a launch of its own: needs
-        # every program resident at once, so a GPU and no more programs than SMs.
-        # MOE_EP_HIST_IN=0 / 1 overrides, for tuning.
-        self.hist_in = (self.device.type == "cuda" and num_programs <= sms
-                        and os.environ.get("MOE_EP_HIST_IN", "0") not in ("", "0"))
         # Warps per program: few programs, or few tokens each, need more warps each to keep enough
         # bytes in flight (measured on H200: 32 programs at prefill, 16 warps 523/524 us vs 8 warps
         # 663/774 us for dispatch/combine; 132 programs at decode, 12.0/7.3 us vs 12.6/8.3 us).
@@ -212,8 +206,6 @@ class EPBuffer:
         self.block_ts = min(self.block_t, OWN_TILE_TOKENS)
         # Rows layout: N more rows, the tokens of each chunk with a selection on each node peer.
         self.hist = torch.zeros(num_experts + (N if rows else 0), self.chunks, dtype=torch.int32, device=dev)
-        # With hist_in: [p] = the dispatch epoch whose histogram columns program p has stored.
-        self.hist_ready = torch.zeros(self.num_programs, dtype=torch.int64, device=dev)
         self.recv_pos = torch.zeros(N, M, topk, dtype=torch.int32, device=dev)
         # This rank's expert ids of the latest dispatch (written by its send half, -1 where none or
         # out of range): combine reads these, not the caller's topk_idx, which may be reused.

@@ -119,8 +119,7 @@ def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = 
     # hook (the caller may reuse x meanwhile).
     own_x = not return_recv_hook
     launches = []
-    hist_in = buf.hist_in and not direct  # the dispatch kernel's programs store the histogram themselves
-    if T > 0 and not direct and not hist_in:
+    if T > 0 and not direct:
         hist_args = (topk_idx, buf.hist, buf.state, buf.err, T, BT)
         launches.append((buf._launch(("hist", NC, pow2(BT), topk_idx.dtype, _aligned(topk_idx)), route_hist_kernel,
                                      NC, hist_args,
@@ -134,11 +133,11 @@ def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = 
     args = (x.view(torch.uint8) if fp8_in else x, xs, topk_idx, topk_weights, buf.hist, buf.workspace.peer_ptrs,
             buf._ws_ptr, buf.state, buf.err, buf.expert_x_words, buf._out_scales, buf.expert_counts, buf._out_offsets,
             buf.recv_pos, buf.scratch, rp.state.sel if rp is not None else buf.scratch, buf.route_idx, T, BT, NC,
-            buf._timeout_ns) + _rows_args(buf) + (buf.hist_ready,)
+            buf._timeout_ns) + _rows_args(buf)
     key = ("dispatch", fp8_in, direct, own_x, topk_idx.dtype, _aligned(x), _aligned(xs), _aligned(topk_idx),
            _aligned(topk_weights))
     epoch = buf._epochs[0] + 1
-    consts = lambda: _dispatch_consts(buf, fp8_in, direct, own_x, hist_in)  # noqa: E731
+    consts = lambda: _dispatch_consts(buf, fp8_in, direct, own_x)  # noqa: E731
     if rp is None:
         if not return_recv_hook:
             launches += launch_halves(buf, key, dispatch_kernel, args, _DISPATCH_DYNAMIC, consts,
@@ -207,9 +206,8 @@ def pipelined_width(width: int, stages: int, row_bytes: int) -> int:
     return width
 
 
-def _dispatch_consts(buf, fp8_in: bool, direct: bool, own_x: bool, hist_in: bool) -> dict:
-    """The dispatch kernel's constexprs (all fixed by the buffer, except PREQ, DIRECT, OWN_X and
-    HIST_IN)."""
+def _dispatch_consts(buf, fp8_in: bool, direct: bool, own_x: bool) -> dict:
+    """The dispatch kernel's constexprs (all fixed by the buffer, except PREQ, DIRECT and OWN_X)."""
     off, lay, H, BLOCK_T = buf.off, buf.ws_layout, buf.hidden, buf.block_t
     W = H * (1 if buf.fp8 else 2) // 4
     nb = max(1, buf.num_scale_blocks)
@@ -228,5 +226,4 @@ def _dispatch_consts(buf, fp8_in: bool, direct: bool, own_x: bool, hist_in: bool
                 DIRECT=direct, PACKED=buf.layout == "packed", BLOCK_T=BLOCK_T, BLOCK_K=pow2(buf.topk, 2),
                 BLOCK_C=min(buf.chunks, 64), BLOCK_H=block_h, BLOCK_TS=buf.block_ts, BLOCK_HS=channels(buf.block_ts), BLOCK_EL=buf.block_el, BLOCK_W=block_w,
                 BLOCK_NB=pow2(nb, 2), STAGES=S, INTERP=buf.interp, ROWS=buf.layout == "rows", OWN_X=own_x,
-                OWN_STAGES=buf.own_stages, HIST_IN=hist_in, BLOCK_E=pow2(buf.num_experts, 2),
-                BLOCK_N=pow2(buf.node_size, 2), BLOCK_P=pow2(buf.num_programs, 2), num_warps=buf.num_warps)
+                OWN_STAGES=buf.own_stages, num_warps=buf.num_warps)

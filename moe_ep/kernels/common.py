@@ -95,32 +95,6 @@ def wait_flag(flag_ptr, epoch, t0_ns, timeout_ns, err_ptr, peer, phase, INTERP: 
 
 
 @triton.jit
-def wait_programs(ready_ptr, n, epoch, t0_ns, timeout_ns, err_ptr, peer, phase, BLOCK_P: tl.constexpr,
-                  INTERP: tl.constexpr):
-    """Waits until ``ready[p] >= epoch`` for every program ``p < n`` of this launch (``ready``:
-    int64 [P], each raised by its program with ``raise_ready``; acquire, GPU scope: the writers
-    are on this GPU) or the deadline, as ``wait_flag``; all ``n`` flags are read at once."""
-    pp = tl.arange(0, BLOCK_P)
-    v = tl.atomic_add(ready_ptr + pp, 0, mask=pp < n, sem="acquire", scope="gpu")
-    ok = (tl.min(tl.where(pp < n, v, epoch)) >= epoch).to(tl.int32)
-    if not INTERP:
-        late = tl.full([], 0, tl.int32)
-        while (ok == 0) & (late == 0):
-            v = tl.atomic_add(ready_ptr + pp, 0, mask=pp < n, sem="acquire", scope="gpu")
-            ok = (tl.min(tl.where(pp < n, v, epoch)) >= epoch).to(tl.int32)
-            late = ((tl.extra.cuda.globaltimer() - t0_ns) > timeout_ns).to(tl.int32)
-    if ok == 0:
-        record_error(err_ptr, ERR_TIMEOUT, peer, phase, epoch, 0)
-    return ok
-
-
-@triton.jit
-def raise_ready(ready_ptr, epoch):
-    """``wait_programs``' other half: publishes this program's writes (GPU scope), then its flag."""
-    tl.atomic_max(ready_ptr, epoch.to(tl.int64), sem="release", scope="gpu")
-
-
-@triton.jit
 def chunking(T, CMAX: tl.constexpr):
     """(tokens per chunk, chunks) of a source with ``T`` tokens: ``BT = max(1, ceil(T / CMAX))``,
     ``NC = ceil(T / BT)``; the same rule as ``moe_ep.layout.chunking`` on the host."""

@@ -16,18 +16,14 @@ A source's tokens go in chunks of ``BT = ceil(T / CMAX)`` tokens; chunk ``c`` is
 and ``RECV``): program ``p`` only ever waits for program ``p`` of its peers (and for the headers,
 which every program writes before any wait), so programs of one launch never wait for each other
 beyond that, and a grid no larger than the SM count is always co-resident. The interpreter runs
-programs one after another, so on a CPU the host launches the two halves separately. With
-``HIST_IN`` (a GPU, every program resident) the routing histogram is stored by this launch's own
-programs before any wait (``route.chunk_hist``, then a ready flag per program), and a reader of a
-column waits for its program's flag: no launch of its own for the histogram.
+programs one after another, so on a CPU the host launches the two halves separately.
 """
 import triton
 import triton.language as tl
 
 from .common import (ERR_BAD_EXPERT, ERR_CAPACITY, PHASE_DISPATCH, abort_combines, chunking, deadline_start,
-                     first_own_tile, landed_chunk, payload_cols, payload_tile, ptr_at, raise_flag, raise_ready,
-                     record_error, store_own_rows, wait_flag, wait_programs)
-from .route import chunk_hist
+                     first_own_tile, landed_chunk, payload_cols, payload_tile, ptr_at, raise_flag, record_error,
+                     store_own_rows, wait_flag)
 from .rows import on_peer, recv_rows_chunk, tokens_before
 
 
@@ -244,7 +240,6 @@ def dispatch_kernel(
     recv_wts_ptr,      # ROWS: float32 [CAP, K] their weights (0 where the id is -1)
     recv_src_ptr,      # ROWS: int32 [CAP] source rank * M + source token of each received row
     num_recv_ptr,      # ROWS: int32 [1] received rows
-    ready_ptr,         # HIST_IN: int64 [P], the dispatch epoch whose histogram columns program p has stored
     off_hflag: tl.constexpr, off_dflag: tl.constexpr, off_hdr: tl.constexpr, off_meta_i: tl.constexpr,
     off_meta_w: tl.constexpr, off_rows: tl.constexpr, off_cflag: tl.constexpr,
     RANK: tl.constexpr, NODE0: tl.constexpr, R: tl.constexpr, N: tl.constexpr, M: tl.constexpr,
@@ -256,8 +251,7 @@ def dispatch_kernel(
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_EL: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_NB: tl.constexpr, STAGES: tl.constexpr,
     INTERP: tl.constexpr, ROWS: tl.constexpr, OWN_X: tl.constexpr, BLOCK_TS: tl.constexpr, BLOCK_HS: tl.constexpr,
-    OWN_STAGES: tl.constexpr = 1, HIST_IN: tl.constexpr = False, BLOCK_E: tl.constexpr = 2,
-    BLOCK_N: tl.constexpr = 2, BLOCK_P: tl.constexpr = 2,
+    OWN_STAGES: tl.constexpr = 1,
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -268,44 +262,25 @@ def dispatch_kernel(
     epoch = tl.load(state_ptr + pid) + 1
     par = epoch & 1
     hdr = ptr_at(ws, off_hdr, tl.int32) + par * N * HDR
-    hist_ok = tl.full([], 1, tl.int32)
-    if SEND and HIST_IN:
-        # The routing histogram in this launch, not one of its own: each program stores the
-        # columns of its chunks, then its ready flag; a reader of columns waits for their programs.
-        for c in range(pid, NC, P):
-            chunk_hist(topk_ptr, hist_ptr, err_ptr, epoch, c, T, BT, E, K, CMAX, BLOCK_T, BLOCK_K, BLOCK_E, ROWS, N,
-                       NODE0, EL, BLOCK_N)
-        tl.debug_barrier()
-        raise_ready(ready_ptr + pid, epoch)
     if SEND:
-        # Headers first (program d writes the one for rank d) and the first chunk, before any wait
-        # (but, with HIST_IN, the one for the histogram columns each needs: all for a header).
-        if HIST_IN and pid < N:
-            hist_ok = wait_programs(ready_ptr, tl.minimum(NC, P), epoch, t0_ns, timeout_ns, err_ptr, NODE0 + RANK,
-                                    PHASE_DISPATCH, BLOCK_P, INTERP)
+        # Headers first (program d writes the one for rank d) and the first chunk, before any wait.
         for d in range(pid, N, P):
-            if hist_ok != 0:  # (no header from stale columns: its receivers time out instead)
-                cnt = _local_counts(topk_ptr, hist_ptr, T, NC, NODE0 + d, E, EL, K, CMAX, DIRECT, BLOCK_EL, BLOCK_C)
-                base = tl.load(peer_ptr + d)
-                ph = ptr_at(base, off_hdr, tl.int32) + (par * N + RANK) * HDR
-                tl.store(ph, T)
-                ee = tl.arange(0, BLOCK_EL)
-                tl.store(ph + 1 + ee, cnt, mask=ee < EL)
-                if ROWS:  # this rank's rows for d: where d places the rows of the sources above this one
-                    tl.store(ph + 1 + EL, tokens_before(topk_ptr, hist_ptr, NC, BT, T, d, NODE0, E, EL, K, CMAX, DIRECT,
-                                                        BLOCK_K))
-                tl.debug_barrier()
-                raise_flag(ptr_at(base, off_hflag, tl.int64) + RANK, epoch)
-        if HIST_IN:  # the columns of the chunks before this program's first
-            hist_ok = hist_ok & wait_programs(ready_ptr, tl.minimum(pid, P), epoch, t0_ns, timeout_ns, err_ptr,
-                                              NODE0 + RANK, PHASE_DISPATCH, BLOCK_P, INTERP)
-        if (pid < NC) & (hist_ok != 0):
+            cnt = _local_counts(topk_ptr, hist_ptr, T, NC, NODE0 + d, E, EL, K, CMAX, DIRECT, BLOCK_EL, BLOCK_C)
+            base = tl.load(peer_ptr + d)
+            ph = ptr_at(base, off_hdr, tl.int32) + (par * N + RANK) * HDR
+            tl.store(ph, T)
+            ee = tl.arange(0, BLOCK_EL)
+            tl.store(ph + 1 + ee, cnt, mask=ee < EL)
+            if ROWS:  # this rank's rows for d: where d places the rows of the sources above this one
+                tl.store(ph + 1 + EL, tokens_before(topk_ptr, hist_ptr, NC, BT, T, d, NODE0, E, EL, K, CMAX, DIRECT,
+                                                    BLOCK_K))
+            tl.debug_barrier()
+            raise_flag(ptr_at(base, off_hflag, tl.int64) + RANK, epoch)
+        if pid < NC:
             _send_chunk(pid, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, route_ptr, T, BT, epoch, par,
                         off_dflag, off_meta_i, off_meta_w, off_rows, RANK, NODE0, N, M, K, E, EL, H, NB, RB, CMAX,
                         FP8, PREQ, DIRECT, BLOCK_T, BLOCK_K, BLOCK_C, BLOCK_H, STAGES, INTERP, ROWS, OWN_X, SELF_SYNC)
-    # A histogram wait that timed out: no position from a stale column is used (no send, no
-    # receive by this program); the host raises CommTimeoutError.
-    ok = hist_ok
+    ok = tl.full([], 1, tl.int32)
     nrecv = 0
     if RECV:
         for s in range(N):
@@ -356,10 +331,6 @@ def dispatch_kernel(
     # Software pipeline: iteration i sends chunk i and expands chunk i - P (sent one iteration
     # ago by the peers' program p, so it has usually landed): NVLink and local copies overlap.
     LAG = P if SEND else 0
-    if SEND and HIST_IN:
-        if NC > pid + P:  # a second chunk to send: its earlier chunks are every program's
-            hist_ok = hist_ok & wait_programs(ready_ptr, P, epoch, t0_ns, timeout_ns, err_ptr, NODE0 + RANK,
-                                              PHASE_DISPATCH, BLOCK_P, INTERP)
     end = tl.maximum(NC if SEND else 0, (nrecv + LAG) if RECV else 0)
     for i in range(pid + LAG, end, P):
         if OWN_X and RECV and not (ROWS and OWN_STAGES > 1):
@@ -370,7 +341,7 @@ def dispatch_kernel(
         else:
             v, vs = 0, 0
         if SEND:
-            if (i < NC) & (hist_ok != 0):
+            if i < NC:
                 _send_chunk(i, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, route_ptr, T, BT, epoch,
                             par, off_dflag, off_meta_i, off_meta_w, off_rows, RANK, NODE0, N, M, K, E, EL, H, NB, RB, CMAX,
                             FP8, PREQ, DIRECT, BLOCK_T, BLOCK_K, BLOCK_C, BLOCK_H, STAGES, INTERP, ROWS, OWN_X,

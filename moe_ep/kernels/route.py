@@ -5,44 +5,12 @@ its expert from this rank (an exclusive prefix over chunks plus a rank inside th
 receiver can place every row without a scan of its own and the order is deterministic:
 (source rank, token, k). For the rows layout it also counts, per chunk, the tokens with a
 selection on each node peer (rows ``E + d``), from which the send kernel places whole tokens.
-``chunk_hist`` is one column; the dispatch kernel calls it itself where its programs can wait for
-each other (``HIST_IN``), else ``route_hist_kernel`` runs it as a launch before the dispatch.
 """
 import triton
 import triton.language as tl
 
 from .common import ERR_BAD_EXPERT, PHASE_DISPATCH, record_error
 from .remote import _first_on_rank
-
-
-@triton.jit
-def chunk_hist(topk_ptr, hist_ptr, err_ptr, epoch, c, T, BT, E: tl.constexpr, K: tl.constexpr, CMAX: tl.constexpr,
-               BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, ROWS: tl.constexpr,
-               N: tl.constexpr, NODE0: tl.constexpr, EL: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Column ``c`` of the histogram (tokens ``[c*BT, (c+1)*BT)``): what ``route_hist_kernel``
-    stores per program, and what the dispatch kernel's programs store themselves when they can
-    wait for each other (``HIST_IN``)."""
-    t = c * BT + tl.arange(0, BLOCK_T)
-    kk = tl.arange(0, BLOCK_K)
-    m = (t[:, None] < T) & (t[:, None] < (c + 1) * BT) & (kk[None, :] < K)
-    ids = tl.load(topk_ptr + t[:, None] * K + kk[None, :], mask=m, other=-1).to(tl.int32)
-    valid = m & (ids >= 0) & (ids < E)
-    bad = tl.sum((m & ((ids < -1) | (ids >= E))).to(tl.int32))
-    if bad > 0:
-        # Out-of-range ids are treated as -1 (no expert) so nothing is written out of bounds;
-        # the host raises at its next check.
-        record_error(err_ptr, ERR_BAD_EXPERT, -1, PHASE_DISPATCH, epoch, bad)
-    h = tl.histogram(tl.reshape(tl.where(valid, ids, 0), [BLOCK_T * BLOCK_K]), BLOCK_E,
-                     mask=tl.reshape(valid, [BLOCK_T * BLOCK_K]))
-    ee = tl.arange(0, BLOCK_E)
-    tl.store(hist_ptr + ee * CMAX + c, h, mask=ee < E)
-    if ROWS:  # one count per (token, node peer): its first selection on the peer counts
-        dst = tl.where(valid, ids // EL - NODE0, -1)
-        first = _first_on_rank(dst, kk) & (dst < N)
-        hn = tl.histogram(tl.reshape(tl.where(first, dst, 0), [BLOCK_T * BLOCK_K]), BLOCK_N,
-                          mask=tl.reshape(first, [BLOCK_T * BLOCK_K]))
-        nn = tl.arange(0, BLOCK_N)
-        tl.store(hist_ptr + (E + nn) * CMAX + c, hn, mask=nn < N)
 
 
 @triton.jit(do_not_specialize=['T', 'BT'])
@@ -58,5 +26,25 @@ def route_hist_kernel(
     ROWS: tl.constexpr = False, N: tl.constexpr = 1, NODE0: tl.constexpr = 0, EL: tl.constexpr = 1,
     BLOCK_N: tl.constexpr = 2,
 ):
-    chunk_hist(topk_ptr, hist_ptr, err_ptr, tl.load(state_ptr) + 1, tl.program_id(0), T, BT, E, K, CMAX, BLOCK_T,
-               BLOCK_K, BLOCK_E, ROWS, N, NODE0, EL, BLOCK_N)
+    c = tl.program_id(0)
+    t = c * BT + tl.arange(0, BLOCK_T)
+    kk = tl.arange(0, BLOCK_K)
+    m = (t[:, None] < T) & (t[:, None] < (c + 1) * BT) & (kk[None, :] < K)
+    ids = tl.load(topk_ptr + t[:, None] * K + kk[None, :], mask=m, other=-1).to(tl.int32)
+    valid = m & (ids >= 0) & (ids < E)
+    bad = tl.sum((m & ((ids < -1) | (ids >= E))).to(tl.int32))
+    if bad > 0:
+        # Out-of-range ids are treated as -1 (no expert) so nothing is written out of bounds;
+        # the host raises at its next check.
+        record_error(err_ptr, ERR_BAD_EXPERT, -1, PHASE_DISPATCH, tl.load(state_ptr) + 1, bad)
+    h = tl.histogram(tl.reshape(tl.where(valid, ids, 0), [BLOCK_T * BLOCK_K]), BLOCK_E,
+                     mask=tl.reshape(valid, [BLOCK_T * BLOCK_K]))
+    ee = tl.arange(0, BLOCK_E)
+    tl.store(hist_ptr + ee * CMAX + c, h, mask=ee < E)
+    if ROWS:  # one count per (token, node peer): its first selection on the peer counts
+        dst = tl.where(valid, ids // EL - NODE0, -1)
+        first = _first_on_rank(dst, kk) & (dst < N)
+        hn = tl.histogram(tl.reshape(tl.where(first, dst, 0), [BLOCK_T * BLOCK_K]), BLOCK_N,
+                          mask=tl.reshape(first, [BLOCK_T * BLOCK_K]))
+        nn = tl.arange(0, BLOCK_N)
+        tl.store(hist_ptr + (E + nn) * CMAX + c, hn, mask=nn < N)
