@@ -168,9 +168,6 @@ class EPBuffer:
         # Software-pipeline depth of the payload loops (Triton's loop pipeliner: asynchronous copies
         # into shared memory, STAGES tiles in flight); 1 = plain loops. MOE_EP_STAGES overrides.
         self.stages = int(os.environ.get("MOE_EP_STAGES", 1)) if self.device.type == "cuda" else 1
-        # The same for the rows layout's own-row loop (its tiles' loads through shared memory, one
-        # flat loop over sub-blocks and tiles); 1 = the register double buffer. MOE_EP_OWN_STAGES overrides.
-        self.own_stages = int(os.environ.get("MOE_EP_OWN_STAGES", 1))
 
         # Every rank's arguments must agree before any memory is touched (program p serves chunks
         # p, p+P, ... on every rank, so num_programs too).

@@ -208,9 +208,12 @@ def store_own_rows(v, vs, nt, nm, x_ptr, xs_ptr, t, tm, r, kk, out_x_ptr, out_s_
     # block maxima come in, with pointers made in it once per call; converting the scales to the
     # tile's layout instead costs a trip through shared memory and two CTA barriers per tile.
     FLAT: tl.constexpr = FP8 and (not PREQ) and KS == 1
-    sptr, srow, sblk = out_s_ptr, 0, 0
     if FLAT:
-        sptr, srow, sblk = flat_scale_ptrs(r, kk, out_s_ptr, NB, BLOCK_T, BLOCK_H)
+        row0 = tl.sum(tl.where(kk[None, :] == 0, r, 0), axis=1)
+        hl = tl.arange(0, BLOCK_H)
+        srow = per_block(tl.broadcast_to(row0[:, None], (BLOCK_T, BLOCK_H)), BLOCK_T, BLOCK_H)
+        sblk = per_block(tl.broadcast_to((hl // 128)[None, :], (BLOCK_T, BLOCK_H)), BLOCK_T, BLOCK_H)
+        sptr = out_s_ptr + srow * NB + sblk
     for h0 in range(0, H, BLOCK_H):
         # The next tile's loads go out before this tile is quantized and stored, so their latency
         # hides behind that work (a program keeps two tiles in flight, not one); after the last
@@ -219,49 +222,25 @@ def store_own_rows(v, vs, nt, nm, x_ptr, xs_ptr, t, tm, r, kk, out_x_ptr, out_s_
         tn = tl.where(last, nt, t)
         hn, hnm, bn, bnm = payload_cols(tl.where(last, 0, h0 + BLOCK_H), tl.where(last, nm, tm), H, NB, FP8, BLOCK_H)
         vn, vsn = load_tile(x_ptr, xs_ptr, tn, hn, hnm, bn, bnm, H, NB, FP8, PREQ)
-        store_own_tile(v, vs, h0, tm, r, kk, sptr, srow, sblk, out_x_ptr, out_s_ptr, KS, H, NB, FP8, PREQ, BLOCK_T,
-                       BLOCK_H, INTERP)
+        hh, hm, bb, bm = payload_cols(h0, tm, H, NB, FP8, BLOCK_H)
+        q, sc = quantize_tile(v, vs, FP8, PREQ, BLOCK_T, BLOCK_H, INTERP, FLAT)
+        if FLAT:
+            store_in_place(sptr + h0 // 128, sc, (srow >= 0) & (h0 // 128 + sblk < NB), INTERP)
+        for k in tl.static_range(KS):
+            row = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1)
+            go = (row >= 0)[:, None]
+            if FP8:
+                # Streaming stores (.cs): the layout is written once and read after the launch, so
+                # it need not stay in cache (3% at prefill, 32 programs, against plain stores).
+                tl.store(out_x_ptr.to(tl.pointer_type(tl.uint8)) + row[:, None] * H + hh[None, :], q, mask=hm & go,
+                         cache_modifier=".cs")
+                if not FLAT:
+                    tl.store(out_s_ptr + row[:, None] * NB + bb[None, :], sc, mask=bm & go, cache_modifier=".cs")
+            else:
+                tl.store(out_x_ptr.to(tl.pointer_type(tl.bfloat16)) + row[:, None] * H + hh[None, :], q,
+                         mask=hm & go, cache_modifier=".cs")
         v, vs = vn, vsn
     return v, vs
-
-
-@triton.jit
-def flat_scale_ptrs(r, kk, out_s_ptr, NB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
-    """The fp8 scale pointers of a tile's first channel block, ``out_s_ptr + row * NB + block``,
-    in the layout of ``quantize_tile``'s FLAT scales (rows ``r[:, 0]``; add ``h0 // 128`` per tile);
-    made in that layout so the scales need no trip through shared memory to be stored."""
-    row0 = tl.sum(tl.where(kk[None, :] == 0, r, 0), axis=1)
-    hl = tl.arange(0, BLOCK_H)
-    srow = per_block(tl.broadcast_to(row0[:, None], (BLOCK_T, BLOCK_H)), BLOCK_T, BLOCK_H)
-    sblk = per_block(tl.broadcast_to((hl // 128)[None, :], (BLOCK_T, BLOCK_H)), BLOCK_T, BLOCK_H)
-    return out_s_ptr + srow * NB + sblk, srow, sblk
-
-
-@triton.jit
-def store_own_tile(v, vs, h0, tm, r, kk, sptr, srow, sblk, out_x_ptr, out_s_ptr, KS: tl.constexpr,
-                   H: tl.constexpr, NB: tl.constexpr, FP8: tl.constexpr, PREQ: tl.constexpr, BLOCK_T: tl.constexpr,
-                   BLOCK_H: tl.constexpr, INTERP: tl.constexpr):
-    """One tile of ``store_own_rows``: the loaded tile ``v, vs`` (``load_tile`` at channel ``h0``,
-    tokens mask ``tm``) quantized and stored as rows ``r[:, k]`` (-1: none) for ``k < KS``;
-    ``sptr, srow, sblk``: ``flat_scale_ptrs`` of ``r`` (FLAT only; anything otherwise)."""
-    FLAT: tl.constexpr = FP8 and (not PREQ) and KS == 1
-    hh, hm, bb, bm = payload_cols(h0, tm, H, NB, FP8, BLOCK_H)
-    q, sc = quantize_tile(v, vs, FP8, PREQ, BLOCK_T, BLOCK_H, INTERP, FLAT)
-    if FLAT:
-        store_in_place(sptr + h0 // 128, sc, (srow >= 0) & (h0 // 128 + sblk < NB), INTERP)
-    for k in tl.static_range(KS):
-        row = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1)
-        go = (row >= 0)[:, None]
-        if FP8:
-            # Streaming stores (.cs): the layout is written once and read after the launch, so
-            # it need not stay in cache (3% at prefill, 32 programs, against plain stores).
-            tl.store(out_x_ptr.to(tl.pointer_type(tl.uint8)) + row[:, None] * H + hh[None, :], q, mask=hm & go,
-                     cache_modifier=".cs")
-            if not FLAT:
-                tl.store(out_s_ptr + row[:, None] * NB + bb[None, :], sc, mask=bm & go, cache_modifier=".cs")
-        else:
-            tl.store(out_x_ptr.to(tl.pointer_type(tl.bfloat16)) + row[:, None] * H + hh[None, :], q,
-                     mask=hm & go, cache_modifier=".cs")
 
 
 @triton.jit

@@ -251,7 +251,6 @@ def dispatch_kernel(
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_EL: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_NB: tl.constexpr, STAGES: tl.constexpr,
     INTERP: tl.constexpr, ROWS: tl.constexpr, OWN_X: tl.constexpr, BLOCK_TS: tl.constexpr, BLOCK_HS: tl.constexpr,
-    OWN_STAGES: tl.constexpr = 1,
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -333,8 +332,7 @@ def dispatch_kernel(
     LAG = P if SEND else 0
     end = tl.maximum(NC if SEND else 0, (nrecv + LAG) if RECV else 0)
     for i in range(pid + LAG, end, P):
-        if OWN_X and RECV and not (ROWS and OWN_STAGES > 1):
-            # own chunk i - LAG: its first tile's loads go out before the send work
+        if OWN_X and RECV:  # own chunk i - LAG: its first tile's loads go out before the send work
             tt = tl.arange(0, BLOCK_TS)
             v, vs = first_own_tile(x_ptr, xs_ptr, (i - LAG) * BT + tt, (tt < BT) & ((i - LAG) * BT + tt < T), H, NB,
                                    FP8, PREQ, BLOCK_HS)
@@ -354,8 +352,7 @@ def dispatch_kernel(
                                         out_s_ptr, recv_ids_ptr, recv_wts_ptr, recv_src_ptr, recv_pos_ptr, err_ptr,
                                         epoch, par, t0_ns, timeout_ns, off_dflag, off_meta_i, off_meta_w, off_rows, RANK, NODE0,
                                         EL, GLOBAL, N, M, K, W, H, NB, RB, HDR, CMAX, FP8, PREQ, OWN_X, BLOCK_T,
-                                        BLOCK_K, BLOCK_W, BLOCK_TS, BLOCK_HS, BLOCK_NB, STAGES, SELF_SYNC, INTERP,
-                                        OWN_STAGES)
+                                        BLOCK_K, BLOCK_W, BLOCK_TS, BLOCK_HS, BLOCK_NB, STAGES, SELF_SYNC, INTERP)
                     else:
                         _recv_chunk(v, vs, s, i - LAG, ws, hdr, sel_ptr, scratch_ptr + pid * BLOCK_EL, x_ptr, xs_ptr,
                                     out_x_ptr, out_s_ptr, recv_pos_ptr, err_ptr, epoch, par, t0_ns, timeout_ns,

@@ -14,8 +14,7 @@ from ``x`` (and its combine's from ``expert_y``), which halves the bytes moved a
 import triton
 import triton.language as tl
 
-from .common import (ERR_CAPACITY, PHASE_DISPATCH, chunking, flat_scale_ptrs, landed_chunk, load_tile, payload_cols, ptr_at,
-                     record_error, store_own_rows, store_own_tile)
+from .common import ERR_CAPACITY, PHASE_DISPATCH, chunking, first_own_tile, landed_chunk, ptr_at, record_error, store_own_rows
 from .remote import _excl, _pick, received_counts, received_row
 
 
@@ -58,14 +57,13 @@ def recv_rows_chunk(v, vs, s, c, ws, hdr, rows_from_ptr, x_ptr, xs_ptr, out_x_pt
                     NB: tl.constexpr, RB: tl.constexpr, HDR: tl.constexpr, CMAX: tl.constexpr, FP8: tl.constexpr,
                     PREQ: tl.constexpr, OWN_X: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
                     BLOCK_W: tl.constexpr, BLOCK_TS: tl.constexpr, BLOCK_HS: tl.constexpr, BLOCK_NB: tl.constexpr,
-                    STAGES: tl.constexpr, SELF_SYNC: tl.constexpr, INTERP: tl.constexpr, OWN_STAGES: tl.constexpr = 1):
+                    STAGES: tl.constexpr, SELF_SYNC: tl.constexpr, INTERP: tl.constexpr):
     """Waits for chunk ``c`` of node source ``s``, then writes each of its tokens that selected an
     expert of this rank as one row: payload (and scales), local ids, weights, source; records the
     row in ``recv_pos[s, t, 0]`` (-1: none) for combine. ``v, vs``: the first tile of this rank's own
     rows (``first_own_tile`` of the chunk's first ``BLOCK_TS`` tokens, loaded by the caller; used when
     ``OWN_X`` and ``s == RANK``). Own rows go in sub-blocks of ``BLOCK_TS`` tokens (tiles of ``BLOCK_HS``
-    channels) when the chunk is larger; with ``OWN_STAGES > 1`` through ``_own_rows_pipelined``
-    instead (``v, vs`` unused)."""
+    channels) when the chunk is larger."""
     ok, t, tm, slot = landed_chunk(ws, hdr, s, c, err_ptr, epoch, par, t0_ns, timeout_ns, off_dflag, RANK, NODE0, N, M,
                                    HDR, CMAX, BLOCK_T, SELF_SYNC, INTERP)
     if ok != 0:
@@ -95,10 +93,7 @@ def recv_rows_chunk(v, vs, s, c, ws, hdr, rows_from_ptr, x_ptr, xs_ptr, out_x_pt
         if OWN_X and (s == RANK):
             # This rank's own rows come straight from x (quantized here for fp8): the send half
             # stored no payload into this rank's workspace.
-            if OWN_STAGES > 1:
-                _own_rows_pipelined(s, c, hdr, recv_pos_ptr, x_ptr, xs_ptr, kk, out_x_ptr, out_s_ptr, M, K, H, NB, HDR,
-                                    CMAX, FP8, PREQ, BLOCK_TS, BLOCK_HS, OWN_STAGES, INTERP)
-            elif BLOCK_TS == BLOCK_T:
+            if BLOCK_TS == BLOCK_T:
                 store_own_rows(v, vs, t, t < 0, x_ptr, xs_ptr, t, has, tl.where(kk[None, :] == 0, r[:, None], -1), kk,
                                out_x_ptr, out_s_ptr, 1, H, NB, FP8, PREQ, BLOCK_T, BLOCK_HS, INTERP)
             else:
@@ -144,36 +139,6 @@ def _own_rows_in_blocks(v, vs, s, c, hdr, recv_pos_ptr, x_ptr, xs_ptr, kk, out_x
                                tl.where(kk[None, :] == 0, r[:, None], -1), kk, out_x_ptr, out_s_ptr, 1, H, NB, FP8,
                                PREQ, BLOCK_TS, BLOCK_HS, INTERP)
         row = row_n
-
-
-@triton.jit
-def _own_rows_pipelined(s, c, hdr, recv_pos_ptr, x_ptr, xs_ptr, kk, out_x_ptr, out_s_ptr, M: tl.constexpr,
-                        K: tl.constexpr, H: tl.constexpr, NB: tl.constexpr, HDR: tl.constexpr, CMAX: tl.constexpr,
-                        FP8: tl.constexpr, PREQ: tl.constexpr, BLOCK_TS: tl.constexpr, BLOCK_HS: tl.constexpr,
-                        OWN_STAGES: tl.constexpr, INTERP: tl.constexpr):
-    """Chunk ``c`` of this rank's own rows, as ``_own_rows_in_blocks`` but one flat loop over
-    (sub-block, tile) that Triton's loop pipeliner runs ``OWN_STAGES`` deep: the tiles' loads go
-    to shared memory as asynchronous copies, so more bytes are in flight than two register tiles
-    hold, and the pipeline does not drain between sub-blocks."""
-    tl.debug_barrier()  # every thread's recv_pos stores of this chunk before they are read back
-    ts = tl.load(hdr + s * HDR)
-    BT = chunking(ts, CMAX)[0]
-    NT: tl.constexpr = (H + BLOCK_HS - 1) // BLOCK_HS
-    ar = tl.arange(0, BLOCK_TS)
-    rpos = recv_pos_ptr + (s * M + c * BT).to(tl.int64) * K
-    for i in tl.range(0, (BT + BLOCK_TS - 1) // BLOCK_TS * NT, num_stages=OWN_STAGES):
-        b = i // NT * BLOCK_TS
-        h0 = i % NT * BLOCK_HS
-        tb = c * BT + b + ar
-        tm = (b + ar < BT) & (tb < ts)
-        r = tl.where(kk[None, :] == 0, tl.load(rpos + (b + ar) * K, mask=tm, other=-1).to(tl.int64)[:, None], -1)
-        hh, hm, bb, bm = payload_cols(h0, tm, H, NB, FP8, BLOCK_HS)
-        v, vs = load_tile(x_ptr, xs_ptr, tb, hh, hm, bb, bm, H, NB, FP8, PREQ)
-        sptr, srow, sblk = out_s_ptr, 0, 0
-        if FP8 and not PREQ:
-            sptr, srow, sblk = flat_scale_ptrs(r, kk, out_s_ptr, NB, BLOCK_TS, BLOCK_HS)
-        store_own_tile(v, vs, h0, tm, r, kk, sptr, srow, sblk, out_x_ptr, out_s_ptr, 1, H, NB, FP8, PREQ, BLOCK_TS,
-                       BLOCK_HS, INTERP)
 
 
 @triton.jit
