@@ -11,6 +11,7 @@
 #   CONFIGS="prefill fp8 rows,prefill bf16 rows" TESTS="tests/test_rows.py" bash scripts/run_gpu.sh
 #   TESTS=none COPY_FLOOR=1 CONFIGS="prefill fp8 packed 132" bash scripts/run_gpu.sh   # benchmarks only
 #   PROFILE="1 2 4" bash scripts/run_gpu.sh   # also: host time per call (moe_ep.bench.profile_ops, decode) at R=1, 2, 4
+#   PROFILE="2 4" PROFILE_MPS=1 bash scripts/run_gpu.sh   # the same with the ranks' processes under MPS
 #   VARIANTS="prefill 32 | fp8 rows | fp8 rows MOE_EP_MAX_CHUNKS=128
 #             decode 132 | fp8 masked" bash scripts/run_gpu.sh   # tuning points, one process per line
 #                                    # (moe_ep.bench.variants: "PRESET PROGRAMS | point | point ...")
@@ -34,6 +35,7 @@ SHARED=${SHARED:-0}           # 1: the shared-GPU runs (demo x4, EP16 through th
 PREFILL_PROGRAMS=${PREFILL_PROGRAMS:-32}   # the prefill targets are at <= 32 SMs; "" = the buffer's default
 CONFIGS=${CONFIGS:-"decode fp8 masked,prefill fp8 packed,prefill bf16 packed"}   # "preset dtype layout [programs]", comma-separated
 PROFILE=${PROFILE:-}          # rank counts for moe_ep.bench.profile_ops --preset decode (ranks share the GPUs there are)
+PROFILE_MPS=${PROFILE_MPS:-0} # 1: those runs under an MPS daemon started for them (one GPU context for every rank)
 COPY_FLOOR=${COPY_FLOOR:-0}   # 1: the copy-floor micro-benchmark (moe_ep.bench.copy_floor) at 7168- and 14336-byte rows
 VARIANTS=${VARIANTS:-}        # lines "PRESET PROGRAMS | point | point ..." for moe_ep.bench.variants (kernel p50 per point)
 mkdir -p "$RESULTS"
@@ -85,16 +87,30 @@ done <<<"$VARIANTS"
 
 profile_rc=0
 profiles=()
+mps_start() {  # an MPS daemon of our own (its pipe in /tmp), for the runs until mps_stop
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/moe_ep_mps CUDA_MPS_LOG_DIRECTORY=/tmp/moe_ep_mps_log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d && sleep 1
+}
+mps_stop() {
+    echo quit | nvidia-cuda-mps-control || true
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}
+pmps=""
+if [ -n "$PROFILE" ] && [ "$PROFILE_MPS" = 1 ]; then
+    if command -v nvidia-cuda-mps-control >/dev/null; then mps_start; pmps=" (MPS)"; else profiles+=("MPS: no nvidia-cuda-mps-control"); fi
+fi
 for r in $PROFILE; do
     step "torchrun --nproc-per-node=$r -m moe_ep.bench.profile_ops --preset decode"
     if "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node="$r" -m moe_ep.bench.profile_ops --preset decode \
             >"$RESULTS/profile_r$r.log" 2>&1; then
         grep -E "^== profile_ops|host to issue|host per|empty kernel|one native launch" "$RESULTS/profile_r$r.log" || true
-        profiles+=("R=$r: $(grep -m1 'host to issue' "$RESULTS/profile_r$r.log")")
+        profiles+=("R=$r$pmps: $(grep -m1 'host to issue' "$RESULTS/profile_r$r.log")")
     else
-        tail -n 20 "$RESULTS/profile_r$r.log"; profile_rc=1; profiles+=("R=$r: FAILED")
+        tail -n 20 "$RESULTS/profile_r$r.log"; profile_rc=1; profiles+=("R=$r$pmps: FAILED")
     fi
 done
+if [ -n "$pmps" ]; then mps_stop; fi
 
 shared_rc=0
 shared_runs=()
@@ -116,13 +132,10 @@ if [ "$SHARED" = 1 ]; then
         --node-size 8 --tokens 128 --iters 20 --warmup 3 --no-progress --output "$RESULTS/ep16_decode.json"
     if command -v nvidia-cuda-mps-control >/dev/null; then
         # Under MPS the ranks' programs run at once: each rank takes SMs / ranks-per-GPU programs by default.
-        export CUDA_MPS_PIPE_DIRECTORY=/tmp/moe_ep_mps CUDA_MPS_LOG_DIRECTORY=/tmp/moe_ep_mps_log
-        mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-        nvidia-cuda-mps-control -d && sleep 1
+        mps_start
         shared mps_matrix_r4 400 "$PYTHON" -m pytest -q -x tests/test_dispatch_combine.py -k "test_matrix_gpu and 4"
         shared mps_demo_x4 300 "${TR[@]}" --nproc-per-node=4 -m moe_ep.demo
-        echo quit | nvidia-cuda-mps-control || true
-        unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+        mps_stop
     else
         shared_runs+=("mps not run: no nvidia-cuda-mps-control")
     fi
