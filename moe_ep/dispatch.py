@@ -126,7 +126,8 @@ def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = 
                                      lambda: dict(E=buf.num_experts, K=buf.topk, CMAX=CMAX, BLOCK_T=pow2(BT),
                                                   BLOCK_K=pow2(buf.topk, 2), BLOCK_E=pow2(buf.num_experts, 2),
                                                   ROWS=rows, N=buf.node_size, NODE0=buf.node0,
-                                                  EL=buf.num_local_experts, BLOCK_N=pow2(buf.node_size, 2)),
+                                                  EL=buf.num_local_experts, BLOCK_N=pow2(buf.node_size, 2),
+                                                  num_warps=buf.hist_warps),
                                      (0, 4, 5)), hist_args))
     xs = x_scales if fp8_in else buf.err
     rp = buf.remote
