@@ -181,3 +181,82 @@ def test_nonfinite_blocks_become_nan():
     qf, sf = quantize_fp8(finite)
     good = ~bad.repeat_interleave(FP8_BLOCK, dim=1)[:, :320]
     assert torch.equal(s[~bad], sf[~bad]) and torch.equal(qb[good], _bits(qf)[good])
+
+
+# The kernels' block scale (moe_ep.kernels.common.block_scale) computes amax / 448 on a GPU as
+# q0 = amax * RN(1/448), then fma(fma(q0, -448, amax), RN(1/448), q0), not as a division.
+
+def _scale_by_correction(a: "np.ndarray") -> "np.ndarray":
+    """That sequence on float32 ``a``, emulated exactly (each fma rounded once) with float64."""
+    import numpy as np
+
+    r = np.float32(0.0022321429569274187)
+    q0 = a * r  # a float32 multiply, rounded once
+    # fma(q0, -448, a): q0 * 448 and the difference with a are exact in float64 (33 and ~34 bits)
+    rem = (a.astype(np.float64) - q0.astype(np.float64) * 448.0).astype(np.float32)
+    # fma(rem, r, q0): rem * r is exact in float64; the sum is t + err exactly (Fast2Sum, |q0| >= |s|)
+    s = rem.astype(np.float64) * np.float64(r)
+    q64 = q0.astype(np.float64)
+    t = q64 + s
+    err = (q64 - t) + s
+    y = t.astype(np.float32)  # round to nearest even from t: right unless t is a float32 midpoint
+    y64 = y.astype(np.float64)
+    up = np.nextafter(y, np.float32(np.inf)).astype(np.float64)
+    down = np.nextafter(y, np.float32(-np.inf)).astype(np.float64)
+    mid_up, mid_down = t == (y64 + up) / 2, t == (y64 + down) / 2  # t halfway, rounded to y
+    y = np.where(mid_up & (err > 0), up.astype(np.float32), y)
+    return np.where(mid_down & (err < 0), down.astype(np.float32), y)
+
+
+def test_block_scale_correction_equals_division():
+    """The sequence equals IEEE division by 448 for every mantissa at several exponents (the
+    floor 1e-4, around 1, 448 and 2^100, the largest) and for 2^22 random amax in range; the GPU
+    test below checks every float32 amax >= 1e-4 on the device itself."""
+    import numpy as np
+
+    assert np.array(np.float32(0.0022321429569274187)).view(np.uint32) == 0x3B124925
+    assert np.float32(0.0022321429569274187) == np.float32(1) / np.float32(448)
+    lo = int(np.array(np.float32(1e-4)).view(np.uint32))
+    rng = np.random.default_rng(0)
+    parts = [np.arange(lo, lo + (1 << 23), dtype=np.uint32)]
+    for e in (127, 135, 227, 254):  # biased exponents: [1, 2), [256, 512), [2^100, 2^101), the top
+        parts.append(np.arange(e << 23, (e << 23) + (1 << 23), dtype=np.uint32))
+    parts.append(rng.integers(lo, 0x7F7FFFFF + 1, size=1 << 22, dtype=np.uint32))
+    for u in parts:
+        a = u.view(np.float32)
+        got, want = _scale_by_correction(a), a / np.float32(448)
+        bad = np.nonzero(got.view(np.uint32) != want.view(np.uint32))[0]
+        assert bad.size == 0, f"amax {a[bad[:3]]}: {got[bad[:3]]} != {want[bad[:3]]}"
+
+
+@pytest.mark.gpu
+def test_block_scale_exhaustive_gpu():
+    """The kernels' block scale on the GPU, for every float32 amax in [1e-4, FLT_MAX]: scale and
+    factor bit for bit equal to IEEE division (torch's elementwise division of two tensors)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import triton
+    import triton.language as tl
+
+    from moe_ep.kernels.common import block_scale
+
+    @triton.jit
+    def scales(a_ptr, s_ptr, f_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = i < n
+        s, f = block_scale(tl.load(a_ptr + i, mask=m, other=1.0), False)
+        tl.store(s_ptr + i, s, mask=m)
+        tl.store(f_ptr + i, f, mask=m)
+
+    dev = torch.device("cuda", 0)
+    lo = int(torch.tensor(1e-4, dtype=torch.float32).view(torch.int32))
+    top, step = 0x7F7FFFFF + 1, 1 << 28
+    for b in range(lo, top, step):
+        a = torch.arange(b, min(b + step, top), dtype=torch.int32, device=dev).view(torch.float32)
+        s, f = torch.empty_like(a), torch.empty_like(a)
+        scales[(triton.cdiv(a.numel(), 1024),)](a, s, f, a.numel(), BLOCK=1024)
+        want_s = a / torch.full_like(a, 448.0)
+        want_f = torch.full_like(a, 448.0) / a
+        for name, got, want in (("amax / 448", s, want_s), ("448 / amax", f, want_f)):
+            bad = (got.view(torch.int32) != want.view(torch.int32)).nonzero()
+            assert bad.numel() == 0, f"{name} at amax {a[bad[:3, 0]].tolist()}: {got[bad[:3, 0]].tolist()}"

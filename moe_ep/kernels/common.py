@@ -16,9 +16,12 @@ ERR_PROXY = tl.constexpr(4)  # the proxy recorded an error (its mailbox has the 
 ABORT_FLAG = tl.constexpr(1 << 62)  # a comb_flag value above every epoch: the owner overflowed (abort_combines)
 NAN_SCALE_BITS = tl.constexpr(0x7FC00000)  # moe_ep.fp8: a block with a non-finite value
 NAN_BYTE = tl.constexpr(0x7F)
+RECIP_448 = tl.constexpr(0.0022321429569274187)  # float32 0x3B124925, RN(1 / 448): exact as a float32 literal
 
 PHASE_DISPATCH = tl.constexpr(0)
 PHASE_COMBINE = tl.constexpr(1)
+# store_own_rows unrolls its channel loop when a row has at most this many tiles.
+UNROLL_TILES = tl.constexpr(8)
 
 
 @triton.jit
@@ -160,11 +163,7 @@ def quantize_tile(v, s, FP8: tl.constexpr, PREQ: tl.constexpr, BLOCK_T: tl.const
         else:  # one NaN-propagating max per element (max.NaN.f32): NaN or inf in the block <=> not finite
             raw = tl.reduce(tl.abs(vb), 1, _max_nan)
             bad = ~(raw <= 3.4028234663852886e38)
-        amax = tl.maximum(raw, 1e-4)
-        # Exact IEEE divisions once per block, then one multiply per element (DeepEP's
-        # x * (448 / amax)): a per-element division cost ~100 us of a 4096-token dispatch at 32 SMs.
-        scf = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
-        inv = tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax)
+        scf, inv = block_scale(tl.maximum(raw, 1e-4), INTERP)
         # A block with a NaN or an infinity is NaN as a whole, scale and bytes (moe_ep.fp8).
         nan = tl.full(scf.shape, NAN_SCALE_BITS, tl.int32).to(tl.float32, bitcast=True)
         scf = tl.where(bad, nan, scf)
@@ -181,6 +180,23 @@ def quantize_tile(v, s, FP8: tl.constexpr, PREQ: tl.constexpr, BLOCK_T: tl.const
             return tl.reshape(q, (BLOCK_T, BLOCK_H)), tl.reshape(scf, (BLOCK_T, BLOCK_H // 128))
     else:
         return v, s
+
+
+@triton.jit
+def block_scale(amax, INTERP: tl.constexpr):
+    """float32 block maxima (>= 1e-4, finite) -> ``(amax / 448, 448 / amax)``, both correctly
+    rounded (``moe_ep.fp8``'s scale and DeepEP's factor ``x * (448 / amax)``): exact divisions
+    once per block, then one multiply per element (a per-element division cost ~100 us of a
+    4096-token dispatch at 32 SMs)."""
+    if INTERP:
+        scf = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+    else:
+        # amax / 448 as one correction of amax * RN(1/448): equal to the division for every
+        # float32 amax >= 1e-4 (checked exhaustively, tests/test_fp8.py), and without the
+        # division's range check and slow-path branch (a twentieth of the own-row loop's issue).
+        q0 = amax * RECIP_448
+        scf = tl.fma(tl.fma(q0, -448.0, amax), RECIP_448, q0)
+    return scf, tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax)
 
 
 @triton.jit
@@ -214,33 +230,63 @@ def store_own_rows(v, vs, nt, nm, x_ptr, xs_ptr, t, tm, r, kk, out_x_ptr, out_s_
         srow = per_block(tl.broadcast_to(row0[:, None], (BLOCK_T, BLOCK_H)), BLOCK_T, BLOCK_H)
         sblk = per_block(tl.broadcast_to((hl // 128)[None, :], (BLOCK_T, BLOCK_H)), BLOCK_T, BLOCK_H)
         sptr = out_s_ptr + srow * NB + sblk
-    for h0 in range(0, H, BLOCK_H):
-        # The next tile's loads go out before this tile is quantized and stored, so their latency
-        # hides behind that work (a program keeps two tiles in flight, not one); after the last
-        # tile, the next tokens' first one.
-        last = h0 + BLOCK_H >= H
+    else:
+        sptr, srow, sblk = out_s_ptr, 0, 0
+    if KS == 1 and H // BLOCK_H <= UNROLL_TILES:
+        # One row per token and few tiles a row (rows layout: 7 of 1024 channels at hidden
+        # 7168): unrolled, so each step's columns, masks and offsets are constants and no loop
+        # state is carried. The loop is issue-bound there: fp8 at 32 warps, ~115 SASS
+        # instructions a thread a step against ~165 as a loop. (With K rows per token the
+        # unrolled steps' row pointers spill.)
+        for h0 in tl.static_range(0, H, BLOCK_H):
+            v, vs = _own_rows_step(v, vs, nt, nm, x_ptr, xs_ptr, t, tm, r, kk, out_x_ptr, out_s_ptr, sptr, srow, sblk,
+                                   h0, h0 + BLOCK_H >= H, KS, H, NB, FP8, PREQ, BLOCK_T, BLOCK_H, INTERP, FLAT, True)
+    else:
+        for h0 in range(0, H, BLOCK_H):
+            v, vs = _own_rows_step(v, vs, nt, nm, x_ptr, xs_ptr, t, tm, r, kk, out_x_ptr, out_s_ptr, sptr, srow, sblk,
+                                   h0, h0 + BLOCK_H >= H, KS, H, NB, FP8, PREQ, BLOCK_T, BLOCK_H, INTERP, FLAT, False)
+    return v, vs
+
+
+@triton.jit
+def _own_rows_step(v, vs, nt, nm, x_ptr, xs_ptr, t, tm, r, kk, out_x_ptr, out_s_ptr, sptr, srow, sblk, h0, last,
+                   KS: tl.constexpr, H: tl.constexpr, NB: tl.constexpr, FP8: tl.constexpr, PREQ: tl.constexpr,
+                   BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, INTERP: tl.constexpr, FLAT: tl.constexpr,
+                   STATIC: tl.constexpr):
+    """One step of ``store_own_rows``: tile ``h0`` (``v, vs``, loaded) quantized and stored;
+    returns the next tile, whose loads go out first so that their latency hides behind this
+    tile's work (a program keeps two tiles in flight, not one); after the last tile (``last``),
+    the next tokens' first one. ``STATIC``: ``h0`` and ``last`` are constants (unrolled loop)."""
+    if STATIC:
+        if last:
+            vn, vsn = load_tile(x_ptr, xs_ptr, nt, *payload_cols(0, nm, H, NB, FP8, BLOCK_H, BLOCK_H <= H), H, NB,
+                                FP8, PREQ)
+        else:
+            vn, vsn = load_tile(x_ptr, xs_ptr, t, *payload_cols(h0 + BLOCK_H, tm, H, NB, FP8, BLOCK_H,
+                                                                h0 + 2 * BLOCK_H <= H), H, NB, FP8, PREQ)
+        hh, hm, bb, bm = payload_cols(h0, tm, H, NB, FP8, BLOCK_H, h0 + BLOCK_H <= H)
+    else:
         tn = tl.where(last, nt, t)
         hn, hnm, bn, bnm = payload_cols(tl.where(last, 0, h0 + BLOCK_H), tl.where(last, nm, tm), H, NB, FP8, BLOCK_H)
         vn, vsn = load_tile(x_ptr, xs_ptr, tn, hn, hnm, bn, bnm, H, NB, FP8, PREQ)
         hh, hm, bb, bm = payload_cols(h0, tm, H, NB, FP8, BLOCK_H)
-        q, sc = quantize_tile(v, vs, FP8, PREQ, BLOCK_T, BLOCK_H, INTERP, FLAT)
-        if FLAT:
-            store_in_place(sptr + h0 // 128, sc, (srow >= 0) & (h0 // 128 + sblk < NB), INTERP)
-        for k in tl.static_range(KS):
-            row = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1)
-            go = (row >= 0)[:, None]
-            if FP8:
-                # Streaming stores (.cs): the layout is written once and read after the launch, so
-                # it need not stay in cache (3% at prefill, 32 programs, against plain stores).
-                tl.store(out_x_ptr.to(tl.pointer_type(tl.uint8)) + row[:, None] * H + hh[None, :], q, mask=hm & go,
-                         cache_modifier=".cs")
-                if not FLAT:
-                    tl.store(out_s_ptr + row[:, None] * NB + bb[None, :], sc, mask=bm & go, cache_modifier=".cs")
-            else:
-                tl.store(out_x_ptr.to(tl.pointer_type(tl.bfloat16)) + row[:, None] * H + hh[None, :], q,
-                         mask=hm & go, cache_modifier=".cs")
-        v, vs = vn, vsn
-    return v, vs
+    q, sc = quantize_tile(v, vs, FP8, PREQ, BLOCK_T, BLOCK_H, INTERP, FLAT)
+    if FLAT:
+        store_in_place(sptr + h0 // 128, sc, (srow >= 0) & (h0 // 128 + sblk < NB), INTERP)
+    for k in tl.static_range(KS):
+        row = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1)
+        go = (row >= 0)[:, None]
+        if FP8:
+            # Streaming stores (.cs): the layout is written once and read after the launch, so
+            # it need not stay in cache (3% at prefill, 32 programs, against plain stores).
+            tl.store(out_x_ptr.to(tl.pointer_type(tl.uint8)) + row[:, None] * H + hh[None, :], q, mask=hm & go,
+                     cache_modifier=".cs")
+            if not FLAT:
+                tl.store(out_s_ptr + row[:, None] * NB + bb[None, :], sc, mask=bm & go, cache_modifier=".cs")
+        else:
+            tl.store(out_x_ptr.to(tl.pointer_type(tl.bfloat16)) + row[:, None] * H + hh[None, :], q,
+                     mask=hm & go, cache_modifier=".cs")
+    return vn, vsn
 
 
 @triton.jit
@@ -336,15 +382,23 @@ def pre_reduce_tile(y_ptr, r, w, kk, hh, hm, K: tl.constexpr, H: tl.constexpr, B
 
 
 @triton.jit
-def payload_cols(h0, tm, H: tl.constexpr, NB: tl.constexpr, FP8: tl.constexpr, BLOCK_H: tl.constexpr):
+def payload_cols(h0, tm, H: tl.constexpr, NB: tl.constexpr, FP8: tl.constexpr, BLOCK_H: tl.constexpr,
+                 FULL: tl.constexpr = False):
     """``(hh, hm, bb, bm)`` of the payload tile at channel ``h0`` for the tokens ``tm`` (mask):
     its channels and their mask, and for fp8 its 128-channel scale blocks and their mask (for
-    bf16 the channels again, unused); what ``payload_tile`` takes."""
+    bf16 the channels again, unused); what ``payload_tile`` takes. ``FULL``: the caller knows the
+    tile lies inside the row (``h0 + BLOCK_H <= H``), so the masks are the tokens' alone."""
     hh = h0 + tl.arange(0, BLOCK_H)
-    hm = tm[:, None] & (hh[None, :] < H)
+    if FULL:
+        hm = tm[:, None] & (tl.arange(0, BLOCK_H) >= 0)[None, :]
+    else:
+        hm = tm[:, None] & (hh[None, :] < H)
     if FP8:
         bb = h0 // 128 + tl.arange(0, BLOCK_H // 128)
-        bm = tm[:, None] & (bb[None, :] < NB)
+        if FULL:
+            bm = tm[:, None] & (tl.arange(0, BLOCK_H // 128) >= 0)[None, :]
+        else:
+            bm = tm[:, None] & (bb[None, :] < NB)
     else:
         bb, bm = hh, hm
     return hh, hm, bb, bm
