@@ -38,11 +38,18 @@ def own_loop(ptx):
     top = max(i for i in labels if i < cvt[-1] and back_edge(i) is not None)
     end = back_edge(top)
     body = lines[top:end]
-    # Loads before the loop whose registers the loop reads (its first tile, loaded ahead).
-    def feeds_loop(l):
-        regs = re.findall(r"%r\d+", l.split("{")[1].split("}")[0]) if "{" in l else []
-        return any(re.search(re.escape(r) + r"\b", b) for r in regs for b in lines[top:end])
-    return dict(prologue_loads=sum("ld.global.v4" in l and feeds_loop(l) for l in lines[:top]),
+    # Loads before the loop whose registers the loop reads (its first tile, loaded ahead), directly
+    # or through the moves that split them into 16-bit halves before the loop.
+    body_text = "\n".join(lines[top:end])
+    def feeds_loop(i):
+        l = lines[i]
+        regs = set(re.findall(r"%r\d+", l.split("{")[1].split("}")[0])) if "{" in l else set()
+        for m in lines[i + 1:top]:
+            mv = re.match(r"\s*mov\.b32\s+(\{[^}]*\}|%\w+),\s*(%r\d+);", m)
+            if mv and mv.group(2) in regs:
+                regs |= set(re.findall(r"%r?s?\d+", mv.group(1)))
+        return any(re.search(re.escape(r) + r"\b", body_text) for r in regs)
+    return dict(prologue_loads=sum("ld.global.v4" in l and feeds_loop(i) for i, l in enumerate(lines[:top])),
                 selects_b16=sum("selp.b16" in l for l in body),
                 plain_vector_stores=sum(bool(re.search(r"st\.global\.v[24]", l)) for l in body),
                 streaming_stores=sum("st.global.cs" in l for l in body),

@@ -155,7 +155,7 @@ def quantize_tile(v, s, FP8: tl.constexpr, PREQ: tl.constexpr, BLOCK_T: tl.const
     scales as ``[BLOCK_T * BLOCK_H // 128]``, one per block in the layout of the block maxima
     (``per_block`` gives other values that layout), not ``[BLOCK_T, BLOCK_H // 128]``."""
     if FP8 and not PREQ:
-        vb = tl.reshape(v.to(tl.float32), (BLOCK_T * BLOCK_H // 128, 128))
+        vb = tl.reshape(widen_bf16(v, INTERP), (BLOCK_T * BLOCK_H // 128, 128))
         if INTERP:  # the interpreter's max drops NaN (np.nanmax): test the exponent bits per element
             raw = tl.max(tl.abs(vb), axis=1)
             exp_ones = (vb.to(tl.uint32, bitcast=True) & 0x7F800000) == 0x7F800000
@@ -187,16 +187,30 @@ def block_scale(amax, INTERP: tl.constexpr):
     """float32 block maxima (>= 1e-4, finite) -> ``(amax / 448, 448 / amax)``, both correctly
     rounded (``moe_ep.fp8``'s scale and DeepEP's factor ``x * (448 / amax)``): exact divisions
     once per block, then one multiply per element (a per-element division cost ~100 us of a
-    4096-token dispatch at 32 SMs)."""
+    4096-token dispatch at 32 SMs). On a GPU neither needs the division's range check and slow
+    path (together a tenth of the own-row loop's issue); both are checked equal to IEEE division
+    for every float32 amax >= 1e-4 (tests/test_fp8.py)."""
     if INTERP:
-        scf = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+        return (tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)),
+                tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax))
     else:
-        # amax / 448 as one correction of amax * RN(1/448): equal to the division for every
-        # float32 amax >= 1e-4 (checked exhaustively, tests/test_fp8.py), and without the
-        # division's range check and slow-path branch (a twentieth of the own-row loop's issue).
+        # amax / 448: one correction of amax * RN(1/448).
         q0 = amax * RECIP_448
         scf = tl.fma(tl.fma(q0, -448.0, amax), RECIP_448, q0)
-    return scf, tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax)
+        # 448 / amax as 1.75 / (amax / 256), the same quotient: with the divisor scaled down its
+        # reciprocal is normal for every finite amax, so the fast path (a refined reciprocal,
+        # then one correction of the quotient) holds throughout.
+        inv = tl.inline_asm_elementwise(
+            """{ .reg .f32 s, r, e, q;
+            mul.rn.f32 s, $1, 0f3B800000;
+            rcp.approx.ftz.f32 r, s;
+            neg.f32 s, s;
+            fma.rn.f32 e, s, r, 0f3F800000;
+            fma.rn.f32 r, r, e, r;
+            mul.rn.f32 q, r, 0f3FE00000;
+            fma.rn.f32 e, s, q, 0f3FE00000;
+            fma.rn.f32 $0, e, r, q; }""", "=r,r", [amax], dtype=tl.float32, is_pure=True, pack=1)
+        return scf, inv
 
 
 @triton.jit
@@ -309,6 +323,18 @@ def per_block(v, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     """``v`` (int [BLOCK_T, BLOCK_H], constant over each 128-channel block of a row) as one value
     per block, ``[BLOCK_T * BLOCK_H // 128]``: the shape and layout of ``quantize_tile``'s FLAT scales."""
     return tl.max(tl.reshape(v, (BLOCK_T * BLOCK_H // 128, 128)), axis=1)
+
+
+@triton.jit
+def widen_bf16(v, INTERP: tl.constexpr):
+    """bfloat16 -> float32 (exact). On a GPU two values at a time from the 32-bit word that holds
+    them: the low one shifted up, the high one masked (2 instructions a pair, against 3 for
+    Triton's per-value conversion, which moves the high half down first)."""
+    if INTERP:
+        return v.to(tl.float32)
+    else:
+        return tl.inline_asm_elementwise("{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xFFFF0000; }", "=r,=r,r", [v],
+                                         dtype=tl.float32, is_pure=True, pack=2)
 
 
 @triton.jit
