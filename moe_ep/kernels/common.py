@@ -155,7 +155,7 @@ def quantize_tile(v, s, FP8: tl.constexpr, PREQ: tl.constexpr, BLOCK_T: tl.const
     scales as ``[BLOCK_T * BLOCK_H // 128]``, one per block in the layout of the block maxima
     (``per_block`` gives other values that layout), not ``[BLOCK_T, BLOCK_H // 128]``."""
     if FP8 and not PREQ:
-        vb = tl.reshape(widen_bf16(v, INTERP), (BLOCK_T * BLOCK_H // 128, 128))
+        vb = tl.reshape(v.to(tl.float32), (BLOCK_T * BLOCK_H // 128, 128))
         if INTERP:  # the interpreter's max drops NaN (np.nanmax): test the exponent bits per element
             raw = tl.max(tl.abs(vb), axis=1)
             exp_ones = (vb.to(tl.uint32, bitcast=True) & 0x7F800000) == 0x7F800000
@@ -323,18 +323,6 @@ def per_block(v, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     """``v`` (int [BLOCK_T, BLOCK_H], constant over each 128-channel block of a row) as one value
     per block, ``[BLOCK_T * BLOCK_H // 128]``: the shape and layout of ``quantize_tile``'s FLAT scales."""
     return tl.max(tl.reshape(v, (BLOCK_T * BLOCK_H // 128, 128)), axis=1)
-
-
-@triton.jit
-def widen_bf16(v, INTERP: tl.constexpr):
-    """bfloat16 -> float32 (exact). On a GPU two values at a time from the 32-bit word that holds
-    them: the low one shifted up, the high one masked (2 instructions a pair, against 3 for
-    Triton's per-value conversion, which moves the high half down first)."""
-    if INTERP:
-        return v.to(tl.float32)
-    else:
-        return tl.inline_asm_elementwise("{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xFFFF0000; }", "=r,=r,r", [v],
-                                         dtype=tl.float32, is_pure=True, pack=2)
 
 
 @triton.jit
