@@ -235,11 +235,12 @@ class EPBuffer:
         self.recv_topk_weights = torch.zeros(R * M, topk, dtype=torch.float32, device=dev) if rows else None
         self.recv_src = torch.zeros(R * M, dtype=torch.int32, device=dev) if rows else None
         self.num_recv = torch.zeros(1, dtype=torch.int32, device=dev) if rows else None
-        # The fields every DispatchResult of this buffer shares (DispatchResult.issued).
+        # The fields every DispatchResult of this buffer shares (DispatchResult.issued; not the
+        # buffer itself: no reference cycle, so a deleted buffer frees its memory at once).
         self._result_fields = dict(expert_x=self.expert_x, expert_scales=self.expert_scales,
                                    expert_counts=self.expert_counts, expert_offsets=self.expert_offsets,
                                    recv_topk_idx=self.recv_topk_idx, recv_topk_weights=self.recv_topk_weights,
-                                   recv_src=self.recv_src, num_recv=self.num_recv, _buffer=self)
+                                   recv_src=self.recv_src, num_recv=self.num_recv)
         self.remote = self._start_remote(private_capacity, overflow_capacity) if G < R else None
         # What every launch passes and never changes, ready for the cheap launch path.
         self._launch = Launcher(dev)

@@ -176,7 +176,7 @@ def _dispatched(buf, T: int, recv):
     """The end of a dispatch of ``T`` tokens just issued (``recv``: its receive half, for a hook)."""
     buf._epochs[0] += 1
     buf._serial += 1
-    result = DispatchResult.issued(buf._result_fields, T, buf._serial)
+    result = DispatchResult.issued(buf._result_fields, buf, T, buf._serial)
     if recv is not None:
         return result, buf._make_hook("dispatch", recv)
     if buf.interp:

@@ -41,13 +41,15 @@ class DispatchResult:
     _serial: int = field(default=0, repr=False)
 
     @classmethod
-    def issued(cls, fields: dict, num_tokens: int, serial: int) -> "DispatchResult":
-        """The result of a dispatch just issued: ``fields`` (every field but these two, the same
-        for each call of one buffer) plus ``num_tokens`` and ``serial``. Built without the
-        dataclass ``__init__`` (1.6 -> 0.6 us of host time per eager dispatch, measured on a
-        CPU); the object is the same as one ``__init__`` makes."""
+    def issued(cls, fields: dict, buffer, num_tokens: int, serial: int) -> "DispatchResult":
+        """The result of a dispatch just issued by ``buffer``: ``fields`` (every field but these
+        three, the same for each call of one buffer) plus ``buffer``, ``num_tokens`` and ``serial``.
+        Built without the dataclass ``__init__`` (1.6 -> 0.6 us of host time per eager dispatch,
+        measured on a CPU); the object is the same as one ``__init__`` makes. (``fields`` holds no
+        reference to the buffer: the buffer keeps it, and a cycle would keep a deleted buffer's
+        device memory until the garbage collector runs.)"""
         r = object.__new__(cls)
         d = fields.copy()
-        d["num_tokens"], d["_serial"] = num_tokens, serial
+        d["_buffer"], d["num_tokens"], d["_serial"] = buffer, num_tokens, serial
         r.__dict__ = d
         return r

@@ -220,9 +220,10 @@ def test_issued_result_is_the_dataclass_one():
     from moe_ep.handle import DispatchResult
 
     names = [f.name for f in dataclasses.fields(DispatchResult)]
-    shared = {n: object() for n in names if n not in ("num_tokens", "_serial")}
-    a = DispatchResult.issued(shared, 3, 7)
-    b = DispatchResult(**shared, num_tokens=3, _serial=7)
+    shared = {n: object() for n in names if n not in ("_buffer", "num_tokens", "_serial")}
+    buffer = object()
+    a = DispatchResult.issued(shared, buffer, 3, 7)
+    b = DispatchResult(**shared, _buffer=buffer, num_tokens=3, _serial=7)
     assert type(a) is DispatchResult
     assert [getattr(a, n) for n in names] == [getattr(b, n) for n in names]
 
@@ -297,3 +298,33 @@ def test_new_output_is_a_fresh_tensor():
     for T in range(2 * _SHAPES):  # the kept shapes stay bounded
         new_output(buf, T)
     assert len(buf._out_like) <= _SHAPES
+
+
+def test_deleted_buffer_is_freed_without_the_collector():
+    """A closed buffer that nobody references any more is freed at once (no reference cycle
+    through its own fields), before and after a dispatch + combine whose results were dropped:
+    on a GPU its expert layout goes back to torch's cache then, not at the next collection
+    (tests/test_shared_gpu.py measures that memory)."""
+    import gc
+    import weakref
+
+    import moe_ep
+
+    gc.disable()
+    try:
+        g = moe_ep.EPGroup()
+        for used in (False, True):
+            buf = moe_ep.EPBuffer(g, 4, 128, 16, 2)
+            if used:
+                h = buf.dispatch(torch.randn(8, 128, dtype=torch.bfloat16), torch.randint(0, 4, (8, 2)),
+                                 torch.rand(8, 2))
+                out = buf.combine(h.expert_x.clone(), h)
+                assert out.shape == (8, 128)
+                del h, out
+            ref = weakref.ref(buf)
+            buf.close()
+            del buf
+            assert ref() is None, f"buffer (used={used}) kept alive by: " + \
+                ", ".join(type(r).__name__ for r in gc.get_referrers(ref()))
+    finally:
+        gc.enable()
