@@ -189,7 +189,8 @@ def block_scale(amax, INTERP: tl.constexpr):
     once per block, then one multiply per element (a per-element division cost ~100 us of a
     4096-token dispatch at 32 SMs). On a GPU neither needs the division's range check and slow
     path (together a tenth of the own-row loop's issue); both are checked equal to IEEE division
-    for every float32 amax >= 1e-4 (tests/test_fp8.py)."""
+    for every float32 amax >= 1e-4 (tests/test_fp8.py). A non-finite amax gives values of no
+    meaning: ``quantize_tile`` replaces both with NaN for such a block (test_nonfinite_input*)."""
     if INTERP:
         return (tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)),
                 tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax))
@@ -249,9 +250,9 @@ def store_own_rows(v, vs, nt, nm, x_ptr, xs_ptr, t, tm, r, kk, out_x_ptr, out_s_
     if KS == 1 and H // BLOCK_H <= UNROLL_TILES:
         # One row per token and few tiles a row (rows layout: 7 of 1024 channels at hidden
         # 7168): unrolled, so each step's columns, masks and offsets are constants and no loop
-        # state is carried. The loop is issue-bound there: fp8 at 32 warps, ~115 SASS
-        # instructions a thread a step against ~165 as a loop. (With K rows per token the
-        # unrolled steps' row pointers spill.)
+        # state is carried. The loop was issue-bound there: fp8 at 32 warps, ~115 SASS
+        # instructions a thread a step against ~165 as a loop (~95 with block_scale). (With K
+        # rows per token the unrolled steps' row pointers spill.)
         for h0 in tl.static_range(0, H, BLOCK_H):
             v, vs = _own_rows_step(v, vs, nt, nm, x_ptr, xs_ptr, t, tm, r, kk, out_x_ptr, out_s_ptr, sptr, srow, sblk,
                                    h0, h0 + BLOCK_H >= H, KS, H, NB, FP8, PREQ, BLOCK_T, BLOCK_H, INTERP, FLAT, True)
