@@ -117,8 +117,9 @@ def test_cli_cpu_writes_json(tmp_path, capsys):
     assert doc["args"]["rows"] == 64 and doc["args"]["row_bytes"] == 256
     assert {"torch", "triton", "commit"} <= set(doc["env"])
     names = [r["variant"] for r in doc["rows"]]
-    assert names == ["plain", "inflight-2", "inflight-4", "inflight-8", "pipelined-3", "expand-8", "tma-1x64-s3",
-                     "torch copy_", "torch index_select"]
+    assert names == ["plain", "inflight-2", "inflight-4", "inflight-8",
+                     *(f"prefetch-{n}-a{a}" for n in (2, 4) for a in (1, 2, 4)), "pipelined-3", "expand-8",
+                     "tma-1x64-s3", "torch copy_", "torch index_select"]
     for r in doc["rows"]:
         assert "error" not in r, r
         assert r["programs"] == ("n/a" if r["variant"].startswith("torch") else 2)

@@ -17,6 +17,9 @@ bytes / (floor GB/s). Variants:
   src[perm[i]]``, one row loaded then stored per loop step.
 - ``inflight-N``: N rows (a [N, BLOCK] tile through the permutation) loaded before any is stored,
   N times the bytes in flight per program.
+- ``prefetch-N-aD``: ``inflight-N`` whose rows D steps later are asked of the L2 first (one bulk
+  prefetch a row, ``cp.async.bulk.prefetch.L2`` on sm_90; no registers, nothing waited for), so each
+  step's loads hit the L2.
 - ``pipelined-S``: the ``plain`` loop with ``tl.range(num_stages=S)``: Triton prefetches the next
   S - 1 rows (asynchronous copies into shared memory) while storing this one.
 - ``expand-K``: each source row loaded once and stored K times, into K permuted destinations
@@ -50,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_ep.kernels.common import prefetch_l2
 from moe_ep.kernels.interpret import interpreting, speed_up
 from moe_ep.layout import pow2
 
@@ -97,6 +101,33 @@ def _gather_inflight_kernel(src_ptr, perm_ptr, dst_ptr, rows, WORDS: tl.constexp
             m = ok[:, None] & (c + cols < WORDS)[None, :]
             # one [N, BLOCK_W] tile: N rows' loads are issued before the first store waits on them,
             # so N times the bytes are in flight per program (latency hidden by more outstanding loads)
+            v = tl.load(src_ptr + s[:, None] * WORDS + (c + cols)[None, :], mask=m)
+            tl.store(dst_ptr + i[:, None] * WORDS + (c + cols)[None, :], v, mask=m)
+
+
+@triton.jit
+def _gather_prefetch_kernel(src_ptr, perm_ptr, dst_ptr, rows, WORDS: tl.constexpr, BLOCK_W: tl.constexpr,
+                            ROWS_IN_FLIGHT: tl.constexpr, AHEAD: tl.constexpr, INTERP: tl.constexpr):
+    """``inflight-N`` with the source rows of the step AHEAD steps later asked of the L2 first (one
+    bulk prefetch a row, ``prefetch_l2``), so this step's loads hit the L2."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    r = tl.arange(0, ROWS_IN_FLIGHT)
+    cols = tl.arange(0, BLOCK_W)
+    for j in tl.static_range(AHEAD * ROWS_IN_FLIGHT):  # the first AHEAD steps' rows
+        a = pid.to(tl.int64) * ROWS_IN_FLIGHT + (j // ROWS_IN_FLIGHT) * programs * ROWS_IN_FLIGHT + j % ROWS_IN_FLIGHT
+        if a < rows:
+            prefetch_l2(src_ptr + tl.load(perm_ptr + a).to(tl.int64) * WORDS, WORDS * 4, INTERP)
+    for first in range(pid.to(tl.int64) * ROWS_IN_FLIGHT, rows, programs * ROWS_IN_FLIGHT):
+        for j in tl.static_range(ROWS_IN_FLIGHT):
+            a = first + AHEAD * programs * ROWS_IN_FLIGHT + j
+            if a < rows:
+                prefetch_l2(src_ptr + tl.load(perm_ptr + a).to(tl.int64) * WORDS, WORDS * 4, INTERP)
+        i = first + r
+        ok = i < rows
+        s = tl.load(perm_ptr + i, mask=ok, other=0).to(tl.int64)
+        for c in tl.static_range(0, WORDS, BLOCK_W):
+            m = ok[:, None] & (c + cols < WORDS)[None, :]
             v = tl.load(src_ptr + s[:, None] * WORDS + (c + cols)[None, :], mask=m)
             tl.store(dst_ptr + i[:, None] * WORDS + (c + cols)[None, :], v, mask=m)
 
@@ -159,6 +190,15 @@ def gather_inflight(src: torch.Tensor, perm: torch.Tensor, out: torch.Tensor, *,
     _gather_inflight_kernel[(programs,)](src_ptr=src, perm_ptr=perm, dst_ptr=out, rows=src.shape[0],
                                          WORDS=_words(src), BLOCK_W=_block_words(_words(src)),
                                          ROWS_IN_FLIGHT=rows_in_flight, num_warps=num_warps)
+
+
+def gather_prefetch(src: torch.Tensor, perm: torch.Tensor, out: torch.Tensor, *, programs: int,
+                    rows_in_flight: int, ahead: int, num_warps: int = 16) -> None:
+    """``gather_inflight`` with the rows ``ahead`` steps later asked of the L2 first; shapes as gather_plain."""
+    _gather_prefetch_kernel[(programs,)](src_ptr=src, perm_ptr=perm, dst_ptr=out, rows=src.shape[0],
+                                         WORDS=_words(src), BLOCK_W=_block_words(_words(src)),
+                                         ROWS_IN_FLIGHT=rows_in_flight, AHEAD=ahead, INTERP=interpreting(),
+                                         num_warps=num_warps)
 
 
 def gather_pipelined(src: torch.Tensor, perm: torch.Tensor, out: torch.Tensor, *, programs: int, stages: int,
@@ -280,7 +320,7 @@ class Variant:
 
 
 def variants(inp: Inputs, *, inflight: list[int], stages: int, tma_box_rows: list[int],
-             num_warps: int) -> list[Variant]:
+             num_warps: int, prefetch: tuple[tuple[int, int], ...] = ()) -> list[Variant]:
     """Every variant over ``inp`` (gather variants share one output buffer)."""
     R, W = inp.src.shape
     K = inp.dest.shape[1]
@@ -294,6 +334,10 @@ def variants(inp: Inputs, *, inflight: list[int], stages: int, tma_box_rows: lis
         vs.append(Variant(f"inflight-{n}", lambda p, n=n: gather_inflight(inp.src, inp.perm, out, programs=p,
                                                                          rows_in_flight=n, num_warps=num_warps),
                           out, ref_gather, nbytes, nbytes))
+    for n, a in prefetch:
+        vs.append(Variant(f"prefetch-{n}-a{a}", lambda p, n=n, a=a: gather_prefetch(
+            inp.src, inp.perm, out, programs=p, rows_in_flight=n, ahead=a, num_warps=num_warps),
+            out, ref_gather, nbytes, nbytes))
     vs.append(Variant(f"pipelined-{stages}", lambda p: gather_pipelined(inp.src, inp.perm, out, programs=p,
                                                                         stages=stages, num_warps=num_warps),
                       out, ref_gather, nbytes, nbytes))
@@ -413,6 +457,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         f"cpu {CPU_DEFAULTS['row_bytes']})")
     p.add_argument("--inflight", type=_int_list("--inflight", pow2_only=True), default=[2, 4, 8],
                    help="rows in flight per program for the inflight-N variants (default 2,4,8)")
+    p.add_argument("--prefetch", type=_int_list("--prefetch"), default=[1, 2, 4],
+                   help="steps ahead of the prefetch-N-aD variants (L2 prefetch, N of the first two "
+                        "--inflight values; default 1,2,4)")
     p.add_argument("--stages", type=int, default=3,
                    help="software-pipelining depth of the pipelined-S and tma variants (default 3)")
     p.add_argument("--expand", type=int, default=8, help="K of expand-K: stores per source row (default 8)")
@@ -455,8 +502,9 @@ def run(args: argparse.Namespace) -> dict:
         speed_up()
     inp = make_inputs(args.rows, args.row_bytes, args.expand, device, seed=args.seed)
     rows = []
+    prefetch = tuple((n, a) for n in args.inflight[:2] for a in args.prefetch)
     for v in variants(inp, inflight=args.inflight, stages=args.stages, tma_box_rows=args.tma_box_rows,
-                      num_warps=args.num_warps):
+                      num_warps=args.num_warps, prefetch=prefetch):
         for programs in (args.programs if v.per_program else [None]):
             rows.append(measure(v, programs, iters=args.iters, warmup=args.warmup, cuda=cuda))
     return dict(benchmark="copy_floor", hardware=torch.cuda.get_device_name(device) if cuda else "cpu",

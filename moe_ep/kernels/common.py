@@ -20,6 +20,8 @@ RECIP_448 = tl.constexpr(0.0022321429569274187)  # float32 0x3B124925, RN(1 / 44
 
 PHASE_DISPATCH = tl.constexpr(0)
 PHASE_COMBINE = tl.constexpr(1)
+# The most bytes one prefetch_l2 asks for: the instruction's size field holds 16-bit counts of 16 bytes.
+PREFETCH_MAX = tl.constexpr(0xFFFF * 16)
 # store_own_rows unrolls its channel loop when a row has at most this many tiles.
 UNROLL_TILES = tl.constexpr(8)
 
@@ -73,6 +75,31 @@ def deadline_start(INTERP: tl.constexpr):
         return tl.full([], 0, tl.int64)
     else:
         return tl.extra.cuda.globaltimer()
+
+
+@triton.jit
+def prefetch_l2(ptr, nbytes, INTERP: tl.constexpr):
+    """Asks the L2 cache to fetch the bytes ``[ptr, ptr + nbytes)`` (``ptr``: a scalar pointer of
+    any type; only the 16-byte-aligned part inside is asked for, and at most ``PREFETCH_MAX`` bytes). A hint: one bulk prefetch by
+    thread 0 (sm_90 ``cp.async.bulk.prefetch.L2``), no registers held and nothing waited for, so a
+    loop's later loads of these bytes hit the L2 instead of waiting on HBM. Nothing under the
+    interpreter."""
+    if not INTERP:
+        a = ptr.to(tl.int64, bitcast=True)
+        lo = (a + 15) & -16
+        n = tl.minimum(((a + nbytes) & -16) - lo, PREFETCH_MAX)
+        tl.inline_asm_elementwise(
+            """{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0;
+            setp.gt.and.s32 p, $2, 0, p; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }""",
+            "=r,l,r", [lo, n.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def own_prefetch(x_ptr, t0, n, H: tl.constexpr, INTERP: tl.constexpr):
+    """``prefetch_l2`` of the ``n`` rows of ``x`` (``[T, H]``, any element type) from token ``t0``
+    (contiguous: a chunk's own tokens); nothing for ``n <= 0``."""
+    if n > 0:
+        prefetch_l2(x_ptr + t0.to(tl.int64) * H, n * (H * (x_ptr.dtype.element_ty.primitive_bitwidth // 8)), INTERP)
 
 
 @triton.jit

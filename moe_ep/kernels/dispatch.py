@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .common import (ERR_BAD_EXPERT, ERR_CAPACITY, PHASE_DISPATCH, abort_combines, chunking, deadline_start,
-                     first_own_tile, landed_chunk, payload_cols, payload_tile, ptr_at, raise_flag, record_error,
+                     first_own_tile, landed_chunk, own_prefetch, payload_cols, payload_tile, ptr_at, raise_flag, record_error,
                      store_own_rows, wait_flag)
 from .rows import on_peer, recv_rows_chunk, tokens_before
 
@@ -251,6 +251,7 @@ def dispatch_kernel(
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_EL: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_NB: tl.constexpr, STAGES: tl.constexpr,
     INTERP: tl.constexpr, ROWS: tl.constexpr, OWN_X: tl.constexpr, BLOCK_TS: tl.constexpr, BLOCK_HS: tl.constexpr,
+    PREFETCH: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -261,6 +262,10 @@ def dispatch_kernel(
     epoch = tl.load(state_ptr + pid) + 1
     par = epoch & 1
     hdr = ptr_at(ws, off_hdr, tl.int32) + par * N * HDR
+    if ROWS and OWN_X and RECV and PREFETCH > 0 and BLOCK_TS < BLOCK_T and pid < NC:
+        # This program's first own chunk, asked of the L2 while the metadata below is made.
+        t0 = pid * BT
+        own_prefetch(x_ptr, t0, tl.minimum(tl.minimum(BT, PREFETCH * BLOCK_TS), T - t0), H, INTERP)
     if SEND:
         # Headers first (program d writes the one for rank d) and the first chunk, before any wait.
         for d in range(pid, N, P):
@@ -333,6 +338,9 @@ def dispatch_kernel(
     end = tl.maximum(NC if SEND else 0, (nrecv + LAG) if RECV else 0)
     for i in range(pid + LAG, end, P):
         if OWN_X and RECV:  # own chunk i - LAG: its first tile's loads go out before the send work
+            if PREFETCH > 0:  # and this program's next own chunk is asked of the L2
+                nc = i - LAG + P
+                own_prefetch(x_ptr, nc * BT, tl.minimum(BT, T - nc * BT), H, INTERP)
             tt = tl.arange(0, BLOCK_TS)
             v, vs = first_own_tile(x_ptr, xs_ptr, (i - LAG) * BT + tt, (tt < BT) & ((i - LAG) * BT + tt < T), H, NB,
                                    FP8, PREQ, BLOCK_HS)
@@ -352,7 +360,8 @@ def dispatch_kernel(
                                         out_s_ptr, recv_ids_ptr, recv_wts_ptr, recv_src_ptr, recv_pos_ptr, err_ptr,
                                         epoch, par, t0_ns, timeout_ns, off_dflag, off_meta_i, off_meta_w, off_rows, RANK, NODE0,
                                         EL, GLOBAL, N, M, K, W, H, NB, RB, HDR, CMAX, FP8, PREQ, OWN_X, BLOCK_T,
-                                        BLOCK_K, BLOCK_W, BLOCK_TS, BLOCK_HS, BLOCK_NB, STAGES, SELF_SYNC, INTERP)
+                                        BLOCK_K, BLOCK_W, BLOCK_TS, BLOCK_HS, BLOCK_NB, STAGES, SELF_SYNC, INTERP,
+                                        PREFETCH)
                     else:
                         _recv_chunk(v, vs, s, i - LAG, ws, hdr, sel_ptr, scratch_ptr + pid * BLOCK_EL, x_ptr, xs_ptr,
                                     out_x_ptr, out_s_ptr, recv_pos_ptr, err_ptr, epoch, par, t0_ns, timeout_ns,
