@@ -338,9 +338,6 @@ def dispatch_kernel(
     end = tl.maximum(NC if SEND else 0, (nrecv + LAG) if RECV else 0)
     for i in range(pid + LAG, end, P):
         if OWN_X and RECV:  # own chunk i - LAG: its first tile's loads go out before the send work
-            if PREFETCH > 0:  # and this program's next own chunk is asked of the L2
-                nc = i - LAG + P
-                own_prefetch(x_ptr, nc * BT, tl.minimum(BT, T - nc * BT), H, INTERP)
             tt = tl.arange(0, BLOCK_TS)
             v, vs = first_own_tile(x_ptr, xs_ptr, (i - LAG) * BT + tt, (tt < BT) & ((i - LAG) * BT + tt < T), H, NB,
                                    FP8, PREQ, BLOCK_HS)
