@@ -207,9 +207,10 @@ class EPBuffer:
         # tokens or more (one H200, rows fp8 at 32 programs: 55.9 against 56.9 us with 4; at 132
         # programs, 32-token chunks, 4 stays: 35.6 against 36.4). MOE_EP_HIST_WARPS overrides.
         self.hist_warps = int(os.environ.get("MOE_EP_HIST_WARPS", 16 if self.block_t >= 128 else 4))
-        # Sub-blocks of own tokens asked of the L2 ahead of the own-row loop (prefetch_l2; 0: none).
-        # MOE_EP_PREFETCH overrides.
-        self.prefetch = int(os.environ.get("MOE_EP_PREFETCH", 2))
+        # Rows layout: sub-blocks of own tokens asked of the L2 ahead of the dispatch's own-row loop
+        # (prefetch_l2); None: the dispatch's rule (own_prefetch_depth). MOE_EP_PREFETCH overrides.
+        pf = os.environ.get("MOE_EP_PREFETCH", "")
+        self.prefetch = int(pf) if pf else None
         # Rows layout: N more rows, the tokens of each chunk with a selection on each node peer.
         self.hist = torch.zeros(num_experts + (N if rows else 0), self.chunks, dtype=torch.int32, device=dev)
         self.recv_pos = torch.zeros(N, M, topk, dtype=torch.int32, device=dev)
