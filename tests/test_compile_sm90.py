@@ -53,7 +53,8 @@ def own_loop(ptx):
                 selects_b16=sum("selp.b16" in l for l in body),
                 plain_vector_stores=sum(bool(re.search(r"st\.global\.v[24]", l)) for l in body),
                 streaming_stores=sum("st.global.cs" in l for l in body),
-                barriers=sum("bar.sync" in l for l in body))
+                barriers=sum("bar.sync" in l for l in body),
+                l2_prefetches=sum("cp.async.bulk.prefetch.L2" in l for l in lines))
 
 
 out, loops = [], []
@@ -198,6 +199,7 @@ def test_rows_kernels_compile_for_sm90(monkeypatch, tmp_path):
     """The rows layout's launches (decode and prefill, fused and in halves, combine with weights;
     the inter-node unpack and combine with weights) compile for sm_90 with vector stores."""
     pytest.importorskip("triton.backends.nvidia")
+    monkeypatch.setenv("MOE_EP_PREFETCH", "1")  # the own rows' L2 prefetch (on its own at <= 32 programs)
     rec = _record(monkeypatch, [(4096, 7168, torch.float8_e4m3fn, "rows", True),
                                 (128, 7168, torch.bfloat16, "rows", True),
                                 (128, 7168, torch.float8_e4m3fn, "rows", False)])
@@ -243,8 +245,11 @@ def test_rows_kernels_compile_for_sm90(monkeypatch, tmp_path):
     # streaming stores only, and no CTA barrier: the scales are stored from the layout they are
     # computed in (store_in_place), not moved through shared memory. (The kernels before it had
     # no prologue load and 32 selects; then two barriers per tile, 89 against 77 us at prefill.)
+    # With the L2 prefetch on, two bulk prefetches in the kernel: the first sub-blocks at its start,
+    # a later one as each sub-block starts.
     assert len(own) == 1 and own[0]["prologue_loads"] > 0 and own[0]["selects_b16"] == 0 and \
-        own[0]["streaming_stores"] > 0 and own[0]["plain_vector_stores"] == 0 and own[0]["barriers"] == 0, own
+        own[0]["streaming_stores"] > 0 and own[0]["plain_vector_stores"] == 0 and own[0]["barriers"] == 0 and \
+        own[0]["l2_prefetches"] == 2, own
     for name, vec_stores, _, _, _ in results:
         if name in ("remote_unpack_rows_kernel", "remote_combine_pack_kernel", "remote_combine_unpack_kernel"):
             assert vec_stores > 0, (name, vec_stores)

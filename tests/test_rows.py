@@ -234,3 +234,27 @@ def _group():
 def test_hooks_do_not_reread_inputs(R):
     fails = [f for r in dist_util.run(R, _hook_inputs_worker, timeout=300) for f in r]
     assert not fails, "\n".join(fails[:20])
+
+
+def test_own_prefetch_depth(monkeypatch):
+    """The rows dispatch's L2 prefetch of its own rows: one sub-block ahead for fp8 quantized in the
+    kernel on <= 32 programs, none otherwise (bf16, pre-quantized input, more programs), and
+    ``MOE_EP_PREFETCH`` overrides the rule."""
+    import moe_ep
+    from moe_ep.dispatch import own_prefetch_depth
+
+    monkeypatch.delenv("MOE_EP_PREFETCH", raising=False)
+    g = moe_ep.EPGroup()
+
+    def depth(dtype, programs, fp8_in=False):
+        buf = moe_ep.EPBuffer(g, 8, 128, 16, 2, dispatch_dtype=dtype, layout="rows", num_programs=programs)
+        try:
+            return own_prefetch_depth(buf, fp8_in)
+        finally:
+            buf.close()
+
+    fp8 = torch.float8_e4m3fn
+    assert [depth(fp8, 32), depth(fp8, 2), depth(fp8, 33), depth(torch.bfloat16, 32), depth(fp8, 32, True)] == \
+        [1, 1, 0, 0, 0]
+    monkeypatch.setenv("MOE_EP_PREFETCH", "3")
+    assert depth(torch.bfloat16, 132) == 3

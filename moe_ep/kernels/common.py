@@ -80,10 +80,10 @@ def deadline_start(INTERP: tl.constexpr):
 @triton.jit
 def prefetch_l2(ptr, nbytes, INTERP: tl.constexpr):
     """Asks the L2 cache to fetch the bytes ``[ptr, ptr + nbytes)`` (``ptr``: a scalar pointer of
-    any type; only the 16-byte-aligned part inside is asked for, and at most ``PREFETCH_MAX`` bytes). A hint: one bulk prefetch by
-    thread 0 (sm_90 ``cp.async.bulk.prefetch.L2``), no registers held and nothing waited for, so a
-    loop's later loads of these bytes hit the L2 instead of waiting on HBM. Nothing under the
-    interpreter."""
+    any type; only the 16-byte-aligned part inside is asked for, at most ``PREFETCH_MAX`` bytes).
+    A hint: one bulk prefetch by thread 0 (sm_90 ``cp.async.bulk.prefetch.L2``), no registers held
+    and nothing waited for, so a loop's later loads of these bytes hit the L2 instead of waiting on
+    HBM. Nothing under the interpreter."""
     if not INTERP:
         a = ptr.to(tl.int64, bitcast=True)
         lo = (a + 15) & -16

@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 from .common import (ERR_BAD_EXPERT, ERR_CAPACITY, PHASE_DISPATCH, abort_combines, chunking, deadline_start,
-                     first_own_tile, landed_chunk, own_prefetch, payload_cols, payload_tile, ptr_at, raise_flag, record_error,
-                     store_own_rows, wait_flag)
+                     first_own_tile, landed_chunk, own_prefetch, payload_cols, payload_tile, ptr_at, raise_flag,
+                     record_error, store_own_rows, wait_flag)
 from .rows import on_peer, recv_rows_chunk, tokens_before
 
 
@@ -251,7 +251,7 @@ def dispatch_kernel(
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_EL: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_NB: tl.constexpr, STAGES: tl.constexpr,
     INTERP: tl.constexpr, ROWS: tl.constexpr, OWN_X: tl.constexpr, BLOCK_TS: tl.constexpr, BLOCK_HS: tl.constexpr,
-    PREFETCH: tl.constexpr = 0,
+    PREFETCH: tl.constexpr,  # ROWS: own sub-blocks asked of the L2 ahead (prefetch_l2), 0 for none
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
