@@ -86,14 +86,29 @@ def _gather_kernel(src_ptr, perm_ptr, dst_ptr, rows, WORDS: tl.constexpr, BLOCK_
 
 
 @triton.jit
+def _prefetch_row(src_ptr, perm_ptr, a, rows, WORDS: tl.constexpr, INTERP: tl.constexpr):
+    """Source row ``perm[a]`` asked of the L2 (``prefetch_l2``); nothing for ``a >= rows``."""
+    if a < rows:
+        prefetch_l2(src_ptr + tl.load(perm_ptr + a).to(tl.int64) * WORDS, WORDS * 4, INTERP)
+
+
+@triton.jit
 def _gather_inflight_kernel(src_ptr, perm_ptr, dst_ptr, rows, WORDS: tl.constexpr, BLOCK_W: tl.constexpr,
-                            ROWS_IN_FLIGHT: tl.constexpr):
-    """``dst[i] = src[perm[i]]``, ROWS_IN_FLIGHT consecutive ``i`` per step: all loaded, then all stored."""
+                            ROWS_IN_FLIGHT: tl.constexpr, AHEAD: tl.constexpr, INTERP: tl.constexpr):
+    """``dst[i] = src[perm[i]]``, ROWS_IN_FLIGHT consecutive ``i`` per step: all loaded, then all stored.
+    AHEAD > 0 (``prefetch-N-aD``): the source rows of the step AHEAD steps later are asked of the L2
+    first (one bulk prefetch a row), so this step's loads hit the L2."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     r = tl.arange(0, ROWS_IN_FLIGHT)
     cols = tl.arange(0, BLOCK_W)
-    for first in range(pid.to(tl.int64) * ROWS_IN_FLIGHT, rows, programs * ROWS_IN_FLIGHT):
+    stride = programs * ROWS_IN_FLIGHT  # rows between a program's steps
+    for j in tl.static_range(AHEAD * ROWS_IN_FLIGHT):  # the rows of the first AHEAD steps
+        _prefetch_row(src_ptr, perm_ptr, pid.to(tl.int64) * ROWS_IN_FLIGHT + (j // ROWS_IN_FLIGHT) * stride +
+                      j % ROWS_IN_FLIGHT, rows, WORDS, INTERP)
+    for first in range(pid.to(tl.int64) * ROWS_IN_FLIGHT, rows, stride):
+        for j in tl.static_range(ROWS_IN_FLIGHT if AHEAD > 0 else 0):
+            _prefetch_row(src_ptr, perm_ptr, first + AHEAD * stride + j, rows, WORDS, INTERP)
         i = first + r
         ok = i < rows
         s = tl.load(perm_ptr + i, mask=ok, other=0).to(tl.int64)
@@ -101,33 +116,6 @@ def _gather_inflight_kernel(src_ptr, perm_ptr, dst_ptr, rows, WORDS: tl.constexp
             m = ok[:, None] & (c + cols < WORDS)[None, :]
             # one [N, BLOCK_W] tile: N rows' loads are issued before the first store waits on them,
             # so N times the bytes are in flight per program (latency hidden by more outstanding loads)
-            v = tl.load(src_ptr + s[:, None] * WORDS + (c + cols)[None, :], mask=m)
-            tl.store(dst_ptr + i[:, None] * WORDS + (c + cols)[None, :], v, mask=m)
-
-
-@triton.jit
-def _gather_prefetch_kernel(src_ptr, perm_ptr, dst_ptr, rows, WORDS: tl.constexpr, BLOCK_W: tl.constexpr,
-                            ROWS_IN_FLIGHT: tl.constexpr, AHEAD: tl.constexpr, INTERP: tl.constexpr):
-    """``inflight-N`` with the source rows of the step AHEAD steps later asked of the L2 first (one
-    bulk prefetch a row, ``prefetch_l2``), so this step's loads hit the L2."""
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    r = tl.arange(0, ROWS_IN_FLIGHT)
-    cols = tl.arange(0, BLOCK_W)
-    for j in tl.static_range(AHEAD * ROWS_IN_FLIGHT):  # the first AHEAD steps' rows
-        a = pid.to(tl.int64) * ROWS_IN_FLIGHT + (j // ROWS_IN_FLIGHT) * programs * ROWS_IN_FLIGHT + j % ROWS_IN_FLIGHT
-        if a < rows:
-            prefetch_l2(src_ptr + tl.load(perm_ptr + a).to(tl.int64) * WORDS, WORDS * 4, INTERP)
-    for first in range(pid.to(tl.int64) * ROWS_IN_FLIGHT, rows, programs * ROWS_IN_FLIGHT):
-        for j in tl.static_range(ROWS_IN_FLIGHT):
-            a = first + AHEAD * programs * ROWS_IN_FLIGHT + j
-            if a < rows:
-                prefetch_l2(src_ptr + tl.load(perm_ptr + a).to(tl.int64) * WORDS, WORDS * 4, INTERP)
-        i = first + r
-        ok = i < rows
-        s = tl.load(perm_ptr + i, mask=ok, other=0).to(tl.int64)
-        for c in tl.static_range(0, WORDS, BLOCK_W):
-            m = ok[:, None] & (c + cols < WORDS)[None, :]
             v = tl.load(src_ptr + s[:, None] * WORDS + (c + cols)[None, :], mask=m)
             tl.store(dst_ptr + i[:, None] * WORDS + (c + cols)[None, :], v, mask=m)
 
@@ -187,15 +175,14 @@ def gather_plain(src: torch.Tensor, perm: torch.Tensor, out: torch.Tensor, *, pr
 def gather_inflight(src: torch.Tensor, perm: torch.Tensor, out: torch.Tensor, *, programs: int,
                     rows_in_flight: int, num_warps: int = 16) -> None:
     """``out[i] = src[perm[i]]``, ``rows_in_flight`` (a power of two) rows per step; shapes as gather_plain."""
-    _gather_inflight_kernel[(programs,)](src_ptr=src, perm_ptr=perm, dst_ptr=out, rows=src.shape[0],
-                                         WORDS=_words(src), BLOCK_W=_block_words(_words(src)),
-                                         ROWS_IN_FLIGHT=rows_in_flight, num_warps=num_warps)
+    gather_prefetch(src, perm, out, programs=programs, rows_in_flight=rows_in_flight, ahead=0, num_warps=num_warps)
 
 
 def gather_prefetch(src: torch.Tensor, perm: torch.Tensor, out: torch.Tensor, *, programs: int,
                     rows_in_flight: int, ahead: int, num_warps: int = 16) -> None:
-    """``gather_inflight`` with the rows ``ahead`` steps later asked of the L2 first; shapes as gather_plain."""
-    _gather_prefetch_kernel[(programs,)](src_ptr=src, perm_ptr=perm, dst_ptr=out, rows=src.shape[0],
+    """``gather_inflight`` with the rows ``ahead`` steps later asked of the L2 first (0: none);
+    shapes as gather_plain."""
+    _gather_inflight_kernel[(programs,)](src_ptr=src, perm_ptr=perm, dst_ptr=out, rows=src.shape[0],
                                          WORDS=_words(src), BLOCK_W=_block_words(_words(src)),
                                          ROWS_IN_FLIGHT=rows_in_flight, AHEAD=ahead, INTERP=interpreting(),
                                          num_warps=num_warps)

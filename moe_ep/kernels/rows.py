@@ -126,7 +126,7 @@ def _own_rows_in_blocks(v, vs, s, c, hdr, recv_pos_ptr, x_ptr, xs_ptr, kk, out_x
     whole program), one sub-block ahead; each sub-block's last step loads the next one's first
     tile, so the loads never stop between sub-blocks. ``v, vs``: the first sub-block's first tile.
     ``PREFETCH`` > 0: sub-block ``b + PREFETCH`` is asked of the L2 when sub-block ``b`` starts (the
-    kernel asked for the first ones), so the loop's loads hit the L2: more bytes in flight than
+    kernel's start asked for the first ones of a program's first chunk), so the loop's loads hit the L2: more bytes in flight than
     its registers hold."""
     tl.debug_barrier()  # every thread's recv_pos stores of this chunk before they are read back
     ts = tl.load(hdr + s * HDR)
