@@ -72,6 +72,49 @@ def test_tma_matches_torch(inp, device, box_rows):
     assert cf.check(out, cf.reference_gather(inp)) is None
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("programs", PROGRAMS)
+def test_ring_matches_torch(inp, device, programs):
+    """The Gluon ring gather and expansion (2304-byte rows: 9 chunks of 64 words in a 16-chunk box,
+    the overhang zero-filled on load and skipped on store) at 2, 3 and as many slots as fit."""
+    why = cf.ring_unavailable(device)
+    if why:
+        pytest.skip(why)
+    for stages in (2, 3, 0):
+        out = torch.zeros_like(inp.src)
+        cf.ring_variant(inp, out, expand=False, stages=stages)(programs)
+        assert cf.check(out, cf.reference_gather(inp)) is None, f"gather, {stages} slots"
+        out = torch.zeros(ROWS * EXPAND, ROW_BYTES // 4, dtype=torch.int32, device=device)
+        cf.ring_variant(inp, out, expand=True, stages=stages)(programs)
+        assert cf.check(out, cf.reference_expand(inp)) is None, f"expansion, {stages} slots"
+
+
+def test_ring_kernel_compiles_for_sm90():
+    """The ring kernel compiles for sm_90 without a GPU at the copy floor's row sizes with as many
+    slots as fit: within one program's shared memory, one bulk tensor load per slot and one store
+    per destination row in the PTX (no copy through registers)."""
+    import re
+
+    from moe_ep.kernels import tma_ring
+    from moe_ep.kernels.aot import compile_gluon_for, descriptor_type
+
+    assert tma_ring.row_box(1792) == (7, 8, 256) and tma_ring.row_box(576) == (9, 16, 64)
+    for words, gather, k in ((1792, True, 1), (1792, False, 8), (3584, True, 1)):
+        chunks, box, cols = tma_ring.row_box(words)
+        stages = tma_ring.max_stages(words * 4, words)
+        d = descriptor_type("i32", [1, box, cols], 32)
+        kern = compile_gluon_for(tma_ring.ring_copy_kernel, dict(src_desc=d, dst_desc=d, idx_ptr="*i32", rows="i32"),
+                                 dict(GATHER=gather, K=k, STAGES=stages))
+        assert stages * box * cols * 4 <= kern.metadata.shared <= tma_ring.SMEM_BYTES, (words, stages)
+        ptx = kern.asm["ptx"]
+        loads = len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::cluster\.global", ptx))
+        stores = len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta", ptx))
+        assert (loads, stores) == (stages, k), (words, gather, loads, stores)
+        assert "ld.global.v4" not in ptx and "st.global.v4" not in ptx, "row bytes went through registers"
+    with pytest.raises(ValueError, match="stages"):
+        tma_ring.ring_copy(None, None, torch.zeros(1, dtype=torch.int32), 1, gather=True, k=1, stages=1, programs=1)
+
+
 def test_tma_box():
     assert cf.tma_box(1792, 8) == (8, 256)  # 7168-byte rows: 7 chunks of 256 words, one box of 8
     assert cf.tma_box(1792, 4) == (4, 256)
@@ -119,8 +162,12 @@ def test_cli_cpu_writes_json(tmp_path, capsys):
     names = [r["variant"] for r in doc["rows"]]
     assert names == ["plain", "inflight-2", "inflight-4", "inflight-8",
                      *(f"prefetch-{n}-a{a}" for n in (2, 4) for a in (1, 2, 4)), "pipelined-3", "expand-8",
-                     "tma-1x64-s3", "torch copy_", "torch index_select"]
+                     "tma-1x64-s3", *(n for s in ("4", "8", "max") for n in (f"ring-{s}", f"ring-expand-8-s{s}")),
+                     "torch copy_", "torch index_select"]
     for r in doc["rows"]:
+        if r["variant"].startswith("ring"):  # Gluon kernels: GPU only
+            assert r["error"].startswith("not available: Gluon"), r
+            continue
         assert "error" not in r, r
         assert r["programs"] == ("n/a" if r["variant"].startswith("torch") else 2)
         assert r["p50_us"] > 0 and r["gbps"] > 0

@@ -27,6 +27,10 @@ bytes / (floor GB/s). Variants:
 - ``tma-BxC-sS``: the ``pipelined-S`` loop with Triton tensor descriptors (TMA on sm90+): a row is
   seen as [chunks, C] int32 words and moved B chunks per box; "not available: <reason>" where
   tensor descriptors are not.
+- ``ring-S`` and ``ring-expand-K-sS``: the gather and the expansion by Gluon kernels
+  (``moe_ep.kernels.tma_ring``, sm_90+): each program keeps S whole rows in a shared-memory ring,
+  loaded by TMA S - 1 rows ahead and stored from shared memory by TMA (K times for the expansion);
+  S = 0 in ``--ring-stages`` means as many as fit. GPU only ("not available" in the interpreter).
 - reference lines, no program count: ``torch copy_`` (contiguous device-to-device memcpy, the
   bandwidth line of the memory itself) and ``torch index_select`` (torch's own gather kernel). A gather
   by the copy engines is not measured: one ``cudaMemcpyAsync`` per row is bound by issue cost.
@@ -214,6 +218,38 @@ def tma_box(words: int, box_rows: int) -> tuple[int, int]:
     return min(pow2(box_rows), pow2(chunks), TMA_MAX_BOX), cols
 
 
+def ring_unavailable(device: torch.device) -> Optional[str]:
+    """Why the Gluon ring kernels cannot run on ``device`` (None when they can)."""
+    if device.type != "cuda":
+        return "Gluon kernels do not run in Triton's interpreter (GPU only)"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 9:
+        return f"TMA needs sm90 or newer, this GPU is sm{major}{minor}"
+    try:
+        from moe_ep.kernels import tma_ring  # noqa: F401
+    except ImportError as e:
+        return f"triton {triton.__version__} has no Gluon TMA ({e})"
+    return None
+
+
+def ring_variant(inp: Inputs, out: torch.Tensor, *, expand: bool, stages: int) -> Callable[[int], None]:
+    """The launch of the ring gather (``out[i] = src[perm[i]]``) or expansion (``out[dest[i, k]] =
+    src[i]``) with ``stages`` ring slots (0: as many as fit); descriptors made at the first launch."""
+    made: dict = {}
+
+    def launch(programs: int) -> None:
+        from moe_ep.kernels import tma_ring
+
+        if not made:
+            W = inp.src.shape[1]
+            made.update(src=tma_ring.row_descriptor(inp.src), dst=tma_ring.row_descriptor(out),
+                        stages=stages or tma_ring.max_stages(W * 4, W))
+        tma_ring.ring_copy(made["src"], made["dst"], inp.dest if expand else inp.perm, inp.src.shape[0],
+                           gather=not expand, k=inp.dest.shape[1] if expand else 1, stages=made["stages"],
+                           programs=programs)
+    return launch
+
+
 def tma_unavailable(device: torch.device) -> Optional[str]:
     """Why tensor-descriptor kernels cannot run on ``device`` (None when they can)."""
     if not hasattr(tl, "make_tensor_descriptor"):
@@ -307,7 +343,7 @@ class Variant:
 
 
 def variants(inp: Inputs, *, inflight: list[int], stages: int, tma_box_rows: list[int],
-             num_warps: int, prefetch: tuple[tuple[int, int], ...] = ()) -> list[Variant]:
+             num_warps: int, prefetch: tuple[tuple[int, int], ...] = (), ring_stages: tuple[int, ...] = ()) -> list[Variant]:
     """Every variant over ``inp`` (gather variants share one output buffer)."""
     R, W = inp.src.shape
     K = inp.dest.shape[1]
@@ -337,6 +373,13 @@ def variants(inp: Inputs, *, inflight: list[int], stages: int, tma_box_rows: lis
                           lambda p, rows=rows: gather_tma(inp.src, inp.perm, out, programs=p, box_rows=rows,
                                                           stages=stages),
                           out, ref_gather, nbytes, nbytes, unavailable=why))
+    why = ring_unavailable(inp.src.device)
+    for st in ring_stages:
+        tag = st or "max"
+        vs.append(Variant(f"ring-{tag}", ring_variant(inp, out, expand=False, stages=st), out, ref_gather,
+                          nbytes, nbytes, unavailable=why))
+        vs.append(Variant(f"ring-expand-{K}-s{tag}", ring_variant(inp, out_expanded, expand=True, stages=st),
+                          out_expanded, lambda: reference_expand(inp), nbytes, nbytes * K, unavailable=why))
     vs.append(Variant("torch copy_", lambda p: out.copy_(inp.src), out, lambda: inp.src, nbytes, nbytes,
                       per_program=False))
     vs.append(Variant("torch index_select", lambda p: torch.index_select(inp.src, 0, inp.perm, out=out),
@@ -417,14 +460,15 @@ def format_table(rows: list[dict], meaningful: bool = True) -> str:
 
 # ----------------------------------------------------------------------------- command line
 
-def _int_list(flag: str, pow2_only: bool = False):
+def _int_list(flag: str, pow2_only: bool = False, zero_ok: bool = False):
     def parse(text: str) -> list[int]:
         try:
             values = [int(v) for v in text.split(",") if v.strip()]
         except ValueError:
             values = []
-        if not values or any(v < 1 for v in values) or (pow2_only and any(v & (v - 1) for v in values)):
-            kind = "powers of two" if pow2_only else "positive integers"
+        if not values or any(v < (0 if zero_ok else 1) for v in values) or \
+                (pow2_only and any(v & (v - 1) for v in values)):
+            kind = "powers of two" if pow2_only else "integers >= 0" if zero_ok else "positive integers"
             raise argparse.ArgumentTypeError(f"{flag}: expected a comma-separated list of {kind}, got {text!r}")
         return values
     return parse
@@ -452,6 +496,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--expand", type=int, default=8, help="K of expand-K: stores per source row (default 8)")
     p.add_argument("--tma-box-rows", type=_int_list("--tma-box-rows", pow2_only=True), default=[4, 8],
                    help="box rows of the tma variants, 256-word chunks of a row per box (default 4,8)")
+    p.add_argument("--ring-stages", type=_int_list("--ring-stages", zero_ok=True), default=[4, 8, 0],
+                   help="ring slots of the ring variants, 0 = as many as fit (default 4,8,0)")
     p.add_argument("--num-warps", type=int, default=16, help="warps per program of the gather kernels (default 16)")
     p.add_argument("--iters", type=int, default=None, help=f"timed iterations (default {GPU_DEFAULTS['iters']})")
     p.add_argument("--warmup", type=int, default=None,
@@ -465,6 +511,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
             setattr(args, k, v)
     if args.row_bytes < 16 or args.row_bytes % 16:
         p.error(f"--row-bytes: a positive multiple of 16 (16-byte vectors, TMA strides), got {args.row_bytes}")
+    if 1 in args.ring_stages:
+        p.error("--ring-stages: 0 (as many as fit) or at least 2 (one slot loading while one is stored)")
     if min(args.rows, args.expand, args.stages, args.iters, args.num_warps) < 1 or args.warmup < 0:
         p.error("--rows, --expand, --stages, --iters and --num-warps must be positive, --warmup not negative")
     if args.device == "cpu" and not interpreting():
@@ -491,7 +539,7 @@ def run(args: argparse.Namespace) -> dict:
     rows = []
     prefetch = tuple((n, a) for n in args.inflight[:2] for a in args.prefetch)
     for v in variants(inp, inflight=args.inflight, stages=args.stages, tma_box_rows=args.tma_box_rows,
-                      num_warps=args.num_warps, prefetch=prefetch):
+                      num_warps=args.num_warps, prefetch=prefetch, ring_stages=tuple(args.ring_stages)):
         for programs in (args.programs if v.per_program else [None]):
             rows.append(measure(v, programs, iters=args.iters, warmup=args.warmup, cuda=cuda))
     return dict(benchmark="copy_floor", hardware=torch.cuda.get_device_name(device) if cuda else "cpu",

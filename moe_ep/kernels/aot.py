@@ -45,3 +45,30 @@ def compile_for(fn, spec: dict, arch: int = 90):
             cexpr[(i,)] = consts[name]
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=cexpr, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def descriptor_type(dtype: str, block: list, element_bits: int) -> str:
+    """The signature type of a Gluon TMA descriptor argument with ``block`` (no swizzle), as the
+    launcher specializes a real descriptor."""
+    from triton.experimental.gluon.language._layouts import NVMMASharedLayout
+
+    layout = NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=element_bits, rank=len(block))
+    return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout!r}>"
+
+
+def compile_gluon_for(fn, sig: dict, consts: dict, arch: int = 90, num_warps: int = 4):
+    """``compile_for`` for a Gluon kernel: ``sig`` gives each runtime parameter's type (pointers as
+    ``*i32``, descriptors from ``descriptor_type``), ``consts`` the constexprs."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    full, cexpr, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            full[name] = "constexpr"
+            cexpr[(i,)] = consts[name]
+        else:
+            full[name] = sig[name]
+            if sig[name].startswith("*"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = GluonASTSource(fn=fn, signature=full, constexprs=cexpr, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps))
