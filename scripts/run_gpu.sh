@@ -37,6 +37,7 @@ CONFIGS=${CONFIGS:-"decode fp8 masked,prefill fp8 packed,prefill bf16 packed"}  
 PROFILE=${PROFILE:-}          # rank counts for moe_ep.bench.profile_ops --preset decode (ranks share the GPUs there are)
 PROFILE_MPS=${PROFILE_MPS:-0} # 1: those runs under an MPS daemon started for them (one GPU context for every rank)
 COPY_FLOOR=${COPY_FLOOR:-0}   # 1: the copy-floor micro-benchmark (moe_ep.bench.copy_floor) at 7168- and 14336-byte rows
+COPY_FLOOR_ARGS=${COPY_FLOOR_ARGS:-}   # more copy_floor arguments, e.g. "--programs 32,132 --ring-stages 2,4"
 VARIANTS=${VARIANTS:-}        # lines "PRESET PROGRAMS | point | point ..." for moe_ep.bench.variants (kernel p50 per point)
 mkdir -p "$RESULTS"
 t0=$SECONDS
@@ -65,7 +66,8 @@ floor_rc=0
 if [ "$COPY_FLOOR" = 1 ]; then
     for rb in 7168 14336; do
         step "python -m moe_ep.bench.copy_floor --row-bytes $rb"
-        "$PYTHON" -m moe_ep.bench.copy_floor --row-bytes "$rb" --json "$RESULTS/copy_floor_$rb.json" \
+        # shellcheck disable=SC2086
+        "$PYTHON" -m moe_ep.bench.copy_floor --row-bytes "$rb" $COPY_FLOOR_ARGS --json "$RESULTS/copy_floor_$rb.json" \
             2>&1 | tee "$RESULTS/copy_floor_$rb.log" || floor_rc=1
     done
 fi
