@@ -20,7 +20,6 @@ from .group import EPGroup
 from .handle import DispatchResult
 from .kernels.interpret import interpreting, speed_up
 from .kernels.launch import Launcher
-from .outputs import Outputs
 from .replay import Replay
 from .layout import OWN_TILE_TOKENS, WorkspaceLayout, chunking, pow2
 from .memory import SymmetricWorkspace, check_device_memory
@@ -251,7 +250,9 @@ class EPBuffer:
         self._launch = Launcher(dev)
         # moe_ep.replay: dispatch without and with x_scales, combine without and with out
         self._replays = (Replay(), Replay(), Replay(), Replay())
-        self._outputs = Outputs(dev, hidden)  # combine's outputs without out=
+        # moe_ep.combine.new_output: one element, and its views of each output shape seen
+        self._out_one = torch.empty(1, 1, dtype=torch.bfloat16, device=dev)
+        self._out_like: dict = {}
         self._err_ptr = self.err.data_ptr()
         self._ws_ptr = self.workspace.local.data_ptr()
         self._timeout_ns = int(self.timeout_s * 1e9)

@@ -71,9 +71,9 @@ def main(argv=None) -> None:
     p.add_argument("--calls", type=int, default=200)
     args = p.parse_args(argv)
     import moe_ep
+    from moe_ep.combine import new_output
     from moe_ep.group import init_distributed
     from moe_ep.kernels.launch import Launcher, NativePlan, _hot, launch, launch_path
-    from moe_ep.outputs import Outputs
 
     how = init_distributed()
     group = moe_ep.EPGroup()
@@ -153,11 +153,9 @@ def main(argv=None) -> None:
         a1 = _host_us(lambda: torch.empty(T, H, dtype=torch.bfloat16, device=dev), 1000)
         a2 = _host_us(lambda: out.new_empty((T, H)), 1000)
         a3 = _host_us(lambda: torch.empty_like(out), 1000)
-        outs, kept = Outputs(dev, H), []
-        a4 = _host_us(lambda: outs.new(T), 1000)  # each dropped: the same tensor again
-        a5 = _host_us(lambda: kept.append(outs.new(T)) or (len(kept) > 8 and kept.clear()), 1000)  # kept: new ones
+        a4 = _host_us(lambda: new_output(buf, T), 1000)
         lines.append(f"a [T, H] bf16 output: torch.empty {a1:.2f} us, new_empty {a2:.2f} us, empty_like {a3:.2f} us, "
-                     f"moe_ep.outputs.Outputs.new {a4:.2f} us (previous dropped), {a5:.2f} us (previous kept)")
+                     f"moe_ep.combine.new_output {a4:.2f} us")
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(50):
