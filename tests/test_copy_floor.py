@@ -87,30 +87,72 @@ def test_ring_matches_torch(inp, device, programs):
         out = torch.zeros(ROWS * EXPAND, ROW_BYTES // 4, dtype=torch.int32, device=device)
         cf.ring_variant(inp, out, expand=True, stages=stages)(programs)
         assert cf.check(out, cf.reference_expand(inp)) is None, f"expansion, {stages} slots"
+    x = cf.fp8_source(inp)  # bf16 rows of ROW_BYTES channels: 18 blocks of 128 in a 32-block box
+    out = torch.zeros(ROWS * EXPAND, ROW_BYTES + 4 * (ROW_BYTES // 128), dtype=torch.uint8, device=device)
+    cf.ring_fp8_variant(x, inp.dest, out)(programs)
+    assert cf.check(out, cf.reference_fp8_expand(x, inp.dest)) is None, "fp8 expansion"
+
+
+_RING_COMPILE = r"""
+import json, re
+from moe_ep.kernels import tma_ring
+from moe_ep.kernels.aot import compile_gluon_for, descriptor_type
+from moe_ep.layout import pow2
+
+def facts(kern, **more):
+    ptx = kern.asm["ptx"]
+    return dict(more, shared=kern.metadata.shared, st_global="st.global" in ptx, st_global_v="st.global.v" in ptx,
+                loads=len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::cluster\.global", ptx)),
+                stores=len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta", ptx)),
+                ld_global=len(re.findall(r"ld\.global", ptx)))
+
+out = []
+for words, gather, k in ((1792, True, 1), (1792, False, 8), (3584, True, 1)):
+    chunks, box, cols = tma_ring.row_box(words)
+    stages = tma_ring.max_stages(words * 4, words)
+    d = descriptor_type("i32", [1, box, cols], 32)
+    kern = compile_gluon_for(tma_ring.ring_copy_kernel, dict(src_desc=d, dst_desc=d, idx_ptr="*i32", rows="i32"),
+                             dict(GATHER=gather, K=k, BLOCK_K=pow2(k), STAGES=stages))
+    out.append(facts(kern, kind="copy", words=words, gather=gather, k=k, stages=stages, slot=box * cols * 4))
+for hidden, k in ((7168, 8), (2304, 3)):
+    box, stages = pow2(hidden // 128), tma_ring.fp8_stages(hidden)
+    kern = compile_gluon_for(tma_ring.ring_fp8_expand_kernel,
+                             dict(src_desc=descriptor_type("bf16", [1, box, 128], 16),
+                                  dst_desc=descriptor_type("fp8e4nv", [1, box, 128], 8), scale_ptr="*fp32",
+                                  idx_ptr="*i32", rows="i32", scale_stride="i32"),
+                             dict(CHUNKS=hidden // 128, K=k, BLOCK_K=pow2(k), STAGES=stages))
+    out.append(facts(kern, kind="fp8", hidden=hidden, k=k, stages=stages, slot=box * 128 * 2))
+print(json.dumps(out))
+"""
 
 
 def test_ring_kernel_compiles_for_sm90():
-    """The ring kernel compiles for sm_90 without a GPU at the copy floor's row sizes with as many
-    slots as fit: within one program's shared memory, one bulk tensor load per slot and one store
-    per destination row in the PTX (no copy through registers)."""
-    import re
+    """The ring kernels compile for sm_90 without a GPU (in a process without TRITON_INTERPRET) at
+    the copy floor's row sizes with as many slots as fit: within one program's shared memory, one
+    bulk tensor load per slot and one store per destination row in the PTX, and no row through
+    registers to memory (the fp8 expansion stores its scales alone from registers)."""
+    import json
+    import os
+    import subprocess
+    import sys
 
     from moe_ep.kernels import tma_ring
-    from moe_ep.kernels.aot import compile_gluon_for, descriptor_type
 
     assert tma_ring.row_box(1792) == (7, 8, 256) and tma_ring.row_box(576) == (9, 16, 64)
-    for words, gather, k in ((1792, True, 1), (1792, False, 8), (3584, True, 1)):
-        chunks, box, cols = tma_ring.row_box(words)
-        stages = tma_ring.max_stages(words * 4, words)
-        d = descriptor_type("i32", [1, box, cols], 32)
-        kern = compile_gluon_for(tma_ring.ring_copy_kernel, dict(src_desc=d, dst_desc=d, idx_ptr="*i32", rows="i32"),
-                                 dict(GATHER=gather, K=k, STAGES=stages))
-        assert stages * box * cols * 4 <= kern.metadata.shared <= tma_ring.SMEM_BYTES, (words, stages)
-        ptx = kern.asm["ptx"]
-        loads = len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::cluster\.global", ptx))
-        stores = len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta", ptx))
-        assert (loads, stores) == (stages, k), (words, gather, loads, stores)
-        assert "ld.global.v4" not in ptx and "st.global.v4" not in ptx, "row bytes went through registers"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", _RING_COMPILE], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    for f in json.loads(p.stdout.strip().splitlines()[-1]):
+        assert f["stages"] * f["slot"] <= f["shared"] <= tma_ring.SMEM_BYTES, f
+        if f["kind"] == "copy":
+            assert (f["loads"], f["stores"]) == (f["stages"], f["k"]), f
+            assert not f["st_global"], f"row bytes went through registers: {f}"
+            # the loads are the indices alone, each loaded once, one step ahead of its use
+            assert f["ld_global"] <= f["stages"] + 1 + 2 * (f["k"] // 4), f
+        else:
+            assert (f["loads"], f["stores"]) == (f["stages"] + 1, f["k"]), f
+            assert f["shared"] >= (f["stages"] + 1) * f["slot"], f"two fp8 staging buffers: {f}"
+            assert not f["st_global_v"], f"fp8 rows went through registers to memory: {f}"
     with pytest.raises(ValueError, match="stages"):
         tma_ring.ring_copy(None, None, torch.zeros(1, dtype=torch.int32), 1, gather=True, k=1, stages=1, programs=1)
 
@@ -163,6 +205,7 @@ def test_cli_cpu_writes_json(tmp_path, capsys):
     assert names == ["plain", "inflight-2", "inflight-4", "inflight-8",
                      *(f"prefetch-{n}-a{a}" for n in (2, 4) for a in (1, 2, 4)), "pipelined-3", "expand-8",
                      "tma-1x64-s3", *(n for s in ("4", "8", "max") for n in (f"ring-{s}", f"ring-expand-8-s{s}")),
+                     "ring-fp8-expand-8",
                      "torch copy_", "torch index_select"]
     for r in doc["rows"]:
         if r["variant"].startswith("ring"):  # Gluon kernels: GPU only

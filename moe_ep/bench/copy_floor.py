@@ -31,6 +31,11 @@ bytes / (floor GB/s). Variants:
   (``moe_ep.kernels.tma_ring``, sm_90+): each program keeps S whole rows in a shared-memory ring,
   loaded by TMA S - 1 rows ahead and stored from shared memory by TMA (K times for the expansion);
   S = 0 in ``--ring-stages`` means as many as fit. GPU only ("not available" in the interpreter).
+- ``ring-fp8-expand-K``: the dispatch's own-row work by a Gluon kernel: bf16 rows of ``row-bytes``
+  channels loaded by TMA into a shared-memory ring, quantized to fp8 per 128-channel block in
+  registers, and each stored K times by TMA with its float32 scales (the wire row); bytes = the
+  bf16 rows read + R*K fp8 rows with scales written. Where ``--ring-stages`` is given and the
+  rows are whole 128-channel blocks.
 - reference lines, no program count: ``torch copy_`` (contiguous device-to-device memcpy, the
   bandwidth line of the memory itself) and ``torch index_select`` (torch's own gather kernel). A gather
   by the copy engines is not measured: one ``cudaMemcpyAsync`` per row is bound by issue cost.
@@ -250,6 +255,36 @@ def ring_variant(inp: Inputs, out: torch.Tensor, *, expand: bool, stages: int) -
     return launch
 
 
+def fp8_source(inp: Inputs) -> torch.Tensor:
+    """bf16 [R, row_bytes] rows of normal values (the fp8 expansion's input: one fp8 byte per channel)."""
+    R, W = inp.src.shape
+    g = torch.Generator(device=inp.src.device).manual_seed(1)
+    return torch.randn(R, W * 4, generator=g, device=inp.src.device).to(torch.bfloat16)
+
+
+def reference_fp8_expand(x: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+    """torch's fp8 expansion: uint8 [R * K, H + 4 * H / 128], row ``dest[i, k]`` = fp8 e4m3 of
+    ``x[i] * (448 / amax)`` per 128-channel block, then the blocks' ``amax / 448`` as float32."""
+    R, H = x.shape
+    K = dest.shape[1]
+    xf = x.float().view(R, H // 128, 128)
+    amax = xf.abs().amax(dim=2)
+    q = (xf * (448.0 / amax)[:, :, None]).to(torch.float8_e4m3fn).view(torch.uint8).view(R, H)
+    row = torch.cat([q, (amax / 448.0).view(torch.uint8).view(R, -1)], dim=1)
+    ref = torch.empty(R * K, row.shape[1], dtype=torch.uint8, device=x.device)
+    ref[dest.reshape(-1).long()] = row.repeat_interleave(K, dim=0)
+    return ref
+
+
+def ring_fp8_variant(x: torch.Tensor, dest: torch.Tensor, out: torch.Tensor) -> Callable[[int], None]:
+    """The launch of the Gluon fp8 expansion of ``x`` into ``out`` at rows ``dest`` (as many ring slots as fit)."""
+    def launch(programs: int) -> None:
+        from moe_ep.kernels import tma_ring
+
+        tma_ring.ring_fp8_expand(x, out, dest, stages=tma_ring.fp8_stages(x.shape[1]), programs=programs)
+    return launch
+
+
 def tma_unavailable(device: torch.device) -> Optional[str]:
     """Why tensor-descriptor kernels cannot run on ``device`` (None when they can)."""
     if not hasattr(tl, "make_tensor_descriptor"):
@@ -380,6 +415,13 @@ def variants(inp: Inputs, *, inflight: list[int], stages: int, tma_box_rows: lis
                           nbytes, nbytes, unavailable=why))
         vs.append(Variant(f"ring-expand-{K}-s{tag}", ring_variant(inp, out_expanded, expand=True, stages=st),
                           out_expanded, lambda: reference_expand(inp), nbytes, nbytes * K, unavailable=why))
+    if ring_stages and W % 32 == 0:  # H = row bytes channels in 128-channel blocks
+        H = W * 4
+        x = fp8_source(inp) if why is None else None  # (never launched where unavailable)
+        out_fp8 = torch.empty(R * K, H + 4 * (H // 128), dtype=torch.uint8, device=inp.src.device)
+        vs.append(Variant(f"ring-fp8-expand-{K}", ring_fp8_variant(x, inp.dest, out_fp8), out_fp8,
+                          lambda: reference_fp8_expand(x, inp.dest), R * H * 2, R * K * out_fp8.shape[1],
+                          unavailable=why))
     vs.append(Variant("torch copy_", lambda p: out.copy_(inp.src), out, lambda: inp.src, nbytes, nbytes,
                       per_program=False))
     vs.append(Variant("torch index_select", lambda p: torch.index_select(inp.src, 0, inp.perm, out=out),
