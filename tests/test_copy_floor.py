@@ -205,7 +205,7 @@ def test_cli_cpu_writes_json(tmp_path, capsys):
     assert names == ["plain", "inflight-2", "inflight-4", "inflight-8",
                      *(f"prefetch-{n}-a{a}" for n in (2, 4) for a in (1, 2, 4)), "pipelined-3", "expand-8",
                      "tma-1x64-s3", *(n for s in ("4", "8", "max") for n in (f"ring-{s}", f"ring-expand-8-s{s}")),
-                     "ring-fp8-expand-8",
+                     "ring-fp8-expand-8-w4", "ring-fp8-expand-8-w8",
                      "torch copy_", "torch index_select"]
     for r in doc["rows"]:
         if r["variant"].startswith("ring"):  # Gluon kernels: GPU only

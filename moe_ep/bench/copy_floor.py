@@ -31,9 +31,9 @@ bytes / (floor GB/s). Variants:
   (``moe_ep.kernels.tma_ring``, sm_90+): each program keeps S whole rows in a shared-memory ring,
   loaded by TMA S - 1 rows ahead and stored from shared memory by TMA (K times for the expansion);
   S = 0 in ``--ring-stages`` means as many as fit. GPU only ("not available" in the interpreter).
-- ``ring-fp8-expand-K``: the dispatch's own-row work by a Gluon kernel: bf16 rows of ``row-bytes``
+- ``ring-fp8-expand-K-wW``: the dispatch's own-row work by a Gluon kernel: bf16 rows of ``row-bytes``
   channels loaded by TMA into a shared-memory ring, quantized to fp8 per 128-channel block in
-  registers, and each stored K times by TMA with its float32 scales (the wire row); bytes = the
+  registers (W warps), and each stored K times by TMA with its float32 scales (the wire row); bytes = the
   bf16 rows read + R*K fp8 rows with scales written. Where ``--ring-stages`` is given and the
   rows are whole 128-channel blocks.
 - reference lines, no program count: ``torch copy_`` (contiguous device-to-device memcpy, the
@@ -276,12 +276,13 @@ def reference_fp8_expand(x: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
     return ref
 
 
-def ring_fp8_variant(x: torch.Tensor, dest: torch.Tensor, out: torch.Tensor) -> Callable[[int], None]:
+def ring_fp8_variant(x: torch.Tensor, dest: torch.Tensor, out: torch.Tensor, num_warps: int = 4) -> Callable[[int], None]:
     """The launch of the Gluon fp8 expansion of ``x`` into ``out`` at rows ``dest`` (as many ring slots as fit)."""
     def launch(programs: int) -> None:
         from moe_ep.kernels import tma_ring
 
-        tma_ring.ring_fp8_expand(x, out, dest, stages=tma_ring.fp8_stages(x.shape[1]), programs=programs)
+        tma_ring.ring_fp8_expand(x, out, dest, stages=tma_ring.fp8_stages(x.shape[1]), programs=programs,
+                                 num_warps=num_warps)
     return launch
 
 
@@ -419,9 +420,10 @@ def variants(inp: Inputs, *, inflight: list[int], stages: int, tma_box_rows: lis
         H = W * 4
         x = fp8_source(inp) if why is None else None  # (never launched where unavailable)
         out_fp8 = torch.empty(R * K, H + 4 * (H // 128), dtype=torch.uint8, device=inp.src.device)
-        vs.append(Variant(f"ring-fp8-expand-{K}", ring_fp8_variant(x, inp.dest, out_fp8), out_fp8,
-                          lambda: reference_fp8_expand(x, inp.dest), R * H * 2, R * K * out_fp8.shape[1],
-                          unavailable=why))
+        for w in (4, 8):
+            vs.append(Variant(f"ring-fp8-expand-{K}-w{w}", ring_fp8_variant(x, inp.dest, out_fp8, num_warps=w),
+                              out_fp8, lambda: reference_fp8_expand(x, inp.dest), R * H * 2,
+                              R * K * out_fp8.shape[1], unavailable=why))
     vs.append(Variant("torch copy_", lambda p: out.copy_(inp.src), out, lambda: inp.src, nbytes, nbytes,
                       per_program=False))
     vs.append(Variant("torch index_select", lambda p: torch.index_select(inp.src, 0, inp.perm, out=out),
