@@ -112,16 +112,16 @@ for words, gather, k in ((1792, True, 1), (1792, False, 8), (3584, True, 1)):
     stages = tma_ring.max_stages(words * 4, words)
     d = descriptor_type("i32", [1, box, cols], 32)
     kern = compile_gluon_for(tma_ring.ring_copy_kernel, dict(src_desc=d, dst_desc=d, idx_ptr="*i32", rows="i32"),
-                             dict(GATHER=gather, K=k, BLOCK_K=pow2(k), STAGES=stages))
+                             dict(GATHER=gather, K=k, BLOCK_K=pow2(k), STAGES=stages, BEHIND=4))
     out.append(facts(kern, kind="copy", words=words, gather=gather, k=k, stages=stages, slot=box * cols * 4))
-for hidden, k in ((7168, 8), (2304, 3)):
-    box, stages = pow2(hidden // 128), tma_ring.fp8_stages(hidden)
+for hidden, k, q in ((7168, 8, 4), (1536, 3, 2)):
+    box, stages = pow2(hidden // 128), tma_ring.fp8_stages(hidden, q)
     kern = compile_gluon_for(tma_ring.ring_fp8_expand_kernel,
                              dict(src_desc=descriptor_type("bf16", [1, box, 128], 16),
                                   dst_desc=descriptor_type("fp8e4nv", [1, box, 128], 8), scale_ptr="*fp32",
                                   idx_ptr="*i32", rows="i32", scale_stride="i32"),
-                             dict(CHUNKS=hidden // 128, K=k, BLOCK_K=pow2(k), STAGES=stages))
-    out.append(facts(kern, kind="fp8", hidden=hidden, k=k, stages=stages, slot=box * 128 * 2))
+                             dict(CHUNKS=hidden // 128, K=k, BLOCK_K=pow2(k), STAGES=stages, QBUFS=q))
+    out.append(facts(kern, kind="fp8", hidden=hidden, k=k, stages=stages, slot=box * 128 * 2, qbufs=q))
 print(json.dumps(out))
 """
 
@@ -145,16 +145,17 @@ def test_ring_kernel_compiles_for_sm90():
     for f in json.loads(p.stdout.strip().splitlines()[-1]):
         assert f["stages"] * f["slot"] <= f["shared"] <= tma_ring.SMEM_BYTES, f
         if f["kind"] == "copy":
-            assert (f["loads"], f["stores"]) == (f["stages"], f["k"]), f
+            assert (f["loads"], f["stores"]) == (f["stages"] - 4 + 1, f["k"]), f  # 4 behind
             assert not f["st_global"], f"row bytes went through registers: {f}"
             # the loads are the indices alone, each loaded once, one step ahead of its use
             assert f["ld_global"] <= f["stages"] + 1 + 2 * (f["k"] // 4), f
         else:
             assert (f["loads"], f["stores"]) == (f["stages"] + 1, f["k"]), f
-            assert f["shared"] >= (f["stages"] + 1) * f["slot"], f"two fp8 staging buffers: {f}"
+            assert f["shared"] >= (f["stages"] + f["qbufs"] / 2) * f["slot"], f"fp8 staging buffers: {f}"
             assert not f["st_global_v"], f"fp8 rows went through registers to memory: {f}"
-    with pytest.raises(ValueError, match="stages"):
-        tma_ring.ring_copy(None, None, torch.zeros(1, dtype=torch.int32), 1, gather=True, k=1, stages=1, programs=1)
+    with pytest.raises(ValueError, match="behind"):
+        tma_ring.ring_copy(None, None, torch.zeros(1, dtype=torch.int32), 1, gather=True, k=1, stages=2, behind=2,
+                           programs=1)
 
 
 def test_tma_box():
@@ -204,8 +205,10 @@ def test_cli_cpu_writes_json(tmp_path, capsys):
     names = [r["variant"] for r in doc["rows"]]
     assert names == ["plain", "inflight-2", "inflight-4", "inflight-8",
                      *(f"prefetch-{n}-a{a}" for n in (2, 4) for a in (1, 2, 4)), "pipelined-3", "expand-8",
-                     "tma-1x64-s3", *(n for s in ("4", "8", "max") for n in (f"ring-{s}", f"ring-expand-8-s{s}")),
-                     "ring-fp8-expand-8-w4", "ring-fp8-expand-8-w8",
+                     "tma-1x64-s3",
+                     *(n for s in ("4", "8", "max") for b in (1, 2, 4) if s == "max" or b < int(s)
+                       for n in (f"ring-{s}-b{b}", f"ring-expand-8-s{s}-b{b}")),
+                     "ring-fp8-expand-8-w4-q2", "ring-fp8-expand-8-w4-q4", "ring-fp8-expand-8-w8-q4",
                      "torch copy_", "torch index_select"]
     for r in doc["rows"]:
         if r["variant"].startswith("ring"):  # Gluon kernels: GPU only

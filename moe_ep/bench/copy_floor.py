@@ -27,13 +27,13 @@ bytes / (floor GB/s). Variants:
 - ``tma-BxC-sS``: the ``pipelined-S`` loop with Triton tensor descriptors (TMA on sm90+): a row is
   seen as [chunks, C] int32 words and moved B chunks per box; "not available: <reason>" where
   tensor descriptors are not.
-- ``ring-S`` and ``ring-expand-K-sS``: the gather and the expansion by Gluon kernels
+- ``ring-S-bB`` and ``ring-expand-K-sS-bB``: the gather and the expansion by Gluon kernels
   (``moe_ep.kernels.tma_ring``, sm_90+): each program keeps S whole rows in a shared-memory ring,
-  loaded by TMA S - 1 rows ahead and stored from shared memory by TMA (K times for the expansion);
-  S = 0 in ``--ring-stages`` means as many as fit. GPU only ("not available" in the interpreter).
-- ``ring-fp8-expand-K-wW``: the dispatch's own-row work by a Gluon kernel: bf16 rows of ``row-bytes``
+  loaded by TMA S - B rows ahead and stored from shared memory by TMA (K times for the
+  expansion), the stores of B rows in flight; S = 0 in ``--ring-stages`` means as many as fit. GPU only ("not available" in the interpreter).
+- ``ring-fp8-expand-K-wW-qQ``: the dispatch's own-row work by a Gluon kernel: bf16 rows of ``row-bytes``
   channels loaded by TMA into a shared-memory ring, quantized to fp8 per 128-channel block in
-  registers (W warps), and each stored K times by TMA with its float32 scales (the wire row); bytes = the
+  registers (W warps), staged in one of Q buffers and stored K times by TMA with its float32 scales (the wire row); bytes = the
   bf16 rows read + R*K fp8 rows with scales written. Where ``--ring-stages`` is given and the
   rows are whole 128-channel blocks.
 - reference lines, no program count: ``torch copy_`` (contiguous device-to-device memcpy, the
@@ -237,9 +237,10 @@ def ring_unavailable(device: torch.device) -> Optional[str]:
     return None
 
 
-def ring_variant(inp: Inputs, out: torch.Tensor, *, expand: bool, stages: int) -> Callable[[int], None]:
+def ring_variant(inp: Inputs, out: torch.Tensor, *, expand: bool, stages: int, behind: int) -> Callable[[int], None]:
     """The launch of the ring gather (``out[i] = src[perm[i]]``) or expansion (``out[dest[i, k]] =
-    src[i]``) with ``stages`` ring slots (0: as many as fit); descriptors made at the first launch."""
+    src[i]``) with ``stages`` ring slots (0: as many as fit), ``behind`` of them held by rows being
+    stored; descriptors made at the first launch."""
     made: dict = {}
 
     def launch(programs: int) -> None:
@@ -251,7 +252,7 @@ def ring_variant(inp: Inputs, out: torch.Tensor, *, expand: bool, stages: int) -
                         stages=stages or tma_ring.max_stages(W * 4, W))
         tma_ring.ring_copy(made["src"], made["dst"], inp.dest if expand else inp.perm, inp.src.shape[0],
                            gather=not expand, k=inp.dest.shape[1] if expand else 1, stages=made["stages"],
-                           programs=programs)
+                           behind=behind, programs=programs)
     return launch
 
 
@@ -269,20 +270,22 @@ def reference_fp8_expand(x: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
     K = dest.shape[1]
     xf = x.float().view(R, H // 128, 128)
     amax = xf.abs().amax(dim=2)
-    q = (xf * (448.0 / amax)[:, :, None]).to(torch.float8_e4m3fn).view(torch.uint8).view(R, H)
+    # (torch.full_like(amax, 448) / amax: ``448 / amax`` is reciprocal-then-multiply in torch, not IEEE division)
+    q = (xf * (torch.full_like(amax, 448.0) / amax)[:, :, None]).to(torch.float8_e4m3fn).view(torch.uint8).view(R, H)
     row = torch.cat([q, (amax / 448.0).view(torch.uint8).view(R, -1)], dim=1)
     ref = torch.empty(R * K, row.shape[1], dtype=torch.uint8, device=x.device)
     ref[dest.reshape(-1).long()] = row.repeat_interleave(K, dim=0)
     return ref
 
 
-def ring_fp8_variant(x: torch.Tensor, dest: torch.Tensor, out: torch.Tensor, num_warps: int = 4) -> Callable[[int], None]:
-    """The launch of the Gluon fp8 expansion of ``x`` into ``out`` at rows ``dest`` (as many ring slots as fit)."""
+def ring_fp8_variant(x: torch.Tensor, dest: torch.Tensor, out: torch.Tensor, *, qbufs: int,
+                     num_warps: int = 4) -> Callable[[int], None]:
+    """The launch of the Gluon fp8 expansion of ``x`` into ``out`` at rows ``dest`` (``qbufs``
+    staging buffers, as many ring slots as fit beside them)."""
     def launch(programs: int) -> None:
         from moe_ep.kernels import tma_ring
 
-        tma_ring.ring_fp8_expand(x, out, dest, stages=tma_ring.fp8_stages(x.shape[1]), programs=programs,
-                                 num_warps=num_warps)
+        tma_ring.ring_fp8_expand(x, out, dest, qbufs=qbufs, programs=programs, num_warps=num_warps)
     return launch
 
 
@@ -379,7 +382,8 @@ class Variant:
 
 
 def variants(inp: Inputs, *, inflight: list[int], stages: int, tma_box_rows: list[int],
-             num_warps: int, prefetch: tuple[tuple[int, int], ...] = (), ring_stages: tuple[int, ...] = ()) -> list[Variant]:
+             num_warps: int, prefetch: tuple[tuple[int, int], ...] = (), ring_stages: tuple[int, ...] = (),
+             ring_behind: tuple[int, ...] = (1,)) -> list[Variant]:
     """Every variant over ``inp`` (gather variants share one output buffer)."""
     R, W = inp.src.shape
     K = inp.dest.shape[1]
@@ -412,16 +416,19 @@ def variants(inp: Inputs, *, inflight: list[int], stages: int, tma_box_rows: lis
     why = ring_unavailable(inp.src.device)
     for st in ring_stages:
         tag = st or "max"
-        vs.append(Variant(f"ring-{tag}", ring_variant(inp, out, expand=False, stages=st), out, ref_gather,
-                          nbytes, nbytes, unavailable=why))
-        vs.append(Variant(f"ring-expand-{K}-s{tag}", ring_variant(inp, out_expanded, expand=True, stages=st),
-                          out_expanded, lambda: reference_expand(inp), nbytes, nbytes * K, unavailable=why))
+        for b in (b for b in ring_behind if st == 0 or b < st):
+            vs.append(Variant(f"ring-{tag}-b{b}", ring_variant(inp, out, expand=False, stages=st, behind=b), out,
+                              ref_gather, nbytes, nbytes, unavailable=why))
+            vs.append(Variant(f"ring-expand-{K}-s{tag}-b{b}",
+                              ring_variant(inp, out_expanded, expand=True, stages=st, behind=b),
+                              out_expanded, lambda: reference_expand(inp), nbytes, nbytes * K, unavailable=why))
     if ring_stages and W % 32 == 0:  # H = row bytes channels in 128-channel blocks
         H = W * 4
         x = fp8_source(inp) if why is None else None  # (never launched where unavailable)
         out_fp8 = torch.empty(R * K, H + 4 * (H // 128), dtype=torch.uint8, device=inp.src.device)
-        for w in (4, 8):
-            vs.append(Variant(f"ring-fp8-expand-{K}-w{w}", ring_fp8_variant(x, inp.dest, out_fp8, num_warps=w),
+        for w, q in ((4, 2), (4, 4), (8, 4)):
+            vs.append(Variant(f"ring-fp8-expand-{K}-w{w}-q{q}",
+                              ring_fp8_variant(x, inp.dest, out_fp8, qbufs=q, num_warps=w),
                               out_fp8, lambda: reference_fp8_expand(x, inp.dest), R * H * 2,
                               R * K * out_fp8.shape[1], unavailable=why))
     vs.append(Variant("torch copy_", lambda p: out.copy_(inp.src), out, lambda: inp.src, nbytes, nbytes,
@@ -542,6 +549,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="box rows of the tma variants, 256-word chunks of a row per box (default 4,8)")
     p.add_argument("--ring-stages", type=_int_list("--ring-stages", zero_ok=True), default=[4, 8, 0],
                    help="ring slots of the ring variants, 0 = as many as fit (default 4,8,0)")
+    p.add_argument("--ring-behind", type=_int_list("--ring-behind"), default=[1, 2, 4],
+                   help="ring slots held by rows being stored, of the ring variants (default 1,2,4)")
     p.add_argument("--num-warps", type=int, default=16, help="warps per program of the gather kernels (default 16)")
     p.add_argument("--iters", type=int, default=None, help=f"timed iterations (default {GPU_DEFAULTS['iters']})")
     p.add_argument("--warmup", type=int, default=None,
@@ -583,7 +592,8 @@ def run(args: argparse.Namespace) -> dict:
     rows = []
     prefetch = tuple((n, a) for n in args.inflight[:2] for a in args.prefetch)
     for v in variants(inp, inflight=args.inflight, stages=args.stages, tma_box_rows=args.tma_box_rows,
-                      num_warps=args.num_warps, prefetch=prefetch, ring_stages=tuple(args.ring_stages)):
+                      num_warps=args.num_warps, prefetch=prefetch, ring_stages=tuple(args.ring_stages),
+                      ring_behind=tuple(args.ring_behind)):
         for programs in (args.programs if v.per_program else [None]):
             rows.append(measure(v, programs, iters=args.iters, warmup=args.warmup, cuda=cuda))
     return dict(benchmark="copy_floor", hardware=torch.cuda.get_device_name(device) if cuda else "cpu",

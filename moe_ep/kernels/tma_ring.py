@@ -53,10 +53,14 @@ def _dest_rows(idx_ptr, i, rows, offs_k, GATHER: gl.constexpr, K: gl.constexpr):
 
 @gluon.jit
 def ring_copy_kernel(src_desc, dst_desc, idx_ptr, rows, GATHER: gl.constexpr, K: gl.constexpr,
-                     BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+                     BLOCK_K: gl.constexpr, STAGES: gl.constexpr, BEHIND: gl.constexpr):
     """GATHER: ``dst[i] = src[idx[i]]`` (K = 1); else ``dst[idx[i, k]] = src[i]`` for k < K (the
     expansion by top-k: a row loaded once, stored K times). Rows i = pid, pid + programs, ...;
-    descriptors over [rows, CHUNKS, COLS] views with one-row boxes (module docstring), idx int32."""
+    descriptors over [rows, CHUNKS, COLS] views with one-row boxes (module docstring), idx int32.
+    Of the STAGES ring slots, BEHIND (>= 1, this step's included) hold rows whose stores may still
+    be reading them and the rest rows being loaded: a bulk store takes about a memory latency to
+    let go of its slot, so with one step behind a program moves a row per half latency whatever
+    its bytes (measured: ~0.45 us a row for 7168- and 14336-byte rows alike)."""
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
     ring = gl.allocate_shared_memory(src_desc.dtype, [STAGES] + src_desc.block_shape, src_desc.layout)
@@ -66,13 +70,13 @@ def ring_copy_kernel(src_desc, dst_desc, idx_ptr, rows, GATHER: gl.constexpr, K:
     fence_async_shared()  # the barriers' initialisation before the copy unit uses them
     offs_k = gl.arange(0, BLOCK_K, layout=gl.BlockedLayout([BLOCK_K], [32], [gl.num_warps()], [0]))
     steps = (rows - pid + programs - 1) // programs
-    # STAGES - 1 rows in flight before the first store: the bytes in flight are what sets one SM's rate
-    for p in gl.static_range(STAGES - 1):
+    AHEAD: gl.constexpr = STAGES - BEHIND  # rows in flight towards shared memory
+    for p in gl.static_range(AHEAD):
         row, ok = _source_row(idx_ptr, pid + p * programs, rows, GATHER)
         _load_row(src_desc, ring, bars, p, row, ok)
     # Every index is loaded one step before it is used: a load used at once would put a memory
-    # latency (~1 us) into each step, which bounds a program at one row per latency whatever STAGES is.
-    src_next, ok_next = _source_row(idx_ptr, pid + (STAGES - 1) * programs, rows, GATHER)
+    # latency (~1 us) into each step.
+    src_next, ok_next = _source_row(idx_ptr, pid + AHEAD * programs, rows, GATHER)
     dst = _dest_rows(idx_ptr, pid, rows, offs_k, GATHER, K)
     for j in range(steps):
         stage = j % STAGES
@@ -85,10 +89,9 @@ def ring_copy_kernel(src_desc, dst_desc, idx_ptr, rows, GATHER: gl.constexpr, K:
             else:
                 dst_row = gl.sum(gl.where(offs_k == k, dst, 0), axis=0)
             tma.async_copy_shared_to_global(dst_desc, [dst_row, 0, 0], ring.index(stage))
-        # step j + STAGES - 1 refills the slot of step j - 1: only this step's K stores may still
-        # be reading shared memory then
-        tma.store_wait(K)
-        nxt = j + STAGES - 1
+        # the stores of step j - BEHIND are done reading: their slot takes step j - BEHIND + STAGES
+        tma.store_wait(K * BEHIND)
+        nxt = j + AHEAD
         _load_row(src_desc, ring, bars, nxt % STAGES, src_next, ok_next)
         src_next, ok_next = _source_row(idx_ptr, pid + (nxt + 1) * programs, rows, GATHER)
         dst = dst_next
@@ -99,19 +102,19 @@ def ring_copy_kernel(src_desc, dst_desc, idx_ptr, rows, GATHER: gl.constexpr, K:
 
 @gluon.jit
 def ring_fp8_expand_kernel(src_desc, dst_desc, scale_ptr, idx_ptr, rows, scale_stride, CHUNKS: gl.constexpr,
-                           K: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+                           K: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, QBUFS: gl.constexpr):
     """The dispatch's own-row work with whole rows in shared memory: bf16 row ``i`` (descriptor over
     [rows, CHUNKS, 128]) quantized to fp8 e4m3 per 128-channel block (``x * (448 / amax)``, scale
     ``amax / 448``) and stored to rows ``idx[i, k]`` for k < K (fp8 descriptor over [N, CHUNKS, 128];
     the CHUNKS float32 scales at ``scale_ptr + row * scale_stride``). Loads run STAGES rows ahead
-    into a ring; the quantized row goes through one of two staging buffers, so its K stores overlap
-    the next row's quantization."""
+    into a ring; the quantized row goes through one of QBUFS staging buffers, so the K stores of
+    QBUFS - 1 rows stay in flight while the next row is quantized."""
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
     BOX: gl.constexpr = src_desc.block_shape[1]
     COLS: gl.constexpr = src_desc.block_shape[2]
     ring = gl.allocate_shared_memory(src_desc.dtype, [STAGES] + src_desc.block_shape, src_desc.layout)
-    qbuf = gl.allocate_shared_memory(dst_desc.dtype, [2] + dst_desc.block_shape, dst_desc.layout)
+    qbuf = gl.allocate_shared_memory(dst_desc.dtype, [QBUFS] + dst_desc.block_shape, dst_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(bars.index(s), count=1)
@@ -136,8 +139,8 @@ def ring_fp8_expand_kernel(src_desc, dst_desc, scale_ptr, idx_ptr, rows, scale_s
         inv = gl.div_rn(gl.full_like(amax, 448.0), amax)
         q = (x * gl.expand_dims(inv, 2)).to(dst_desc.dtype)
         scale = gl.convert_layout(gl.div_rn(amax, gl.full_like(amax, 448.0)), s_layout)
-        b = j % 2
-        tma.store_wait(K)  # buffer b's stores (two steps back) are done reading it
+        b = j % QBUFS
+        tma.store_wait(K * (QBUFS - 1))  # buffer b's stores (QBUFS steps back) are done reading it
         qbuf.index(b).store(q)
         fence_async_shared()  # these shared-memory writes before the copy unit reads them
         gl.thread_barrier()  # every thread's part stored, and every thread done reading ring slot `stage`
@@ -171,11 +174,11 @@ def max_stages(row_bytes: int, row_elems: int) -> int:
     return (SMEM_BYTES - 1024) // slot  # 1 KB kept for the barriers and the compiler's own
 
 
-def fp8_stages(hidden: int) -> int:
+def fp8_stages(hidden: int, qbufs: int) -> int:
     """Ring slots of ``ring_fp8_expand_kernel`` for bf16 rows of ``hidden`` channels that fit with
-    its two fp8 staging buffers."""
+    its ``qbufs`` fp8 staging buffers."""
     box = pow2(hidden // 128)
-    return (SMEM_BYTES - 1024 - 2 * box * 128) // (box * 128 * 2)
+    return (SMEM_BYTES - 1024 - qbufs * box * 128) // (box * 128 * 2)
 
 
 def chunk_descriptor(t: torch.Tensor):
@@ -209,11 +212,14 @@ def row_descriptor(t: torch.Tensor):
     return TensorDescriptor(v, list(v.shape), list(v.stride()), [1, box, cols], layout)
 
 
-def ring_fp8_expand(x: torch.Tensor, rows_out: torch.Tensor, idx: torch.Tensor, *, stages: int, programs: int,
+def ring_fp8_expand(x: torch.Tensor, rows_out: torch.Tensor, idx: torch.Tensor, *, qbufs: int, programs: int,
                     num_warps: int = 4) -> None:
     """Launches ``ring_fp8_expand_kernel``: bf16 ``x`` [R, H] quantized into ``rows_out`` uint8
     [N, H + 4 * H / 128] (fp8 payload, then the float32 scales: the dispatch's wire row) at rows
-    ``idx`` int32 [R, K]; all on one GPU."""
+    ``idx`` int32 [R, K]; all on one GPU; ``qbufs`` >= 2 staging buffers, the ring as many slots
+    as fit beside them."""
+    if qbufs < 2:
+        raise ValueError(f"qbufs: expected at least 2 staging buffers, got {qbufs}")
     R, H = x.shape
     if rows_out.dtype != torch.uint8 or rows_out.shape[1] != H + 4 * (H // 128) or not rows_out.is_contiguous():
         raise ValueError(f"rows_out: expected contiguous uint8 [N, {H + 4 * (H // 128)}], got "
@@ -223,14 +229,15 @@ def ring_fp8_expand(x: torch.Tensor, rows_out: torch.Tensor, idx: torch.Tensor, 
     scales = rows_out.view(torch.float32)[:, H // 4:]
     ring_fp8_expand_kernel[(programs,)](src_desc=src, dst_desc=dst, scale_ptr=scales, idx_ptr=idx, rows=R,
                                         scale_stride=rows_out.shape[1] // 4, CHUNKS=H // 128, K=idx.shape[1],
-                                        BLOCK_K=pow2(idx.shape[1]), STAGES=stages, num_warps=num_warps)
+                                        BLOCK_K=pow2(idx.shape[1]), STAGES=fp8_stages(H, qbufs), QBUFS=qbufs, num_warps=num_warps)
 
 
 def ring_copy(src_desc, dst_desc, idx: torch.Tensor, rows: int, *, gather: bool, k: int, stages: int,
-              programs: int, num_warps: int = 4) -> None:
+              behind: int, programs: int, num_warps: int = 4) -> None:
     """Launches ``ring_copy_kernel`` over ``rows`` source rows (descriptors from ``row_descriptor``;
     ``idx`` int32 [rows] for a gather, [rows, k] for an expansion, on the same device)."""
-    if stages < 2:
-        raise ValueError(f"stages: expected at least 2 ring slots (one loading while one is stored), got {stages}")
+    if not 1 <= behind < stages:
+        raise ValueError(f"stages, behind: expected 1 <= behind < stages (slots being stored, the rest loading), "
+                         f"got stages={stages}, behind={behind}")
     ring_copy_kernel[(programs,)](src_desc=src_desc, dst_desc=dst_desc, idx_ptr=idx, rows=rows, GATHER=gather,
-                                  K=k, BLOCK_K=pow2(k), STAGES=stages, num_warps=num_warps)
+                                  K=k, BLOCK_K=pow2(k), STAGES=stages, BEHIND=behind, num_warps=num_warps)
