@@ -76,21 +76,24 @@ def test_tma_matches_torch(inp, device, box_rows):
 @pytest.mark.parametrize("programs", PROGRAMS)
 def test_ring_matches_torch(inp, device, programs):
     """The Gluon ring gather and expansion (2304-byte rows: 9 chunks of 64 words in a 16-chunk box,
-    the overhang zero-filled on load and skipped on store) at 2, 3 and as many slots as fit."""
+    the overhang zero-filled on load and skipped on store) at 2, 3 and as many slots as fit, with
+    1, 2 and 4 of them behind (being stored); the fp8 expansion with 2 and 3 staging buffers."""
     why = cf.ring_unavailable(device)
     if why:
         pytest.skip(why)
-    for stages in (2, 3, 0):
+    for stages, behind in ((2, 1), (3, 1), (3, 2), (0, 1), (0, 4)):
         out = torch.zeros_like(inp.src)
-        cf.ring_variant(inp, out, expand=False, stages=stages)(programs)
-        assert cf.check(out, cf.reference_gather(inp)) is None, f"gather, {stages} slots"
+        cf.ring_variant(inp, out, expand=False, stages=stages, behind=behind)(programs)
+        assert cf.check(out, cf.reference_gather(inp)) is None, f"gather, {stages} slots, {behind} behind"
         out = torch.zeros(ROWS * EXPAND, ROW_BYTES // 4, dtype=torch.int32, device=device)
-        cf.ring_variant(inp, out, expand=True, stages=stages)(programs)
-        assert cf.check(out, cf.reference_expand(inp)) is None, f"expansion, {stages} slots"
-    x = cf.fp8_source(inp)  # bf16 rows of ROW_BYTES channels: 18 blocks of 128 in a 32-block box
-    out = torch.zeros(ROWS * EXPAND, ROW_BYTES + 4 * (ROW_BYTES // 128), dtype=torch.uint8, device=device)
-    cf.ring_fp8_variant(x, inp.dest, out)(programs)
-    assert cf.check(out, cf.reference_fp8_expand(x, inp.dest)) is None, "fp8 expansion"
+        cf.ring_variant(inp, out, expand=True, stages=stages, behind=behind)(programs)
+        assert cf.check(out, cf.reference_expand(inp)) is None, f"expansion, {stages} slots, {behind} behind"
+    # bf16 rows of 1536 channels: 12 blocks of 128 in a 16-block box; wire rows of 1584 bytes
+    x = cf.fp8_source(cf.make_inputs(ROWS, 1536, EXPAND, device))
+    for qbufs in (2, 3):
+        out = torch.zeros(ROWS * EXPAND, 1536 + 4 * 12, dtype=torch.uint8, device=device)
+        cf.ring_fp8_variant(x, inp.dest, out, qbufs=qbufs)(programs)
+        assert cf.check(out, cf.reference_fp8_expand(x, inp.dest)) is None, f"fp8 expansion, {qbufs} buffers"
 
 
 _RING_COMPILE = r"""

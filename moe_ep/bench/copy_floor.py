@@ -272,7 +272,8 @@ def reference_fp8_expand(x: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
     amax = xf.abs().amax(dim=2)
     # (torch.full_like(amax, 448) / amax: ``448 / amax`` is reciprocal-then-multiply in torch, not IEEE division)
     q = (xf * (torch.full_like(amax, 448.0) / amax)[:, :, None]).to(torch.float8_e4m3fn).view(torch.uint8).view(R, H)
-    row = torch.cat([q, (amax / 448.0).view(torch.uint8).view(R, -1)], dim=1)
+    # (on CUDA, torch divides by a scalar as a multiply by its reciprocal: a tensor divisor is IEEE division)
+    row = torch.cat([q, (amax / torch.full_like(amax, 448.0)).view(torch.uint8).view(R, -1)], dim=1)
     ref = torch.empty(R * K, row.shape[1], dtype=torch.uint8, device=x.device)
     ref[dest.reshape(-1).long()] = row.repeat_interleave(K, dim=0)
     return ref
