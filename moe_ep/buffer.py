@@ -141,9 +141,12 @@ class EPBuffer:
         # Warps per program: few programs, or few tokens each, need more warps each to keep enough
         # bytes in flight (measured on H200: 32 programs at prefill, 16 warps 523/524 us vs 8 warps
         # 663/774 us for dispatch/combine; 132 programs at decode, 12.0/7.3 us vs 12.6/8.3 us).
-        # MOE_EP_NUM_WARPS overrides, for tuning.
+        # Many programs with many tokens each (prefill at 132 programs, one H200, T=4096, 50 graph
+        # replays, kernel p50 dispatch/combine): 16 warps for packed (fp8 101.2/135.7 against 104.3/137.7
+        # us at 8, bf16 159.5/135.0 against 163.3/137.9) and rows (fp8 34.9/35.4 against 37.9/40.3),
+        # 8 for masked (105.6/138.3 against 111.6/150.0 at 16). MOE_EP_NUM_WARPS overrides, for tuning.
         few = self.num_programs <= 64 or max_tokens * topk <= 2048
-        warps = (16 if few else 8) if self.device.type == "cuda" else 4
+        warps = (16 if few or layout != "masked" else 8) if self.device.type == "cuda" else 4
         if layout == "rows" and self.device.type == "cuda" and self.num_programs <= 64:
             # The rows layout's large chunks at few programs: 32 warps (one H200, T=4096, 32
             # programs, fp8: dispatch 60.4 -> 56.6 us, combine 50.8 -> 47.5 us against 16 warps).
