@@ -24,6 +24,9 @@ bytes / (floor GB/s). Variants:
   S - 1 rows (asynchronous copies into shared memory) while storing this one.
 - ``expand-K``: each source row loaded once and stored K times, into K permuted destinations
   (dispatch's expansion by top-k); bytes = R rows read + R*K rows written.
+- ``reduce-K-cC``: combine's own work at one rank: each output row the float32 sum of K gathered
+  bf16 rows (weighted), R / K output rows from R source rows, C channels per loop step (the K
+  rows' pieces loaded as one tile); bytes = R rows read + R / K rows written.
 - ``tma-BxC-sS``: the ``pipelined-S`` loop with Triton tensor descriptors (TMA on sm90+): a row is
   seen as [chunks, C] int32 words and moved B chunks per box; "not available: <reason>" where
   tensor descriptors are not.
@@ -203,6 +206,53 @@ def gather_pipelined(src: torch.Tensor, perm: torch.Tensor, out: torch.Tensor, *
     _gather_kernel[(programs,)](src_ptr=src, perm_ptr=perm, dst_ptr=out, rows=src.shape[0],
                                 WORDS=_words(src), BLOCK_W=_block_words(_words(src)), STAGES=stages,
                                 num_warps=num_warps)
+
+
+@triton.jit
+def _reduce_kernel(src_ptr, idx_ptr, w_ptr, dst_ptr, tokens, COLS: tl.constexpr, BLOCK_C: tl.constexpr,
+                   K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``dst[t] = bf16(sum_k w[t, k] * src[idx[t, k]])`` summed in float32: combine's own work at
+    one rank (a token's K expert rows gathered and weighted into one row)."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    kk = tl.arange(0, BLOCK_K)
+    km = kk < K
+    cols = tl.arange(0, BLOCK_C)
+    for t in range(pid.to(tl.int64), tokens, programs):
+        r = tl.load(idx_ptr + t * K + kk, mask=km, other=0).to(tl.int64)
+        w = tl.load(w_ptr + t * K + kk, mask=km, other=0.0)
+        for c in tl.static_range(0, COLS, BLOCK_C):
+            cm = c + cols < COLS
+            # the K rows' pieces as one [K, BLOCK_C] tile: K loads in flight before the sum waits on them
+            y = tl.load(src_ptr + r[:, None] * COLS + (c + cols)[None, :], mask=km[:, None] & cm[None, :], other=0.0)
+            acc = tl.sum(y.to(tl.float32) * w[:, None], axis=0)
+            tl.store(dst_ptr + t * COLS + c + cols, acc.to(tl.bfloat16), mask=cm)
+
+
+def reduce_rows(src: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, programs: int,
+                block_cols: int, num_warps: int = 16) -> None:
+    """``out[t] = sum_k w[t, k] * src[idx[t, k]]``. src: bf16 [R, C]; idx: int32 [T, K]; w: float32
+    [T, K]; out: bf16 [T, C]; all contiguous on one device."""
+    T, K = idx.shape
+    _reduce_kernel[(programs,)](src_ptr=src, idx_ptr=idx, w_ptr=w, dst_ptr=out, tokens=T, COLS=src.shape[1],
+                                BLOCK_C=min(block_cols, pow2(src.shape[1])), K=K, BLOCK_K=pow2(K),
+                                num_warps=num_warps)
+
+
+def reduce_inputs(inp: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(src, idx, w) of ``reduce-K``: bf16 [R, 2W] small integers (float32 sums of K of them are
+    exact, so any summation order gives torch's bits), idx = ``perm`` as [R / K, K], weights 1."""
+    R, W = inp.src.shape
+    K = inp.dest.shape[1]
+    g = torch.Generator(device=inp.src.device).manual_seed(2)
+    src = torch.randint(-16, 17, (R, 2 * W), generator=g, device=inp.src.device).to(torch.bfloat16)
+    idx = inp.perm[: R // K * K].view(R // K, K)
+    return src, idx, torch.ones(idx.shape, dtype=torch.float32, device=inp.src.device)
+
+
+def reference_reduce(src: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """torch's ``reduce-K``: bf16 [T, C]."""
+    return (src[idx.long()].float() * w[:, :, None]).sum(dim=1).to(torch.bfloat16)
 
 
 def expand_rows(src: torch.Tensor, dest: torch.Tensor, out: torch.Tensor, *, programs: int,
@@ -408,6 +458,13 @@ def variants(inp: Inputs, *, inflight: list[int], stages: int, tma_box_rows: lis
     vs.append(Variant(f"expand-{K}", lambda p: expand_rows(inp.src, inp.dest, out_expanded, programs=p,
                                                              num_warps=num_warps),
                       out_expanded, lambda: reference_expand(inp), nbytes, nbytes * K))
+    rsrc, ridx, rw = reduce_inputs(inp)
+    out_reduced = torch.empty(ridx.shape[0], rsrc.shape[1], dtype=torch.bfloat16, device=inp.src.device)
+    for bc in (1024, 2048):
+        vs.append(Variant(f"reduce-{K}-c{bc}", lambda p, bc=bc: reduce_rows(rsrc, ridx, rw, out_reduced, programs=p,
+                                                                             block_cols=bc, num_warps=num_warps),
+                          out_reduced, lambda: reference_reduce(rsrc, ridx, rw), ridx.numel() * W * 4,
+                          ridx.shape[0] * W * 4))
     why = tma_unavailable(inp.src.device) or (f"rows of {W * 4} bytes are not a multiple of 16" if W % 4 else None)
     for rows, cols in dict.fromkeys(tma_box(W, b) for b in tma_box_rows):  # one line per distinct box
         vs.append(Variant(f"tma-{rows}x{cols}-s{stages}",
