@@ -25,8 +25,9 @@ bytes / (floor GB/s). Variants:
 - ``expand-K``: each source row loaded once and stored K times, into K permuted destinations
   (dispatch's expansion by top-k); bytes = R rows read + R*K rows written.
 - ``reduce-K-cC``: combine's own work at one rank: each output row the float32 sum of K gathered
-  bf16 rows (weighted), R / K output rows from R source rows, C channels per loop step (the K
-  rows' pieces loaded as one tile); bytes = R rows read + R / K rows written.
+  bf16 rows (weighted), R / K output rows from R source rows, 16 tokens by C channels per loop
+  step through the combine's own ``pre_reduce_tile`` (its data loop without its metadata and
+  flags); bytes = R rows read + R / K rows written.
 - ``tma-BxC-sS``: the ``pipelined-S`` loop with Triton tensor descriptors (TMA on sm90+): a row is
   seen as [chunks, C] int32 words and moved B chunks per box; "not available: <reason>" where
   tensor descriptors are not.
@@ -65,11 +66,12 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_ep.kernels.common import prefetch_l2
+from moe_ep.kernels.common import pre_reduce_tile, prefetch_l2
 from moe_ep.kernels.interpret import interpreting, speed_up
 from moe_ep.layout import pow2
 
 PROG = "python -m moe_ep.bench.copy_floor"
+REDUCE_TOKENS = 16  # tokens per step of reduce-K (the combine's chunk of the masked and packed layouts)
 MAX_BLOCK_WORDS = 4096  # widest row piece per load (16 KB); longer rows are walked in pieces
 TMA_MAX_BOX = 256  # a TMA box has at most 256 elements per dimension
 CPU_DEFAULTS = dict(rows=64, row_bytes=256, programs=[2, 3], iters=2, warmup=1)
@@ -209,24 +211,28 @@ def gather_pipelined(src: torch.Tensor, perm: torch.Tensor, out: torch.Tensor, *
 
 
 @triton.jit
-def _reduce_kernel(src_ptr, idx_ptr, w_ptr, dst_ptr, tokens, COLS: tl.constexpr, BLOCK_C: tl.constexpr,
-                   K: tl.constexpr, BLOCK_K: tl.constexpr):
+def _reduce_kernel(src_ptr, idx_ptr, w_ptr, dst_ptr, tokens, COLS: tl.constexpr, BLOCK_T: tl.constexpr,
+                   BLOCK_C: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr):
     """``dst[t] = bf16(sum_k w[t, k] * src[idx[t, k]])`` summed in float32: combine's own work at
-    one rank (a token's K expert rows gathered and weighted into one row)."""
+    one rank (a token's K expert rows gathered and weighted into one row), BLOCK_T tokens by
+    BLOCK_C channels per step through the combine's own helper (``pre_reduce_tile``), without
+    the combine's routing metadata or flags."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     kk = tl.arange(0, BLOCK_K)
     km = kk < K
-    cols = tl.arange(0, BLOCK_C)
-    for t in range(pid.to(tl.int64), tokens, programs):
-        r = tl.load(idx_ptr + t * K + kk, mask=km, other=0).to(tl.int64)
-        w = tl.load(w_ptr + t * K + kk, mask=km, other=0.0)
-        for c in tl.static_range(0, COLS, BLOCK_C):
-            cm = c + cols < COLS
-            # the K rows' pieces as one [K, BLOCK_C] tile: K loads in flight before the sum waits on them
-            y = tl.load(src_ptr + r[:, None] * COLS + (c + cols)[None, :], mask=km[:, None] & cm[None, :], other=0.0)
-            acc = tl.sum(y.to(tl.float32) * w[:, None], axis=0)
-            tl.store(dst_ptr + t * COLS + c + cols, acc.to(tl.bfloat16), mask=cm)
+    tt = tl.arange(0, BLOCK_T)
+    for t0 in range(pid.to(tl.int64) * BLOCK_T, tokens, programs * BLOCK_T):
+        t = t0 + tt
+        tm = t < tokens
+        m2 = tm[:, None] & km[None, :]
+        r = tl.load(idx_ptr + t[:, None] * K + kk[None, :], mask=m2, other=-1)
+        w = tl.load(w_ptr + t[:, None] * K + kk[None, :], mask=m2, other=0.0)
+        for c in range(0, COLS, BLOCK_C):
+            cc = c + tl.arange(0, BLOCK_C)
+            cm = tm[:, None] & (cc < COLS)[None, :]
+            acc = pre_reduce_tile(src_ptr, r, w, kk, cc, cm, K, COLS, BLOCK_T, BLOCK_C)
+            tl.store(dst_ptr + t[:, None] * COLS + cc[None, :], acc.to(tl.bfloat16), mask=cm)
 
 
 def reduce_rows(src: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, programs: int,
@@ -235,8 +241,8 @@ def reduce_rows(src: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, out: torc
     [T, K]; out: bf16 [T, C]; all contiguous on one device."""
     T, K = idx.shape
     _reduce_kernel[(programs,)](src_ptr=src, idx_ptr=idx, w_ptr=w, dst_ptr=out, tokens=T, COLS=src.shape[1],
-                                BLOCK_C=min(block_cols, pow2(src.shape[1])), K=K, BLOCK_K=pow2(K),
-                                num_warps=num_warps)
+                                BLOCK_T=REDUCE_TOKENS, BLOCK_C=min(block_cols, pow2(src.shape[1])), K=K,
+                                BLOCK_K=pow2(K), num_warps=num_warps)
 
 
 def reduce_inputs(inp: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -460,7 +466,7 @@ def variants(inp: Inputs, *, inflight: list[int], stages: int, tma_box_rows: lis
                       out_expanded, lambda: reference_expand(inp), nbytes, nbytes * K))
     rsrc, ridx, rw = reduce_inputs(inp)
     out_reduced = torch.empty(ridx.shape[0], rsrc.shape[1], dtype=torch.bfloat16, device=inp.src.device)
-    for bc in (1024, 2048):
+    for bc in (512, 1024):  # (512: the combine's receive tile at 32 programs)
         vs.append(Variant(f"reduce-{K}-c{bc}", lambda p, bc=bc: reduce_rows(rsrc, ridx, rw, out_reduced, programs=p,
                                                                              block_cols=bc, num_warps=num_warps),
                           out_reduced, lambda: reference_reduce(rsrc, ridx, rw), ridx.numel() * W * 4,
