@@ -32,6 +32,22 @@ def _load_row(src_desc, ring, bars, stage, row, ok):
 
 
 @gluon.jit
+def _ring_barriers(STAGES: gl.constexpr):
+    """One mbarrier per ring slot (arrival count 1), initialised before the copy unit uses them."""
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(bars.index(s), count=1)
+    fence_async_shared()
+    return bars
+
+
+@gluon.jit
+def _k_offsets(BLOCK_K: gl.constexpr):
+    """arange(BLOCK_K) held whole by every thread (a step's K destination rows, read as scalars)."""
+    return gl.arange(0, BLOCK_K, layout=gl.BlockedLayout([BLOCK_K], [32], [gl.num_warps()], [0]))
+
+
+@gluon.jit
 def _source_row(idx_ptr, i, rows, GATHER: gl.constexpr):
     """The source row of step ``i`` and whether there is one: ``idx[i]`` (gather) or ``i`` (expand)."""
     ok = i < rows
@@ -58,24 +74,21 @@ def ring_copy_kernel(src_desc, dst_desc, idx_ptr, rows, GATHER: gl.constexpr, K:
     expansion by top-k: a row loaded once, stored K times). Rows i = pid, pid + programs, ...;
     descriptors over [rows, CHUNKS, COLS] views with one-row boxes (module docstring), idx int32.
     Of the STAGES ring slots, BEHIND (>= 1, this step's included) hold rows whose stores may still
-    be reading them and the rest rows being loaded: a bulk store takes about a memory latency to
-    let go of its slot, so with one step behind a program moves a row per half latency whatever
-    its bytes (measured: ~0.45 us a row for 7168- and 14336-byte rows alike)."""
+    be reading them and the rest rows being loaded. (Measured on an H200, docs/PERFORMANCE.md
+    "Ninth pass": neither STAGES nor BEHIND changes the rate; a gather moves ~0.47 us a row per
+    program at 32 programs, for 7168- and 14336-byte rows alike.)"""
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
     ring = gl.allocate_shared_memory(src_desc.dtype, [STAGES] + src_desc.block_shape, src_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(bars.index(s), count=1)
-    fence_async_shared()  # the barriers' initialisation before the copy unit uses them
-    offs_k = gl.arange(0, BLOCK_K, layout=gl.BlockedLayout([BLOCK_K], [32], [gl.num_warps()], [0]))
+    bars = _ring_barriers(STAGES)
+    offs_k = _k_offsets(BLOCK_K)
     steps = (rows - pid + programs - 1) // programs
     AHEAD: gl.constexpr = STAGES - BEHIND  # rows in flight towards shared memory
     for p in gl.static_range(AHEAD):
         row, ok = _source_row(idx_ptr, pid + p * programs, rows, GATHER)
         _load_row(src_desc, ring, bars, p, row, ok)
-    # Every index is loaded one step before it is used: a load used at once would put a memory
-    # latency (~1 us) into each step.
+    # Every index is loaded one step before it is used, so no step waits on an index load (measured:
+    # the same rate as loading each where it is used).
     src_next, ok_next = _source_row(idx_ptr, pid + AHEAD * programs, rows, GATHER)
     dst = _dest_rows(idx_ptr, pid, rows, offs_k, GATHER, K)
     for j in range(steps):
@@ -115,15 +128,12 @@ def ring_fp8_expand_kernel(src_desc, dst_desc, scale_ptr, idx_ptr, rows, scale_s
     COLS: gl.constexpr = src_desc.block_shape[2]
     ring = gl.allocate_shared_memory(src_desc.dtype, [STAGES] + src_desc.block_shape, src_desc.layout)
     qbuf = gl.allocate_shared_memory(dst_desc.dtype, [QBUFS] + dst_desc.block_shape, dst_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(bars.index(s), count=1)
-    fence_async_shared()
+    bars = _ring_barriers(STAGES)
     # a thread holds 8 consecutive channels (16-byte shared loads), 16 threads a 128-channel block
     x_layout: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 2, 16], [1, gl.num_warps(), 1], [2, 1, 0])
     s_layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, gl.num_warps()], [1, 0])
     chunk = gl.arange(0, BOX, layout=gl.SliceLayout(0, s_layout))[None, :]
-    offs_k = gl.arange(0, BLOCK_K, layout=gl.BlockedLayout([BLOCK_K], [32], [gl.num_warps()], [0]))
+    offs_k = _k_offsets(BLOCK_K)
     steps = (rows - pid + programs - 1) // programs
     for p in gl.static_range(STAGES):
         _load_row(src_desc, ring, bars, p, pid + p * programs, pid + p * programs < rows)
