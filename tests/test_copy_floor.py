@@ -208,7 +208,7 @@ def test_cli_cpu_writes_json(tmp_path, capsys):
     names = [r["variant"] for r in doc["rows"]]
     assert names == ["plain", "inflight-2", "inflight-4", "inflight-8",
                      *(f"prefetch-{n}-a{a}" for n in (2, 4) for a in (1, 2, 4)), "pipelined-3", "expand-8",
-                     "reduce-8-c512", "reduce-8-c1024", "tma-1x64-s3",
+                     *(f"reduce-8-t{t}-c{c}" for t, c in cf.REDUCE_SHAPES), "tma-1x64-s3",
                      *(n for s in ("4", "8", "max") for b in (1, 2, 4) if s == "max" or b < int(s)
                        for n in (f"ring-{s}-b{b}", f"ring-expand-8-s{s}-b{b}")),
                      "ring-fp8-expand-8-w4-q2", "ring-fp8-expand-8-w4-q4", "ring-fp8-expand-8-w8-q4",

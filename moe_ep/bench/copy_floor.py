@@ -24,10 +24,11 @@ bytes / (floor GB/s). Variants:
   S - 1 rows (asynchronous copies into shared memory) while storing this one.
 - ``expand-K``: each source row loaded once and stored K times, into K permuted destinations
   (dispatch's expansion by top-k); bytes = R rows read + R*K rows written.
-- ``reduce-K-cC``: combine's own work at one rank: each output row the float32 sum of K gathered
-  bf16 rows (weighted), R / K output rows from R source rows, 16 tokens by C channels per loop
-  step through the combine's own ``pre_reduce_tile`` (its data loop without its metadata and
-  flags); bytes = R rows read + R / K rows written.
+- ``reduce-K-tT-cC``: combine's own work at one rank: each output row the float32 sum of K
+  gathered bf16 rows (weighted), R / K output rows from R source rows, T tokens by C channels per
+  loop step through the combine's own ``pre_reduce_tile`` (its data loop without its metadata and
+  flags; T = 16, C = 512 is the combine's step at 32 programs); bytes = R rows read + R / K rows
+  written.
 - ``tma-BxC-sS``: the ``pipelined-S`` loop with Triton tensor descriptors (TMA on sm90+): a row is
   seen as [chunks, C] int32 words and moved B chunks per box; "not available: <reason>" where
   tensor descriptors are not.
@@ -71,7 +72,9 @@ from moe_ep.kernels.interpret import interpreting, speed_up
 from moe_ep.layout import pow2
 
 PROG = "python -m moe_ep.bench.copy_floor"
-REDUCE_TOKENS = 16  # tokens per step of reduce-K (the combine's chunk of the masked and packed layouts)
+# (tokens, channels) per step of the reduce-K variants: (16, 512) is the combine's receive step at 32
+# programs; the last three load as many elements (16 a thread at 16 warps) in pieces of 2-8 KB a row
+REDUCE_SHAPES = ((16, 512), (16, 1024), (8, 1024), (4, 2048), (2, 4096))
 MAX_BLOCK_WORDS = 4096  # widest row piece per load (16 KB); longer rows are walked in pieces
 TMA_MAX_BOX = 256  # a TMA box has at most 256 elements per dimension
 CPU_DEFAULTS = dict(rows=64, row_bytes=256, programs=[2, 3], iters=2, warmup=1)
@@ -236,12 +239,13 @@ def _reduce_kernel(src_ptr, idx_ptr, w_ptr, dst_ptr, tokens, COLS: tl.constexpr,
 
 
 def reduce_rows(src: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, programs: int,
-                block_cols: int, num_warps: int = 16) -> None:
-    """``out[t] = sum_k w[t, k] * src[idx[t, k]]``. src: bf16 [R, C]; idx: int32 [T, K]; w: float32
-    [T, K]; out: bf16 [T, C]; all contiguous on one device."""
+                block_tokens: int, block_cols: int, num_warps: int = 16) -> None:
+    """``out[t] = sum_k w[t, k] * src[idx[t, k]]``, ``block_tokens`` tokens by ``block_cols``
+    channels (powers of two) a step. src: bf16 [R, C]; idx: int32 [T, K]; w: float32 [T, K]; out:
+    bf16 [T, C]; all contiguous on one device."""
     T, K = idx.shape
     _reduce_kernel[(programs,)](src_ptr=src, idx_ptr=idx, w_ptr=w, dst_ptr=out, tokens=T, COLS=src.shape[1],
-                                BLOCK_T=REDUCE_TOKENS, BLOCK_C=min(block_cols, pow2(src.shape[1])), K=K,
+                                BLOCK_T=block_tokens, BLOCK_C=min(block_cols, pow2(src.shape[1])), K=K,
                                 BLOCK_K=pow2(K), num_warps=num_warps)
 
 
@@ -466,9 +470,10 @@ def variants(inp: Inputs, *, inflight: list[int], stages: int, tma_box_rows: lis
                       out_expanded, lambda: reference_expand(inp), nbytes, nbytes * K))
     rsrc, ridx, rw = reduce_inputs(inp)
     out_reduced = torch.empty(ridx.shape[0], rsrc.shape[1], dtype=torch.bfloat16, device=inp.src.device)
-    for bc in (512, 1024):  # (512: the combine's receive tile at 32 programs)
-        vs.append(Variant(f"reduce-{K}-c{bc}", lambda p, bc=bc: reduce_rows(rsrc, ridx, rw, out_reduced, programs=p,
-                                                                             block_cols=bc, num_warps=num_warps),
+    for bt, bc in REDUCE_SHAPES:
+        vs.append(Variant(f"reduce-{K}-t{bt}-c{bc}",
+                          lambda p, bt=bt, bc=bc: reduce_rows(rsrc, ridx, rw, out_reduced, programs=p, block_tokens=bt,
+                                                              block_cols=bc, num_warps=num_warps),
                           out_reduced, lambda: reference_reduce(rsrc, ridx, rw), ridx.numel() * W * 4,
                           ridx.shape[0] * W * 4))
     why = tma_unavailable(inp.src.device) or (f"rows of {W * 4} bytes are not a multiple of 16" if W % 4 else None)
