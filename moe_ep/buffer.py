@@ -174,6 +174,10 @@ class EPBuffer:
         # into shared memory, STAGES tiles in flight); 1 = plain loops. MOE_EP_STAGES overrides.
         self.stages = int(os.environ.get("MOE_EP_STAGES", 1)) if self.device.type == "cuda" else 1
 
+        ct = os.environ.get("MOE_EP_COMBINE_TOKENS", "")  # (used once the chunk size is known, below)
+        if ct and (not ct.isdigit() or int(ct) < 1):
+            raise ValueError(f"MOE_EP_COMBINE_TOKENS: expected a positive integer, got {ct!r}")
+
         # Every rank's arguments must agree before any memory is touched (program p serves chunks
         # p, p+P, ... on every rank, so num_programs too).
         self._agreement.agree(self._signature(private_capacity, overflow_capacity, expert_capacity), self.timeout_s)
@@ -206,6 +210,10 @@ class EPBuffer:
         # Tokens per tile of the loops that move a chunk's payload (OWN_TILE_TOKENS at most: the
         # rows layout's chunks are larger, and go through those loops in sub-blocks).
         self.block_ts = min(self.block_t, OWN_TILE_TOKENS)
+        # Tokens per step of combine's receive half: a whole chunk, or (MOE_EP_COMBINE_TOKENS, for
+        # tuning) a power of two below it: the chunk then goes in sub-blocks whose channel steps hold
+        # as many elements in longer pieces of each row (the copy floor's reduce-K-tT-cC lines).
+        self.combine_recv_tokens = min(self.block_t, pow2(int(ct))) if ct else self.block_t
         # Warps of the routing-histogram launch (one program per chunk): 16 for chunks of 128
         # tokens or more (one H200, rows fp8 at 32 programs: 55.9 against 56.9 us with 4; at 132
         # programs, 32-token chunks, 4 stays: 35.6 against 36.4). MOE_EP_HIST_WARPS overrides.

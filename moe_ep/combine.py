@@ -2,6 +2,8 @@
 two launches under the interpreter)."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .dispatch import _aligned, _check_tensor, launch_half, launch_halves, pipelined_width
@@ -141,13 +143,18 @@ def _combine_consts(buf, own_y: bool, wts: bool) -> dict:
                 E=buf.num_experts,
                 EL=buf.num_local_experts, H=H, HDR=buf.ws_layout.HDR, CMAX=buf.chunks, BLOCK_T=BLOCK_T,
                 BLOCK_K=pow2(buf.topk, 2),
-                BLOCK_H=_channel_tile(buf, buf.combine_tile), BLOCK_HR=_channel_tile(buf, buf.combine_recv_tile),
+                BLOCK_H=_channel_tile(buf, buf.combine_tile),
+                BLOCK_HR=_channel_tile(buf, buf.combine_recv_tile, buf.combine_recv_tokens),
+                BLOCK_TR=buf.combine_recv_tokens,
                 STAGES=buf.stages, INTERP=buf.interp, ROWS=buf.layout == "rows", OWN_Y=own_y, WIN=wts, WOUT=wts,
                 off_comb_w=off["comb_w"], num_warps=buf.num_warps)
 
 
-def _channel_tile(buf, tile: int) -> int:
-    """Channels per combine loop step at payload tile scale ``tile``: K gathered rows of BLOCK_T
-    tokens each must fit the pipelining budget when the loops are pipelined."""
-    return pipelined_width(max(16, min(pow2(buf.hidden), 2048 * tile, 8192 * tile // buf.block_t)), buf.stages,
-                           buf.topk * buf.block_t * 2)
+def _channel_tile(buf, tile: int, tokens: Optional[int] = None) -> int:
+    """Channels per combine loop step at payload tile scale ``tile`` for steps of ``tokens`` tokens
+    (default a whole chunk, ``block_t``): 8192 * tile elements a step, and for a whole chunk at
+    most 2048 * tile channels; K gathered rows of that many tokens must fit the pipelining budget
+    when the loops are pipelined."""
+    t = tokens or buf.block_t
+    cap = 2048 * tile if t == buf.block_t else 8192 * tile // t
+    return pipelined_width(max(16, min(pow2(buf.hidden), cap, 8192 * tile // t)), buf.stages, buf.topk * t * 2)

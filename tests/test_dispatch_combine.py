@@ -96,6 +96,46 @@ def test_one_launch_at_one_rank():
     assert not fails, f"{len(fails)} failed checks:\n" + "\n".join(fails[:40])
 
 
+def _sub_block_worker(rank, world_size, cases, fused):
+    import os
+
+    import moe_ep
+
+    group = moe_ep.EPGroup()
+    fails = []
+    os.environ["MOE_EP_COMBINE_TOKENS"] = "0"
+    try:
+        try:
+            make_buffer(group, cases[0])
+            fails.append("MOE_EP_COMBINE_TOKENS=0 was accepted")
+        except ValueError as e:
+            if "MOE_EP_COMBINE_TOKENS" not in str(e):
+                fails.append(f"the error does not name MOE_EP_COMBINE_TOKENS: {e}")
+        os.environ["MOE_EP_COMBINE_TOKENS"] = "2"
+        for case in cases:
+            with make_buffer(group, case) as buf:
+                if not buf.combine_recv_tokens == 2 < buf.block_t:
+                    fails.append(f"{case.name}: {buf.combine_recv_tokens} tokens a step of chunks of {buf.block_t}")
+                buf.fused = fused
+                fails += run_calls(group, buf, case)
+    finally:
+        os.environ.pop("MOE_EP_COMBINE_TOKENS", None)
+    return fails
+
+
+@pytest.mark.parametrize("R", [1, 2])
+def test_combine_in_token_sub_blocks(R):
+    """Combine's receive half in sub-blocks of 2 tokens of its chunks of 4 (MOE_EP_COMBINE_TOKENS,
+    the tuning knob), every layout, with combine-time weights; R=1 in one launch (its own tokens'
+    pre-reduction with no flag), R=2 in two halves (the peer's rows through the workspace)."""
+    cases = [Case(R=R, E=2 * R, K=2, dtype="fp8", layout="masked", M=16, data="random", seed=81),
+             Case(R=R, E=4 * R, K=8, dtype="bf16", layout="packed", align=16, M=16, seed=82, late_weights=True),
+             Case(R=R, E=2 * R, K=3, dtype="fp8", layout="rows", M=16, data="random", seed=83)]
+    results = dist_util.run(R, _sub_block_worker, cases, R == 1, timeout=600)
+    fails = [f for rank_fails in results for f in rank_fails]
+    assert not fails, f"{len(fails)} failed checks:\n" + "\n".join(fails[:40])
+
+
 def test_matrix_covers_the_contract():
     """The rotation really reaches every value the issue lists."""
     cases = [c for R in RANKS for d in DTYPES for c in matrix_cases(R, d)] + [c for R in (1, 3) for c in edge_cases(R)]

@@ -52,6 +52,7 @@ def combine_kernel(
     EL: tl.constexpr, H: tl.constexpr, HDR: tl.constexpr, CMAX: tl.constexpr, BASE_F32: tl.constexpr,
     WEIGHTS: tl.constexpr, PUSH: tl.constexpr, SEND: tl.constexpr, RECV: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HR: tl.constexpr,
+    BLOCK_TR: tl.constexpr,
     STAGES: tl.constexpr, INTERP: tl.constexpr, ROWS: tl.constexpr, OWN_Y: tl.constexpr, WIN: tl.constexpr,
     WOUT: tl.constexpr, off_comb_w: tl.constexpr,
 ):
@@ -65,6 +66,7 @@ def combine_kernel(
     epoch = tl.load(state_ptr + P + pid) + 1
     par = epoch & 1
     rr = tl.arange(0, BLOCK_T)
+    rt = tl.arange(0, BLOCK_TR)  # the receive half's tokens per step (BLOCK_TR <= BLOCK_T)
     kk = tl.arange(0, BLOCK_K)
     km = kk < K
     if PUSH:
@@ -134,69 +136,75 @@ def combine_kernel(
                 if v >= ABORT_FLAG:  # the owner overflowed its masked layout in the dispatch combined here
                     record_error(err_ptr, ERR_CAPACITY, NODE0 + owner, PHASE_DISPATCH, tl.load(state_ptr + pid),
                                  v - ABORT_FLAG)
-            if ok != 0:
-                t = c * BT + rr
-                tm = (rr < BT) & (t < T)
-                ids = tl.load(topk_ptr + t[:, None] * K + kk[None, :], mask=tm[:, None] & km[None, :],
-                              other=-1).to(tl.int32)
-                dst = tl.where((ids >= 0) & (ids < E), ids // EL - NODE0, -1)  # node peer, if any
-                if OWN_Y:  # this rank's rows of its own tokens, read from expert_y where dispatch put them
-                    if ROWS:  # one row per token
-                        own = tl.load(recv_pos_ptr + (RANK * M + t) * K, mask=tm, other=-1).to(tl.int64)
-                    else:  # every selection's row, and its weight, for the pre-reduction here
-                        m2 = tm[:, None] & km[None, :]
-                        own_r = tl.load(recv_pos_ptr + (RANK * M + t)[:, None] * K + kk[None, :], mask=m2, other=-1)
-                        if WEIGHTS:
-                            own_w = tl.load(cw_ptr + t[:, None] * K + kk[None, :], mask=m2 & (own_r >= 0), other=0.0)
-                        else:
-                            own_w = tl.load(ptr_at(ws, off_meta_w, tl.float32) + ((dpar * N + RANK) * M + t)[:, None] * K
-                                            + kk[None, :], mask=m2 & (own_r >= 0), other=0.0)
-                if WOUT:  # the rows' combine weights, summed over owners like the rows
-                    wacc = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
-                    for d in tl.static_range(N):
-                        go = tl.max((dst == d).to(tl.int32), axis=1) > 0
-                        m2 = go[:, None] & km[None, :]
-                        if OWN_Y and d == RANK:
-                            if WIN:
-                                wacc += tl.load(wy_ptr + own[:, None] * K + kk[None, :], mask=m2, other=0.0)
-                        else:
-                            wsrc = ptr_at(ws, off_comb_w, tl.float32) + ((par * N + d) * M + t).to(tl.int64) * K
-                            wacc += tl.load(wsrc[:, None] + kk[None, :], mask=m2, other=0.0)
-                    # (with BASE_F32 the remote owners' weights are added to these later)
-                    tl.store(wout_ptr + t[:, None] * K + kk[None, :], wacc, mask=tm[:, None] & km[None, :])
-                if OWN_Y and ROWS:  # this rank's own rows: the first tile's loads, ahead of the loop
-                    own_m = tm & (tl.max((dst == RANK).to(tl.int32), axis=1) > 0)
-                    hh = tl.arange(0, BLOCK_HR)
-                    nxt = tl.load(y_ptr + own[:, None] * H + hh[None, :], mask=own_m[:, None] & (hh[None, :] < H),
-                                  other=0.0)
-                for h0 in range(0, H, BLOCK_HR):  # (its own channel tile: K loads per step with OWN_Y)
-                    hh = h0 + tl.arange(0, BLOCK_HR)
-                    hm = tm[:, None] & (hh[None, :] < H)
-                    if OWN_Y and ROWS:
-                        # The next tile's loads go out before this one is summed and stored (a
-                        # register double buffer, as in dispatch's store_own_rows).
-                        cur = nxt
-                        hn = hh + BLOCK_HR
-                        nxt = tl.load(y_ptr + own[:, None] * H + hn[None, :], mask=own_m[:, None] & (hn[None, :] < H),
+            # The chunk in sub-blocks of BLOCK_TR tokens: one when BLOCK_TR == BLOCK_T (the code as
+            # without the loop); more give a channel step as many elements in longer pieces of each row.
+            for sb in tl.static_range(BLOCK_T // BLOCK_TR):
+                if ok != 0:
+                    t = c * BT + sb * BLOCK_TR + rt
+                    tm = (sb * BLOCK_TR + rt < BT) & (t < T)
+                    ids = tl.load(topk_ptr + t[:, None] * K + kk[None, :], mask=tm[:, None] & km[None, :],
+                                  other=-1).to(tl.int32)
+                    dst = tl.where((ids >= 0) & (ids < E), ids // EL - NODE0, -1)  # node peer, if any
+                    if OWN_Y:  # this rank's rows of its own tokens, read from expert_y where dispatch put them
+                        if ROWS:  # one row per token
+                            own = tl.load(recv_pos_ptr + (RANK * M + t) * K, mask=tm, other=-1).to(tl.int64)
+                        else:  # every selection's row, and its weight, for the pre-reduction here
+                            m2 = tm[:, None] & km[None, :]
+                            own_r = tl.load(recv_pos_ptr + (RANK * M + t)[:, None] * K + kk[None, :], mask=m2, other=-1)
+                            if WEIGHTS:
+                                own_w = tl.load(cw_ptr + t[:, None] * K + kk[None, :], mask=m2 & (own_r >= 0),
+                                                other=0.0)
+                            else:
+                                own_w = tl.load(ptr_at(ws, off_meta_w, tl.float32)
+                                                + ((dpar * N + RANK) * M + t)[:, None] * K + kk[None, :],
+                                                mask=m2 & (own_r >= 0), other=0.0)
+                    if WOUT:  # the rows' combine weights, summed over owners like the rows
+                        wacc = tl.zeros((BLOCK_TR, BLOCK_K), tl.float32)
+                        for d in tl.static_range(N):
+                            go = tl.max((dst == d).to(tl.int32), axis=1) > 0
+                            m2 = go[:, None] & km[None, :]
+                            if OWN_Y and d == RANK:
+                                if WIN:
+                                    wacc += tl.load(wy_ptr + own[:, None] * K + kk[None, :], mask=m2, other=0.0)
+                            else:
+                                wsrc = ptr_at(ws, off_comb_w, tl.float32) + ((par * N + d) * M + t).to(tl.int64) * K
+                                wacc += tl.load(wsrc[:, None] + kk[None, :], mask=m2, other=0.0)
+                        # (with BASE_F32 the remote owners' weights are added to these later)
+                        tl.store(wout_ptr + t[:, None] * K + kk[None, :], wacc, mask=tm[:, None] & km[None, :])
+                    if OWN_Y and ROWS:  # this rank's own rows: the first tile's loads, ahead of the loop
+                        own_m = tm & (tl.max((dst == RANK).to(tl.int32), axis=1) > 0)
+                        hh = tl.arange(0, BLOCK_HR)
+                        nxt = tl.load(y_ptr + own[:, None] * H + hh[None, :], mask=own_m[:, None] & (hh[None, :] < H),
                                       other=0.0)
-                    acc = tl.zeros((BLOCK_T, BLOCK_HR), tl.float32)
-                    for d in tl.static_range(N):
-                        go = tl.max((dst == d).to(tl.int32), axis=1) > 0
-                        if OWN_Y and (d == RANK) and (not ROWS):
-                            # The owner's pre-reduction of this rank's own tokens, done here and
-                            # rounded to bf16 as the owner's row would be: same bits, no round trip.
-                            part = pre_reduce_tile(y_ptr, own_r, own_w, kk, hh, hm & go[:, None], K, H, BLOCK_T,
-                                                   BLOCK_HR)
-                            acc += to_bf16(part, INTERP).to(tl.float32)
-                        elif OWN_Y and (d == RANK):
-                            acc += cur.to(tl.float32)
+                    for h0 in range(0, H, BLOCK_HR):  # (its own channel tile: K loads per step with OWN_Y)
+                        hh = h0 + tl.arange(0, BLOCK_HR)
+                        hm = tm[:, None] & (hh[None, :] < H)
+                        if OWN_Y and ROWS:
+                            # The next tile's loads go out before this one is summed and stored (a
+                            # register double buffer, as in dispatch's store_own_rows).
+                            cur = nxt
+                            hn = hh + BLOCK_HR
+                            nxt = tl.load(y_ptr + own[:, None] * H + hn[None, :],
+                                          mask=own_m[:, None] & (hn[None, :] < H), other=0.0)
+                        acc = tl.zeros((BLOCK_TR, BLOCK_HR), tl.float32)
+                        for d in tl.static_range(N):
+                            go = tl.max((dst == d).to(tl.int32), axis=1) > 0
+                            if OWN_Y and (d == RANK) and (not ROWS):
+                                # The owner's pre-reduction of this rank's own tokens, done here and
+                                # rounded to bf16 as the owner's row would be: same bits, no round trip.
+                                part = pre_reduce_tile(y_ptr, own_r, own_w, kk, hh, hm & go[:, None], K, H, BLOCK_TR,
+                                                       BLOCK_HR)
+                                acc += to_bf16(part, INTERP).to(tl.float32)
+                            elif OWN_Y and (d == RANK):
+                                acc += cur.to(tl.float32)
+                            else:
+                                src = comb + ((par * N + d) * M + t).to(tl.int64) * H
+                                acc += tl.load(src[:, None] + hh[None, :], mask=hm & go[:, None],
+                                               other=0.0).to(tl.float32)
+                        if BASE_F32:  # the remote owners' rows are added later, then rounded once
+                            tl.store(out_ptr + t[:, None] * H + hh[None, :], acc, mask=hm)
                         else:
-                            src = comb + ((par * N + d) * M + t).to(tl.int64) * H
-                            acc += tl.load(src[:, None] + hh[None, :], mask=hm & go[:, None], other=0.0).to(tl.float32)
-                    if BASE_F32:  # the remote owners' rows are added later, then rounded once
-                        tl.store(out_ptr + t[:, None] * H + hh[None, :], acc, mask=hm)
-                    else:
-                        tl.store(out_ptr + t[:, None] * H + hh[None, :], to_bf16(acc, INTERP), mask=hm)
+                            tl.store(out_ptr + t[:, None] * H + hh[None, :], to_bf16(acc, INTERP), mask=hm)
         tl.store(state_ptr + P + pid, epoch)  # each program keeps its own epoch: no cross-program step
 
 
