@@ -156,5 +156,5 @@ def _channel_tile(buf, tile: int, tokens: Optional[int] = None) -> int:
     most 2048 * tile channels; K gathered rows of that many tokens must fit the pipelining budget
     when the loops are pipelined."""
     t = tokens or buf.block_t
-    cap = 2048 * tile if t == buf.block_t else 8192 * tile // t
-    return pipelined_width(max(16, min(pow2(buf.hidden), cap, 8192 * tile // t)), buf.stages, buf.topk * t * 2)
+    width = 8192 * tile // t if t < buf.block_t else min(2048 * tile, 8192 * tile // t)
+    return pipelined_width(max(16, min(pow2(buf.hidden), width)), buf.stages, buf.topk * t * 2)

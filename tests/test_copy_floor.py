@@ -159,6 +159,12 @@ def test_ring_kernel_compiles_for_sm90():
     with pytest.raises(ValueError, match="behind"):
         tma_ring.ring_copy(None, None, torch.zeros(1, dtype=torch.int32), 1, gather=True, k=1, stages=2, behind=2,
                            programs=1)
+    with pytest.raises(ValueError, match="idx: expected contiguous int32"):  # int64 indices would be misread
+        tma_ring.ring_copy(None, None, torch.zeros(1, dtype=torch.int64), 1, gather=True, k=1, stages=2, behind=1,
+                           programs=1)
+    with pytest.raises(ValueError, match="x: expected bfloat16"):
+        tma_ring.ring_fp8_expand(torch.zeros(4, 256), torch.zeros(8, 264, dtype=torch.uint8),
+                                 torch.zeros(4, 2, dtype=torch.int32), qbufs=2, programs=1)
 
 
 def test_tma_box():

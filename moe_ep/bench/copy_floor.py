@@ -35,12 +35,13 @@ bytes / (floor GB/s). Variants:
 - ``ring-S-bB`` and ``ring-expand-K-sS-bB``: the gather and the expansion by Gluon kernels
   (``moe_ep.kernels.tma_ring``, sm_90+): each program keeps S whole rows in a shared-memory ring,
   loaded by TMA S - B rows ahead and stored from shared memory by TMA (K times for the
-  expansion), the stores of B rows in flight; S = 0 in ``--ring-stages`` means as many as fit. GPU only ("not available" in the interpreter).
-- ``ring-fp8-expand-K-wW-qQ``: the dispatch's own-row work by a Gluon kernel: bf16 rows of ``row-bytes``
-  channels loaded by TMA into a shared-memory ring, quantized to fp8 per 128-channel block in
-  registers (W warps), staged in one of Q buffers and stored K times by TMA with its float32 scales (the wire row); bytes = the
-  bf16 rows read + R*K fp8 rows with scales written. Where ``--ring-stages`` is given and the
-  rows are whole 128-channel blocks.
+  expansion), the stores of B rows in flight; S = 0 in ``--ring-stages`` means as many as fit.
+  GPU only ("not available" in the interpreter).
+- ``ring-fp8-expand-K-wW-qQ``: the dispatch's own-row work by a Gluon kernel: bf16 rows of
+  ``row-bytes`` channels loaded by TMA into a shared-memory ring, quantized to fp8 per
+  128-channel block in registers (W warps), staged in one of Q buffers and stored K times by TMA
+  with their float32 scales (the wire row); bytes = the bf16 rows read + R*K fp8 rows with scales
+  written. Where ``--ring-stages`` is given and the rows are whole 128-channel blocks.
 - reference lines, no program count: ``torch copy_`` (contiguous device-to-device memcpy, the
   bandwidth line of the memory itself) and ``torch index_select`` (torch's own gather kernel). A gather
   by the copy engines is not measured: one ``cudaMemcpyAsync`` per row is bound by issue cost.

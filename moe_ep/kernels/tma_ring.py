@@ -124,7 +124,6 @@ def ring_fp8_expand_kernel(src_desc, dst_desc, scale_ptr, idx_ptr, rows, scale_s
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
     BOX: gl.constexpr = src_desc.block_shape[1]
-    COLS: gl.constexpr = src_desc.block_shape[2]
     ring = gl.allocate_shared_memory(src_desc.dtype, [STAGES] + src_desc.block_shape, src_desc.layout)
     qbuf = gl.allocate_shared_memory(dst_desc.dtype, [QBUFS] + dst_desc.block_shape, dst_desc.layout)
     bars = _ring_barriers(STAGES)
@@ -225,26 +224,38 @@ def ring_fp8_expand(x: torch.Tensor, rows_out: torch.Tensor, idx: torch.Tensor, 
                     num_warps: int = 4) -> None:
     """Launches ``ring_fp8_expand_kernel``: bf16 ``x`` [R, H] quantized into ``rows_out`` uint8
     [N, H + 4 * H / 128] (fp8 payload, then the float32 scales: the dispatch's wire row) at rows
-    ``idx`` int32 [R, K]; all on one GPU; ``qbufs`` >= 2 staging buffers, the ring as many slots
-    as fit beside them."""
+    ``idx`` int32 [R, K] (values < N); all on one GPU; ``qbufs`` >= 2 staging buffers, the ring as
+    many slots as fit beside them."""
     if qbufs < 2:
         raise ValueError(f"qbufs: expected at least 2 staging buffers, got {qbufs}")
+    if x.dtype != torch.bfloat16 or x.dim() != 2:
+        raise ValueError(f"x: expected bfloat16 [R, H], got {x.dtype} {tuple(x.shape)}")
     R, H = x.shape
+    _check_idx(idx, (R, idx.shape[-1]), x.device)
     if rows_out.dtype != torch.uint8 or rows_out.shape[1] != H + 4 * (H // 128) or not rows_out.is_contiguous():
         raise ValueError(f"rows_out: expected contiguous uint8 [N, {H + 4 * (H // 128)}], got "
                          f"{rows_out.dtype} {tuple(rows_out.shape)}")
     src = chunk_descriptor(x)
     dst = chunk_descriptor(rows_out.view(torch.float8_e4m3fn)[:, :H])
     scales = rows_out.view(torch.float32)[:, H // 4:]
+    K = idx.shape[1]
     ring_fp8_expand_kernel[(programs,)](src_desc=src, dst_desc=dst, scale_ptr=scales, idx_ptr=idx, rows=R,
-                                        scale_stride=rows_out.shape[1] // 4, CHUNKS=H // 128, K=idx.shape[1],
-                                        BLOCK_K=pow2(idx.shape[1]), STAGES=fp8_stages(H, qbufs), QBUFS=qbufs, num_warps=num_warps)
+                                        scale_stride=rows_out.shape[1] // 4, CHUNKS=H // 128, K=K, BLOCK_K=pow2(K),
+                                        STAGES=fp8_stages(H, qbufs), QBUFS=qbufs, num_warps=num_warps)
+
+
+def _check_idx(idx: torch.Tensor, shape: tuple, device: torch.device) -> None:
+    """ValueError naming ``idx`` unless it is a contiguous int32 tensor of ``shape`` on ``device``."""
+    if idx.dtype != torch.int32 or tuple(idx.shape) != shape or not idx.is_contiguous() or idx.device != device:
+        raise ValueError(f"idx: expected contiguous int32 {list(shape)} on {device}, got {idx.dtype} "
+                         f"{tuple(idx.shape)} on {idx.device}")
 
 
 def ring_copy(src_desc, dst_desc, idx: torch.Tensor, rows: int, *, gather: bool, k: int, stages: int,
               behind: int, programs: int, num_warps: int = 4) -> None:
     """Launches ``ring_copy_kernel`` over ``rows`` source rows (descriptors from ``row_descriptor``;
     ``idx`` int32 [rows] for a gather, [rows, k] for an expansion, on the same device)."""
+    _check_idx(idx, (rows,) if gather else (rows, k), idx.device)
     if not 1 <= behind < stages:
         raise ValueError(f"stages, behind: expected 1 <= behind < stages (slots being stored, the rest loading), "
                          f"got stages={stages}, behind={behind}")
