@@ -123,15 +123,18 @@ def _sub_block_worker(rank, world_size, cases, fused):
     return fails
 
 
+def _sub_block_cases(R):
+    return [Case(R=R, E=2 * R, K=2, dtype="fp8", layout="masked", M=16, data="random", seed=81),
+            Case(R=R, E=4 * R, K=8, dtype="bf16", layout="packed", align=16, M=16, seed=82, late_weights=True),
+            Case(R=R, E=2 * R, K=3, dtype="fp8", layout="rows", M=16, data="random", seed=83)]
+
+
 @pytest.mark.parametrize("R", [1, 2])
 def test_combine_in_token_sub_blocks(R):
     """Combine's receive half in sub-blocks of 2 tokens of its chunks of 4 (MOE_EP_COMBINE_TOKENS,
     the tuning knob), every layout, with combine-time weights; R=1 in one launch (its own tokens'
     pre-reduction with no flag), R=2 in two halves (the peer's rows through the workspace)."""
-    cases = [Case(R=R, E=2 * R, K=2, dtype="fp8", layout="masked", M=16, data="random", seed=81),
-             Case(R=R, E=4 * R, K=8, dtype="bf16", layout="packed", align=16, M=16, seed=82, late_weights=True),
-             Case(R=R, E=2 * R, K=3, dtype="fp8", layout="rows", M=16, data="random", seed=83)]
-    results = dist_util.run(R, _sub_block_worker, cases, R == 1, timeout=600)
+    results = dist_util.run(R, _sub_block_worker, _sub_block_cases(R), R == 1, timeout=600)
     fails = [f for rank_fails in results for f in rank_fails]
     assert not fails, f"{len(fails)} failed checks:\n" + "\n".join(fails[:40])
 
@@ -170,6 +173,17 @@ def test_matrix_gpu(R):
     cases = [c for d in DTYPES for c in matrix_cases(min(R, 4), d, full=True)] + edge_cases(min(R, 4))
     cases = [Case(**{**c.__dict__, "R": R, "E": c.E // c.R * R if c.E // c.R * R <= 64 else R}) for c in cases]
     _run_matrix(R, cases, backend=dist_util.gpu_backend(R), timeout=1200)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R", [1, 2])
+def test_combine_in_token_sub_blocks_gpu(R):
+    """test_combine_in_token_sub_blocks compiled for the GPU (ranks sharing it when fewer than R)."""
+    dist_util.need_gpu()
+    results = dist_util.run(R, _sub_block_worker, _sub_block_cases(R), R == 1, timeout=600,
+                            backend=dist_util.gpu_backend(R))
+    fails = [f for rank_fails in results for f in rank_fails]
+    assert not fails, f"{len(fails)} failed checks:\n" + "\n".join(fails[:40])
 
 
 @pytest.mark.gpu
