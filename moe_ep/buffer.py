@@ -21,7 +21,7 @@ from .handle import DispatchResult
 from .kernels.interpret import interpreting, speed_up
 from .kernels.launch import Launcher
 from .replay import Replay
-from .layout import OWN_TILE_TOKENS, WorkspaceLayout, chunking, pow2
+from .layout import COMBINE_STEP_TOKENS, OWN_TILE_TOKENS, WorkspaceLayout, chunking, pow2
 from .memory import SymmetricWorkspace, check_device_memory
 
 _PHASES = {0: "dispatch", 1: "combine"}
@@ -210,10 +210,14 @@ class EPBuffer:
         # Tokens per tile of the loops that move a chunk's payload (OWN_TILE_TOKENS at most: the
         # rows layout's chunks are larger, and go through those loops in sub-blocks).
         self.block_ts = min(self.block_t, OWN_TILE_TOKENS)
-        # Tokens per step of combine's receive half: a whole chunk, or (MOE_EP_COMBINE_TOKENS, for
-        # tuning) a power of two below it: the chunk then goes in sub-blocks whose channel steps hold
-        # as many elements in longer pieces of each row (the copy floor's reduce-K-tT-cC lines).
-        self.combine_recv_tokens = min(self.block_t, pow2(int(ct))) if ct else self.block_t
+        # Tokens per step of combine's receive half: at most COMBINE_STEP_TOKENS of a chunk (masked
+        # and packed), the chunk then going in sub-blocks whose channel steps hold as many elements
+        # in longer pieces of each row (one H200, R=1, T=4096, packed, 16-token chunks, 50 graph
+        # replays, kernel p50: 8 tokens by 1024 channels 214.4 us against 235.0 for the whole chunk
+        # by 512 at 32 programs, 134.9 against 136.0 at 132; 4 and 2 tokens slower, 260.3 and
+        # 251.9). The rows layout keeps whole chunks. MOE_EP_COMBINE_TOKENS overrides, for tuning.
+        step = self.block_t if layout == "rows" else COMBINE_STEP_TOKENS
+        self.combine_recv_tokens = min(self.block_t, pow2(int(ct) if ct else step))
         # Warps of the routing-histogram launch (one program per chunk): 16 for chunks of 128
         # tokens or more (one H200, rows fp8 at 32 programs: 55.9 against 56.9 us with 4; at 132
         # programs, 32-token chunks, 4 stays: 35.6 against 36.4). MOE_EP_HIST_WARPS overrides.

@@ -96,37 +96,39 @@ def test_one_launch_at_one_rank():
     assert not fails, f"{len(fails)} failed checks:\n" + "\n".join(fails[:40])
 
 
-def _sub_block_worker(rank, world_size, cases, fused):
+def _sub_block_worker(rank, world_size, cases, fused, tokens):
+    """The cases with combine's receive half in sub-blocks: of ``tokens`` tokens (set through
+    MOE_EP_COMBINE_TOKENS, whose bad value must be refused first), or None: the default step."""
     import os
 
     import moe_ep
+    from moe_ep.layout import COMBINE_STEP_TOKENS
 
     group = moe_ep.EPGroup()
     fails = []
-    os.environ["MOE_EP_COMBINE_TOKENS"] = "0"
     try:
+        os.environ["MOE_EP_COMBINE_TOKENS"] = "0"
         try:
             make_buffer(group, cases[0])
             fails.append("MOE_EP_COMBINE_TOKENS=0 was accepted")
         except ValueError as e:
             if "MOE_EP_COMBINE_TOKENS" not in str(e):
                 fails.append(f"the error does not name MOE_EP_COMBINE_TOKENS: {e}")
-        os.environ["MOE_EP_COMBINE_TOKENS"] = "2"
+        os.environ.pop("MOE_EP_COMBINE_TOKENS")
         for case in cases:
+            step = tokens or (case.M if case.layout == "rows" else COMBINE_STEP_TOKENS)
+            if tokens:
+                os.environ["MOE_EP_COMBINE_TOKENS"] = str(tokens)
             with make_buffer(group, case) as buf:
-                if not buf.combine_recv_tokens == 2 < buf.block_t:
-                    fails.append(f"{case.name}: {buf.combine_recv_tokens} tokens a step of chunks of {buf.block_t}")
+                if not buf.combine_recv_tokens == step < buf.block_t:
+                    fails.append(f"{case.name}: {buf.combine_recv_tokens} tokens a step of chunks of "
+                                 f"{buf.block_t}, expected {step}")
                 buf.fused = fused
                 fails += run_calls(group, buf, case)
+            os.environ.pop("MOE_EP_COMBINE_TOKENS", None)
     finally:
         os.environ.pop("MOE_EP_COMBINE_TOKENS", None)
     return fails
-
-
-def _sub_block_cases(R):
-    return [Case(R=R, E=2 * R, K=2, dtype="fp8", layout="masked", M=16, data="random", seed=81),
-            Case(R=R, E=4 * R, K=8, dtype="bf16", layout="packed", align=16, M=16, seed=82, late_weights=True),
-            Case(R=R, E=2 * R, K=3, dtype="fp8", layout="rows", M=16, data="random", seed=83)]
 
 
 @pytest.mark.parametrize("R", [1, 2])
@@ -134,7 +136,10 @@ def test_combine_in_token_sub_blocks(R):
     """Combine's receive half in sub-blocks of 2 tokens of its chunks of 4 (MOE_EP_COMBINE_TOKENS,
     the tuning knob), every layout, with combine-time weights; R=1 in one launch (its own tokens'
     pre-reduction with no flag), R=2 in two halves (the peer's rows through the workspace)."""
-    results = dist_util.run(R, _sub_block_worker, _sub_block_cases(R), R == 1, timeout=600)
+    cases = [Case(R=R, E=2 * R, K=2, dtype="fp8", layout="masked", M=16, data="random", seed=81),
+             Case(R=R, E=4 * R, K=8, dtype="bf16", layout="packed", align=16, M=16, seed=82, late_weights=True),
+             Case(R=R, E=2 * R, K=3, dtype="fp8", layout="rows", M=16, data="random", seed=83)]
+    results = dist_util.run(R, _sub_block_worker, cases, R == 1, 2, timeout=600)
     fails = [f for rank_fails in results for f in rank_fails]
     assert not fails, f"{len(fails)} failed checks:\n" + "\n".join(fails[:40])
 
@@ -178,10 +183,16 @@ def test_matrix_gpu(R):
 @pytest.mark.gpu
 @pytest.mark.parametrize("R", [1, 2])
 def test_combine_in_token_sub_blocks_gpu(R):
-    """test_combine_in_token_sub_blocks compiled for the GPU (ranks sharing it when fewer than R)."""
+    """Combine's receive half in sub-blocks on the GPU (ranks sharing it when fewer than R), at
+    prefill chunk sizes: masked and packed with 4096 tokens (chunks of 16) in the default steps
+    of 8 tokens, the rows layout on 2 programs (chunks of 128) in steps of 2 by the knob."""
     dist_util.need_gpu()
-    results = dist_util.run(R, _sub_block_worker, _sub_block_cases(R), R == 1, timeout=600,
-                            backend=dist_util.gpu_backend(R))
+    cases = [Case(R=R, E=2 * R, K=2, dtype="fp8", layout="masked", M=4096, data="random", seed=84),
+             Case(R=R, E=4 * R, K=8, dtype="bf16", layout="packed", align=16, M=4096, seed=85, late_weights=True)]
+    rows = [Case(R=R, E=2 * R, K=3, dtype="fp8", layout="rows", M=256, programs=2, data="random", seed=86)]
+    backend = dist_util.gpu_backend(R)
+    results = (dist_util.run(R, _sub_block_worker, cases, R == 1, None, timeout=900, backend=backend)
+               + dist_util.run(R, _sub_block_worker, rows, R == 1, 2, timeout=900, backend=backend))
     fails = [f for rank_fails in results for f in rank_fails]
     assert not fails, f"{len(fails)} failed checks:\n" + "\n".join(fails[:40])
 
