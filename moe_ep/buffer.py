@@ -174,9 +174,11 @@ class EPBuffer:
         # into shared memory, STAGES tiles in flight); 1 = plain loops. MOE_EP_STAGES overrides.
         self.stages = int(os.environ.get("MOE_EP_STAGES", 1)) if self.device.type == "cuda" else 1
 
-        ct = os.environ.get("MOE_EP_COMBINE_TOKENS", "")  # (used once the chunk size is known, below)
-        if ct and (not ct.isdigit() or int(ct) < 1):
-            raise ValueError(f"MOE_EP_COMBINE_TOKENS: expected a positive integer, got {ct!r}")
+        # (tuning variables used once the chunk size is known, below)
+        ct, ot = os.environ.get("MOE_EP_COMBINE_TOKENS", ""), os.environ.get("MOE_EP_OWN_TOKENS", "")
+        for name, v in (("MOE_EP_COMBINE_TOKENS", ct), ("MOE_EP_OWN_TOKENS", ot)):
+            if v and (not v.isdigit() or int(v) < 1):
+                raise ValueError(f"{name}: expected a positive integer, got {v!r}")
 
         # Every rank's arguments must agree before any memory is touched (program p serves chunks
         # p, p+P, ... on every rank, so num_programs too).
@@ -207,16 +209,20 @@ class EPBuffer:
         self._err_code = ctypes.c_int64.from_address(self.err.data_ptr())  # its [0], read per call (~50 ns)
         self.chunks = self.ws_layout.CMAX
         self.block_t = pow2(-(-max_tokens // self.chunks))  # the largest chunk of any source
-        # Tokens per tile of the loops that move a chunk's payload (OWN_TILE_TOKENS at most: the
-        # rows layout's chunks are larger, and go through those loops in sub-blocks).
-        self.block_ts = min(self.block_t, OWN_TILE_TOKENS)
-        # Tokens per step of combine's receive half: at most COMBINE_STEP_TOKENS of a chunk (masked
-        # and packed), the chunk then going in sub-blocks whose channel steps hold as many elements
-        # in longer pieces of each row (one H200, R=1, T=4096, packed, 16-token chunks, 50 graph
-        # replays, kernel p50: 8 tokens by 1024 channels 214.4 us against 235.0 for the whole chunk
-        # by 512 at 32 programs, 134.9 against 136.0 at 132; 4 and 2 tokens slower, 260.3 and
-        # 251.9). The rows layout keeps whole chunks. MOE_EP_COMBINE_TOKENS overrides, for tuning.
-        step = self.block_t if layout == "rows" else COMBINE_STEP_TOKENS
+        # Tokens per tile of the loops that move a chunk's own rows (OWN_TILE_TOKENS at most: the
+        # rows layout's chunks are larger, and go through those loops in sub-blocks; every layout's
+        # do in sub-blocks of MOE_EP_OWN_TOKENS, a power of two, for tuning).
+        self.block_ts = min(self.block_t, pow2(int(ot)) if ot else OWN_TILE_TOKENS)
+        # Tokens per step of combine's receive half: at most COMBINE_STEP_TOKENS of a chunk (packed;
+        # masked at <= 64 programs), the chunk then going in sub-blocks whose channel steps hold as
+        # many elements in longer pieces of each row. One H200, R=1, T=4096 (16-token chunks), 50
+        # graph replays, kernel p50, fp8: packed 214.4 us in steps of 8 tokens by 1024 channels
+        # against 235.0 for whole chunks by 512 at 32 programs, 134.9 against 136.0 at 132 (steps
+        # of 4 and 2 tokens slower: 260.3, 251.9); masked 224.6 against 251.4 at 32 programs, but
+        # 159.7 against 150.2 at 132 (8 warps there). The rows layout keeps whole chunks (43.8 us
+        # against 46.6 in steps of 32 at 32 programs). MOE_EP_COMBINE_TOKENS overrides, for tuning.
+        steps = layout == "packed" or (layout == "masked" and self.num_programs <= 64)
+        step = COMBINE_STEP_TOKENS if steps else self.block_t
         self.combine_recv_tokens = min(self.block_t, pow2(int(ct) if ct else step))
         # Warps of the routing-histogram launch (one program per chunk): 16 for chunks of 128
         # tokens or more (one H200, rows fp8 at 32 programs: 55.9 against 56.9 us with 4; at 132

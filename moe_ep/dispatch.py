@@ -214,7 +214,7 @@ def own_prefetch_depth(buf, fp8_in: bool) -> int:
     both at 132 are slower with it (57.0 / 50.0, 39.2 / 35.5 fp8 at 132)."""
     if buf.prefetch is not None:
         return buf.prefetch
-    return 1 if buf.fp8 and not fp8_in and buf.num_programs <= 32 else 0
+    return 1 if buf.layout == "rows" and buf.fp8 and not fp8_in and buf.num_programs <= 32 else 0
 
 
 def _dispatch_consts(buf, fp8_in: bool, direct: bool, own_x: bool) -> dict:

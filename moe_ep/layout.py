@@ -34,7 +34,7 @@ def pow2(n: int, lo: int = 1) -> int:
 INTERP_MAX_CHUNKS = 4
 ROWS_CHUNK_TOKENS = 128  # the rows layout's largest chunk (its send half counts positions over [tokens] vectors)
 OWN_TILE_TOKENS = 16     # tokens per tile of the payload loops (a rows chunk's tokens go through them in sub-blocks)
-COMBINE_STEP_TOKENS = 8  # tokens per step of combine's receive half (masked, packed; buffer.py says why)
+COMBINE_STEP_TOKENS = 8  # tokens per step of combine's receive half (packed; masked at <= 64 programs; buffer.py says why)
 
 
 def max_chunks(max_tokens: int, programs: int = 0) -> int:

@@ -96,38 +96,45 @@ def test_one_launch_at_one_rank():
     assert not fails, f"{len(fails)} failed checks:\n" + "\n".join(fails[:40])
 
 
-def _sub_block_worker(rank, world_size, cases, fused, tokens):
-    """The cases with combine's receive half in sub-blocks: of ``tokens`` tokens (set through
-    MOE_EP_COMBINE_TOKENS, whose bad value must be refused first), or None: the default step."""
+# The tuning variables that cut a chunk into sub-blocks: the buffer attribute each sets, and its
+# default (None: the whole chunk).
+_KNOBS = {"MOE_EP_COMBINE_TOKENS": ("combine_recv_tokens", "COMBINE_STEP_TOKENS"),
+          "MOE_EP_OWN_TOKENS": ("block_ts", None)}
+
+
+def _sub_block_worker(rank, world_size, cases, fused, var, tokens):
+    """The cases with a chunk's loops in sub-blocks of ``tokens`` tokens, set through ``var``
+    (one of ``_KNOBS``, whose bad value must be refused first), or None: that loop's default."""
     import os
 
     import moe_ep
-    from moe_ep.layout import COMBINE_STEP_TOKENS
+    from moe_ep import layout
 
+    attr, default = _KNOBS[var]
     group = moe_ep.EPGroup()
     fails = []
     try:
-        os.environ["MOE_EP_COMBINE_TOKENS"] = "0"
+        os.environ[var] = "0"
         try:
             make_buffer(group, cases[0])
-            fails.append("MOE_EP_COMBINE_TOKENS=0 was accepted")
+            fails.append(f"{var}=0 was accepted")
         except ValueError as e:
-            if "MOE_EP_COMBINE_TOKENS" not in str(e):
-                fails.append(f"the error does not name MOE_EP_COMBINE_TOKENS: {e}")
-        os.environ.pop("MOE_EP_COMBINE_TOKENS")
+            if var not in str(e):
+                fails.append(f"the error does not name {var}: {e}")
+        os.environ.pop(var)
         for case in cases:
-            step = tokens or (case.M if case.layout == "rows" else COMBINE_STEP_TOKENS)
             if tokens:
-                os.environ["MOE_EP_COMBINE_TOKENS"] = str(tokens)
+                os.environ[var] = str(tokens)
             with make_buffer(group, case) as buf:
-                if not buf.combine_recv_tokens == step < buf.block_t:
-                    fails.append(f"{case.name}: {buf.combine_recv_tokens} tokens a step of chunks of "
-                                 f"{buf.block_t}, expected {step}")
+                step = tokens or getattr(layout, default)
+                if not getattr(buf, attr) == step < buf.block_t:
+                    fails.append(f"{case.name}: {attr} {getattr(buf, attr)} of chunks of {buf.block_t}, "
+                                 f"expected {step}")
                 buf.fused = fused
                 fails += run_calls(group, buf, case)
-            os.environ.pop("MOE_EP_COMBINE_TOKENS", None)
+            os.environ.pop(var, None)
     finally:
-        os.environ.pop("MOE_EP_COMBINE_TOKENS", None)
+        os.environ.pop(var, None)
     return fails
 
 
@@ -139,7 +146,20 @@ def test_combine_in_token_sub_blocks(R):
     cases = [Case(R=R, E=2 * R, K=2, dtype="fp8", layout="masked", M=16, data="random", seed=81),
              Case(R=R, E=4 * R, K=8, dtype="bf16", layout="packed", align=16, M=16, seed=82, late_weights=True),
              Case(R=R, E=2 * R, K=3, dtype="fp8", layout="rows", M=16, data="random", seed=83)]
-    results = dist_util.run(R, _sub_block_worker, cases, R == 1, 2, timeout=600)
+    results = dist_util.run(R, _sub_block_worker, cases, R == 1, "MOE_EP_COMBINE_TOKENS", 2, timeout=600)
+    fails = [f for rank_fails in results for f in rank_fails]
+    assert not fails, f"{len(fails)} failed checks:\n" + "\n".join(fails[:40])
+
+
+@pytest.mark.parametrize("R", [1, 2])
+def test_own_rows_in_token_sub_blocks(R):
+    """Dispatch's own rows (straight from x) in sub-blocks of 2 tokens of chunks of 4
+    (MOE_EP_OWN_TOKENS, the tuning knob): masked and packed store each token as K rows, fp8
+    quantized in the kernel and bf16; R=1 in one launch, R=2 in two halves."""
+    cases = [Case(R=R, E=2 * R, K=3, dtype="fp8", layout="masked", M=16, data="random", seed=91),
+             Case(R=R, E=4 * R, K=8, dtype="fp8", layout="packed", align=16, M=16, data="random", seed=92),
+             Case(R=R, E=4 * R, K=2, dtype="bf16", layout="packed", M=16, seed=93)]
+    results = dist_util.run(R, _sub_block_worker, cases, R == 1, "MOE_EP_OWN_TOKENS", 2, timeout=600)
     fails = [f for rank_fails in results for f in rank_fails]
     assert not fails, f"{len(fails)} failed checks:\n" + "\n".join(fails[:40])
 
@@ -184,15 +204,17 @@ def test_matrix_gpu(R):
 @pytest.mark.parametrize("R", [1, 2])
 def test_combine_in_token_sub_blocks_gpu(R):
     """Combine's receive half in sub-blocks on the GPU (ranks sharing it when fewer than R), at
-    prefill chunk sizes: masked and packed with 4096 tokens (chunks of 16) in the default steps
-    of 8 tokens, the rows layout on 2 programs (chunks of 128) in steps of 2 by the knob."""
+    prefill chunk sizes: packed, and masked on 32 programs, with 4096 tokens (chunks of 16) in
+    the default steps of 8 tokens; the rows layout on 2 programs (chunks of 128) in steps of 2
+    by the knob."""
     dist_util.need_gpu()
-    cases = [Case(R=R, E=2 * R, K=2, dtype="fp8", layout="masked", M=4096, data="random", seed=84),
+    cases = [Case(R=R, E=2 * R, K=2, dtype="fp8", layout="masked", M=4096, programs=32, data="random", seed=84),
              Case(R=R, E=4 * R, K=8, dtype="bf16", layout="packed", align=16, M=4096, seed=85, late_weights=True)]
     rows = [Case(R=R, E=2 * R, K=3, dtype="fp8", layout="rows", M=256, programs=2, data="random", seed=86)]
     backend = dist_util.gpu_backend(R)
-    results = (dist_util.run(R, _sub_block_worker, cases, R == 1, None, timeout=900, backend=backend)
-               + dist_util.run(R, _sub_block_worker, rows, R == 1, 2, timeout=900, backend=backend))
+    knob = "MOE_EP_COMBINE_TOKENS"
+    results = (dist_util.run(R, _sub_block_worker, cases, R == 1, knob, None, timeout=900, backend=backend)
+               + dist_util.run(R, _sub_block_worker, rows, R == 1, knob, 2, timeout=900, backend=backend))
     fails = [f for rank_fails in results for f in rank_fails]
     assert not fails, f"{len(fails)} failed checks:\n" + "\n".join(fails[:40])
 

@@ -332,6 +332,56 @@ def _own_rows_step(v, vs, nt, nm, x_ptr, xs_ptr, t, tm, r, kk, out_x_ptr, out_s_
 
 
 @triton.jit
+def own_rows_in_blocks(v, vs, s, c, hdr, recv_pos_ptr, x_ptr, xs_ptr, kk, out_x_ptr, out_s_ptr, M: tl.constexpr,
+                       K: tl.constexpr, KS: tl.constexpr, H: tl.constexpr, NB: tl.constexpr, HDR: tl.constexpr,
+                       CMAX: tl.constexpr, FP8: tl.constexpr, PREQ: tl.constexpr, BLOCK_TS: tl.constexpr,
+                       BLOCK_HS: tl.constexpr, INTERP: tl.constexpr, PREFETCH: tl.constexpr):
+    """Chunk ``c`` of this rank's own rows (source ``s``), ``store_own_rows`` in sub-blocks of
+    ``BLOCK_TS`` tokens (tiles of ``BLOCK_HS`` channels), each token stored as ``KS`` rows: 1 (rows
+    layout: ``recv_pos[s, t, 0]``) or K (masked, packed: ``recv_pos[s, t, :K]``). A large chunk
+    pays its metadata once, and its payload still moves in the tiles of a small one. Each
+    sub-block's rows come back from ``recv_pos`` (stored by the whole program before the call),
+    one sub-block ahead; each sub-block's last step loads the next one's first tile, so the loads
+    never stop between sub-blocks. ``v, vs``: the first sub-block's first tile. ``PREFETCH`` > 0:
+    sub-block ``b + PREFETCH`` is asked of the L2 when sub-block ``b`` starts (the kernel's start
+    asked for the first ones of a program's first chunk), so the loop's loads hit the L2: more
+    bytes in flight than its registers hold."""
+    tl.debug_barrier()  # every thread's recv_pos stores of this chunk before they are read back
+    ts = tl.load(hdr + s * HDR)
+    BT = chunking(ts, CMAX)[0]
+    ar = tl.arange(0, BLOCK_TS)
+    rpos = recv_pos_ptr + (s * M + c * BT).to(tl.int64) * K
+    row = _sub_block_rows(rpos, ar, (ar < BT) & (c * BT + ar < ts), kk, K, KS)
+    end = tl.minimum(BT, ts - c * BT)
+    for b in range(0, BT, BLOCK_TS):
+        if PREFETCH > 0:
+            ahead = b + PREFETCH * BLOCK_TS
+            own_prefetch(x_ptr, c * BT + ahead, tl.minimum(BLOCK_TS, end - ahead), H, INTERP)
+        tb = c * BT + b + ar
+        nxt = b + BLOCK_TS + ar
+        nm = (nxt < BT) & (c * BT + nxt < ts)
+        row_n = _sub_block_rows(rpos, nxt, nm, kk, K, KS)  # the next sub-block's rows, in flight meanwhile
+        r = row.to(tl.int64)
+        if KS == 1:
+            r, has = tl.where(kk[None, :] == 0, r[:, None], -1), r >= 0
+        else:
+            has = tl.max(r, axis=1) >= 0
+        v, vs = store_own_rows(v, vs, c * BT + nxt, nm, x_ptr, xs_ptr, tb, has, r, kk, out_x_ptr, out_s_ptr, KS, H,
+                               NB, FP8, PREQ, BLOCK_TS, BLOCK_HS, INTERP)
+        row = row_n
+
+
+@triton.jit
+def _sub_block_rows(rpos, a, m, kk, K: tl.constexpr, KS: tl.constexpr):
+    """``recv_pos`` rows of the sub-block tokens ``a`` (mask ``m``; -1: none): [BLOCK_TS] int32
+    for ``KS`` = 1 (each token's first), [BLOCK_TS, BLOCK_K] for ``KS`` = K."""
+    if KS == 1:
+        return tl.load(rpos + a * K, mask=m, other=-1)
+    else:
+        return tl.load(rpos + a[:, None] * K + kk[None, :], mask=m[:, None] & (kk[None, :] < KS), other=-1)
+
+
+@triton.jit
 def store_in_place(ptr, val, mask, INTERP: tl.constexpr):
     """``tl.store(ptr, val, mask=mask)`` (float32, streaming) in the layout ``val`` comes in.
     ``tl.store`` gives a store a layout of its own, and a value from a reduction then goes there

@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 from .common import (ERR_BAD_EXPERT, ERR_CAPACITY, PHASE_DISPATCH, abort_combines, chunking, deadline_start,
-                     first_own_tile, landed_chunk, own_prefetch, payload_cols, payload_tile, ptr_at, raise_flag,
-                     record_error, store_own_rows, wait_flag)
+                     first_own_tile, landed_chunk, own_prefetch, own_rows_in_blocks, payload_cols, payload_tile,
+                     ptr_at, raise_flag, record_error, store_own_rows, wait_flag)
 from .rows import on_peer, recv_rows_chunk, tokens_before
 
 
@@ -150,10 +150,12 @@ def _recv_chunk(v, vs, s, c, ws, hdr, sel_ptr, scratch_ptr, x_ptr, xs_ptr, out_x
                 H: tl.constexpr, NB: tl.constexpr, RB: tl.constexpr, HDR: tl.constexpr, CMAX: tl.constexpr,
                 CAP: tl.constexpr, PACKED: tl.constexpr, FP8: tl.constexpr, PREQ: tl.constexpr, OWN_X: tl.constexpr,
                 BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr,
-                BLOCK_NB: tl.constexpr, STAGES: tl.constexpr, SELF_SYNC: tl.constexpr, INTERP: tl.constexpr):
+                BLOCK_TS: tl.constexpr, BLOCK_HS: tl.constexpr, BLOCK_NB: tl.constexpr, STAGES: tl.constexpr,
+                SELF_SYNC: tl.constexpr, INTERP: tl.constexpr, PREFETCH: tl.constexpr):
     """Waits for chunk ``c`` of source ``s``, then copies each of its rows to every position its
     selections have in the expert layout and records those positions in ``recv_pos``. ``OWN_X``:
     this rank's own rows (``s == RANK``) come from ``x`` (quantized here for fp8), not the workspace,
+    in sub-blocks of ``BLOCK_TS`` tokens (tiles of ``BLOCK_HS`` channels) when the chunk is larger,
     and ``v, vs`` is their first tile (``first_own_tile``, loaded by the caller)."""
     ok, t, tm, slot = landed_chunk(ws, hdr, s, c, err_ptr, epoch, par, t0_ns, timeout_ns, off_dflag, RANK, NODE0, N, M,
                                    HDR, CMAX, BLOCK_T, SELF_SYNC, INTERP)
@@ -185,8 +187,12 @@ def _recv_chunk(v, vs, s, c, ws, hdr, sel_ptr, scratch_ptr, x_ptr, xs_ptr, out_x
         if OWN_X and (s == RANK):
             # Own rows straight from x: one read (and one quantization) feeds the K stores, and
             # nothing goes through the workspace (at R = 1 that is all rows).
-            store_own_rows(v, vs, t, t < 0, x_ptr, xs_ptr, t, tm, r, kk, out_x_ptr, out_s_ptr, K, H, NB, FP8, PREQ,
-                           BLOCK_T, BLOCK_H, INTERP)  # (t < 0: no tokens after these)
+            if BLOCK_TS == BLOCK_T:
+                store_own_rows(v, vs, t, t < 0, x_ptr, xs_ptr, t, tm, r, kk, out_x_ptr, out_s_ptr, K, H, NB, FP8,
+                               PREQ, BLOCK_T, BLOCK_H, INTERP)  # (t < 0: no tokens after these)
+            else:
+                own_rows_in_blocks(v, vs, s, c, hdr, recv_pos_ptr, x_ptr, xs_ptr, kk, out_x_ptr, out_s_ptr, M, K, K, H,
+                                   NB, HDR, CMAX, FP8, PREQ, BLOCK_TS, BLOCK_HS, INTERP, PREFETCH)
         else:
             _expand_rows(ptr_at(ws, off_rows, tl.int32) + slot * (RB // 4), r, tm, kk, out_x_ptr, out_s_ptr, K, W, H,
                          NB, FP8, BLOCK_W, BLOCK_NB, STAGES)
@@ -262,7 +268,7 @@ def dispatch_kernel(
     epoch = tl.load(state_ptr + pid) + 1
     par = epoch & 1
     hdr = ptr_at(ws, off_hdr, tl.int32) + par * N * HDR
-    if ROWS and OWN_X and RECV and PREFETCH > 0 and BLOCK_TS < BLOCK_T and pid < NC:
+    if OWN_X and RECV and PREFETCH > 0 and BLOCK_TS < BLOCK_T and pid < NC:
         # This program's first own chunk, asked of the L2 while the metadata below is made.
         t0 = pid * BT
         own_prefetch(x_ptr, t0, tl.minimum(tl.minimum(BT, PREFETCH * BLOCK_TS), T - t0), H, INTERP)
@@ -364,6 +370,6 @@ def dispatch_kernel(
                                     out_x_ptr, out_s_ptr, recv_pos_ptr, err_ptr, epoch, par, t0_ns, timeout_ns,
                                     off_dflag, off_meta_i, off_rows, RANK, NODE0, EL, GLOBAL, N, M, K, W, H, NB, RB,
                                     HDR, CMAX, CAP, PACKED, FP8, PREQ, OWN_X, BLOCK_T, BLOCK_K, BLOCK_W, BLOCK_H,
-                                    BLOCK_NB, STAGES, SELF_SYNC, INTERP)
+                                    BLOCK_TS, BLOCK_HS, BLOCK_NB, STAGES, SELF_SYNC, INTERP, PREFETCH)
     if RECV:
         tl.store(state_ptr + pid, epoch)  # each program keeps its own epoch: no cross-program step

@@ -14,8 +14,7 @@ from ``x`` (and its combine's from ``expert_y``), which halves the bytes moved a
 import triton
 import triton.language as tl
 
-from .common import (ERR_CAPACITY, PHASE_DISPATCH, chunking, first_own_tile, landed_chunk, own_prefetch, ptr_at,
-                     record_error, store_own_rows)
+from .common import ERR_CAPACITY, PHASE_DISPATCH, landed_chunk, own_rows_in_blocks, ptr_at, record_error, store_own_rows
 from .remote import _excl, _pick, received_counts, received_row
 
 
@@ -99,8 +98,8 @@ def recv_rows_chunk(v, vs, s, c, ws, hdr, rows_from_ptr, x_ptr, xs_ptr, out_x_pt
                 store_own_rows(v, vs, t, t < 0, x_ptr, xs_ptr, t, has, tl.where(kk[None, :] == 0, r[:, None], -1), kk,
                                out_x_ptr, out_s_ptr, 1, H, NB, FP8, PREQ, BLOCK_T, BLOCK_HS, INTERP)
             else:
-                _own_rows_in_blocks(v, vs, s, c, hdr, recv_pos_ptr, x_ptr, xs_ptr, kk, out_x_ptr, out_s_ptr, M, K, H,
-                                    NB, HDR, CMAX, FP8, PREQ, BLOCK_TS, BLOCK_HS, INTERP, PREFETCH)
+                own_rows_in_blocks(v, vs, s, c, hdr, recv_pos_ptr, x_ptr, xs_ptr, kk, out_x_ptr, out_s_ptr, M, K, 1, H,
+                                   NB, HDR, CMAX, FP8, PREQ, BLOCK_TS, BLOCK_HS, INTERP, PREFETCH)
         else:
             src = ptr_at(ws, off_rows, tl.int32) + slot * (RB // 4)
             for w0 in tl.range(0, W, BLOCK_W, num_stages=STAGES):
@@ -113,41 +112,6 @@ def recv_rows_chunk(v, vs, s, c, ws, hdr, rows_from_ptr, x_ptr, xs_ptr, out_x_pt
                 bm = has[:, None] & (bb[None, :] < NB)
                 sv = tl.load(src[:, None].to(tl.pointer_type(tl.float32)) + H // 4 + bb[None, :], mask=bm)
                 tl.store(out_s_ptr + r[:, None] * NB + bb[None, :], sv, mask=bm)
-
-
-@triton.jit
-def _own_rows_in_blocks(v, vs, s, c, hdr, recv_pos_ptr, x_ptr, xs_ptr, kk, out_x_ptr, out_s_ptr, M: tl.constexpr,
-                        K: tl.constexpr, H: tl.constexpr, NB: tl.constexpr, HDR: tl.constexpr, CMAX: tl.constexpr,
-                        FP8: tl.constexpr, PREQ: tl.constexpr, BLOCK_TS: tl.constexpr, BLOCK_HS: tl.constexpr,
-                        INTERP: tl.constexpr, PREFETCH: tl.constexpr):
-    """Chunk ``c`` of this rank's own rows (source ``s``), ``store_own_rows`` in sub-blocks of
-    ``BLOCK_TS`` tokens: a large chunk pays its metadata once, and its payload still moves in the
-    tiles of a small one. Each sub-block's rows come back from ``recv_pos`` (stored above by the
-    whole program), one sub-block ahead; each sub-block's last step loads the next one's first
-    tile, so the loads never stop between sub-blocks. ``v, vs``: the first sub-block's first tile.
-    ``PREFETCH`` > 0: sub-block ``b + PREFETCH`` is asked of the L2 when sub-block ``b`` starts (the
-    kernel's start asked for the first ones of a program's first chunk), so the loop's loads hit the L2: more bytes in flight than
-    its registers hold."""
-    tl.debug_barrier()  # every thread's recv_pos stores of this chunk before they are read back
-    ts = tl.load(hdr + s * HDR)
-    BT = chunking(ts, CMAX)[0]
-    ar = tl.arange(0, BLOCK_TS)
-    rpos = recv_pos_ptr + (s * M + c * BT).to(tl.int64) * K
-    row = tl.load(rpos + ar * K, mask=(ar < BT) & (c * BT + ar < ts), other=-1)
-    end = tl.minimum(BT, ts - c * BT)
-    for b in range(0, BT, BLOCK_TS):
-        if PREFETCH > 0:
-            ahead = b + PREFETCH * BLOCK_TS
-            own_prefetch(x_ptr, c * BT + ahead, tl.minimum(BLOCK_TS, end - ahead), H, INTERP)
-        tb = c * BT + b + ar
-        nxt = b + BLOCK_TS + ar
-        nm = (nxt < BT) & (c * BT + nxt < ts)
-        row_n = tl.load(rpos + nxt * K, mask=nm, other=-1)  # the next sub-block's rows, in flight meanwhile
-        r = row.to(tl.int64)
-        v, vs = store_own_rows(v, vs, c * BT + nxt, nm, x_ptr, xs_ptr, tb, r >= 0,
-                               tl.where(kk[None, :] == 0, r[:, None], -1), kk, out_x_ptr, out_s_ptr, 1, H, NB, FP8,
-                               PREQ, BLOCK_TS, BLOCK_HS, INTERP)
-        row = row_n
 
 
 @triton.jit
