@@ -306,18 +306,27 @@ def _gpu_worker(rank: int, R: int, case_list):
     return fails
 
 
-def decisive(c: LayerCase, sd, x, margin: float):
-    """Tokens whose top-k choice has a gap of at least ``margin`` to the next expert (bf16
-    router logits on a GPU cannot flip them)."""
+def route_gaps(c: LayerCase, sd, x) -> torch.Tensor:
+    """[T] float32: how far each token's top-k choice is from a tie: the gap between its last
+    chosen expert and the best other one, and for the grouped choice also between the last chosen
+    group and the best other group (group scores: each group's top two)."""
     logits = x.float() @ sd["gate.weight"].float().t()
     scores = logits.softmax(-1) if c.router == "softmax" else logits.sigmoid() + sd["gate.e_score_correction_bias"]
     if c.router == "sigmoid":  # the grouped choice: score only the experts of the chosen groups
         _, idx = ref_route(c, sd, x)
         chosen = torch.zeros_like(scores, dtype=torch.bool).scatter(1, idx, True)
         rest = scores.masked_fill(chosen, -float("inf")).max(-1).values
-        return scores.masked_fill(~chosen, float("inf")).min(-1).values - rest >= margin
+        expert_gap = scores.masked_fill(~chosen, float("inf")).min(-1).values - rest
+        groups = scores.view(x.shape[0], 4, -1).topk(2, dim=-1).values.sum(-1).sort(-1, descending=True).values
+        return torch.minimum(expert_gap, groups[:, 1] - groups[:, 2])  # (n_group=4, topk_group=2, as ref_route)
     top = scores.topk(c.K + 1, dim=-1).values
-    return top[:, c.K - 1] - top[:, c.K] >= margin
+    return top[:, c.K - 1] - top[:, c.K]
+
+
+def decisive(c: LayerCase, sd, x, margin: float):
+    """Tokens whose top-k choice is at least ``margin`` from a tie (``route_gaps``): bf16 router
+    logits on a GPU cannot flip them."""
+    return route_gaps(c, sd, x) >= margin
 
 
 def check_case_gpu(rank, R, c, group):
@@ -405,8 +414,12 @@ def _graph_check(group, layout: str):
                 fails.append(f"{layout}: replay {i} differs from eager by {(out - eager[i]).abs().max().item():.3g}")
             xf = x.float().cpu()
             keep = decisive(c, bf, xf, 1e-4)
-            fails += [f"{layout}: replay {i}: {f}" for f in close("forward", out.cpu()[keep], ref_moe(c, bf, xf)[0][keep],
-                                                                  3e-2)]
+            want = ref_moe(c, bf, xf)[0]
+            bad = close("forward", out.cpu()[keep], want[keep], 3e-2)
+            if bad:  # the worst kept token and how far its routing is from a tie
+                t = int(keep.nonzero()[(out.cpu()[keep].float() - want[keep]).abs().amax(-1).argmax()])
+                bad = [f"{bad[0]} (worst: token {t}, routing gap {route_gaps(c, bf, xf)[t].item():.3g})"]
+            fails += [f"{layout}: replay {i}: {f}" for f in bad]
     layer.close()
     return fails
 
