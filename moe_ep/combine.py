@@ -9,7 +9,13 @@ import torch
 from .dispatch import _aligned, _check_tensor, launch_half, launch_halves, pipelined_width
 from .layout import pow2
 from .kernels.combine import combine_kernel
+from .kernels.launch import arg_positions, runtime_args
 from .handle import DispatchResult
+
+# The arguments that may change between calls of one launch key (the caller's; the rest is the
+# buffer's): with combine-time weights also the weights' (and their sums') pointers.
+_DYNAMIC = arg_positions(combine_kernel, "y_ptr", "out_ptr", "T")
+_WEIGHTED_DYNAMIC = _DYNAMIC + arg_positions(combine_kernel, "wy_ptr", "wout_ptr", "cw_ptr")
 
 
 def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False, topk_weights=None, out=None):
@@ -63,16 +69,18 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
     # are; masked/packed: pre-reduced there), not across a hook (the caller may reuse expert_y).
     own_y = not return_recv_hook
     # The dispatch's expert ids, kept by the buffer (rows [0, T)): the caller's topk_idx may be reused.
-    args = (expert_y, buf.route_idx, base, buf._ws_ptr, buf.workspace.peer_ptrs, buf.state, buf.err, buf.recv_pos,
-            buf._timeout_ns, T, topk_weights if wout is not None else buf.err,
-            wout if wout is not None else buf.err, topk_weights if push else buf.err)
+    args = runtime_args(combine_kernel, y_ptr=expert_y, topk_ptr=buf.route_idx, out_ptr=base, ws=buf._ws_ptr,
+                        peer_ptr=buf.workspace.peer_ptrs, state_ptr=buf.state, err_ptr=buf.err,
+                        recv_pos_ptr=buf.recv_pos, timeout_ns=buf._timeout_ns, T=T,
+                        wy_ptr=topk_weights if wout is not None else buf.err,
+                        wout_ptr=wout if wout is not None else buf.err, cw_ptr=topk_weights if push else buf.err)
     key = ("combine", _aligned(expert_y), _aligned(base), own_y, wout is not None, push, out_f32)
     epoch = buf._epochs[1] + 1
     # A fused launch pushes the weights itself; else the push is a launch of its own, before the
     # send half (which waits for every peer's push).
     consts = lambda: dict(_combine_consts(buf, own_y, wout is not None), WEIGHTS=push,  # noqa: E731
                           PUSH=push and buf.fused, BASE_F32=rp is not None or out_f32)
-    dyn = (0, 2, 9) + ((10, 11, 12) if topk_weights is not None else ())
+    dyn = _WEIGHTED_DYNAMIC if topk_weights is not None else _DYNAMIC
     if push and not buf.fused:
         buf._launch(key + ("push",), combine_kernel, buf.num_programs, args,
                     lambda: dict(consts(), PUSH=True, SEND=False, RECV=False), dyn)

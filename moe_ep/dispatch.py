@@ -9,6 +9,7 @@ import torch
 from .kernels.dispatch import dispatch_kernel
 from .handle import DispatchResult
 from .layout import chunking, pow2
+from .kernels.launch import arg_positions, runtime_args
 from .kernels.route import route_hist_kernel
 
 
@@ -120,7 +121,8 @@ def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = 
     own_x = not return_recv_hook
     launches = []
     if T > 0 and not direct:
-        hist_args = (topk_idx, buf.hist, buf.state, buf.err, T, BT)
+        hist_args = runtime_args(route_hist_kernel, topk_ptr=topk_idx, hist_ptr=buf.hist, state_ptr=buf.state,
+                                 err_ptr=buf.err, T=T, BT=BT)
         launches.append((buf._launch(("hist", NC, pow2(BT), topk_idx.dtype, _aligned(topk_idx)), route_hist_kernel,
                                      NC, hist_args,
                                      lambda: dict(E=buf.num_experts, K=buf.topk, CMAX=CMAX, BLOCK_T=pow2(BT),
@@ -128,13 +130,16 @@ def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = 
                                                   ROWS=rows, N=buf.node_size, NODE0=buf.node0,
                                                   EL=buf.num_local_experts, BLOCK_N=pow2(buf.node_size, 2),
                                                   num_warps=buf.hist_warps),
-                                     (0, 4, 5)), hist_args))
+                                     _HIST_DYNAMIC), hist_args))
     xs = x_scales if fp8_in else buf.err
     rp = buf.remote
-    args = (x.view(torch.uint8) if fp8_in else x, xs, topk_idx, topk_weights, buf.hist, buf.workspace.peer_ptrs,
-            buf._ws_ptr, buf.state, buf.err, buf.expert_x_words, buf._out_scales, buf.expert_counts, buf._out_offsets,
-            buf.recv_pos, buf.scratch, rp.state.sel if rp is not None else buf.scratch, buf.route_idx, T, BT, NC,
-            buf._timeout_ns) + _rows_args(buf)
+    args = runtime_args(
+        dispatch_kernel, x_ptr=x.view(torch.uint8) if fp8_in else x, xs_ptr=xs, topk_ptr=topk_idx, w_ptr=topk_weights,
+        hist_ptr=buf.hist, peer_ptr=buf.workspace.peer_ptrs, ws=buf._ws_ptr, state_ptr=buf.state, err_ptr=buf.err,
+        out_x_ptr=buf.expert_x_words, out_s_ptr=buf._out_scales, counts_ptr=buf.expert_counts,
+        offsets_ptr=buf._out_offsets, recv_pos_ptr=buf.recv_pos, scratch_ptr=buf.scratch,
+        sel_ptr=rp.state.sel if rp is not None else buf.scratch, route_ptr=buf.route_idx, T=T, BT=BT, NC=NC,
+        timeout_ns=buf._timeout_ns, **_rows_args(buf))
     key = ("dispatch", fp8_in, direct, own_x, topk_idx.dtype, _aligned(x), _aligned(xs), _aligned(topk_idx),
            _aligned(topk_weights))
     epoch = buf._epochs[0] + 1
@@ -184,16 +189,19 @@ def _dispatched(buf, T: int, recv):
     return result
 
 
-_DISPATCH_DYNAMIC = (0, 1, 2, 3, 17, 18, 19)  # x, x_scales, topk_idx, topk_weights, T, BT, NC
+# The arguments that may change between calls of one launch key (the caller's; the rest is the buffer's).
+_DISPATCH_DYNAMIC = arg_positions(dispatch_kernel, "x_ptr", "xs_ptr", "topk_ptr", "w_ptr", "T", "BT", "NC")
+_HIST_DYNAMIC = arg_positions(route_hist_kernel, "topk_ptr", "T", "BT")
 
 
-def _rows_args(buf) -> tuple:
+def _rows_args(buf) -> dict:
     """The dispatch kernel's rows-layout arguments (rows_from, recv ids, weights, source, count);
     other layouts pass a placeholder, which the kernel never touches."""
+    names = ("rows_from_ptr", "recv_ids_ptr", "recv_wts_ptr", "recv_src_ptr", "num_recv_ptr")
     if buf.layout != "rows":
-        return (buf.scratch,) * 5
+        return dict.fromkeys(names, buf.scratch)
     rows_from = buf.remote.state.rows_from if buf.remote is not None else buf.scratch
-    return rows_from, buf.recv_topk_idx, buf.recv_topk_weights, buf.recv_src, buf.num_recv
+    return dict(zip(names, (rows_from, buf.recv_topk_idx, buf.recv_topk_weights, buf.recv_src, buf.num_recv)))
 
 
 SMEM_BUDGET = 160 * 1024  # bytes of shared memory the pipelined loops' stages may take (H100/H200: 227 KB)

@@ -23,6 +23,7 @@ from .kernels.remote import (remote_combine_pack_kernel, remote_combine_unpack_k
                              remote_pack_kernel, remote_sel_kernel, remote_unpack_kernel)
 from .kernels.mailbox import ring_kernel, wait_ready_kernel
 from .kernels.interpret import interpreting
+from .kernels.launch import runtime_args
 from .kernels.rows import remote_unpack_rows_kernel
 from .layout import chunking, max_chunks, pow2
 
@@ -182,7 +183,8 @@ class RemoteState:
 
 
 def _launch(fn, grid: int, args: tuple, consts: dict) -> None:
-    """Every launch of this module goes through here (tests replace it to record launches)."""
+    """Every launch of this module goes through here (tests replace it to record launches);
+    ``args`` as ``runtime_args`` gives them."""
     fn[(grid,)](*args, **consts)
 
 
@@ -212,13 +214,17 @@ def pack(spec: RemoteSpec, st: RemoteState, x: torch.Tensor, topk_idx: torch.Ten
     E, K, EL = spec.num_experts, spec.topk, spec.num_local_experts
     BLOCK_T = pow2(BT, 2)
     if NC:
-        _launch(remote_count_kernel, NC, (topk_idx, st.rhist, st.ehist, st.err, st.epoch, T, BT),
+        _launch(remote_count_kernel, NC, runtime_args(remote_count_kernel, topk_ptr=topk_idx, rhist_ptr=st.rhist,
+                                                      ehist_ptr=st.ehist, err_ptr=st.err, epoch_ptr=st.epoch, T=T,
+                                                      BT=BT),
                 dict(R=spec.world, E=E, EL=EL, K=K, CMAX=CMAX, BLOCK_T=BLOCK_T, BLOCK_K=pow2(K, 2), BLOCK_E=pow2(E, 2),
                      BLOCK_R=pow2(spec.world, 2), num_warps=num_warps))
     H = spec.hidden
     _launch(remote_pack_kernel, num_programs,
-            (x.view(torch.uint8) if preq else x, x_scales if preq else st.rw, topk_idx, topk_weights, st.rhist,
-             st.ehist, send, st.send_counts, st.send_pos, st.err, st.epoch, T, BT, NC),
+            runtime_args(remote_pack_kernel, x_ptr=x.view(torch.uint8) if preq else x,
+                         xs_ptr=x_scales if preq else st.rw, topk_ptr=topk_idx, w_ptr=topk_weights,
+                         rhist_ptr=st.rhist, ehist_ptr=st.ehist, send_ptr=send, send_counts_ptr=st.send_counts,
+                         send_pos_ptr=st.send_pos, err_ptr=st.err, epoch_ptr=st.epoch, T=T, BT=BT, NC=NC),
             dict(_common(spec), G=spec.node_size, E=E, EL=EL, K=K, H=H, NB=max(1, spec.num_scale_blocks),
                  PW=spec.payload_bytes // 4, RB=spec.row_bytes, HDR=spec.hdr_bytes, MAXROWS=spec.max_send_rows,
                  CMAX=CMAX, FP8=spec.fp8, PREQ=preq, BLOCK_T=BLOCK_T, BLOCK_C=min(CMAX, 64),
@@ -232,7 +238,9 @@ def fill_count_matrix(spec: RemoteSpec, st: RemoteState, round1: torch.Tensor) -
     one there), row ``rank`` from this rank's own histogram; ``st.rows_from`` likewise from the
     count vectors. Run after ``disp_ready``, after ``pack``."""
     EL = spec.num_local_experts
-    _launch(remote_sel_kernel, 1, (round1, st.ehist, st.sel, st.epoch, st.num_chunks, st.rhist, st.rows_from),
+    _launch(remote_sel_kernel, 1,
+            runtime_args(remote_sel_kernel, round1_ptr=round1, ehist_ptr=st.ehist, sel_ptr=st.sel,
+                         epoch_ptr=st.epoch, NC=st.num_chunks, rhist_ptr=st.rhist, rows_from_ptr=st.rows_from),
             dict(RANK=spec.rank, R=spec.world, EL=EL, HDR=spec.hdr_bytes, SLOT=spec.slot_bytes, CMAX=spec.chunks,
                  BLOCK_EL=pow2(EL, 2), BLOCK_C=min(spec.chunks, 64)))
 
@@ -252,9 +260,11 @@ def unpack(spec: RemoteSpec, st: RemoteState, round1: torch.Tensor, overflow: to
     nb = max(1, spec.num_scale_blocks)
     words = expert_x.view(torch.uint8).view(torch.int32)
     _launch(remote_unpack_kernel, num_programs,
-            (round1, overflow, st.sel, words, expert_scales if spec.fp8 else st.rw, expert_counts,
-             expert_offsets if expert_offsets is not None else expert_counts, st.rpos, st.rw, st.recv_rows, st.err,
-             st.epoch),
+            runtime_args(remote_unpack_kernel, round1_ptr=round1, overflow_ptr=overflow, sel_ptr=st.sel,
+                         out_x_ptr=words, out_s_ptr=expert_scales if spec.fp8 else st.rw, counts_ptr=expert_counts,
+                         offsets_ptr=expert_offsets if expert_offsets is not None else expert_counts,
+                         rpos_ptr=st.rpos, rw_ptr=st.rw, recv_rows_ptr=st.recv_rows, err_ptr=st.err,
+                         epoch_ptr=st.epoch),
             dict(_common(spec), G=spec.node_size, EL=EL, K=K, H=H, W=W, NB=nb, PW=spec.payload_bytes // 4,
                  RB=spec.row_bytes, HDR=spec.hdr_bytes, PCAP=spec.private_capacity, OVCAP=spec.overflow_capacity,
                  ROWS=spec.recv_rows, CAP=spec.expert_capacity, ALIGN=spec.expert_alignment,
@@ -276,9 +286,11 @@ def unpack_rows(spec: RemoteSpec, st: RemoteState, round1: torch.Tensor, overflo
     W = H * (1 if spec.fp8 else 2) // 4
     nb = max(1, spec.num_scale_blocks)
     _launch(remote_unpack_rows_kernel, num_programs,
-            (round1, overflow, st.rows_from, expert_x.view(torch.uint8).view(torch.int32),
-             expert_scales if spec.fp8 else st.rw, recv_topk_idx, recv_topk_weights, recv_src, st.rpos, st.recv_rows,
-             st.err, st.epoch),
+            runtime_args(remote_unpack_rows_kernel, round1_ptr=round1, overflow_ptr=overflow,
+                         rows_from_ptr=st.rows_from, out_x_ptr=expert_x.view(torch.uint8).view(torch.int32),
+                         out_s_ptr=expert_scales if spec.fp8 else st.rw, ids_ptr=recv_topk_idx,
+                         wts_ptr=recv_topk_weights, src_ptr=recv_src, rpos_ptr=st.rpos, recv_rows_ptr=st.recv_rows,
+                         err_ptr=st.err, epoch_ptr=st.epoch),
             dict(_common(spec), G=spec.node_size, M=spec.max_tokens, K=K, H=H, W=W, NB=nb, PW=spec.payload_bytes // 4,
                  RB=spec.row_bytes, HDR=spec.hdr_bytes, PCAP=spec.private_capacity, OVCAP=spec.overflow_capacity,
                  ROWS=spec.recv_rows, FP8=spec.fp8, BLOCK_RW=16, BLOCK_W=max(16, min(pow2(W, 2), 256)),
@@ -293,8 +305,9 @@ def combine_pack(spec: RemoteSpec, st: RemoteState, expert_y: torch.Tensor, comb
     ``[R*M, K]``; zeros when None)."""
     H, rows = spec.hidden, spec.layout == "rows"
     wy = topk_weights if topk_weights is not None else st.rw
-    _launch(remote_combine_pack_kernel, num_programs, (expert_y, st.rpos, wy if rows else st.rw, st.recv_rows,
-                                                       comb_send),
+    _launch(remote_combine_pack_kernel, num_programs,
+            runtime_args(remote_combine_pack_kernel, y_ptr=expert_y, rpos_ptr=st.rpos, rw_ptr=wy if rows else st.rw,
+                         recv_rows_ptr=st.recv_rows, comb_send_ptr=comb_send),
             dict(R=spec.world, K=spec.topk, H=H, BLOCK_RW=16, BLOCK_K=pow2(spec.topk, 2),
                  BLOCK_H=max(16, min(pow2(H, 2), 512)), BLOCK_R=pow2(spec.world, 2), INTERP=interpreting(),
                  CRB=spec.comb_row_bytes, ROWS=rows, WIN=topk_weights is not None, num_warps=num_warps))
@@ -311,8 +324,10 @@ def combine_unpack(spec: RemoteSpec, st: RemoteState, comb_recv: torch.Tensor, t
     (the node owners' weight sums) gets the remote owners' rows' weights added."""
     T, H = out.shape
     _launch(remote_combine_unpack_kernel, num_programs,
-            (comb_recv, topk_idx, st.send_pos, st.send_counts, base if base is not None else st.rw, out, st.epoch, T,
-             wout if wout is not None else st.rw),
+            runtime_args(remote_combine_unpack_kernel, comb_recv_ptr=comb_recv, topk_ptr=topk_idx,
+                         send_pos_ptr=st.send_pos, send_counts_ptr=st.send_counts,
+                         base_ptr=base if base is not None else st.rw, out_ptr=out, epoch_ptr=st.epoch, T=T,
+                         wout_ptr=wout if wout is not None else st.rw),
             dict(_common(spec), G=spec.node_size, E=spec.num_experts, EL=spec.num_local_experts, K=spec.topk, H=H,
                  MAXROWS=spec.max_send_rows, HAS_BASE=base is not None, BLOCK_T=16,
                  BLOCK_H=max(16, min(pow2(H, 2), 512)), INTERP=interpreting(), CRB=spec.comb_row_bytes,
@@ -323,13 +338,15 @@ def ring(st: RemoteState, mailbox: torch.Tensor, phase: str) -> None:
     """Kernel side of a doorbell: ``mailbox[doorbell of phase] = st.epoch`` (one program, stream
     ordered after the launch that packed the send buffer). mailbox: int64 [8], host memory the
     device can address (pinned on a GPU)."""
-    _launch(ring_kernel, 1, (mailbox, st.epoch), dict(WORD=0 if phase == "dispatch" else 2))
+    _launch(ring_kernel, 1, runtime_args(ring_kernel, mb_ptr=mailbox, epoch_ptr=st.epoch),
+            dict(WORD=0 if phase == "dispatch" else 2))
 
 
 def wait_ready(st: RemoteState, mailbox: torch.Tensor, err: torch.Tensor, timeout_ns: int, phase: str) -> None:
     """Kernel side of a ready word: the launches after this one see what the proxy received for
     ``st.epoch`` (or ``err``, int64 [8] host-visible, records the proxy's error or the timeout)."""
-    _launch(wait_ready_kernel, 1, (mailbox, st.epoch, err, timeout_ns),
+    _launch(wait_ready_kernel, 1,
+            runtime_args(wait_ready_kernel, mb_ptr=mailbox, epoch_ptr=st.epoch, err_ptr=err, timeout_ns=timeout_ns),
             dict(WORD=1 if phase == "dispatch" else 3, PHASE=0 if phase == "dispatch" else 1, INTERP=interpreting()))
 
 

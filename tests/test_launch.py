@@ -296,3 +296,22 @@ def test_native_launch_matches_tritons_launch_gpu():
     for y_ref, y, n in outs:
         assert torch.equal(y, y_ref) and torch.equal(y, x * n + 1), n
     assert torch.equal(y9, x * 9 + 1)
+
+
+@triton.jit
+def _constexpr_first(BLOCK: tl.constexpr, a_ptr):
+    pass
+
+
+def test_runtime_args_by_name():
+    """A launch's runtime arguments given by name come out in parameter order; a missing or unknown
+    name, or a kernel whose constexprs come before its runtime parameters, is refused by name."""
+    a, b = torch.zeros(2), torch.zeros(2, dtype=torch.int32)
+    assert L.runtime_args(_k, n=5, b_ptr=b, a_ptr=a) == (a, b, 5)
+    assert L.arg_positions(_k, "n", "a_ptr") == (2, 0)
+    with pytest.raises(TypeError, match=r"_k: runtime arguments missing \['n'\], unknown \['m'\]"):
+        L.runtime_args(_k, a_ptr=a, b_ptr=b, m=5)
+    with pytest.raises(TypeError, match=r"_k: no runtime parameters \['BLOCK'\]"):
+        L.arg_positions(_k, "BLOCK")
+    with pytest.raises(TypeError, match="_constexpr_first: its runtime parameters must come before"):
+        L.runtime_args(_constexpr_first, a_ptr=a)

@@ -257,7 +257,7 @@ def dispatch_kernel(
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_EL: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_NB: tl.constexpr, STAGES: tl.constexpr,
     INTERP: tl.constexpr, ROWS: tl.constexpr, OWN_X: tl.constexpr, BLOCK_TS: tl.constexpr, BLOCK_HS: tl.constexpr,
-    PREFETCH: tl.constexpr,  # ROWS: own sub-blocks asked of the L2 ahead (prefetch_l2), 0 for none
+    PREFETCH: tl.constexpr,  # own sub-blocks asked of the L2 ahead (prefetch_l2), 0 for none
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)

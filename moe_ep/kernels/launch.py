@@ -24,12 +24,14 @@ callers without a buffer. Under the interpreter the plain ``kernel[grid]`` path 
 from __future__ import annotations
 
 import ctypes
+import inspect
 import os
 import struct
 from typing import Hashable, Optional, Sequence
 
 import torch
 import triton
+import triton.language as tl
 
 from .interpret import interpreting
 
@@ -54,6 +56,42 @@ def spec_of(args: tuple) -> tuple:
     return tuple((a.dtype, (a.data_ptr() & 15) == 0) if isinstance(a, torch.Tensor) else
                  (a >= 2**31 or a < -2**31, a == 1, a % 16 == 0) if isinstance(a, int) and not isinstance(a, bool)
                  else a for a in args)
+
+
+_RUNTIME_NAMES: dict = {}  # kernel -> its runtime parameters' names
+
+
+def _runtime_names(fn) -> tuple:
+    """The names of ``fn``'s runtime (not constexpr) parameters, in order; they must come first."""
+    names = _RUNTIME_NAMES.get(fn)
+    if names is None:  # (the Python function's annotations: compiled and interpreted kernels alike)
+        params = inspect.signature(fn.fn).parameters.values()
+        flags = [p.annotation is tl.constexpr or str(p.annotation).split(".")[-1] == "constexpr" for p in params]
+        names = tuple(p.name for p, c in zip(params, flags) if not c)
+        if any(flags[:len(names)]):
+            raise TypeError(f"{fn.__name__}: its runtime parameters must come before its constexprs")
+        _RUNTIME_NAMES[fn] = names
+    return names
+
+
+def runtime_args(fn, **named) -> tuple:
+    """``fn``'s runtime arguments given by name, as the positional tuple a launch takes (parameter
+    order). TypeError naming the kernel and the names missing or unknown, before any launch."""
+    names = _runtime_names(fn)
+    if len(named) != len(names) or not all(n in named for n in names):
+        missing, unknown = [n for n in names if n not in named], [n for n in named if n not in names]
+        raise TypeError(f"{fn.__name__}: runtime arguments missing {missing}, unknown {unknown}")
+    return tuple(named[n] for n in names)
+
+
+def arg_positions(fn, *names: str) -> tuple:
+    """Positions of the runtime parameters ``names`` in ``runtime_args``' tuple (a Launcher's
+    ``dynamic``). TypeError naming an unknown one."""
+    order = _runtime_names(fn)
+    bad = [n for n in names if n not in order]
+    if bad:
+        raise TypeError(f"{fn.__name__}: no runtime parameters {bad}")
+    return tuple(order.index(n) for n in names)
 
 
 # Bytes of each scalar parameter type as Triton's launcher passes it (ty_to_cpp, FLOAT_STORAGE_TYPE
