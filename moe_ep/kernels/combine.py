@@ -111,7 +111,8 @@ def combine_kernel(
                     _send_rows(y_ptr, wy_ptr, r, kk, out, ptr_at(base, off_comb_w, tl.float32) +
                                ((par * N + RANK) * M + t).to(tl.int64) * K, K, H, WIN, BLOCK_H, STAGES)
                 else:
-                    pre_reduce(y_ptr, r, w, kk, go, out, K, H, BLOCK_T, BLOCK_H, STAGES, INTERP)
+                    pre_reduce(y_ptr=y_ptr, r=r, w=w, kk=kk, go=go, out=out, K=K, H=H, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H,
+                               STAGES=STAGES, INTERP=INTERP)
                 tl.debug_barrier()  # every thread's stores happen before the flag's release
                 if ok != 0:  # (else the source times out too, naming this rank: never a stale weight)
                     if SELF_SYNC:

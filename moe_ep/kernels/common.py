@@ -281,12 +281,16 @@ def store_own_rows(v, vs, nt, nm, x_ptr, xs_ptr, t, tm, r, kk, out_x_ptr, out_s_
         # instructions a thread a step against ~165 as a loop (~95 with block_scale). (With K
         # rows per token the unrolled steps' row pointers spill.)
         for h0 in tl.static_range(0, H, BLOCK_H):
-            v, vs = _own_rows_step(v, vs, nt, nm, x_ptr, xs_ptr, t, tm, r, kk, out_x_ptr, out_s_ptr, sptr, srow, sblk,
-                                   h0, h0 + BLOCK_H >= H, KS, H, NB, FP8, PREQ, BLOCK_T, BLOCK_H, INTERP, FLAT, True)
+            v, vs = _own_rows_step(v=v, vs=vs, nt=nt, nm=nm, x_ptr=x_ptr, xs_ptr=xs_ptr, t=t, tm=tm, r=r, kk=kk,
+                                   out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr, sptr=sptr, srow=srow, sblk=sblk, h0=h0,
+                                   last=h0 + BLOCK_H >= H, KS=KS, H=H, NB=NB, FP8=FP8, PREQ=PREQ, BLOCK_T=BLOCK_T,
+                                   BLOCK_H=BLOCK_H, INTERP=INTERP, FLAT=FLAT, STATIC=True)
     else:
         for h0 in range(0, H, BLOCK_H):
-            v, vs = _own_rows_step(v, vs, nt, nm, x_ptr, xs_ptr, t, tm, r, kk, out_x_ptr, out_s_ptr, sptr, srow, sblk,
-                                   h0, h0 + BLOCK_H >= H, KS, H, NB, FP8, PREQ, BLOCK_T, BLOCK_H, INTERP, FLAT, False)
+            v, vs = _own_rows_step(v=v, vs=vs, nt=nt, nm=nm, x_ptr=x_ptr, xs_ptr=xs_ptr, t=t, tm=tm, r=r, kk=kk,
+                                   out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr, sptr=sptr, srow=srow, sblk=sblk, h0=h0,
+                                   last=h0 + BLOCK_H >= H, KS=KS, H=H, NB=NB, FP8=FP8, PREQ=PREQ, BLOCK_T=BLOCK_T,
+                                   BLOCK_H=BLOCK_H, INTERP=INTERP, FLAT=FLAT, STATIC=False)
     return v, vs
 
 
@@ -366,8 +370,9 @@ def own_rows_in_blocks(v, vs, s, c, hdr, recv_pos_ptr, x_ptr, xs_ptr, kk, out_x_
             r, has = tl.where(kk[None, :] == 0, r[:, None], -1), r >= 0
         else:
             has = tl.max(r, axis=1) >= 0
-        v, vs = store_own_rows(v, vs, c * BT + nxt, nm, x_ptr, xs_ptr, tb, has, r, kk, out_x_ptr, out_s_ptr, KS, H,
-                               NB, FP8, PREQ, BLOCK_TS, BLOCK_HS, INTERP)
+        v, vs = store_own_rows(v=v, vs=vs, nt=c * BT + nxt, nm=nm, x_ptr=x_ptr, xs_ptr=xs_ptr, t=tb, tm=has, r=r, kk=kk,
+                               out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr, KS=KS, H=H, NB=NB, FP8=FP8, PREQ=PREQ,
+                               BLOCK_T=BLOCK_TS, BLOCK_H=BLOCK_HS, INTERP=INTERP)
         row = row_n
 
 

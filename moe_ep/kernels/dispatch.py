@@ -108,7 +108,8 @@ def _send_chunk(c, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, 
         tl.store(mi, lid, mask=m2)
         if ROWS:  # the token's row among this rank's rows for d: earlier chunks + earlier in the chunk
             on = on_peer(ids, d, NODE0, EL)
-            pos = tokens_before(topk_ptr, hist_ptr, c, BT, T, d, NODE0, E, EL, K, CMAX, DIRECT, BLOCK_K) + \
+            pos = tokens_before(topk_ptr=topk_ptr, hist_ptr=hist_ptr, c=c, BT=BT, T=T, d=d, NODE0=NODE0, E=E, EL=EL,
+                                K=K, CMAX=CMAX, DIRECT=DIRECT, BLOCK_K=BLOCK_K) + \
                 tl.cumsum(on, 0) - on
             tl.store(mi + K, tl.broadcast_to(pos[:, None], (BLOCK_T, BLOCK_K)), mask=m2)
         else:
@@ -121,7 +122,8 @@ def _send_chunk(c, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, 
             tm = tm & (tl.max(((dst >= 0) & (dst < N) & (dst != RANK)).to(tl.int32), axis=1) > 0)
         for h0 in tl.range(0, H, BLOCK_H, num_stages=STAGES):
             hh, hm, bb, bm = payload_cols(h0, tm, H, NB, FP8, BLOCK_H)
-            q, sc = payload_tile(x_ptr, xs_ptr, t, hh, hm, bb, bm, H, NB, FP8, PREQ, BLOCK_T, BLOCK_H, INTERP)
+            q, sc = payload_tile(x_ptr=x_ptr, xs_ptr=xs_ptr, t=t, hh=hh, hm=hm, bb=bb, bm=bm, H=H, NB=NB, FP8=FP8,
+                                 PREQ=PREQ, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, INTERP=INTERP)
             for d in tl.static_range(N):
                 if not (OWN_X and d == RANK):
                     go = tl.max((dst == d).to(tl.int32), axis=1) > 0
@@ -157,8 +159,9 @@ def _recv_chunk(v, vs, s, c, ws, hdr, sel_ptr, scratch_ptr, x_ptr, xs_ptr, out_x
     this rank's own rows (``s == RANK``) come from ``x`` (quantized here for fp8), not the workspace,
     in sub-blocks of ``BLOCK_TS`` tokens (tiles of ``BLOCK_HS`` channels) when the chunk is larger,
     and ``v, vs`` is their first tile (``first_own_tile``, loaded by the caller)."""
-    ok, t, tm, slot = landed_chunk(ws, hdr, s, c, err_ptr, epoch, par, t0_ns, timeout_ns, off_dflag, RANK, NODE0, N, M,
-                                   HDR, CMAX, BLOCK_T, SELF_SYNC, INTERP)
+    ok, t, tm, slot = landed_chunk(ws=ws, hdr=hdr, s=s, c=c, err_ptr=err_ptr, epoch=epoch, par=par, t0_ns=t0_ns,
+                                   timeout_ns=timeout_ns, off_dflag=off_dflag, RANK=RANK, NODE0=NODE0, N=N, M=M,
+                                   HDR=HDR, CMAX=CMAX, BLOCK_T=BLOCK_T, SELF_SYNC=SELF_SYNC, INTERP=INTERP)
     if ok != 0:
         kk = tl.arange(0, BLOCK_K)
         m2 = tm[:, None] & (kk[None, :] < K)
@@ -188,14 +191,18 @@ def _recv_chunk(v, vs, s, c, ws, hdr, sel_ptr, scratch_ptr, x_ptr, xs_ptr, out_x
             # Own rows straight from x: one read (and one quantization) feeds the K stores, and
             # nothing goes through the workspace (at R = 1 that is all rows).
             if BLOCK_TS == BLOCK_T:
-                store_own_rows(v, vs, t, t < 0, x_ptr, xs_ptr, t, tm, r, kk, out_x_ptr, out_s_ptr, K, H, NB, FP8,
-                               PREQ, BLOCK_T, BLOCK_H, INTERP)  # (t < 0: no tokens after these)
+                store_own_rows(v=v, vs=vs, nt=t, nm=t < 0, x_ptr=x_ptr, xs_ptr=xs_ptr, t=t, tm=tm, r=r, kk=kk,
+                               out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr, KS=K, H=H, NB=NB, FP8=FP8, PREQ=PREQ,
+                               BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, INTERP=INTERP)  # (t < 0: no tokens after these)
             else:
-                own_rows_in_blocks(v, vs, s, c, hdr, recv_pos_ptr, x_ptr, xs_ptr, kk, out_x_ptr, out_s_ptr, M, K, K, H,
-                                   NB, HDR, CMAX, FP8, PREQ, BLOCK_TS, BLOCK_HS, INTERP, PREFETCH)
+                own_rows_in_blocks(v=v, vs=vs, s=s, c=c, hdr=hdr, recv_pos_ptr=recv_pos_ptr, x_ptr=x_ptr, xs_ptr=xs_ptr,
+                                   kk=kk, out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr, M=M, K=K, KS=K, H=H, NB=NB, HDR=HDR,
+                                   CMAX=CMAX, FP8=FP8, PREQ=PREQ, BLOCK_TS=BLOCK_TS, BLOCK_HS=BLOCK_HS, INTERP=INTERP,
+                                   PREFETCH=PREFETCH)
         else:
-            _expand_rows(ptr_at(ws, off_rows, tl.int32) + slot * (RB // 4), r, tm, kk, out_x_ptr, out_s_ptr, K, W, H,
-                         NB, FP8, BLOCK_W, BLOCK_NB, STAGES)
+            _expand_rows(src=ptr_at(ws, off_rows, tl.int32) + slot * (RB // 4), r=r, tm=tm, kk=kk, out_x_ptr=out_x_ptr,
+                         out_s_ptr=out_s_ptr, K=K, W=W, H=H, NB=NB, FP8=FP8, BLOCK_W=BLOCK_W, BLOCK_NB=BLOCK_NB,
+                         STAGES=STAGES)
 
 
 @triton.jit
@@ -275,21 +282,26 @@ def dispatch_kernel(
     if SEND:
         # Headers first (program d writes the one for rank d) and the first chunk, before any wait.
         for d in range(pid, N, P):
-            cnt = _local_counts(topk_ptr, hist_ptr, T, NC, NODE0 + d, E, EL, K, CMAX, DIRECT, BLOCK_EL, BLOCK_C)
+            cnt = _local_counts(topk_ptr=topk_ptr, hist_ptr=hist_ptr, T=T, NC=NC, d=NODE0 + d, E=E, EL=EL, K=K,
+                                CMAX=CMAX, DIRECT=DIRECT, BLOCK_EL=BLOCK_EL, BLOCK_C=BLOCK_C)
             base = tl.load(peer_ptr + d)
             ph = ptr_at(base, off_hdr, tl.int32) + (par * N + RANK) * HDR
             tl.store(ph, T)
             ee = tl.arange(0, BLOCK_EL)
             tl.store(ph + 1 + ee, cnt, mask=ee < EL)
             if ROWS:  # this rank's rows for d: where d places the rows of the sources above this one
-                tl.store(ph + 1 + EL, tokens_before(topk_ptr, hist_ptr, NC, BT, T, d, NODE0, E, EL, K, CMAX, DIRECT,
-                                                    BLOCK_K))
+                tl.store(ph + 1 + EL, tokens_before(topk_ptr=topk_ptr, hist_ptr=hist_ptr, c=NC, BT=BT, T=T, d=d,
+                                                    NODE0=NODE0, E=E, EL=EL, K=K, CMAX=CMAX, DIRECT=DIRECT,
+                                                    BLOCK_K=BLOCK_K))
             tl.debug_barrier()
             raise_flag(ptr_at(base, off_hflag, tl.int64) + RANK, epoch)
         if pid < NC:
-            _send_chunk(pid, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, route_ptr, T, BT, epoch, par,
-                        off_dflag, off_meta_i, off_meta_w, off_rows, RANK, NODE0, N, M, K, E, EL, H, NB, RB, CMAX,
-                        FP8, PREQ, DIRECT, BLOCK_T, BLOCK_K, BLOCK_C, BLOCK_H, STAGES, INTERP, ROWS, OWN_X, SELF_SYNC)
+            _send_chunk(c=pid, x_ptr=x_ptr, xs_ptr=xs_ptr, topk_ptr=topk_ptr, w_ptr=w_ptr, hist_ptr=hist_ptr,
+                        err_ptr=err_ptr, peer_ptr=peer_ptr, route_ptr=route_ptr, T=T, BT=BT, epoch=epoch, par=par,
+                        off_dflag=off_dflag, off_meta_i=off_meta_i, off_meta_w=off_meta_w, off_rows=off_rows, RANK=RANK,
+                        NODE0=NODE0, N=N, M=M, K=K, E=E, EL=EL, H=H, NB=NB, RB=RB, CMAX=CMAX, FP8=FP8, PREQ=PREQ,
+                        DIRECT=DIRECT, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, BLOCK_C=BLOCK_C, BLOCK_H=BLOCK_H,
+                        STAGES=STAGES, INTERP=INTERP, ROWS=ROWS, OWN_X=OWN_X, SELF_SYNC=SELF_SYNC)
     ok = tl.full([], 1, tl.int32)
     nrecv = 0
     if RECV:
@@ -351,25 +363,36 @@ def dispatch_kernel(
             v, vs = 0, 0
         if SEND:
             if i < NC:
-                _send_chunk(i, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, route_ptr, T, BT, epoch,
-                            par, off_dflag, off_meta_i, off_meta_w, off_rows, RANK, NODE0, N, M, K, E, EL, H, NB, RB, CMAX,
-                            FP8, PREQ, DIRECT, BLOCK_T, BLOCK_K, BLOCK_C, BLOCK_H, STAGES, INTERP, ROWS, OWN_X,
-                            SELF_SYNC)
+                _send_chunk(c=i, x_ptr=x_ptr, xs_ptr=xs_ptr, topk_ptr=topk_ptr, w_ptr=w_ptr, hist_ptr=hist_ptr,
+                            err_ptr=err_ptr, peer_ptr=peer_ptr, route_ptr=route_ptr, T=T, BT=BT, epoch=epoch, par=par,
+                            off_dflag=off_dflag, off_meta_i=off_meta_i, off_meta_w=off_meta_w, off_rows=off_rows,
+                            RANK=RANK, NODE0=NODE0, N=N, M=M, K=K, E=E, EL=EL, H=H, NB=NB, RB=RB, CMAX=CMAX, FP8=FP8,
+                            PREQ=PREQ, DIRECT=DIRECT, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, BLOCK_C=BLOCK_C,
+                            BLOCK_H=BLOCK_H, STAGES=STAGES, INTERP=INTERP, ROWS=ROWS, OWN_X=OWN_X, SELF_SYNC=SELF_SYNC)
         if RECV:
             if ok != 0:
                 for s in range(N):
                     if ROWS:
-                        recv_rows_chunk(v, vs, s, i - LAG, ws, hdr, rows_from_ptr, x_ptr, xs_ptr, out_x_ptr,
-                                        out_s_ptr, recv_ids_ptr, recv_wts_ptr, recv_src_ptr, recv_pos_ptr, err_ptr,
-                                        epoch, par, t0_ns, timeout_ns, off_dflag, off_meta_i, off_meta_w, off_rows, RANK, NODE0,
-                                        EL, GLOBAL, N, M, K, W, H, NB, RB, HDR, CMAX, FP8, PREQ, OWN_X, BLOCK_T,
-                                        BLOCK_K, BLOCK_W, BLOCK_TS, BLOCK_HS, BLOCK_NB, STAGES, SELF_SYNC, INTERP,
-                                        PREFETCH)
+                        recv_rows_chunk(v=v, vs=vs, s=s, c=i - LAG, ws=ws, hdr=hdr, rows_from_ptr=rows_from_ptr,
+                                        x_ptr=x_ptr, xs_ptr=xs_ptr, out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr,
+                                        ids_ptr=recv_ids_ptr, wts_ptr=recv_wts_ptr, src_ptr=recv_src_ptr,
+                                        recv_pos_ptr=recv_pos_ptr, err_ptr=err_ptr, epoch=epoch, par=par, t0_ns=t0_ns,
+                                        timeout_ns=timeout_ns, off_dflag=off_dflag, off_meta_i=off_meta_i,
+                                        off_meta_w=off_meta_w, off_rows=off_rows, RANK=RANK, NODE0=NODE0, EL=EL,
+                                        GLOBAL=GLOBAL, N=N, M=M, K=K, W=W, H=H, NB=NB, RB=RB, HDR=HDR, CMAX=CMAX,
+                                        FP8=FP8, PREQ=PREQ, OWN_X=OWN_X, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K,
+                                        BLOCK_W=BLOCK_W, BLOCK_TS=BLOCK_TS, BLOCK_HS=BLOCK_HS, BLOCK_NB=BLOCK_NB,
+                                        STAGES=STAGES, SELF_SYNC=SELF_SYNC, INTERP=INTERP, PREFETCH=PREFETCH)
                     else:
-                        _recv_chunk(v, vs, s, i - LAG, ws, hdr, sel_ptr, scratch_ptr + pid * BLOCK_EL, x_ptr, xs_ptr,
-                                    out_x_ptr, out_s_ptr, recv_pos_ptr, err_ptr, epoch, par, t0_ns, timeout_ns,
-                                    off_dflag, off_meta_i, off_rows, RANK, NODE0, EL, GLOBAL, N, M, K, W, H, NB, RB,
-                                    HDR, CMAX, CAP, PACKED, FP8, PREQ, OWN_X, BLOCK_T, BLOCK_K, BLOCK_W, BLOCK_H,
-                                    BLOCK_TS, BLOCK_HS, BLOCK_NB, STAGES, SELF_SYNC, INTERP, PREFETCH)
+                        _recv_chunk(v=v, vs=vs, s=s, c=i - LAG, ws=ws, hdr=hdr, sel_ptr=sel_ptr,
+                                    scratch_ptr=scratch_ptr + pid * BLOCK_EL, x_ptr=x_ptr, xs_ptr=xs_ptr,
+                                    out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr, recv_pos_ptr=recv_pos_ptr,
+                                    err_ptr=err_ptr, epoch=epoch, par=par, t0_ns=t0_ns, timeout_ns=timeout_ns,
+                                    off_dflag=off_dflag, off_meta_i=off_meta_i, off_rows=off_rows, RANK=RANK,
+                                    NODE0=NODE0, EL=EL, GLOBAL=GLOBAL, N=N, M=M, K=K, W=W, H=H, NB=NB, RB=RB, HDR=HDR,
+                                    CMAX=CMAX, CAP=CAP, PACKED=PACKED, FP8=FP8, PREQ=PREQ, OWN_X=OWN_X, BLOCK_T=BLOCK_T,
+                                    BLOCK_K=BLOCK_K, BLOCK_W=BLOCK_W, BLOCK_H=BLOCK_H, BLOCK_TS=BLOCK_TS,
+                                    BLOCK_HS=BLOCK_HS, BLOCK_NB=BLOCK_NB, STAGES=STAGES, SELF_SYNC=SELF_SYNC,
+                                    INTERP=INTERP, PREFETCH=PREFETCH)
     if RECV:
         tl.store(state_ptr + pid, epoch)  # each program keeps its own epoch: no cross-program step

@@ -206,7 +206,8 @@ def remote_pack_kernel(
         # Payload: each tile read (and quantized) once, stored to every remote destination.
         for h0 in range(0, H, BLOCK_H):
             hh, hm, bb, bm = payload_cols(h0, tm, H, NB, FP8, BLOCK_H)
-            q, sc = payload_tile(x_ptr, xs_ptr, t, hh, hm, bb, bm, H, NB, FP8, PREQ, BLOCK_T, BLOCK_H, INTERP)
+            q, sc = payload_tile(x_ptr=x_ptr, xs_ptr=xs_ptr, t=t, hh=hh, hm=hm, bb=bb, bm=bm, H=H, NB=NB, FP8=FP8,
+                                 PREQ=PREQ, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, INTERP=INTERP)
             for k in tl.static_range(K):
                 okd = _col(okk.to(tl.int32), kk, k) > 0
                 rw = _col(rowk, kk, k) * 4
@@ -342,7 +343,8 @@ def remote_unpack_kernel(
         for b in range(pid, tl.cdiv(n, BLOCK_RW), P):
             i = b * BLOCK_RW + ii
             g = g0 + i
-            src, im = received_row(r1w, ovw, par, s, i, n, g, ov0, R, SLOT, HDR, RB, PCAP, OVCAP, ROWS)
+            src, im = received_row(r1w=r1w, ovw=ovw, par=par, s=s, i=i, n=n, g=g, ov0=ov0, R=R, SLOT=SLOT, HDR=HDR,
+                                   RB=RB, PCAP=PCAP, OVCAP=OVCAP, ROWS=ROWS)
             m2 = im[:, None] & (kk[None, :] < K)
             lid = tl.load(src[:, None] + PW + 1 + kk[None, :], mask=m2, other=-1)
             j = tl.load(src[:, None] + PW + 1 + K + kk[None, :], mask=m2, other=0)
@@ -412,7 +414,8 @@ def remote_combine_pack_kernel(
         else:
             # Pre-reduction: this rank's experts of the row sum here (float32), one bf16 row goes back.
             w = tl.load(rw_ptr + g[:, None] * K + kk[None, :], mask=m2, other=0.0)
-            pre_reduce(y_ptr, r, w, kk, gm, out + g.to(tl.int64) * H, K, H, BLOCK_RW, BLOCK_H, 1, INTERP)
+            pre_reduce(y_ptr=y_ptr, r=r, w=w, kk=kk, go=gm, out=out + g.to(tl.int64) * H, K=K, H=H, BLOCK_T=BLOCK_RW,
+                       BLOCK_H=BLOCK_H, STAGES=1, INTERP=INTERP)
 
 
 @triton.jit(do_not_specialize=['T'])

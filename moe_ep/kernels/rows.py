@@ -65,8 +65,9 @@ def recv_rows_chunk(v, vs, s, c, ws, hdr, rows_from_ptr, x_ptr, xs_ptr, out_x_pt
     rows (``first_own_tile`` of the chunk's first ``BLOCK_TS`` tokens, loaded by the caller; used when
     ``OWN_X`` and ``s == RANK``). Own rows go in sub-blocks of ``BLOCK_TS`` tokens (tiles of ``BLOCK_HS``
     channels) when the chunk is larger."""
-    ok, t, tm, slot = landed_chunk(ws, hdr, s, c, err_ptr, epoch, par, t0_ns, timeout_ns, off_dflag, RANK, NODE0, N, M,
-                                   HDR, CMAX, BLOCK_T, SELF_SYNC, INTERP)
+    ok, t, tm, slot = landed_chunk(ws=ws, hdr=hdr, s=s, c=c, err_ptr=err_ptr, epoch=epoch, par=par, t0_ns=t0_ns,
+                                   timeout_ns=timeout_ns, off_dflag=off_dflag, RANK=RANK, NODE0=NODE0, N=N, M=M,
+                                   HDR=HDR, CMAX=CMAX, BLOCK_T=BLOCK_T, SELF_SYNC=SELF_SYNC, INTERP=INTERP)
     if ok != 0:
         kk = tl.arange(0, BLOCK_K)
         m2 = tm[:, None] & (kk[None, :] < K)
@@ -95,11 +96,15 @@ def recv_rows_chunk(v, vs, s, c, ws, hdr, rows_from_ptr, x_ptr, xs_ptr, out_x_pt
             # This rank's own rows come straight from x (quantized here for fp8): the send half
             # stored no payload into this rank's workspace.
             if BLOCK_TS == BLOCK_T:
-                store_own_rows(v, vs, t, t < 0, x_ptr, xs_ptr, t, has, tl.where(kk[None, :] == 0, r[:, None], -1), kk,
-                               out_x_ptr, out_s_ptr, 1, H, NB, FP8, PREQ, BLOCK_T, BLOCK_HS, INTERP)
+                store_own_rows(v=v, vs=vs, nt=t, nm=t < 0, x_ptr=x_ptr, xs_ptr=xs_ptr, t=t, tm=has,
+                               r=tl.where(kk[None, :] == 0, r[:, None], -1), kk=kk, out_x_ptr=out_x_ptr,
+                               out_s_ptr=out_s_ptr, KS=1, H=H, NB=NB, FP8=FP8, PREQ=PREQ, BLOCK_T=BLOCK_T,
+                               BLOCK_H=BLOCK_HS, INTERP=INTERP)
             else:
-                own_rows_in_blocks(v, vs, s, c, hdr, recv_pos_ptr, x_ptr, xs_ptr, kk, out_x_ptr, out_s_ptr, M, K, 1, H,
-                                   NB, HDR, CMAX, FP8, PREQ, BLOCK_TS, BLOCK_HS, INTERP, PREFETCH)
+                own_rows_in_blocks(v=v, vs=vs, s=s, c=c, hdr=hdr, recv_pos_ptr=recv_pos_ptr, x_ptr=x_ptr, xs_ptr=xs_ptr,
+                                   kk=kk, out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr, M=M, K=K, KS=1, H=H, NB=NB, HDR=HDR,
+                                   CMAX=CMAX, FP8=FP8, PREQ=PREQ, BLOCK_TS=BLOCK_TS, BLOCK_HS=BLOCK_HS, INTERP=INTERP,
+                                   PREFETCH=PREFETCH)
         else:
             src = ptr_at(ws, off_rows, tl.int32) + slot * (RB // 4)
             for w0 in tl.range(0, W, BLOCK_W, num_stages=STAGES):
@@ -159,7 +164,8 @@ def remote_unpack_rows_kernel(
         for b in range(pid, tl.cdiv(n, BLOCK_RW), P):
             i = b * BLOCK_RW + ii
             g = g0 + i
-            src, im = received_row(r1w, ovw, par, s, i, n, g, ov0, R, SLOT, HDR, RB, PCAP, OVCAP, ROWS)
+            src, im = received_row(r1w=r1w, ovw=ovw, par=par, s=s, i=i, n=n, g=g, ov0=ov0, R=R, SLOT=SLOT, HDR=HDR,
+                                   RB=RB, PCAP=PCAP, OVCAP=OVCAP, ROWS=ROWS)
             m2 = im[:, None] & (kk[None, :] < K)
             tok = tl.load(src + PW, mask=im, other=0)
             lid = tl.load(src[:, None] + PW + 1 + kk[None, :], mask=m2, other=-1)
