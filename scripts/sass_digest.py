@@ -1,0 +1,79 @@
+"""The sm_90 machine code (SASS) of the main launches, one digest each, on a machine with no GPU.
+
+Records the launches of a dispatch and a combine (without running them) at four configurations,
+compiles each for sm_90 in a process without TRITON_INTERPRET and prints a digest of its SASS:
+run it on two trees (before and after a change) to show which kernels the change leaves as they
+were, instruction for instruction.
+
+    python scripts/sass_digest.py            # one line per launch: config, kernel, digest, SASS lines
+"""
+import hashlib
+import importlib
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+
+# (tokens, hidden, dispatch dtype, layout, programs, warps): prefill fp8 and bf16 packed, rows fp8
+# at 32 programs, decode masked fp8.
+CONFIGS = [(4096, 7168, "fp8", "packed", 32, 16), (4096, 7168, "bf16", "packed", 132, 16),
+           (4096, 7168, "fp8", "rows", 32, 32), (128, 7168, "fp8", "masked", 132, 16)]
+
+
+def record(path: str) -> None:
+    """The launches of CONFIGS (module, kernel, launch spec) into ``path``; runs under the interpreter."""
+    import torch
+
+    import moe_ep
+    import moe_ep.layout
+    from moe_ep.kernels.aot import signature
+
+    moe_ep.layout.interpreting = lambda: False  # the chunking a GPU gets
+    rec = []
+    g = moe_ep.EPGroup()
+    for T, H, dt, layout, P, warps in CONFIGS:
+        name = f"{layout}-{dt}-T{T}-p{P}"
+
+        def spy(key, fn, grid, args, consts, dynamic=None, name=name):
+            consts = consts() if callable(consts) else consts
+            rec.append((name, fn.fn.__module__, fn.fn.__name__, signature(fn.arg_names, args, consts)))
+
+        dtype = torch.float8_e4m3fn if dt == "fp8" else torch.bfloat16
+        buf = moe_ep.EPBuffer(g, 256, H, T, 8, dispatch_dtype=dtype, layout=layout, num_programs=P)
+        buf.num_warps, buf.fused, buf.interp, buf._launch = warps, True, False, spy
+        h = buf.dispatch(torch.zeros(T, H, dtype=torch.bfloat16), torch.zeros(T, 8, dtype=torch.int64),
+                         torch.zeros(T, 8))
+        buf.combine(torch.empty(h.expert_x.shape, dtype=torch.bfloat16), h)
+        buf.close()
+    pickle.dump(rec, open(path, "wb"))
+
+
+def digest(path: str) -> None:
+    """Compiles every recorded launch for sm_90 and prints its SASS digest; runs without the interpreter."""
+    import triton
+
+    from moe_ep.kernels.aot import compile_for
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    for name, mod, kernel, spec in pickle.load(open(path, "rb")):
+        k = compile_for(getattr(importlib.import_module(mod), kernel), spec)
+        cubin = path + ".cubin"
+        open(cubin, "wb").write(k.asm["cubin"])
+        sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+        code = [line.strip() for line in sass.splitlines() if line.strip().startswith("/*")]
+        print(f"{name:<26} {kernel:<18} {hashlib.sha1(chr(10).join(code).encode()).hexdigest()[:12]} "
+              f"{len(code):>6} lines")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3:
+        (record if sys.argv[1] == "record" else digest)(sys.argv[2])
+        sys.exit(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "launches.pkl")
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        subprocess.run([sys.executable, __file__, "record", path], env=env, check=True)
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env["TRITON_CACHE_DIR"] = os.path.join(tmp, "cache")
+        subprocess.run([sys.executable, __file__, "digest", path], env=env, check=True)
