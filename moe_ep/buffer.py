@@ -152,6 +152,10 @@ class EPBuffer:
             # programs, fp8: dispatch 60.4 -> 56.6 us, combine 50.8 -> 47.5 us against 16 warps).
             warps = 32
         self.num_warps = int(os.environ.get("MOE_EP_NUM_WARPS", warps))
+        # The combine kernel's warps when they should differ from the dispatch's (None: num_warps);
+        # MOE_EP_COMBINE_WARPS, for tuning (validated with the other tuning variables below).
+        cw = os.environ.get("MOE_EP_COMBINE_WARPS", "")
+        self.combine_warps = int(cw) if cw in ("1", "2", "4", "8", "16", "32") else None
         # Bytes a program moves per loop step scale with these (payload tiles): ``tile`` for
         # dispatch's loops, ``combine_tile`` for combine's send half (the owner's pre-reduction for
         # a peer), ``combine_recv_tile`` for its receive half (the sum of the owners' rows, and this
@@ -179,6 +183,8 @@ class EPBuffer:
         for name, v in (("MOE_EP_COMBINE_TOKENS", ct), ("MOE_EP_OWN_TOKENS", ot)):
             if v and (not v.isdigit() or int(v) < 1):
                 raise ValueError(f"{name}: expected a positive integer, got {v!r}")
+        if cw and cw not in ("1", "2", "4", "8", "16", "32"):
+            raise ValueError(f"MOE_EP_COMBINE_WARPS: expected a power of two from 1 to 32, got {cw!r}")
 
         # Every rank's arguments must agree before any memory is touched (program p serves chunks
         # p, p+P, ... on every rank, so num_programs too).

@@ -138,3 +138,41 @@ def test_timeout_s_is_checked_before_memory(bad, monkeypatch):
         moe_ep.EPBuffer(moe_ep.EPGroup(), **BASE, timeout_s=bad)
     assert repr(bad) in str(e.value)
     assert math.isfinite(B.MAX_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("var,bad", [("MOE_EP_COMBINE_TOKENS", "0"), ("MOE_EP_OWN_TOKENS", "x"),
+                                     ("MOE_EP_COMBINE_WARPS", "3"), ("MOE_EP_COMBINE_WARPS", "64")])
+def test_tuning_variables_are_checked_before_memory(var, bad, monkeypatch):
+    """A bad tuning variable is refused, naming it, before any memory is touched."""
+    import moe_ep
+    import moe_ep.buffer as B
+
+    def no_memory(*a, **k):
+        raise AssertionError(f"memory was allocated before {var} was checked")
+
+    monkeypatch.setattr(B, "SymmetricWorkspace", no_memory)
+    monkeypatch.setenv(var, bad)
+    with pytest.raises(ValueError, match=f"^{var}: expected .*got '{bad}'"):
+        moe_ep.EPBuffer(moe_ep.EPGroup(), **BASE)
+
+
+def test_combine_warps_apply_to_combine_only(monkeypatch):
+    """MOE_EP_COMBINE_WARPS sets the combine launch's warps; the dispatch keeps num_warps."""
+    import moe_ep
+
+    monkeypatch.setenv("MOE_EP_COMBINE_WARPS", "8")
+    warps = {}
+    with moe_ep.EPBuffer(moe_ep.EPGroup(), **BASE) as buf:
+        launch = buf._launch
+
+        def spy(key, fn, grid, args, consts, dynamic=None):
+            c = consts() if callable(consts) else consts
+            warps.setdefault(fn.fn.__name__, set()).add(c["num_warps"])
+            return launch(key, fn, grid, args, consts, dynamic)
+
+        buf._launch = spy
+        x = torch.randn(4, 128, dtype=torch.bfloat16)
+        h = buf.dispatch(x, torch.tensor([[0, 1]] * 4), torch.ones(4, 2))
+        buf.combine(torch.zeros(h.expert_x.shape, dtype=torch.bfloat16), h)
+        assert buf.combine_warps == 8 != buf.num_warps
+    assert warps == {"dispatch_kernel": {buf.num_warps}, "combine_kernel": {8}}, warps
