@@ -3,14 +3,17 @@
 Records the launches of a dispatch and a combine (without running them) at four configurations,
 compiles each for sm_90 in a process without TRITON_INTERPRET and prints a digest of its SASS:
 run it on two trees (before and after a change) to show which kernels the change leaves as they
-were, instruction for instruction.
+were, instruction for instruction, or with a tuning variable set to see what it does to a
+kernel's registers (``MOE_EP_COMBINE_WARPS=32 python scripts/sass_digest.py``; the configs' warps
+stand for a GPU buffer's defaults, ``MOE_EP_NUM_WARPS`` replaces them).
 
-    python scripts/sass_digest.py            # one line per launch: config, kernel, digest, SASS lines
+    python scripts/sass_digest.py   # a line per launch: config, kernel, digest, SASS lines, registers, stack
 """
 import hashlib
 import importlib
 import os
 import pickle
+import re
 import subprocess
 import sys
 import tempfile
@@ -41,7 +44,8 @@ def record(path: str) -> None:
 
         dtype = torch.float8_e4m3fn if dt == "fp8" else torch.bfloat16
         buf = moe_ep.EPBuffer(g, 256, H, T, 8, dispatch_dtype=dtype, layout=layout, num_programs=P)
-        buf.num_warps, buf.fused, buf.interp, buf._launch = warps, True, False, spy
+        buf.num_warps = int(os.environ.get("MOE_EP_NUM_WARPS", warps))  # (a CPU buffer's default is 4)
+        buf.fused, buf.interp, buf._launch = True, False, spy
         h = buf.dispatch(torch.zeros(T, H, dtype=torch.bfloat16), torch.zeros(T, 8, dtype=torch.int64),
                          torch.zeros(T, 8))
         buf.combine(torch.empty(h.expert_x.shape, dtype=torch.bfloat16), h)
@@ -62,8 +66,10 @@ def digest(path: str) -> None:
         open(cubin, "wb").write(k.asm["cubin"])
         sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
         code = [line.strip() for line in sass.splitlines() if line.strip().startswith("/*")]
+        use = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
+        regs, stack = (re.search(rf"{what}:(\d+)", use).group(1) for what in ("REG", "STACK"))
         print(f"{name:<26} {kernel:<18} {hashlib.sha1(chr(10).join(code).encode()).hexdigest()[:12]} "
-              f"{len(code):>6} lines")
+              f"{len(code):>6} lines, {regs:>3} registers, {stack:>4} bytes of stack")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ def signature(arg_names, args: tuple, consts: dict) -> dict:
 
 def compile_for(fn, spec: dict, arch: int = 90):
     """Compiles JIT function ``fn`` for a launch ``spec`` (from ``signature``) for
-    ``cuda:sm_<arch>``; returns the compiled kernel (``.asm['ptx']``, ``.n_regs``, ``.n_spills``).
+    ``cuda:sm_<arch>``; returns the compiled kernel (``.asm['ptx']``, ``.asm['cubin']``; its registers
+    and spills come from ``cuobjdump -res-usage`` on the cubin, as no GPU loads it here).
     Raises on any compile error. Must run without TRITON_INTERPRET."""
     sig, cexpr, attrs = {}, {}, {}
     consts = spec["consts"]
