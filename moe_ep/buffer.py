@@ -25,6 +25,7 @@ from .layout import COMBINE_STEP_TOKENS, OWN_TILE_TOKENS, WorkspaceLayout, chunk
 from .memory import SymmetricWorkspace, check_device_memory
 
 _PHASES = {0: "dispatch", 1: "combine"}
+_WARPS = ("1", "2", "4", "8", "16", "32")  # the warps a Triton program may have, as a variable spells them
 _log = logging.getLogger("moe_ep")
 MAX_TIMEOUT_S = 1e6  # the longest deadline accepted (about 11.6 days); there is no "no deadline"
 
@@ -155,7 +156,7 @@ class EPBuffer:
         # The combine kernel's warps when they should differ from the dispatch's (None: num_warps);
         # MOE_EP_COMBINE_WARPS, for tuning (validated with the other tuning variables below).
         cw = os.environ.get("MOE_EP_COMBINE_WARPS", "")
-        self.combine_warps = int(cw) if cw in ("1", "2", "4", "8", "16", "32") else None
+        self.combine_warps = int(cw) if cw in _WARPS else None
         # Bytes a program moves per loop step scale with these (payload tiles): ``tile`` for
         # dispatch's loops, ``combine_tile`` for combine's send half (the owner's pre-reduction for
         # a peer), ``combine_recv_tile`` for its receive half (the sum of the owners' rows, and this
@@ -183,7 +184,7 @@ class EPBuffer:
         for name, v in (("MOE_EP_COMBINE_TOKENS", ct), ("MOE_EP_OWN_TOKENS", ot)):
             if v and (not v.isdigit() or int(v) < 1):
                 raise ValueError(f"{name}: expected a positive integer, got {v!r}")
-        if cw and cw not in ("1", "2", "4", "8", "16", "32"):
+        if cw and cw not in _WARPS:
             raise ValueError(f"MOE_EP_COMBINE_WARPS: expected a power of two from 1 to 32, got {cw!r}")
 
         # Every rank's arguments must agree before any memory is touched (program p serves chunks
