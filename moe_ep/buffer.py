@@ -184,14 +184,6 @@ class EPBuffer:
         for name, v in (("MOE_EP_COMBINE_TOKENS", ct), ("MOE_EP_OWN_TOKENS", ot)):
             if v and (not v.isdigit() or int(v) < 1):
                 raise ValueError(f"{name}: expected a positive integer, got {v!r}")
-        # The own pre-reduction of combine's receive half (masked/packed) from [K, tokens, channels]
-        # tiles: 0 = K loads of [tokens, channels] a step (pre_reduce_tile), 1 = one 3-D load a
-        # step, 2 = the same with the next step's tile loaded first (half the channels a step).
-        # MOE_EP_COMBINE_OWN3, for tuning.
-        o3 = os.environ.get("MOE_EP_COMBINE_OWN3", "")
-        if o3 and o3 not in ("0", "1", "2"):
-            raise ValueError(f"MOE_EP_COMBINE_OWN3: expected 0, 1 or 2, got {o3!r}")
-        self.combine_own3 = int(o3 or 0)
         if cw and cw not in _WARPS:
             raise ValueError(f"MOE_EP_COMBINE_WARPS: expected a power of two from 1 to 32, got {cw!r}")
 

@@ -145,7 +145,6 @@ def _combined(buf, result, recv):
 def _combine_consts(buf, own_y: bool, wts: bool) -> dict:
     """The combine kernel's constexprs (all fixed by the buffer, except OWN_Y and, with weights, WIN/WOUT)."""
     off, H, BLOCK_T = buf.off, buf.hidden, buf.block_t
-    own3 = buf.combine_own3 if own_y and buf.layout != "rows" else 0
     return dict(off_cflag=off["comb_flag"], off_wflag=off["wgt_flag"], off_hdr=off["hdr"], off_meta_w=off["meta_w"],
                 off_comb=off["comb"],
                 RANK=buf.rank - buf.node0, NODE0=buf.node0, N=buf.node_size, M=buf.max_tokens, K=buf.topk,
@@ -153,10 +152,10 @@ def _combine_consts(buf, own_y: bool, wts: bool) -> dict:
                 EL=buf.num_local_experts, H=H, HDR=buf.ws_layout.HDR, CMAX=buf.chunks, BLOCK_T=BLOCK_T,
                 BLOCK_K=pow2(buf.topk, 2),
                 BLOCK_H=_channel_tile(buf, buf.combine_tile),
-                BLOCK_HR=_channel_tile(buf, buf.combine_recv_tile, buf.combine_recv_tokens) // (2 if own3 == 2 else 1),
+                BLOCK_HR=_channel_tile(buf, buf.combine_recv_tile, buf.combine_recv_tokens),
                 BLOCK_TR=buf.combine_recv_tokens,
                 STAGES=buf.stages, INTERP=buf.interp, ROWS=buf.layout == "rows", OWN_Y=own_y, WIN=wts, WOUT=wts,
-                off_comb_w=off["comb_w"], num_warps=buf.combine_warps or buf.num_warps, OWN3=own3)
+                off_comb_w=off["comb_w"], num_warps=buf.combine_warps or buf.num_warps)
 
 
 def _channel_tile(buf, tile: int, tokens: Optional[int] = None) -> int:

@@ -164,44 +164,6 @@ def test_own_rows_in_token_sub_blocks(R):
     assert not fails, f"{len(fails)} failed checks:\n" + "\n".join(fails[:40])
 
 
-def _own3_worker(rank, world_size, cases, fused, own3):
-    """The cases with combine's own pre-reduction from 3-D tiles (MOE_EP_COMBINE_OWN3=own3)."""
-    import os
-
-    import moe_ep
-
-    group = moe_ep.EPGroup()
-    fails = []
-    os.environ["MOE_EP_COMBINE_OWN3"] = str(own3)
-    try:
-        for case in cases:
-            with make_buffer(group, case) as buf:
-                if buf.combine_own3 != own3:
-                    fails.append(f"{case.name}: combine_own3 {buf.combine_own3}, expected {own3}")
-                buf.fused = fused
-                fails += run_calls(group, buf, case)
-    finally:
-        os.environ.pop("MOE_EP_COMBINE_OWN3")
-    return fails
-
-
-def _own3_cases(R, M=16, programs=None):
-    return [Case(R=R, E=2 * R, K=3, dtype="fp8", layout="masked", M=M, programs=programs, data="random", seed=95),
-            Case(R=R, E=4 * R, K=8, dtype="bf16", layout="packed", align=16, M=M, programs=programs, seed=96,
-                 late_weights=True)]
-
-
-@pytest.mark.parametrize("own3", [1, 2])
-@pytest.mark.parametrize("R", [1, 2])
-def test_combine_own_rows_in_3d_tiles(R, own3):
-    """Combine's own pre-reduction from [K, tokens, channels] tiles (MOE_EP_COMBINE_OWN3, the
-    tuning knob), masked and packed, with combine-time weights: R=1 in one launch, R=2 in two
-    halves (the peer's rows still through the workspace)."""
-    results = dist_util.run(R, _own3_worker, _own3_cases(R), R == 1, own3, timeout=600)
-    fails = [f for rank_fails in results for f in rank_fails]
-    assert not fails, f"{len(fails)} failed checks:\n" + "\n".join(fails[:40])
-
-
 def test_matrix_covers_the_contract():
     """The rotation really reaches every value the issue lists."""
     cases = [c for R in RANKS for d in DTYPES for c in matrix_cases(R, d)] + [c for R in (1, 3) for c in edge_cases(R)]
@@ -253,20 +215,6 @@ def test_combine_in_token_sub_blocks_gpu(R):
     knob = "MOE_EP_COMBINE_TOKENS"
     results = (dist_util.run(R, _sub_block_worker, cases, R == 1, knob, None, timeout=900, backend=backend)
                + dist_util.run(R, _sub_block_worker, rows, R == 1, knob, 2, timeout=900, backend=backend))
-    fails = [f for rank_fails in results for f in rank_fails]
-    assert not fails, f"{len(fails)} failed checks:\n" + "\n".join(fails[:40])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("R", [1, 2])
-def test_combine_own_rows_in_3d_tiles_gpu(R):
-    """MOE_EP_COMBINE_OWN3 = 1 and 2 on the GPU (ranks sharing it when fewer than R) at prefill
-    chunk sizes (4096 tokens, 32 programs: steps of 8 tokens)."""
-    dist_util.need_gpu()
-    backend = dist_util.gpu_backend(R)
-    results = [f for own3 in (1, 2) for f in
-               dist_util.run(R, _own3_worker, _own3_cases(R, M=4096, programs=32), R == 1, own3, timeout=900,
-                             backend=backend)]
     fails = [f for rank_fails in results for f in rank_fails]
     assert not fails, f"{len(fails)} failed checks:\n" + "\n".join(fails[:40])
 

@@ -28,8 +28,8 @@ workspace (the receive half reads them from ``expert_y``).
 import triton
 import triton.language as tl
 
-from .common import (ABORT_FLAG, ERR_CAPACITY, PHASE_COMBINE, PHASE_DISPATCH, chunking, deadline_start, expert_rows,
-                     pre_reduce, pre_reduce_tile, ptr_at, raise_flag, record_error, to_bf16, wait_flag)
+from .common import (ABORT_FLAG, ERR_CAPACITY, PHASE_COMBINE, PHASE_DISPATCH, chunking, deadline_start, pre_reduce,
+                     pre_reduce_tile, ptr_at, raise_flag, record_error, to_bf16, wait_flag)
 
 
 @triton.jit(do_not_specialize=['ws', 'timeout_ns', 'T'])
@@ -54,7 +54,7 @@ def combine_kernel(
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HR: tl.constexpr,
     BLOCK_TR: tl.constexpr,
     STAGES: tl.constexpr, INTERP: tl.constexpr, ROWS: tl.constexpr, OWN_Y: tl.constexpr, WIN: tl.constexpr,
-    WOUT: tl.constexpr, off_comb_w: tl.constexpr, OWN3: tl.constexpr = 0,
+    WOUT: tl.constexpr, off_comb_w: tl.constexpr,
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -177,21 +177,9 @@ def combine_kernel(
                         hh = tl.arange(0, BLOCK_HR)
                         nxt = tl.load(y_ptr + own[:, None] * H + hh[None, :], mask=own_m[:, None] & (hh[None, :] < H),
                                       other=0.0)
-                    if OWN_Y and (not ROWS) and OWN3 > 0:
-                        # The own pre-reduction from [tokens, K, channels] tiles (expert_rows): one
-                        # load a step, summed in each thread; OWN3 == 2 loads the next step's tile
-                        # before this one is summed (a register double buffer).
-                        own_go = tm & (tl.max((dst == RANK).to(tl.int32), axis=1) > 0)
-                        if OWN3 == 2:
-                            nxt3 = expert_rows(y_ptr, own_r, own_go, tl.arange(0, BLOCK_HR), H)
                     for h0 in range(0, H, BLOCK_HR):  # (its own channel tile: K loads per step with OWN_Y)
                         hh = h0 + tl.arange(0, BLOCK_HR)
                         hm = tm[:, None] & (hh[None, :] < H)
-                        if OWN_Y and (not ROWS) and OWN3 == 2:
-                            cur3 = nxt3
-                            nxt3 = expert_rows(y_ptr, own_r, own_go, hh + BLOCK_HR, H)
-                        elif OWN_Y and (not ROWS) and OWN3 == 1:
-                            cur3 = expert_rows(y_ptr, own_r, own_go, hh, H)
                         if OWN_Y and ROWS:
                             # The next tile's loads go out before this one is summed and stored (a
                             # register double buffer, as in dispatch's store_own_rows).
@@ -205,11 +193,8 @@ def combine_kernel(
                             if OWN_Y and (d == RANK) and (not ROWS):
                                 # The owner's pre-reduction of this rank's own tokens, done here and
                                 # rounded to bf16 as the owner's row would be: same bits, no round trip.
-                                if OWN3 > 0:
-                                    part = tl.sum(cur3.to(tl.float32) * own_w[:, :, None], axis=1)
-                                else:
-                                    part = pre_reduce_tile(y_ptr, own_r, own_w, kk, hh, hm & go[:, None], K, H,
-                                                           BLOCK_TR, BLOCK_HR)
+                                part = pre_reduce_tile(y_ptr, own_r, own_w, kk, hh, hm & go[:, None], K, H, BLOCK_TR,
+                                                       BLOCK_HR)
                                 acc += to_bf16(part, INTERP).to(tl.float32)
                             elif OWN_Y and (d == RANK):
                                 acc += cur.to(tl.float32)

@@ -479,18 +479,6 @@ def pre_reduce_tile(y_ptr, r, w, kk, hh, hm, K: tl.constexpr, H: tl.constexpr, B
 
 
 @triton.jit
-def expert_rows(y_ptr, r, go, hh, H: tl.constexpr):
-    """bf16 ``[BLOCK_T, BLOCK_K, BLOCK_H]``: the rows ``r`` (int32 ``[BLOCK_T, BLOCK_K]``, -1
-    where none) of ``y`` at channels ``hh`` for the tokens ``go`` (mask), zeros elsewhere. With K
-    in the middle, the layout Triton picks for this load (warps over tokens, then channels) keeps a
-    token's K rows in each thread's registers, so their sum (axis 1) needs no exchange."""
-    r3 = r[:, :, None].to(tl.int64)
-    m = (r3 >= 0) & go[:, None, None] & (hh[None, None, :] < H)
-    # Each expert row is read once: .cg keeps it out of L1 (as pre_reduce_tile)
-    return tl.load(y_ptr + r3 * H + hh[None, None, :], mask=m, other=0.0, cache_modifier=".cg")
-
-
-@triton.jit
 def payload_cols(h0, tm, H: tl.constexpr, NB: tl.constexpr, FP8: tl.constexpr, BLOCK_H: tl.constexpr,
                  FULL: tl.constexpr = False):
     """``(hh, hm, bb, bm)`` of the payload tile at channel ``h0`` for the tokens ``tm`` (mask):
