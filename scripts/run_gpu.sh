@@ -15,6 +15,8 @@
 #   VARIANTS="prefill 32 | fp8 rows | fp8 rows MOE_EP_MAX_CHUNKS=128
 #             decode 132 | fp8 masked" bash scripts/run_gpu.sh   # tuning points, one process per line
 #                                    # (moe_ep.bench.variants: "PRESET PROGRAMS | point | point ...")
+#   NCU="32 fp8 packed,132 fp8 packed" TESTS=none BENCH=0 bash scripts/run_gpu.sh   # hardware counters
+#                                    # (Nsight Compute) of one prefill dispatch + combine per config
 #   SHARED=1 bash scripts/run_gpu.sh   # also: the demo as 4 ranks on the GPUs, EP16 (2 nodes x 8 ranks
 #                                    # through the proxy) at decode, and the R=4 matrix under MPS
 set -euo pipefail
@@ -38,6 +40,7 @@ PROFILE=${PROFILE:-}          # rank counts for moe_ep.bench.profile_ops --prese
 PROFILE_MPS=${PROFILE_MPS:-0} # 1: those runs under an MPS daemon started for them (one GPU context for every rank)
 COPY_FLOOR=${COPY_FLOOR:-0}   # 1: the copy-floor micro-benchmark (moe_ep.bench.copy_floor) at 7168- and 14336-byte rows
 COPY_FLOOR_ARGS=${COPY_FLOOR_ARGS:-}   # more copy_floor arguments, e.g. "--programs 32,132 --ring-stages 2,4"
+NCU=${NCU:-}                  # "programs dtype layout" configs, comma-separated: scripts/ncu_kernels.py under ncu
 VARIANTS=${VARIANTS:-}        # lines "PRESET PROGRAMS | point | point ..." for moe_ep.bench.variants (kernel p50 per point)
 mkdir -p "$RESULTS"
 t0=$SECONDS
@@ -86,6 +89,26 @@ while IFS= read -r line; do
         >"$vlog" 2>&1 || variants_rc=1
     variant_tables+=("$vpreset, $vprogs programs:" "$(sed -n '/^point /,$p' "$vlog")")
 done <<<"$VARIANTS"
+
+ncu_rc=0
+ncu_csvs=()
+IFS=, read -r -a ncu_cfgs <<<"$NCU"
+# The counters of scripts/ncu_kernels.py's summary: time, DRAM bytes and rate, issue activity,
+# instructions and every warp stall reason (cycles per issued instruction).
+NCU_METRICS='regex:^(gpu__time_duration\.sum|dram__bytes_(read|write)\.sum|dram__throughput\.avg\.pct_of_peak_sustained_elapsed|lts__t_sector_hit_rate\.pct|smsp__inst_executed\.sum|smsp__issue_active\.avg\.pct_of_peak_sustained_active|sm__warps_active\.avg\.per_cycle_active|smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio)$'
+for cfg in "${ncu_cfgs[@]}"; do
+    read -r nprogs ndtype nlayout <<<"$cfg"
+    nargs=(--programs "$nprogs" --dtype "$ndtype" --layout "$nlayout")
+    csv="$RESULTS/ncu_p${nprogs}_${ndtype}_${nlayout}.csv"
+    "$PYTHON" scripts/ncu_kernels.py "${nargs[@]}" >/dev/null   # compiles outside the profiler
+    step "ncu ... scripts/ncu_kernels.py ${nargs[*]}"
+    if ncu --clock-control none --profile-from-start off --kernel-name 'regex:dispatch_kernel|combine_kernel|route_hist' \
+            --metrics "$NCU_METRICS" --csv --page raw "$PYTHON" scripts/ncu_kernels.py "${nargs[@]}" >"$csv"; then
+        ncu_csvs+=("$csv")
+    else
+        ncu_rc=1
+    fi
+done
 
 profile_rc=0
 profiles=()
@@ -173,6 +196,8 @@ fi
 for r in "${shared_runs[@]}"; do echo "   $r"; done
 for r in "${profiles[@]}"; do echo "   $r"; done
 for r in "${variant_tables[@]}"; do echo "$r" | sed 's/^/   /'; done
+[ ${#ncu_csvs[@]} -eq 0 ] || "$PYTHON" scripts/ncu_kernels.py --summary "${ncu_csvs[@]}" | sed 's/^/   /'
+
 [ "$TESTS" = none ] || "$PYTHON" - "$RESULTS/pytest_gpu.xml" <<'PY' || true
 import collections, sys, xml.etree.ElementTree as ET
 counts = collections.OrderedDict()
@@ -186,4 +211,4 @@ for f, c in counts.items():
 PY
 [ "$TESTS" = none ] || echo "GPU tests: $(tail -n 1 "$RESULTS/pytest_gpu.log")"
 [ "$test_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$shared_rc" -eq 0 ] && [ "$floor_rc" -eq 0 ] && [ "$profile_rc" -eq 0 ] \
-    && [ "$variants_rc" -eq 0 ]
+    && [ "$variants_rc" -eq 0 ] && [ "$ncu_rc" -eq 0 ]
