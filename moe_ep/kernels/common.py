@@ -174,14 +174,13 @@ def load_tile(x_ptr, xs_ptr, t, hh, hm, bb, bm, H: tl.constexpr, NB: tl.constexp
 
 @triton.jit
 def quantize_tile(v, s, FP8: tl.constexpr, PREQ: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-                  INTERP: tl.constexpr, FLAT: tl.constexpr = False, SPREAD: tl.constexpr = False):
+                  INTERP: tl.constexpr, FLAT: tl.constexpr = False):
     """A loaded tile (``load_tile``) as payload: bf16 values (returned twice), or fp8 bits (uint8)
     and their float32 scales. fp8 is quantized here (``moe_ep.fp8``: ``scale = max(amax, 1e-4) / 448``
     per 128 channels, ``q = rne(x * (448 / amax))``; a block with a NaN or an infinity all NaN)
     unless PREQ, where bytes and scales travel as given. ``FLAT`` (quantized here only): the
     scales as ``[BLOCK_T * BLOCK_H // 128]``, one per block in the layout of the block maxima
-    (``per_block`` gives other values that layout), not ``[BLOCK_T, BLOCK_H // 128]``; ``SPREAD``
-    (quantized here only): each element's block scale, ``[BLOCK_T, BLOCK_H]`` in the tile's layout."""
+    (``per_block`` gives other values that layout), not ``[BLOCK_T, BLOCK_H // 128]``."""
     if FP8 and not PREQ:
         vb = tl.reshape(v.to(tl.float32), (BLOCK_T * BLOCK_H // 128, 128))
         if INTERP:  # the interpreter's max drops NaN (np.nanmax): test the exponent bits per element
@@ -204,9 +203,6 @@ def quantize_tile(v, s, FP8: tl.constexpr, PREQ: tl.constexpr, BLOCK_T: tl.const
             q = to_fp8(qf, INTERP)
         if FLAT:
             return tl.reshape(q, (BLOCK_T, BLOCK_H)), scf
-        elif SPREAD:
-            return tl.reshape(q, (BLOCK_T, BLOCK_H)), tl.reshape(tl.broadcast_to(scf[:, None], vb.shape),
-                                                                 (BLOCK_T, BLOCK_H))
         else:
             return tl.reshape(q, (BLOCK_T, BLOCK_H)), tl.reshape(scf, (BLOCK_T, BLOCK_H // 128))
     else:
@@ -320,37 +316,22 @@ def _own_rows_step(v, vs, nt, nm, x_ptr, xs_ptr, t, tm, r, kk, out_x_ptr, out_s_
         hn, hnm, bn, bnm = payload_cols(tl.where(last, 0, h0 + BLOCK_H), tl.where(last, nm, tm), H, NB, FP8, BLOCK_H)
         vn, vsn = load_tile(x_ptr, xs_ptr, tn, hn, hnm, bn, bnm, H, NB, FP8, PREQ)
         hh, hm, bb, bm = payload_cols(h0, tm, H, NB, FP8, BLOCK_H)
-    # K rows per token, fp8 quantized here, whole blocks: each block's scale goes to row k from
-    # the channel 128 // BLOCK_K * k of the block (one store a thread for all K rows where K
-    # stores, each of a few scales, went before: those small stores were a third of the loop's
-    # memory instructions, which queue up at 132 programs).
-    SPREAD: tl.constexpr = FP8 and (not PREQ) and KS > 1 and H % 128 == 0
-    q, sc = quantize_tile(v, vs, FP8, PREQ, BLOCK_T, BLOCK_H, INTERP, FLAT, SPREAD)
+    q, sc = quantize_tile(v, vs, FP8, PREQ, BLOCK_T, BLOCK_H, INTERP, FLAT)
     if FLAT:
         store_in_place(sptr + h0 // 128, sc, (srow >= 0) & (h0 // 128 + sblk < NB), INTERP)
-    if SPREAD:
-        SUB: tl.constexpr = 128 // r.shape[1]
-        cl = tl.arange(0, BLOCK_H) % 128
-        kq = (cl // SUB)[None, :]
-        srow = tl.full((BLOCK_T, BLOCK_H), -1, tl.int32)
     for k in tl.static_range(KS):
         row = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1)
         go = (row >= 0)[:, None]
-        if SPREAD:
-            srow = tl.where(kq == k, row[:, None].to(tl.int32), srow)
         if FP8:
             # Streaming stores (.cs): the layout is written once and read after the launch, so
             # it need not stay in cache (3% at prefill, 32 programs, against plain stores).
             tl.store(out_x_ptr.to(tl.pointer_type(tl.uint8)) + row[:, None] * H + hh[None, :], q, mask=hm & go,
                      cache_modifier=".cs")
-            if not (FLAT or SPREAD):
+            if not FLAT:
                 tl.store(out_s_ptr + row[:, None] * NB + bb[None, :], sc, mask=bm & go, cache_modifier=".cs")
         else:
             tl.store(out_x_ptr.to(tl.pointer_type(tl.bfloat16)) + row[:, None] * H + hh[None, :], q,
                      mask=hm & go, cache_modifier=".cs")
-    if SPREAD:
-        first = ((cl % SUB) == 0)[None, :] & hm & (srow >= 0)
-        store_in_place(out_s_ptr + srow.to(tl.int64) * NB + (hh // 128)[None, :], sc, first, INTERP)
     return vn, vsn
 
 
