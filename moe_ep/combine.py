@@ -73,7 +73,8 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
                         peer_ptr=buf.workspace.peer_ptrs, state_ptr=buf.state, err_ptr=buf.err,
                         recv_pos_ptr=buf.recv_pos, timeout_ns=buf._timeout_ns, T=T,
                         wy_ptr=topk_weights if wout is not None else buf.err,
-                        wout_ptr=wout if wout is not None else buf.err, cw_ptr=topk_weights if push else buf.err)
+                        wout_ptr=wout if wout is not None else buf.err, cw_ptr=topk_weights if push else buf.err,
+                        zero_ptr=buf.zero_row)
     key = ("combine", _aligned(expert_y), _aligned(base), own_y, wout is not None, push, out_f32)
     epoch = buf._epochs[1] + 1
     # A fused launch pushes the weights itself; else the push is a launch of its own, before the
@@ -155,7 +156,8 @@ def _combine_consts(buf, own_y: bool, wts: bool) -> dict:
                 BLOCK_HR=_channel_tile(buf, buf.combine_recv_tile, buf.combine_recv_tokens),
                 BLOCK_TR=buf.combine_recv_tokens,
                 STAGES=buf.stages, INTERP=buf.interp, ROWS=buf.layout == "rows", OWN_Y=own_y, WIN=wts, WOUT=wts,
-                off_comb_w=off["comb_w"], num_warps=buf.combine_warps or buf.num_warps)
+                off_comb_w=off["comb_w"], num_warps=buf.combine_warps or buf.num_warps,
+                ZROW=buf.combine_zero_row and own_y and buf.layout != "rows")
 
 
 def _channel_tile(buf, tile: int, tokens: Optional[int] = None) -> int:

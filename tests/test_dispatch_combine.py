@@ -164,6 +164,56 @@ def test_own_rows_in_token_sub_blocks(R):
     assert not fails, f"{len(fails)} failed checks:\n" + "\n".join(fails[:40])
 
 
+def _zero_row_worker(rank, world_size, cases, fused):
+    """The cases with combine's own pre-reduction reading a row of zeros for a selection with
+    none (MOE_EP_COMBINE_ZERO_ROW=1), after its bad value is refused."""
+    import os
+
+    import moe_ep
+
+    group = moe_ep.EPGroup()
+    fails = []
+    var = "MOE_EP_COMBINE_ZERO_ROW"
+    try:
+        os.environ[var] = "2"
+        try:
+            make_buffer(group, cases[0])
+            fails.append(f"{var}=2 was accepted")
+        except ValueError as e:
+            if var not in str(e):
+                fails.append(f"the error does not name {var}: {e}")
+        os.environ[var] = "1"
+        for case in cases:
+            with make_buffer(group, case) as buf:
+                if not buf.combine_zero_row:
+                    fails.append(f"{case.name}: {var}=1 not taken")
+                buf.fused = fused
+                fails += run_calls(group, buf, case)
+    finally:
+        os.environ.pop(var, None)
+    return fails
+
+
+def _zero_row_cases(R, M=16, H=128, programs=None):
+    """Masked fp8 (K=3: BLOCK_K 4, a padded selection) and packed bf16 with combine-time weights;
+    H=128 tiles the row exactly (unmasked loads), H=96 does not (masked loads)."""
+    return [Case(R=R, E=2 * R, K=3, dtype="fp8", layout="masked", M=M, H=H, programs=programs, data="random",
+                 seed=95),
+            Case(R=R, E=4 * R, K=8, dtype="bf16", layout="packed", align=16, M=M, H=H, programs=programs, seed=96,
+                 late_weights=True)]
+
+
+@pytest.mark.parametrize("R", [1, 2])
+def test_combine_zero_row(R):
+    """MOE_EP_COMBINE_ZERO_ROW=1 (the tuning knob): this rank's own pre-reduction reads a
+    selection with no row from zeros, unmasked where the tiles cover the row; R=1 in one launch,
+    R=2 in two halves (the peer's rows still through the workspace)."""
+    cases = _zero_row_cases(R) + [c for c in _zero_row_cases(R, H=96) if c.dtype == "bf16"]
+    results = dist_util.run(R, _zero_row_worker, cases, R == 1, timeout=600)
+    fails = [f for rank_fails in results for f in rank_fails]
+    assert not fails, f"{len(fails)} failed checks:\n" + "\n".join(fails[:40])
+
+
 def test_matrix_covers_the_contract():
     """The rotation really reaches every value the issue lists."""
     cases = [c for R in RANKS for d in DTYPES for c in matrix_cases(R, d)] + [c for R in (1, 3) for c in edge_cases(R)]
@@ -215,6 +265,18 @@ def test_combine_in_token_sub_blocks_gpu(R):
     knob = "MOE_EP_COMBINE_TOKENS"
     results = (dist_util.run(R, _sub_block_worker, cases, R == 1, knob, None, timeout=900, backend=backend)
                + dist_util.run(R, _sub_block_worker, rows, R == 1, knob, 2, timeout=900, backend=backend))
+    fails = [f for rank_fails in results for f in rank_fails]
+    assert not fails, f"{len(fails)} failed checks:\n" + "\n".join(fails[:40])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R", [1, 2])
+def test_combine_zero_row_gpu(R):
+    """MOE_EP_COMBINE_ZERO_ROW=1 on the GPU (ranks sharing it when fewer than R) at prefill chunk
+    sizes (4096 tokens, 32 programs) and hidden 7168 (unmasked loads)."""
+    dist_util.need_gpu()
+    cases = _zero_row_cases(R, M=4096, H=7168, programs=32)
+    results = dist_util.run(R, _zero_row_worker, cases, R == 1, timeout=900, backend=dist_util.gpu_backend(R))
     fails = [f for rank_fails in results for f in rank_fails]
     assert not fails, f"{len(fails)} failed checks:\n" + "\n".join(fails[:40])
 

@@ -46,6 +46,7 @@ def combine_kernel(
     wy_ptr,            # ROWS and WIN: float32 [rows, K] combine weights of each received row
     wout_ptr,          # ROWS and WOUT: float32 [T, K] out: their sum over owners (added to later when BASE_F32)
     cw_ptr,            # WEIGHTS: float32 [T, K] combine-time weights of this rank's tokens (masked/packed)
+    zero_ptr,          # bf16 [H] zeros: ZROW's row for a selection with none
     off_cflag: tl.constexpr, off_wflag: tl.constexpr, off_hdr: tl.constexpr, off_meta_w: tl.constexpr,
     off_comb: tl.constexpr,
     RANK: tl.constexpr, NODE0: tl.constexpr, N: tl.constexpr, M: tl.constexpr, K: tl.constexpr, E: tl.constexpr,
@@ -54,7 +55,7 @@ def combine_kernel(
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HR: tl.constexpr,
     BLOCK_TR: tl.constexpr,
     STAGES: tl.constexpr, INTERP: tl.constexpr, ROWS: tl.constexpr, OWN_Y: tl.constexpr, WIN: tl.constexpr,
-    WOUT: tl.constexpr, off_comb_w: tl.constexpr,
+    WOUT: tl.constexpr, off_comb_w: tl.constexpr, ZROW: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -194,7 +195,7 @@ def combine_kernel(
                                 # The owner's pre-reduction of this rank's own tokens, done here and
                                 # rounded to bf16 as the owner's row would be: same bits, no round trip.
                                 part = pre_reduce_tile(y_ptr, own_r, own_w, kk, hh, hm & go[:, None], K, H, BLOCK_TR,
-                                                       BLOCK_HR)
+                                                       BLOCK_HR, zero_ptr, ZROW)
                                 acc += to_bf16(part, INTERP).to(tl.float32)
                             elif OWN_Y and (d == RANK):
                                 acc += cur.to(tl.float32)

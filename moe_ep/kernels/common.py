@@ -462,9 +462,12 @@ def pre_reduce(y_ptr, r, w, kk, go, out, K: tl.constexpr, H: tl.constexpr, BLOCK
 
 @triton.jit
 def pre_reduce_tile(y_ptr, r, w, kk, hh, hm, K: tl.constexpr, H: tl.constexpr, BLOCK_T: tl.constexpr,
-                    BLOCK_H: tl.constexpr):
+                    BLOCK_H: tl.constexpr, zero_ptr=None, ZROW: tl.constexpr = False):
     """float32 [BLOCK_T, BLOCK_H]: ``sum_k w[:, k] * y[r[:, k], hh]`` (rows ``r`` -1 where none,
-    channel mask ``hm``): the pre-reduction of one tile of channels."""
+    channel mask ``hm``): the pre-reduction of one tile of channels. ``ZROW``: a row -1 is read
+    from ``zero_ptr`` (bf16 zeros, ``H`` of them) instead of masked, and when the tiles cover the
+    row exactly (``H % BLOCK_H == 0``) the loads take no mask at all (``hm`` then only masks
+    what a caller stores): no registers zeroed and no predicates per load."""
     acc = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)
     for k in tl.static_range(K):
         # Pre-reduction: this rank's experts of a token sum here, one row goes back.
@@ -472,8 +475,15 @@ def pre_reduce_tile(y_ptr, r, w, kk, hh, hm, K: tl.constexpr, H: tl.constexpr, B
         rk = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1).to(tl.int64)
         wk = tl.sum(tl.where(kk[None, :] == k, w, 0.0), axis=1)
         # Each expert row is read once: .cg keeps it out of L1 (2% at prefill, 32 programs)
-        y = tl.load(y_ptr + rk[:, None] * H + hh[None, :], mask=(rk[:, None] >= 0) & hm, other=0.0,
-                    cache_modifier=".cg")
+        if ZROW:
+            row = tl.where(rk >= 0, y_ptr + rk * H, zero_ptr)
+            if H % BLOCK_H == 0:
+                y = tl.load(row[:, None] + hh[None, :], cache_modifier=".cg")
+            else:
+                y = tl.load(row[:, None] + hh[None, :], mask=hm, other=0.0, cache_modifier=".cg")
+        else:
+            y = tl.load(y_ptr + rk[:, None] * H + hh[None, :], mask=(rk[:, None] >= 0) & hm, other=0.0,
+                        cache_modifier=".cg")
         acc += y.to(tl.float32) * wk[:, None]
     return acc
 
