@@ -214,6 +214,31 @@ def test_combine_zero_row(R):
     assert not fails, f"{len(fails)} failed checks:\n" + "\n".join(fails[:40])
 
 
+# H=128: whole tiles (32-bit words, unmasked loads); H=96: tiles overhanging the row (masked)
+@pytest.mark.parametrize("dtype,layout,H", [("fp8", "masked", 128), ("bf16", "packed", 128), ("bf16", "packed", 96)])
+def test_zero_row_gives_the_same_bits(dtype, layout, H, monkeypatch):
+    """MOE_EP_COMBINE_ZERO_ROW=1 sums the same products in the same order: the combine's output
+    equals the default's bit for bit (R=1, random bf16 expert outputs, some selections -1)."""
+    import moe_ep
+
+    T, E, K = 13, 8, 4
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    idx = torch.rand(T, E, generator=g).topk(K, dim=1).indices
+    idx[::3, -1] = -1
+    w = torch.rand(T, K, generator=g)
+    outs = []
+    for zero_row in ("0", "1"):
+        monkeypatch.setenv("MOE_EP_COMBINE_ZERO_ROW", zero_row)
+        dt = FP8 if dtype == "fp8" else torch.bfloat16
+        with moe_ep.EPBuffer(moe_ep.EPGroup(), E, H, 16, K, dispatch_dtype=dt, layout=layout) as buf:
+            h = buf.dispatch(x, idx, w)
+            y = torch.randn(h.expert_x.shape, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+            outs.append(buf.combine(y, h))
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), \
+        f"{(outs[0] != outs[1]).sum().item()} elements differ"
+
+
 def test_matrix_covers_the_contract():
     """The rotation really reaches every value the issue lists."""
     cases = [c for R in RANKS for d in DTYPES for c in matrix_cases(R, d)] + [c for R in (1, 3) for c in edge_cases(R)]

@@ -195,7 +195,7 @@ def combine_kernel(
                                 # The owner's pre-reduction of this rank's own tokens, done here and
                                 # rounded to bf16 as the owner's row would be: same bits, no round trip.
                                 part = pre_reduce_tile(y_ptr, own_r, own_w, kk, hh, hm & go[:, None], K, H, BLOCK_TR,
-                                                       BLOCK_HR, zero_ptr, ZROW)
+                                                       BLOCK_HR, zero_ptr, ZROW, h0)
                                 acc += to_bf16(part, INTERP).to(tl.float32)
                             elif OWN_Y and (d == RANK):
                                 acc += cur.to(tl.float32)
