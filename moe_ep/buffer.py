@@ -184,8 +184,9 @@ class EPBuffer:
         for name, v in (("MOE_EP_COMBINE_TOKENS", ct), ("MOE_EP_OWN_TOKENS", ot)):
             if v and (not v.isdigit() or int(v) < 1):
                 raise ValueError(f"{name}: expected a positive integer, got {v!r}")
-        # Combine's own pre-reduction reads a selection with no row from a row of zeros, with no
-        # mask (pre_reduce_tile's ZROW). MOE_EP_COMBINE_ZERO_ROW=1, for tuning.
+        # Combine's pre-reductions (the owner's for a peer, and a rank's own) read a selection with
+        # no row from a row of zeros, whole tiles with no mask as 32-bit words (pre_reduce_tile's
+        # ZROW). MOE_EP_COMBINE_ZERO_ROW=1, for tuning; ranks may differ (the same bits either way).
         zr = os.environ.get("MOE_EP_COMBINE_ZERO_ROW", "")
         if zr not in ("", "0", "1"):
             raise ValueError(f"MOE_EP_COMBINE_ZERO_ROW: expected 0 or 1, got {zr!r}")

@@ -157,7 +157,7 @@ def _combine_consts(buf, own_y: bool, wts: bool) -> dict:
                 BLOCK_TR=buf.combine_recv_tokens,
                 STAGES=buf.stages, INTERP=buf.interp, ROWS=buf.layout == "rows", OWN_Y=own_y, WIN=wts, WOUT=wts,
                 off_comb_w=off["comb_w"], num_warps=buf.combine_warps or buf.num_warps,
-                ZROW=buf.combine_zero_row and own_y and buf.layout != "rows")
+                ZROW=buf.combine_zero_row and buf.layout != "rows")
 
 
 def _channel_tile(buf, tile: int, tokens: Optional[int] = None) -> int:

@@ -209,6 +209,8 @@ def test_combine_zero_row(R):
     selection with no row from zeros, unmasked where the tiles cover the row; R=1 in one launch,
     R=2 in two halves (the peer's rows still through the workspace)."""
     cases = _zero_row_cases(R) + [c for c in _zero_row_cases(R, H=96) if c.dtype == "bf16"]
+    # Rows of several channel tiles (H=4096: two of 2048 on a CPU), in both halves.
+    cases.append(Case(R=R, E=2 * R, K=2, dtype="bf16", layout="packed", M=8, H=4096, data="random", seed=97))
     results = dist_util.run(R, _zero_row_worker, cases, R == 1, timeout=600)
     fails = [f for rank_fails in results for f in rank_fails]
     assert not fails, f"{len(fails)} failed checks:\n" + "\n".join(fails[:40])

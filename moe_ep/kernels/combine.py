@@ -46,7 +46,7 @@ def combine_kernel(
     wy_ptr,            # ROWS and WIN: float32 [rows, K] combine weights of each received row
     wout_ptr,          # ROWS and WOUT: float32 [T, K] out: their sum over owners (added to later when BASE_F32)
     cw_ptr,            # WEIGHTS: float32 [T, K] combine-time weights of this rank's tokens (masked/packed)
-    zero_ptr,          # bf16 [H] zeros: ZROW's row for a selection with none
+    zero_ptr,          # bf16 [H] zeros: ZROW's row for a selection with none (both pre-reductions)
     off_cflag: tl.constexpr, off_wflag: tl.constexpr, off_hdr: tl.constexpr, off_meta_w: tl.constexpr,
     off_comb: tl.constexpr,
     RANK: tl.constexpr, NODE0: tl.constexpr, N: tl.constexpr, M: tl.constexpr, K: tl.constexpr, E: tl.constexpr,
@@ -113,7 +113,7 @@ def combine_kernel(
                                ((par * N + RANK) * M + t).to(tl.int64) * K, K, H, WIN, BLOCK_H, STAGES)
                 else:
                     pre_reduce(y_ptr=y_ptr, r=r, w=w, kk=kk, go=go, out=out, K=K, H=H, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H,
-                               STAGES=STAGES, INTERP=INTERP)
+                               STAGES=STAGES, INTERP=INTERP, zero_ptr=zero_ptr, ZROW=ZROW)
                 tl.debug_barrier()  # every thread's stores happen before the flag's release
                 if ok != 0:  # (else the source times out too, naming this rank: never a stale weight)
                     if SELF_SYNC:

@@ -449,14 +449,15 @@ def to_fp8_bits(v):
 
 @triton.jit
 def pre_reduce(y_ptr, r, w, kk, go, out, K: tl.constexpr, H: tl.constexpr, BLOCK_T: tl.constexpr,
-               BLOCK_H: tl.constexpr, STAGES: tl.constexpr, INTERP: tl.constexpr):
+               BLOCK_H: tl.constexpr, STAGES: tl.constexpr, INTERP: tl.constexpr, zero_ptr=None,
+               ZROW: tl.constexpr = False):
     """Masked / packed layouts, owner side of combine: ``sum_k w[:, k] * y[r[:, k]]`` (float32,
     rows ``r`` -1 where none) of each of ``BLOCK_T`` tokens (``go``: it has a row here) into the
-    bf16 row ``out`` (pointers), rounded once."""
+    bf16 row ``out`` (pointers), rounded once. ``zero_ptr``, ``ZROW``: as ``pre_reduce_tile``."""
     for h0 in tl.range(0, H, BLOCK_H, num_stages=STAGES):
         hh = h0 + tl.arange(0, BLOCK_H)
         hm = hh[None, :] < H
-        acc = pre_reduce_tile(y_ptr, r, w, kk, hh, hm, K, H, BLOCK_T, BLOCK_H)
+        acc = pre_reduce_tile(y_ptr, r, w, kk, hh, hm, K, H, BLOCK_T, BLOCK_H, zero_ptr, ZROW, h0)
         tl.store(out[:, None] + hh[None, :], to_bf16(acc, INTERP), mask=go[:, None] & hm)
 
 
