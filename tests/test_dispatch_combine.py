@@ -216,29 +216,42 @@ def test_combine_zero_row(R):
     assert not fails, f"{len(fails)} failed checks:\n" + "\n".join(fails[:40])
 
 
-# H=128: whole tiles (32-bit words, unmasked loads); H=96: tiles overhanging the row (masked)
-@pytest.mark.parametrize("dtype,layout,H", [("fp8", "masked", 128), ("bf16", "packed", 128), ("bf16", "packed", 96)])
-def test_zero_row_gives_the_same_bits(dtype, layout, H, monkeypatch):
-    """MOE_EP_COMBINE_ZERO_ROW=1 sums the same products in the same order: the combine's output
-    equals the default's bit for bit (R=1, random bf16 expert outputs, some selections -1)."""
+def _same_bits(dtype, layout, T, H, E, K, programs, monkeypatch):
+    """Fails unless combine's output with MOE_EP_COMBINE_ZERO_ROW=1 equals the default's bit for
+    bit (R=1 on the default device, random bf16 expert outputs, a third of the tokens with a -1)."""
     import moe_ep
 
-    T, E, K = 13, 8, 4
+    group = moe_ep.EPGroup()
     g = torch.Generator().manual_seed(7)
-    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(group.device)
     idx = torch.rand(T, E, generator=g).topk(K, dim=1).indices
     idx[::3, -1] = -1
-    w = torch.rand(T, K, generator=g)
+    idx, w = idx.to(group.device), torch.rand(T, K, generator=g).to(group.device)
     outs = []
     for zero_row in ("0", "1"):
         monkeypatch.setenv("MOE_EP_COMBINE_ZERO_ROW", zero_row)
         dt = FP8 if dtype == "fp8" else torch.bfloat16
-        with moe_ep.EPBuffer(moe_ep.EPGroup(), E, H, 16, K, dispatch_dtype=dt, layout=layout) as buf:
+        with moe_ep.EPBuffer(group, E, H, T, K, dispatch_dtype=dt, layout=layout, num_programs=programs) as buf:
             h = buf.dispatch(x, idx, w)
             y = torch.randn(h.expert_x.shape, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
-            outs.append(buf.combine(y, h))
+            outs.append(buf.combine(y.to(group.device), h).cpu())
     assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), \
         f"{(outs[0] != outs[1]).sum().item()} elements differ"
+
+
+# H=128: whole tiles (32-bit words, unmasked loads); H=96: tiles overhanging the row (masked)
+@pytest.mark.parametrize("dtype,layout,H", [("fp8", "masked", 128), ("bf16", "packed", 128), ("bf16", "packed", 96)])
+def test_zero_row_gives_the_same_bits(dtype, layout, H, monkeypatch):
+    """MOE_EP_COMBINE_ZERO_ROW=1 sums the same products in the same order: the same bits."""
+    _same_bits(dtype, layout, T=13, H=H, E=8, K=4, programs=None, monkeypatch=monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,layout", [("fp8", "masked"), ("bf16", "packed")])
+def test_zero_row_gives_the_same_bits_gpu(dtype, layout, monkeypatch):
+    """The same on the GPU (its compiled FMA), at hidden 7168, 1024 tokens, 32 programs."""
+    dist_util.need_gpu()
+    _same_bits(dtype, layout, T=1024, H=7168, E=64, K=8, programs=32, monkeypatch=monkeypatch)
 
 
 def test_matrix_covers_the_contract():
