@@ -234,7 +234,9 @@ def sweep(a: argparse.Namespace, group, on_entry) -> list[dict]:
 
 
 def run(a: argparse.Namespace) -> int:
-    """One rank of a sweep; rank 0 prints the table and writes the JSON (after every entry) and the plot."""
+    """One rank of a sweep; rank 0 prints the table and writes the JSON (after every entry) and the plot.
+    Returns 2 for an --num-experts the ranks cannot split; a sweep that ran to its end ends the
+    process (status 0, or 1 when an entry failed) without the interpreter's teardown."""
     device_kind = _select_device(a.device)
     _init_distributed(device_kind)
     import torch.distributed as dist
@@ -249,6 +251,7 @@ def run(a: argparse.Namespace) -> int:
             if group.rank == 0:
                 print(f"{PROG}: error: --num-experts: expected a multiple of the EP size {group.world_size}, "
                       f"got {a.num_experts}", file=sys.stderr)
+            dist.destroy_process_group()
             return 2
         cfg = config_of(a, group.device.type)
         env = report.environment(group.device, group.world_size)
@@ -273,9 +276,17 @@ def run(a: argparse.Namespace) -> int:
             if failed:
                 print(f"{PROG}: {len(failed)} entries failed (see the table)", file=sys.stderr)
         dist.barrier()
-        return 1 if failed else 0
-    finally:
-        dist.destroy_process_group()
+        code = 1 if failed else 0
+    except BaseException:
+        dist.destroy_process_group()  # (what stops peers stuck in a collective)
+        raise
+    # A sweep that ran to its end, every rank past the last barrier: leave without the group's and
+    # the interpreter's teardown, which now and then aborted a gloo rank after everything was
+    # done ("terminate called without an active exception", in CI; moe_ep.demo leaves the same
+    # way). The buffers are closed; the JSON and the plot are written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # ----------------------------------------------------------------------------- subcommands
