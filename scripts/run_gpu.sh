@@ -15,8 +15,9 @@
 #   VARIANTS="prefill 32 | fp8 rows | fp8 rows MOE_EP_MAX_CHUNKS=128
 #             decode 132 | fp8 masked" bash scripts/run_gpu.sh   # tuning points, one process per line
 #                                    # (moe_ep.bench.variants: "PRESET PROGRAMS | point | point ...")
-#   NCU="32 fp8 packed,132 fp8 packed" TESTS=none BENCH=0 bash scripts/run_gpu.sh   # hardware counters
-#                                    # (Nsight Compute) of one prefill dispatch + combine per config
+#   NCU="32 fp8 packed,32 fp8 packed MOE_EP_COMBINE_ZERO_ROW=1" TESTS=none BENCH=0 bash scripts/run_gpu.sh
+#                                    # hardware counters (Nsight Compute) of one prefill dispatch +
+#                                    # combine per config, tuning variables for that config alone
 #   SHARED=1 bash scripts/run_gpu.sh   # also: the demo as 4 ranks on the GPUs, EP16 (2 nodes x 8 ranks
 #                                    # through the proxy) at decode, and the R=4 matrix under MPS
 set -euo pipefail
@@ -97,12 +98,14 @@ IFS=, read -r -a ncu_cfgs <<<"$NCU"
 # instructions and every warp stall reason (cycles per issued instruction).
 NCU_METRICS='regex:^(gpu__time_duration\.sum|dram__bytes_(read|write)\.sum|dram__throughput\.avg\.pct_of_peak_sustained_elapsed|lts__t_sector_hit_rate\.pct|smsp__inst_executed\.sum|smsp__issue_active\.avg\.pct_of_peak_sustained_active|sm__warps_active\.avg\.per_cycle_active|smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio)$'
 for cfg in "${ncu_cfgs[@]}"; do
-    read -r nprogs ndtype nlayout <<<"$cfg"
+    read -r nprogs ndtype nlayout nvars <<<"$cfg"   # nvars: MOE_EP_NAME=VALUE ... for this run alone
     nargs=(--programs "$nprogs" --dtype "$ndtype" --layout "$nlayout")
-    csv="$RESULTS/ncu_p${nprogs}_${ndtype}_${nlayout}.csv"
-    "$PYTHON" scripts/ncu_kernels.py "${nargs[@]}" >/dev/null   # compiles outside the profiler
-    step "ncu ... scripts/ncu_kernels.py ${nargs[*]}"
-    if ncu --clock-control none --profile-from-start off --kernel-name 'regex:dispatch_kernel|combine_kernel|route_hist' \
+    csv="$RESULTS/ncu_p${nprogs}_${ndtype}_${nlayout}$(echo "$nvars" | tr -c 'A-Za-z0-9=\n' _ | sed 's/^./_&/').csv"
+    # shellcheck disable=SC2086
+    env $nvars "$PYTHON" scripts/ncu_kernels.py "${nargs[@]}" >/dev/null   # compiles outside the profiler
+    step "$nvars ncu ... scripts/ncu_kernels.py ${nargs[*]}"
+    # shellcheck disable=SC2086
+    if env $nvars ncu --clock-control none --profile-from-start off --kernel-name 'regex:dispatch_kernel|combine_kernel|route_hist' \
             --metrics "$NCU_METRICS" --csv --page raw "$PYTHON" scripts/ncu_kernels.py "${nargs[@]}" >"$csv"; then
         ncu_csvs+=("$csv")
     else
