@@ -216,9 +216,10 @@ def test_combine_zero_row(R):
     assert not fails, f"{len(fails)} failed checks:\n" + "\n".join(fails[:40])
 
 
-def _same_bits(dtype, layout, T, H, E, K, programs, monkeypatch):
+def _same_bits(dtype, layout, T, H, E, K, programs, monkeypatch, misaligned=False):
     """Fails unless combine's output with MOE_EP_COMBINE_ZERO_ROW=1 equals the default's bit for
-    bit (R=1 on the default device, random bf16 expert outputs, a third of the tokens with a -1)."""
+    bit (R=1 on the default device, random bf16 expert outputs, a third of the tokens with a -1).
+    ``misaligned``: expert_y starts 2 bytes past a 16-byte boundary (no loads as words then)."""
     import moe_ep
 
     group = moe_ep.EPGroup()
@@ -234,24 +235,32 @@ def _same_bits(dtype, layout, T, H, E, K, programs, monkeypatch):
         with moe_ep.EPBuffer(group, E, H, T, K, dispatch_dtype=dt, layout=layout, num_programs=programs) as buf:
             h = buf.dispatch(x, idx, w)
             y = torch.randn(h.expert_x.shape, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
-            outs.append(buf.combine(y.to(group.device), h).cpu())
+            y = y.to(group.device)
+            if misaligned:  # the same values one element past an aligned allocation
+                y = torch.cat([y.new_zeros(1), y.flatten()])[1:].view(y.shape)
+                assert y.data_ptr() % 16 == 2
+            outs.append(buf.combine(y, h).cpu())
     assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), \
         f"{(outs[0] != outs[1]).sum().item()} elements differ"
 
 
-# H=128: whole tiles (32-bit words, unmasked loads); H=96: tiles overhanging the row (masked)
-@pytest.mark.parametrize("dtype,layout,H", [("fp8", "masked", 128), ("bf16", "packed", 128), ("bf16", "packed", 96)])
-def test_zero_row_gives_the_same_bits(dtype, layout, H, monkeypatch):
+# H=128: whole tiles (32-bit words, unmasked loads; misaligned: bf16 loads); H=96: tiles
+# overhanging the row (masked)
+@pytest.mark.parametrize("dtype,layout,H,misaligned", [("fp8", "masked", 128, False), ("bf16", "packed", 128, False),
+                                                       ("bf16", "packed", 96, False), ("bf16", "packed", 128, True)])
+def test_zero_row_gives_the_same_bits(dtype, layout, H, misaligned, monkeypatch):
     """MOE_EP_COMBINE_ZERO_ROW=1 sums the same products in the same order: the same bits."""
-    _same_bits(dtype, layout, T=13, H=H, E=8, K=4, programs=None, monkeypatch=monkeypatch)
+    _same_bits(dtype, layout, T=13, H=H, E=8, K=4, programs=None, monkeypatch=monkeypatch, misaligned=misaligned)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,layout", [("fp8", "masked"), ("bf16", "packed")])
-def test_zero_row_gives_the_same_bits_gpu(dtype, layout, monkeypatch):
-    """The same on the GPU (its compiled FMA), at hidden 7168, 1024 tokens, 32 programs."""
+@pytest.mark.parametrize("dtype,layout,misaligned", [("fp8", "masked", False), ("bf16", "packed", False),
+                                                     ("bf16", "packed", True)])
+def test_zero_row_gives_the_same_bits_gpu(dtype, layout, misaligned, monkeypatch):
+    """The same on the GPU (its compiled FMA), at hidden 7168, 1024 tokens, 32 programs; an
+    expert_y 2 bytes off a 16-byte boundary must not be read as words (a misaligned access)."""
     dist_util.need_gpu()
-    _same_bits(dtype, layout, T=1024, H=7168, E=64, K=8, programs=32, monkeypatch=monkeypatch)
+    _same_bits(dtype, layout, T=1024, H=7168, E=64, K=8, programs=32, monkeypatch=monkeypatch, misaligned=misaligned)
 
 
 def test_matrix_covers_the_contract():

@@ -55,7 +55,7 @@ def combine_kernel(
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HR: tl.constexpr,
     BLOCK_TR: tl.constexpr,
     STAGES: tl.constexpr, INTERP: tl.constexpr, ROWS: tl.constexpr, OWN_Y: tl.constexpr, WIN: tl.constexpr,
-    WOUT: tl.constexpr, off_comb_w: tl.constexpr, ZROW: tl.constexpr = False,
+    WOUT: tl.constexpr, off_comb_w: tl.constexpr, ZROW: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
