@@ -3,7 +3,8 @@
 out[t] = sum_k w[t, k] * y[r[t, k]] for TT tokens at once is A @ B with B the TT*K gathered rows
 [TT*K, HC] and A the block-diagonal [TT, TT*K] weights; the weights go in two bf16 parts (hi + lo)
 so the products keep ~16 bits of each weight. Times the loop at 32 and 132 programs against the
-float32 reference; not part of the package.
+float32 reference; not part of the package. (Interpreted on a CPU the dot rows come out wrong:
+the interpreter's bf16 dot; the FMA row checks the script.)
 """
 import itertools
 import os
@@ -12,6 +13,8 @@ import sys
 import torch
 import triton
 import triton.language as tl
+
+from moe_ep.kernels.common import pre_reduce_tile
 
 
 @triton.jit
@@ -43,7 +46,8 @@ def reduce_dot(y_ptr, r_ptr, w_ptr, out_ptr, T, H: tl.constexpr, K: tl.constexpr
 @triton.jit
 def reduce_fma(y_ptr, r_ptr, w_ptr, out_ptr, T, H: tl.constexpr, K: tl.constexpr, TT: tl.constexpr,
                HC: tl.constexpr, BK: tl.constexpr):
-    """The combine's own loop as shipped (K loads of [TT, HC] a step, float32 FMA), for comparison."""
+    """The combine's own loop as shipped (``pre_reduce_tile``: K loads of [TT, HC] a step, float32
+    FMA), for comparison."""
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     kk = tl.arange(0, BK)
@@ -55,14 +59,9 @@ def reduce_fma(y_ptr, r_ptr, w_ptr, out_ptr, T, H: tl.constexpr, K: tl.constexpr
         w = tl.load(w_ptr + t[:, None] * K + kk[None, :], mask=m2, other=0.0)
         for h0 in range(0, H, HC):
             hh = h0 + tl.arange(0, HC)
-            acc = tl.zeros((TT, HC), tl.float32)
-            for k in tl.static_range(K):
-                rk = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1).to(tl.int64)
-                wk = tl.sum(tl.where(kk[None, :] == k, w, 0.0), axis=1)
-                y = tl.load(y_ptr + rk[:, None] * H + hh[None, :], mask=(rk >= 0)[:, None], other=0.0,
-                            cache_modifier=".cg")
-                acc += y.to(tl.float32) * wk[:, None]
-            tl.store(out_ptr + t[:, None].to(tl.int64) * H + hh[None, :], acc.to(tl.bfloat16), mask=(t < T)[:, None])
+            hm = (t < T)[:, None] & (hh < H)[None, :]
+            acc = pre_reduce_tile(y_ptr, r, w, kk, hh, hm, K, H, TT, HC)
+            tl.store(out_ptr + t[:, None].to(tl.int64) * H + hh[None, :], acc.to(tl.bfloat16), mask=hm)
 
 
 def main():
