@@ -21,6 +21,7 @@ functions of importable modules; tensors are fine but small plain data is cheape
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import os
 import pickle
 import queue
@@ -87,17 +88,24 @@ def _worker(rank: int, world_size: int, backend: str, port: int, tasks, results)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         results.put(("ready", rank, False, (type(exc).__name__, str(exc), traceback.format_exc())))
         return
+    # DIST_UTIL_STACKS_S=N: a rank whose call runs over N seconds prints its Python stacks.
+    stacks_after_s = float(os.environ.get("DIST_UTIL_STACKS_S", "0"))
     while True:
         item = tasks.get()
         if item is None:
             break
         call_id, payload = item
+        if stacks_after_s:  # where each rank is when a call hangs (stderr, before the timeouts fire)
+            faulthandler.dump_traceback_later(stacks_after_s)
         try:
             fn, args, kwargs = pickle.loads(payload)  # here, so an import error is reported, not fatal
             value = fn(rank, world_size, *args, **kwargs)
             results.put((call_id, rank, True, value))
         except BaseException as exc:  # noqa: BLE001 - reported to the parent
             results.put((call_id, rank, False, (type(exc).__name__, str(exc), traceback.format_exc())))
+        finally:
+            if stacks_after_s:
+                faulthandler.cancel_dump_traceback_later()
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001
