@@ -184,13 +184,6 @@ class EPBuffer:
         for name, v in (("MOE_EP_COMBINE_TOKENS", ct), ("MOE_EP_OWN_TOKENS", ot)):
             if v and (not v.isdigit() or int(v) < 1):
                 raise ValueError(f"{name}: expected a positive integer, got {v!r}")
-        # Combine's pre-reductions (the owner's for a peer, and a rank's own) read a selection with
-        # no row from a row of zeros, whole tiles with no mask as 32-bit words (pre_reduce_tile's
-        # ZROW). MOE_EP_COMBINE_ZERO_ROW=1, for tuning; ranks may differ (the same bits either way).
-        zr = os.environ.get("MOE_EP_COMBINE_ZERO_ROW", "")
-        if zr not in ("", "0", "1"):
-            raise ValueError(f"MOE_EP_COMBINE_ZERO_ROW: expected 0 or 1, got {zr!r}")
-        self.combine_zero_row = zr == "1"
         if cw and cw not in _WARPS:
             raise ValueError(f"MOE_EP_COMBINE_WARPS: expected a power of two from 1 to 32, got {cw!r}")
 
@@ -265,7 +258,6 @@ class EPBuffer:
             lead = (self.capacity,)
         self.expert_x = torch.empty(*lead, hidden, dtype=dispatch_dtype, device=dev)
         self.expert_x_words = self.expert_x.view(torch.uint8).view(torch.int32)  # row copies move 4-byte words
-        self.zero_row = torch.zeros(hidden, dtype=torch.bfloat16, device=dev)  # never written: combine reads it
         self.expert_scales = (torch.empty(*lead, self.num_scale_blocks, dtype=torch.float32, device=dev)
                               if self.fp8 else None)
         self.expert_counts = torch.zeros(EL, dtype=torch.int32, device=dev)

@@ -73,14 +73,12 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
                         peer_ptr=buf.workspace.peer_ptrs, state_ptr=buf.state, err_ptr=buf.err,
                         recv_pos_ptr=buf.recv_pos, timeout_ns=buf._timeout_ns, T=T,
                         wy_ptr=topk_weights if wout is not None else buf.err,
-                        wout_ptr=wout if wout is not None else buf.err, cw_ptr=topk_weights if push else buf.err,
-                        zero_ptr=buf.zero_row)
-    y_aligned = _aligned(expert_y)
-    key = ("combine", y_aligned, _aligned(base), own_y, wout is not None, push, out_f32)
+                        wout_ptr=wout if wout is not None else buf.err, cw_ptr=topk_weights if push else buf.err)
+    key = ("combine", _aligned(expert_y), _aligned(base), own_y, wout is not None, push, out_f32)
     epoch = buf._epochs[1] + 1
     # A fused launch pushes the weights itself; else the push is a launch of its own, before the
     # send half (which waits for every peer's push).
-    consts = lambda: dict(_combine_consts(buf, own_y, wout is not None, y_aligned), WEIGHTS=push,  # noqa: E731
+    consts = lambda: dict(_combine_consts(buf, own_y, wout is not None), WEIGHTS=push,  # noqa: E731
                           PUSH=push and buf.fused, BASE_F32=rp is not None or out_f32)
     dyn = _WEIGHTED_DYNAMIC if topk_weights is not None else _DYNAMIC
     if push and not buf.fused:
@@ -144,9 +142,8 @@ def _combined(buf, result, recv):
     return result
 
 
-def _combine_consts(buf, own_y: bool, wts: bool, y_aligned: bool = True) -> dict:
-    """The combine kernel's constexprs (all fixed by the buffer, except OWN_Y, with weights WIN/WOUT,
-    and with MOE_EP_COMBINE_ZERO_ROW the loads as words only for a 16-byte aligned expert_y)."""
+def _combine_consts(buf, own_y: bool, wts: bool) -> dict:
+    """The combine kernel's constexprs (all fixed by the buffer, except OWN_Y and, with weights, WIN/WOUT)."""
     off, H, BLOCK_T = buf.off, buf.hidden, buf.block_t
     return dict(off_cflag=off["comb_flag"], off_wflag=off["wgt_flag"], off_hdr=off["hdr"], off_meta_w=off["meta_w"],
                 off_comb=off["comb"],
@@ -158,8 +155,7 @@ def _combine_consts(buf, own_y: bool, wts: bool, y_aligned: bool = True) -> dict
                 BLOCK_HR=_channel_tile(buf, buf.combine_recv_tile, buf.combine_recv_tokens),
                 BLOCK_TR=buf.combine_recv_tokens,
                 STAGES=buf.stages, INTERP=buf.interp, ROWS=buf.layout == "rows", OWN_Y=own_y, WIN=wts, WOUT=wts,
-                off_comb_w=off["comb_w"], num_warps=buf.combine_warps or buf.num_warps,
-                ZROW=(2 if y_aligned else 1) if buf.combine_zero_row and buf.layout != "rows" else 0)
+                off_comb_w=off["comb_w"], num_warps=buf.combine_warps or buf.num_warps)
 
 
 def _channel_tile(buf, tile: int, tokens: Optional[int] = None) -> int:

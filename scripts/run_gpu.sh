@@ -15,7 +15,7 @@
 #   VARIANTS="prefill 32 | fp8 rows | fp8 rows MOE_EP_MAX_CHUNKS=128
 #             decode 132 | fp8 masked" bash scripts/run_gpu.sh   # tuning points, one process per line
 #                                    # (moe_ep.bench.variants: "PRESET PROGRAMS | point | point ...")
-#   NCU="32 fp8 packed,32 fp8 packed MOE_EP_COMBINE_ZERO_ROW=1" TESTS=none BENCH=0 bash scripts/run_gpu.sh
+#   NCU="32 fp8 packed,32 fp8 packed MOE_EP_COMBINE_WARPS=32" TESTS=none BENCH=0 bash scripts/run_gpu.sh
 #                                    # hardware counters (Nsight Compute) of one prefill dispatch +
 #                                    # combine per config, tuning variables for that config alone
 #   SHARED=1 bash scripts/run_gpu.sh   # also: the demo as 4 ranks on the GPUs, EP16 (2 nodes x 8 ranks

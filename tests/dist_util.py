@@ -112,6 +112,13 @@ def _worker(rank: int, world_size: int, backend: str, port: int, tasks, results)
         pass
 
 
+def _consequence(name: str, msg: str) -> bool:
+    """Whether an error is what a rank gets when a peer failed: our timeouts, a broken buffer, a
+    collective that timed out or lost its peer."""
+    return name in ("CommTimeoutError", "BufferBrokenError") or (
+        "gloo" in msg and ("Timed out" in msg or "Connection closed" in msg))
+
+
 class Pool:
     """R rank processes with an initialised process group; see the module docstring."""
 
@@ -171,12 +178,13 @@ class Pool:
         for q in self._tasks:
             q.put((self._call_id, payload))
         got = self._collect(self._call_id, DEFAULT_TIMEOUT_S if timeout is None else timeout)
-        errors = [(r, got[r][1]) for r in range(self.world_size) if not got[r][0]]
+        errors = [(r, v) for r, (ok, v) in got.items() if not ok]  # in the order they arrived
         if errors:
-            # Report the root cause: a peer's timeout is usually the consequence of another rank's error.
-            errors.sort(key=lambda rv: rv[1][0] in ("CommTimeoutError", "BufferBrokenError"))
+            # Report the root cause: a peer's timeout (ours, or a collective's) is usually the
+            # consequence of another rank's error; otherwise the error that came first.
+            errors.sort(key=lambda rv: _consequence(*rv[1][:2]))
             r, (name, msg, tb) = errors[0]
-            others = ", ".join(f"rank {q}: {v[0]}" for q, v in errors[1:])
+            others = ", ".join(f"rank {q}: {v[0]}: {v[1][:300]}" for q, v in errors[1:])
             raise RankError(r, name, msg + (f" (also {others})" if others else ""), tb)
         return [got[r][1] for r in range(self.world_size)]
 

@@ -141,8 +141,7 @@ def test_timeout_s_is_checked_before_memory(bad, monkeypatch):
 
 
 @pytest.mark.parametrize("var,bad", [("MOE_EP_COMBINE_TOKENS", "0"), ("MOE_EP_OWN_TOKENS", "x"),
-                                     ("MOE_EP_COMBINE_WARPS", "3"), ("MOE_EP_COMBINE_WARPS", "64"),
-                                     ("MOE_EP_COMBINE_ZERO_ROW", "yes")])
+                                     ("MOE_EP_COMBINE_WARPS", "3"), ("MOE_EP_COMBINE_WARPS", "64")])
 def test_tuning_variables_are_checked_before_memory(var, bad, monkeypatch):
     """A bad tuning variable is refused, naming it, before any memory is touched."""
     import moe_ep

@@ -164,98 +164,6 @@ def test_own_rows_in_token_sub_blocks(R):
     assert not fails, f"{len(fails)} failed checks:\n" + "\n".join(fails[:40])
 
 
-def _zero_row_worker(rank, world_size, cases, fused):
-    """The cases with combine's pre-reductions reading a row of zeros for a selection with none
-    (MOE_EP_COMBINE_ZERO_ROW=1; a bad value's refusal: test_construction.py)."""
-    import os
-
-    import moe_ep
-
-    group = moe_ep.EPGroup()
-    fails = []
-    var = "MOE_EP_COMBINE_ZERO_ROW"
-    try:
-        os.environ[var] = "1"
-        for case in cases:
-            with make_buffer(group, case) as buf:
-                if not buf.combine_zero_row:
-                    fails.append(f"{case.name}: {var}=1 not taken")
-                buf.fused = fused
-                fails += run_calls(group, buf, case)
-    finally:
-        os.environ.pop(var, None)
-    return fails
-
-
-def _zero_row_cases(R, M=16, H=128, programs=None):
-    """Masked fp8 (K=3: BLOCK_K 4, a padded selection) and packed bf16 with combine-time weights;
-    H=128 tiles the row exactly (unmasked loads), H=96 does not (masked loads)."""
-    return [Case(R=R, E=2 * R, K=3, dtype="fp8", layout="masked", M=M, H=H, programs=programs, data="random",
-                 seed=95),
-            Case(R=R, E=4 * R, K=8, dtype="bf16", layout="packed", align=16, M=M, H=H, programs=programs, seed=96,
-                 late_weights=True)]
-
-
-@pytest.mark.parametrize("R", [1, 2])
-def test_combine_zero_row(R):
-    """MOE_EP_COMBINE_ZERO_ROW=1 (the tuning knob): this rank's own pre-reduction reads a
-    selection with no row from zeros, unmasked where the tiles cover the row; R=1 in one launch,
-    R=2 in two halves (the peer's rows still through the workspace)."""
-    cases = _zero_row_cases(R) + [c for c in _zero_row_cases(R, H=96) if c.dtype == "bf16"]
-    # Rows of several channel tiles (H=4096: two of 2048 on a CPU), in both halves.
-    cases.append(Case(R=R, E=2 * R, K=2, dtype="bf16", layout="packed", M=8, H=4096, data="random", seed=97))
-    results = dist_util.run(R, _zero_row_worker, cases, R == 1, timeout=600)
-    fails = [f for rank_fails in results for f in rank_fails]
-    assert not fails, f"{len(fails)} failed checks:\n" + "\n".join(fails[:40])
-
-
-def _same_bits(dtype, layout, T, H, E, K, programs, monkeypatch, misaligned=False):
-    """Fails unless combine's output with MOE_EP_COMBINE_ZERO_ROW=1 equals the default's bit for
-    bit (R=1 on the default device, random bf16 expert outputs, a third of the tokens with a -1).
-    ``misaligned``: expert_y starts 2 bytes past a 16-byte boundary (no loads as words then)."""
-    import moe_ep
-
-    group = moe_ep.EPGroup()
-    g = torch.Generator().manual_seed(7)
-    x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(group.device)
-    idx = torch.rand(T, E, generator=g).topk(K, dim=1).indices
-    idx[::3, -1] = -1
-    idx, w = idx.to(group.device), torch.rand(T, K, generator=g).to(group.device)
-    outs = []
-    for zero_row in ("0", "1"):
-        monkeypatch.setenv("MOE_EP_COMBINE_ZERO_ROW", zero_row)
-        dt = FP8 if dtype == "fp8" else torch.bfloat16
-        with moe_ep.EPBuffer(group, E, H, T, K, dispatch_dtype=dt, layout=layout, num_programs=programs) as buf:
-            h = buf.dispatch(x, idx, w)
-            y = torch.randn(h.expert_x.shape, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
-            y = y.to(group.device)
-            if misaligned:  # the same values one element past an aligned allocation
-                y = torch.cat([y.new_zeros(1), y.flatten()])[1:].view(y.shape)
-                assert y.data_ptr() % 16 == 2
-            outs.append(buf.combine(y, h).cpu())
-    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), \
-        f"{(outs[0] != outs[1]).sum().item()} elements differ"
-
-
-# H=128: whole tiles (32-bit words, unmasked loads; misaligned: bf16 loads); H=96: tiles
-# overhanging the row (masked)
-@pytest.mark.parametrize("dtype,layout,H,misaligned", [("fp8", "masked", 128, False), ("bf16", "packed", 128, False),
-                                                       ("bf16", "packed", 96, False), ("bf16", "packed", 128, True)])
-def test_zero_row_gives_the_same_bits(dtype, layout, H, misaligned, monkeypatch):
-    """MOE_EP_COMBINE_ZERO_ROW=1 sums the same products in the same order: the same bits."""
-    _same_bits(dtype, layout, T=13, H=H, E=8, K=4, programs=None, monkeypatch=monkeypatch, misaligned=misaligned)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype,layout,misaligned", [("fp8", "masked", False), ("bf16", "packed", False),
-                                                     ("bf16", "packed", True)])
-def test_zero_row_gives_the_same_bits_gpu(dtype, layout, misaligned, monkeypatch):
-    """The same on the GPU (its compiled FMA), at hidden 7168, 1024 tokens, 32 programs; an
-    expert_y 2 bytes off a 16-byte boundary must not be read as words (a misaligned access)."""
-    dist_util.need_gpu()
-    _same_bits(dtype, layout, T=1024, H=7168, E=64, K=8, programs=32, monkeypatch=monkeypatch, misaligned=misaligned)
-
-
 def test_matrix_covers_the_contract():
     """The rotation really reaches every value the issue lists."""
     cases = [c for R in RANKS for d in DTYPES for c in matrix_cases(R, d)] + [c for R in (1, 3) for c in edge_cases(R)]
@@ -307,18 +215,6 @@ def test_combine_in_token_sub_blocks_gpu(R):
     knob = "MOE_EP_COMBINE_TOKENS"
     results = (dist_util.run(R, _sub_block_worker, cases, R == 1, knob, None, timeout=900, backend=backend)
                + dist_util.run(R, _sub_block_worker, rows, R == 1, knob, 2, timeout=900, backend=backend))
-    fails = [f for rank_fails in results for f in rank_fails]
-    assert not fails, f"{len(fails)} failed checks:\n" + "\n".join(fails[:40])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("R", [1, 2])
-def test_combine_zero_row_gpu(R):
-    """MOE_EP_COMBINE_ZERO_ROW=1 on the GPU (ranks sharing it when fewer than R) at prefill chunk
-    sizes (4096 tokens, 32 programs) and hidden 7168 (unmasked loads)."""
-    dist_util.need_gpu()
-    cases = _zero_row_cases(R, M=4096, H=7168, programs=32)
-    results = dist_util.run(R, _zero_row_worker, cases, R == 1, timeout=900, backend=dist_util.gpu_backend(R))
     fails = [f for rank_fails in results for f in rank_fails]
     assert not fails, f"{len(fails)} failed checks:\n" + "\n".join(fails[:40])
 

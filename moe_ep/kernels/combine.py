@@ -46,7 +46,6 @@ def combine_kernel(
     wy_ptr,            # ROWS and WIN: float32 [rows, K] combine weights of each received row
     wout_ptr,          # ROWS and WOUT: float32 [T, K] out: their sum over owners (added to later when BASE_F32)
     cw_ptr,            # WEIGHTS: float32 [T, K] combine-time weights of this rank's tokens (masked/packed)
-    zero_ptr,          # bf16 [H] zeros: ZROW's row for a selection with none (both pre-reductions)
     off_cflag: tl.constexpr, off_wflag: tl.constexpr, off_hdr: tl.constexpr, off_meta_w: tl.constexpr,
     off_comb: tl.constexpr,
     RANK: tl.constexpr, NODE0: tl.constexpr, N: tl.constexpr, M: tl.constexpr, K: tl.constexpr, E: tl.constexpr,
@@ -55,7 +54,7 @@ def combine_kernel(
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HR: tl.constexpr,
     BLOCK_TR: tl.constexpr,
     STAGES: tl.constexpr, INTERP: tl.constexpr, ROWS: tl.constexpr, OWN_Y: tl.constexpr, WIN: tl.constexpr,
-    WOUT: tl.constexpr, off_comb_w: tl.constexpr, ZROW: tl.constexpr = 0,
+    WOUT: tl.constexpr, off_comb_w: tl.constexpr,
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -113,7 +112,7 @@ def combine_kernel(
                                ((par * N + RANK) * M + t).to(tl.int64) * K, K, H, WIN, BLOCK_H, STAGES)
                 else:
                     pre_reduce(y_ptr=y_ptr, r=r, w=w, kk=kk, go=go, out=out, K=K, H=H, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H,
-                               STAGES=STAGES, INTERP=INTERP, zero_ptr=zero_ptr, ZROW=ZROW)
+                               STAGES=STAGES, INTERP=INTERP)
                 tl.debug_barrier()  # every thread's stores happen before the flag's release
                 if ok != 0:  # (else the source times out too, naming this rank: never a stale weight)
                     if SELF_SYNC:
@@ -195,7 +194,7 @@ def combine_kernel(
                                 # The owner's pre-reduction of this rank's own tokens, done here and
                                 # rounded to bf16 as the owner's row would be: same bits, no round trip.
                                 part = pre_reduce_tile(y_ptr, own_r, own_w, kk, hh, hm & go[:, None], K, H, BLOCK_TR,
-                                                       BLOCK_HR, zero_ptr, ZROW, h0)
+                                                       BLOCK_HR)
                                 acc += to_bf16(part, INTERP).to(tl.float32)
                             elif OWN_Y and (d == RANK):
                                 acc += cur.to(tl.float32)

@@ -449,30 +449,22 @@ def to_fp8_bits(v):
 
 @triton.jit
 def pre_reduce(y_ptr, r, w, kk, go, out, K: tl.constexpr, H: tl.constexpr, BLOCK_T: tl.constexpr,
-               BLOCK_H: tl.constexpr, STAGES: tl.constexpr, INTERP: tl.constexpr, zero_ptr=None,
-               ZROW: tl.constexpr = 0):
+               BLOCK_H: tl.constexpr, STAGES: tl.constexpr, INTERP: tl.constexpr):
     """Masked / packed layouts, owner side of combine: ``sum_k w[:, k] * y[r[:, k]]`` (float32,
     rows ``r`` -1 where none) of each of ``BLOCK_T`` tokens (``go``: it has a row here) into the
-    bf16 row ``out`` (pointers), rounded once. ``zero_ptr``, ``ZROW``: as ``pre_reduce_tile``."""
+    bf16 row ``out`` (pointers), rounded once."""
     for h0 in tl.range(0, H, BLOCK_H, num_stages=STAGES):
         hh = h0 + tl.arange(0, BLOCK_H)
         hm = hh[None, :] < H
-        acc = pre_reduce_tile(y_ptr, r, w, kk, hh, hm, K, H, BLOCK_T, BLOCK_H, zero_ptr, ZROW, h0)
+        acc = pre_reduce_tile(y_ptr, r, w, kk, hh, hm, K, H, BLOCK_T, BLOCK_H)
         tl.store(out[:, None] + hh[None, :], to_bf16(acc, INTERP), mask=go[:, None] & hm)
 
 
 @triton.jit
 def pre_reduce_tile(y_ptr, r, w, kk, hh, hm, K: tl.constexpr, H: tl.constexpr, BLOCK_T: tl.constexpr,
-                    BLOCK_H: tl.constexpr, zero_ptr=None, ZROW: tl.constexpr = 0, h0=0):
+                    BLOCK_H: tl.constexpr):
     """float32 [BLOCK_T, BLOCK_H]: ``sum_k w[:, k] * y[r[:, k], hh]`` (rows ``r`` -1 where none,
-    channel mask ``hm``): the pre-reduction of one tile of channels. ``ZROW`` >= 1: a row -1 is
-    read from ``zero_ptr`` (bf16 zeros, ``H`` of them) instead of masked; 2 (``y_ptr`` 16-byte
-    aligned, so every row starts on a word): when the tiles cover the row exactly
-    (``H % BLOCK_H == 0``; ``hh = h0 + arange(BLOCK_H)``) the loads take no mask at all (``hm``
-    then only masks what a caller stores) and read channel pairs as 32-bit words: no registers
-    zeroed, no predicates per load, one instruction to widen each bf16."""
-    if ZROW == 2 and H % BLOCK_H == 0:
-        return _pre_reduce_words(y_ptr, r, w, kk, K, H, BLOCK_T, BLOCK_H, zero_ptr, h0)
+    channel mask ``hm``): the pre-reduction of one tile of channels."""
     acc = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)
     for k in tl.static_range(K):
         # Pre-reduction: this rank's experts of a token sum here, one row goes back.
@@ -480,37 +472,10 @@ def pre_reduce_tile(y_ptr, r, w, kk, hh, hm, K: tl.constexpr, H: tl.constexpr, B
         rk = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1).to(tl.int64)
         wk = tl.sum(tl.where(kk[None, :] == k, w, 0.0), axis=1)
         # Each expert row is read once: .cg keeps it out of L1 (2% at prefill, 32 programs)
-        if ZROW > 0:
-            row = tl.where(rk >= 0, y_ptr + rk * H, zero_ptr)
-            y = tl.load(row[:, None] + hh[None, :], mask=hm, other=0.0, cache_modifier=".cg")
-        else:
-            y = tl.load(y_ptr + rk[:, None] * H + hh[None, :], mask=(rk[:, None] >= 0) & hm, other=0.0,
-                        cache_modifier=".cg")
+        y = tl.load(y_ptr + rk[:, None] * H + hh[None, :], mask=(rk[:, None] >= 0) & hm, other=0.0,
+                    cache_modifier=".cg")
         acc += y.to(tl.float32) * wk[:, None]
     return acc
-
-
-@triton.jit
-def _pre_reduce_words(y_ptr, r, w, kk, K: tl.constexpr, H: tl.constexpr, BLOCK_T: tl.constexpr,
-                      BLOCK_H: tl.constexpr, zero_ptr, h0):
-    """``pre_reduce_tile`` with ZROW 2 over whole tiles: each 32-bit word holds channels 2i (low
-    half) and 2i + 1 (high half), widened to float32 by one shift and one mask (a bf16 alone
-    takes two: a byte permute and a shift); the even and odd sums are interleaved back at the
-    end. The same products and sums in the same order: the same bits."""
-    acc_lo = tl.zeros((BLOCK_T, BLOCK_H // 2), tl.float32)
-    acc_hi = tl.zeros((BLOCK_T, BLOCK_H // 2), tl.float32)
-    hw = h0 // 2 + tl.arange(0, BLOCK_H // 2)
-    for k in tl.static_range(K):
-        rk = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1).to(tl.int64)
-        wk = tl.sum(tl.where(kk[None, :] == k, w, 0.0), axis=1)
-        row = tl.where(rk >= 0, y_ptr + rk * H, zero_ptr).to(tl.pointer_type(tl.uint32))
-        # (y 16-byte aligned and rows H * 2 bytes apart, H even: every row starts on a word.) The
-        # mask is always true but not provably so: unpredicated, the K loads were sunk next to
-        # their uses to save registers, a few in flight at a time (2.5x slower on an H200).
-        u = tl.load(row[:, None] + hw[None, :], mask=(rk > -2)[:, None], other=0, cache_modifier=".cg")
-        acc_lo += (u << 16).to(tl.float32, bitcast=True) * wk[:, None]
-        acc_hi += (u & 0xFFFF0000).to(tl.float32, bitcast=True) * wk[:, None]
-    return tl.interleave(acc_lo, acc_hi)
 
 
 @triton.jit
