@@ -317,7 +317,8 @@ def route_gaps(c: LayerCase, sd, x) -> torch.Tensor:
         chosen = torch.zeros_like(scores, dtype=torch.bool).scatter(1, idx, True)
         rest = scores.masked_fill(chosen, -float("inf")).max(-1).values
         expert_gap = scores.masked_fill(~chosen, float("inf")).min(-1).values - rest
-        groups = scores.view(x.shape[0], 4, -1).topk(2, dim=-1).values.sum(-1).sort(-1, descending=True).values
+        groups = scores.view(x.shape[0], 4, scores.shape[1] // 4)  # (not -1: a rank may have 0 tokens)
+        groups = groups.topk(2, dim=-1).values.sum(-1).sort(-1, descending=True).values
         return torch.minimum(expert_gap, groups[:, 1] - groups[:, 2])  # (n_group=4, topk_group=2, as ref_route)
     top = scores.topk(c.K + 1, dim=-1).values
     return top[:, c.K - 1] - top[:, c.K]
