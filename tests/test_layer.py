@@ -312,14 +312,18 @@ def route_gaps(c: LayerCase, sd, x) -> torch.Tensor:
     group and the best other group (group scores: each group's top two)."""
     logits = x.float() @ sd["gate.weight"].float().t()
     scores = logits.softmax(-1) if c.router == "softmax" else logits.sigmoid() + sd["gate.e_score_correction_bias"]
-    if c.router == "sigmoid":  # the grouped choice: score only the experts of the chosen groups
+    if c.router == "sigmoid":  # the grouped choice (n_group=4, topk_group=2, as ref_route)
         _, idx = ref_route(c, sd, x)
+        T, G = x.shape[0], 4
+        group_scores = scores.view(T, G, c.E // G).topk(2, dim=-1).values.sum(-1)  # [T, G]: each group's top two
+        ranked = group_scores.sort(-1, descending=True).values
+        allowed = torch.zeros(T, G, dtype=torch.bool).scatter(1, group_scores.topk(2, dim=-1).indices, True)
         chosen = torch.zeros_like(scores, dtype=torch.bool).scatter(1, idx, True)
-        rest = scores.masked_fill(chosen, -float("inf")).max(-1).values
+        # The chosen experts compete only with the other experts of the chosen groups.
+        others = ~chosen & allowed.repeat_interleave(c.E // G, dim=1)
+        rest = scores.masked_fill(~others, -float("inf")).max(-1).values
         expert_gap = scores.masked_fill(~chosen, float("inf")).min(-1).values - rest
-        groups = scores.view(x.shape[0], 4, scores.shape[1] // 4)  # (not -1: a rank may have 0 tokens)
-        groups = groups.topk(2, dim=-1).values.sum(-1).sort(-1, descending=True).values
-        return torch.minimum(expert_gap, groups[:, 1] - groups[:, 2])  # (n_group=4, topk_group=2, as ref_route)
+        return torch.minimum(expert_gap, ranked[:, 1] - ranked[:, 2])
     top = scores.topk(c.K + 1, dim=-1).values
     return top[:, c.K - 1] - top[:, c.K]
 
@@ -328,6 +332,17 @@ def decisive(c: LayerCase, sd, x, margin: float):
     """Tokens whose top-k choice is at least ``margin`` from a tie (``route_gaps``): bf16 router
     logits on a GPU cannot flip them."""
     return route_gaps(c, sd, x) >= margin
+
+
+def test_route_gaps_at_every_token_count():
+    """The GPU test's routing-tie filter for a rank with no tokens (one rank of four has none)
+    and with some: one gap per token, each >= 0 (the chosen experts score at least the rest)."""
+    for router in ("softmax", "sigmoid"):
+        c = LayerCase(router=router, H=64, F=32, E=16, M=8, seed=1)
+        sd = dense_weights(c)
+        assert route_gaps(c, sd, torch.zeros(0, c.H)).shape == (0,)
+        gaps = route_gaps(c, sd, torch.randn(7, c.H, generator=torch.Generator().manual_seed(2)))
+        assert gaps.shape == (7,) and bool((gaps >= 0).all()), gaps
 
 
 def check_case_gpu(rank, R, c, group):
