@@ -49,6 +49,20 @@ def test_remote_exception_carries_traceback():
     assert dist_util.run(2, _identity, 1)[1][3] == 3  # the pool is still usable
 
 
+def _peer_timeout_first(rank, world_size):
+    if rank == 0:  # what a peer of a failed rank gets: its collective times out (here, at once)
+        raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 120000ms for recv")
+    time.sleep(0.5)
+    raise ValueError("the cause")
+
+
+def test_reported_error_is_the_cause_not_a_peers_timeout():
+    with pytest.raises(dist_util.RankError) as info:
+        dist_util.run(2, _peer_timeout_first)
+    assert info.value.rank == 1 and info.value.exc_type == "ValueError"
+    assert "rank 0: RuntimeError: [gloo" in str(info.value)  # the other rank's message comes along
+
+
 def test_deadline_kills_and_pool_restarts():
     t0 = time.monotonic()
     with pytest.raises(dist_util.RunTimeout, match=r"ranks \[0\]"):

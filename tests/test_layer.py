@@ -84,6 +84,17 @@ def dense_weights(c: LayerCase):
     return sd
 
 
+GROUPS = 4  # the grouped router's n_group; topk_group = 2 of them are kept
+
+
+def group_choice(c: LayerCase, biased: torch.Tensor):
+    """``(group_scores [T, 4], allowed [T, 4] bool)`` of DeepSeek-V3's grouped choice: a group's
+    score is the sum of its top two biased scores, the best two groups are allowed."""
+    group_scores = biased.view(biased.shape[0], GROUPS, c.E // GROUPS).topk(2, dim=-1).values.sum(-1)
+    allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, group_scores.topk(2, dim=-1).indices, True)
+    return group_scores, allowed
+
+
 def ref_route(c: LayerCase, sd, x):
     """(weights [T, K] float32, ids [T, K]) by the Mixtral/Qwen3 and DeepSeek-V3 formulas."""
     logits = x.float() @ sd["gate.weight"].float().t()
@@ -93,11 +104,9 @@ def ref_route(c: LayerCase, sd, x):
         return w / w.sum(-1, keepdim=True), idx
     s = logits.sigmoid()
     biased = s.detach() + sd["gate.e_score_correction_bias"]
-    T, G = x.shape[0], 4
-    per = biased.view(T, G, c.E // G)
-    best_groups = per.topk(2, dim=-1).values.sum(-1).topk(2, dim=-1).indices
-    allowed = torch.zeros(T, G, dtype=torch.bool).scatter(1, best_groups, True)
-    idx = per.masked_fill(~allowed[..., None], -float("inf")).view(T, c.E).topk(c.K, dim=-1).indices
+    _, allowed = group_choice(c, biased)
+    per = biased.view(x.shape[0], GROUPS, c.E // GROUPS)
+    idx = per.masked_fill(~allowed[..., None], -float("inf")).view(-1, c.E).topk(c.K, dim=-1).indices
     w = s.gather(1, idx)
     return 2.5 * w / (w.sum(-1, keepdim=True) + 1e-20), idx
 
@@ -312,15 +321,13 @@ def route_gaps(c: LayerCase, sd, x) -> torch.Tensor:
     group and the best other group (group scores: each group's top two)."""
     logits = x.float() @ sd["gate.weight"].float().t()
     scores = logits.softmax(-1) if c.router == "softmax" else logits.sigmoid() + sd["gate.e_score_correction_bias"]
-    if c.router == "sigmoid":  # the grouped choice (n_group=4, topk_group=2, as ref_route)
+    if c.router == "sigmoid":  # the grouped choice (as ref_route)
         _, idx = ref_route(c, sd, x)
-        T, G = x.shape[0], 4
-        group_scores = scores.view(T, G, c.E // G).topk(2, dim=-1).values.sum(-1)  # [T, G]: each group's top two
+        group_scores, allowed = group_choice(c, scores)
         ranked = group_scores.sort(-1, descending=True).values
-        allowed = torch.zeros(T, G, dtype=torch.bool).scatter(1, group_scores.topk(2, dim=-1).indices, True)
         chosen = torch.zeros_like(scores, dtype=torch.bool).scatter(1, idx, True)
         # The chosen experts compete only with the other experts of the chosen groups.
-        others = ~chosen & allowed.repeat_interleave(c.E // G, dim=1)
+        others = ~chosen & allowed.repeat_interleave(c.E // GROUPS, dim=1)
         rest = scores.masked_fill(~others, -float("inf")).max(-1).values
         expert_gap = scores.masked_fill(~chosen, float("inf")).min(-1).values - rest
         return torch.minimum(expert_gap, ranked[:, 1] - ranked[:, 2])
