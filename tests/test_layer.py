@@ -137,6 +137,14 @@ def ref_moe(c: LayerCase, sd, x):
     return out, idx
 
 
+def as_held(sd):
+    """The dense weights as a bf16 layer holds them, in float32 for the reference: every weight
+    rounded to bf16, the router's score bias not (a float32 buffer whatever the layer's dtype; a
+    rounded one moves it by up to 4e-4, more than the sigmoid tie margin, and flips choices)."""
+    return {k: v.float() if k == "gate.e_score_correction_bias" else v.to(torch.bfloat16).float()
+            for k, v in sd.items()}
+
+
 def close(name, got, want, rtol=1e-2):
     """A failure string unless ``max|got - want| <= rtol * max|want|`` (bf16 rounding, float32 sums)."""
     got, want = got.float(), want.float()
@@ -341,6 +349,23 @@ def decisive(c: LayerCase, sd, x, margin: float):
     return route_gaps(c, sd, x) >= margin
 
 
+def test_reference_holds_the_layers_weights():
+    """The GPU checks' reference weights (``as_held``) are bit for bit those a bf16 layer holds."""
+    import moe_ep
+
+    for router in ("softmax", "sigmoid"):
+        c = LayerCase(router=router, shared=1, H=64, F=32, E=16, M=8, seed=3)
+        sd = dense_weights(c)
+        layer = moe_ep.MoELayer.from_dense(sd, c.H, c.F, c.E, c.K, dtype=torch.bfloat16, **c.layer_kwargs())
+        held, want = layer.state_dict(), as_held(sd)
+        for k, v in want.items():
+            got = held[k].float()
+            if k.startswith("experts."):  # this rank's experts: all of them with one rank
+                got = got.view(v.shape)
+            assert torch.equal(got, v), k
+        layer.close()
+
+
 def test_route_gaps_at_every_token_count():
     """The GPU test's routing-tie filter for a rank with no tokens (one rank of four has none)
     and with some: one gap per token, each >= 0 (the chosen experts score at least the rest)."""
@@ -362,7 +387,7 @@ def check_case_gpu(rank, R, c, group):
                                        **c.layer_kwargs())
     T = token_counts(c, R)[rank]
     x = torch.randn(T, c.H, generator=torch.Generator().manual_seed(c.seed * 31 + rank)).to(torch.bfloat16).float()
-    bf = {k: v.to(torch.bfloat16).float() for k, v in sd.items()}
+    bf = as_held(sd)
     keep = decisive(c, bf, x, 1e-2 if c.router == "softmax" else 1e-4)
     ref = ref_params(bf)
     xr = x.clone().requires_grad_(True)
@@ -416,7 +441,7 @@ def _graph_check(group, layout: str):
     import moe_ep
 
     c = LayerCase(router="sigmoid", shared=1, dtype="fp8", layout=layout, H=512, F=256, E=16, M=64, seed=5)
-    bf = {k: v.to(torch.bfloat16).float() for k, v in dense_weights(c).items()}
+    bf = as_held(dense_weights(c))
     layer = moe_ep.MoELayer.from_dense(dense_weights(c), c.H, c.F, c.E, c.K, group=group, dtype=torch.bfloat16,
                                        sync_chunks=False, **c.layer_kwargs())
     dev = group.device
