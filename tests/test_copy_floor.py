@@ -54,6 +54,22 @@ def test_gathers_match_torch(inp, device, programs):
 
 
 @pytest.mark.parametrize("programs", PROGRAMS)
+def test_read_sums_match_torch(inp, programs):
+    """read-N adds every row's channels by column (float32, exact on small integers), whatever the
+    program count and the rows in flight; the reference is the plain column sum (one 2048-channel
+    piece holds a 1152-channel row)."""
+    src = cf.reduce_inputs(inp)[0]
+    C = src.shape[1]
+    ref = cf.reference_read(src)
+    assert ref.shape == (cf.read_width(src),) and not bool(ref[C:].any())
+    assert ref[:C].equal(src.double().sum(0).float()) and bool(ref.abs().sum() > 0)
+    for n in (2, 4, 8):
+        out = torch.zeros_like(ref)
+        cf.read_rows(src, inp.perm, out, programs=programs, rows_in_flight=n)
+        assert cf.check(out, ref) is None, n
+
+
+@pytest.mark.parametrize("programs", PROGRAMS)
 def test_expand_matches_torch(inp, programs):
     out = torch.zeros(ROWS * EXPAND, ROW_BYTES // 4, dtype=torch.int32, device=inp.src.device)
     cf.expand_rows(inp.src, inp.dest, out, programs=programs)
@@ -212,7 +228,7 @@ def test_cli_cpu_writes_json(tmp_path, capsys):
     assert doc["args"]["rows"] == 64 and doc["args"]["row_bytes"] == 256
     assert {"torch", "triton", "commit"} <= set(doc["env"])
     names = [r["variant"] for r in doc["rows"]]
-    assert names == ["plain", "inflight-2", "inflight-4", "inflight-8",
+    assert names == ["plain", "inflight-2", "inflight-4", "inflight-8", "read-2", "read-4", "read-8",
                      *(f"prefetch-{n}-a{a}" for n in (2, 4) for a in (1, 2, 4)), "pipelined-3", "expand-8",
                      *(f"reduce-8-t{t}-c{c}" for t, c in cf.REDUCE_SHAPES), "tma-1x64-s3",
                      *(n for s in ("4", "8", "max") for b in (1, 2, 4) if s == "max" or b < int(s)
@@ -228,6 +244,8 @@ def test_cli_cpu_writes_json(tmp_path, capsys):
         assert r["p50_us"] > 0 and r["gbps"] > 0
     expand = doc["rows"][names.index("expand-8")]
     assert expand["write_bytes"] == 8 * expand["read_bytes"] == 8 * 64 * 256
+    read = doc["rows"][names.index("read-8")]
+    assert read["read_bytes"] == 64 * 256 and read["write_bytes"] == 0
     table = capsys.readouterr().out.strip().splitlines()
     assert table[-1].startswith("times are meaningless")
     assert table[-2].startswith("torch index_select")

@@ -20,6 +20,10 @@ bytes / (floor GB/s). Variants:
 - ``prefetch-N-aD``: ``inflight-N`` whose rows D steps later are asked of the L2 first (one bulk
   prefetch a row, ``cp.async.bulk.prefetch.L2`` on sm_90; no registers, nothing waited for), so each
   step's loads hit the L2.
+- ``read-N``: N rows through the permutation loaded per step (the ``reduce-K`` rows: bf16 small
+  integers) and summed by column in float32, nothing stored but each program's sums, added once at
+  its end: what reading alone reaches, the floor of a kernel that reads much more than it writes
+  (combine reads K rows a token and writes one); bytes = R rows read.
 - ``pipelined-S``: the ``plain`` loop with ``tl.range(num_stages=S)``: Triton prefetches the next
   S - 1 rows (asynchronous copies into shared memory) while storing this one.
 - ``expand-K``: each source row loaded once and stored K times, into K permuted destinations
@@ -139,6 +143,29 @@ def _gather_inflight_kernel(src_ptr, perm_ptr, dst_ptr, rows, WORDS: tl.constexp
 
 
 @triton.jit
+def _read_kernel(src_ptr, perm_ptr, sum_ptr, rows, COLS: tl.constexpr, BLOCK_C: tl.constexpr,
+                 ROWS_IN_FLIGHT: tl.constexpr):
+    """``sum[j] += src[perm[i], c + j]`` (float32) over every row i and every BLOCK_C-channel piece
+    c of a row: bf16 rows loaded ROWS_IN_FLIGHT a step, nothing stored but one atomic add of a
+    [BLOCK_C] sum per program at its end."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    r = tl.arange(0, ROWS_IN_FLIGHT)
+    cols = tl.arange(0, BLOCK_C)
+    acc = tl.zeros([BLOCK_C], tl.float32)
+    for first in range(pid.to(tl.int64) * ROWS_IN_FLIGHT, rows, programs * ROWS_IN_FLIGHT):
+        i = first + r
+        ok = i < rows
+        s = tl.load(perm_ptr + i, mask=ok, other=0).to(tl.int64)
+        for c in tl.static_range(0, COLS, BLOCK_C):
+            m = ok[:, None] & (c + cols < COLS)[None, :]
+            # one [N, BLOCK_C] tile, as inflight-N loads it; its float32 sum over the N rows
+            v = tl.load(src_ptr + s[:, None] * COLS + (c + cols)[None, :], mask=m, other=0.0)
+            acc += tl.sum(v.to(tl.float32), axis=0)
+    tl.atomic_add(sum_ptr + cols, acc)
+
+
+@triton.jit
 def _expand_kernel(src_ptr, dest_ptr, dst_ptr, rows, WORDS: tl.constexpr, BLOCK_W: tl.constexpr,
                    K: tl.constexpr):
     """``dst[dest[i, k]] = src[i]`` for k < K: each source row loaded once, stored K times."""
@@ -204,6 +231,31 @@ def gather_prefetch(src: torch.Tensor, perm: torch.Tensor, out: torch.Tensor, *,
                                          WORDS=_words(src), BLOCK_W=_block_words(_words(src)),
                                          ROWS_IN_FLIGHT=rows_in_flight, AHEAD=ahead, INTERP=interpreting(),
                                          num_warps=num_warps)
+
+
+def read_rows(src: torch.Tensor, perm: torch.Tensor, out: torch.Tensor, *, programs: int,
+              rows_in_flight: int, num_warps: int = 16) -> None:
+    """``out += read_sums(src)``: reads every row ``perm[i]`` (``rows_in_flight``, a power of two,
+    per step) and adds its channels by column into ``out``. src: bf16 [R, C] (small integers, so
+    the float32 sums are exact in any order: ``reduce_inputs``); perm: int32 [R]; out: float32
+    [BLOCK_C] (``read_width``); all contiguous on one device."""
+    _read_kernel[(programs,)](src_ptr=src, perm_ptr=perm, sum_ptr=out, rows=src.shape[0], COLS=src.shape[1],
+                              BLOCK_C=read_width(src), ROWS_IN_FLIGHT=rows_in_flight, num_warps=num_warps)
+
+
+def read_width(src: torch.Tensor) -> int:
+    """The columns of ``read_rows``'s sums: the channels of one row piece per load (16 KB at most)."""
+    return min(pow2(src.shape[1], 8), 2 * MAX_BLOCK_WORDS)
+
+
+def reference_read(src: torch.Tensor) -> torch.Tensor:
+    """torch's ``read-N`` sums: float32 [BLOCK_C], each row's channels in pieces of BLOCK_C added
+    by column (exact: small integers)."""
+    R, C = src.shape
+    bc = read_width(src)
+    padded = torch.zeros(R, -(-C // bc) * bc, dtype=torch.float64, device=src.device)
+    padded[:, :C] = src
+    return padded.view(R, -1, bc).sum(dim=(0, 1)).to(torch.float32)
 
 
 def gather_pipelined(src: torch.Tensor, perm: torch.Tensor, out: torch.Tensor, *, programs: int, stages: int,
@@ -459,6 +511,12 @@ def variants(inp: Inputs, *, inflight: list[int], stages: int, tma_box_rows: lis
         vs.append(Variant(f"inflight-{n}", lambda p, n=n: gather_inflight(inp.src, inp.perm, out, programs=p,
                                                                          rows_in_flight=n, num_warps=num_warps),
                           out, ref_gather, nbytes, nbytes))
+    rsrc, ridx, rw = reduce_inputs(inp)
+    sums = torch.zeros(read_width(rsrc), dtype=torch.float32, device=inp.src.device)
+    for n in inflight:
+        vs.append(Variant(f"read-{n}", lambda p, n=n: read_rows(rsrc, inp.perm, sums, programs=p,
+                                                                rows_in_flight=n, num_warps=num_warps),
+                          sums, lambda: reference_read(rsrc), nbytes, 0))
     for n, a in prefetch:
         vs.append(Variant(f"prefetch-{n}-a{a}", lambda p, n=n, a=a: gather_prefetch(
             inp.src, inp.perm, out, programs=p, rows_in_flight=n, ahead=a, num_warps=num_warps),
@@ -469,7 +527,6 @@ def variants(inp: Inputs, *, inflight: list[int], stages: int, tma_box_rows: lis
     vs.append(Variant(f"expand-{K}", lambda p: expand_rows(inp.src, inp.dest, out_expanded, programs=p,
                                                              num_warps=num_warps),
                       out_expanded, lambda: reference_expand(inp), nbytes, nbytes * K))
-    rsrc, ridx, rw = reduce_inputs(inp)
     out_reduced = torch.empty(ridx.shape[0], rsrc.shape[1], dtype=torch.bfloat16, device=inp.src.device)
     for bt, bc in REDUCE_SHAPES:
         vs.append(Variant(f"reduce-{K}-t{bt}-c{bc}",
