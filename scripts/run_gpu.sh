@@ -8,6 +8,8 @@
 #
 #   bash scripts/run_gpu.sh            # or: ITERS=500 bash scripts/run_gpu.sh
 #   TESTS="tests/test_shared_gpu.py" BENCH=0 bash scripts/run_gpu.sh   # some tests, no benchmark
+#   INSTALL=0 bash scripts/run_gpu.sh   # no pip step: installed already, or the checkout carries
+#                                    # moe_ep/proxy/_native*.so (a CPU build of the same platform)
 #   CONFIGS="prefill fp8 rows,prefill bf16 rows" TESTS="tests/test_rows.py" bash scripts/run_gpu.sh
 #   TESTS=none COPY_FLOOR=1 CONFIGS="prefill fp8 packed 132" bash scripts/run_gpu.sh   # benchmarks only
 #   PROFILE="1 2 4" bash scripts/run_gpu.sh   # also: host time per call (moe_ep.bench.profile_ops, decode) at R=1, 2, 4
@@ -50,6 +52,14 @@ step() { echo "== [$(( SECONDS - t0 ))s] $*"; }
 if [ "${INSTALL:-1}" = 1 ]; then   # INSTALL=0: already installed by an earlier run on this machine
     step "pip install --no-deps --no-build-isolation -e ."
     "$PYTHON" -m pip install -q --no-deps --no-build-isolation -e .
+else
+    # Or not installed at all: the package from this checkout, with a native library built
+    # elsewhere (plain C++ loaded through ctypes: one built by any Python of the same platform
+    # loads; the pip step's C++ build takes about a minute, and a checkout without a library
+    # builds one on first use).
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    "$PYTHON" -c 'import moe_ep.proxy.native as n; n.lib()' \
+        || { echo "INSTALL=0: moe_ep's native library is not loadable from $PWD (build it, or INSTALL=1)"; exit 1; }
 fi
 NGPU=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')
 "$PYTHON" -c 'import torch, triton; print(f"   torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}")'
