@@ -19,7 +19,7 @@ from .fp8 import num_scale_blocks
 from .group import EPGroup
 from .handle import DispatchResult
 from .kernels.interpret import interpreting, speed_up
-from .kernels.launch import Launcher
+from .kernels.launch import Launcher, compile_options, register_budget
 from .replay import Replay
 from .layout import COMBINE_STEP_TOKENS, OWN_TILE_TOKENS, WorkspaceLayout, chunking, pow2
 from .memory import SymmetricWorkspace, check_device_memory
@@ -157,6 +157,10 @@ class EPBuffer:
         # MOE_EP_COMBINE_WARPS, for tuning (validated with the other tuning variables below).
         cw = os.environ.get("MOE_EP_COMBINE_WARPS", "")
         self.combine_warps = int(cw) if cw in _WARPS else None
+        # The registers a thread of the dispatch and combine kernels may use, for tuning
+        # (MOE_EP_MAXNREG, as ``register_budget`` reads it; unset: ptxas's own choice).
+        self._maxnreg = os.environ.get("MOE_EP_MAXNREG", "")
+        register_budget(self._maxnreg, 1, "MOE_EP_MAXNREG")  # (checked here, before any memory)
         # Bytes a program moves per loop step scale with these (payload tiles): ``tile`` for
         # dispatch's loops, ``combine_tile`` for combine's send half (the owner's pre-reduction for
         # a peer), ``combine_recv_tile`` for its receive half (the sum of the owners' rows, and this
@@ -370,6 +374,11 @@ class EPBuffer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def launch_options(self, warps: int) -> dict:
+        """The compile options of a dispatch or combine launch with ``warps`` warps a program:
+        ``num_warps``, and ``maxnreg`` where MOE_EP_MAXNREG asks for it (not under the interpreter)."""
+        return compile_options(warps, "" if self.interp else self._maxnreg)
 
     # ------------------------------------------------------------------ internals
     def _signature(self, private_capacity: Optional[int], overflow_capacity: Optional[int],

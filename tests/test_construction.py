@@ -141,7 +141,8 @@ def test_timeout_s_is_checked_before_memory(bad, monkeypatch):
 
 
 @pytest.mark.parametrize("var,bad", [("MOE_EP_COMBINE_TOKENS", "0"), ("MOE_EP_OWN_TOKENS", "x"),
-                                     ("MOE_EP_COMBINE_WARPS", "3"), ("MOE_EP_COMBINE_WARPS", "64")])
+                                     ("MOE_EP_COMBINE_WARPS", "3"), ("MOE_EP_COMBINE_WARPS", "64"),
+                                     ("MOE_EP_MAXNREG", "8"), ("MOE_EP_MAXNREG", "max")])
 def test_tuning_variables_are_checked_before_memory(var, bad, monkeypatch):
     """A bad tuning variable is refused, naming it, before any memory is touched."""
     import moe_ep
@@ -176,3 +177,26 @@ def test_combine_warps_apply_to_combine_only(monkeypatch):
         buf.combine(torch.zeros(h.expert_x.shape, dtype=torch.bfloat16), h)
         assert buf.combine_warps == 8 != buf.num_warps
     assert warps == {"dispatch_kernel": {buf.num_warps}, "combine_kernel": {8}}, warps
+
+
+def test_maxnreg_reaches_the_compiled_launches(monkeypatch):
+    """MOE_EP_MAXNREG=full gives the dispatch and combine launches the register file over their
+    own warps (recorded as a GPU would compile them, nothing run); under the interpreter none."""
+    import moe_ep
+
+    monkeypatch.setenv("MOE_EP_MAXNREG", "full")
+    monkeypatch.setenv("MOE_EP_COMBINE_WARPS", "8")
+    with moe_ep.EPBuffer(moe_ep.EPGroup(), **BASE) as buf:
+        assert buf.launch_options(4) == {"num_warps": 4}  # interpreted: no register budget
+        seen = {}
+
+        def spy(key, fn, grid, args, consts, dynamic=None):
+            c = consts() if callable(consts) else consts
+            seen[fn.fn.__name__] = (c["num_warps"], c.get("maxnreg"))
+
+        buf.fused, buf.interp, buf._launch = True, False, spy
+        h = buf.dispatch(torch.zeros(4, 128, dtype=torch.bfloat16), torch.tensor([[0, 1]] * 4), torch.ones(4, 2))
+        buf.combine(torch.zeros(h.expert_x.shape, dtype=torch.bfloat16), h)
+        buf.interp = True  # (so that close() takes the CPU path it was built for)
+    W = buf.num_warps
+    assert seen == {"dispatch_kernel": (W, min(65536 // (32 * W), 255)), "combine_kernel": (8, 255)}, seen

@@ -63,9 +63,9 @@ def test_read_sums_match_torch(inp, programs):
     ref = cf.reference_read(src)
     assert ref.shape == (cf.read_width(src),) and not bool(ref[C:].any())
     assert ref[:C].equal(src.double().sum(0).float()) and bool(ref.abs().sum() > 0)
-    for n in (2, 4, 8):
+    for n, maxnreg in ((2, ""), (4, ""), (8, ""), (8, "full")):
         out = torch.zeros_like(ref)
-        cf.read_rows(src, inp.perm, out, programs=programs, rows_in_flight=n)
+        cf.read_rows(src, inp.perm, out, programs=programs, rows_in_flight=n, maxnreg=maxnreg)
         assert cf.check(out, ref) is None, n
 
 
@@ -261,6 +261,8 @@ def test_cli_errors(monkeypatch, capsys):
         cf.parse_args([])
     assert "no CUDA GPU" in capsys.readouterr().err
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    for bad in (["--row-bytes", "100"], ["--inflight", "3"], ["--programs", "0"]):
+    for bad in (["--row-bytes", "100"], ["--inflight", "3"], ["--programs", "0"], ["--maxnreg", "lots"]):
         with pytest.raises(SystemExit):
             cf.parse_args(["--device", "cpu"] + bad)
+    assert "--maxnreg: expected 'full' or a register count" in capsys.readouterr().err
+    assert cf.parse_args(["--device", "cpu", "--maxnreg", "full"]).maxnreg == "full"

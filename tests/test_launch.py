@@ -315,3 +315,16 @@ def test_runtime_args_by_name():
         L.arg_positions(_k, "BLOCK")
     with pytest.raises(TypeError, match="_constexpr_first: its runtime parameters must come before"):
         L.runtime_args(_constexpr_first, a_ptr=a)
+
+
+def test_register_budget():
+    """maxnreg specs: none, the register file over a program's threads, a count capped by it;
+    anything else is refused naming the caller's variable."""
+    assert L.register_budget("", 16) is None and L.compile_options(16) == {"num_warps": 16}
+    assert L.register_budget("full", 16) == 128 and L.register_budget("full", 32) == 64
+    assert L.register_budget("96", 16) == 96 and L.register_budget("96", 32) == 64
+    assert L.compile_options(32, "full") == {"num_warps": 32, "maxnreg": 64}
+    assert L.register_budget("full", 4) == 255  # (the most a thread can address)
+    for bad in ("8", "256", "many", "-64", " 64"):
+        with pytest.raises(ValueError, match=f"^MOE_EP_MAXNREG: expected 'full' or a register count .*got '{bad}'"):
+            L.register_budget(bad, 16, "MOE_EP_MAXNREG")

@@ -74,6 +74,7 @@ import triton.language as tl
 
 from moe_ep.kernels.common import pre_reduce_tile, prefetch_l2
 from moe_ep.kernels.interpret import interpreting, speed_up
+from moe_ep.kernels.launch import compile_options, register_budget
 from moe_ep.layout import pow2
 
 PROG = "python -m moe_ep.bench.copy_floor"
@@ -234,13 +235,15 @@ def gather_prefetch(src: torch.Tensor, perm: torch.Tensor, out: torch.Tensor, *,
 
 
 def read_rows(src: torch.Tensor, perm: torch.Tensor, out: torch.Tensor, *, programs: int,
-              rows_in_flight: int, num_warps: int = 16) -> None:
+              rows_in_flight: int, num_warps: int = 16, maxnreg: str = "") -> None:
     """``out += read_sums(src)``: reads every row ``perm[i]`` (``rows_in_flight``, a power of two,
     per step) and adds its channels by column into ``out``. src: bf16 [R, C] (small integers, so
     the float32 sums are exact in any order: ``reduce_inputs``); perm: int32 [R]; out: float32
-    [BLOCK_C] (``read_width``); all contiguous on one device."""
+    [BLOCK_C] (``read_width``); all contiguous on one device. ``maxnreg``: the registers a thread
+    may use, as ``moe_ep.kernels.launch.register_budget`` reads it ("": ptxas's choice)."""
     _read_kernel[(programs,)](src_ptr=src, perm_ptr=perm, sum_ptr=out, rows=src.shape[0], COLS=src.shape[1],
-                              BLOCK_C=read_width(src), ROWS_IN_FLIGHT=rows_in_flight, num_warps=num_warps)
+                              BLOCK_C=read_width(src), ROWS_IN_FLIGHT=rows_in_flight,
+                              **compile_options(num_warps, maxnreg))
 
 
 def read_width(src: torch.Tensor) -> int:
@@ -292,14 +295,14 @@ def _reduce_kernel(src_ptr, idx_ptr, w_ptr, dst_ptr, tokens, COLS: tl.constexpr,
 
 
 def reduce_rows(src: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, programs: int,
-                block_tokens: int, block_cols: int, num_warps: int = 16) -> None:
+                block_tokens: int, block_cols: int, num_warps: int = 16, maxnreg: str = "") -> None:
     """``out[t] = sum_k w[t, k] * src[idx[t, k]]``, ``block_tokens`` tokens by ``block_cols``
     channels (powers of two) a step. src: bf16 [R, C]; idx: int32 [T, K]; w: float32 [T, K]; out:
-    bf16 [T, C]; all contiguous on one device."""
+    bf16 [T, C]; all contiguous on one device. ``maxnreg`` as for ``read_rows``."""
     T, K = idx.shape
     _reduce_kernel[(programs,)](src_ptr=src, idx_ptr=idx, w_ptr=w, dst_ptr=out, tokens=T, COLS=src.shape[1],
                                 BLOCK_T=block_tokens, BLOCK_C=min(block_cols, pow2(src.shape[1])), K=K,
-                                BLOCK_K=pow2(K), num_warps=num_warps)
+                                BLOCK_K=pow2(K), **compile_options(num_warps, maxnreg))
 
 
 def reduce_inputs(inp: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -497,8 +500,9 @@ class Variant:
 
 def variants(inp: Inputs, *, inflight: list[int], stages: int, tma_box_rows: list[int],
              num_warps: int, prefetch: tuple[tuple[int, int], ...] = (), ring_stages: tuple[int, ...] = (),
-             ring_behind: tuple[int, ...] = (1,)) -> list[Variant]:
-    """Every variant over ``inp`` (gather variants share one output buffer)."""
+             ring_behind: tuple[int, ...] = (1,), maxnreg: str = "") -> list[Variant]:
+    """Every variant over ``inp`` (gather variants share one output buffer); ``maxnreg`` (a
+    register budget spec) for the read and reduce kernels."""
     R, W = inp.src.shape
     K = inp.dest.shape[1]
     nbytes = R * W * 4
@@ -514,8 +518,8 @@ def variants(inp: Inputs, *, inflight: list[int], stages: int, tma_box_rows: lis
     rsrc, ridx, rw = reduce_inputs(inp)
     sums = torch.zeros(read_width(rsrc), dtype=torch.float32, device=inp.src.device)
     for n in inflight:
-        vs.append(Variant(f"read-{n}", lambda p, n=n: read_rows(rsrc, inp.perm, sums, programs=p,
-                                                                rows_in_flight=n, num_warps=num_warps),
+        vs.append(Variant(f"read-{n}", lambda p, n=n: read_rows(rsrc, inp.perm, sums, programs=p, rows_in_flight=n,
+                                                                num_warps=num_warps, maxnreg=maxnreg),
                           sums, lambda: reference_read(rsrc), nbytes, 0))
     for n, a in prefetch:
         vs.append(Variant(f"prefetch-{n}-a{a}", lambda p, n=n, a=a: gather_prefetch(
@@ -531,7 +535,7 @@ def variants(inp: Inputs, *, inflight: list[int], stages: int, tma_box_rows: lis
     for bt, bc in REDUCE_SHAPES:
         vs.append(Variant(f"reduce-{K}-t{bt}-c{bc}",
                           lambda p, bt=bt, bc=bc: reduce_rows(rsrc, ridx, rw, out_reduced, programs=p, block_tokens=bt,
-                                                              block_cols=bc, num_warps=num_warps),
+                                                              block_cols=bc, num_warps=num_warps, maxnreg=maxnreg),
                           out_reduced, lambda: reference_reduce(rsrc, ridx, rw), ridx.numel() * W * 4,
                           ridx.shape[0] * W * 4))
     why = tma_unavailable(inp.src.device) or (f"rows of {W * 4} bytes are not a multiple of 16" if W % 4 else None)
@@ -679,6 +683,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--ring-behind", type=_int_list("--ring-behind"), default=[1, 2, 4],
                    help="ring slots held by rows being stored, of the ring variants (default 1,2,4)")
     p.add_argument("--num-warps", type=int, default=16, help="warps per program of the gather kernels (default 16)")
+    p.add_argument("--maxnreg", default="", help="registers a thread of the read and reduce kernels may use: 'full' "
+                   "(the register file over a program's threads) or a count (default: ptxas's choice)")
     p.add_argument("--iters", type=int, default=None, help=f"timed iterations (default {GPU_DEFAULTS['iters']})")
     p.add_argument("--warmup", type=int, default=None,
                    help=f"untimed iterations first (default {GPU_DEFAULTS['warmup']})")
@@ -695,6 +701,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.error("--ring-stages: 0 (as many as fit) or at least 2 (one slot loading while one is stored)")
     if min(args.rows, args.expand, args.stages, args.iters, args.num_warps) < 1 or args.warmup < 0:
         p.error("--rows, --expand, --stages, --iters and --num-warps must be positive, --warmup not negative")
+    try:
+        register_budget(args.maxnreg, args.num_warps, "--maxnreg")
+    except ValueError as e:
+        p.error(str(e))
     if args.device == "cpu" and not interpreting():
         p.error("--device cpu runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1 "
                 f"(TRITON_INTERPRET=1 {PROG} --device cpu)")
@@ -720,7 +730,7 @@ def run(args: argparse.Namespace) -> dict:
     prefetch = tuple((n, a) for n in args.inflight[:2] for a in args.prefetch)
     for v in variants(inp, inflight=args.inflight, stages=args.stages, tma_box_rows=args.tma_box_rows,
                       num_warps=args.num_warps, prefetch=prefetch, ring_stages=tuple(args.ring_stages),
-                      ring_behind=tuple(args.ring_behind)):
+                      ring_behind=tuple(args.ring_behind), maxnreg=args.maxnreg):
         for programs in (args.programs if v.per_program else [None]):
             rows.append(measure(v, programs, iters=args.iters, warmup=args.warmup, cuda=cuda))
     return dict(benchmark="copy_floor", hardware=torch.cuda.get_device_name(device) if cuda else "cpu",

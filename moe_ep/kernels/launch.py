@@ -50,6 +50,30 @@ def launch_path() -> str:
     return v
 
 
+REGISTERS_PER_SM = 65536  # 32-bit registers of an SM's register file (sm_80, sm_90): one program's at most
+
+
+def register_budget(spec: str, warps: int, name: str = "maxnreg") -> Optional[int]:
+    """``maxnreg`` for a program of ``warps`` warps from ``spec``: "" (None: ptxas chooses), "full"
+    (the register file over the program's threads) or a count (at most that). Raises ValueError
+    naming ``name`` for any other spec. ptxas left to itself may keep fewer loads in flight than
+    the registers allow (sm_90, a combine step at 32 warps: 45 registers and 4 of 8 loads ahead;
+    56 and all 8 given 64)."""
+    if spec not in ("", "full") and not (spec.isdigit() and 16 <= int(spec) <= 255):
+        raise ValueError(f"{name}: expected 'full' or a register count from 16 to 255, got {spec!r}")
+    if not spec:
+        return None
+    full = min(REGISTERS_PER_SM // (32 * warps), 255)  # (255: the most a thread can address)
+    return full if spec == "full" else min(int(spec), full)
+
+
+def compile_options(warps: int, maxnreg: str = "") -> dict:
+    """A Triton launch's compile options: ``num_warps``, and ``maxnreg`` where the spec
+    ``maxnreg`` (as ``register_budget`` reads it) gives one."""
+    budget = register_budget(maxnreg, warps)
+    return dict(num_warps=warps) if budget is None else dict(num_warps=warps, maxnreg=budget)
+
+
 def spec_of(args: tuple) -> tuple:
     """What of ``args`` can change Triton's compiled code: dtype and 16-byte alignment of each
     tensor; of each int, its width (32/64 bit) and the values Triton specializes (1, multiple of 16)."""
