@@ -266,3 +266,10 @@ def test_cli_errors(monkeypatch, capsys):
             cf.parse_args(["--device", "cpu"] + bad)
     assert "--maxnreg: expected 'full' or a register count" in capsys.readouterr().err
     assert cf.parse_args(["--device", "cpu", "--maxnreg", "full"]).maxnreg == "full"
+
+
+def test_register_budget_lines_are_named():
+    """With a register budget the read and reduce lines say so in their names (and still match torch)."""
+    inp = cf.make_inputs(16, 256, 2, "cpu")
+    names = [v.name for v in cf.variants(inp, inflight=[2], stages=2, tma_box_rows=[], num_warps=4, maxnreg="full")]
+    assert "read-2-rfull" in names and "reduce-2-t16-c512-rfull" in names and "inflight-2" in names

@@ -23,7 +23,9 @@ bytes / (floor GB/s). Variants:
 - ``read-N``: N rows through the permutation loaded per step (the ``reduce-K`` rows: bf16 small
   integers) and summed by column in float32, nothing stored but each program's sums, added once at
   its end: what reading alone reaches, the floor of a kernel that reads much more than it writes
-  (combine reads K rows a token and writes one); bytes = R rows read.
+  (combine reads K rows a token and writes one); bytes = R rows read. With ``--maxnreg B`` the
+  read and reduce kernels compile with that register budget (lines ``read-N-rB``, ``reduce-...-rB``):
+  ptxas left to itself issues fewer of a step's loads ahead than the registers allow.
 - ``pipelined-S``: the ``plain`` loop with ``tl.range(num_stages=S)``: Triton prefetches the next
   S - 1 rows (asynchronous copies into shared memory) while storing this one.
 - ``expand-K``: each source row loaded once and stored K times, into K permuted destinations
@@ -517,8 +519,9 @@ def variants(inp: Inputs, *, inflight: list[int], stages: int, tma_box_rows: lis
                           out, ref_gather, nbytes, nbytes))
     rsrc, ridx, rw = reduce_inputs(inp)
     sums = torch.zeros(read_width(rsrc), dtype=torch.float32, device=inp.src.device)
+    budget = f"-r{maxnreg}" if maxnreg else ""  # (in the read and reduce lines' names)
     for n in inflight:
-        vs.append(Variant(f"read-{n}", lambda p, n=n: read_rows(rsrc, inp.perm, sums, programs=p, rows_in_flight=n,
+        vs.append(Variant(f"read-{n}{budget}", lambda p, n=n: read_rows(rsrc, inp.perm, sums, programs=p, rows_in_flight=n,
                                                                 num_warps=num_warps, maxnreg=maxnreg),
                           sums, lambda: reference_read(rsrc), nbytes, 0))
     for n, a in prefetch:
@@ -533,7 +536,7 @@ def variants(inp: Inputs, *, inflight: list[int], stages: int, tma_box_rows: lis
                       out_expanded, lambda: reference_expand(inp), nbytes, nbytes * K))
     out_reduced = torch.empty(ridx.shape[0], rsrc.shape[1], dtype=torch.bfloat16, device=inp.src.device)
     for bt, bc in REDUCE_SHAPES:
-        vs.append(Variant(f"reduce-{K}-t{bt}-c{bc}",
+        vs.append(Variant(f"reduce-{K}-t{bt}-c{bc}{budget}",
                           lambda p, bt=bt, bc=bc: reduce_rows(rsrc, ridx, rw, out_reduced, programs=p, block_tokens=bt,
                                                               block_cols=bc, num_warps=num_warps, maxnreg=maxnreg),
                           out_reduced, lambda: reference_reduce(rsrc, ridx, rw), ridx.numel() * W * 4,
