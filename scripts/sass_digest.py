@@ -8,6 +8,12 @@ kernel's registers (``MOE_EP_COMBINE_WARPS=32 python scripts/sass_digest.py``; t
 stand for a GPU buffer's defaults, ``MOE_EP_NUM_WARPS`` replaces them).
 
     python scripts/sass_digest.py   # a line per launch: config, kernel, digest, SASS lines, registers, stack
+    SASS_LOOPS=1 python scripts/sass_digest.py   # and under each, its loops that store: how many of a
+                                                 # step's loads go out before its first float op
+
+Why the loop lines: the prefill loops' times followed how many of a step's loads are issued before
+the math starts (ptxas may sink loads to save registers), not their shape (PERFORMANCE.md,
+"Thirteenth pass").
 """
 import hashlib
 import importlib
@@ -70,6 +76,38 @@ def digest(path: str) -> None:
         regs, stack = (re.search(rf"{what}:(\d+)", use).group(1) for what in ("REG", "STACK"))
         print(f"{name:<26} {kernel:<18} {hashlib.sha1(chr(10).join(code).encode()).hexdigest()[:12]} "
               f"{len(code):>6} lines, {regs:>3} registers, {stack:>4} bytes of stack")
+        if os.environ.get("SASS_LOOPS"):
+            for line in loop_schedules(sass):
+                print(f"    {line}")
+
+
+FLOAT_OPS = ("FFMA", "FADD", "FMUL", "FMNMX", "F2FP", "HFMA2", "HADD2", "HMUL2")
+
+
+def loop_schedules(sass: str) -> list:
+    """One line per loop of ``sass`` (a backward branch) that stores to global memory: its
+    instructions, its global loads, and how many of them come before its first float op."""
+    ins = []
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2).strip()))
+    at = {a: i for i, (a, _) in enumerate(ins)}
+    out = []
+    for end, (a, text) in enumerate(ins):
+        target = re.search(r"BRA\s.*?0x([0-9a-f]+)", text)
+        if not target or int(target.group(1), 16) > a or int(target.group(1), 16) not in at:
+            continue
+        body = [t for _, t in ins[at[int(target.group(1), 16)]:end + 1]]
+        ops = [t.split()[1] if t.startswith("@") else t.split()[0] for t in body]
+        if not any(op.startswith("STG") for op in ops):
+            continue
+        loads = [j for j, op in enumerate(ops) if op.startswith("LDG")]
+        first = next((j for j, op in enumerate(ops) if op.split(".")[0] in FLOAT_OPS), len(ops))
+        out.append(f"loop {int(target.group(1), 16):#x}-{a:#x}: {len(body)} instructions, {len(loads)} global loads, "
+                   f"{sum(j < first for j in loads)} before the first float op, "
+                   f"{sum(op.startswith('STG') for op in ops)} global stores")
+    return out
 
 
 if __name__ == "__main__":
