@@ -85,27 +85,32 @@ FLOAT_OPS = ("FFMA", "FADD", "FMUL", "FMNMX", "F2FP", "HFMA2", "HADD2", "HMUL2")
 
 
 def loop_schedules(sass: str) -> list:
-    """One line per loop of ``sass`` (a backward branch) that stores to global memory: its
-    instructions, its global loads, and how many of them come before its first float op."""
+    """One line per innermost loop of ``sass`` that stores to global memory (a backward branch with
+    no such loop inside it; waiting loops do not count): its instructions, its global loads, and
+    how many of them come before its first float op."""
     ins = []
     for line in sass.splitlines():
         m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
         if m:
             ins.append((int(m.group(1), 16), m.group(2).strip()))
     at = {a: i for i, (a, _) in enumerate(ins)}
-    out = []
-    for end, (a, text) in enumerate(ins):
+    loops = []  # (first, last) instruction indices
+    for last, (a, text) in enumerate(ins):
         target = re.search(r"BRA\s.*?0x([0-9a-f]+)", text)
-        if not target or int(target.group(1), 16) > a or int(target.group(1), 16) not in at:
-            continue
-        body = [t for _, t in ins[at[int(target.group(1), 16)]:end + 1]]
-        ops = [t.split()[1] if t.startswith("@") else t.split()[0] for t in body]
-        if not any(op.startswith("STG") for op in ops):
-            continue
+        if target and int(target.group(1), 16) <= a and int(target.group(1), 16) in at:
+            loops.append((at[int(target.group(1), 16)], last))
+    op = [t.split()[1] if t.startswith("@") else t.split()[0] for _, t in ins]
+    loops = [(f, l) for f, l in loops if any(o.startswith("STG") for o in op[f:l + 1])]
+    out = []
+    for first, last in loops:
+        if any(first <= f and l < last for f, l in loops if (f, l) != (first, last)):
+            continue  # an outer loop: its inner loops are reported
+        body = [t for _, t in ins[first:last + 1]]
+        ops = op[first:last + 1]
         loads = [j for j, op in enumerate(ops) if op.startswith("LDG")]
-        first = next((j for j, op in enumerate(ops) if op.split(".")[0] in FLOAT_OPS), len(ops))
-        out.append(f"loop {int(target.group(1), 16):#x}-{a:#x}: {len(body)} instructions, {len(loads)} global loads, "
-                   f"{sum(j < first for j in loads)} before the first float op, "
+        fp = next((j for j, op in enumerate(ops) if op.split(".")[0] in FLOAT_OPS), len(ops))
+        out.append(f"loop {ins[first][0]:#x}-{ins[last][0]:#x}: {len(body)} instructions, {len(loads)} global "
+                   f"loads, {sum(j < fp for j in loads)} before the first float op, "
                    f"{sum(op.startswith('STG') for op in ops)} global stores")
     return out
 
