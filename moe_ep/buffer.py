@@ -316,6 +316,10 @@ class EPBuffer:
             ``DispatchResult`` (views of buffer memory, valid until the next dispatch), or
             ``(DispatchResult, hook)`` with ``return_recv_hook``.
         """
+        if x_scales is None and not return_recv_hook and self._replay_ready():
+            result = _dispatch.replayed(self, x, topk_idx, topk_weights)
+            if result is not None:
+                return result
         self._check_usable()
         return _dispatch.dispatch(self, x, topk_idx, topk_weights, x_scales, return_recv_hook)
 
@@ -349,6 +353,10 @@ class EPBuffer:
             tokens sent nowhere. Rows with ``topk_weights``: ``(out, w)``, ``w`` float32 ``[T, K]`` the
             sum over ranks of the rows' ``topk_weights``. With ``return_recv_hook``: ``(that, hook)``.
         """
+        if topk_weights is None and not return_recv_hook and self._replay_ready():
+            result = _combine.replayed(self, expert_y, handle, out)
+            if result is not None:
+                return result
         self._check_usable()
         return _combine.combine(self, expert_y, handle, return_recv_hook, topk_weights, out)
 
@@ -442,6 +450,14 @@ class EPBuffer:
             except Exception as exc:  # noqa: BLE001
                 return exc
         return RuntimeError(f"moe_ep kernel error code {code}")
+
+    def _replay_ready(self) -> bool:
+        """Whether an eager call may take the replay fast path: the buffer is open, not broken, no
+        kernel recorded an error, no receive hook is pending and no peer is on another node (what
+        ``_check_usable`` and the pending check would pass without a word); else the full path
+        raises what they raise."""
+        return (not self._closed and self._broken is None and self._pending is None and self.remote is None
+                and not self._err_code.value)
 
     def _check_no_pending(self, op: str) -> None:
         if self._pending is not None:

@@ -99,11 +99,9 @@ class Replay:
         out) and ``extra`` (what else fixes its launches: a hashable the inputs' shapes do not
         give). ``entry`` is None when no call like it was recorded; ``signature`` is None when
         the latest hit's guard passed (no need for it) or an input is not a tensor."""
-        last = self._last
-        if last is not None and last.extra == extra and last.guard.check(*tensors):
-            ptrs, low = _POINTERS[len(tensors)](*tensors)
-            if not low:  # the guard is kept only for entries whose pointers were all aligned
-                return last, None, ptrs
+        got = self.latest(tensors, extra)
+        if got is not None:
+            return got[0], None, got[1]
         sig, ptrs = signature(tensors)
         if sig is None:
             return None, None, ptrs
@@ -112,6 +110,18 @@ class Replay:
         if entry is not None and entry.guard is not None:
             self._last = entry
         return entry, sig, ptrs
+
+    def latest(self, tensors: tuple, extra=None) -> Optional[tuple]:
+        """``(entry, pointers)`` when a call with ``tensors`` and ``extra`` is like the latest hit
+        (its guard passes and every pointer is 16-byte aligned), else None: one C call and the
+        pointer reads, the whole lookup of an eager call in the common case (``find`` decides
+        the rest)."""
+        last = self._last
+        if last is not None and last.extra == extra and last.guard.check(*tensors):
+            ptrs, low = _POINTERS[len(tensors)](*tensors)
+            if not low:  # the guard is kept only for entries whose pointers were all aligned
+                return last, ptrs
+        return None
 
     def record(self, sig: Optional[tuple], tensors: tuple, launches: list, inputs: tuple, value) -> None:
         """Keeps ``launches`` (``(plan, args)`` in launch order, as the Launcher returned them)

@@ -180,6 +180,62 @@ def test_changed_inputs_are_validated_on_the_fast_path():
     assert not log, "\n".join(log)
 
 
+def _fast_path_checks_worker(rank, world_size):
+    """Once calls replay, the fast path still refuses what the full path refuses (a pending
+    receive hook, a stale handle, a kernel's error record, a closed buffer), with the full
+    path's error and no replayed launch."""
+    import moe_ep
+
+    group = moe_ep.EPGroup()
+    case = Case(R=1, E=4, K=2, dtype="bf16", layout="masked", M=6, calls=("uniform", "uniform"), seed=3)
+    log = []
+    buf = make_buffer(group, case, 20.0)
+    buf._launch = la = _InterpLauncher()
+    assert not run_calls(group, buf, case)
+    inp = make_inputs(case, 0)[0]
+    x, idx, w = inp.x, inp.topk_idx, inp.topk_weights
+    T, H = x.shape
+
+    def refused(what, call, error, match):
+        before = _replayed(la)
+        try:
+            call()
+            log.append(f"{what}: accepted")
+        except error as e:
+            if match not in str(e):
+                log.append(f"{what}: {type(e).__name__}({e})")
+        if _replayed(la) != before:
+            log.append(f"{what}: a replayed launch ran")
+
+    before = _replayed(la)
+    h = buf.dispatch(x, idx, w)
+    y = torch.zeros(h.expert_x.shape, dtype=torch.bfloat16)
+    buf.combine(y, h)
+    buf.combine(y, h, out=torch.empty(T, H, dtype=torch.bfloat16))
+    h = buf.dispatch(x, idx, w)
+    out = buf.combine(y, h)
+    if _replayed(la) == before or out.shape != (T, H):
+        log.append("the calls before the checks were not replayed")
+    old = h
+    h, hook = buf.dispatch(x, idx, w, return_recv_hook=True)
+    refused("dispatch with a receive hook pending", lambda: buf.dispatch(x, idx, w), ValueError, "receive hook")
+    refused("combine with a receive hook pending", lambda: buf.combine(y, h), ValueError, "receive hook")
+    hook()
+    refused("combine of a stale handle", lambda: buf.combine(y, old), ValueError, "stale")
+    buf.combine(y, h)
+    buf.err[:5] = torch.tensor([1, 0, 0, 7, 0])  # as a kernel records a timeout waiting for rank 0
+    refused("dispatch after a kernel's error", lambda: buf.dispatch(x, idx, w), moe_ep.CommTimeoutError, "rank 0")
+    refused("dispatch of a broken buffer", lambda: buf.dispatch(x, idx, w), moe_ep.BufferBrokenError, "unusable")
+    buf.close()
+    refused("dispatch of a closed buffer", lambda: buf.dispatch(x, idx, w), RuntimeError, "closed")
+    return log
+
+
+def test_fast_path_keeps_the_buffers_checks():
+    log, = dist_util.run(1, _fast_path_checks_worker, timeout=600)
+    assert not log, "\n".join(log)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("launch", ["native", "triton"])
 def test_replayed_calls_match_the_oracle_gpu(launch):
