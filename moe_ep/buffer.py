@@ -316,12 +316,13 @@ class EPBuffer:
             ``DispatchResult`` (views of buffer memory, valid until the next dispatch), or
             ``(DispatchResult, hook)`` with ``return_recv_hook``.
         """
-        if x_scales is None and not return_recv_hook and self._replay_ready():
+        tried = x_scales is None and not return_recv_hook and self._replay_ready()
+        if tried:
             result = _dispatch.replayed(self, x, topk_idx, topk_weights)
             if result is not None:
                 return result
         self._check_usable()
-        return _dispatch.dispatch(self, x, topk_idx, topk_weights, x_scales, return_recv_hook)
+        return _dispatch.dispatch(self, x, topk_idx, topk_weights, x_scales, return_recv_hook, tried)
 
     def combine(self, expert_y: torch.Tensor, handle: DispatchResult, return_recv_hook: bool = False, *,
                 topk_weights: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None):
@@ -353,12 +354,13 @@ class EPBuffer:
             tokens sent nowhere. Rows with ``topk_weights``: ``(out, w)``, ``w`` float32 ``[T, K]`` the
             sum over ranks of the rows' ``topk_weights``. With ``return_recv_hook``: ``(that, hook)``.
         """
-        if topk_weights is None and not return_recv_hook and self._replay_ready():
+        tried = topk_weights is None and not return_recv_hook and self._replay_ready()
+        if tried:
             result = _combine.replayed(self, expert_y, handle, out)
             if result is not None:
                 return result
         self._check_usable()
-        return _combine.combine(self, expert_y, handle, return_recv_hook, topk_weights, out)
+        return _combine.combine(self, expert_y, handle, return_recv_hook, topk_weights, out, tried)
 
     def synchronize(self) -> None:
         """Waits for this buffer's work on the device, then raises any error a kernel recorded."""

@@ -39,7 +39,9 @@ def replayed(buf, expert_y, handle, out):
     return _combined(buf, out, None)
 
 
-def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False, topk_weights=None, out=None):
+def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False, topk_weights=None, out=None,
+            latest_tried: bool = False):
+    """The full path (``latest_tried``: ``replayed`` looked the call up just before and missed)."""
     if buf._pending is not None:
         buf._check_no_pending("combine")
     if not isinstance(handle, DispatchResult) or handle._buffer is not buf:
@@ -56,7 +58,7 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
         replay, tensors = buf._replays[2], (expert_y,)
     else:
         replay, tensors = buf._replays[3], (expert_y, out)
-    hit, sig, ptrs = replay.find(tensors, T) if replayable else (None, None, [])
+    hit, sig, ptrs = replay.find(tensors, T, latest_tried) if replayable else (None, None, [])
     if hit is not None:
         if out is None:
             out = new_output(buf, T)

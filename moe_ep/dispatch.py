@@ -110,7 +110,8 @@ def replayed(buf, x, topk_idx, topk_weights):
 
 
 def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = None,
-             return_recv_hook: bool = False):
+             return_recv_hook: bool = False, latest_tried: bool = False):
+    """The full path (``latest_tried``: ``replayed`` missed just before, as ``Replay.find`` takes it)."""
     if buf._pending is not None:
         buf._check_no_pending("dispatch")
     # Replays (moe_ep.replay), one per set of inputs: with and without x_scales.
@@ -118,7 +119,7 @@ def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = 
         replay, tensors = buf._replays[0], (x, topk_idx, topk_weights)
     else:
         replay, tensors = buf._replays[1], (x, topk_idx, topk_weights, x_scales)
-    hit, sig, ptrs = replay.find(tensors)
+    hit, sig, ptrs = replay.find(tensors, latest_tried=latest_tried)
     # The dispatch kernel's input pointers (its arguments 0-3), the replayed ones.
     inputs = (ptrs[0], ptrs[3] if x_scales is not None else buf._err_ptr, ptrs[1], ptrs[2]) if ptrs else ()
     if hit is not None and not return_recv_hook:

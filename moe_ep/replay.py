@@ -94,12 +94,15 @@ class Replay:
         self._entries: dict = {}
         self._last: Optional[_Entry] = None  # the latest hit whose guard can be tried first
 
-    def find(self, tensors: tuple, extra=None) -> tuple[Optional[_Entry], Optional[tuple], list]:
+    def find(self, tensors: tuple, extra=None,
+             latest_tried: bool = False) -> tuple[Optional[_Entry], Optional[tuple], list]:
         """``(entry, signature, pointers)`` for a call with ``tensors`` (its 1-4 inputs, none left
         out) and ``extra`` (what else fixes its launches: a hashable the inputs' shapes do not
         give). ``entry`` is None when no call like it was recorded; ``signature`` is None when
-        the latest hit's guard passed (no need for it) or an input is not a tensor."""
-        got = self.latest(tensors, extra)
+        the latest hit's guard passed (no need for it) or an input is not a tensor.
+        ``latest_tried``: the caller's ``latest`` just failed for this call, so it is not tried
+        again (skipping it is always safe: the signature finds the same entry, only slower)."""
+        got = None if latest_tried else self.latest(tensors, extra)
         if got is not None:
             return got[0], None, got[1]
         sig, ptrs = signature(tensors)
