@@ -201,6 +201,45 @@ def test_matrix_gpu(R):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout,dtype,warps", [("packed", "fp8", ""), ("packed", "bf16", "32"), ("masked", "fp8", "32")])
+def test_register_budget_gives_the_same_bits_gpu(layout, dtype, warps, monkeypatch):
+    """MOE_EP_MAXNREG=full changes how ptxas allocates registers, not what the kernels compute: the
+    expert layout, its scales and combine's output equal the default's bit for bit (R=1, hidden
+    7168, 1024 tokens, 32 programs; a third of the tokens with one selection -1). Ranks may then
+    set it differently."""
+    import moe_ep
+
+    dist_util.need_gpu()
+    T, H, E, K = 1024, 7168, 64, 8
+    group = moe_ep.EPGroup()
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(group.device)
+    idx = torch.rand(T, E, generator=g).topk(K, dim=1).indices
+    idx[::3, -1] = -1
+    idx, w = idx.to(group.device), torch.rand(T, K, generator=g).to(group.device)
+    monkeypatch.setenv("MOE_EP_COMBINE_WARPS", warps)
+    got = []
+    for budget in ("", "full"):
+        monkeypatch.setenv("MOE_EP_MAXNREG", budget)
+        dt = FP8 if dtype == "fp8" else torch.bfloat16
+        with moe_ep.EPBuffer(group, E, H, T, K, dispatch_dtype=dt, layout=layout, num_programs=32) as buf:
+            h = buf.dispatch(x, idx, w)
+            counts = h.expert_counts.cpu()
+            def valid(t):  # the rows dispatch wrote, as bytes
+                if layout == "masked":
+                    return torch.cat([t[e, :int(n)] for e, n in enumerate(counts)]).view(torch.uint8).cpu()
+                return t[:int(h.expert_offsets[-1])].view(torch.uint8).cpu()
+
+            y = (torch.randn(h.expert_x.shape, generator=torch.Generator().manual_seed(12)) / 4).to(torch.bfloat16)
+            got.append({"expert rows": valid(h.expert_x),
+                        "expert scales": valid(h.expert_scales) if h.expert_scales is not None else torch.empty(0),
+                        "combine output": buf.combine(y.to(group.device), h).view(torch.int16).cpu()})
+    for what in got[0]:
+        a, b = got[0][what], got[1][what]
+        assert torch.equal(a, b), f"{what}: {(a != b).sum().item()} bytes or elements differ"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("R", [1, 2])
 def test_combine_in_token_sub_blocks_gpu(R):
     """Combine's receive half in sub-blocks on the GPU (ranks sharing it when fewer than R), at
