@@ -7,7 +7,7 @@ import logging
 import math
 import os
 import time
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -26,6 +26,31 @@ from .memory import SymmetricWorkspace, check_device_memory
 
 _PHASES = {0: "dispatch", 1: "combine"}
 _WARPS = ("1", "2", "4", "8", "16", "32")  # the warps a Triton program may have, as a variable spells them
+
+
+class CombineShape(NamedTuple):
+    """How the combine kernel is launched where it differs from the dispatch kernel."""
+    warps: Optional[int]   # warps a program (None: the dispatch's num_warps)
+    tokens: Optional[int]  # tokens per step of the receive half (None: the layout's rule, in EPBuffer)
+    maxnreg: str           # register budget, as kernels.launch.register_budget reads it ("": ptxas's choice)
+
+
+def combine_shape(layout: str, programs: int, selections: int, gpu: bool) -> CombineShape:
+    """The combine kernel's default shape for a buffer of ``layout`` on ``programs`` programs whose
+    calls hold up to ``selections`` = max_tokens * topk (token, expert) pairs, on a GPU or not.
+
+    Packed prefill on few SMs: 32 warps, steps of 4 tokens (pieces of 4 KB a row) and the whole
+    register file (64 a thread). One H200, R=1, T=4096, 32 programs, kernel p50 of 50 graph
+    replays: 198.9-199.4 us against 216.2 for 16 warps in steps of 8 (fp8 and bf16 dispatch
+    alike); without the budget ptxas keeps 4 of a step's 8 loads ahead of its first add, not 8,
+    and the same shape takes 265 us. At 132 programs it equals the default (133.2 against 133.5),
+    the rows layout is slower with it (59.0 against 42.4) and so is masked decode (5.9 against
+    4.8), so those keep the dispatch's shape. A budget of 56 spills in the send half (R >= 2)."""
+    if gpu and layout == "packed" and programs <= 64 and selections > 2048:
+        return CombineShape(32, 4, "full")
+    return CombineShape(None, None, "")
+
+
 _log = logging.getLogger("moe_ep")
 MAX_TIMEOUT_S = 1e6  # the longest deadline accepted (about 11.6 days); there is no "no deadline"
 
@@ -153,14 +178,18 @@ class EPBuffer:
             # programs, fp8: dispatch 60.4 -> 56.6 us, combine 50.8 -> 47.5 us against 16 warps).
             warps = 32
         self.num_warps = int(os.environ.get("MOE_EP_NUM_WARPS", warps))
-        # The combine kernel's warps when they should differ from the dispatch's (None: num_warps);
-        # MOE_EP_COMBINE_WARPS, for tuning (validated with the other tuning variables below).
+        # The combine kernel's shape where it differs from the dispatch's (``combine_shape``): its
+        # warps (None: num_warps), and below its tokens per receive step. MOE_EP_COMBINE_WARPS
+        # overrides, for tuning (validated with the other tuning variables below).
+        shape = combine_shape(layout, num_programs, max_tokens * topk, self.device.type == "cuda")
         cw = os.environ.get("MOE_EP_COMBINE_WARPS", "")
-        self.combine_warps = int(cw) if cw in _WARPS else None
-        # The registers a thread of the dispatch and combine kernels may use, for tuning
-        # (MOE_EP_MAXNREG, as ``register_budget`` reads it; unset: ptxas's own choice).
-        self._maxnreg = os.environ.get("MOE_EP_MAXNREG", "")
-        register_budget(self._maxnreg, 1, "MOE_EP_MAXNREG")  # (checked here, before any memory)
+        self.combine_warps = int(cw) if cw in _WARPS else shape.warps
+        # The registers a thread of the dispatch and of the combine kernel may use (specs as
+        # ``register_budget`` reads them; "": ptxas's own choice): the dispatch none, the combine
+        # its shape's. MOE_EP_MAXNREG sets both, for tuning (checked here, before any memory).
+        maxnreg = os.environ.get("MOE_EP_MAXNREG", "")
+        register_budget(maxnreg, 1, "MOE_EP_MAXNREG")
+        self.dispatch_maxnreg, self.combine_maxnreg = maxnreg, maxnreg or shape.maxnreg
         # Bytes a program moves per loop step scale with these (payload tiles): ``tile`` for
         # dispatch's loops, ``combine_tile`` for combine's send half (the owner's pre-reduction for
         # a peer), ``combine_recv_tile`` for its receive half (the sum of the owners' rows, and this
@@ -233,7 +262,7 @@ class EPBuffer:
         # 159.7 against 150.2 at 132 (8 warps there). The rows layout keeps whole chunks (43.8 us
         # against 46.6 in steps of 32 at 32 programs). MOE_EP_COMBINE_TOKENS overrides, for tuning.
         steps = layout == "packed" or (layout == "masked" and self.num_programs <= 64)
-        step = COMBINE_STEP_TOKENS if steps else self.block_t
+        step = shape.tokens or (COMBINE_STEP_TOKENS if steps else self.block_t)
         self.combine_recv_tokens = min(self.block_t, pow2(int(ct) if ct else step))
         # Warps of the routing-histogram launch (one program per chunk): 16 for chunks of 128
         # tokens or more (one H200, rows fp8 at 32 programs: 55.9 against 56.9 us with 4; at 132
@@ -385,10 +414,16 @@ class EPBuffer:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def launch_options(self, warps: int) -> dict:
-        """The compile options of a dispatch or combine launch with ``warps`` warps a program:
-        ``num_warps``, and ``maxnreg`` where MOE_EP_MAXNREG asks for it (not under the interpreter)."""
-        return compile_options(warps, "" if self.interp else self._maxnreg)
+    def launch_options(self, kernel: str) -> dict:
+        """The compile options of this buffer's ``kernel`` launch ("dispatch" or "combine"):
+        ``num_warps``, and ``maxnreg`` where it has a register budget (not under the interpreter)."""
+        if kernel == "dispatch":
+            warps, maxnreg = self.num_warps, self.dispatch_maxnreg
+        elif kernel == "combine":
+            warps, maxnreg = self.combine_warps or self.num_warps, self.combine_maxnreg
+        else:
+            raise ValueError(f"kernel: expected 'dispatch' or 'combine', got {kernel!r}")
+        return compile_options(warps, "" if self.interp else maxnreg)
 
     # ------------------------------------------------------------------ internals
     def _signature(self, private_capacity: Optional[int], overflow_capacity: Optional[int],

@@ -178,7 +178,7 @@ def _combine_consts(buf, own_y: bool, wts: bool) -> dict:
                 BLOCK_HR=_channel_tile(buf, buf.combine_recv_tile, buf.combine_recv_tokens),
                 BLOCK_TR=buf.combine_recv_tokens,
                 STAGES=buf.stages, INTERP=buf.interp, ROWS=buf.layout == "rows", OWN_Y=own_y, WIN=wts, WOUT=wts,
-                off_comb_w=off["comb_w"], **buf.launch_options(buf.combine_warps or buf.num_warps))
+                off_comb_w=off["comb_w"], **buf.launch_options("combine"))
 
 
 def _channel_tile(buf, tile: int, tokens: Optional[int] = None) -> int:

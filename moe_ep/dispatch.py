@@ -261,4 +261,4 @@ def _dispatch_consts(buf, fp8_in: bool, direct: bool, own_x: bool) -> dict:
                 BLOCK_C=min(buf.chunks, 64), BLOCK_H=block_h, BLOCK_TS=buf.block_ts, BLOCK_HS=channels(buf.block_ts), BLOCK_EL=buf.block_el, BLOCK_W=block_w,
                 BLOCK_NB=pow2(nb, 2), STAGES=S, INTERP=buf.interp, ROWS=buf.layout == "rows", OWN_X=own_x,
                 PREFETCH=own_prefetch_depth(buf, fp8_in),
-                **buf.launch_options(buf.num_warps))
+                **buf.launch_options("dispatch"))

@@ -25,7 +25,7 @@ import sys
 import tempfile
 
 # (tokens, hidden, dispatch dtype, layout, programs, warps): prefill fp8 and bf16 packed, rows fp8
-# at 32 programs, decode masked fp8.
+# at 32 programs, decode masked fp8; warps and the combine's shape as a GPU buffer takes them.
 CONFIGS = [(4096, 7168, "fp8", "packed", 32, 16), (4096, 7168, "bf16", "packed", 132, 16),
            (4096, 7168, "fp8", "rows", 32, 32), (128, 7168, "fp8", "masked", 132, 16)]
 
@@ -36,6 +36,7 @@ def record(path: str) -> None:
 
     import moe_ep
     import moe_ep.layout
+    from moe_ep.buffer import combine_shape
     from moe_ep.kernels.aot import signature
 
     moe_ep.layout.interpreting = lambda: False  # the chunking a GPU gets
@@ -51,6 +52,13 @@ def record(path: str) -> None:
         dtype = torch.float8_e4m3fn if dt == "fp8" else torch.bfloat16
         buf = moe_ep.EPBuffer(g, 256, H, T, 8, dispatch_dtype=dtype, layout=layout, num_programs=P)
         buf.num_warps = int(os.environ.get("MOE_EP_NUM_WARPS", warps))  # (a CPU buffer's default is 4)
+        shape = combine_shape(layout, P, T * 8, gpu=True)  # (a CPU buffer's combine takes the dispatch's)
+        if not os.environ.get("MOE_EP_COMBINE_WARPS"):
+            buf.combine_warps = shape.warps
+        if not os.environ.get("MOE_EP_MAXNREG"):
+            buf.combine_maxnreg = shape.maxnreg
+        if not os.environ.get("MOE_EP_COMBINE_TOKENS") and shape.tokens:
+            buf.combine_recv_tokens = min(buf.block_t, shape.tokens)
         buf.fused, buf.interp, buf._launch = True, False, spy
         h = buf.dispatch(torch.zeros(T, H, dtype=torch.bfloat16), torch.zeros(T, 8, dtype=torch.int64),
                          torch.zeros(T, 8))

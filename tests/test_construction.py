@@ -179,6 +179,22 @@ def test_combine_warps_apply_to_combine_only(monkeypatch):
     assert warps == {"dispatch_kernel": {buf.num_warps}, "combine_kernel": {8}}, warps
 
 
+def test_combine_shape_by_default():
+    """Packed prefill on <= 64 programs of a GPU: the combine in 32 warps, steps of 4 tokens and the
+    whole register file; every other buffer the dispatch's shape (the measurements are in
+    ``combine_shape``'s docstring)."""
+    from moe_ep.buffer import CombineShape, combine_shape
+
+    few = CombineShape(32, 4, "full")
+    assert combine_shape("packed", 32, 4096 * 8, True) == few == combine_shape("packed", 64, 2049, True)
+    same = CombineShape(None, None, "")
+    for args in (("packed", 132, 4096 * 8, True), ("packed", 65, 4096 * 8, True),   # many SMs
+                 ("packed", 32, 128 * 8, True), ("packed", 32, 2048, True),       # decode sizes
+                 ("masked", 32, 4096 * 8, True), ("rows", 32, 4096 * 8, True),    # other layouts
+                 ("packed", 32, 4096 * 8, False)):                                  # CPU
+        assert combine_shape(*args) == same, args
+
+
 def test_maxnreg_reaches_the_compiled_launches(monkeypatch):
     """MOE_EP_MAXNREG=full gives the dispatch and combine launches the register file over their
     own warps (recorded as a GPU would compile them, nothing run); under the interpreter none."""
@@ -187,7 +203,9 @@ def test_maxnreg_reaches_the_compiled_launches(monkeypatch):
     monkeypatch.setenv("MOE_EP_MAXNREG", "full")
     monkeypatch.setenv("MOE_EP_COMBINE_WARPS", "8")
     with moe_ep.EPBuffer(moe_ep.EPGroup(), **BASE) as buf:
-        assert buf.launch_options(4) == {"num_warps": 4}  # interpreted: no register budget
+        assert buf.launch_options("combine") == {"num_warps": 8}  # interpreted: no register budget
+        with pytest.raises(ValueError, match="^kernel: expected 'dispatch' or 'combine', got 'route'"):
+            buf.launch_options("route")
         seen = {}
 
         def spy(key, fn, grid, args, consts, dynamic=None):

@@ -264,7 +264,7 @@ def test_cli_errors(monkeypatch, capsys):
     for bad in (["--row-bytes", "100"], ["--inflight", "3"], ["--programs", "0"], ["--maxnreg", "lots"]):
         with pytest.raises(SystemExit):
             cf.parse_args(["--device", "cpu"] + bad)
-    assert "--maxnreg: expected 'full' or a register count" in capsys.readouterr().err
+    assert "--maxnreg: expected 'none', 'full' or a register count" in capsys.readouterr().err
     assert cf.parse_args(["--device", "cpu", "--maxnreg", "full"]).maxnreg == "full"
 
 

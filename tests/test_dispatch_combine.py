@@ -96,9 +96,18 @@ def test_one_launch_at_one_rank():
     assert not fails, f"{len(fails)} failed checks:\n" + "\n".join(fails[:40])
 
 
+def _combine_step(buf) -> int:
+    """The tokens a step of combine's receive half takes by default on ``buf`` (in sub-blocks)."""
+    from moe_ep.buffer import combine_shape
+    from moe_ep.layout import COMBINE_STEP_TOKENS
+
+    shape = combine_shape(buf.layout, buf.num_programs, buf.max_tokens * buf.topk, buf.device.type == "cuda")
+    return shape.tokens or COMBINE_STEP_TOKENS
+
+
 # The tuning variables that cut a chunk into sub-blocks: the buffer attribute each sets, and its
-# default (None: the whole chunk).
-_KNOBS = {"MOE_EP_COMBINE_TOKENS": ("combine_recv_tokens", "COMBINE_STEP_TOKENS"),
+# default on a buffer (None: the whole chunk).
+_KNOBS = {"MOE_EP_COMBINE_TOKENS": ("combine_recv_tokens", _combine_step),
           "MOE_EP_OWN_TOKENS": ("block_ts", None)}
 
 
@@ -108,7 +117,6 @@ def _sub_block_worker(rank, world_size, cases, fused, var, tokens):
     import os
 
     import moe_ep
-    from moe_ep import layout
 
     attr, default = _KNOBS[var]
     group = moe_ep.EPGroup()
@@ -126,7 +134,7 @@ def _sub_block_worker(rank, world_size, cases, fused, var, tokens):
             if tokens:
                 os.environ[var] = str(tokens)
             with make_buffer(group, case) as buf:
-                step = tokens or getattr(layout, default)
+                step = tokens or default(buf)
                 if not getattr(buf, attr) == step < buf.block_t:
                     fails.append(f"{case.name}: {attr} {getattr(buf, attr)} of chunks of {buf.block_t}, "
                                  f"expected {step}")
@@ -203,10 +211,11 @@ def test_matrix_gpu(R):
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout,dtype,warps", [("packed", "fp8", ""), ("packed", "bf16", "32"), ("masked", "fp8", "32")])
 def test_register_budget_gives_the_same_bits_gpu(layout, dtype, warps, monkeypatch):
-    """MOE_EP_MAXNREG=full changes how ptxas allocates registers, not what the kernels compute: the
-    expert layout, its scales and combine's output equal the default's bit for bit (R=1, hidden
-    7168, 1024 tokens, 32 programs; a third of the tokens with one selection -1). Ranks may then
-    set it differently."""
+    """A register budget changes how ptxas allocates registers, not what the kernels compute: the
+    expert layout, its scales and combine's output with MOE_EP_MAXNREG=full equal those with none
+    bit for bit (R=1, hidden 7168, 1024 tokens, 32 programs; a third of the tokens with one
+    selection -1; packed there has the combine's budget by default). Ranks may then set it
+    differently."""
     import moe_ep
 
     dist_util.need_gpu()
@@ -219,7 +228,7 @@ def test_register_budget_gives_the_same_bits_gpu(layout, dtype, warps, monkeypat
     idx, w = idx.to(group.device), torch.rand(T, K, generator=g).to(group.device)
     monkeypatch.setenv("MOE_EP_COMBINE_WARPS", warps)
     got = []
-    for budget in ("", "full"):
+    for budget in ("none", "full"):
         monkeypatch.setenv("MOE_EP_MAXNREG", budget)
         dt = FP8 if dtype == "fp8" else torch.bfloat16
         with moe_ep.EPBuffer(group, E, H, T, K, dispatch_dtype=dt, layout=layout, num_programs=32) as buf:
@@ -243,12 +252,14 @@ def test_register_budget_gives_the_same_bits_gpu(layout, dtype, warps, monkeypat
 @pytest.mark.parametrize("R", [1, 2])
 def test_combine_in_token_sub_blocks_gpu(R):
     """Combine's receive half in sub-blocks on the GPU (ranks sharing it when fewer than R), at
-    prefill chunk sizes: packed, and masked on 32 programs, with 4096 tokens (chunks of 16) in
-    the default steps of 8 tokens; the rows layout on 2 programs (chunks of 128) in steps of 2
-    by the knob."""
+    prefill chunk sizes, with 4096 tokens (chunks of 16) in the default steps: packed on every
+    SM and masked on 32 programs in steps of 8 tokens, packed on 32 programs in steps of 4 with
+    32 warps and a register budget (``combine_shape``); the rows layout on 2 programs (chunks of
+    128) in steps of 2 by the knob."""
     dist_util.need_gpu()
     cases = [Case(R=R, E=2 * R, K=2, dtype="fp8", layout="masked", M=4096, programs=32, data="random", seed=84),
-             Case(R=R, E=4 * R, K=8, dtype="bf16", layout="packed", align=16, M=4096, seed=85, late_weights=True)]
+             Case(R=R, E=4 * R, K=8, dtype="bf16", layout="packed", align=16, M=4096, seed=85, late_weights=True),
+             Case(R=R, E=4 * R, K=8, dtype="fp8", layout="packed", M=4096, programs=32, data="random", seed=87)]
     rows = [Case(R=R, E=2 * R, K=3, dtype="fp8", layout="rows", M=256, programs=2, data="random", seed=86)]
     backend = dist_util.gpu_backend(R)
     knob = "MOE_EP_COMBINE_TOKENS"

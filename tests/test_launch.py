@@ -321,10 +321,11 @@ def test_register_budget():
     """maxnreg specs: none, the register file over a program's threads, a count capped by it;
     anything else is refused naming the caller's variable."""
     assert L.register_budget("", 16) is None and L.compile_options(16) == {"num_warps": 16}
+    assert L.register_budget("none", 32) is None and L.compile_options(32, "none") == {"num_warps": 32}
     assert L.register_budget("full", 16) == 128 and L.register_budget("full", 32) == 64
     assert L.register_budget("96", 16) == 96 and L.register_budget("96", 32) == 64
     assert L.compile_options(32, "full") == {"num_warps": 32, "maxnreg": 64}
     assert L.register_budget("full", 4) == 255  # (the most a thread can address)
     for bad in ("8", "256", "many", "-64", " 64"):
-        with pytest.raises(ValueError, match=f"^MOE_EP_MAXNREG: expected 'full' or a register count .*got '{bad}'"):
+        with pytest.raises(ValueError, match=f"^MOE_EP_MAXNREG: expected 'none', 'full' or a register count .*got '{bad}'"):
             L.register_budget(bad, 16, "MOE_EP_MAXNREG")

@@ -54,14 +54,14 @@ REGISTERS_PER_SM = 65536  # 32-bit registers of an SM's register file (sm_80, sm
 
 
 def register_budget(spec: str, warps: int, name: str = "maxnreg") -> Optional[int]:
-    """``maxnreg`` for a program of ``warps`` warps from ``spec``: "" (None: ptxas chooses), "full"
-    (the register file over the program's threads) or a count (at most that). Raises ValueError
-    naming ``name`` for any other spec. ptxas left to itself may keep fewer loads in flight than
-    the registers allow (sm_90, a combine step at 32 warps: 45 registers and 4 of 8 loads ahead;
-    56 and all 8 given 64)."""
-    if spec not in ("", "full") and not (spec.isdigit() and 16 <= int(spec) <= 255):
-        raise ValueError(f"{name}: expected 'full' or a register count from 16 to 255, got {spec!r}")
-    if not spec:
+    """``maxnreg`` for a program of ``warps`` warps from ``spec``: "" or "none" (None: ptxas
+    chooses), "full" (the register file over the program's threads) or a count (at most that).
+    Raises ValueError naming ``name`` for any other spec. ptxas left to itself may keep fewer
+    loads in flight than the registers allow (sm_90, a combine step at 32 warps: 45 registers and
+    4 of 8 loads ahead; 56 and all 8 given 64)."""
+    if spec not in ("", "none", "full") and not (spec.isdigit() and 16 <= int(spec) <= 255):
+        raise ValueError(f"{name}: expected 'none', 'full' or a register count from 16 to 255, got {spec!r}")
+    if spec in ("", "none"):
         return None
     full = min(REGISTERS_PER_SM // (32 * warps), 255)  # (255: the most a thread can address)
     return full if spec == "full" else min(int(spec), full)
