@@ -343,7 +343,7 @@ def test_new_output_is_a_fresh_tensor():
 
     buf = SimpleNamespace(hidden=24, _out_one=torch.empty(1, 1, dtype=torch.bfloat16), _out_like={})
     seen = []
-    for T in (5, 5, 0, 7, 5):
+    for T in (5, 5, 0, 1, 7, 5):
         out = new_output(buf, T)
         assert out.shape == (T, 24) and out.dtype == torch.bfloat16 and out.is_contiguous(), out
         assert out.untyped_storage().nbytes() >= T * 24 * 2
