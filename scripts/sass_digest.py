@@ -10,10 +10,15 @@ stand for a GPU buffer's defaults, ``MOE_EP_NUM_WARPS`` replaces them).
     python scripts/sass_digest.py   # a line per launch: config, kernel, digest, SASS lines, registers, stack
     SASS_LOOPS=1 python scripts/sass_digest.py   # and under each, its loops that store: how many of a
                                                  # step's loads go out before its first float op
+    SASS_NODE=2 python scripts/sass_digest.py    # each combine also as a node of 2 ranks compiles it
+                                                 # (line "...-N2": its send half, R >= 2)
 
 Why the loop lines: the prefill loops' times followed how many of a step's loads are issued before
 the math starts (ptxas may sink loads to save registers), not their shape (PERFORMANCE.md,
-"Thirteenth pass").
+"Thirteenth pass"). Why SASS_NODE: the launches are recorded on one CPU rank, whose combine has
+no send half; the N2 line compiles the same launch with the node size set to 2 (its workspace
+offsets stay the one-rank buffer's: right for registers, spills and loop schedules, which is
+what it is for, not a kernel to run), as a register budget may spill there only.
 """
 import hashlib
 import importlib
@@ -74,7 +79,14 @@ def digest(path: str) -> None:
     from moe_ep.kernels.aot import compile_for
 
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    launches = []
     for name, mod, kernel, spec in pickle.load(open(path, "rb")):
+        launches.append((name, mod, kernel, spec))
+        node = int(os.environ.get("SASS_NODE") or 1)
+        if kernel == "combine_kernel" and node > 1:
+            launches.append((f"{name}-N{node}", mod, kernel,
+                             {**spec, "consts": {**spec["consts"], "N": node, "RANK": 0, "NODE0": 0}}))
+    for name, mod, kernel, spec in launches:
         k = compile_for(getattr(importlib.import_module(mod), kernel), spec)
         cubin = path + ".cubin"
         open(cubin, "wb").write(k.asm["cubin"])
