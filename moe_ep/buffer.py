@@ -372,7 +372,7 @@ class EPBuffer:
                 received row (rows ``< num_recv`` read); their sums over ranks come back with ``out``.
             out: optional ``[T, H]`` bfloat16 contiguous tensor on the buffer's device to write the
                 result into (it is returned), saving an allocation per call; it must not overlap
-                ``expert_y``, and it is written on the current stream when the combine runs, so it
+                ``expert_y`` (``ValueError``), and it is written on the current stream when the combine runs, so it
                 must stay alive (and unread by other streams) until then. A float32 ``out`` gets the
                 float32 sum itself, not rounded (for a caller that adds a bias or a residual before
                 the one rounding to bf16). Default: a new bfloat16 tensor.

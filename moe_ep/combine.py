@@ -33,10 +33,15 @@ def replayed(buf, expert_y, handle, out):
         got[0].run(buf._launch.stream(), (got[1][0], out.data_ptr()))
     else:
         got = buf._replays[3].latest((expert_y, out), T)
-        if got is None:
-            return None
+        if got is None or _spans_meet(*got[1], *got[0].value):
+            return None  # (an out over expert_y: combine raises the error)
         got[0].run(buf._launch.stream(), got[1])
     return _combined(buf, out, None)
+
+
+def _spans_meet(p: int, q: int, p_bytes: int, q_bytes: int) -> bool:
+    """Whether the byte spans [p, p + p_bytes) and [q, q + q_bytes) share a byte."""
+    return p < q + q_bytes and q < p + p_bytes
 
 
 def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False, topk_weights=None, out=None,
@@ -51,6 +56,11 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
                          "(combine the latest dispatch, or use one buffer per in-flight layer)")
     rows = buf.layout == "rows"
     T = handle.num_tokens
+    if isinstance(out, torch.Tensor) and isinstance(expert_y, torch.Tensor) and \
+            _spans_meet(expert_y.data_ptr(), out.data_ptr(), expert_y.nbytes, out.nbytes):
+        # (checked before any launch, replayed or not: the kernel would read rows it has overwritten)
+        raise ValueError("out: overlaps expert_y in memory (combine reads expert_y while it writes out); "
+                         "pass a separate tensor")
     # Replays (moe_ep.replay): plain calls only; combine-time weights and hooks take the full path.
     replayable = topk_weights is None and not return_recv_hook
     # One Replay per set of inputs: without and with out (T comes from the handle, not a shape).
@@ -113,7 +123,9 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
         if not return_recv_hook:
             launches = launch_halves(buf, key, combine_kernel, args, dyn, consts,
                                      lambda: buf._host_wait_combine(epoch, T))
-            replay.record(sig, tensors, launches, (ptrs[0], base.data_ptr()) if sig is not None else (), None)
+            # (value: with the caller's out, the bytes of expert_y and out, which the entry's guard fixes)
+            spans = (expert_y.nbytes, tensors[1].nbytes) if len(tensors) == 2 else None
+            replay.record(sig, tensors, launches, (ptrs[0], base.data_ptr()) if sig is not None else (), spans)
             recv = None
         else:
             launch_half(buf, key, combine_kernel, args, dyn, consts, True, False)

@@ -182,8 +182,8 @@ def test_changed_inputs_are_validated_on_the_fast_path():
 
 def _fast_path_checks_worker(rank, world_size):
     """Once calls replay, the fast path still refuses what the full path refuses (a pending
-    receive hook, a stale handle, a kernel's error record, a closed buffer), with the full
-    path's error and no replayed launch."""
+    receive hook, a stale handle, an ``out`` over ``expert_y``, a kernel's error record, a closed
+    buffer), with the full path's error and no replayed launch."""
     import moe_ep
 
     group = moe_ep.EPGroup()
@@ -223,6 +223,10 @@ def _fast_path_checks_worker(rank, world_size):
     hook()
     refused("combine of a stale handle", lambda: buf.combine(y, old), ValueError, "stale")
     buf.combine(y, h)
+    buf.combine(y, h, out=torch.empty(T, H, dtype=torch.bfloat16))  # the latest combine(out=) again
+    yy = torch.zeros_like(y)
+    over = yy.view(-1)[:T * H].view(T, H)  # an out like the last one, but over the rows of yy
+    refused("combine into an out over expert_y", lambda: buf.combine(yy, h, out=over), ValueError, "overlaps expert_y")
     buf.err[:5] = torch.tensor([1, 0, 0, 7, 0])  # as a kernel records a timeout waiting for rank 0
     refused("dispatch after a kernel's error", lambda: buf.dispatch(x, idx, w), moe_ep.CommTimeoutError, "rank 0")
     refused("dispatch of a broken buffer", lambda: buf.dispatch(x, idx, w), moe_ep.BufferBrokenError, "unusable")
