@@ -1,7 +1,8 @@
 """Build script. Metadata lives in pyproject.toml; this file finds the packages (``moe_ep`` and
 its subpackages, nothing else at top level: the bench harness is ``moe_ep.bench``) and the native
-proxy engine (csrc/proxy, plain C++17 with a C API loaded through ctypes: no Python headers,
-no CUDA, no RDMA libraries needed: libibverbs is opened at run time when present)."""
+proxy engine (csrc/proxy, plain C++17 with a C API loaded through ctypes: no CUDA, no RDMA
+libraries needed: libibverbs is opened at run time when present; Python's headers only for the
+one launch function of csrc/proxy/launch.cc, in the stable ABI)."""
 import glob
 import json
 

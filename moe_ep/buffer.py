@@ -345,8 +345,8 @@ class EPBuffer:
             ``DispatchResult`` (views of buffer memory, valid until the next dispatch), or
             ``(DispatchResult, hook)`` with ``return_recv_hook``.
         """
-        tried = x_scales is None and not return_recv_hook and self._replay_ready()
-        if tried:
+        tried = x_scales is None and not return_recv_hook
+        if tried:  # the eager fast path: a call like the latest replayed one (dispatch.replayed)
             result = _dispatch.replayed(self, x, topk_idx, topk_weights)
             if result is not None:
                 return result
@@ -383,8 +383,8 @@ class EPBuffer:
             tokens sent nowhere. Rows with ``topk_weights``: ``(out, w)``, ``w`` float32 ``[T, K]`` the
             sum over ranks of the rows' ``topk_weights``. With ``return_recv_hook``: ``(that, hook)``.
         """
-        tried = topk_weights is None and not return_recv_hook and self._replay_ready()
-        if tried:
+        tried = topk_weights is None and not return_recv_hook
+        if tried:  # the eager fast path: a call like the latest replayed one (combine.replayed)
             result = _combine.replayed(self, expert_y, handle, out)
             if result is not None:
                 return result

@@ -21,22 +21,33 @@ _WEIGHTED_DYNAMIC = _DYNAMIC + arg_positions(combine_kernel, "wy_ptr", "wout_ptr
 def replayed(buf, expert_y, handle, out):
     """The eager fast path of a combine without combine-time weights or a hook: as
     ``dispatch.replayed`` (the latest replayed combine with or without ``out``, for the latest
-    dispatch's handle); returns the output, or None where the path does not apply."""
-    if type(handle) is not DispatchResult or handle._buffer is not buf or handle._serial != buf._serial:
+    dispatch's handle, its ``Replay.latest`` and the buffer's checks written out); returns the
+    output, or None where the path does not apply (then ``combine`` decides, with every check)."""
+    if (type(handle) is not DispatchResult or handle._buffer is not buf or handle._serial != buf._serial
+            or not buf._replay_ready()):
         return None  # (combine raises the error)
     T = handle.num_tokens
     if out is None:
-        got = buf._replays[2].latest((expert_y,), T)
-        if got is None:
+        last = buf._replays[2].last
+        if last is None or last.extra != T or not last.guard.check(expert_y):
+            return None
+        p = expert_y.data_ptr()
+        if p & 15:  # (the guard was kept only for an entry whose pointers were all aligned)
             return None
         out = new_output(buf, T)
-        got[0].run(buf._launch.stream(), (got[1][0], out.data_ptr()))
+        last.run(buf._launch.stream(), (p, out.data_ptr()))
     else:
-        got = buf._replays[3].latest((expert_y, out), T)
-        if got is None or _spans_meet(*got[1], *got[0].value):
+        last = buf._replays[3].last
+        if last is None or last.extra != T or not last.guard.check(expert_y, out):
+            return None
+        p, q = expert_y.data_ptr(), out.data_ptr()
+        if (p | q) & 15 or _spans_meet(p, q, *last.value):
             return None  # (an out over expert_y: combine raises the error)
-        got[0].run(buf._launch.stream(), got[1])
-    return _combined(buf, out, None)
+        last.run(buf._launch.stream(), (p, q))
+    buf._epochs[1] += 1
+    if buf.interp:
+        buf._check_usable()
+    return out
 
 
 def _spans_meet(p: int, q: int, p_bytes: int, q_bytes: int) -> bool:

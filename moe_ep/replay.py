@@ -92,7 +92,9 @@ class Replay:
 
     def __init__(self):
         self._entries: dict = {}
-        self._last: Optional[_Entry] = None  # the latest hit whose guard can be tried first
+        # The latest hit whose guard can be tried first (None: none yet). Read by the ops' eager
+        # fast paths (``dispatch.replayed``, ``combine.replayed``), which inline ``latest``.
+        self.last: Optional[_Entry] = None
 
     def find(self, tensors: tuple, extra=None,
              latest_tried: bool = False) -> tuple[Optional[_Entry], Optional[tuple], list]:
@@ -111,7 +113,7 @@ class Replay:
         sig = (sig, extra)
         entry = self._entries.get(sig)
         if entry is not None and entry.guard is not None:
-            self._last = entry
+            self.last = entry
         return entry, sig, ptrs
 
     def latest(self, tensors: tuple, extra=None) -> Optional[tuple]:
@@ -119,7 +121,7 @@ class Replay:
         (its guard passes and every pointer is 16-byte aligned), else None: one C call and the
         pointer reads, the whole lookup of an eager call in the common case (``find`` decides
         the rest)."""
-        last = self._last
+        last = self.last
         if last is not None and last.extra == extra and last.guard.check(*tensors):
             ptrs, low = _POINTERS[len(tensors)](*tensors)
             if not low:  # the guard is kept only for entries whose pointers were all aligned
@@ -153,4 +155,4 @@ class Replay:
         aligned = all(p & 15 == 0 for _, _, _, _, p in sig[0])
         self._entries[sig] = entry = _Entry(tuple(steps), value, sig[1], guard(tensors) if aligned else None)
         if entry.guard is not None:
-            self._last = entry
+            self.last = entry

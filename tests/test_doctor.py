@@ -89,7 +89,7 @@ def test_report_on_fake_sysfs(tmp_path):
 def test_dmabuf_support_detection(tmp_path, monkeypatch):
     """GPU memory registration support: ibv_reg_dmabuf_mr in libibverbs, the CUDA driver's dma-buf
     export, nvidia-peermem (sysfs), and what the transport would use from them."""
-    from test_verbs_transport import fake_cuda_lib
+    from stand_in_cuda import fake_cuda_lib
 
     root = make_sysfs(str(tmp_path / "sys"))
     monkeypatch.setenv("MOE_EP_IBVERBS_LIB", "libmissing-ibverbs.so.1")

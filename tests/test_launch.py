@@ -238,6 +238,60 @@ def test_native_plan_packs_every_parameter_and_patches_the_dynamic_ones():
     assert plan.bind((x, y, 78, 1, 0.75, True), [0]) is not bound
 
 
+def test_native_launch_hands_the_driver_the_packed_plan(tmp_path, monkeypatch):
+    """A native plan's launch through a stand-in CUDA driver: cuLaunchKernel gets the plan's
+    function, grid, block, shared memory and the stream, and parameter bytes equal to what
+    ``packed`` says for the same values (checked against C's layout above); a bound launch the
+    same with its fixed values; a launch failing in the driver raises RuntimeError with the
+    driver's message; a wrong count of values or a non-int is refused before the plan's stage is
+    touched (the next launch still passes the earlier values)."""
+    import ctypes
+    from stand_in_cuda import FakeLaunch, fake_cuda_lib
+
+    lib = fake_cuda_lib(tmp_path)
+    monkeypatch.setenv("MOE_EP_CUDA_LIB", lib)
+    drv = ctypes.CDLL(lib)
+    drv.fake_cuda_launches.restype = ctypes.c_long
+    x, y = torch.zeros(8, dtype=torch.bfloat16), torch.zeros(8, dtype=torch.int32)
+    args = (x, y, 5, 1, 0.75, True)
+    compiled = _fake_compiled(_SIG, num_warps=8, shared=4096)
+    compiled.function = 0x5EED
+    plan = L.NativePlan(compiled, 3, args, dict(BLOCK=16), (0, 2), _Fn.arg_names)
+    drv.fake_cuda_expect_params(6)  # x, y, T, scale, flag and the two scratch pointers: the last at 6
+
+    def last() -> FakeLaunch:
+        got = FakeLaunch()
+        drv.fake_cuda_last_launch(ctypes.byref(got))
+        return got
+
+    def check(launched, values, stream, bound=None):
+        got = last()
+        assert (got.function, got.stream, tuple(got.grid), tuple(got.block), got.shared) == \
+            (0x5EED, stream, (3, 1, 1), (256, 1, 1), 4096)
+        want = (bound or plan._all).packed(values)
+        assert bytes(got.params[:len(want)]) == want
+
+    n0 = drv.fake_cuda_launches()
+    plan.launch((x, y, 9, 1, 0.75, True), stream=0xABC)
+    assert drv.fake_cuda_launches() == n0 + 1
+    check(plan, [x.data_ptr(), 9], 0xABC)
+    bound = plan.bind((x, y, 77, 1, 0.75, True), [0])
+    bound.launch(0xDEF, (x.data_ptr() + 64,))
+    check(bound, [x.data_ptr() + 64], 0xDEF, bound)
+    for bad, err in (((1, 2), ValueError), (["p"], TypeError), ({1}, TypeError)):
+        with pytest.raises(err):
+            bound.launch(0x123, bad)
+    assert drv.fake_cuda_launches() == n0 + 2
+    drv.fake_cuda_set_launch_result(700)
+    try:
+        with pytest.raises(RuntimeError, match="moe_ep native launch: cuLaunchKernel failed: .*illegal memory access"):
+            bound.launch(0xDEF, [x.data_ptr()])
+    finally:
+        drv.fake_cuda_set_launch_result(0)
+    bound.launch(0xDEF, [x.data_ptr() + 128])
+    check(bound, [x.data_ptr() + 128], 0xDEF, bound)
+
+
 def test_plan_choice(monkeypatch):
     """Native where it packs exactly what Triton passes; Triton's launcher for what it does not
     cover or when MOE_EP_LAUNCH=triton; kernel[grid] when a changing value was compiled in."""

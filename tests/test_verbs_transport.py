@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import sysconfig
 import textwrap
 import threading
 import time
@@ -21,6 +22,8 @@ import types
 
 import numpy as np
 import pytest
+
+from stand_in_cuda import fake_cuda_lib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -156,12 +159,14 @@ def test_library_does_not_need_rdma_core():
     """No source includes rdma-core headers, the library links neither libibverbs nor libefa, and
     without libibverbs it still imports and runs the TCP transport."""
     srcs = sorted(os.path.join(SRC, f) for f in os.listdir(SRC) if f.endswith(".cc"))
-    deps = subprocess.run([os.environ.get("CXX", "c++"), "-std=c++17", "-M", *srcs], capture_output=True, text=True)
+    py = "-I" + sysconfig.get_paths()["include"]  # (launch.cc's Python function)
+    deps = subprocess.run([os.environ.get("CXX", "c++"), "-std=c++17", py, "-M", *srcs], capture_output=True, text=True)
     assert deps.returncode == 0, deps.stderr
     assert "infiniband/" not in deps.stdout and "/rdma/" not in deps.stdout  # rdma-core's header directories
     lib_path = N.lib()._name
     needed = subprocess.run(["readelf", "-d", lib_path], capture_output=True, text=True).stdout
     assert "NEEDED" in needed and "ibverbs" not in needed and "efa" not in needed and "cuda" not in needed
+    assert "libpython" not in needed  # launch.cc uses Python's stable ABI from the process that loads it
     r = _run_py("""
         import numpy as np
         ok, why = N.verbs_probe()
@@ -273,51 +278,6 @@ def test_shard_bounds_arithmetic():
 
 
 # ---------------------------------------------------------------- GPU memory: the CUDA driver's part, with a stand-in driver
-
-# A stand-in CUDA driver (the three entry points the transport uses, by cuda.h's signatures): the
-# range FAKE_CUDA_DEVICE="ADDR:LEN" is "device memory"; cuMemGetHandleForAddressRange logs its
-# arguments to FAKE_CUDA_LOG and returns a memfd (not a dma-buf, so a NIC refuses it), or fails
-# with CUDA_ERROR_NOT_SUPPORTED (801) under FAKE_CUDA_DMABUF_FAIL.
-_FAKE_CUDA = r"""
-#include <stdio.h>
-#include <stdlib.h>
-#include <sys/mman.h>
-extern "C" {
-typedef int CUresult;
-typedef unsigned long long CUdeviceptr;
-static int in_range(CUdeviceptr p) {
-  const char* r = getenv("FAKE_CUDA_DEVICE");
-  unsigned long long lo, n;
-  return r && sscanf(r, "%llu:%llu", &lo, &n) == 2 && p >= lo && p < lo + n;
-}
-CUresult cuPointerGetAttribute(void* data, int attribute, CUdeviceptr ptr) {
-  if (attribute != 2 || !in_range(ptr)) return 1;  /* CUDA_ERROR_INVALID_VALUE */
-  *(unsigned*)data = 2;                            /* CU_MEMORYTYPE_DEVICE */
-  return 0;
-}
-CUresult cuMemGetHandleForAddressRange(void* handle, CUdeviceptr dptr, size_t size, int type, unsigned long long flags) {
-  const char* log = getenv("FAKE_CUDA_LOG");
-  if (log) { FILE* f = fopen(log, "a"); fprintf(f, "%llu %zu %d %llu\n", dptr, size, type, flags); fclose(f); }
-  if (getenv("FAKE_CUDA_DMABUF_FAIL")) return 801;
-  int fd = memfd_create("fake-dmabuf", 0);
-  if (fd < 0) return 999;
-  *(int*)handle = fd;
-  return 0;
-}
-CUresult cuGetErrorString(CUresult e, const char** s) { *s = e == 801 ? "operation not supported" : "unknown error"; return 0; }
-}
-"""
-
-
-def fake_cuda_lib(tmp_dir) -> str:
-    """Builds the stand-in CUDA driver into tmp_dir; returns its path."""
-    src, out = os.path.join(str(tmp_dir), "fake_cuda.cc"), os.path.join(str(tmp_dir), "libfakecuda.so.1")
-    with open(src, "w") as f:
-        f.write(_FAKE_CUDA)
-    r = subprocess.run([os.environ.get("CXX", "c++"), "-shared", "-fPIC", "-O1", src, "-o", out], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    return out
-
 
 def test_gpu_memory_selection_with_a_stand_in_driver(tmp_path):
     """Which memory registration takes for device memory: host unless the CUDA driver (only if

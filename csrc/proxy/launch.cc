@@ -7,6 +7,16 @@
 // (host memory it packs directly, so a launch is one ctypes call with one small int) and
 // moe_ep_launch copies them into their parameters and launches. libcuda is opened at run time
 // (cuda_mem.cc): nothing here needs CUDA to build.
+//
+// The eager path calls `launch` instead, a Python function this file defines (moe_ep_launch_function):
+// it takes the stream and the slot values as Python ints and launches in one call, with no ctypes
+// conversion and no packing in Python (0.44 -> ~0.1 us a launch on a CPU). It uses only Python's
+// stable ABI, so one library serves every Python from 3.10 on; it is the one file here that
+// includes Python.h (the rest is plain C++ behind a C API).
+#define PY_SSIZE_T_CLEAN
+#define Py_LIMITED_API 0x030A0000
+#include <Python.h>
+
 #include <cstdint>
 #include <cstring>
 #include <mutex>
@@ -146,6 +156,70 @@ int moe_ep_launch(int id) {
                            reinterpret_cast<void*>(p->stage[0]), p->params.data(), nullptr);
   if (rc != 0) return moe_ep::set_error(rc, "cuLaunchKernel failed: " + moe_ep::cuda_error_string(rc));
   return 0;
+}
+
+}  // extern "C"
+#pragma GCC visibility pop
+
+namespace {
+
+// launch(plan_id, stream, values): plan `plan_id` launched on `stream` (an int, the CUstream) with
+// `values` (a tuple or list of ints, one per slot; their low 64 bits). All arguments are read
+// before the plan's stage is touched. Raises TypeError / ValueError for wrong arguments and
+// RuntimeError("moe_ep native launch: ...") when the launch fails.
+PyObject* py_launch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3) {
+    PyErr_Format(PyExc_TypeError, "launch(plan_id, stream, values): takes 3 arguments, got %zd", nargs);
+    return nullptr;
+  }
+  const long id = PyLong_AsLong(args[0]);
+  if (id == -1 && PyErr_Occurred()) return nullptr;
+  Plan* p = id >= 0 && id < kMaxPlans ? plan_of(int(id)) : nullptr;
+  if (!p) {
+    PyErr_Format(PyExc_ValueError, "launch: plan_id %ld names no plan", id);
+    return nullptr;
+  }
+  uint64_t stage[1 + kMaxSlots];
+  stage[0] = PyLong_AsUnsignedLongLongMask(args[1]);
+  if (stage[0] == ~uint64_t(0) && PyErr_Occurred()) return nullptr;
+  PyObject* values = args[2];
+  const bool tuple = PyTuple_Check(values);
+  if (!tuple && !PyList_Check(values)) {
+    PyErr_SetString(PyExc_TypeError, "launch: values must be a tuple or a list of ints");
+    return nullptr;
+  }
+  const Py_ssize_t n = tuple ? PyTuple_Size(values) : PyList_Size(values);
+  if (n != p->nslots) {
+    PyErr_Format(PyExc_ValueError, "launch: plan %ld has %d slots, got %zd values", id, p->nslots, n);
+    return nullptr;
+  }
+  for (Py_ssize_t k = 0; k < n; ++k) {  // borrowed references
+    PyObject* v = tuple ? PyTuple_GetItem(values, k) : PyList_GetItem(values, k);
+    stage[1 + k] = PyLong_AsUnsignedLongLongMask(v);
+    if (stage[1 + k] == ~uint64_t(0) && PyErr_Occurred()) return nullptr;
+  }
+  std::memcpy(p->stage, stage, sizeof(uint64_t) * (1 + n));
+  if (moe_ep_launch(int(id)) != 0) {
+    PyErr_Format(PyExc_RuntimeError, "moe_ep native launch: %s", moe_ep::thread_error().c_str());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+PyMethodDef g_launch_def = {"launch", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_launch)),
+                            METH_FASTCALL,
+                            "launch(plan_id, stream, values): a native plan launched with its slot values"};
+
+}  // namespace
+
+#pragma GCC visibility push(default)
+extern "C" {
+
+// The Python function `launch` above: a borrowed reference to an object kept for the life of the
+// process (ctypes' py_object result takes its own reference). Call with the GIL held (ctypes.PyDLL).
+PyObject* moe_ep_launch_function() {
+  static PyObject* fn = PyCFunction_New(&g_launch_def, nullptr);
+  return fn;
 }
 
 }  // extern "C"

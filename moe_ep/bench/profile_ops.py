@@ -137,8 +137,8 @@ def main(argv=None) -> None:
         e1 = _host_us(lambda: launch(_empty_kernel, 1, (a, 3), {}), 1000)
         e2 = _host_us(lambda: _empty_kernel[(1,)](a, 3), 1000)
         lines.append(f"empty kernel launch, host: moe_ep launch() {e1:.1f} us, kernel[grid] {e2:.1f} us")
-        # what one launch costs below Python: a bound plan (pack + one ctypes call + cuLaunchKernel),
-        # a ctypes call that does nothing, and a tiny torch op for comparison
+        # what one launch costs below Python: a bound plan (one call of the library's launch
+        # function: cuLaunchKernel), a ctypes call that does nothing, and a tiny torch op for comparison
         la = Launcher(dev)
         plan = la(("empty",), _empty_kernel, 1, (a, 3), {}, (0,))
         if isinstance(plan, NativePlan):

@@ -24,6 +24,7 @@ callers without a buffer. Under the interpreter the plain ``kernel[grid]`` path 
 from __future__ import annotations
 
 import ctypes
+import functools
 import inspect
 import os
 import struct
@@ -170,7 +171,12 @@ class NativeUnavailable(Exception):
 
 
 class _Native:
-    """One native plan (csrc/proxy/launch.cc) patching ``slots`` (parameter indices) per launch."""
+    """One native plan (csrc/proxy/launch.cc) patching ``slots`` (parameter indices) per launch.
+
+    ``launch(stream, values)`` launches it on ``stream`` with ``values`` (one per slot: pointers,
+    or ints as ``_raw`` gives them); raises RuntimeError with the driver's message when the launch
+    fails. It is the library's ``launch`` function with this plan's id bound (one C call, no
+    Python frame: the eager path's every launch)."""
 
     def __init__(self, function: int, grid: int, block: int, shared: int, sizes: list, values: list, slots: list):
         nat = _native_lib()
@@ -183,22 +189,13 @@ class _Native:
         if self.id < 0:
             raise NativeUnavailable(nat.last_error())
         self.nslots = len(slots)
+        self.launch = functools.partial(launch_function(), self.id)
         self.stage = (ctypes.c_uint64 * (1 + len(slots))).from_address(L.moe_ep_launch_plan_stage(self.id))
-        # unsigned: values come as _raw gives them (two's complement); the C side keeps the low bytes
-        self._pack = struct.Struct(f"<{1 + len(slots)}Q").pack_into
-        self._go = _hot().moe_ep_launch
         self.params = L.moe_ep_launch_plan_params
-
-    def launch(self, stream: int, values) -> None:
-        """Launches on ``stream`` with ``values`` (one per slot: pointers, or ints as ``_raw`` gives them)."""
-        self._pack(self.stage, 0, stream, *values)
-        if self._go(self.id):
-            nat = _native_lib()
-            raise RuntimeError(f"moe_ep native launch: {nat.last_error()}")
 
     def packed(self, values) -> bytes:
         """The parameter bytes a launch with ``values`` passes (what ``launch`` would hand the driver)."""
-        self._pack(self.stage, 0, 0, *(v & (2**64 - 1) for v in values))
+        self.stage[:] = [0, *(v & (2**64 - 1) for v in values)]
         buf = ctypes.create_string_buffer(4096)
         n = self.params(self.id, buf, len(buf))
         return buf.raw[:n]
@@ -209,16 +206,27 @@ class _Native:
 
 
 _HOT = None
+_LAUNCH = None
 
 
 def _hot():
-    """The library again through ctypes.PyDLL for ``moe_ep_launch``: it keeps the GIL (no release
-    and re-take around a call of ~1 us that never blocks), and with no argtypes its one small int
-    argument converts cheaply."""
+    """The library again through ctypes.PyDLL: its calls keep the GIL (no release and re-take
+    around a call that never blocks)."""
     global _HOT
     if _HOT is None:
         _HOT = ctypes.PyDLL(_native_lib().lib()._name)
     return _HOT
+
+
+def launch_function():
+    """The library's ``launch(plan_id, stream, values)`` (csrc/proxy/launch.cc): a native plan
+    launched with its slot values in one C call."""
+    global _LAUNCH
+    if _LAUNCH is None:
+        f = _hot().moe_ep_launch_function
+        f.restype = ctypes.py_object
+        _LAUNCH = f()
+    return _LAUNCH
 
 
 class NativePlan:
@@ -344,6 +352,9 @@ class Launcher:
         self.path = launch_path() if device is not None else None  # a buffer's: its env checked at construction
         self.device_index = device.index if device is not None and device.type == "cuda" else None
         self._plans: dict = {}
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # (absent from CPU builds)
+        if self.device_index is not None and raw is not None:  # the method without its Python frame (every launch)
+            self.stream = functools.partial(raw, self.device_index)
 
     def stream(self) -> int:
         """The current CUDA stream of this launcher's device (its raw handle)."""

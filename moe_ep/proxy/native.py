@@ -21,6 +21,7 @@ import math
 import os
 import re
 import subprocess
+import sysconfig
 import threading
 from typing import NamedTuple, Sequence
 
@@ -68,7 +69,8 @@ def _build_from_source() -> str:
     flags = ["-O2", "-std=c++17", "-pthread", "-fPIC", "-shared", "-fvisibility=hidden"]
     # The flags, recorded in the library for build_info() (csrc/proxy/capi.cc: moe_ep_build_info).
     record = "-DMOE_EP_BUILD_FLAGS=" + json.dumps(f"{' '.join(flags)} (in-tree build by moe_ep.proxy.native, {cxx})")
-    cmd = [cxx, *flags, record, *srcs, "-o", tmp, "-ldl"]
+    # Python's headers for csrc/proxy/launch.cc's `launch` function (stable ABI: no libpython linked)
+    cmd = [cxx, *flags, record, "-I" + sysconfig.get_paths()["include"], *srcs, "-o", tmp, "-ldl"]
     newest = max(os.path.getmtime(s) for s in _sources())  # before compiling: see below
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:

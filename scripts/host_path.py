@@ -1,0 +1,92 @@
+"""Host time of eager replayed calls on a CPU, no GPU needed: what moe_ep's own Python and its
+native launch cost per call, the part of an eager decode call a faster host does not remove.
+
+A decode-sized buffer (R=1, T=128, H=7168, K=8, E=256, fp8 dispatch, masked) on the CPU; its
+launches go through real native plans (csrc/proxy/launch.cc) into a stand-in CUDA driver whose
+cuLaunchKernel only records its arguments (tests/stand_in_cuda.py), so a call costs what it costs
+on a GPU host minus the driver's launch and torch's allocator. Prints the median host time of each
+call (3 rounds of 3000 calls) and, for scale, its parts.
+
+    TRITON_INTERPRET=1 python scripts/host_path.py
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from stand_in_cuda import fake_cuda_lib  # noqa: E402
+
+os.environ["MOE_EP_CUDA_LIB"] = fake_cuda_lib(tempfile.mkdtemp(prefix="moe_ep_host_path_"))
+
+import torch  # noqa: E402
+
+import moe_ep  # noqa: E402
+from moe_ep.kernels.launch import _Native  # noqa: E402
+
+
+class _Plan:
+    """A plan whose bound launches are native plans of 8-byte parameters (the stand-in ignores them)."""
+
+    def __init__(self, nargs: int, dynamic):
+        self.nargs = nargs
+        self.dynamic = tuple(range(nargs) if dynamic is None else dynamic)
+
+    def bind(self, args, positions):
+        return _Native(0x1, 32, 1024, 0, [8] * self.nargs, [0] * self.nargs, list(positions))
+
+
+class _Launcher:
+    """Stands in for the buffer's Launcher: records a plan per launch, launches nothing itself."""
+
+    def stream(self) -> int:
+        return 0
+
+    def __call__(self, key, fn, grid, args, consts, dynamic=None):
+        return _Plan(len(args), dynamic)
+
+
+def _median_us(fn, n: int = 3000) -> float:
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter_ns()
+        fn()
+        ts.append(time.perf_counter_ns() - t)
+    return statistics.median(ts) / 1e3
+
+
+def main() -> None:
+    T, H = 128, 7168
+    buf = moe_ep.EPBuffer(moe_ep.EPGroup(), 256, H, T, 8, dispatch_dtype=torch.float8_e4m3fn, layout="masked")
+    # As on a GPU: one fused launch per call, no interpreter, the launches native.
+    buf.fused, buf.interp, buf._launch = True, False, _Launcher()
+    x = torch.randn(T, H, dtype=torch.bfloat16)
+    idx, w = torch.randint(0, 256, (T, 8)), torch.rand(T, 8)
+    h = buf.dispatch(x, idx, w)  # recorded here, replayed below
+    y = torch.zeros(h.expert_x.shape, dtype=torch.bfloat16)
+    out = torch.empty(T, H, dtype=torch.bfloat16)
+    buf.combine(y, h)
+    buf.combine(y, h, out=out)
+    bound = _Native(0x1, 32, 1024, 0, [8] * 4, [0] * 4, [0, 1, 2, 3])
+    ptrs = (x.data_ptr(), idx.data_ptr(), w.data_ptr(), out.data_ptr())
+    rows = []
+    for _ in range(3):
+        d = _median_us(lambda: buf.dispatch(x, idx, w))
+        h = buf.dispatch(x, idx, w)
+        rows.append((d, _median_us(lambda: buf.combine(y, h)), _median_us(lambda: buf.combine(y, h, out=out)),
+                     _median_us(lambda: bound.launch(0, ptrs)), _median_us(lambda: torch.empty_like(out)),
+                     _median_us(lambda: None)))
+    names = ("dispatch", "combine", "combine(out=)", "one native launch", "empty_like [T, H]", "timer alone")
+    print("host time per call, us (median of 3000; 3 rounds; the timer's own cost included in each):")
+    for i, name in enumerate(names):
+        print(f"  {name:20s} " + "  ".join(f"{r[i]:5.2f}" for r in rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""A stand-in CUDA driver for CPU tests: a small shared library with the entry points moe_ep's
+native library opens from libcuda (csrc/proxy/cuda_mem.cc), by cuda.h's signatures. Point
+``MOE_EP_CUDA_LIB`` at what ``fake_cuda_lib`` builds.
+
+- Memory: the range ``FAKE_CUDA_DEVICE="ADDR:LEN"`` is "device memory"; cuMemGetHandleForAddressRange
+  logs its arguments to ``FAKE_CUDA_LOG`` and returns a memfd (not a dma-buf, so a NIC refuses
+  it), or fails with CUDA_ERROR_NOT_SUPPORTED (801) under ``FAKE_CUDA_DMABUF_FAIL``.
+- Launches: cuLaunchKernel counts its calls (``fake_cuda_launches``), keeps its arguments and the
+  bytes of the first ``fake_cuda_expect_params(n)`` parameters (``fake_cuda_last_launch`` fills a
+  ``FakeLaunch``) and returns the code ``fake_cuda_set_launch_result`` set (0 at first).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+
+_SOURCE = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+extern "C" {
+typedef int CUresult;
+typedef unsigned long long CUdeviceptr;
+static int in_range(CUdeviceptr p) {
+  const char* r = getenv("FAKE_CUDA_DEVICE");
+  unsigned long long lo, n;
+  return r && sscanf(r, "%llu:%llu", &lo, &n) == 2 && p >= lo && p < lo + n;
+}
+CUresult cuPointerGetAttribute(void* data, int attribute, CUdeviceptr ptr) {
+  if (attribute != 2 || !in_range(ptr)) return 1;  /* CUDA_ERROR_INVALID_VALUE */
+  *(unsigned*)data = 2;                            /* CU_MEMORYTYPE_DEVICE */
+  return 0;
+}
+CUresult cuMemGetHandleForAddressRange(void* handle, CUdeviceptr dptr, size_t size, int type, unsigned long long flags) {
+  const char* log = getenv("FAKE_CUDA_LOG");
+  if (log) { FILE* f = fopen(log, "a"); fprintf(f, "%llu %zu %d %llu\n", dptr, size, type, flags); fclose(f); }
+  if (getenv("FAKE_CUDA_DMABUF_FAIL")) return 801;
+  int fd = memfd_create("fake-dmabuf", 0);
+  if (fd < 0) return 999;
+  *(int*)handle = fd;
+  return 0;
+}
+CUresult cuGetErrorString(CUresult e, const char** s) {
+  *s = e == 801 ? "operation not supported" : e == 700 ? "an illegal memory access was encountered" : "unknown error";
+  return 0;
+}
+struct FakeLaunch {
+  unsigned long long function, stream;
+  unsigned grid[3], block[3], shared, pad;
+  unsigned char params[512];  /* from kernelParams[0] to 8 bytes past kernelParams[nparams - 1] */
+};
+static FakeLaunch g_last;
+static long g_calls = 0;
+static CUresult g_result = 0;
+/* nparams is not an argument of cuLaunchKernel, so the test says it: the kernelParams of a moe_ep
+   plan point into one block of storage, in order, with 8 bytes to spare at its end, so the bytes
+   from the first to 8 past the last hold every parameter. */
+static unsigned long long g_nparams = 0;
+void fake_cuda_expect_params(unsigned long long n) { g_nparams = n; }
+void fake_cuda_set_launch_result(CUresult rc) { g_result = rc; }
+long fake_cuda_launches(void) { return g_calls; }
+void fake_cuda_last_launch(FakeLaunch* out) { *out = g_last; }
+CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                        unsigned shared, void* stream, void** params, void** extra) {
+  ++g_calls;
+  memset(&g_last, 0, sizeof g_last);
+  g_last.function = (unsigned long long)f, g_last.stream = (unsigned long long)stream;
+  g_last.grid[0] = gx, g_last.grid[1] = gy, g_last.grid[2] = gz;
+  g_last.block[0] = bx, g_last.block[1] = by, g_last.block[2] = bz, g_last.shared = shared;
+  if (g_nparams && params) {
+    size_t n = (size_t)((unsigned char*)params[g_nparams - 1] - (unsigned char*)params[0]) + 8;
+    memcpy(g_last.params, params[0], n < sizeof g_last.params ? n : sizeof g_last.params);
+  }
+  (void)extra;
+  return g_result;
+}
+}
+"""
+
+
+class FakeLaunch(ctypes.Structure):
+    """What the stand-in's cuLaunchKernel got last."""
+    _fields_ = [("function", ctypes.c_uint64), ("stream", ctypes.c_uint64), ("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
+                ("pad", ctypes.c_uint), ("params", ctypes.c_ubyte * 512)]
+
+
+def fake_cuda_lib(tmp_dir) -> str:
+    """Builds the stand-in CUDA driver into tmp_dir; returns its path."""
+    src, out = os.path.join(str(tmp_dir), "fake_cuda.cc"), os.path.join(str(tmp_dir), "libfakecuda.so.1")
+    with open(src, "w") as f:
+        f.write(_SOURCE)
+    r = subprocess.run([os.environ.get("CXX", "c++"), "-shared", "-fPIC", "-O1", src, "-o", out], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr
+    return out
