@@ -103,9 +103,9 @@ def replayed(buf, x, topk_idx, topk_weights):
     with this call's pointers. Returns its ``DispatchResult``, or None where the path does not
     apply (then ``dispatch`` decides, with every check).
 
-    ``Replay.latest``, the buffer's checks and ``_dispatched`` are written out here: each Python
-    call costs ~0.1 us on a CPU and more on a slow host, where this is the whole host time of an
-    eager decode dispatch but the launch (issue "Eager calls at the speed of a graph")."""
+    ``Replay.latest`` and ``_dispatched`` are written out here: each Python call costs ~0.1 us
+    on a CPU and more on a slow host, and this is the whole host time of an eager decode dispatch
+    but the launch (issue "Eager calls at the speed of a graph")."""
     last = buf._replays[0].last
     if last is None or not buf._replay_ready() or not last.guard.check(x, topk_idx, topk_weights):
         return None

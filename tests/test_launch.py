@@ -290,6 +290,15 @@ def test_native_launch_hands_the_driver_the_packed_plan(tmp_path, monkeypatch):
         drv.fake_cuda_set_launch_result(0)
     bound.launch(0xDEF, [x.data_ptr() + 128])
     check(bound, [x.data_ptr() + 128], 0xDEF, bound)
+    # a launch kept past its plan names no plan, not the next plan in its slot
+    stale, old_id = bound.launch, bound.id
+    plan._bound.clear()
+    del bound
+    fresh = L._Native(0x5EED, 1, 32, 0, [8], [0], [0])
+    assert fresh.id != old_id
+    with pytest.raises(ValueError, match=f"plan_id {old_id} names no plan"):
+        stale(0xDEF, [0])
+    assert drv.fake_cuda_launches() == n0 + 4
 
 
 def test_plan_choice(monkeypatch):

@@ -1,18 +1,18 @@
-// Native kernel launches for moe_ep/kernels/launch.py (docs/ARCHITECTURE.md, "Eager launches").
+// Native kernel launches for moe_ep/kernels/launch.py (docs/ARCHITECTURE.md §4, "Native plans").
 //
 // A plan is one compiled kernel ready to launch: its CUfunction, grid, block and shared memory,
 // and every kernel parameter already packed the way cuLaunchKernel takes them (one value per
 // parameter, kernelParams[i] pointing at it). The values that change between launches (a few
-// pointers) are slots: the caller writes the stream and the slot values into the plan's stage
-// (host memory it packs directly, so a launch is one ctypes call with one small int) and
-// moe_ep_launch copies them into their parameters and launches. libcuda is opened at run time
-// (cuda_mem.cc): nothing here needs CUDA to build.
+// pointers) are slots: a launch writes the stream and the slot values into the plan's stage, and
+// moe_ep_launch copies them into their parameters and calls cuLaunchKernel. libcuda is opened at
+// run time (cuda_mem.cc): nothing here needs CUDA to build.
 //
-// The eager path calls `launch` instead, a Python function this file defines (moe_ep_launch_function):
-// it takes the stream and the slot values as Python ints and launches in one call, with no ctypes
-// conversion and no packing in Python (0.44 -> ~0.1 us a launch on a CPU). It uses only Python's
-// stable ABI, so one library serves every Python from 3.10 on; it is the one file here that
-// includes Python.h (the rest is plain C++ behind a C API).
+// Python launches through `launch(plan_id, stream, values)`, a Python function this file defines
+// (moe_ep_launch_function): the values come as Python ints, in one call with no ctypes
+// conversion and no packing in Python (0.56 -> 0.16 us a launch on a CPU against struct packing
+// and a ctypes call; scripts/host_path.py). It uses only Python's stable ABI, so one library
+// serves every Python from 3.10 on; it is the one file here that includes Python.h (the rest is
+// plain C++ behind a C API loaded by ctypes).
 #define PY_SSIZE_T_CLEAN
 #define Py_LIMITED_API 0x030A0000
 #include <Python.h>
@@ -54,10 +54,20 @@ struct Plan {
 
 std::mutex g_mu;                    // guards creation and destruction (launches read without it)
 Plan* g_plans[kMaxPlans] = {};
+uint16_t g_generation[kMaxPlans] = {};  // per slot of g_plans: bumped each time the slot is freed
 std::vector<int> g_free;
 int g_next = 0;
 
-Plan* plan_of(int id) { return id >= 0 && id < kMaxPlans ? g_plans[id] : nullptr; }
+// A plan's id is its slot in g_plans and that slot's generation (id = generation << 16 | slot,
+// generation 15 bits: ids stay positive ints), so an id kept past its plan's destruction names
+// no plan, never the next plan in its slot.
+int id_of(int slot) { return (g_generation[slot] & 0x7FFF) << 16 | slot; }
+
+Plan* plan_of(long id) {
+  if (id < 0 || id > 0x7FFFFFFF) return nullptr;
+  const int slot = int(id & 0xFFFF);
+  return id_of(slot) == id ? g_plans[slot] : nullptr;
+}
 
 }  // namespace
 
@@ -106,25 +116,27 @@ int moe_ep_launch_plan_create(uint64_t function, uint32_t grid, uint32_t block, 
   }
   plan->nslots = nslots;
   std::lock_guard<std::mutex> lk(g_mu);
-  int id;
+  int slot;
   if (!g_free.empty()) {
-    id = g_free.back();
+    slot = g_free.back();
     g_free.pop_back();
   } else if (g_next < kMaxPlans) {
-    id = g_next++;
+    slot = g_next++;
   } else {
     return moe_ep::set_error(moe_ep::kErrInvalid, "launch plan: " + std::to_string(kMaxPlans) + " plans alive");
   }
-  g_plans[id] = plan.release();
-  return id;
+  g_plans[slot] = plan.release();
+  return id_of(slot);
 }
 
 void moe_ep_launch_plan_destroy(int id) {
   std::lock_guard<std::mutex> lk(g_mu);
   if (Plan* p = plan_of(id)) {
-    g_plans[id] = nullptr;
+    const int slot = id & 0xFFFF;
+    g_plans[slot] = nullptr;
+    ++g_generation[slot];
     delete p;
-    g_free.push_back(id);
+    g_free.push_back(slot);
   }
 }
 
@@ -174,7 +186,7 @@ PyObject* py_launch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   const long id = PyLong_AsLong(args[0]);
   if (id == -1 && PyErr_Occurred()) return nullptr;
-  Plan* p = id >= 0 && id < kMaxPlans ? plan_of(int(id)) : nullptr;
+  Plan* p = plan_of(id);
   if (!p) {
     PyErr_Format(PyExc_ValueError, "launch: plan_id %ld names no plan", id);
     return nullptr;
