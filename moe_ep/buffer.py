@@ -309,8 +309,10 @@ class EPBuffer:
         self.remote = self._start_remote(private_capacity, overflow_capacity) if G < R else None
         # What every launch passes and never changes, ready for the cheap launch path.
         self._launch = Launcher(dev)
-        # moe_ep.replay: dispatch without and with x_scales, combine without and with out
-        self._replays = (Replay(), Replay(), Replay(), Replay())
+        # moe_ep.replay: dispatch without and with x_scales (every input [T, ...]), combine without
+        # and with out (expert_y's shape is the buffer's; out is [T, H])
+        self._replays = (Replay((0, 0, 0)), Replay((0, 0, 0, 0)), Replay((None,)), Replay((None, 0)))
+        self._token_shapes: dict = {}  # moe_ep.dispatch.token_shape, per token count
         # moe_ep.combine.new_output: one element, and its views of each output shape seen
         self._out_one = torch.empty(1, 1, dtype=torch.bfloat16, device=dev)
         self._out_like: dict = {}

@@ -18,32 +18,41 @@ _DYNAMIC = arg_positions(combine_kernel, "y_ptr", "out_ptr", "T")
 _WEIGHTED_DYNAMIC = _DYNAMIC + arg_positions(combine_kernel, "wy_ptr", "wout_ptr", "cw_ptr")
 
 
+# The launch argument a replayed combine patches besides its pointers (moe_ep.replay).
+_SCALARS = {"T": 0}
+
+
 def replayed(buf, expert_y, handle, out):
     """The eager fast path of a combine without combine-time weights or a hook: as
     ``dispatch.replayed`` (the latest replayed combine with or without ``out``, for the latest
-    dispatch's handle, its ``Replay.latest`` and the buffer's checks written out); returns the
-    output, or None where the path does not apply (then ``combine`` decides, with every check)."""
+    dispatch's handle, any token count; its ``Replay.latest`` and ``_combined`` written out);
+    returns the output, or None where the path does not apply (then ``combine`` decides, with
+    every check)."""
     if (type(handle) is not DispatchResult or handle._buffer is not buf or handle._serial != buf._serial
             or not buf._replay_ready()):
         return None  # (combine raises the error)
     T = handle.num_tokens
     if out is None:
         last = buf._replays[2].last
-        if last is None or last.extra != T or not last.guard.check(expert_y):
+        if last is None or not last.guard.check(expert_y):
             return None
         p = expert_y.data_ptr()
         if p & 15:  # (the guard was kept only for an entry whose pointers were all aligned)
             return None
         out = new_output(buf, T)
-        last.run(buf._launch.stream(), (p, out.data_ptr()))
+        last.run(buf._launch.stream(), (p, out.data_ptr(), T))
     else:
         last = buf._replays[3].last
-        if last is None or last.extra != T or not last.guard.check(expert_y, out):
+        if last is None:
             return None
+        if not (last.exact.check(expert_y, out) and T == last.scalars[0]) and \
+                not (last.guard.check(expert_y, out) and out.shape[0] == T):
+            return None  # (the guard leaves out's token count free: it must be the handle's)
         p, q = expert_y.data_ptr(), out.data_ptr()
-        if (p | q) & 15 or _spans_meet(p, q, *last.value):
+        y_bytes, row_bytes = last.value
+        if (p | q) & 15 or _spans_meet(p, q, y_bytes, T * row_bytes):
             return None  # (an out over expert_y: combine raises the error)
-        last.run(buf._launch.stream(), (p, q))
+        last.run(buf._launch.stream(), (p, q, T))
     buf._epochs[1] += 1
     if buf.interp:
         buf._check_usable()
@@ -72,23 +81,23 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
         # (checked before any launch, replayed or not: the kernel would read rows it has overwritten)
         raise ValueError("out: overlaps expert_y in memory (combine reads expert_y while it writes out); "
                          "pass a separate tensor")
+    _check_tensor("expert_y", expert_y, (torch.bfloat16,), tuple(buf.expert_x.shape), buf.device)
+    if out is not None:
+        _check_tensor("out", out, (torch.bfloat16, torch.float32), (T, buf.hidden), buf.device)
     # Replays (moe_ep.replay): plain calls only; combine-time weights and hooks take the full path.
     replayable = topk_weights is None and not return_recv_hook
-    # One Replay per set of inputs: without and with out (T comes from the handle, not a shape).
+    # One Replay per set of inputs: without and with out (T, from the handle, is a scalar: _SCALARS).
     if out is None:
         replay, tensors = buf._replays[2], (expert_y,)
     else:
         replay, tensors = buf._replays[3], (expert_y, out)
-    hit, sig, ptrs = replay.find(tensors, T, latest_tried) if replayable else (None, None, [])
+    hit, sig, ptrs = replay.find(tensors, None, latest_tried) if replayable else (None, None, [])
     if hit is not None:
         if out is None:
             out = new_output(buf, T)
             ptrs = (ptrs[0], out.data_ptr())
-        hit.run(buf._launch.stream(), ptrs)
+        hit.run(buf._launch.stream(), (*ptrs, T))
         return _combined(buf, out, None)
-    _check_tensor("expert_y", expert_y, (torch.bfloat16,), tuple(buf.expert_x.shape), buf.device)
-    if out is not None:
-        _check_tensor("out", out, (torch.bfloat16, torch.float32), (T, buf.hidden), buf.device)
     out_f32 = out is not None and out.dtype == torch.float32
     rp = buf.remote
     # masked/packed: weights at combine, per source token, pushed to the owners over the dispatch's
@@ -134,9 +143,11 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
         if not return_recv_hook:
             launches = launch_halves(buf, key, combine_kernel, args, dyn, consts,
                                      lambda: buf._host_wait_combine(epoch, T))
-            # (value: with the caller's out, the bytes of expert_y and out, which the entry's guard fixes)
-            spans = (expert_y.nbytes, tensors[1].nbytes) if len(tensors) == 2 else None
-            replay.record(sig, tensors, launches, (ptrs[0], base.data_ptr()) if sig is not None else (), spans)
+            # (value: with the caller's out, the bytes of expert_y and of a row of out, which the
+            # entry's guard fixes: the fast path checks that they do not overlap)
+            spans = (expert_y.nbytes, buf.hidden * out.element_size()) if len(tensors) == 2 else None
+            replay.record(sig, tensors, launches, (ptrs[0], base.data_ptr()) if sig is not None else (), spans,
+                          _SCALARS, (T,))
             recv = None
         else:
             launch_half(buf, key, combine_kernel, args, dyn, consts, True, False)

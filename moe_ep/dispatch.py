@@ -95,32 +95,60 @@ def _aligned(t: torch.Tensor) -> bool:
     return (t.data_ptr() & 15) == 0
 
 
+def token_shape(buf, T: int) -> tuple:
+    """``(structure, (T, BT, NC))`` of a dispatch of ``T`` tokens on ``buf``: its chunking
+    (``chunking``: BT tokens a chunk, NC chunks), and the launch structure it selects, which its
+    replays are keyed by besides the signature: None at decode sizes (``T * topk <= DIRECT_MAX``:
+    the dispatch launch alone), else the routing histogram's grid and block, ``(NC, pow2(BT))``.
+    T, BT and NC are the replay's scalars (``_SCALARS``). Kept per T in ``buf._token_shapes``
+    (T <= max_tokens: bounded), which the fast path reads first."""
+    BT, NC = chunking(T, buf.chunks)
+    got = buf._token_shapes[T] = (None if T * buf.topk <= DIRECT_MAX else (NC, pow2(BT)), (T, BT, NC))
+    return got
+
+
 def replayed(buf, x, topk_idx, topk_weights):
     """The eager fast path: a dispatch without ``x_scales`` or a hook whose tensors are like those
     of the latest replayed one (``Replay.latest``: its guard passes, every pointer 16-byte
-    aligned) on a buffer whose full path would pass without a word (open, not broken, no kernel
-    error record, no receive hook pending, no peer on another node) launches as that one did
-    with this call's pointers. Returns its ``DispatchResult``, or None where the path does not
-    apply (then ``dispatch`` decides, with every check).
+    aligned; any token count of the same launch structure, at most ``max_tokens``, the same in
+    every input) on a buffer whose full path would pass without a word (open, not broken, no
+    kernel error record, no receive hook pending, no peer on another node) launches as that one
+    did with this call's pointers and token count. Returns its ``DispatchResult``, or None where
+    the path does not apply (then ``dispatch`` decides, with every check).
 
     ``Replay.latest`` and ``_dispatched`` are written out here: each Python call costs ~0.1 us
     on a CPU and more on a slow host, and this is the whole host time of an eager decode dispatch
     but the launch (issue "Eager calls at the speed of a graph")."""
     last = buf._replays[0].last
-    if last is None or not buf._replay_ready() or not last.guard.check(x, topk_idx, topk_weights):
+    if last is None or not buf._replay_ready():
         return None
+    if last.exact.check(x, topk_idx, topk_weights):  # the entry's own token count
+        scalars = last.scalars
+    else:  # another token count: the inputs must agree on it (the guard leaves it free)
+        if not last.guard.check(x, topk_idx, topk_weights):
+            return None
+        T = x.shape[0]
+        if T > buf.max_tokens or topk_idx.shape[0] != T or topk_weights.shape[0] != T:
+            return None
+        structure, scalars = buf._token_shapes.get(T) or token_shape(buf, T)
+        if last.extra != structure:
+            return None
     p, q, r = x.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr()
     if (p | q | r) & 15:  # (the guard was kept only for an entry whose pointers were all aligned)
         return None
-    stream = buf._launch.stream()
-    inputs = (p, buf._err_ptr, q, r)  # the dispatch kernel's input pointers (its arguments 0-3)
-    last.run(stream, inputs)
+    # the dispatch kernel's input pointers (its arguments 0-3), then the scalars (_SCALARS)
+    last.run(buf._launch.stream(), (p, buf._err_ptr, q, r) + scalars)
     buf._epochs[0] += 1
     buf._serial += 1
-    result = DispatchResult.issued(buf._result_fields, buf, last.value, buf._serial)
+    result = DispatchResult.issued(buf._result_fields, buf, scalars[0], buf._serial)
     if buf.interp:
         buf._check_usable()
     return result
+
+
+# The launch arguments a replayed dispatch patches besides its pointers, by name: their index
+# among its scalars (moe_ep.replay).
+_SCALARS = {"T": 0, "BT": 1, "NC": 2}
 
 
 def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = None,
@@ -128,20 +156,22 @@ def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = 
     """The full path (``latest_tried``: ``replayed`` missed just before, as ``Replay.find`` takes it)."""
     if buf._pending is not None:
         buf._check_no_pending("dispatch")
+    T = validate(buf, x, topk_idx, topk_weights, x_scales)
+    CMAX = buf.chunks
+    launch_structure, scalars = buf._token_shapes.get(T) or token_shape(buf, T)
+    _, BT, NC = scalars
+    direct = launch_structure is None  # decode sizes: the send half counts earlier selections itself
     # Replays (moe_ep.replay), one per set of inputs: with and without x_scales.
     if x_scales is None:
         replay, tensors = buf._replays[0], (x, topk_idx, topk_weights)
     else:
         replay, tensors = buf._replays[1], (x, topk_idx, topk_weights, x_scales)
-    hit, sig, ptrs = replay.find(tensors, latest_tried=latest_tried)
+    hit, sig, ptrs = replay.find(tensors, launch_structure, latest_tried)
     # The dispatch kernel's input pointers (its arguments 0-3), the replayed ones.
     inputs = (ptrs[0], ptrs[3] if x_scales is not None else buf._err_ptr, ptrs[1], ptrs[2]) if ptrs else ()
     if hit is not None and not return_recv_hook:
-        return _dispatched(buf, hit.run(buf._launch.stream(), inputs), None)
-    T = validate(buf, x, topk_idx, topk_weights, x_scales)
-    CMAX = buf.chunks
-    BT, NC = chunking(T, CMAX)
-    direct = T * buf.topk <= DIRECT_MAX  # decode sizes: the send half counts earlier selections itself
+        hit.run(buf._launch.stream(), inputs + scalars)
+        return _dispatched(buf, T, None)
     fp8_in = x_scales is not None
     rows = buf.layout == "rows"
     # This rank's own rows come from x in the receive half (no round trip through the workspace),
@@ -177,7 +207,7 @@ def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = 
         if not return_recv_hook:
             launches += launch_halves(buf, key, dispatch_kernel, args, _DISPATCH_DYNAMIC, consts,
                                       lambda: buf._host_wait_dispatch(epoch))
-            replay.record(sig, tensors, launches, inputs, T)
+            replay.record(sig, tensors, launches, inputs, None, _SCALARS, scalars)
             recv = None
         else:
             launch_half(buf, key, dispatch_kernel, args, _DISPATCH_DYNAMIC, consts, True, False)

@@ -1,15 +1,22 @@
 """Replaying the launches of an earlier call: eager dispatch and combine at the cost of a launch.
 
 A call's *signature* is what its validation and its launch configuration depend on: of each input
-tensor its shape, dtype, device, contiguity and 16-byte alignment (``signature``). A call
-whose signature is one that passed validation before on the same buffer and op is valid for the
-same reasons, and launches the same plans with the same arguments but for the input pointers; so
-it skips the checks, the key and the argument tuple, and only patches those pointers (``Replay``).
-Any other signature (a new shape, dtype, device, a non-contiguous view, a misaligned pointer, a
-non-tensor) takes the full path and gets its full validation and errors.
+tensor its shape but the token count, dtype, device, contiguity and 16-byte alignment
+(``signature``), and what the op adds (``extra``: the launch structure its token count selects,
+e.g. whether the dispatch launches the routing histogram). A call whose signature is one that
+passed validation before on the same buffer and op, and whose token count the op has checked, is
+valid for the same reasons and launches the same plans with the same arguments but for the input
+pointers and the values derived from the token count (*scalars*: T, the chunking); so it skips the
+checks, the key and the argument tuple, and only patches those (``Replay``). Any other signature
+(a new hidden size, dtype, device, a non-contiguous view, a misaligned pointer, a non-tensor)
+takes the full path and gets its full validation and errors.
 
-The signature must fix every launch argument that is not an input pointer: the callers' token
-counts and chunking come from input shapes (or from ``extra``), everything else from the buffer.
+The token count is a tensor dimension the signature leaves out (``token_dims``: which dimension
+of each input holds it, None for an input without one), so one entry serves every token count of
+a launch structure: an eager decode whose batch changes every step replays as well as one whose
+batch does not. What the signature cannot see, the op checks before it replays: that the inputs
+agree on the token count, that it is at most the buffer's ``max_tokens``, and that it selects the
+entry's launch structure (``extra``). Everything else in a launch comes from the buffer.
 
 A call's tensors are given without the optional ones it leaves out (``None``): each op keeps one
 ``Replay`` per set of inputs it takes (dispatch with or without ``x_scales``, combine with or
@@ -17,9 +24,10 @@ without ``out``), so the tensors of one ``Replay`` always number the same.
 
 The common case, a call like the latest replayed one, costs one C call: each entry keeps a guard
 (torch's ``TensorGuards``, the check torch.compile runs before reusing a graph: dtype, device,
-dispatch keys, requires_grad, every size and stride) built when it is recorded; the latest hit's
-guard and its pointers' alignment are checked first, and only a call that fails them computes the
-signature in Python. A torch without that guard takes the Python path every call.
+dispatch keys, requires_grad, every size but the token count, every stride) built when it is
+recorded; the latest hit's guard and its pointers' alignment are checked first, and only a call
+that fails them computes the signature in Python. A torch without that guard takes the Python
+path every call.
 """
 from __future__ import annotations
 
@@ -27,7 +35,7 @@ from typing import Optional, Sequence
 
 import torch
 
-MAX_SIGNATURES = 16  # per buffer and op; beyond, the oldest is forgotten (a workload of many shapes)
+MAX_SIGNATURES = 16  # per buffer and op; beyond, the oldest is forgotten (a workload of many signatures)
 
 
 try:  # torch's own metadata check (torch/csrc/dynamo/guards.cpp); absent from some builds
@@ -47,50 +55,62 @@ _POINTERS = {
 }
 
 
-def signature(tensors: Sequence[torch.Tensor]) -> tuple[Optional[tuple], list]:
+def signature(tensors: Sequence[torch.Tensor], token_dims: Sequence[Optional[int]]) -> tuple[Optional[tuple], list]:
     """``(signature, data pointers)`` of ``tensors``; the signature is None when one is not a
-    tensor. A few attribute reads per tensor, no device work (each pointer is read once)."""
+    tensor. Each tensor's shape without its ``token_dims`` entry (None: all of it). A few
+    attribute reads per tensor, no device work (each pointer is read once)."""
     sig, ptrs = [], []
-    for t in tensors:
+    for t, d in zip(tensors, token_dims):
         if not isinstance(t, torch.Tensor):
             return None, []
         p = t.data_ptr()
-        sig.append((t.shape, t.dtype, t.device, t.is_contiguous(), p & 15))
+        shape = tuple(t.shape) if d is None or d >= t.dim() else (*t.shape[:d], None, *t.shape[d + 1:])
+        sig.append((shape, t.dtype, t.device, t.is_contiguous(), p & 15))
         ptrs.append(p)
     return tuple(sig), ptrs
 
 
-def guard(tensors: Sequence[torch.Tensor]):
+def guard(tensors: Sequence[torch.Tensor], token_dims: Sequence[Optional[int]]):
     """A ``TensorGuards`` passing exactly the tensors with the dtype, device, dispatch keys,
-    requires_grad, sizes and strides of ``tensors`` (None where torch has none, or it refuses)."""
+    requires_grad, sizes (any token count at ``token_dims``) and strides of ``tensors`` (None
+    where torch has none, or it refuses)."""
     if _TensorGuards is None:
         return None
+    sizes = [[None if i == d else n for i, n in enumerate(t.shape)] for t, d in zip(tensors, token_dims)]
     try:
-        return _TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
-                             dynamic_dims_strides=[list(t.stride()) for t in tensors])
+        return _TensorGuards(*tensors, dynamic_dims_sizes=sizes, dynamic_dims_strides=[list(t.stride()) for t in tensors])
     except Exception:  # noqa: BLE001  (an internal API: any refusal means the Python path)
         return None
 
 
 class _Entry:
-    """The launches of one signature: each a bound plan and which inputs feed its slots."""
+    """The launches of one signature: each a bound plan and which inputs feed its slots.
 
-    __slots__ = ("steps", "value", "extra", "guard")
+    ``guard`` passes a call of any token count with the signature's tensors (None: no entry is
+    tried by guard); ``exact`` passes only the recorded call's token count too, whose scalars are
+    ``scalars``: a call it passes needs no token-count checks (the common case of an eager loop
+    at one batch size)."""
 
-    def __init__(self, steps: tuple, value, extra, guard):
+    __slots__ = ("steps", "value", "extra", "guard", "exact", "scalars")
+
+    def __init__(self, steps: tuple, value, extra, guard, exact, scalars: tuple):
         self.steps, self.value, self.extra, self.guard = steps, value, extra, guard
+        self.exact, self.scalars = exact, scalars
 
     def run(self, stream: int, inputs: tuple):
-        """Launches every step on ``stream`` with this call's ``inputs``; returns the recorded value."""
+        """Launches every step on ``stream`` with this call's ``inputs`` (pointers, then scalars);
+        returns the recorded value."""
         for bound, pick in self.steps:
             bound.launch(stream, inputs if pick is None else [inputs[k] for k in pick])
         return self.value
 
 
 class Replay:
-    """The replayable calls of one op on one buffer with one set of inputs, by signature."""
+    """The replayable calls of one op on one buffer with one set of inputs, by signature.
+    ``token_dims``: per input tensor, the dimension holding the token count (None: none)."""
 
-    def __init__(self):
+    def __init__(self, token_dims: Sequence[Optional[int]]):
+        self.token_dims = tuple(token_dims)
         self._entries: dict = {}
         # The latest hit whose guard can be tried first (None: none yet). Read by the ops' eager
         # fast paths (``dispatch.replayed``, ``combine.replayed``), which inline ``latest``.
@@ -107,7 +127,7 @@ class Replay:
         got = None if latest_tried else self.latest(tensors, extra)
         if got is not None:
             return got[0], None, got[1]
-        sig, ptrs = signature(tensors)
+        sig, ptrs = signature(tensors, self.token_dims)
         if sig is None:
             return None, None, ptrs
         sig = (sig, extra)
@@ -128,31 +148,44 @@ class Replay:
                 return last, ptrs
         return None
 
-    def record(self, sig: Optional[tuple], tensors: tuple, launches: list, inputs: tuple, value) -> None:
+    def record(self, sig: Optional[tuple], tensors: tuple, launches: list, pointers: tuple, value,
+               scalar_names: Optional[dict] = None, scalars: tuple = ()) -> None:
         """Keeps ``launches`` (``(plan, args)`` in launch order, as the Launcher returned them)
-        for ``sig`` (as ``find`` gave it for ``tensors``), with ``value`` (what the call derived
-        from its inputs, e.g. the token count). Each tensor among a plan's dynamic arguments must
-        be one of ``inputs`` (data pointers of this call) and no other: a call with aliased
-        inputs, or a plan that cannot be bound, is not recorded (it keeps taking the full path)."""
-        if sig is None or len(set(inputs)) != len(inputs) or any(p is None for p, _ in launches):
+        for ``sig`` (as ``find`` gave it for ``tensors``), with ``value`` (what the op keeps with
+        the entry for its replays). A replay's inputs are ``pointers`` (data pointers of the call)
+        followed by its scalars; ``scalar_names`` maps a kernel argument name to its index among
+        them (e.g. ``{"T": 0}``): those arguments are patched per replay; ``scalars`` are this
+        call's. Each tensor among a plan's dynamic arguments must be one of ``pointers`` and no
+        other; every other dynamic argument keeps this call's value. A call with aliased
+        pointers, or a plan that cannot be bound, is not recorded (it keeps taking the full path)."""
+        if sig is None or len(set(pointers)) != len(pointers) or any(p is None for p, _ in launches):
             return
+        scalar_names = scalar_names or {}
+        n = len(pointers) + len(scalar_names)
         steps = []
         for plan, args in launches:
             positions, pick = [], []
             for i in plan.dynamic:
-                if isinstance(args[i], torch.Tensor):
+                name = plan.arg_names[i]
+                if name in scalar_names:
+                    positions.append(i)
+                    pick.append(len(pointers) + scalar_names[name])
+                elif isinstance(args[i], torch.Tensor):
                     p = args[i].data_ptr()
-                    if p not in inputs:
+                    if p not in pointers:
                         return  # a pointer that changes per call but is not an input
                     positions.append(i)
-                    pick.append(inputs.index(p))
+                    pick.append(pointers.index(p))
             bound = plan.bind(args, positions)
             if bound is None:
                 return
-            steps.append((bound, None if pick == list(range(len(inputs))) else tuple(pick)))
+            steps.append((bound, None if pick == list(range(n)) else tuple(pick)))
         if len(self._entries) >= MAX_SIGNATURES:
             self._entries.pop(next(iter(self._entries)))
         aligned = all(p & 15 == 0 for _, _, _, _, p in sig[0])
-        self._entries[sig] = entry = _Entry(tuple(steps), value, sig[1], guard(tensors) if aligned else None)
+        guarded = guard(tensors, self.token_dims) if aligned else None
+        exact = guard(tensors, (None,) * len(tensors)) if guarded is not None else None
+        self._entries[sig] = entry = _Entry(tuple(steps), value, sig[1], guarded if exact is not None else None, exact,
+                                            tuple(scalars))
         if entry.guard is not None:
             self.last = entry

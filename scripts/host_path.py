@@ -5,7 +5,8 @@ A decode-sized buffer (R=1, T=128, H=7168, K=8, E=256, fp8 dispatch, masked) on 
 launches go through real native plans (csrc/proxy/launch.cc) into a stand-in CUDA driver whose
 cuLaunchKernel only records its arguments (tests/stand_in_cuda.py), so a call costs what it costs
 on a GPU host minus the driver's launch and torch's allocator. Prints the median host time of each
-call (3 rounds of 3000 calls) and, for scale, its parts.
+call (3 rounds of 3000 calls; T = 128, and T changing every call through 1..128) and, for scale,
+a launch alone and an allocation.
 
     TRITON_INTERPRET=1 python scripts/host_path.py
 """
@@ -34,22 +35,34 @@ from moe_ep.kernels.launch import _Native  # noqa: E402
 class _Plan:
     """A plan whose bound launches are native plans of 8-byte parameters (the stand-in ignores them)."""
 
-    def __init__(self, nargs: int, dynamic):
-        self.nargs = nargs
+    def __init__(self, arg_names, nargs: int, dynamic):
+        self.arg_names, self.nargs = tuple(arg_names), nargs
         self.dynamic = tuple(range(nargs) if dynamic is None else dynamic)
+        self.bound: dict = {}
 
     def bind(self, args, positions):
-        return _Native(0x1, 32, 1024, 0, [8] * self.nargs, [0] * self.nargs, list(positions))
+        # kept by what it fixes, as NativePlan keeps its bound launches
+        fixed = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a
+                      for i, a in enumerate(args) if i in self.dynamic and i not in positions)
+        key = (tuple(positions), fixed)
+        if key not in self.bound:
+            self.bound[key] = _Native(0x1, 32, 1024, 0, [8] * self.nargs, [0] * self.nargs, list(positions))
+        return self.bound[key]
 
 
 class _Launcher:
-    """Stands in for the buffer's Launcher: records a plan per launch, launches nothing itself."""
+    """Stands in for the buffer's Launcher: a plan per key, as it keeps them; launches nothing itself."""
 
     def stream(self) -> int:
         return 0
 
+    def __init__(self):
+        self.plans: dict = {}
+
     def __call__(self, key, fn, grid, args, consts, dynamic=None):
-        return _Plan(len(args), dynamic)
+        if key not in self.plans:
+            self.plans[key] = _Plan(fn.arg_names, len(args), dynamic)
+        return self.plans[key]
 
 
 def _median_us(fn, n: int = 3000) -> float:
@@ -73,6 +86,20 @@ def main() -> None:
     out = torch.empty(T, H, dtype=torch.bfloat16)
     buf.combine(y, h)
     buf.combine(y, h, out=out)
+    # An eager decode whose batch changes every call: T cycles through 1..128.
+    per_T = [(torch.randn(t, H, dtype=torch.bfloat16), torch.randint(0, 256, (t, 8)), torch.rand(t, 8))
+             for t in range(1, T + 1)]
+    outs = [torch.empty(t, H, dtype=torch.bfloat16) for t in range(1, T + 1)]
+
+    def cycle(with_combine: bool):
+        def one():
+            inp = per_T[cycle.i % T]
+            hh = buf.dispatch(*inp)
+            if with_combine:
+                buf.combine(y, hh, out=outs[cycle.i % T])
+            cycle.i += 1
+        return one
+    cycle.i = 0
     bound = _Native(0x1, 32, 1024, 0, [8] * 4, [0] * 4, [0, 1, 2, 3])
     ptrs = (x.data_ptr(), idx.data_ptr(), w.data_ptr(), out.data_ptr())
     rows = []
@@ -80,9 +107,11 @@ def main() -> None:
         d = _median_us(lambda: buf.dispatch(x, idx, w))
         h = buf.dispatch(x, idx, w)
         rows.append((d, _median_us(lambda: buf.combine(y, h)), _median_us(lambda: buf.combine(y, h, out=out)),
+                     _median_us(cycle(False)), _median_us(cycle(True)),
                      _median_us(lambda: bound.launch(0, ptrs)), _median_us(lambda: torch.empty_like(out)),
                      _median_us(lambda: None)))
-    names = ("dispatch", "combine", "combine(out=)", "one native launch", "empty_like [T, H]", "timer alone")
+    names = ("dispatch", "combine", "combine(out=)", "dispatch, T = 1..128", "+ combine(out=), T = 1..128",
+             "one native launch", "empty_like [T, H]", "timer alone")
     print("host time per call, us (median of 3000; 3 rounds; the timer's own cost included in each):")
     for i, name in enumerate(names):
         print(f"  {name:20s} " + "  ".join(f"{r[i]:5.2f}" for r in rows))

@@ -26,13 +26,20 @@ class _InterpBound:
 
     def launch(self, stream: int, values) -> None:
         args = list(self.args)
-        for i, p in zip(self.positions, values):
-            like = args[i]  # the recorded tensor: the same signature, so the same shape and dtype
-            if like.numel() == 0:
-                args[i] = torch.empty_like(like)
-                continue
-            raw = (ctypes.c_char * (like.numel() * like.element_size())).from_address(p)
-            args[i] = torch.frombuffer(raw, dtype=like.dtype).view(like.shape)
+        for i, v in zip(self.positions, values):
+            like = args[i]  # the recorded argument
+            if not isinstance(like, torch.Tensor):
+                args[i] = v  # a scalar: the token count or the chunking
+            elif v == 0:
+                args[i] = torch.empty(0, dtype=like.dtype)  # an empty input has no memory
+            else:
+                # The interpreter reaches a CPU tensor argument through its pointer (its storage
+                # is not copied), so a tensor at this call's pointer stands for the call's tensor
+                # whatever its token count; as large as the recorded one, since the interpreter
+                # maps each storage once by address and a buffer tensor may share this one.
+                n = max(like.numel(), 1)
+                raw = (ctypes.c_char * (n * like.element_size())).from_address(v)
+                args[i] = torch.frombuffer(raw, dtype=like.dtype)
         self.plan.launches.append(len(self.positions))
         self.plan.fn[(self.plan.grid,)](*args, **self.plan.consts)
 
@@ -44,6 +51,10 @@ class _InterpPlan:
 
     def bind(self, args, positions):
         return _InterpBound(self, args, positions)
+
+    @property
+    def arg_names(self):
+        return self.fn.arg_names
 
 
 class _InterpLauncher:
@@ -67,9 +78,12 @@ def _replayed(launcher) -> int:
     return sum(len(p.launches) for p in launcher.plans)
 
 
-def _replay_worker(rank, world_size, cases):
+def _replay_worker(rank, world_size, cases, direct_max=None):
     import moe_ep
+    import moe_ep.dispatch
 
+    if direct_max is not None:  # prefill's launch structure (the routing histogram first) at small T
+        moe_ep.dispatch.DIRECT_MAX = direct_max
     group = moe_ep.EPGroup()
     fails, hits = [], {}
     for case in cases:
@@ -91,7 +105,24 @@ def test_replayed_calls_match_the_oracle(dtype, layout):
                 calls=_CALLS, seed=5)
     (fails, hits), = dist_util.run(1, _replay_worker, [case], timeout=600)
     assert not fails, "\n".join(fails[:20])
-    assert hits[case.name] > 0, "no call was replayed"
+    # Every call after the first is replayed, whatever its token count (M, 0, a middle count): its
+    # dispatch and its combine, two launches each under the interpreter (send and receive halves).
+    assert hits[case.name] == 4 * (len(_CALLS) - 1), hits
+
+
+@pytest.mark.parametrize("dtype,layout", [("bf16", "masked"), ("fp8", "packed")])
+def test_replayed_prefill_structure_matches_the_oracle(dtype, layout):
+    """With the routing histogram launched first (as at prefill sizes; here at every T > 2), a
+    replay patches the token count and the chunking into both kernels; the results stay the
+    oracle's, and token counts of another chunking are not replayed from an entry of this one."""
+    case = Case(R=1, E=4, K=2, dtype=dtype, layout=layout, align=16 if layout == "packed" else 1, M=6,
+                calls=_CALLS, seed=3)  # T = 6, 0, 5, 6, 0, 6: T=5 chunks as T=6 does (2 tokens by 3)
+    (fails, hits), = dist_util.run(1, _replay_worker, [case], 4, timeout=600)
+    assert not fails, "\n".join(fails[:20])
+    # Replayed: every combine after the first (2 launches each) and the dispatches of calls 2, 3
+    # and 5 (the histogram and two halves: 3 launches). A dispatch of T = 0 is not recorded (its
+    # empty inputs share the null pointer), so call 4 finds no entry of its structure.
+    assert hits[case.name] == 2 * 5 + 3 * 3, hits
 
 
 def _errors_worker(rank, world_size):
@@ -117,6 +148,9 @@ def _errors_worker(rank, world_size):
             "x device": (x.to("meta"), idx, w),
             "x not a tensor": (x.tolist(), idx, w),
             "topk_idx shape": (x, idx[:, :1].contiguous(), w),
+            "topk_idx fewer tokens than x": (x, idx[:-1].contiguous(), w),
+            "topk_weights fewer tokens than x": (x, idx, w[:-1].contiguous()),
+            "x fewer tokens than topk_idx": (x[:-1].contiguous(), idx, w),
             "topk_idx dtype": (x, idx.float(), w),
             "topk_weights non-contiguous": (x, idx, torch.zeros(T, 2 * case.K)[:, ::2]),
             "topk_weights dtype": (x, idx, w.double()),
@@ -289,53 +323,75 @@ def test_issued_result_is_the_dataclass_one():
 
 
 class _FakePlan:
-    dynamic = (0, 1)
+    """A plan of a kernel (x_ptr, idx_ptr, n) whose bound launches record what they were given."""
+    dynamic = (0, 1, 2)
+    arg_names = ("x_ptr", "idx_ptr", "n")
+
+    def __init__(self):
+        self.bound = []
 
     def bind(self, args, positions):
+        self.bound.append(list(positions))
         return self
+
+    def launch(self, stream, values):
+        self.got = list(values)
 
 
 def test_latest_hit_is_found_by_its_guard():
-    """A call like the latest recorded one is found by the guard alone (no signature computed);
-    each kind of difference the signature sees makes the guard fail, and the Python signature then
-    decides (a new signature: no entry; the same: the entry)."""
+    """A call like the latest recorded one is found by the guard alone (no signature computed),
+    whatever its token count; each kind of difference the signature sees makes the guard fail, and
+    the Python signature then decides (a new signature: no entry; the same: the entry). Scalars
+    are bound by argument name and come after the pointers."""
     from moe_ep.replay import Replay, guard
 
-    def inputs():
-        return torch.zeros(4, 32, dtype=torch.bfloat16), torch.zeros(4, 2, dtype=torch.float32)
+    def inputs(T=4):
+        return torch.zeros(T, 32, dtype=torch.bfloat16), torch.zeros(T, 2, dtype=torch.float32)
 
     x, idx = inputs()
-    assert guard((x, idx)) is not None, "this torch has no TensorGuards: every replay takes the Python path"
-    rep = Replay()
-    entry, sig, ptrs = rep.find((x, idx), 4)
+    assert guard((x, idx), (0, 0)) is not None, "this torch has no TensorGuards: every replay takes the Python path"
+    rep = Replay((0, 0))
+    entry, sig, ptrs = rep.find((x, idx), "s")
     assert entry is None and sig is not None and list(ptrs) == [x.data_ptr(), idx.data_ptr()]
-    rep.record(sig, (x, idx), [(_FakePlan(), (x, idx))], tuple(ptrs), 4)
+    plan = _FakePlan()
+    rep.record(sig, (x, idx), [(plan, (x, idx, 4))], tuple(ptrs), "v", {"n": 0})
+    assert plan.bound == [[0, 1, 2]]  # both pointers and the scalar n are patched per replay
+    for T in (4, 7, 0):
+        x2, idx2 = inputs(T)
+        entry, sig, ptrs = rep.find((x2, idx2), "s")
+        assert entry is not None and entry.value == "v" and sig is None, f"T={T}: the guard did not find the entry"
+        assert list(ptrs) == [x2.data_ptr(), idx2.data_ptr()]
+        entry.run(0, (*ptrs, T))
+        assert plan.got == [x2.data_ptr(), idx2.data_ptr(), T]
     x2, idx2 = inputs()
-    entry, sig, ptrs = rep.find((x2, idx2), 4)
-    assert entry is not None and entry.value == 4 and sig is None, "the guard did not find the latest entry"
-    assert list(ptrs) == [x2.data_ptr(), idx2.data_ptr()]
     misses = {
-        "shape": (torch.zeros(5, 32, dtype=torch.bfloat16), idx2),
+        "hidden size": (torch.zeros(4, 48, dtype=torch.bfloat16), idx2),
         "dtype": (x2.half(), idx2),
         "strides": (torch.zeros(4, 64, dtype=torch.bfloat16)[:, ::2], idx2),
+        "dimensions": (x2.view(4, 32, 1), idx2),
         "device": (x2.to("meta"), idx2),
         "not a tensor": (x2.tolist(), idx2),
     }
     for what, ts in misses.items():
-        entry, sig, _ = rep.find(ts, 4)
+        entry, sig, _ = rep.find(ts, "s")
         assert entry is None, f"{what}: found a recorded entry"
-    entry, sig, _ = rep.find((x2, idx2), 5)
+    entry, sig, _ = rep.find((x2, idx2), "t")
     assert entry is None, "another extra value found the entry"
     # requires_grad fails the guard, not the signature (the kernels only read the data).
-    entry, sig, _ = rep.find((x2, torch.zeros(4, 2, requires_grad=True)), 4)
+    entry, sig, _ = rep.find((x2, torch.zeros(4, 2, requires_grad=True)), "s")
     assert entry is not None and sig is not None
     # A misaligned pointer fails the guard's alignment check; its signature is new.
     raw = torch.zeros(4 * 32 + 1, dtype=torch.bfloat16)
-    entry, sig, _ = rep.find((raw[1:].view(4, 32), idx2), 4)
+    entry, sig, _ = rep.find((raw[1:].view(4, 32), idx2), "s")
     assert entry is None and sig is not None
     # After misses, the recorded signature is still found (by the signature, then by the guard).
-    entry, sig, _ = rep.find(inputs(), 4)
+    entry, sig, _ = rep.find(inputs(5), "s")
     assert entry is not None
+    # Without a token dimension every size is fixed.
+    fixed = Replay((None, None))
+    _, sig, ptrs = fixed.find((x, idx))
+    fixed.record(sig, (x, idx), [(_FakePlan(), (x, idx, 4))], tuple(ptrs), None)
+    assert fixed.find(inputs(4))[0] is not None and fixed.find(inputs(5))[0] is None
 
 
 def test_new_output_is_a_fresh_tensor():

@@ -5,9 +5,9 @@ keys, cache lookup), and eager callers pay it every call. A ``Launcher`` (one pe
 *plan* per configuration after its first launch (which compiles through ``kernel[grid]``):
 
 - ``NativePlan`` (the default on a GPU): the compiled kernel's ``CUfunction`` and every parameter
-  packed once, the way Triton's launcher passes them (``param_sizes``); a launch writes the stream
-  and the values that change into the plan's stage and makes one ctypes call, which patches them
-  in and calls ``cuLaunchKernel`` (csrc/proxy/launch.cc);
+  packed once, the way Triton's launcher passes them (``param_sizes``); a launch is one call of
+  the native library's ``launch`` function with the stream and the values that change, which
+  patches them in and calls ``cuLaunchKernel`` (csrc/proxy/launch.cc);
 - ``TritonPlan``: Triton's own C launcher (``CompiledKernel.run``) with raw values: the fallback
   for what the native path does not cover (scratch memory, clusters, cooperative or PDL launches,
   a Triton release whose launcher it was not checked against), and the path ``MOE_EP_LAUNCH=triton``
@@ -231,7 +231,8 @@ def launch_function():
 
 class NativePlan:
     """A compiled kernel launched through ``cuLaunchKernel`` with prepacked parameters; ``dynamic``
-    (positions in ``args``) are read again at each ``launch``."""
+    (positions in ``args``) are read again at each ``launch``. Every plan has ``dynamic`` and
+    ``arg_names`` (the kernel's, in order: what ``moe_ep.replay`` binds by name)."""
 
     def __init__(self, compiled, grid: int, args: tuple, consts: dict, dynamic: Sequence[int], arg_names):
         md = compiled.metadata
@@ -259,6 +260,7 @@ class NativePlan:
                 raise NativeUnavailable(f"argument {arg_names[i]} is a float that changes")
         compiled.run  # noqa: B018  (loads the module: compiled.function is set once loaded)
         self.compiled, self.grid, self.types, self.param_of = compiled, grid, types, param_of
+        self.arg_names = tuple(arg_names)
         self._shape = (compiled.function, grid, 32 * md.num_warps, md.shared, sizes, values)
         self.dynamic = tuple(dynamic)
         self._all = _Native(*self._shape, [param_of[i] for i in self.dynamic])
@@ -288,6 +290,7 @@ class TritonPlan:
 
     def __init__(self, compiled, grid: int, args: tuple, consts: dict, dynamic: Sequence[int], arg_names):
         self.compiled, self.grid, self.dynamic = compiled, grid, tuple(dynamic)
+        self.arg_names = tuple(arg_names)
         self.vals = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
         self.vals += [consts[n] for n in arg_names[len(args):]]
 
@@ -323,6 +326,7 @@ class JitPlan:
 
     def __init__(self, fn, grid: int, consts: dict, dynamic: Sequence[int]):
         self.fn, self.grid, self.consts, self.dynamic = fn, grid, consts, tuple(dynamic)
+        self.arg_names = tuple(fn.arg_names)
 
     def launch(self, args: tuple, stream: int) -> None:
         self.fn[(self.grid,)](*args, **self.consts)
