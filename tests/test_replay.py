@@ -82,15 +82,19 @@ def _replay_worker(rank, world_size, cases, direct_max=None):
     import moe_ep
     import moe_ep.dispatch
 
-    if direct_max is not None:  # prefill's launch structure (the routing histogram first) at small T
-        moe_ep.dispatch.DIRECT_MAX = direct_max
     group = moe_ep.EPGroup()
     fails, hits = [], {}
-    for case in cases:
-        with make_buffer(group, case, 20.0) as buf:
-            buf._launch = la = _InterpLauncher()
-            fails += run_calls(group, buf, case)
-            hits[case.name] = _replayed(la)
+    kept = moe_ep.dispatch.DIRECT_MAX  # (the pool's process runs later tests too)
+    if direct_max is not None:  # prefill's launch structure (the routing histogram first) at small T
+        moe_ep.dispatch.DIRECT_MAX = direct_max
+    try:
+        for case in cases:
+            with make_buffer(group, case, 20.0) as buf:
+                buf._launch = la = _InterpLauncher()
+                fails += run_calls(group, buf, case)
+                hits[case.name] = _replayed(la)
+    finally:
+        moe_ep.dispatch.DIRECT_MAX = kept
     return fails, hits
 
 
@@ -277,33 +281,48 @@ def test_fast_path_keeps_the_buffers_checks():
 @pytest.mark.gpu
 @pytest.mark.parametrize("launch", ["native", "triton"])
 def test_replayed_calls_match_the_oracle_gpu(launch):
-    """The native (and Triton-launcher) plans replayed on a GPU, new tensors every call."""
+    """The native (and Triton-launcher) plans replayed on a GPU, new tensors and a new token count
+    every call; then with prefill's launch structure (the routing histogram first) at small T, as
+    in ``test_replayed_prefill_structure_matches_the_oracle``."""
     dist_util.need_gpu()
     cases = [Case(R=1, E=4, K=2, dtype=d, layout=lay, align=16 if lay == "packed" else 1, M=6, calls=_CALLS, seed=5)
              for d, lay in (("bf16", "masked"), ("fp8", "packed"), ("fp8pre", "masked"))]
-    results = dist_util.run(1, _gpu_worker, cases, launch, timeout=600, backend=dist_util.gpu_backend(1))
-    fails = [f for r in results for f in r]
+    prefill = [Case(R=1, E=4, K=2, dtype=d, layout=lay, align=16 if lay == "packed" else 1, M=6, calls=_CALLS,
+                    seed=3) for d, lay in (("bf16", "masked"), ("fp8", "packed"))]
+    fails = []
+    for cs, direct_max in ((cases, None), (prefill, 4)):
+        results = dist_util.run(1, _gpu_worker, cs, launch, direct_max, timeout=600,
+                                backend=dist_util.gpu_backend(1))
+        fails += [f for r in results for f in r]
     assert not fails, "\n".join(fails[:20])
 
 
-def _gpu_worker(rank, world_size, cases, launch):
+def _gpu_worker(rank, world_size, cases, launch, direct_max=None):
     import os
 
     import moe_ep
+    import moe_ep.dispatch
     from moe_ep.kernels.launch import NativePlan
+
+    kept = moe_ep.dispatch.DIRECT_MAX  # (the pool's process runs later tests too)
+    if direct_max is not None:
+        moe_ep.dispatch.DIRECT_MAX = direct_max
 
     os.environ["MOE_EP_LAUNCH"] = launch  # the pool's process: read when a buffer is made
     group = moe_ep.EPGroup()
     fails = []
-    for case in cases:
-        with make_buffer(group, case, 20.0) as buf:
-            fails += run_calls(group, buf, case)
-            kinds = {type(p).__name__ for p in buf._launch._plans.values()}
-            if (launch == "native") != (kinds == {NativePlan.__name__}):
-                fails.append(f"[{case.name}] MOE_EP_LAUNCH={launch}: plans {kinds}")
-            if not any(r._entries for r in buf._replays):
-                fails.append(f"[{case.name}] nothing recorded for replay")
-    os.environ.pop("MOE_EP_LAUNCH", None)
+    try:
+        for case in cases:
+            with make_buffer(group, case, 20.0) as buf:
+                fails += run_calls(group, buf, case)
+                kinds = {type(p).__name__ for p in buf._launch._plans.values()}
+                if (launch == "native") != (kinds == {NativePlan.__name__}):
+                    fails.append(f"[{case.name}] MOE_EP_LAUNCH={launch}: plans {kinds}")
+                if not any(r._entries for r in buf._replays):
+                    fails.append(f"[{case.name}] nothing recorded for replay")
+    finally:
+        os.environ.pop("MOE_EP_LAUNCH", None)
+        moe_ep.dispatch.DIRECT_MAX = kept
     return fails
 
 
