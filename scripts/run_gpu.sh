@@ -54,9 +54,9 @@ if [ "${INSTALL:-1}" = 1 ]; then   # INSTALL=0: already installed by an earlier 
     "$PYTHON" -m pip install -q --no-deps --no-build-isolation -e .
 else
     # Or not installed at all: the package from this checkout, with a native library built
-    # elsewhere (plain C++ loaded through ctypes: one built by any Python of the same platform
-    # loads; the pip step's C++ build takes about a minute, and a checkout without a library
-    # builds one on first use).
+    # elsewhere (C++ loaded through ctypes, its one Python function in the stable ABI: one built
+    # by any Python >= 3.10 of the same platform loads; the pip step's C++ build takes about a
+    # minute, and a checkout without a library builds one on first use).
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
     "$PYTHON" -c 'import moe_ep.proxy.native as n; n.lib()' \
         || { echo "INSTALL=0: moe_ep's native library is not loadable from $PWD (build it, or INSTALL=1)"; exit 1; }
