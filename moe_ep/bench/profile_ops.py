@@ -5,7 +5,8 @@
     torchrun --nproc-per-node=4 -m moe_ep.bench.profile_ops   # 4 ranks on 1 GPU: gloo, CUDA IPC
 
 Prints, for rank 0: the host time to issue a call (Python and launch, no device sync; the median
-over many calls of dispatch, of combine returning a new tensor and of combine with ``out=``), the
+over many calls of dispatch, of combine returning a new tensor and of combine with ``out=``; and of
+dispatch and ``combine(out=)`` when the token count changes every call), the
 top host functions of those calls (cProfile), the launch cost of an empty Triton kernel through
 ``moe_ep.kernels.launch`` and through ``kernel[grid]``, and the device time of each kernel
 (torch.profiler, mean over calls). ``MOE_EP_LAUNCH=triton`` times Triton's launcher instead of the
@@ -119,6 +120,23 @@ def main(argv=None) -> None:
         med = statistics.median
         lines.append(f"host to issue (median, no sync): dispatch {med(t_d + t_d2):.1f} us, combine {med(t_c):.1f} us, "
                      f"combine(out=) {med(t_co):.1f} us   [launch path {launch_path()}]")
+        # an eager loop whose batch changes every call: T cycles through 32 counts (T-31 .. T)
+        batches = [(x[:t], idx[:t], w[:t], out[:t]) for t in range(max(1, T - 31), T + 1)]
+        st["i"] = 0
+
+        def disp_varying():
+            st["i"] = (st["i"] + 1) % len(batches)
+            st["d"] = buf.dispatch(*batches[st["i"]][:3])
+
+        def comb_varying():
+            buf.combine(y, st["d"], out=batches[st["i"]][3])
+
+        for _ in range(2 * len(batches)):
+            disp_varying()
+            comb_varying()
+        t_dv, t_cv = _issue_us([disp_varying, comb_varying], args.calls)
+        lines.append(f"host to issue, T changing every call ({len(batches)} counts): dispatch {med(t_dv):.1f} us, "
+                     f"combine(out=) {med(t_cv):.1f} us")
         # where the host time of the pairs goes
         pr = cProfile.Profile()
         pr.enable()
