@@ -309,9 +309,11 @@ class EPBuffer:
         self.remote = self._start_remote(private_capacity, overflow_capacity) if G < R else None
         # What every launch passes and never changes, ready for the cheap launch path.
         self._launch = Launcher(dev)
-        # moe_ep.replay: dispatch without and with x_scales (every input [T, ...]), combine without
-        # and with out (expert_y's shape is the buffer's; out is [T, H])
-        self._replays = (Replay((0, 0, 0)), Replay((0, 0, 0, 0)), Replay((None,)), Replay((None, 0)))
+        # moe_ep.replay: dispatch without and with x_scales (every input [T, ...]); combine of
+        # expert_y (its shape is the buffer's) without and with out ([T, H]), then the same with
+        # pushed weights ([T, K], before out)
+        self._replays = (Replay((0, 0, 0)), Replay((0, 0, 0, 0)), Replay((None,)), Replay((None, 0)),
+                         Replay((None, 0)), Replay((None, 0, 0)))
         self._token_shapes: dict = {}  # moe_ep.dispatch.token_shape, per token count
         # moe_ep.combine.new_output: one element, and its views of each output shape seen
         self._out_one = torch.empty(1, 1, dtype=torch.bfloat16, device=dev)
@@ -385,9 +387,9 @@ class EPBuffer:
             tokens sent nowhere. Rows with ``topk_weights``: ``(out, w)``, ``w`` float32 ``[T, K]`` the
             sum over ranks of the rows' ``topk_weights``. With ``return_recv_hook``: ``(that, hook)``.
         """
-        tried = topk_weights is None and not return_recv_hook
+        tried = not return_recv_hook
         if tried:  # the eager fast path: a call like the latest replayed one (combine.replayed)
-            result = _combine.replayed(self, expert_y, handle, out)
+            result = _combine.replayed(self, expert_y, handle, out, topk_weights)
             if result is not None:
                 return result
         self._check_usable()

@@ -22,17 +22,21 @@ _WEIGHTED_DYNAMIC = _DYNAMIC + arg_positions(combine_kernel, "wy_ptr", "wout_ptr
 _SCALARS = {"T": 0}
 
 
-def replayed(buf, expert_y, handle, out):
-    """The eager fast path of a combine without combine-time weights or a hook: as
-    ``dispatch.replayed`` (the latest replayed combine with or without ``out``, for the latest
-    dispatch's handle, any token count; its ``Replay.latest`` and ``_combined`` written out);
-    returns the output, or None where the path does not apply (then ``combine`` decides, with
-    every check)."""
+def replayed(buf, expert_y, handle, out, topk_weights=None):
+    """The eager fast path of a combine without a hook: as ``dispatch.replayed`` (the latest
+    replayed combine with or without ``out``, with or without combine-time weights, for the
+    latest dispatch's handle, any token count; its ``Replay.latest`` and ``_combined`` written
+    out); returns the output, or None where the path does not apply (then ``combine`` decides,
+    with every check)."""
     if (type(handle) is not DispatchResult or handle._buffer is not buf or handle._serial != buf._serial
             or not buf._replay_ready()):
         return None  # (combine raises the error)
     T = handle.num_tokens
-    if out is None:
+    if topk_weights is not None:
+        out = _replayed_weighted(buf, expert_y, topk_weights, out, T)
+        if out is None:
+            return None
+    elif out is None:
         last = buf._replays[2].last
         if last is None or not last.guard.check(expert_y):
             return None
@@ -56,6 +60,31 @@ def replayed(buf, expert_y, handle, out):
     buf._epochs[1] += 1
     if buf.interp:
         buf._check_usable()
+    return out
+
+
+def _replayed_weighted(buf, expert_y, topk_weights, out, T: int):
+    """``replayed`` with combine-time weights (masked and packed layouts: pushed to the owners;
+    rows-layout weights are never recorded): launches and returns the output, or None."""
+    tensors = (expert_y, topk_weights) if out is None else (expert_y, topk_weights, out)
+    last = buf._replays[4 if out is None else 5].last
+    if last is None:
+        return None
+    if not (last.exact.check(*tensors) and T == last.scalars[0]) and \
+            not (last.guard.check(*tensors) and all(t.shape[0] == T for t in tensors[1:])):
+        return None  # (the guard leaves the token counts free: they must be the handle's)
+    p, w = expert_y.data_ptr(), topk_weights.data_ptr()
+    q = out.data_ptr() if out is not None else 0
+    if (p | w | q) & 15:  # (the guard was kept only for an entry whose pointers were all aligned)
+        return None
+    if out is None:
+        out = new_output(buf, T)
+        q = out.data_ptr()
+    else:
+        y_bytes, row_bytes = last.value
+        if _spans_meet(p, q, y_bytes, T * row_bytes):
+            return None  # (an out over expert_y: combine raises the error)
+    last.run(buf._launch.stream(), (p, q, w, buf._err_ptr, T))
     return out
 
 
@@ -84,21 +113,6 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
     _check_tensor("expert_y", expert_y, (torch.bfloat16,), tuple(buf.expert_x.shape), buf.device)
     if out is not None:
         _check_tensor("out", out, (torch.bfloat16, torch.float32), (T, buf.hidden), buf.device)
-    # Replays (moe_ep.replay): plain calls only; combine-time weights and hooks take the full path.
-    replayable = topk_weights is None and not return_recv_hook
-    # One Replay per set of inputs: without and with out (T, from the handle, is a scalar: _SCALARS).
-    if out is None:
-        replay, tensors = buf._replays[2], (expert_y,)
-    else:
-        replay, tensors = buf._replays[3], (expert_y, out)
-    hit, sig, ptrs = replay.find(tensors, None, latest_tried) if replayable else (None, None, [])
-    if hit is not None:
-        if out is None:
-            out = new_output(buf, T)
-            ptrs = (ptrs[0], out.data_ptr())
-        hit.run(buf._launch.stream(), (*ptrs, T))
-        return _combined(buf, out, None)
-    out_f32 = out is not None and out.dtype == torch.float32
     rp = buf.remote
     # masked/packed: weights at combine, per source token, pushed to the owners over the dispatch's
     push = topk_weights is not None and not rows
@@ -110,6 +124,20 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
             if rp is not None:
                 raise ValueError(f"topk_weights: combine-time weights reach node peers only; with other nodes "
                                  f"(node_size={buf.node_size} < world_size={buf.world_size}) pass them to dispatch")
+    # Replays (moe_ep.replay): calls without a hook, without weights or with pushed ones (rows-layout
+    # weights come back in a new tensor each call: not replayed). One Replay per set of inputs:
+    # expert_y, then the weights, then out if given; T, from the handle, is a scalar (_SCALARS).
+    replayable = not return_recv_hook and (topk_weights is None or push)
+    given_out = out is not None
+    tensors = (expert_y,) + ((topk_weights,) if push else ()) + ((out,) if given_out else ())
+    replay = buf._replays[2 + given_out + 2 * push]
+    hit, sig, ptrs = replay.find(tensors, None, latest_tried) if replayable else (None, None, [])
+    if hit is not None:
+        if not given_out:
+            out = new_output(buf, T)
+        hit.run(buf._launch.stream(), _inputs(buf, ptrs[0], out.data_ptr(), ptrs[1] if push else None) + (T,))
+        return _combined(buf, out, None)
+    out_f32 = out is not None and out.dtype == torch.float32
     if out is None:
         out = new_output(buf, T)
     wout = torch.empty(T, buf.topk, dtype=torch.float32, device=buf.device) if rows and topk_weights is not None \
@@ -134,20 +162,22 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
     consts = lambda: dict(_combine_consts(buf, own_y, wout is not None), WEIGHTS=push,  # noqa: E731
                           PUSH=push and buf.fused, BASE_F32=rp is not None or out_f32)
     dyn = _WEIGHTED_DYNAMIC if topk_weights is not None else _DYNAMIC
+    launches = []
     if push and not buf.fused:
-        buf._launch(key + ("push",), combine_kernel, buf.num_programs, args,
-                    lambda: dict(consts(), PUSH=True, SEND=False, RECV=False), dyn)
+        launches.append((buf._launch(key + ("push",), combine_kernel, buf.num_programs, args,
+                                     lambda: dict(consts(), PUSH=True, SEND=False, RECV=False), dyn), args))
         if buf.interp:
             buf._host_wait_weights(epoch)
     if rp is None:
         if not return_recv_hook:
-            launches = launch_halves(buf, key, combine_kernel, args, dyn, consts,
-                                     lambda: buf._host_wait_combine(epoch, T))
+            launches += launch_halves(buf, key, combine_kernel, args, dyn, consts,
+                                      lambda: buf._host_wait_combine(epoch, T))
             # (value: with the caller's out, the bytes of expert_y and of a row of out, which the
             # entry's guard fixes: the fast path checks that they do not overlap)
-            spans = (expert_y.nbytes, buf.hidden * out.element_size()) if len(tensors) == 2 else None
-            replay.record(sig, tensors, launches, (ptrs[0], base.data_ptr()) if sig is not None else (), spans,
-                          _SCALARS, (T,))
+            spans = (expert_y.nbytes, buf.hidden * out.element_size()) if given_out else None
+            if sig is not None and replayable:
+                replay.record(sig, tensors, launches, _inputs(buf, ptrs[0], base.data_ptr(), ptrs[1] if push else None),
+                              spans, _SCALARS, (T,))
             recv = None
         else:
             launch_half(buf, key, combine_kernel, args, dyn, consts, True, False)
@@ -174,6 +204,13 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
 
 
 _SHAPES = 64  # output shapes kept per buffer (views of one element, a few hundred bytes each)
+
+
+def _inputs(buf, y: int, out: int, weights) -> tuple:
+    """The pointers a replayed combine patches, in its entries' order: ``expert_y`` and the
+    output, then with pushed weights the weights and the buffer's error record (the kernel's
+    placeholder for the rows layout's weight arguments)."""
+    return (y, out) if weights is None else (y, out, weights, buf._err_ptr)
 
 
 def new_output(buf, T: int) -> torch.Tensor:

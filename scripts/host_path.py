@@ -86,6 +86,7 @@ def main() -> None:
     out = torch.empty(T, H, dtype=torch.bfloat16)
     buf.combine(y, h)
     buf.combine(y, h, out=out)
+    buf.combine(y, h, topk_weights=w, out=out)  # DeepEP's low-latency combine: the weights at combine
     # An eager decode whose batch changes every call: T cycles through 1..128.
     per_T = [(torch.randn(t, H, dtype=torch.bfloat16), torch.randint(0, 256, (t, 8)), torch.rand(t, 8))
              for t in range(1, T + 1)]
@@ -107,14 +108,16 @@ def main() -> None:
         d = _median_us(lambda: buf.dispatch(x, idx, w))
         h = buf.dispatch(x, idx, w)
         rows.append((d, _median_us(lambda: buf.combine(y, h)), _median_us(lambda: buf.combine(y, h, out=out)),
+                     _median_us(lambda: buf.combine(y, h, topk_weights=w, out=out)),
                      _median_us(cycle(False)), _median_us(cycle(True)),
                      _median_us(lambda: bound.launch(0, ptrs)), _median_us(lambda: torch.empty_like(out)),
                      _median_us(lambda: None)))
-    names = ("dispatch", "combine", "combine(out=)", "dispatch, T = 1..128", "+ combine(out=), T = 1..128",
+    names = ("dispatch", "combine", "combine(out=)", "combine(topk_weights=, out=)", "dispatch, T = 1..128",
+             "+ combine(out=), T = 1..128",
              "one native launch", "empty_like [T, H]", "timer alone")
     print("host time per call, us (median of 3000; 3 rounds; the timer's own cost included in each):")
     for i, name in enumerate(names):
-        print(f"  {name:20s} " + "  ".join(f"{r[i]:5.2f}" for r in rows))
+        print(f"  {name:30s} " + "  ".join(f"{r[i]:6.2f}" for r in rows))
 
 
 if __name__ == "__main__":

@@ -103,15 +103,20 @@ def _replay_worker(rank, world_size, cases, direct_max=None):
 _CALLS = ("uniform", "skewed", "sparse", "uniform", "skewed", "repeat")
 
 
-@pytest.mark.parametrize("dtype,layout", [("bf16", "masked"), ("fp8", "packed"), ("fp8pre", "masked")])
-def test_replayed_calls_match_the_oracle(dtype, layout):
+@pytest.mark.parametrize("dtype,layout,late", [("bf16", "masked", False), ("fp8", "packed", False),
+                                               ("fp8pre", "masked", False), ("bf16", "masked", True),
+                                               ("fp8", "packed", True)])
+def test_replayed_calls_match_the_oracle(dtype, layout, late):
+    """``late``: the weights come at combine (``topk_weights=``, pushed to the owners; dispatch
+    gets wrong ones)."""
     case = Case(R=1, E=4, K=2, dtype=dtype, layout=layout, align=16 if layout == "packed" else 1, M=6,
-                calls=_CALLS, seed=5)
+                calls=_CALLS, seed=5, late_weights=late)
     (fails, hits), = dist_util.run(1, _replay_worker, [case], timeout=600)
     assert not fails, "\n".join(fails[:20])
     # Every call after the first is replayed, whatever its token count (M, 0, a middle count): its
-    # dispatch and its combine, two launches each under the interpreter (send and receive halves).
-    assert hits[case.name] == 4 * (len(_CALLS) - 1), hits
+    # dispatch and its combine, two launches each under the interpreter (send and receive halves),
+    # and with late weights the combine's push first.
+    assert hits[case.name] == (5 if late else 4) * (len(_CALLS) - 1), hits
 
 
 @pytest.mark.parametrize("dtype,layout", [("bf16", "masked"), ("fp8", "packed")])
@@ -181,6 +186,8 @@ def _errors_worker(rank, world_size):
         y = torch.zeros(h.expert_x.shape, dtype=torch.bfloat16)
         buf.combine(y, h, out=torch.empty(T, H, dtype=torch.bfloat16))  # records the combine with out=
         h = buf.dispatch(x, idx, w)
+        buf.combine(y, h, topk_weights=w)  # records the combine with pushed weights
+        h = buf.dispatch(x, idx, w)
         shape = tuple(y.shape)
         bad_combine = {
             "expert_y dtype": ((y.half(), h), "expert_y"),
@@ -191,11 +198,17 @@ def _errors_worker(rank, world_size):
             "out dtype": ((y, h, torch.empty(T, H, dtype=torch.float16)), "out"),
             "out non-contiguous": ((y, h, torch.empty(T, 2 * H, dtype=torch.bfloat16)[:, ::2]), "out"),
             "out not a tensor": ((y, h, [0.0] * H), "out"),
+            "topk_weights more tokens": ((y, h, torch.rand(T + 1, case.K)), "topk_weights"),
+            "topk_weights fewer tokens": ((y, h, w[:-1].contiguous()), "topk_weights"),
+            "topk_weights dtype": ((y, h, w.double()), "topk_weights"),
+            "topk_weights non-contiguous": ((y, h, torch.zeros(T, 2 * case.K)[:, ::2]), "topk_weights"),
         }
         for what, (args, name) in bad_combine.items():
             before = _replayed(la)
             try:
-                if name == "out":
+                if name == "topk_weights":
+                    buf.combine(args[0], args[1], topk_weights=args[2])
+                elif name == "out":
                     buf.combine(args[0], args[1], out=args[2])
                 else:
                     buf.combine(*args)

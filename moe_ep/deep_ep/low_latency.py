@@ -171,8 +171,8 @@ def combine(handle: LowLatencyHandle, x: torch.Tensor, topk_idx: torch.Tensor, t
                             or tuple(out.shape) != (T, buf.hidden) or out.device != buf.device):
         raise ValueError(f"out: expected a bfloat16 [{T}, {buf.hidden}] tensor on {buf.device}, got "
                          f"{getattr(out, 'dtype', type(out).__name__)} {list(getattr(out, 'shape', []))}")
-    if slot.expand == 1:
-        got = buf.combine(y, d, return_recv_hook=return_recv_hook, topk_weights=topk_weights)
+    if slot.expand == 1:  # (into the caller's out where given: no copy)
+        got = buf.combine(y, d, return_recv_hook=return_recv_hook, topk_weights=topk_weights, out=out)
     else:
         if not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32 or \
                 tuple(topk_weights.shape) != (T, K) or topk_weights.device != buf.device:
@@ -189,8 +189,6 @@ def combine(handle: LowLatencyHandle, x: torch.Tensor, topk_idx: torch.Tensor, t
         if slot.expand > 1:  # sum_k w * (the expert row of (token, k)), float32, rounded once
             rows = slot.rows_f32[:T * K].view(T, K, buf.hidden)
             o.copy_((rows * w[:, :, None]).sum(dim=1))
-        elif out is not None:
-            out.copy_(o)
 
     hook = None
     if recv_hook is not None:
