@@ -295,11 +295,13 @@ def test_fast_path_keeps_the_buffers_checks():
 @pytest.mark.parametrize("launch", ["native", "triton"])
 def test_replayed_calls_match_the_oracle_gpu(launch):
     """The native (and Triton-launcher) plans replayed on a GPU, new tensors and a new token count
-    every call; then with prefill's launch structure (the routing histogram first) at small T, as
+    every call (and weights at combine, pushed in the fused launch); then with prefill's launch structure (the routing histogram first) at small T, as
     in ``test_replayed_prefill_structure_matches_the_oracle``."""
     dist_util.need_gpu()
-    cases = [Case(R=1, E=4, K=2, dtype=d, layout=lay, align=16 if lay == "packed" else 1, M=6, calls=_CALLS, seed=5)
-             for d, lay in (("bf16", "masked"), ("fp8", "packed"), ("fp8pre", "masked"))]
+    cases = [Case(R=1, E=4, K=2, dtype=d, layout=lay, align=16 if lay == "packed" else 1, M=6, calls=_CALLS, seed=5,
+                  late_weights=late)
+             for d, lay, late in (("bf16", "masked", False), ("fp8", "packed", False), ("fp8pre", "masked", False),
+                                  ("fp8", "masked", True))]
     prefill = [Case(R=1, E=4, K=2, dtype=d, layout=lay, align=16 if lay == "packed" else 1, M=6, calls=_CALLS,
                     seed=3) for d, lay in (("bf16", "masked"), ("fp8", "packed"))]
     fails = []
