@@ -295,8 +295,9 @@ def test_fast_path_keeps_the_buffers_checks():
 @pytest.mark.parametrize("launch", ["native", "triton"])
 def test_replayed_calls_match_the_oracle_gpu(launch):
     """The native (and Triton-launcher) plans replayed on a GPU, new tensors and a new token count
-    every call (and weights at combine, pushed in the fused launch); then with prefill's launch structure (the routing histogram first) at small T, as
-    in ``test_replayed_prefill_structure_matches_the_oracle``."""
+    every call (one case with the weights at combine, pushed in the fused launch); then with
+    prefill's launch structure (the routing histogram first) at small T, as in
+    ``test_replayed_prefill_structure_matches_the_oracle``."""
     dist_util.need_gpu()
     cases = [Case(R=1, E=4, K=2, dtype=d, layout=lay, align=16 if lay == "packed" else 1, M=6, calls=_CALLS, seed=5,
                   late_weights=late)
