@@ -120,7 +120,9 @@ class Replay:
              latest_tried: bool = False) -> tuple[Optional[_Entry], Optional[tuple], list]:
         """``(entry, signature, pointers)`` for a call with ``tensors`` (its 1-4 inputs, none left
         out) and ``extra`` (what else fixes its launches: a hashable the inputs' shapes do not
-        give). ``entry`` is None when no call like it was recorded; ``signature`` is None when
+        give, e.g. the launch structure its token count selects). The caller has validated the
+        call: the guards leave the token count free. ``entry`` is None when no call like it was
+        recorded; ``signature`` is None when
         the latest hit's guard passed (no need for it) or an input is not a tensor.
         ``latest_tried``: the caller's ``latest`` just failed for this call, so it is not tried
         again (skipping it is always safe: the signature finds the same entry, only slower)."""
@@ -139,8 +141,8 @@ class Replay:
     def latest(self, tensors: tuple, extra=None) -> Optional[tuple]:
         """``(entry, pointers)`` when a call with ``tensors`` and ``extra`` is like the latest hit
         (its guard passes and every pointer is 16-byte aligned), else None: one C call and the
-        pointer reads, the whole lookup of an eager call in the common case (``find`` decides
-        the rest)."""
+        pointer reads (``find`` decides the rest). The guard leaves the token count free: the
+        caller checks it (the ops' fast paths write this out with those checks)."""
         last = self.last
         if last is not None and last.extra == extra and last.guard.check(*tensors):
             ptrs, low = _POINTERS[len(tensors)](*tensors)
