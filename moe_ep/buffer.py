@@ -349,9 +349,9 @@ class EPBuffer:
             ``DispatchResult`` (views of buffer memory, valid until the next dispatch), or
             ``(DispatchResult, hook)`` with ``return_recv_hook``.
         """
-        tried = x_scales is None and not return_recv_hook
+        tried = not return_recv_hook
         if tried:  # the eager fast path: a call like the latest replayed one (dispatch.replayed)
-            result = _dispatch.replayed(self, x, topk_idx, topk_weights)
+            result = _dispatch.replayed(self, x, topk_idx, topk_weights, x_scales)
             if result is not None:
                 return result
         self._check_usable()

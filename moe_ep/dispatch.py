@@ -107,37 +107,40 @@ def token_shape(buf, T: int) -> tuple:
     return got
 
 
-def replayed(buf, x, topk_idx, topk_weights):
-    """The eager fast path: a dispatch without ``x_scales`` or a hook whose tensors are like those
-    of the latest replayed one (``Replay.latest``: its guard passes, every pointer 16-byte
-    aligned; any token count of the same launch structure, at most ``max_tokens``, the same in
-    every input) on a buffer whose full path would pass without a word (open, not broken, no
-    kernel error record, no receive hook pending, no peer on another node) launches as that one
-    did with this call's pointers and token count. Returns its ``DispatchResult``, or None where
-    the path does not apply (then ``dispatch`` decides, with every check).
+def replayed(buf, x, topk_idx, topk_weights, x_scales=None):
+    """The eager fast path: a dispatch without a hook whose tensors are like those of the latest
+    replayed one with or without ``x_scales`` (``Replay.latest``: its guard passes, every pointer
+    16-byte aligned; any token count of the same launch structure, at most ``max_tokens``, the
+    same in every input) on a buffer whose full path would pass without a word (open, not broken,
+    no kernel error record, no receive hook pending, no peer on another node) launches as that
+    one did with this call's pointers and token count. Returns its ``DispatchResult``, or None
+    where the path does not apply (then ``dispatch`` decides, with every check).
 
     ``Replay.latest`` and ``_dispatched`` are written out here: each Python call costs ~0.1 us
     on a CPU and more on a slow host, and this is the whole host time of an eager decode dispatch
     but the launch (issue "Eager calls at the speed of a graph")."""
-    last = buf._replays[0].last
+    last = buf._replays[0 if x_scales is None else 1].last
     if last is None or not buf._replay_ready():
         return None
-    if last.exact.check(x, topk_idx, topk_weights):  # the entry's own token count
+    tensors = (x, topk_idx, topk_weights) if x_scales is None else (x, topk_idx, topk_weights, x_scales)
+    if last.exact.check(*tensors):  # the entry's own token count
         scalars = last.scalars
     else:  # another token count: the inputs must agree on it (the guard leaves it free)
-        if not last.guard.check(x, topk_idx, topk_weights):
+        if not last.guard.check(*tensors):
             return None
         T = x.shape[0]
-        if T > buf.max_tokens or topk_idx.shape[0] != T or topk_weights.shape[0] != T:
+        if T > buf.max_tokens or topk_idx.shape[0] != T or topk_weights.shape[0] != T or \
+                (x_scales is not None and x_scales.shape[0] != T):
             return None
         structure, scalars = buf._token_shapes.get(T) or token_shape(buf, T)
         if last.extra != structure:
             return None
     p, q, r = x.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr()
-    if (p | q | r) & 15:  # (the guard was kept only for an entry whose pointers were all aligned)
+    s = buf._err_ptr if x_scales is None else x_scales.data_ptr()  # (the error record: the kernel's placeholder)
+    if (p | q | r | s) & 15:  # (the guard was kept only for an entry whose pointers were all aligned)
         return None
     # the dispatch kernel's input pointers (its arguments 0-3), then the scalars (_SCALARS)
-    last.run(buf._launch.stream(), (p, buf._err_ptr, q, r) + scalars)
+    last.run(buf._launch.stream(), (p, s, q, r) + scalars)
     buf._epochs[0] += 1
     buf._serial += 1
     result = DispatchResult.issued(buf._result_fields, buf, scalars[0], buf._serial)

@@ -231,6 +231,56 @@ def test_changed_inputs_are_validated_on_the_fast_path():
     assert not log, "\n".join(log)
 
 
+def _scales_worker(rank, world_size):
+    """Pre-quantized fp8 input: a dispatch like the latest replayed one with ``x_scales`` takes the
+    fast path (no validation, a replayed launch); ``x_scales`` changed in one way raises what
+    validation raises and launches nothing."""
+    import moe_ep
+    import moe_ep.dispatch as D
+
+    group = moe_ep.EPGroup()
+    case = Case(R=1, E=4, K=2, dtype="fp8pre", layout="masked", M=6, calls=("uniform", "skewed", "sparse", "uniform"),
+                seed=9)
+    log, validated = [], []
+    with make_buffer(group, case, 20.0) as buf:
+        buf._launch = la = _InterpLauncher()
+        assert not run_calls(group, buf, case)
+        inp = make_inputs(case, 0)[0]
+        x, idx, w, xs = inp.x, inp.topk_idx, inp.topk_weights, inp.x_scales
+        buf.dispatch(x, idx, w, x_scales=xs)
+        real = D.validate
+        D.validate = lambda *a: validated.append(1) or real(*a)
+        try:
+            before = _replayed(la)
+            for T in (x.shape[0], 2):  # the recorded token count, then another
+                buf.dispatch(x[:T].contiguous(), idx[:T].contiguous(), w[:T].contiguous(), x_scales=xs[:T].contiguous())
+            if validated or _replayed(la) == before:
+                log.append(f"x_scales dispatch: not on the fast path (validated {len(validated)}x)")
+            bad = {
+                "fewer tokens": xs[:-1].contiguous(),
+                "dtype": xs.double(),
+                "non-contiguous": torch.zeros(xs.shape[0], 2 * xs.shape[1])[:, ::2],
+            }
+            for what, b in bad.items():
+                before = _replayed(la)
+                try:
+                    buf.dispatch(x, idx, w, x_scales=b)
+                    log.append(f"x_scales {what}: accepted")
+                except (TypeError, ValueError) as e:
+                    if not str(e).startswith("x_scales: expected"):
+                        log.append(f"x_scales {what}: {type(e).__name__}({e})")
+                if _replayed(la) != before:
+                    log.append(f"x_scales {what}: a replayed launch ran")
+        finally:
+            D.validate = real
+    return log
+
+
+def test_prequantized_dispatch_takes_the_fast_path():
+    log, = dist_util.run(1, _scales_worker, timeout=600)
+    assert not log, "\n".join(log)
+
+
 def _fast_path_checks_worker(rank, world_size):
     """Once calls replay, the fast path still refuses what the full path refuses (a pending
     receive hook, a stale handle, an ``out`` over ``expert_y``, a kernel's error record, a closed
