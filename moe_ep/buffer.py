@@ -1,27 +1,24 @@
 """EPBuffer: the communication buffer of one MoE layer shape, and its dispatch/combine calls."""
 from __future__ import annotations
 
-import ctypes
-
 import logging
 import math
 import os
-import time
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from . import combine as _combine
 from . import dispatch as _dispatch
 from .agreement import collective_init
+from .calls import CallState
 from .errors import BufferBrokenError, CapacityError, CommTimeoutError
 from .fp8 import num_scale_blocks
 from .group import EPGroup
 from .handle import DispatchResult
 from .kernels.interpret import interpreting, speed_up
-from .kernels.launch import Launcher, compile_options, register_budget
-from .replay import Replay
-from .layout import COMBINE_STEP_TOKENS, OWN_TILE_TOKENS, WorkspaceLayout, chunking, pow2
+from .kernels.launch import compile_options, register_budget
+from .layout import COMBINE_STEP_TOKENS, OWN_TILE_TOKENS, WorkspaceLayout, pow2
 from .memory import SymmetricWorkspace, check_device_memory
 
 _PHASES = {0: "dispatch", 1: "combine"}
@@ -246,7 +243,6 @@ class EPBuffer:
         # Error record read by the host without a device sync: pinned host memory on GPU.
         self.err = torch.zeros(8, dtype=torch.int64, pin_memory=dev.type == "cuda")
         self._err_host = self.err.numpy()  # same memory: reading it costs no tensor op
-        self._err_code = ctypes.c_int64.from_address(self.err.data_ptr())  # its [0], read per call (~50 ns)
         self.chunks = self.ws_layout.CMAX
         self.block_t = pow2(-(-max_tokens // self.chunks))  # the largest chunk of any source
         # Tokens per tile of the loops that move a chunk's own rows (OWN_TILE_TOKENS at most: the
@@ -302,32 +298,14 @@ class EPBuffer:
         self.num_recv = torch.zeros(1, dtype=torch.int32, device=dev) if rows else None
         # The fields every DispatchResult of this buffer shares (DispatchResult.issued; not the
         # buffer itself: no reference cycle, so a deleted buffer frees its memory at once).
-        self._result_fields = dict(expert_x=self.expert_x, expert_scales=self.expert_scales,
-                                   expert_counts=self.expert_counts, expert_offsets=self.expert_offsets,
-                                   recv_topk_idx=self.recv_topk_idx, recv_topk_weights=self.recv_topk_weights,
-                                   recv_src=self.recv_src, num_recv=self.num_recv)
+        result_fields = dict(expert_x=self.expert_x, expert_scales=self.expert_scales,
+                             expert_counts=self.expert_counts, expert_offsets=self.expert_offsets,
+                             recv_topk_idx=self.recv_topk_idx, recv_topk_weights=self.recv_topk_weights,
+                             recv_src=self.recv_src, num_recv=self.num_recv)
         self.remote = self._start_remote(private_capacity, overflow_capacity) if G < R else None
-        # What every launch passes and never changes, ready for the cheap launch path.
-        self._launch = Launcher(dev)
-        # moe_ep.replay: dispatch without and with x_scales (every input [T, ...]); combine of
-        # expert_y (its shape is the buffer's) without and with out ([T, H]), then the same with
-        # pushed weights ([T, K], before out)
-        self._replays = (Replay((0, 0, 0)), Replay((0, 0, 0, 0)), Replay((None,)), Replay((None, 0)),
-                         Replay((None, 0)), Replay((None, 0, 0)))
-        self._token_shapes: dict = {}  # moe_ep.dispatch.token_shape, per token count
-        # moe_ep.combine.new_output: one element, and its views of each output shape seen
-        self._out_one = torch.empty(1, 1, dtype=torch.bfloat16, device=dev)
-        self._out_like: dict = {}
-        self._err_ptr = self.err.data_ptr()
-        self._ws_ptr = self.workspace.local.data_ptr()
-        self._timeout_ns = int(self.timeout_s * 1e9)
-        self._out_scales = self.expert_scales if self.fp8 else self.err
-        self._out_offsets = self.expert_offsets if self.expert_offsets is not None else self.expert_counts
-        self._serial = 0
-        self._epochs = [0, 0]  # host mirror of the device epochs, for error messages and CPU waits
-        self._closed = False
-        self._broken: Optional[BaseException] = None
-        self._pending: Optional[str] = None  # "dispatch" / "combine" issued with a receive hook not yet called
+        # What dispatch and combine keep from call to call: launch plans, replays, serial, epochs,
+        # a pending receive hook, whether the buffer is usable (moe_ep.calls).
+        self.calls = CallState(dev, self.err, self.workspace.local, self.timeout_s, result_fields, G < R)
         self._agreement.done(self.timeout_s)
 
     # ------------------------------------------------------------------ public API
@@ -354,7 +332,7 @@ class EPBuffer:
             result = _dispatch.replayed(self, x, topk_idx, topk_weights, x_scales)
             if result is not None:
                 return result
-        self._check_usable()
+        self.check_usable()
         return _dispatch.dispatch(self, x, topk_idx, topk_weights, x_scales, return_recv_hook, tried)
 
     def combine(self, expert_y: torch.Tensor, handle: DispatchResult, return_recv_hook: bool = False, *,
@@ -392,25 +370,45 @@ class EPBuffer:
             result = _combine.replayed(self, expert_y, handle, out, topk_weights)
             if result is not None:
                 return result
-        self._check_usable()
+        self.check_usable()
         return _combine.combine(self, expert_y, handle, return_recv_hook, topk_weights, out, tried)
 
     def synchronize(self) -> None:
         """Waits for this buffer's work on the device, then raises any error a kernel recorded."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self._check_usable()
+        self.check_usable()
+
+    def check_usable(self) -> None:
+        """Raises where this buffer can take no call: closed (``RuntimeError``), broken by an
+        earlier error (``BufferBrokenError``), or with an error a kernel or the proxy recorded
+        since (``CommTimeoutError`` naming rank, peer and phase, ``CapacityError``, ``ValueError``
+        for expert ids out of range), which then breaks it. Reads host memory only: no device sync,
+        so an error of work still queued shows at a later call or at ``synchronize()``."""
+        calls = self.calls
+        if calls.closed:
+            raise RuntimeError("EPBuffer is closed")
+        if calls.broken is not None:
+            raise BufferBrokenError(f"this buffer is unusable after an earlier error: {calls.broken}")
+        if calls.error_code() != 0:
+            calls.broken = self._error_from_record()
+            raise calls.broken
+        if self.remote is not None:
+            try:
+                self.remote.check()  # the proxy's record and the remote kernels' (host memory, no sync)
+            except Exception as exc:  # noqa: BLE001
+                calls.fail(exc)
 
     def close(self) -> None:
         """Releases the workspace and the proxy (after the device is done with them)."""
-        if self._closed:
+        if self.calls.closed:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if self.remote is not None:
             self.remote.close()
         self.workspace.close()
-        self._closed = True
+        self.calls.closed = True
 
     def __enter__(self) -> "EPBuffer":
         return self
@@ -457,20 +455,6 @@ class EPBuffer:
 
         return RemotePath(self, private_capacity, overflow_capacity)
 
-    def _check_usable(self) -> None:
-        if self._closed:
-            raise RuntimeError("EPBuffer is closed")
-        if self._broken is not None:
-            raise BufferBrokenError(f"this buffer is unusable after an earlier error: {self._broken}")
-        if self._err_code.value != 0:
-            self._broken = self._error_from_record()
-            raise self._broken
-        if self.remote is not None:
-            try:
-                self.remote.check()  # the proxy's record and the remote kernels' (host memory, no sync)
-            except Exception as exc:  # noqa: BLE001
-                self._fail(exc)
-
     def _error_from_record(self) -> BaseException:
         code, peer, phase, epoch, detail = (int(v) for v in self._err_host[:5])
         phase_name = _PHASES.get(phase, str(phase))
@@ -491,98 +475,3 @@ class EPBuffer:
             except Exception as exc:  # noqa: BLE001
                 return exc
         return RuntimeError(f"moe_ep kernel error code {code}")
-
-    def _replay_ready(self) -> bool:
-        """Whether an eager call may take the replay fast path: the buffer is open, not broken, no
-        kernel recorded an error, no receive hook is pending and no peer is on another node (what
-        ``_check_usable`` and the pending check would pass without a word); else the full path
-        raises what they raise."""
-        return (not self._closed and self._broken is None and self._pending is None and self.remote is None
-                and not self._err_code.value)
-
-    def _check_no_pending(self, op: str) -> None:
-        if self._pending is not None:
-            raise ValueError(f"{op}: this buffer's {self._pending} was issued with return_recv_hook=True and its "
-                             f"receive hook has not been called yet (call it first)")
-
-    def _make_hook(self, op: str, recv) -> Callable[[], None]:
-        """The receive hook of a send half just issued: issues ``recv`` once."""
-        self._pending = op
-        called = []
-
-        def hook() -> None:
-            if called:
-                raise RuntimeError(f"{op} receive hook: already called")
-            called.append(True)
-            self._pending = None
-            self._check_usable()
-            recv()
-            if self.interp:
-                self._check_usable()
-        return hook
-
-    def _fail(self, exc: BaseException) -> None:
-        self._broken = exc
-        raise exc
-
-    def _flags(self, region: str, count: int):
-        start = self.off[region]
-        return self.workspace.local[start:start + 8 * count].view(torch.int64)
-
-    def _host_wait(self, missing, epoch: int, phase: str) -> None:
-        """CPU only: the interpreter cannot spin in a kernel, so the host waits (deadline
-        ``timeout_s``, backoff up to 5 ms) until ``missing()`` names no peer; it returns the first
-        peer whose flag is not there yet, or None."""
-        deadline = time.monotonic() + self.timeout_s
-        delay = 1e-4
-        while True:
-            peer = missing()
-            if peer is None:
-                return
-            if time.monotonic() > deadline:
-                self._fail(CommTimeoutError(self.rank, peer, phase, epoch, self.timeout_s))
-            time.sleep(delay)
-            delay = min(delay * 2, 5e-3)
-
-    def _host_wait_dispatch(self, epoch: int) -> None:
-        """Every node source's header flag, then the flag of each chunk its header announces."""
-        N, C = self.node_size, self.chunks
-        hflag, dflag = self._flags("hdr_flag", N), self._flags("disp_flag", N * C).view(N, C)
-        hoff = self.off["hdr"] // 4 + (epoch & 1) * N * self.ws_layout.HDR
-        hdr = self.workspace.local.view(torch.int32)
-
-        def missing():
-            for s in range(N):
-                if int(hflag[s]) < epoch:
-                    return self.node0 + s
-                nc = chunking(int(hdr[hoff + s * self.ws_layout.HDR]), C)[1]
-                if nc and int(dflag[s, :nc].min()) < epoch:
-                    return self.node0 + s
-            return None
-        self._host_wait(missing, epoch, "dispatch")
-
-    def _host_wait_weights(self, epoch: int) -> None:
-        """Every node source's combine-time weight flag of each chunk of its latest dispatch."""
-        N, C = self.node_size, self.chunks
-        wflag = self._flags("wgt_flag", N * C).view(N, C)
-        hoff = self.off["hdr"] // 4 + (self._epochs[0] & 1) * N * self.ws_layout.HDR
-        hdr = self.workspace.local.view(torch.int32)
-
-        def missing():
-            for s in range(N):
-                nc = max(1, chunking(int(hdr[hoff + s * self.ws_layout.HDR]), C)[1])
-                if int(wflag[s, :nc].min()) < epoch:
-                    return self.node0 + s
-            return None
-        self._host_wait(missing, epoch, "combine")
-
-    def _host_wait_combine(self, epoch: int, T: int) -> None:
-        """Every node owner's flag of each chunk of this rank's tokens (chunk 0 at least)."""
-        N, C = self.node_size, self.chunks
-        cflag = self._flags("comb_flag", N * C).view(N, C)
-        nc = max(1, chunking(T, C)[1])
-
-        def missing():
-            lag = (cflag[:, :nc].min(dim=1).values < epoch).nonzero()
-            return self.node0 + int(lag[0, 0]) if lag.numel() else None
-        self._host_wait(missing, epoch, "combine")

@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from . import host_wait
 from .dispatch import _aligned, _check_tensor, launch_half, launch_halves, pipelined_width
 from .layout import pow2
 from .kernels.combine import combine_kernel
@@ -28,25 +29,26 @@ def replayed(buf, expert_y, handle, out, topk_weights=None):
     latest dispatch's handle, any token count; its ``Replay.latest`` and ``_combined`` written
     out); returns the output, or None where the path does not apply (then ``combine`` decides,
     with every check)."""
-    if (type(handle) is not DispatchResult or handle._buffer is not buf or handle._serial != buf._serial
-            or not buf._replay_ready()):
+    calls = buf.calls
+    if (type(handle) is not DispatchResult or handle.buffer is not buf or handle.serial != calls.serial
+            or not calls.ready()):
         return None  # (combine raises the error)
     T = handle.num_tokens
     if topk_weights is not None:
-        out = _replayed_weighted(buf, expert_y, topk_weights, out, T)
+        out = _replayed_weighted(buf, calls, expert_y, topk_weights, out, T)
         if out is None:
             return None
     elif out is None:
-        last = buf._replays[2].last
+        last = calls.replays[2].last
         if last is None or not last.guard.check(expert_y):
             return None
         p = expert_y.data_ptr()
         if p & 15:  # (the guard was kept only for an entry whose pointers were all aligned)
             return None
         out = new_output(buf, T)
-        last.run(buf._launch.stream(), (p, out.data_ptr(), T))
+        last.run(calls.launch.stream(), (p, out.data_ptr(), T))
     else:
-        last = buf._replays[3].last
+        last = calls.replays[3].last
         if last is None:
             return None
         if not (last.exact.check(expert_y, out) and T == last.scalars[0]) and \
@@ -56,18 +58,18 @@ def replayed(buf, expert_y, handle, out, topk_weights=None):
         y_bytes, row_bytes = last.value
         if (p | q) & 15 or _spans_meet(p, q, y_bytes, T * row_bytes):
             return None  # (an out over expert_y: combine raises the error)
-        last.run(buf._launch.stream(), (p, q, T))
-    buf._epochs[1] += 1
+        last.run(calls.launch.stream(), (p, q, T))
+    calls.epochs[1] += 1
     if buf.interp:
-        buf._check_usable()
+        buf.check_usable()
     return out
 
 
-def _replayed_weighted(buf, expert_y, topk_weights, out, T: int):
+def _replayed_weighted(buf, calls, expert_y, topk_weights, out, T: int):
     """``replayed`` with combine-time weights (masked and packed layouts: pushed to the owners;
     rows-layout weights are never recorded): launches and returns the output, or None."""
     tensors = (expert_y, topk_weights) if out is None else (expert_y, topk_weights, out)
-    last = buf._replays[4 if out is None else 5].last
+    last = calls.replays[4 if out is None else 5].last
     if last is None:
         return None
     if not (last.exact.check(*tensors) and T == last.scalars[0]) and \
@@ -84,7 +86,7 @@ def _replayed_weighted(buf, expert_y, topk_weights, out, T: int):
         y_bytes, row_bytes = last.value
         if _spans_meet(p, q, y_bytes, T * row_bytes):
             return None  # (an out over expert_y: combine raises the error)
-    last.run(buf._launch.stream(), (p, q, w, buf._err_ptr, T))
+    last.run(calls.launch.stream(), (p, q, w, calls.err_ptr, T))
     return out
 
 
@@ -96,11 +98,12 @@ def _spans_meet(p: int, q: int, p_bytes: int, q_bytes: int) -> bool:
 def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False, topk_weights=None, out=None,
             latest_tried: bool = False):
     """The full path (``latest_tried``: ``replayed`` looked the call up just before and missed)."""
-    if buf._pending is not None:
-        buf._check_no_pending("combine")
-    if not isinstance(handle, DispatchResult) or handle._buffer is not buf:
+    calls = buf.calls
+    if calls.pending is not None:
+        calls.check_no_pending("combine")
+    if not isinstance(handle, DispatchResult) or handle.buffer is not buf:
         raise TypeError("handle: expected the DispatchResult returned by this buffer's dispatch")
-    if handle._serial != buf._serial:
+    if handle.serial != calls.serial:
         raise ValueError("handle: stale; a later dispatch on this buffer replaced its routing "
                          "(combine the latest dispatch, or use one buffer per in-flight layer)")
     rows = buf.layout == "rows"
@@ -130,12 +133,12 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
     replayable = not return_recv_hook and (topk_weights is None or push)
     given_out = out is not None
     tensors = (expert_y,) + ((topk_weights,) if push else ()) + ((out,) if given_out else ())
-    replay = buf._replays[2 + given_out + 2 * push]
+    replay = calls.replays[2 + given_out + 2 * push]
     hit, sig, ptrs = replay.find(tensors, None, latest_tried) if replayable else (None, None, [])
     if hit is not None:
         if not given_out:
             out = new_output(buf, T)
-        hit.run(buf._launch.stream(), _inputs(buf, ptrs[0], out.data_ptr(), ptrs[1] if push else None) + (T,))
+        hit.run(calls.launch.stream(), _inputs(buf, ptrs[0], out.data_ptr(), ptrs[1] if push else None) + (T,))
         return _combined(buf, out, None)
     out_f32 = out is not None and out.dtype == torch.float32
     if out is None:
@@ -150,13 +153,13 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
     # are; masked/packed: pre-reduced there), not across a hook (the caller may reuse expert_y).
     own_y = not return_recv_hook
     # The dispatch's expert ids, kept by the buffer (rows [0, T)): the caller's topk_idx may be reused.
-    args = runtime_args(combine_kernel, y_ptr=expert_y, topk_ptr=buf.route_idx, out_ptr=base, ws=buf._ws_ptr,
+    args = runtime_args(combine_kernel, y_ptr=expert_y, topk_ptr=buf.route_idx, out_ptr=base, ws=calls.ws_ptr,
                         peer_ptr=buf.workspace.peer_ptrs, state_ptr=buf.state, err_ptr=buf.err,
-                        recv_pos_ptr=buf.recv_pos, timeout_ns=buf._timeout_ns, T=T,
+                        recv_pos_ptr=buf.recv_pos, timeout_ns=calls.timeout_ns, T=T,
                         wy_ptr=topk_weights if wout is not None else buf.err,
                         wout_ptr=wout if wout is not None else buf.err, cw_ptr=topk_weights if push else buf.err)
     key = ("combine", _aligned(expert_y), _aligned(base), own_y, wout is not None, push, out_f32)
-    epoch = buf._epochs[1] + 1
+    epoch = calls.epochs[1] + 1
     # A fused launch pushes the weights itself; else the push is a launch of its own, before the
     # send half (which waits for every peer's push).
     consts = lambda: dict(_combine_consts(buf, own_y, wout is not None), WEIGHTS=push,  # noqa: E731
@@ -164,14 +167,14 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
     dyn = _WEIGHTED_DYNAMIC if topk_weights is not None else _DYNAMIC
     launches = []
     if push and not buf.fused:
-        launches.append((buf._launch(key + ("push",), combine_kernel, buf.num_programs, args,
-                                     lambda: dict(consts(), PUSH=True, SEND=False, RECV=False), dyn), args))
+        launches.append((calls.launch(key + ("push",), combine_kernel, buf.num_programs, args,
+                                      lambda: dict(consts(), PUSH=True, SEND=False, RECV=False), dyn), args))
         if buf.interp:
-            buf._host_wait_weights(epoch)
+            host_wait.wait_weights(buf, epoch)
     if rp is None:
         if not return_recv_hook:
             launches += launch_halves(buf, key, combine_kernel, args, dyn, consts,
-                                      lambda: buf._host_wait_combine(epoch, T))
+                                      lambda: host_wait.wait_combine(buf, epoch, T))
             # (value: with the caller's out, the bytes of expert_y and of a row of out, which the
             # entry's guard fixes: the fast path checks that they do not overlap)
             spans = (expert_y.nbytes, buf.hidden * out.element_size()) if given_out else None
@@ -184,16 +187,16 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
 
             def recv():
                 if buf.interp:
-                    buf._host_wait_combine(epoch, T)
+                    host_wait.wait_combine(buf, epoch, T)
                 launch_half(buf, key, combine_kernel, args, dyn, consts, False, True)
     else:
-        depoch = buf._epochs[0]  # the proxy's combine carries the epoch of the dispatch it answers
-        rp.combine_send(buf, expert_y, handle._serial, depoch, topk_weights)  # refuses a second combine first
+        depoch = calls.epochs[0]  # the proxy's combine carries the epoch of the dispatch it answers
+        rp.combine_send(buf, expert_y, handle.serial, depoch, topk_weights)  # refuses a second combine first
         launch_half(buf, key, combine_kernel, args, dyn, consts, True, False)
 
         def recv():
             if buf.interp:
-                buf._host_wait_combine(epoch, T)
+                host_wait.wait_combine(buf, epoch, T)
             rp.wait(buf, "combine", depoch)
             launch_half(buf, key, combine_kernel, args, dyn, consts, False, True)
             rp.combine_recv(buf, buf.route_idx[:T], base, out, wout)
@@ -210,7 +213,7 @@ def _inputs(buf, y: int, out: int, weights) -> tuple:
     """The pointers a replayed combine patches, in its entries' order: ``expert_y`` and the
     output, then with pushed weights the weights and the buffer's error record (the kernel's
     placeholder for the rows layout's weight arguments)."""
-    return (y, out) if weights is None else (y, out, weights, buf._err_ptr)
+    return (y, out) if weights is None else (y, out, weights, buf.calls.err_ptr)
 
 
 def new_output(buf, T: int) -> torch.Tensor:
@@ -220,21 +223,23 @@ def new_output(buf, T: int) -> torch.Tensor:
     H200 host (``profile_ops``, with a contiguous tensor as the model). No ``memory_format``
     argument (0.15 us of parsing on a CPU, ~0.4 on the slowest H200 host): a view with stride 0
     is not dense, so torch's preserved format is the contiguous one."""
-    like = buf._out_like.get(T)
+    calls = buf.calls
+    like = calls.out_like.get(T)
     if like is None:
-        if len(buf._out_like) >= _SHAPES:
-            buf._out_like.clear()
-        like = buf._out_like[T] = buf._out_one.expand(T, buf.hidden)
+        if len(calls.out_like) >= _SHAPES:
+            calls.out_like.clear()
+        like = calls.out_like[T] = calls.out_one.expand(T, buf.hidden)
     return torch.empty_like(like)
 
 
 def _combined(buf, result, recv):
     """The end of a combine just issued, returning ``result`` (``recv``: its receive half, for a hook)."""
-    buf._epochs[1] += 1
+    calls = buf.calls
+    calls.epochs[1] += 1
     if recv is not None:
-        return result, buf._make_hook("combine", recv)
+        return result, calls.make_hook("combine", recv, buf.check_usable, buf.interp)
     if buf.interp:
-        buf._check_usable()
+        buf.check_usable()
     return result
 
 

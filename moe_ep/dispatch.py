@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from . import host_wait
 from .kernels.dispatch import dispatch_kernel
 from .handle import DispatchResult
 from .layout import chunking, pow2
@@ -87,7 +88,7 @@ def launch_halves(buf, key: tuple, kernel, args: tuple, dynamic: tuple, consts, 
 
 def launch_half(buf, key: tuple, kernel, args: tuple, dynamic: tuple, consts, send: bool, recv: bool):
     """One half's launch; returns its plan (``Launcher``)."""
-    return buf._launch(key + (send, recv), kernel, buf.num_programs, args,
+    return buf.calls.launch(key + (send, recv), kernel, buf.num_programs, args,
                        lambda: dict(consts(), SEND=send, RECV=recv), dynamic)
 
 
@@ -100,10 +101,10 @@ def token_shape(buf, T: int) -> tuple:
     (``chunking``: BT tokens a chunk, NC chunks), and the launch structure it selects, which its
     replays are keyed by besides the signature: None at decode sizes (``T * topk <= DIRECT_MAX``:
     the dispatch launch alone), else the routing histogram's grid and block, ``(NC, pow2(BT))``.
-    T, BT and NC are the replay's scalars (``_SCALARS``). Kept per T in ``buf._token_shapes``
+    T, BT and NC are the replay's scalars (``_SCALARS``). Kept per T in ``buf.calls.token_shapes``
     (T <= max_tokens: bounded), which the fast path reads first."""
     BT, NC = chunking(T, buf.chunks)
-    got = buf._token_shapes[T] = (None if T * buf.topk <= DIRECT_MAX else (NC, pow2(BT)), (T, BT, NC))
+    got = buf.calls.token_shapes[T] = (None if T * buf.topk <= DIRECT_MAX else (NC, pow2(BT)), (T, BT, NC))
     return got
 
 
@@ -119,8 +120,9 @@ def replayed(buf, x, topk_idx, topk_weights, x_scales=None):
     ``Replay.latest`` and ``_dispatched`` are written out here: each Python call costs ~0.1 us
     on a CPU and more on a slow host, and this is the whole host time of an eager decode dispatch
     but the launch (issue "Eager calls at the speed of a graph")."""
-    last = buf._replays[0 if x_scales is None else 1].last
-    if last is None or not buf._replay_ready():
+    calls = buf.calls
+    last = calls.replays[0 if x_scales is None else 1].last
+    if last is None or not calls.ready():
         return None
     tensors = (x, topk_idx, topk_weights) if x_scales is None else (x, topk_idx, topk_weights, x_scales)
     if last.exact.check(*tensors):  # the entry's own token count
@@ -132,20 +134,20 @@ def replayed(buf, x, topk_idx, topk_weights, x_scales=None):
         if T > buf.max_tokens or topk_idx.shape[0] != T or topk_weights.shape[0] != T or \
                 (x_scales is not None and x_scales.shape[0] != T):
             return None
-        structure, scalars = buf._token_shapes.get(T) or token_shape(buf, T)
+        structure, scalars = calls.token_shapes.get(T) or token_shape(buf, T)
         if last.extra != structure:
             return None
     p, q, r = x.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr()
-    s = buf._err_ptr if x_scales is None else x_scales.data_ptr()  # (the error record: the kernel's placeholder)
+    s = calls.err_ptr if x_scales is None else x_scales.data_ptr()  # (the error record: the kernel's placeholder)
     if (p | q | r | s) & 15:  # (the guard was kept only for an entry whose pointers were all aligned)
         return None
     # the dispatch kernel's input pointers (its arguments 0-3), then the scalars (_SCALARS)
-    last.run(buf._launch.stream(), (p, s, q, r) + scalars)
-    buf._epochs[0] += 1
-    buf._serial += 1
-    result = DispatchResult.issued(buf._result_fields, buf, scalars[0], buf._serial)
+    last.run(calls.launch.stream(), (p, s, q, r) + scalars)
+    calls.epochs[0] += 1
+    calls.serial += 1
+    result = DispatchResult.issued(calls.result_fields, buf, scalars[0], calls.serial)
     if buf.interp:
-        buf._check_usable()
+        buf.check_usable()
     return result
 
 
@@ -157,23 +159,24 @@ _SCALARS = {"T": 0, "BT": 1, "NC": 2}
 def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = None,
              return_recv_hook: bool = False, latest_tried: bool = False):
     """The full path (``latest_tried``: ``replayed`` missed just before, as ``Replay.find`` takes it)."""
-    if buf._pending is not None:
-        buf._check_no_pending("dispatch")
+    calls = buf.calls
+    if calls.pending is not None:
+        calls.check_no_pending("dispatch")
     T = validate(buf, x, topk_idx, topk_weights, x_scales)
     CMAX = buf.chunks
-    launch_structure, scalars = buf._token_shapes.get(T) or token_shape(buf, T)
+    launch_structure, scalars = calls.token_shapes.get(T) or token_shape(buf, T)
     _, BT, NC = scalars
     direct = launch_structure is None  # decode sizes: the send half counts earlier selections itself
     # Replays (moe_ep.replay), one per set of inputs: with and without x_scales.
     if x_scales is None:
-        replay, tensors = buf._replays[0], (x, topk_idx, topk_weights)
+        replay, tensors = calls.replays[0], (x, topk_idx, topk_weights)
     else:
-        replay, tensors = buf._replays[1], (x, topk_idx, topk_weights, x_scales)
+        replay, tensors = calls.replays[1], (x, topk_idx, topk_weights, x_scales)
     hit, sig, ptrs = replay.find(tensors, launch_structure, latest_tried)
     # The dispatch kernel's input pointers (its arguments 0-3), the replayed ones.
-    inputs = (ptrs[0], ptrs[3] if x_scales is not None else buf._err_ptr, ptrs[1], ptrs[2]) if ptrs else ()
+    inputs = (ptrs[0], ptrs[3] if x_scales is not None else calls.err_ptr, ptrs[1], ptrs[2]) if ptrs else ()
     if hit is not None and not return_recv_hook:
-        hit.run(buf._launch.stream(), inputs + scalars)
+        hit.run(calls.launch.stream(), inputs + scalars)
         return _dispatched(buf, T, None)
     fp8_in = x_scales is not None
     rows = buf.layout == "rows"
@@ -185,31 +188,34 @@ def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = 
     if T > 0 and not direct:
         hist_args = runtime_args(route_hist_kernel, topk_ptr=topk_idx, hist_ptr=buf.hist, state_ptr=buf.state,
                                  err_ptr=buf.err, T=T, BT=BT)
-        launches.append((buf._launch(("hist", NC, pow2(BT), topk_idx.dtype, _aligned(topk_idx)), route_hist_kernel,
-                                     NC, hist_args,
-                                     lambda: dict(E=buf.num_experts, K=buf.topk, CMAX=CMAX, BLOCK_T=pow2(BT),
-                                                  BLOCK_K=pow2(buf.topk, 2), BLOCK_E=pow2(buf.num_experts, 2),
-                                                  ROWS=rows, N=buf.node_size, NODE0=buf.node0,
-                                                  EL=buf.num_local_experts, BLOCK_N=pow2(buf.node_size, 2),
-                                                  num_warps=buf.hist_warps),
-                                     _HIST_DYNAMIC), hist_args))
+        launches.append((calls.launch(("hist", NC, pow2(BT), topk_idx.dtype, _aligned(topk_idx)), route_hist_kernel,
+                                      NC, hist_args,
+                                      lambda: dict(E=buf.num_experts, K=buf.topk, CMAX=CMAX, BLOCK_T=pow2(BT),
+                                                   BLOCK_K=pow2(buf.topk, 2), BLOCK_E=pow2(buf.num_experts, 2),
+                                                   ROWS=rows, N=buf.node_size, NODE0=buf.node0,
+                                                   EL=buf.num_local_experts, BLOCK_N=pow2(buf.node_size, 2),
+                                                   num_warps=buf.hist_warps),
+                                      _HIST_DYNAMIC), hist_args))
+    # (where an argument has no tensor in this buffer, a placeholder the kernel never touches)
     xs = x_scales if fp8_in else buf.err
+    out_s = buf.expert_scales if buf.fp8 else buf.err
+    offsets = buf.expert_offsets if buf.expert_offsets is not None else buf.expert_counts
     rp = buf.remote
     args = runtime_args(
         dispatch_kernel, x_ptr=x.view(torch.uint8) if fp8_in else x, xs_ptr=xs, topk_ptr=topk_idx, w_ptr=topk_weights,
-        hist_ptr=buf.hist, peer_ptr=buf.workspace.peer_ptrs, ws=buf._ws_ptr, state_ptr=buf.state, err_ptr=buf.err,
-        out_x_ptr=buf.expert_x_words, out_s_ptr=buf._out_scales, counts_ptr=buf.expert_counts,
-        offsets_ptr=buf._out_offsets, recv_pos_ptr=buf.recv_pos, scratch_ptr=buf.scratch,
+        hist_ptr=buf.hist, peer_ptr=buf.workspace.peer_ptrs, ws=calls.ws_ptr, state_ptr=buf.state, err_ptr=buf.err,
+        out_x_ptr=buf.expert_x_words, out_s_ptr=out_s, counts_ptr=buf.expert_counts,
+        offsets_ptr=offsets, recv_pos_ptr=buf.recv_pos, scratch_ptr=buf.scratch,
         sel_ptr=rp.state.sel if rp is not None else buf.scratch, route_ptr=buf.route_idx, T=T, BT=BT, NC=NC,
-        timeout_ns=buf._timeout_ns, **_rows_args(buf))
+        timeout_ns=calls.timeout_ns, **_rows_args(buf))
     key = ("dispatch", fp8_in, direct, own_x, topk_idx.dtype, _aligned(x), _aligned(xs), _aligned(topk_idx),
            _aligned(topk_weights))
-    epoch = buf._epochs[0] + 1
+    epoch = calls.epochs[0] + 1
     consts = lambda: _dispatch_consts(buf, fp8_in, direct, own_x)  # noqa: E731
     if rp is None:
         if not return_recv_hook:
             launches += launch_halves(buf, key, dispatch_kernel, args, _DISPATCH_DYNAMIC, consts,
-                                      lambda: buf._host_wait_dispatch(epoch))
+                                      lambda: host_wait.wait_dispatch(buf, epoch))
             replay.record(sig, tensors, launches, inputs, None, _SCALARS, scalars)
             recv = None
         else:
@@ -217,7 +223,7 @@ def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = 
 
             def recv():
                 if buf.interp:
-                    buf._host_wait_dispatch(epoch)
+                    host_wait.wait_dispatch(buf, epoch)
                 launch_half(buf, key, dispatch_kernel, args, _DISPATCH_DYNAMIC, consts, False, True)
     else:
         # Node peers by stores, other nodes through the proxy (packed and rung first, so it sends
@@ -228,7 +234,7 @@ def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = 
 
         def recv():
             if buf.interp:
-                buf._host_wait_dispatch(epoch)
+                host_wait.wait_dispatch(buf, epoch)
             rp.wait(buf, "dispatch", epoch)
             rp.count_matrix()
             launch_half(buf, key, dispatch_kernel, args, _DISPATCH_DYNAMIC, consts, False, True)
@@ -241,13 +247,14 @@ def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = 
 
 def _dispatched(buf, T: int, recv):
     """The end of a dispatch of ``T`` tokens just issued (``recv``: its receive half, for a hook)."""
-    buf._epochs[0] += 1
-    buf._serial += 1
-    result = DispatchResult.issued(buf._result_fields, buf, T, buf._serial)
+    calls = buf.calls
+    calls.epochs[0] += 1
+    calls.serial += 1
+    result = DispatchResult.issued(calls.result_fields, buf, T, calls.serial)
     if recv is not None:
-        return result, buf._make_hook("dispatch", recv)
+        return result, calls.make_hook("dispatch", recv, buf.check_usable, buf.interp)
     if buf.interp:
-        buf._check_usable()
+        buf.check_usable()
     return result
 
 

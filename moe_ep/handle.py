@@ -26,6 +26,9 @@ class DispatchResult:
         recv_topk_weights: rows only: float32 ``[R*max_tokens, K]``: its weight there, else 0.
         recv_src: rows only: int32 ``[R*max_tokens]``: ``source rank * max_tokens + source token``.
         num_recv: rows only: int32 ``[1]`` on the device: how many rows are defined.
+        num_tokens: T, the tokens this rank passed to the dispatch.
+        buffer: the ``EPBuffer`` that returned it, and ``serial``: which of its dispatches (combine
+            takes only the latest dispatch's result of its own buffer).
     """
 
     expert_x: torch.Tensor
@@ -37,8 +40,8 @@ class DispatchResult:
     recv_src: Optional[torch.Tensor] = None
     num_recv: Optional[torch.Tensor] = None
     num_tokens: int = 0
-    _buffer: object = field(default=None, repr=False)
-    _serial: int = field(default=0, repr=False)
+    buffer: object = field(default=None, repr=False)
+    serial: int = field(default=0, repr=False)
 
     @classmethod
     def issued(cls, fields: dict, buffer, num_tokens: int, serial: int) -> "DispatchResult":
@@ -50,6 +53,6 @@ class DispatchResult:
         device memory until the garbage collector runs.)"""
         r = object.__new__(cls)
         d = fields.copy()
-        d["_buffer"], d["num_tokens"], d["_serial"] = buffer, num_tokens, serial
+        d["buffer"], d["num_tokens"], d["serial"] = buffer, num_tokens, serial
         r.__dict__ = d
         return r

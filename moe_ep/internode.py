@@ -82,7 +82,7 @@ class RemotePath:
             try:
                 self.proxy.wait_ready(phase, epoch, self.timeout_s + 5.0)
             except Exception as exc:  # noqa: BLE001
-                buf._fail(exc)
+                buf.calls.fail(exc)
         R_.wait_ready(self.state, self.mailbox, buf.err, int((self.timeout_s + 5.0) * 1e9), phase)
 
     def count_matrix(self) -> torch.Tensor:

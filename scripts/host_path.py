@@ -78,7 +78,7 @@ def main() -> None:
     T, H = 128, 7168
     buf = moe_ep.EPBuffer(moe_ep.EPGroup(), 256, H, T, 8, dispatch_dtype=torch.float8_e4m3fn, layout="masked")
     # As on a GPU: one fused launch per call, no interpreter, the launches native.
-    buf.fused, buf.interp, buf._launch = True, False, _Launcher()
+    buf.fused, buf.interp, buf.calls.launch = True, False, _Launcher()
     x = torch.randn(T, H, dtype=torch.bfloat16)
     idx, w = torch.randint(0, 256, (T, 8)), torch.rand(T, 8)
     h = buf.dispatch(x, idx, w)  # recorded here, replayed below

@@ -64,7 +64,7 @@ def record(path: str) -> None:
             buf.combine_maxnreg = shape.maxnreg
         if not os.environ.get("MOE_EP_COMBINE_TOKENS") and shape.tokens:
             buf.combine_recv_tokens = min(buf.block_t, shape.tokens)
-        buf.fused, buf.interp, buf._launch = True, False, spy
+        buf.fused, buf.interp, buf.calls.launch = True, False, spy
         h = buf.dispatch(torch.zeros(T, H, dtype=torch.bfloat16), torch.zeros(T, 8, dtype=torch.int64),
                          torch.zeros(T, 8))
         buf.combine(torch.empty(h.expert_x.shape, dtype=torch.bfloat16), h)

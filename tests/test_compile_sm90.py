@@ -92,7 +92,7 @@ def _record(monkeypatch, configs):
         # halves as two kernels (then the receive half spins on the GPU).
         buf.fused = fused
         buf.interp = False
-        buf._launch = spy
+        buf.calls.launch = spy
         x = torch.zeros(T, H, dtype=torch.bfloat16)
         h = buf.dispatch(x, torch.zeros(T, 8, dtype=torch.int64), torch.zeros(T, 8))
         buf.combine(torch.empty(h.expert_x.shape, dtype=torch.bfloat16), h)
@@ -206,7 +206,7 @@ def test_rows_kernels_compile_for_sm90(monkeypatch, tmp_path):
     g = moe_ep.EPGroup()
     buf = moe_ep.EPBuffer(g, 256, 7168, 256, 8, layout="rows", num_programs=132)
     buf.interp, buf.fused = False, True
-    buf._launch = lambda key, fn, grid, args, consts, dynamic=None: rec.append(
+    buf.calls.launch = lambda key, fn, grid, args, consts, dynamic=None: rec.append(
         (fn.fn.__module__, fn.fn.__name__, signature(fn.arg_names, args, consts() if callable(consts) else consts)))
     h = buf.dispatch(torch.zeros(256, 7168, dtype=torch.bfloat16), torch.zeros(256, 8, dtype=torch.int64),
                      torch.zeros(256, 8))

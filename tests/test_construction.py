@@ -164,14 +164,14 @@ def test_combine_warps_apply_to_combine_only(monkeypatch):
     monkeypatch.setenv("MOE_EP_COMBINE_WARPS", "8")
     warps = {}
     with moe_ep.EPBuffer(moe_ep.EPGroup(), **BASE) as buf:
-        launch = buf._launch
+        launch = buf.calls.launch
 
         def spy(key, fn, grid, args, consts, dynamic=None):
             c = consts() if callable(consts) else consts
             warps.setdefault(fn.fn.__name__, set()).add(c["num_warps"])
             return launch(key, fn, grid, args, consts, dynamic)
 
-        buf._launch = spy
+        buf.calls.launch = spy
         x = torch.randn(4, 128, dtype=torch.bfloat16)
         h = buf.dispatch(x, torch.tensor([[0, 1]] * 4), torch.ones(4, 2))
         buf.combine(torch.zeros(h.expert_x.shape, dtype=torch.bfloat16), h)
@@ -212,7 +212,7 @@ def test_maxnreg_reaches_the_compiled_launches(monkeypatch):
             c = consts() if callable(consts) else consts
             seen[fn.fn.__name__] = (c["num_warps"], c.get("maxnreg"))
 
-        buf.fused, buf.interp, buf._launch = True, False, spy
+        buf.fused, buf.interp, buf.calls.launch = True, False, spy
         h = buf.dispatch(torch.zeros(4, 128, dtype=torch.bfloat16), torch.tensor([[0, 1]] * 4), torch.ones(4, 2))
         buf.combine(torch.zeros(h.expert_x.shape, dtype=torch.bfloat16), h)
         buf.interp = True  # (so that close() takes the CPU path it was built for)

@@ -90,7 +90,7 @@ def _replay_worker(rank, world_size, cases, direct_max=None):
     try:
         for case in cases:
             with make_buffer(group, case, 20.0) as buf:
-                buf._launch = la = _InterpLauncher()
+                buf.calls.launch = la = _InterpLauncher()
                 fails += run_calls(group, buf, case)
                 hits[case.name] = _replayed(la)
     finally:
@@ -144,7 +144,7 @@ def _errors_worker(rank, world_size):
     case = Case(R=1, E=4, K=2, dtype="bf16", layout="masked", M=6, calls=("uniform", "skewed", "sparse", "uniform"), seed=9)
     log = []
     with make_buffer(group, case, 20.0) as buf:
-        buf._launch = la = _InterpLauncher()
+        buf.calls.launch = la = _InterpLauncher()
         assert not run_calls(group, buf, case)
         assert _replayed(la) > 0, "call 3 (call 0's token count) was not replayed"
         inp = make_inputs(case, 0)[0]
@@ -243,7 +243,7 @@ def _scales_worker(rank, world_size):
                 seed=9)
     log, validated = [], []
     with make_buffer(group, case, 20.0) as buf:
-        buf._launch = la = _InterpLauncher()
+        buf.calls.launch = la = _InterpLauncher()
         assert not run_calls(group, buf, case)
         inp = make_inputs(case, 0)[0]
         x, idx, w, xs = inp.x, inp.topk_idx, inp.topk_weights, inp.x_scales
@@ -291,7 +291,7 @@ def _fast_path_checks_worker(rank, world_size):
     case = Case(R=1, E=4, K=2, dtype="bf16", layout="masked", M=6, calls=("uniform", "uniform"), seed=3)
     log = []
     buf = make_buffer(group, case, 20.0)
-    buf._launch = la = _InterpLauncher()
+    buf.calls.launch = la = _InterpLauncher()
     assert not run_calls(group, buf, case)
     inp = make_inputs(case, 0)[0]
     x, idx, w = inp.x, inp.topk_idx, inp.topk_weights
@@ -328,11 +328,16 @@ def _fast_path_checks_worker(rank, world_size):
     yy = torch.zeros_like(y)
     over = yy.view(-1)[:T * H].view(T, H)  # an out like the last one, but over the rows of yy
     refused("combine into an out over expert_y", lambda: buf.combine(yy, h, out=over), ValueError, "overlaps expert_y")
+    buf.check_usable()  # nothing recorded: no error
     buf.err[:5] = torch.tensor([1, 0, 0, 7, 0])  # as a kernel records a timeout waiting for rank 0
+    if buf.calls.ready():
+        log.append("the fast path is ready after a kernel's error")
     refused("dispatch after a kernel's error", lambda: buf.dispatch(x, idx, w), moe_ep.CommTimeoutError, "rank 0")
     refused("dispatch of a broken buffer", lambda: buf.dispatch(x, idx, w), moe_ep.BufferBrokenError, "unusable")
+    refused("check_usable of a broken buffer", buf.check_usable, moe_ep.BufferBrokenError, "unusable")
     buf.close()
     refused("dispatch of a closed buffer", lambda: buf.dispatch(x, idx, w), RuntimeError, "closed")
+    refused("check_usable of a closed buffer", buf.check_usable, RuntimeError, "closed")
     return log
 
 
@@ -381,10 +386,10 @@ def _gpu_worker(rank, world_size, cases, launch, direct_max=None):
         for case in cases:
             with make_buffer(group, case, 20.0) as buf:
                 fails += run_calls(group, buf, case)
-                kinds = {type(p).__name__ for p in buf._launch._plans.values()}
+                kinds = {type(p).__name__ for p in buf.calls.launch._plans.values()}
                 if (launch == "native") != (kinds == {NativePlan.__name__}):
                     fails.append(f"[{case.name}] MOE_EP_LAUNCH={launch}: plans {kinds}")
-                if not any(r._entries for r in buf._replays):
+                if not any(r._entries for r in buf.calls.replays):
                     fails.append(f"[{case.name}] nothing recorded for replay")
     finally:
         os.environ.pop("MOE_EP_LAUNCH", None)
@@ -399,10 +404,10 @@ def test_issued_result_is_the_dataclass_one():
     from moe_ep.handle import DispatchResult
 
     names = [f.name for f in dataclasses.fields(DispatchResult)]
-    shared = {n: object() for n in names if n not in ("_buffer", "num_tokens", "_serial")}
+    shared = {n: object() for n in names if n not in ("buffer", "num_tokens", "serial")}
     buffer = object()
     a = DispatchResult.issued(shared, buffer, 3, 7)
-    b = DispatchResult(**shared, _buffer=buffer, num_tokens=3, _serial=7)
+    b = DispatchResult(**shared, buffer=buffer, num_tokens=3, serial=7)
     assert type(a) is DispatchResult
     assert [getattr(a, n) for n in names] == [getattr(b, n) for n in names]
 
@@ -486,7 +491,8 @@ def test_new_output_is_a_fresh_tensor():
 
     from moe_ep.combine import _SHAPES, new_output
 
-    buf = SimpleNamespace(hidden=24, _out_one=torch.empty(1, 1, dtype=torch.bfloat16), _out_like={})
+    buf = SimpleNamespace(hidden=24, calls=SimpleNamespace(out_one=torch.empty(1, 1, dtype=torch.bfloat16),
+                                                           out_like={}))
     seen = []
     for T in (5, 5, 0, 1, 7, 5):
         out = new_output(buf, T)
@@ -498,7 +504,7 @@ def test_new_output_is_a_fresh_tensor():
         assert bool((out == out.shape[0] + i).all()), i
     for T in range(2 * _SHAPES):  # the kept shapes stay bounded
         new_output(buf, T)
-    assert len(buf._out_like) <= _SHAPES
+    assert len(buf.calls.out_like) <= _SHAPES
 
 
 def test_deleted_buffer_is_freed_without_the_collector():

@@ -355,6 +355,11 @@ class Engine(_Closable):
         self.imm = ImmCounter(self._lib.moe_ep_engine_imm(self._h), _owner=self, rank=rank)
 
     @property
+    def handle(self) -> int:
+        """The native engine's handle (for a ``Proxy`` built on this engine); None once closed."""
+        return self._h
+
+    @property
     def endpoint(self) -> str:
         return _str(self._lib.moe_ep_endpoint, self._h)
 
@@ -480,7 +485,7 @@ class Engine(_Closable):
         if getattr(self, "_h", None):
             self._lib.moe_ep_engine_destroy(self._h)
             self._h = None
-            self.imm._h = None
+            self.imm.close()  # (the engine's counter: forgets its handle, destroys nothing)
 
 
 HELLO_TIMEOUT_S, MAX_PENDING = 10.0, 256  # the tcp defaults (csrc/proxy/tcp_transport.cc)
@@ -800,7 +805,7 @@ class Proxy(_Closable):
         ptrs = (ctypes.c_void_p * 5)(*[a[0] for a in addrs])
         lens = (ctypes.c_uint64 * 5)(*[a[1] for a in addrs])
         mb_ptr, mb_len = _address(self.mailbox)
-        self._h = self._lib.moe_ep_proxy_create(engine._h, ctypes.byref(self.cfg), ptrs, lens,
+        self._h = self._lib.moe_ep_proxy_create(engine.handle, ctypes.byref(self.cfg), ptrs, lens,
                                                 ctypes.cast(mb_ptr, ctypes.POINTER(ctypes.c_int64)), mb_len // 8)
         if not self._h:
             _raise(ERR_INVALID, f"rank {self.rank}: creating the proxy failed")

@@ -1,0 +1,101 @@
+"""CallState: what one EPBuffer's dispatch and combine calls keep from one call to the next (the
+buffer's memory and launch shapes are ``EPBuffer``'s, ``moe_ep/buffer.py``)."""
+from __future__ import annotations
+
+import ctypes
+from typing import Callable, NoReturn, Optional
+
+import torch
+
+from .kernels.launch import Launcher
+from .replay import Replay
+
+
+class CallState:
+    """The state ``moe_ep.dispatch`` and ``moe_ep.combine`` read and advance on every call of one
+    buffer (``EPBuffer.calls``); host-side only, nothing here is read by a kernel but the
+    addresses and the deadline passed as launch arguments.
+
+    Attributes:
+        launch: the buffer's ``Launcher`` (its launch plans by key).
+        replays: the ``Replay`` of each set of inputs (``moe_ep.replay``): dispatch without and with
+            ``x_scales`` (every input ``[T, ...]``); combine of ``expert_y`` (the buffer's shape)
+            without and with ``out`` (``[T, H]``); the same two with pushed weights (``[T, K]``,
+            before ``out``).
+        token_shapes: ``moe_ep.dispatch.token_shape`` per token count (at most ``max_tokens + 1``).
+        out_one, out_like: one bfloat16 element on the device and its ``[T, H]`` views per T
+            (``moe_ep.combine.new_output``).
+        result_fields: the fields every ``DispatchResult`` of the buffer shares (no reference to
+            the buffer: a deleted buffer frees its device memory at once).
+        err_ptr, ws_ptr: addresses of the error record and of this rank's workspace.
+        timeout_ns: the deadline of every wait, in nanoseconds.
+        serial: dispatches issued (a ``DispatchResult`` carries the serial of its dispatch).
+        epochs: ``[dispatch, combine]``: host mirror of the device's epochs (for error messages and
+            the interpreter's host waits).
+        pending: ``"dispatch"`` / ``"combine"`` issued with a receive hook not yet called, or None.
+        closed: ``EPBuffer.close`` ran.
+        broken: the error that made the buffer unusable, or None.
+    """
+
+    def __init__(self, device: torch.device, err: torch.Tensor, workspace: torch.Tensor, timeout_s: float,
+                 result_fields: dict, remote: bool):
+        """``err``: the buffer's int64 error record (host memory: its word 0 is read per call);
+        ``workspace``: this rank's workspace bytes; ``remote``: some peer is on another node (no
+        replays then: the proxy takes part in every call)."""
+        self.launch = Launcher(device)
+        self.replays = (Replay((0, 0, 0)), Replay((0, 0, 0, 0)), Replay((None,)), Replay((None, 0)),
+                        Replay((None, 0)), Replay((None, 0, 0)))
+        self.token_shapes: dict = {}
+        self.out_one = torch.empty(1, 1, dtype=torch.bfloat16, device=device)
+        self.out_like: dict = {}
+        self.result_fields = result_fields
+        self.err_ptr, self.ws_ptr = err.data_ptr(), workspace.data_ptr()
+        self.timeout_ns = int(timeout_s * 1e9)
+        self.serial = 0
+        self.epochs = [0, 0]
+        self.pending: Optional[str] = None
+        self.closed = False
+        self.broken: Optional[BaseException] = None
+        self._remote = remote
+        self._err_code = ctypes.c_int64.from_address(err.data_ptr())  # the record's word 0 (~50 ns a read)
+
+    def error_code(self) -> int:
+        """The error code a kernel recorded (0: none), read without a device sync."""
+        return self._err_code.value
+
+    def ready(self) -> bool:
+        """Whether an eager call may take the replay fast path: the buffer is open, not broken, no
+        kernel recorded an error, no receive hook is pending and no peer is on another node (what
+        ``EPBuffer.check_usable`` and ``check_no_pending`` would pass without a word); else the
+        full path raises what they raise."""
+        return (not self.closed and self.broken is None and self.pending is None and not self._remote
+                and not self._err_code.value)
+
+    def check_no_pending(self, op: str) -> None:
+        """``ValueError`` where a receive hook of this buffer is still to be called (``op``: the call refused)."""
+        if self.pending is not None:
+            raise ValueError(f"{op}: this buffer's {self.pending} was issued with return_recv_hook=True and its "
+                             f"receive hook has not been called yet (call it first)")
+
+    def make_hook(self, op: str, recv: Callable[[], None], check_usable: Callable[[], None],
+                  interp: bool) -> Callable[[], None]:
+        """The receive hook of an ``op`` whose send half was just issued: calls ``check_usable``,
+        issues ``recv`` once (then checks again under the interpreter, where the waits ran on the host)."""
+        self.pending = op
+        called = []
+
+        def hook() -> None:
+            if called:
+                raise RuntimeError(f"{op} receive hook: already called")
+            called.append(True)
+            self.pending = None
+            check_usable()
+            recv()
+            if interp:
+                check_usable()
+        return hook
+
+    def fail(self, exc: BaseException) -> NoReturn:
+        """Marks the buffer unusable by ``exc``, and raises it."""
+        self.broken = exc
+        raise exc
