@@ -14,9 +14,6 @@ from .kernels.launch import arg_positions, runtime_args
 from .kernels.route import route_hist_kernel
 
 
-# On CPU the expert ids are checked on the host (free there); tests turn this off to exercise the
-# device-side check that GPUs rely on.
-HOST_ID_CHECK = True
 # Decode sizes: up to this many selections (T * K) a dispatch counts earlier selections in its own
 # kernel (DIRECT) instead of launching the routing histogram first (cheaper than a launch there).
 DIRECT_MAX = 2048
@@ -62,14 +59,19 @@ def validate(buf, x, topk_idx, topk_weights, x_scales) -> int:
     if topk_idx.shape != (T, K):
         raise ValueError(f"topk_idx: expected shape [{T}, {K}] (tokens of x, topk of the buffer), got {list(topk_idx.shape)}")
     _check_tensor("topk_weights", topk_weights, (torch.float32,), (T, K), dev)
-    if dev.type == "cpu" and T > 0 and HOST_ID_CHECK:
-        # On CPU this costs no device sync; on GPU the routing kernel checks and the error comes
-        # at the next call or synchronize() (out-of-range ids are treated as -1 there).
-        bad = (topk_idx < -1) | (topk_idx >= buf.num_experts)
-        if bool(bad.any()):
-            v = topk_idx[bad][0].item()
-            raise ValueError(f"topk_idx: expected expert ids in [-1, {buf.num_experts}), got {v}")
+    if dev.type == "cpu" and T > 0:
+        check_ids_on_host(topk_idx, buf.num_experts)
     return T
+
+
+def check_ids_on_host(topk_idx: torch.Tensor, num_experts: int) -> None:
+    """``ValueError`` naming the first expert id of ``topk_idx`` (a CPU tensor) outside ``[-1,
+    num_experts)``. On CPU this costs no device sync; on a GPU the routing kernel checks instead
+    and the error comes at the next call or ``synchronize()`` (those ids are treated as -1)."""
+    bad = (topk_idx < -1) | (topk_idx >= num_experts)
+    if bool(bad.any()):
+        v = topk_idx[bad][0].item()
+        raise ValueError(f"topk_idx: expected expert ids in [-1, {num_experts}), got {v}")
 
 
 def launch_halves(buf, key: tuple, kernel, args: tuple, dynamic: tuple, consts, host_wait) -> list:

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", 
 
 @pytest.mark.parametrize("T", [8, 300], ids=["decode-direct", "prefill-histogram"])
 def test_bad_expert_ids_reported_by_kernels(monkeypatch, T):
-    monkeypatch.setattr(D, "HOST_ID_CHECK", False)
+    monkeypatch.setattr(D, "check_ids_on_host", lambda topk_idx, num_experts: None)  # the kernels' check alone
     E, H, K = 8, 128, 8
     buf = moe_ep.EPBuffer(moe_ep.EPGroup(), E, H, T, K, layout="packed")
     x = torch.arange(T * H, dtype=torch.float32).reshape(T, H).remainder(7).to(torch.bfloat16)

@@ -239,6 +239,11 @@ class ImmCounter:
         self._owner = _owner  # keeps an engine alive while its counter is in use
         self.rank = rank
 
+    @property
+    def handle(self) -> int:
+        """The native counter's handle (what the library's ``moe_ep_imm_*`` functions take); None once closed."""
+        return self._h
+
     def add(self, imm: int, n: int = 1) -> None:
         rc = self._lib.moe_ep_imm_add(self._h, imm, n)
         if rc != OK:
@@ -254,12 +259,6 @@ class ImmCounter:
         rc = self._lib.moe_ep_imm_wait(self._h, imm, expected, _ns(timeout_s))
         if rc == ERR_TIMEOUT:
             raise CommTimeoutError(self.rank, peer, phase, epoch, timeout_s)
-        if rc != OK:
-            _raise(rc)
-
-    def stress(self, imm: int, threads: int, adds_per_thread: int) -> None:
-        """Test helper: `threads` native threads each add 1 to `imm` `adds_per_thread` times."""
-        rc = self._lib.moe_ep_imm_stress(self._h, imm, threads, adds_per_thread)
         if rc != OK:
             _raise(rc)
 
