@@ -327,13 +327,12 @@ class EPBuffer:
             ``DispatchResult`` (views of buffer memory, valid until the next dispatch), or
             ``(DispatchResult, hook)`` with ``return_recv_hook``.
         """
-        tried = not return_recv_hook
-        if tried:  # the eager fast path: a call like the latest replayed one (dispatch.replayed)
-            result = _dispatch.replayed(self, x, topk_idx, topk_weights, x_scales)
-            if result is not None:
-                return result
+        # the eager fast path: a call like the latest replayed one of its kind (dispatch.replayed)
+        result = _dispatch.replayed(self, x, topk_idx, topk_weights, x_scales, return_recv_hook)
+        if result is not None:
+            return result
         self.check_usable()
-        return _dispatch.dispatch(self, x, topk_idx, topk_weights, x_scales, return_recv_hook, tried)
+        return _dispatch.dispatch(self, x, topk_idx, topk_weights, x_scales, return_recv_hook, True)
 
     def combine(self, expert_y: torch.Tensor, handle: DispatchResult, return_recv_hook: bool = False, *,
                 topk_weights: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None):
@@ -365,13 +364,12 @@ class EPBuffer:
             tokens sent nowhere. Rows with ``topk_weights``: ``(out, w)``, ``w`` float32 ``[T, K]`` the
             sum over ranks of the rows' ``topk_weights``. With ``return_recv_hook``: ``(that, hook)``.
         """
-        tried = not return_recv_hook
-        if tried:  # the eager fast path: a call like the latest replayed one (combine.replayed)
-            result = _combine.replayed(self, expert_y, handle, out, topk_weights)
-            if result is not None:
-                return result
+        # the eager fast path: a call like the latest replayed one of its kind (combine.replayed)
+        result = _combine.replayed(self, expert_y, handle, out, topk_weights, return_recv_hook)
+        if result is not None:
+            return result
         self.check_usable()
-        return _combine.combine(self, expert_y, handle, return_recv_hook, topk_weights, out, tried)
+        return _combine.combine(self, expert_y, handle, return_recv_hook, topk_weights, out, True)
 
     def synchronize(self) -> None:
         """Waits for this buffer's work on the device, then raises any error a kernel recorded."""

@@ -22,6 +22,8 @@ class CallState:
             ``x_scales`` (every input ``[T, ...]``); combine of ``expert_y`` (the buffer's shape)
             without and with ``out`` (``[T, H]``); the same two with pushed weights (``[T, K]``,
             before ``out``).
+        hooked: the same six for calls with ``return_recv_hook`` (their entries' ``later`` steps:
+            the receive half the hook launches).
         token_shapes: ``moe_ep.dispatch.token_shape`` per token count (at most ``max_tokens + 1``).
         out_one, out_like: one bfloat16 element on the device and its ``[T, H]`` views per T
             (``moe_ep.combine.new_output``).
@@ -43,8 +45,8 @@ class CallState:
         ``workspace``: this rank's workspace bytes; ``remote``: some peer is on another node (no
         replays then: the proxy takes part in every call)."""
         self.launch = Launcher(device)
-        self.replays = (Replay((0, 0, 0)), Replay((0, 0, 0, 0)), Replay((None,)), Replay((None, 0)),
-                        Replay((None, 0)), Replay((None, 0, 0)))
+        self.replays = self._replays()
+        self.hooked = self._replays()
         self.token_shapes: dict = {}
         self.out_one = torch.empty(1, 1, dtype=torch.bfloat16, device=device)
         self.out_like: dict = {}
@@ -58,6 +60,11 @@ class CallState:
         self.broken: Optional[BaseException] = None
         self._remote = remote
         self._err_code = ctypes.c_int64.from_address(err.data_ptr())  # the record's word 0 (~50 ns a read)
+
+    @staticmethod
+    def _replays() -> tuple:
+        return (Replay((0, 0, 0)), Replay((0, 0, 0, 0)), Replay((None,)), Replay((None, 0)),
+                Replay((None, 0)), Replay((None, 0, 0)))
 
     def error_code(self) -> int:
         """The error code a kernel recorded (0: none), read without a device sync."""

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from . import host_wait
-from .dispatch import _aligned, _check_tensor, launch_half, launch_halves, pipelined_width
+from .dispatch import _aligned, _check_tensor, launch_half, launch_halves, pipelined_width, planned_half, replayed_recv
 from .layout import pow2
 from .kernels.combine import combine_kernel
 from .kernels.launch import arg_positions, runtime_args
@@ -23,32 +23,35 @@ _WEIGHTED_DYNAMIC = _DYNAMIC + arg_positions(combine_kernel, "wy_ptr", "wout_ptr
 _SCALARS = {"T": 0}
 
 
-def replayed(buf, expert_y, handle, out, topk_weights=None):
-    """The eager fast path of a combine without a hook: as ``dispatch.replayed`` (the latest
-    replayed combine with or without ``out``, with or without combine-time weights, for the
-    latest dispatch's handle, any token count; its ``Replay.latest`` and ``_combined`` written
-    out); returns the output, or None where the path does not apply (then ``combine`` decides,
-    with every check)."""
+def replayed(buf, expert_y, handle, out, topk_weights=None, hooked: bool = False):
+    """The eager fast path of a combine (with a receive hook or without, as ``hooked``): as
+    ``dispatch.replayed`` (the latest replayed combine of its kind with or without ``out``, with
+    or without combine-time weights, for the latest dispatch's handle, any token count; its
+    ``Replay.latest`` and ``_combined`` written out); returns the output (``hooked``: and the
+    hook), or None where the path does not apply (then ``combine`` decides, with every check)."""
     calls = buf.calls
     if (type(handle) is not DispatchResult or handle.buffer is not buf or handle.serial != calls.serial
             or not calls.ready()):
         return None  # (combine raises the error)
     T = handle.num_tokens
+    replays = calls.hooked if hooked else calls.replays
     if topk_weights is not None:
-        out = _replayed_weighted(buf, calls, expert_y, topk_weights, out, T)
-        if out is None:
+        got = _replayed_weighted(buf, replays, expert_y, topk_weights, out, T)
+        if got is None:
             return None
+        out, last, inputs = got
     elif out is None:
-        last = calls.replays[2].last
+        last = replays[2].last
         if last is None or not last.guard.check(expert_y):
             return None
         p = expert_y.data_ptr()
         if p & 15:  # (the guard was kept only for an entry whose pointers were all aligned)
             return None
         out = new_output(buf, T)
-        last.run(calls.launch.stream(), (p, out.data_ptr(), T))
+        inputs = (p, out.data_ptr(), T)
+        last.run(calls.launch.stream(), inputs)
     else:
-        last = calls.replays[3].last
+        last = replays[3].last
         if last is None:
             return None
         if not (last.exact.check(expert_y, out) and T == last.scalars[0]) and \
@@ -58,18 +61,23 @@ def replayed(buf, expert_y, handle, out, topk_weights=None):
         y_bytes, row_bytes = last.value
         if (p | q) & 15 or _spans_meet(p, q, y_bytes, T * row_bytes):
             return None  # (an out over expert_y: combine raises the error)
-        last.run(calls.launch.stream(), (p, q, T))
+        inputs = (p, q, T)
+        last.run(calls.launch.stream(), inputs)
     calls.epochs[1] += 1
+    if hooked:
+        return out, calls.make_hook("combine", replayed_recv(buf, last, inputs, host_wait.wait_combine,
+                                                             calls.epochs[1], T), buf.check_usable, buf.interp)
     if buf.interp:
         buf.check_usable()
     return out
 
 
-def _replayed_weighted(buf, calls, expert_y, topk_weights, out, T: int):
+def _replayed_weighted(buf, replays: tuple, expert_y, topk_weights, out, T: int):
     """``replayed`` with combine-time weights (masked and packed layouts: pushed to the owners;
-    rows-layout weights are never recorded): launches and returns the output, or None."""
+    rows-layout weights are never recorded) from ``replays`` (the buffer's, or its hooked ones):
+    launches and returns ``(output, entry, inputs)``, or None."""
     tensors = (expert_y, topk_weights) if out is None else (expert_y, topk_weights, out)
-    last = calls.replays[4 if out is None else 5].last
+    last = replays[4 if out is None else 5].last
     if last is None:
         return None
     if not (last.exact.check(*tensors) and T == last.scalars[0]) and \
@@ -86,8 +94,9 @@ def _replayed_weighted(buf, calls, expert_y, topk_weights, out, T: int):
         y_bytes, row_bytes = last.value
         if _spans_meet(p, q, y_bytes, T * row_bytes):
             return None  # (an out over expert_y: combine raises the error)
-    last.run(calls.launch.stream(), (p, q, w, calls.err_ptr, T))
-    return out
+    inputs = (p, q, w, buf.calls.err_ptr, T)
+    last.run(buf.calls.launch.stream(), inputs)
+    return out, last, inputs
 
 
 def _spans_meet(p: int, q: int, p_bytes: int, q_bytes: int) -> bool:
@@ -127,19 +136,22 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
             if rp is not None:
                 raise ValueError(f"topk_weights: combine-time weights reach node peers only; with other nodes "
                                  f"(node_size={buf.node_size} < world_size={buf.world_size}) pass them to dispatch")
-    # Replays (moe_ep.replay): calls without a hook, without weights or with pushed ones (rows-layout
-    # weights come back in a new tensor each call: not replayed). One Replay per set of inputs:
-    # expert_y, then the weights, then out if given; T, from the handle, is a scalar (_SCALARS).
-    replayable = not return_recv_hook and (topk_weights is None or push)
+    # Replays (moe_ep.replay): calls without weights or with pushed ones (rows-layout weights come
+    # back in a new tensor each call: not replayed), without and with a receive hook. One Replay
+    # per set of inputs: expert_y, then the weights, then out if given; T, from the handle, is a
+    # scalar (_SCALARS).
+    replayable = topk_weights is None or push
     given_out = out is not None
     tensors = (expert_y,) + ((topk_weights,) if push else ()) + ((out,) if given_out else ())
-    replay = calls.replays[2 + given_out + 2 * push]
+    replay = (calls.hooked if return_recv_hook else calls.replays)[2 + given_out + 2 * push]
     hit, sig, ptrs = replay.find(tensors, None, latest_tried) if replayable else (None, None, [])
     if hit is not None:
         if not given_out:
             out = new_output(buf, T)
-        hit.run(calls.launch.stream(), _inputs(buf, ptrs[0], out.data_ptr(), ptrs[1] if push else None) + (T,))
-        return _combined(buf, out, None)
+        inputs = _inputs(buf, ptrs[0], out.data_ptr(), ptrs[1] if push else None) + (T,)
+        hit.run(calls.launch.stream(), inputs)
+        return _combined(buf, out, replayed_recv(buf, hit, inputs, host_wait.wait_combine, calls.epochs[1] + 1, T)
+                         if return_recv_hook else None)
     out_f32 = out is not None and out.dtype == torch.float32
     if out is None:
         out = new_output(buf, T)
@@ -172,18 +184,25 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
         if buf.interp:
             host_wait.wait_weights(buf, epoch)
     if rp is None:
+        # (value: with the caller's out, the bytes of expert_y and of a row of out, which the
+        # entry's guard fixes: the fast path checks that they do not overlap)
+        spans = (expert_y.nbytes, buf.hidden * out.element_size()) if given_out else None
+        recorded = sig is not None and replayable
         if not return_recv_hook:
             launches += launch_halves(buf, key, combine_kernel, args, dyn, consts,
                                       lambda: host_wait.wait_combine(buf, epoch, T))
-            # (value: with the caller's out, the bytes of expert_y and of a row of out, which the
-            # entry's guard fixes: the fast path checks that they do not overlap)
-            spans = (expert_y.nbytes, buf.hidden * out.element_size()) if given_out else None
-            if sig is not None and replayable:
+            if recorded:
                 replay.record(sig, tensors, launches, _inputs(buf, ptrs[0], base.data_ptr(), ptrs[1] if push else None),
                               spans, _SCALARS, (T,))
             recv = None
         else:
-            launch_half(buf, key, combine_kernel, args, dyn, consts, True, False)
+            send = launch_half(buf, key, combine_kernel, args, dyn, consts, True, False)
+            # recorded once the receive half has a plan (a hook of an earlier call launched it)
+            later = planned_half(buf, key, False, True)
+            if recorded and later is not None:
+                replay.record(sig, tensors, launches + [(send, args)],
+                              _inputs(buf, ptrs[0], base.data_ptr(), ptrs[1] if push else None), spans, _SCALARS, (T,),
+                              later=[(later, args)])
 
             def recv():
                 if buf.interp:

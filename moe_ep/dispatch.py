@@ -94,6 +94,11 @@ def launch_half(buf, key: tuple, kernel, args: tuple, dynamic: tuple, consts, se
                        lambda: dict(consts(), SEND=send, RECV=recv), dynamic)
 
 
+def planned_half(buf, key: tuple, send: bool, recv: bool):
+    """The plan of a half ``launch_half`` launched before with these arguments, or None."""
+    return buf.calls.launch.planned(key + (send, recv))
+
+
 def _aligned(t: torch.Tensor) -> bool:
     return (t.data_ptr() & 15) == 0
 
@@ -110,20 +115,22 @@ def token_shape(buf, T: int) -> tuple:
     return got
 
 
-def replayed(buf, x, topk_idx, topk_weights, x_scales=None):
-    """The eager fast path: a dispatch without a hook whose tensors are like those of the latest
-    replayed one with or without ``x_scales`` (``Replay.latest``: its guard passes, every pointer
+def replayed(buf, x, topk_idx, topk_weights, x_scales=None, hooked: bool = False):
+    """The eager fast path: a dispatch (with a receive hook or without, as ``hooked``) whose
+    tensors are like those of the latest replayed one of its kind, with or without ``x_scales``
+    (``Replay.latest``: its guard passes, every pointer
     16-byte aligned; any token count of the same launch structure, at most ``max_tokens``, the
     same in every input) on a buffer whose full path would pass without a word (open, not broken,
     no kernel error record, no receive hook pending, no peer on another node) launches as that
-    one did with this call's pointers and token count. Returns its ``DispatchResult``, or None
-    where the path does not apply (then ``dispatch`` decides, with every check).
+    one did with this call's pointers and token count. Returns its ``DispatchResult`` (``hooked``:
+    and the hook, which launches the recorded receive half), or None where the path does not apply
+    (then ``dispatch`` decides, with every check).
 
     ``Replay.latest`` and ``_dispatched`` are written out here: each Python call costs ~0.1 us
     on a CPU and more on a slow host, and this is the whole host time of an eager decode dispatch
     but the launch (issue "Eager calls at the speed of a graph")."""
     calls = buf.calls
-    last = calls.replays[0 if x_scales is None else 1].last
+    last = (calls.hooked if hooked else calls.replays)[0 if x_scales is None else 1].last
     if last is None or not calls.ready():
         return None
     tensors = (x, topk_idx, topk_weights) if x_scales is None else (x, topk_idx, topk_weights, x_scales)
@@ -144,13 +151,28 @@ def replayed(buf, x, topk_idx, topk_weights, x_scales=None):
     if (p | q | r | s) & 15:  # (the guard was kept only for an entry whose pointers were all aligned)
         return None
     # the dispatch kernel's input pointers (its arguments 0-3), then the scalars (_SCALARS)
-    last.run(calls.launch.stream(), (p, s, q, r) + scalars)
+    inputs = (p, s, q, r) + scalars
+    last.run(calls.launch.stream(), inputs)
     calls.epochs[0] += 1
     calls.serial += 1
     result = DispatchResult.issued(calls.result_fields, buf, scalars[0], calls.serial)
+    if hooked:
+        return result, calls.make_hook("dispatch", replayed_recv(buf, last, inputs, host_wait.wait_dispatch,
+                                                                 calls.epochs[0]), buf.check_usable, buf.interp)
     if buf.interp:
         buf.check_usable()
     return result
+
+
+def replayed_recv(buf, entry, inputs: tuple, wait, *wait_args):
+    """The receive half of a replayed call with a hook: ``entry``'s later launches with the call's
+    ``inputs``, on the stream current when the hook runs (under the interpreter after
+    ``wait(buf, *wait_args)``, the host's wait for the peers' flags)."""
+    def recv() -> None:
+        if buf.interp:
+            wait(buf, *wait_args)
+        entry.run_later(buf.calls.launch.stream(), inputs)
+    return recv
 
 
 # The launch arguments a replayed dispatch patches besides its pointers, by name: their index
@@ -169,17 +191,20 @@ def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = 
     launch_structure, scalars = calls.token_shapes.get(T) or token_shape(buf, T)
     _, BT, NC = scalars
     direct = launch_structure is None  # decode sizes: the send half counts earlier selections itself
-    # Replays (moe_ep.replay), one per set of inputs: with and without x_scales.
+    # Replays (moe_ep.replay), one per set of inputs (with and without x_scales), for calls
+    # without and with a receive hook.
+    replays = calls.hooked if return_recv_hook else calls.replays
     if x_scales is None:
-        replay, tensors = calls.replays[0], (x, topk_idx, topk_weights)
+        replay, tensors = replays[0], (x, topk_idx, topk_weights)
     else:
-        replay, tensors = calls.replays[1], (x, topk_idx, topk_weights, x_scales)
+        replay, tensors = replays[1], (x, topk_idx, topk_weights, x_scales)
     hit, sig, ptrs = replay.find(tensors, launch_structure, latest_tried)
     # The dispatch kernel's input pointers (its arguments 0-3), the replayed ones.
     inputs = (ptrs[0], ptrs[3] if x_scales is not None else calls.err_ptr, ptrs[1], ptrs[2]) if ptrs else ()
-    if hit is not None and not return_recv_hook:
+    if hit is not None:
         hit.run(calls.launch.stream(), inputs + scalars)
-        return _dispatched(buf, T, None)
+        return _dispatched(buf, T, replayed_recv(buf, hit, inputs + scalars, host_wait.wait_dispatch,
+                                                 calls.epochs[0] + 1) if return_recv_hook else None)
     fp8_in = x_scales is not None
     rows = buf.layout == "rows"
     # This rank's own rows come from x in the receive half (no round trip through the workspace),
@@ -221,7 +246,12 @@ def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = 
             replay.record(sig, tensors, launches, inputs, None, _SCALARS, scalars)
             recv = None
         else:
-            launch_half(buf, key, dispatch_kernel, args, _DISPATCH_DYNAMIC, consts, True, False)
+            send = launch_half(buf, key, dispatch_kernel, args, _DISPATCH_DYNAMIC, consts, True, False)
+            # recorded once the receive half has a plan (a hook of an earlier call launched it)
+            later = planned_half(buf, key, False, True)
+            if later is not None:
+                replay.record(sig, tensors, launches + [(send, args)], inputs, None, _SCALARS, scalars,
+                              later=[(later, args)])
 
             def recv():
                 if buf.interp:

@@ -84,17 +84,19 @@ def guard(tensors: Sequence[torch.Tensor], token_dims: Sequence[Optional[int]]):
 
 
 class _Entry:
-    """The launches of one signature: each a bound plan and which inputs feed its slots.
+    """The launches of one signature: each a bound plan and which inputs feed its slots; ``steps``
+    run when the call is made, ``later`` (calls with a receive hook: the receive half) when its
+    hook is called.
 
     ``guard`` passes a call of any token count with the signature's tensors (None: no entry is
     tried by guard); ``exact`` passes only the recorded call's token count too, whose scalars are
     ``scalars``: a call it passes needs no token-count checks (the common case of an eager loop
     at one batch size)."""
 
-    __slots__ = ("steps", "value", "extra", "guard", "exact", "scalars")
+    __slots__ = ("steps", "later", "value", "extra", "guard", "exact", "scalars")
 
-    def __init__(self, steps: tuple, value, extra, guard, exact, scalars: tuple):
-        self.steps, self.value, self.extra, self.guard = steps, value, extra, guard
+    def __init__(self, steps: tuple, later: tuple, value, extra, guard, exact, scalars: tuple):
+        self.steps, self.later, self.value, self.extra, self.guard = steps, later, value, extra, guard
         self.exact, self.scalars = exact, scalars
 
     def run(self, stream: int, inputs: tuple):
@@ -103,6 +105,11 @@ class _Entry:
         for bound, pick in self.steps:
             bound.launch(stream, inputs if pick is None else [inputs[k] for k in pick])
         return self.value
+
+    def run_later(self, stream: int, inputs: tuple) -> None:
+        """Launches the ``later`` steps (a receive hook's) on ``stream`` with the call's ``inputs``."""
+        for bound, pick in self.later:
+            bound.launch(stream, inputs if pick is None else [inputs[k] for k in pick])
 
 
 class Replay:
@@ -151,18 +158,37 @@ class Replay:
         return None
 
     def record(self, sig: Optional[tuple], tensors: tuple, launches: list, pointers: tuple, value,
-               scalar_names: Optional[dict] = None, scalars: tuple = ()) -> None:
+               scalar_names: Optional[dict] = None, scalars: tuple = (), later: list = ()) -> None:
         """Keeps ``launches`` (``(plan, args)`` in launch order, as the Launcher returned them)
         for ``sig`` (as ``find`` gave it for ``tensors``), with ``value`` (what the op keeps with
-        the entry for its replays). A replay's inputs are ``pointers`` (data pointers of the call)
-        followed by its scalars; ``scalar_names`` maps a kernel argument name to its index among
-        them (e.g. ``{"T": 0}``): those arguments are patched per replay; ``scalars`` are this
-        call's. Each tensor among a plan's dynamic arguments must be one of ``pointers`` and no
-        other; every other dynamic argument keeps this call's value. A call with aliased
-        pointers, or a plan that cannot be bound, is not recorded (it keeps taking the full path)."""
-        if sig is None or len(set(pointers)) != len(pointers) or any(p is None for p, _ in launches):
+        the entry for its replays); ``later``: the launches a receive hook makes, the same way. A
+        replay's inputs are ``pointers`` (data pointers of the call) followed by its scalars;
+        ``scalar_names`` maps a kernel argument name to its index among them (e.g. ``{"T": 0}``):
+        those arguments are patched per replay; ``scalars`` are this call's. Each tensor among a
+        plan's dynamic arguments must be one of ``pointers`` and no other; every other dynamic
+        argument keeps this call's value. A call with aliased pointers, or a plan that cannot be
+        bound, is not recorded (it keeps taking the full path)."""
+        if sig is None or len(set(pointers)) != len(pointers) or any(p is None for p, _ in (*launches, *later)):
             return
         scalar_names = scalar_names or {}
+        steps = self._bind(launches, pointers, scalar_names)
+        after = self._bind(later, pointers, scalar_names)
+        if steps is None or after is None:
+            return
+        if len(self._entries) >= MAX_SIGNATURES:
+            self._entries.pop(next(iter(self._entries)))
+        aligned = all(p & 15 == 0 for _, _, _, _, p in sig[0])
+        guarded = guard(tensors, self.token_dims) if aligned else None
+        exact = guard(tensors, (None,) * len(tensors)) if guarded is not None else None
+        self._entries[sig] = entry = _Entry(steps, after, value, sig[1], guarded if exact is not None else None,
+                                            exact, tuple(scalars))
+        if entry.guard is not None:
+            self.last = entry
+
+    @staticmethod
+    def _bind(launches, pointers: tuple, scalar_names: dict) -> Optional[tuple]:
+        """``launches`` as replay steps: each plan bound with its per-call arguments left open, and
+        which of a replay's inputs feed them; None when one cannot be."""
         n = len(pointers) + len(scalar_names)
         steps = []
         for plan, args in launches:
@@ -175,19 +201,11 @@ class Replay:
                 elif isinstance(args[i], torch.Tensor):
                     p = args[i].data_ptr()
                     if p not in pointers:
-                        return  # a pointer that changes per call but is not an input
+                        return None  # a pointer that changes per call but is not an input
                     positions.append(i)
                     pick.append(pointers.index(p))
             bound = plan.bind(args, positions)
             if bound is None:
-                return
+                return None
             steps.append((bound, None if pick == list(range(n)) else tuple(pick)))
-        if len(self._entries) >= MAX_SIGNATURES:
-            self._entries.pop(next(iter(self._entries)))
-        aligned = all(p & 15 == 0 for _, _, _, _, p in sig[0])
-        guarded = guard(tensors, self.token_dims) if aligned else None
-        exact = guard(tensors, (None,) * len(tensors)) if guarded is not None else None
-        self._entries[sig] = entry = _Entry(tuple(steps), value, sig[1], guarded if exact is not None else None, exact,
-                                            tuple(scalars))
-        if entry.guard is not None:
-            self.last = entry
+        return tuple(steps)

@@ -5,8 +5,8 @@ A decode-sized buffer (R=1, T=128, H=7168, K=8, E=256, fp8 dispatch, masked) on 
 launches go through real native plans (csrc/proxy/launch.cc) into a stand-in CUDA driver whose
 cuLaunchKernel only records its arguments (tests/stand_in_cuda.py), so a call costs what it costs
 on a GPU host minus the driver's launch and torch's allocator. Prints the median host time of each
-call (3 rounds of 3000 calls; T = 128, and T changing every call through 1..128) and, for scale,
-a launch alone and an allocation.
+call (3 rounds of 3000 calls; T = 128, and T changing every call through 1..128; calls with a
+receive hook, the hook included) and, for scale, a launch alone and an allocation.
 
     TRITON_INTERPRET=1 python scripts/host_path.py
 """
@@ -59,6 +59,9 @@ class _Launcher:
     def __init__(self):
         self.plans: dict = {}
 
+    def planned(self, key):
+        return self.plans.get(key)
+
     def __call__(self, key, fn, grid, args, consts, dynamic=None):
         if key not in self.plans:
             self.plans[key] = _Plan(fn.arg_names, len(args), dynamic)
@@ -101,6 +104,18 @@ def main() -> None:
             cycle.i += 1
         return one
     cycle.i = 0
+
+    def hooked_dispatch():  # the send half now, the receive half in the hook (as DeepEP's low-latency API)
+        got, hook = buf.dispatch(x, idx, w, return_recv_hook=True)
+        hook()
+        hooked_dispatch.h = got
+
+    def hooked_combine():  # DeepEP's low-latency combine with a hook: weights at combine, its out
+        _, hook = buf.combine(y, hooked_dispatch.h, topk_weights=w, out=out, return_recv_hook=True)
+        hook()
+    for _ in range(2):  # recorded by the second call (the first's hook made the receive half's plan)
+        hooked_dispatch()
+        hooked_combine()
     bound = _Native(0x1, 32, 1024, 0, [8] * 4, [0] * 4, [0, 1, 2, 3])
     ptrs = (x.data_ptr(), idx.data_ptr(), w.data_ptr(), out.data_ptr())
     rows = []
@@ -110,14 +125,15 @@ def main() -> None:
         rows.append((d, _median_us(lambda: buf.combine(y, h)), _median_us(lambda: buf.combine(y, h, out=out)),
                      _median_us(lambda: buf.combine(y, h, topk_weights=w, out=out)),
                      _median_us(cycle(False)), _median_us(cycle(True)),
+                     _median_us(hooked_dispatch), _median_us(hooked_combine),
                      _median_us(lambda: bound.launch(0, ptrs)), _median_us(lambda: torch.empty_like(out)),
                      _median_us(lambda: None)))
     names = ("dispatch", "combine", "combine(out=)", "combine(topk_weights=, out=)", "dispatch, T = 1..128",
-             "+ combine(out=), T = 1..128",
+             "+ combine(out=), T = 1..128", "dispatch with a hook, + hook()", "combine(w=, out=, hook), + hook()",
              "one native launch", "empty_like [T, H]", "timer alone")
     print("host time per call, us (median of 3000; 3 rounds; the timer's own cost included in each):")
     for i, name in enumerate(names):
-        print(f"  {name:30s} " + "  ".join(f"{r[i]:6.2f}" for r in rows))
+        print(f"  {name:36s} " + "  ".join(f"{r[i]:6.2f}" for r in rows))
 
 
 if __name__ == "__main__":

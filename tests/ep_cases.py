@@ -39,6 +39,8 @@ class Case:
     ``calls``: routing kinds in order; ``"repeat"`` repeats call 0's inputs exactly (determinism).
     ``dtype``: ``bf16``, ``fp8`` (bf16 input quantized in-kernel) or ``fp8pre`` (fp8 input + scales).
     ``late_weights``: the weights go to combine (``topk_weights=``); dispatch gets wrong ones.
+    ``hooks``: every call with ``return_recv_hook=True``; between a call and its hook the caller
+    overwrites the inputs it passed (the receive half must not read them).
     """
 
     R: int
@@ -54,12 +56,13 @@ class Case:
     seed: int = 0
     late_weights: bool = False
     programs: Optional[int] = None  # EPBuffer(num_programs=); None: the buffer's default
+    hooks: bool = False
 
     @property
     def name(self) -> str:
         return (f"R{self.R}-E{self.E}-K{self.K}-{self.dtype}-{self.layout}-a{self.align}-H{self.H}-M{self.M}-"
                 f"{self.data}-s{self.seed}" + ("-late" if self.late_weights else "")
-                + (f"-p{self.programs}" if self.programs else ""))
+                + (f"-p{self.programs}" if self.programs else "") + ("-hooks" if self.hooks else ""))
 
     def token_counts(self, call: int) -> List[int]:
         """Ragged T per rank: each call mixes max_tokens, 0 and an in-between count."""
@@ -520,6 +523,21 @@ def make_buffer(group, case: Case, timeout_s: float = 60.0):
                            timeout_s=timeout_s, **({"num_programs": case.programs} if case.programs else {}))
 
 
+def _hooked(op, *args, **kwargs):
+    """``op(*args, **kwargs, return_recv_hook=True)`` on copies of its tensors, which are then
+    overwritten (as a caller reusing its inputs before the hook may), then its hook; returns the result."""
+    def copy(v):
+        return v.clone() if isinstance(v, torch.Tensor) else v
+    args = [copy(a) for a in args]
+    kwargs = {k: copy(v) for k, v in kwargs.items() if v is not None}
+    got, hook = op(*args, **kwargs, return_recv_hook=True)
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            v.view(torch.uint8).fill_(0x3F)  # (every dtype: bf16 1.49, fp8 1.875, int32/int64 and float32 large)
+    hook()
+    return got
+
+
 def run_calls(group, buf, case: Case) -> List[str]:
     """All calls of ``case`` on ``buf``, each checked against the oracle; returns failure strings."""
     from moe_ep.reference import moe_local, reference_moe
@@ -539,7 +557,10 @@ def run_calls(group, buf, case: Case) -> List[str]:
         sc = inp.x_scales.to(dev) if inp.x_scales is not None else None
         ref = reference_for(group, case, x, idx, w, sc)
         wd = w * 3 + 1 if case.late_weights else w  # late: combine must replace these
-        h = buf.dispatch(x, idx, wd, x_scales=sc) if sc is not None else buf.dispatch(x, idx, wd)
+        if case.hooks:
+            h = _hooked(buf.dispatch, x, idx, wd, x_scales=sc)
+        else:
+            h = buf.dispatch(x, idx, wd, x_scales=sc) if sc is not None else buf.dispatch(x, idx, wd)
         f = check_dispatch(h, ref, case, where)
         fails += f
         if rows:  # checked row for row in order against the oracle: determinism included
@@ -562,7 +583,10 @@ def run_calls(group, buf, case: Case) -> List[str]:
         # Combine runs even after a bad dispatch, so every rank makes the same calls.
         y = make_expert_y(h, case, fn, first_expert(ref, case)) if not f else \
             torch.full(h.expert_x.shape, float("nan"), dtype=torch.bfloat16, device=dev)
-        out = buf.combine(y, h, topk_weights=w) if case.late_weights else buf.combine(y, h)
+        if case.hooks:
+            out = _hooked(buf.combine, y, h, topk_weights=w if case.late_weights else None)
+        else:
+            out = buf.combine(y, h, topk_weights=w) if case.late_weights else buf.combine(y, h)
         exp = reference_moe(group, case.E, x, idx, w, fn, x_scales=sc, dispatch_dtype=dt)
         if not f:
             exp_abs = moe_local(case.E, x, idx, w.abs(), lambda e, rows: fn(e, rows).abs(),

@@ -63,14 +63,19 @@ class _InterpLauncher:
 
     def __init__(self):
         self.plans = []
+        self.by_key = {}  # the latest plan of each key
 
     def stream(self) -> int:
         return 0
+
+    def planned(self, key):
+        return self.by_key.get(key)
 
     def __call__(self, key, fn, grid, args, consts, dynamic=None):
         consts = consts() if callable(consts) else consts
         fn[(grid,)](*args, **consts)
         self.plans.append(_InterpPlan(fn, grid, consts, range(len(args)) if dynamic is None else dynamic))
+        self.by_key[key] = self.plans[-1]
         return self.plans[-1]
 
 
@@ -117,6 +122,24 @@ def test_replayed_calls_match_the_oracle(dtype, layout, late):
     # dispatch and its combine, two launches each under the interpreter (send and receive halves),
     # and with late weights the combine's push first.
     assert hits[case.name] == (5 if late else 4) * (len(_CALLS) - 1), hits
+
+
+@pytest.mark.parametrize("dtype,layout,late", [("bf16", "masked", False), ("fp8pre", "packed", False),
+                                               ("fp8", "masked", True)])
+def test_replayed_hooked_calls_match_the_oracle(dtype, layout, late):
+    """Calls with ``return_recv_hook=True`` replay too (the send half at the call, the recorded
+    receive half in the hook), the caller overwriting its inputs between the call and the hook;
+    ``late``: the weights pushed at combine, as DeepEP's low-latency combine with a hook."""
+    case = Case(R=1, E=4, K=2, dtype=dtype, layout=layout, align=16 if layout == "packed" else 1, M=6,
+                calls=_CALLS, seed=5, late_weights=late, hooks=True)
+    (fails, hits), = dist_util.run(1, _replay_worker, [case], timeout=600)
+    assert not fails, "\n".join(fails[:20])
+    # An entry is recorded by a full-path call once an earlier hook launched its receive half (the
+    # plan exists), and not by a call of no tokens whose empty inputs share the null pointer:
+    # the dispatch's at call 2 (call 1 has no tokens), so calls 3-5 replay its two halves; the
+    # combine's at call 1 (calls 2-5 replay its two halves), with late weights at call 2 (calls
+    # 3-5 replay its push and two halves: call 1's empty weights and output share that pointer).
+    assert hits[case.name] == 2 * 3 + (3 * 3 if late else 2 * 4), hits
 
 
 @pytest.mark.parametrize("dtype,layout", [("bf16", "masked"), ("fp8", "packed")])
@@ -318,10 +341,22 @@ def _fast_path_checks_worker(rank, world_size):
     if _replayed(la) == before or out.shape != (T, H):
         log.append("the calls before the checks were not replayed")
     old = h
-    h, hook = buf.dispatch(x, idx, w, return_recv_hook=True)
+    for _ in range(2):  # the second records (the first's hook made the receive half's plan)
+        h, hook = buf.dispatch(x, idx, w, return_recv_hook=True)
+        hook()
+    before = _replayed(la)
+    h, hook = buf.dispatch(x, idx, w, return_recv_hook=True)  # replayed: the send half now
+    if _replayed(la) != before + 1:
+        log.append("a hooked dispatch like the last was not replayed")
     refused("dispatch with a receive hook pending", lambda: buf.dispatch(x, idx, w), ValueError, "receive hook")
+    refused("hooked dispatch with a receive hook pending", lambda: buf.dispatch(x, idx, w, return_recv_hook=True),
+            ValueError, "receive hook")
     refused("combine with a receive hook pending", lambda: buf.combine(y, h), ValueError, "receive hook")
+    before = _replayed(la)
     hook()
+    if _replayed(la) != before + 1:
+        log.append("a replayed hook did not launch the recorded receive half")
+    refused("a replayed hook called twice", hook, RuntimeError, "already called")
     refused("combine of a stale handle", lambda: buf.combine(y, old), ValueError, "stale")
     buf.combine(y, h)
     buf.combine(y, h, out=torch.empty(T, H, dtype=torch.bfloat16))  # the latest combine(out=) again
@@ -350,14 +385,16 @@ def test_fast_path_keeps_the_buffers_checks():
 @pytest.mark.parametrize("launch", ["native", "triton"])
 def test_replayed_calls_match_the_oracle_gpu(launch):
     """The native (and Triton-launcher) plans replayed on a GPU, new tensors and a new token count
-    every call (one case with the weights at combine, pushed in the fused launch); then with
+    every call (one case with the weights at combine, pushed in the fused launch; two with receive
+    hooks, the caller overwriting its inputs before each hook); then with
     prefill's launch structure (the routing histogram first) at small T, as in
     ``test_replayed_prefill_structure_matches_the_oracle``."""
     dist_util.need_gpu()
     cases = [Case(R=1, E=4, K=2, dtype=d, layout=lay, align=16 if lay == "packed" else 1, M=6, calls=_CALLS, seed=5,
-                  late_weights=late)
-             for d, lay, late in (("bf16", "masked", False), ("fp8", "packed", False), ("fp8pre", "masked", False),
-                                  ("fp8", "masked", True))]
+                  late_weights=late, hooks=hooks)
+             for d, lay, late, hooks in (("bf16", "masked", False, False), ("fp8", "packed", False, False),
+                                         ("fp8pre", "masked", False, False), ("fp8", "masked", True, False),
+                                         ("bf16", "packed", False, True), ("fp8", "masked", True, True))]
     prefill = [Case(R=1, E=4, K=2, dtype=d, layout=lay, align=16 if lay == "packed" else 1, M=6, calls=_CALLS,
                     seed=3) for d, lay in (("bf16", "masked"), ("fp8", "packed"))]
     fails = []
@@ -389,7 +426,7 @@ def _gpu_worker(rank, world_size, cases, launch, direct_max=None):
                 kinds = {type(p).__name__ for p in buf.calls.launch._plans.values()}
                 if (launch == "native") != (kinds == {NativePlan.__name__}):
                     fails.append(f"[{case.name}] MOE_EP_LAUNCH={launch}: plans {kinds}")
-                if not any(r._entries for r in buf.calls.replays):
+                if not any(r._entries for r in (buf.calls.hooked if case.hooks else buf.calls.replays)):
                     fails.append(f"[{case.name}] nothing recorded for replay")
     finally:
         os.environ.pop("MOE_EP_LAUNCH", None)

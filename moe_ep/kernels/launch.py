@@ -365,6 +365,10 @@ class Launcher:
         dev = self.device_index if self.device_index is not None else torch.cuda.current_device()
         return torch._C._cuda_getCurrentRawStream(dev)
 
+    def planned(self, key: Hashable):
+        """The plan of ``key`` if a launch made it already, else None (nothing is compiled or launched)."""
+        return self._plans.get(key)
+
     def __call__(self, key: Hashable, fn, grid: int, args: tuple, consts, dynamic: Optional[tuple] = None):
         """Launches ``fn`` on ``grid`` programs with runtime ``args`` (kernel parameter order) and
         constexpr ``consts`` (the remaining parameters; a dict, or a function returning it, called
