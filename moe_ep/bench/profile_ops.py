@@ -5,8 +5,9 @@
     torchrun --nproc-per-node=4 -m moe_ep.bench.profile_ops   # 4 ranks on 1 GPU: gloo, CUDA IPC
 
 Prints, for rank 0: the host time to issue a call (Python and launch, no device sync; the median
-over many calls of dispatch, of combine returning a new tensor and of combine with ``out=``; and of
-dispatch and ``combine(out=)`` when the token count changes every call), the
+over many calls of dispatch, of combine returning a new tensor and of combine with ``out=``; of
+dispatch and ``combine(out=)`` when the token count changes every call; of a dispatch and a
+``combine(topk_weights=, out=)`` with receive hooks, each with its hook), the
 top host functions of those calls (cProfile), the launch cost of an empty Triton kernel through
 ``moe_ep.kernels.launch`` and through ``kernel[grid]``, and the device time of each kernel
 (torch.profiler, mean over calls). ``MOE_EP_LAUNCH=triton`` times Triton's launcher instead of the
@@ -137,6 +138,22 @@ def main(argv=None) -> None:
         t_dv, t_cv = _issue_us([disp_varying, comb_varying], args.calls)
         lines.append(f"host to issue, T changing every call ({len(batches)} counts): dispatch {med(t_dv):.1f} us, "
                      f"combine(out=) {med(t_cv):.1f} us")
+
+        # calls with a receive hook, as DeepEP's low-latency API makes them (weights at combine)
+        def disp_hooked():
+            st["d"], hook = buf.dispatch(x, idx, w, return_recv_hook=True)
+            hook()
+
+        def comb_hooked():
+            _, hook = buf.combine(y, st["d"], topk_weights=w, out=out, return_recv_hook=True)
+            hook()
+
+        for _ in range(20):
+            disp_hooked()
+            comb_hooked()
+        t_dh, t_ch = _issue_us([disp_hooked, comb_hooked], args.calls)
+        lines.append(f"host to issue with a receive hook (the call and its hook): dispatch {med(t_dh):.1f} us, "
+                     f"combine(topk_weights=, out=) {med(t_ch):.1f} us")
         # where the host time of the pairs goes
         pr = cProfile.Profile()
         pr.enable()
