@@ -21,8 +21,8 @@ class CallState:
         replays: the ``Replay`` of each set of inputs (``moe_ep.replay``): dispatch without and with
             ``x_scales`` (every input ``[T, ...]``); combine of ``expert_y`` (the buffer's shape)
             without and with ``out`` (``[T, H]``); the same two with pushed weights (``[T, K]``,
-            before ``out``).
-        hooked: the same six for calls with ``return_recv_hook`` (their entries' ``later`` steps:
+            before ``out``); the same two with the rows layout's weights (``[R*max_tokens, K]``).
+        hooked: the same eight for calls with ``return_recv_hook`` (their entries' ``later`` steps:
             the receive half the hook launches).
         token_shapes: ``moe_ep.dispatch.token_shape`` per token count (at most ``max_tokens + 1``).
         out_one, out_like: one bfloat16 element on the device and its ``[T, H]`` views per T
@@ -64,7 +64,7 @@ class CallState:
     @staticmethod
     def _replays() -> tuple:
         return (Replay((0, 0, 0)), Replay((0, 0, 0, 0)), Replay((None,)), Replay((None, 0)),
-                Replay((None, 0)), Replay((None, 0, 0)))
+                Replay((None, 0)), Replay((None, 0, 0)), Replay((None, None)), Replay((None, None, 0)))
 
     def error_code(self) -> int:
         """The error code a kernel recorded (0: none), read without a device sync."""

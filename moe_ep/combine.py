@@ -73,15 +73,17 @@ def replayed(buf, expert_y, handle, out, topk_weights=None, hooked: bool = False
 
 
 def _replayed_weighted(buf, replays: tuple, expert_y, topk_weights, out, T: int):
-    """``replayed`` with combine-time weights (masked and packed layouts: pushed to the owners;
-    rows-layout weights are never recorded) from ``replays`` (the buffer's, or its hooked ones):
-    launches and returns ``(output, entry, inputs)``, or None."""
+    """``replayed`` with combine-time weights from ``replays`` (the buffer's, or its hooked ones):
+    masked and packed layouts push them to the owners (``[T, K]``); the rows layout's are per
+    received row (``[R*max_tokens, K]``) and their sums come back in a new ``[T, K]`` tensor.
+    Launches and returns ``(result, entry, inputs)``, or None."""
+    rows = buf.layout == "rows"
     tensors = (expert_y, topk_weights) if out is None else (expert_y, topk_weights, out)
-    last = replays[4 if out is None else 5].last
+    last = replays[(6 if rows else 4) + (out is not None)].last
     if last is None:
         return None
     if not (last.exact.check(*tensors) and T == last.scalars[0]) and \
-            not (last.guard.check(*tensors) and all(t.shape[0] == T for t in tensors[1:])):
+            not (last.guard.check(*tensors) and all(t.shape[0] == T for t in tensors[1 + rows:])):
         return None  # (the guard leaves the token counts free: they must be the handle's)
     p, w = expert_y.data_ptr(), topk_weights.data_ptr()
     q = out.data_ptr() if out is not None else 0
@@ -94,9 +96,15 @@ def _replayed_weighted(buf, replays: tuple, expert_y, topk_weights, out, T: int)
         y_bytes, row_bytes = last.value
         if _spans_meet(p, q, y_bytes, T * row_bytes):
             return None  # (an out over expert_y: combine raises the error)
-    inputs = (p, q, w, buf.calls.err_ptr, T)
-    last.run(buf.calls.launch.stream(), inputs)
-    return out, last, inputs
+    calls = buf.calls
+    if rows:
+        wout = torch.empty(T, buf.topk, dtype=torch.float32, device=buf.device)
+        inputs = (p, q, w, wout.data_ptr(), calls.err_ptr, T)
+        result = out, wout
+    else:
+        inputs, result = (p, q, w, calls.err_ptr, T), out
+    last.run(calls.launch.stream(), inputs)
+    return result, last, inputs
 
 
 def _spans_meet(p: int, q: int, p_bytes: int, q_bytes: int) -> bool:
@@ -136,27 +144,26 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
             if rp is not None:
                 raise ValueError(f"topk_weights: combine-time weights reach node peers only; with other nodes "
                                  f"(node_size={buf.node_size} < world_size={buf.world_size}) pass them to dispatch")
-    # Replays (moe_ep.replay): calls without weights or with pushed ones (rows-layout weights come
-    # back in a new tensor each call: not replayed), without and with a receive hook. One Replay
-    # per set of inputs: expert_y, then the weights, then out if given; T, from the handle, is a
-    # scalar (_SCALARS).
-    replayable = topk_weights is None or push
+    # Replays (moe_ep.replay), without and with a receive hook. One Replay per set of inputs:
+    # expert_y, then the weights (pushed, or the rows layout's), then out if given; T, from the
+    # handle, is a scalar (_SCALARS). The rows layout's weight sums come back in a new tensor,
+    # allocated per call like the output, whose pointer the replay patches too.
     given_out = out is not None
-    tensors = (expert_y,) + ((topk_weights,) if push else ()) + ((out,) if given_out else ())
-    replay = (calls.hooked if return_recv_hook else calls.replays)[2 + given_out + 2 * push]
-    hit, sig, ptrs = replay.find(tensors, None, latest_tried) if replayable else (None, None, [])
-    if hit is not None:
-        if not given_out:
-            out = new_output(buf, T)
-        inputs = _inputs(buf, ptrs[0], out.data_ptr(), ptrs[1] if push else None) + (T,)
-        hit.run(calls.launch.stream(), inputs)
-        return _combined(buf, out, replayed_recv(buf, hit, inputs, host_wait.wait_combine, calls.epochs[1] + 1, T)
-                         if return_recv_hook else None)
+    weights = 0 if topk_weights is None else 1 if push else 2
+    tensors = (expert_y,) + ((topk_weights,) if weights else ()) + ((out,) if given_out else ())
+    replay = (calls.hooked if return_recv_hook else calls.replays)[2 + given_out + 2 * weights]
+    hit, sig, ptrs = replay.find(tensors, None, latest_tried)
     out_f32 = out is not None and out.dtype == torch.float32
     if out is None:
         out = new_output(buf, T)
     wout = torch.empty(T, buf.topk, dtype=torch.float32, device=buf.device) if rows and topk_weights is not None \
         else None
+    if hit is not None:
+        inputs = _inputs(buf, ptrs[0], out.data_ptr(), ptrs[1] if weights else None, wout) + (T,)
+        hit.run(calls.launch.stream(), inputs)
+        return _combined(buf, (out, wout) if wout is not None else out,
+                         replayed_recv(buf, hit, inputs, host_wait.wait_combine, calls.epochs[1] + 1, T)
+                         if return_recv_hook else None)
     # With other nodes the node owners' sum stays float32 until the remote rows are added; a float32
     # ``out`` takes the sum itself (the kernel skips the rounding).
     base = torch.empty(T, buf.hidden, dtype=torch.float32, device=buf.device) if rp is not None and not out_f32 \
@@ -187,12 +194,13 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
         # (value: with the caller's out, the bytes of expert_y and of a row of out, which the
         # entry's guard fixes: the fast path checks that they do not overlap)
         spans = (expert_y.nbytes, buf.hidden * out.element_size()) if given_out else None
-        recorded = sig is not None and replayable
+        recorded = sig is not None
         if not return_recv_hook:
             launches += launch_halves(buf, key, combine_kernel, args, dyn, consts,
                                       lambda: host_wait.wait_combine(buf, epoch, T))
             if recorded:
-                replay.record(sig, tensors, launches, _inputs(buf, ptrs[0], base.data_ptr(), ptrs[1] if push else None),
+                replay.record(sig, tensors, launches,
+                              _inputs(buf, ptrs[0], base.data_ptr(), ptrs[1] if weights else None, wout),
                               spans, _SCALARS, (T,))
             recv = None
         else:
@@ -201,7 +209,8 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
             later = planned_half(buf, key, False, True)
             if recorded and later is not None:
                 replay.record(sig, tensors, launches + [(send, args)],
-                              _inputs(buf, ptrs[0], base.data_ptr(), ptrs[1] if push else None), spans, _SCALARS, (T,),
+                              _inputs(buf, ptrs[0], base.data_ptr(), ptrs[1] if weights else None, wout), spans,
+                              _SCALARS, (T,),
                               later=[(later, args)])
 
             def recv():
@@ -228,11 +237,17 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
 _SHAPES = 64  # output shapes kept per buffer (views of one element, a few hundred bytes each)
 
 
-def _inputs(buf, y: int, out: int, weights) -> tuple:
+def _inputs(buf, y: int, out: int, weights, wout=None) -> tuple:
     """The pointers a replayed combine patches, in its entries' order: ``expert_y`` and the
-    output, then with pushed weights the weights and the buffer's error record (the kernel's
-    placeholder for the rows layout's weight arguments)."""
-    return (y, out) if weights is None else (y, out, weights, buf.calls.err_ptr)
+    output; with pushed weights then the weights and the buffer's error record (the kernel's
+    placeholder for the rows layout's weight arguments); with the rows layout's weights then
+    those, the new tensor ``wout`` of their sums, and the error record (the placeholder for the
+    pushed weights)."""
+    if weights is None:
+        return y, out
+    if wout is None:
+        return y, out, weights, buf.calls.err_ptr
+    return y, out, weights, wout.data_ptr(), buf.calls.err_ptr
 
 
 def new_output(buf, T: int) -> torch.Tensor:

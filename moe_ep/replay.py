@@ -20,7 +20,9 @@ entry's launch structure (``extra``). Everything else in a launch comes from the
 
 A call's tensors are given without the optional ones it leaves out (``None``): each op keeps one
 ``Replay`` per set of inputs it takes (dispatch with or without ``x_scales``, combine with or
-without ``out``), so the tensors of one ``Replay`` always number the same.
+without ``out``), so the tensors of one ``Replay`` always number the same. Calls with a receive
+hook have ``Replay``s of their own, whose entries keep the hook's launches (``later``) apart from
+the call's.
 
 The common case, a call like the latest replayed one, costs one C call: each entry keeps a guard
 (torch's ``TensorGuards``, the check torch.compile runs before reusing a graph: dtype, device,

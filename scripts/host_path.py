@@ -116,6 +116,12 @@ def main() -> None:
     for _ in range(2):  # recorded by the second call (the first's hook made the receive half's plan)
         hooked_dispatch()
         hooked_combine()
+    # The rows layout (DeepEP's normal-mode combine): weights per received row, their sums returned.
+    rbuf = moe_ep.EPBuffer(moe_ep.EPGroup(), 256, H, T, 8, dispatch_dtype=torch.float8_e4m3fn, layout="rows")
+    rbuf.fused, rbuf.interp, rbuf.calls.launch = True, False, _Launcher()
+    rh = rbuf.dispatch(x, idx, w)
+    ry, rw, out32 = torch.zeros(rh.expert_x.shape, dtype=torch.bfloat16), torch.rand(rbuf.capacity, 8), out.float()
+    rbuf.combine(ry, rh, topk_weights=rw, out=out32)
     bound = _Native(0x1, 32, 1024, 0, [8] * 4, [0] * 4, [0, 1, 2, 3])
     ptrs = (x.data_ptr(), idx.data_ptr(), w.data_ptr(), out.data_ptr())
     rows = []
@@ -126,10 +132,12 @@ def main() -> None:
                      _median_us(lambda: buf.combine(y, h, topk_weights=w, out=out)),
                      _median_us(cycle(False)), _median_us(cycle(True)),
                      _median_us(hooked_dispatch), _median_us(hooked_combine),
+                     _median_us(lambda: rbuf.combine(ry, rh, topk_weights=rw, out=out32)),
                      _median_us(lambda: bound.launch(0, ptrs)), _median_us(lambda: torch.empty_like(out)),
                      _median_us(lambda: None)))
     names = ("dispatch", "combine", "combine(out=)", "combine(topk_weights=, out=)", "dispatch, T = 1..128",
              "+ combine(out=), T = 1..128", "dispatch with a hook, + hook()", "combine(w=, out=, hook), + hook()",
+             "rows: combine(w=, out=f32)",
              "one native launch", "empty_like [T, H]", "timer alone")
     print("host time per call, us (median of 3000; 3 rounds; the timer's own cost included in each):")
     for i, name in enumerate(names):

@@ -609,13 +609,13 @@ def _rows_combine(group, buf, h, case: Case, call: int, x, idx, w, sc, bad: bool
         torch.zeros(h.recv_topk_weights.shape, device=x.device))
     fails: List[str] = []
     if call % 2 == 0:
-        out, wout = buf.combine(y, h, topk_weights=wy)
+        out, wout = _hooked(buf.combine, y, h, topk_weights=wy) if case.hooks else buf.combine(y, h, topk_weights=wy)
         exp_w = rows_combine_local(case.E, case.R, x, idx, w, lambda rr, v, i, ww: rows_wy(rr, i, ww), x_scales=sc,
                                    dispatch_dtype=dt)
         if not bad:
             fails += _check_weights(wout, exp_w, case, where)
     else:
-        out = buf.combine(y, h)
+        out = _hooked(buf.combine, y, h) if case.hooks else buf.combine(y, h)
     exp = reference_moe(group, case.E, x, idx, w, fn, x_scales=sc, dispatch_dtype=dt)
     if not bad:
         exp_abs = moe_local(case.E, x, idx, w.abs(), lambda e, rows: fn(e, rows).abs(), x_scales=sc, dispatch_dtype=dt)

@@ -110,14 +110,21 @@ _CALLS = ("uniform", "skewed", "sparse", "uniform", "skewed", "repeat")
 
 @pytest.mark.parametrize("dtype,layout,late", [("bf16", "masked", False), ("fp8", "packed", False),
                                                ("fp8pre", "masked", False), ("bf16", "masked", True),
-                                               ("fp8", "packed", True)])
+                                               ("fp8", "packed", True), ("fp8", "rows", False)])
 def test_replayed_calls_match_the_oracle(dtype, layout, late):
     """``late``: the weights come at combine (``topk_weights=``, pushed to the owners; dispatch
-    gets wrong ones)."""
+    gets wrong ones). The rows layout: every other combine takes the rows' weights and returns
+    their sums in a new tensor."""
     case = Case(R=1, E=4, K=2, dtype=dtype, layout=layout, align=16 if layout == "packed" else 1, M=6,
                 calls=_CALLS, seed=5, late_weights=late)
     (fails, hits), = dist_util.run(1, _replay_worker, [case], timeout=600)
     assert not fails, "\n".join(fails[:20])
+    if layout == "rows":
+        # Dispatches: every call after the first (two launches each). Combines with the rows'
+        # weights (even calls) and without (odd calls) are entries of their own: the first of
+        # each records (call 0, call 1), the later ones (calls 2, 4; 3, 5) replay, two launches each.
+        assert hits[case.name] == 2 * 5 + 2 * 2 + 2 * 2, hits
+        return
     # Every call after the first is replayed, whatever its token count (M, 0, a middle count): its
     # dispatch and its combine, two launches each under the interpreter (send and receive halves),
     # and with late weights the combine's push first.
@@ -125,7 +132,7 @@ def test_replayed_calls_match_the_oracle(dtype, layout, late):
 
 
 @pytest.mark.parametrize("dtype,layout,late", [("bf16", "masked", False), ("fp8pre", "packed", False),
-                                               ("fp8", "masked", True)])
+                                               ("fp8", "masked", True), ("bf16", "rows", False)])
 def test_replayed_hooked_calls_match_the_oracle(dtype, layout, late):
     """Calls with ``return_recv_hook=True`` replay too (the send half at the call, the recorded
     receive half in the hook), the caller overwriting its inputs between the call and the hook;
@@ -139,7 +146,11 @@ def test_replayed_hooked_calls_match_the_oracle(dtype, layout, late):
     # the dispatch's at call 2 (call 1 has no tokens), so calls 3-5 replay its two halves; the
     # combine's at call 1 (calls 2-5 replay its two halves), with late weights at call 2 (calls
     # 3-5 replay its push and two halves: call 1's empty weights and output share that pointer).
-    assert hits[case.name] == 2 * 3 + (3 * 3 if late else 2 * 4), hits
+    # The rows layout: its combines with weights (even calls) record at call 2 and replay at call
+    # 4; those without (odd calls) record at call 3 (call 1's hook made their receive half's plan)
+    # and replay at call 5.
+    combines = 2 * 2 if layout == "rows" else 3 * 3 if late else 2 * 4
+    assert hits[case.name] == 2 * 3 + combines, hits
 
 
 @pytest.mark.parametrize("dtype,layout", [("bf16", "masked"), ("fp8", "packed")])
@@ -394,7 +405,8 @@ def test_replayed_calls_match_the_oracle_gpu(launch):
                   late_weights=late, hooks=hooks)
              for d, lay, late, hooks in (("bf16", "masked", False, False), ("fp8", "packed", False, False),
                                          ("fp8pre", "masked", False, False), ("fp8", "masked", True, False),
-                                         ("bf16", "packed", False, True), ("fp8", "masked", True, True))]
+                                         ("bf16", "packed", False, True), ("fp8", "masked", True, True),
+                                         ("fp8", "rows", False, False), ("bf16", "rows", False, True))]
     prefill = [Case(R=1, E=4, K=2, dtype=d, layout=lay, align=16 if lay == "packed" else 1, M=6, calls=_CALLS,
                     seed=3) for d, lay in (("bf16", "masked"), ("fp8", "packed"))]
     fails = []
