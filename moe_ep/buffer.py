@@ -81,6 +81,10 @@ class EPBuffer:
             every row that can come when a token lists an expert at most once). Fewer rows take
             less memory; a dispatch that brings an expert more raises ``CapacityError`` naming the
             rank and the expert (nothing is dropped silently).
+        column_major_scales: masked fp8 only: ``expert_scales`` ``[E_local, capacity, NB]`` is a
+            view of a contiguous ``[E_local, NB, capacity]`` tensor (strides ``(NB * capacity, 1,
+            capacity)``: column-major in its last two dims), the layout DeepEP's low-latency
+            dispatch returns and grouped GEMMs read by TMA; written so by the kernels, no copy.
 
     All calls on one buffer must be issued on one CUDA stream (the current one), in the same
     order on every rank. Construction is collective: every rank passes the same arguments (checked,
@@ -94,7 +98,8 @@ class EPBuffer:
                  dispatch_dtype: torch.dtype = torch.bfloat16, combine_dtype: torch.dtype = torch.bfloat16,
                  layout: str = "masked", expert_alignment: int = 1, timeout_s: float = 30.0,
                  num_programs: Optional[int] = None, private_capacity: Optional[int] = None,
-                 overflow_capacity: Optional[int] = None, expert_capacity: Optional[int] = None):
+                 overflow_capacity: Optional[int] = None, expert_capacity: Optional[int] = None,
+                 column_major_scales: bool = False):
         if not isinstance(group, EPGroup):
             raise TypeError(f"group: expected moe_ep.EPGroup, got {type(group).__name__}")
         R = group.world_size
@@ -127,6 +132,11 @@ class EPBuffer:
                     not 1 <= expert_capacity <= R * max_tokens:
                 raise ValueError(f"expert_capacity: expected None or an int in [1, world_size * max_tokens = "
                                  f"{R * max_tokens}], got {expert_capacity!r}")
+        if not isinstance(column_major_scales, bool):
+            raise TypeError(f"column_major_scales: expected a bool, got {type(column_major_scales).__name__}")
+        if column_major_scales and (layout != "masked" or dispatch_dtype != torch.float8_e4m3fn):
+            raise ValueError(f"column_major_scales: only with layout='masked' and dispatch_dtype=torch.float8_e4m3fn "
+                             f"(got layout={layout!r}, dispatch_dtype={dispatch_dtype})")
         G = group.node_size
         for name, v in (("private_capacity", private_capacity), ("overflow_capacity", overflow_capacity)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
@@ -287,8 +297,14 @@ class EPBuffer:
             lead = (self.capacity,)
         self.expert_x = torch.empty(*lead, hidden, dtype=dispatch_dtype, device=dev)
         self.expert_x_words = self.expert_x.view(torch.uint8).view(torch.int32)  # row copies move 4-byte words
-        self.expert_scales = (torch.empty(*lead, self.num_scale_blocks, dtype=torch.float32, device=dev)
-                              if self.fp8 else None)
+        if column_major_scales:  # [EL, NB, capacity] in memory (moe_ep.kernels.common.scale_ptr)
+            self.expert_scales = torch.empty(EL, self.num_scale_blocks, self.capacity, dtype=torch.float32,
+                                             device=dev).transpose(1, 2)
+        else:
+            self.expert_scales = (torch.empty(*lead, self.num_scale_blocks, dtype=torch.float32, device=dev)
+                                  if self.fp8 else None)
+        # Rows of a column-major block of expert_scales (the kernels' CM_ROWS), 0: row-major.
+        self.scale_column_rows = self.capacity if column_major_scales else 0
         self.expert_counts = torch.zeros(EL, dtype=torch.int32, device=dev)
         self.expert_offsets = torch.zeros(EL + 1, dtype=torch.int32, device=dev) if layout == "packed" else None
         # Rows layout: per received row its local ids, weights and source; the count of rows.

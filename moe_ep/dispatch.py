@@ -346,5 +346,5 @@ def _dispatch_consts(buf, fp8_in: bool, direct: bool, own_x: bool) -> dict:
                 DIRECT=direct, PACKED=buf.layout == "packed", BLOCK_T=BLOCK_T, BLOCK_K=pow2(buf.topk, 2),
                 BLOCK_C=min(buf.chunks, 64), BLOCK_H=block_h, BLOCK_TS=buf.block_ts, BLOCK_HS=channels(buf.block_ts), BLOCK_EL=buf.block_el, BLOCK_W=block_w,
                 BLOCK_NB=pow2(nb, 2), STAGES=S, INTERP=buf.interp, ROWS=buf.layout == "rows", OWN_X=own_x,
-                PREFETCH=own_prefetch_depth(buf, fp8_in),
+                PREFETCH=own_prefetch_depth(buf, fp8_in), CM_ROWS=buf.scale_column_rows,
                 **buf.launch_options("dispatch"))

@@ -99,7 +99,7 @@ class RemotePath:
             return
         R_.unpack(self.spec, self.state, self.regions["round1"], self.regions["overflow"], buf.expert_x,
                   buf.expert_scales, buf.expert_counts, buf.expert_offsets, num_programs=self.programs,
-                  num_warps=buf.num_warps)
+                  num_warps=buf.num_warps, scale_column_rows=buf.scale_column_rows)
 
     # ------------------------------------------------------------------ combine
     def combine_send(self, buf, expert_y: torch.Tensor, serial: int, epoch: int,

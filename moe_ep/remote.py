@@ -247,13 +247,15 @@ def fill_count_matrix(spec: RemoteSpec, st: RemoteState, round1: torch.Tensor) -
 
 def unpack(spec: RemoteSpec, st: RemoteState, round1: torch.Tensor, overflow: torch.Tensor,
            expert_x: torch.Tensor, expert_scales: Optional[torch.Tensor], expert_counts: torch.Tensor,
-           expert_offsets: Optional[torch.Tensor], num_programs: int = 2, num_warps: int = 4) -> None:
+           expert_offsets: Optional[torch.Tensor], num_programs: int = 2, num_warps: int = 4,
+           scale_column_rows: int = 0) -> None:
     """Dispatch receive side: every remote source's rows (round-1 slot, then overflow) expanded into
     the expert layout, at ``rows of the expert from lower sources + j`` (``st.sel``, every source).
 
     expert_x: masked ``[EL, R*M, H]`` or packed ``[R*M*K + EL*(align-1), H]`` (bf16 or fp8);
-    expert_scales: float32 ``[..., NB]`` (fp8); expert_counts int32 [EL] and expert_offsets int32
-    [EL + 1] (packed) are written for every source. Records ``st.rpos``/``st.rw``/``st.recv_rows``.
+    expert_scales: float32 ``[..., NB]`` (fp8; ``scale_column_rows`` > 0: column-major in blocks of
+    that many rows, ``EPBuffer.scale_column_rows``); expert_counts int32 [EL] and expert_offsets
+    int32 [EL + 1] (packed) are written for every source. Records ``st.rpos``/``st.rw``/``st.recv_rows``.
     """
     EL, H, K = spec.num_local_experts, spec.hidden, spec.topk
     W = H * (1 if spec.fp8 else 2) // 4
@@ -269,7 +271,8 @@ def unpack(spec: RemoteSpec, st: RemoteState, round1: torch.Tensor, overflow: to
                  RB=spec.row_bytes, HDR=spec.hdr_bytes, PCAP=spec.private_capacity, OVCAP=spec.overflow_capacity,
                  ROWS=spec.recv_rows, CAP=spec.expert_capacity, ALIGN=spec.expert_alignment,
                  PACKED=spec.layout == "packed", FP8=spec.fp8, BLOCK_RW=16, BLOCK_EL=pow2(EL, 2),
-                 BLOCK_W=max(16, min(pow2(W, 2), 256)), BLOCK_NB=pow2(nb, 2), num_warps=num_warps))
+                 BLOCK_W=max(16, min(pow2(W, 2), 256)), BLOCK_NB=pow2(nb, 2), CM_ROWS=scale_column_rows,
+                 num_warps=num_warps))
 
 
 def unpack_rows(spec: RemoteSpec, st: RemoteState, round1: torch.Tensor, overflow: torch.Tensor,

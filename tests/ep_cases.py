@@ -24,6 +24,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 FP8 = torch.float8_e4m3fn
@@ -41,6 +42,7 @@ class Case:
     ``late_weights``: the weights go to combine (``topk_weights=``); dispatch gets wrong ones.
     ``hooks``: every call with ``return_recv_hook=True``; between a call and its hook the caller
     overwrites the inputs it passed (the receive half must not read them).
+    ``cm_scales``: the buffer's fp8 scales column-major in each expert's block (masked fp8).
     """
 
     R: int
@@ -57,12 +59,13 @@ class Case:
     late_weights: bool = False
     programs: Optional[int] = None  # EPBuffer(num_programs=); None: the buffer's default
     hooks: bool = False
+    cm_scales: bool = False  # EPBuffer(column_major_scales=True): masked fp8 only
 
     @property
     def name(self) -> str:
         return (f"R{self.R}-E{self.E}-K{self.K}-{self.dtype}-{self.layout}-a{self.align}-H{self.H}-M{self.M}-"
                 f"{self.data}-s{self.seed}" + ("-late" if self.late_weights else "")
-                + (f"-p{self.programs}" if self.programs else "") + ("-hooks" if self.hooks else ""))
+                + (f"-p{self.programs}" if self.programs else "") + ("-hooks" if self.hooks else "") + ("-cm" if self.cm_scales else ""))
 
     def token_counts(self, call: int) -> List[int]:
         """Ragged T per rank: each call mixes max_tokens, 0 and an in-between count."""
@@ -217,7 +220,7 @@ def _key_rows(x: torch.Tensor, s: Optional[torch.Tensor]) -> List[bytes]:
     xb = x.contiguous().view(torch.uint8).numpy()
     if s is None:
         return [xb[i].tobytes() for i in range(xb.shape[0])]
-    sb = s.contiguous().float().view(torch.uint8).numpy()
+    sb = np.ascontiguousarray(s.float().numpy()).view(np.uint8)  # (any strides: column-major scales too)
     return [xb[i].tobytes() + sb[i].tobytes() for i in range(xb.shape[0])]
 
 
@@ -520,7 +523,8 @@ def make_buffer(group, case: Case, timeout_s: float = 60.0):
 
     return moe_ep.EPBuffer(group, case.E, case.H, case.M, case.K, dispatch_dtype=DTYPES[case.dtype],
                            combine_dtype=torch.bfloat16, layout=case.layout, expert_alignment=case.align,
-                           timeout_s=timeout_s, **({"num_programs": case.programs} if case.programs else {}))
+                           timeout_s=timeout_s, **({"num_programs": case.programs} if case.programs else {}),
+                           **({"column_major_scales": True} if case.cm_scales else {}))
 
 
 def _hooked(op, *args, **kwargs):

@@ -76,7 +76,7 @@ def gpu_chunking(monkeypatch) -> None:
     monkeypatch.setattr(moe_ep.layout, "interpreting", lambda: False)
 
 
-def _record(monkeypatch, configs):
+def _record(monkeypatch, configs, **buffer_kwargs):
     gpu_chunking(monkeypatch)
     rec = []
 
@@ -86,7 +86,7 @@ def _record(monkeypatch, configs):
 
     g = moe_ep.EPGroup()
     for T, H, dt, layout, fused in configs:
-        buf = moe_ep.EPBuffer(g, 256, H, T, 8, dispatch_dtype=dt, layout=layout, num_programs=132)
+        buf = moe_ep.EPBuffer(g, 256, H, T, 8, dispatch_dtype=dt, layout=layout, num_programs=132, **buffer_kwargs)
         buf.num_warps = 8
         # What a GPU launches: both halves in one kernel; or, with more programs than SMs, the two
         # halves as two kernels (then the receive half spins on the GPU).
@@ -142,7 +142,7 @@ def test_kernels_compile_for_sm90(monkeypatch, tmp_path):
     assert fp8_cvt > 0, "fp8 quantization does not use the hardware conversion on sm_90"
 
 
-def _record_remote(monkeypatch, T: int, fp8: bool, layout: str):
+def _record_remote(monkeypatch, T: int, fp8: bool, layout: str, scale_column_rows: int = 0):
     """The inter-node launches of one dispatch + combine (rank 0 of 2 nodes of 1), recorded as a
     GPU would make them (INTERP off), not run."""
     from moe_ep import remote as R_
@@ -172,7 +172,8 @@ def _record_remote(monkeypatch, T: int, fp8: bool, layout: str):
     R_.ring(st, mailbox, "dispatch")
     R_.wait_ready(st, mailbox, st.err, 10**9, "dispatch")
     R_.fill_count_matrix(spec, st, regions["round1"])
-    R_.unpack(spec, st, regions["round1"], regions["overflow"], ex, es, counts, offs, num_programs=132, num_warps=8)
+    R_.unpack(spec, st, regions["round1"], regions["overflow"], ex, es, counts, offs, num_programs=132, num_warps=8,
+              scale_column_rows=scale_column_rows)
     R_.combine_pack(spec, st, torch.zeros(*lead, H, dtype=torch.bfloat16), regions["comb_send"], num_programs=132,
                     num_warps=8)
     R_.ring(st, mailbox, "combine")
@@ -193,6 +194,20 @@ def test_internode_kernels_compile_for_sm90(monkeypatch, tmp_path):
     results = _compile(rec, tmp_path)
     waits = [timers for name, _, _, timers, _ in results if name == "wait_ready_kernel"]
     assert waits and all(t > 0 for t in waits), "wait_ready_kernel compiled without the GPU deadline"
+
+
+def test_column_major_scales_compile_for_sm90(monkeypatch, tmp_path):
+    """A masked fp8 buffer with ``column_major_scales`` (decode, one launch and two halves) and the
+    inter-node unpack writing that layout compile for sm_90, quantizing with the hardware fp8
+    conversion."""
+    pytest.importorskip("triton.backends.nvidia")
+    rec = _record(monkeypatch, [(128, 7168, torch.float8_e4m3fn, "masked", True),
+                                (128, 7168, torch.float8_e4m3fn, "masked", False)], column_major_scales=True)
+    rec += _record_remote(monkeypatch, 128, True, "masked", scale_column_rows=256)
+    cm = [spec["consts"]["CM_ROWS"] for _, name, spec in rec if name in ("dispatch_kernel", "remote_unpack_kernel")]
+    assert cm and all(c > 0 for c in cm), cm
+    results = _compile(rec, tmp_path)
+    assert sum(cvts for name, _, _, _, cvts in results if name == "dispatch_kernel") > 0
 
 
 def test_rows_kernels_compile_for_sm90(monkeypatch, tmp_path):

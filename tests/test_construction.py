@@ -5,6 +5,7 @@ timeout_s, and timeout_s itself is checked before any memory is touched."""
 from __future__ import annotations
 
 import math
+import re
 import time
 
 import pytest
@@ -138,6 +139,26 @@ def test_timeout_s_is_checked_before_memory(bad, monkeypatch):
         moe_ep.EPBuffer(moe_ep.EPGroup(), **BASE, timeout_s=bad)
     assert repr(bad) in str(e.value)
     assert math.isfinite(B.MAX_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("kw,error,match", [
+    (dict(column_major_scales=1), TypeError, "column_major_scales: expected a bool, got int"),
+    (dict(column_major_scales=True), ValueError, "column_major_scales: only with layout='masked' and "
+                                                 "dispatch_dtype=torch.float8_e4m3fn"),
+    (dict(column_major_scales=True, dispatch_dtype=torch.float8_e4m3fn, layout="packed"), ValueError,
+     "column_major_scales: only with layout='masked'")])
+def test_column_major_scales_is_checked_before_memory(kw, error, match, monkeypatch):
+    """``column_major_scales`` takes a bool, and True only for a masked fp8 buffer; refused,
+    naming it, before any memory is touched."""
+    import moe_ep
+    import moe_ep.buffer as B
+
+    def no_memory(*a, **k):
+        raise AssertionError("memory was allocated before column_major_scales was checked")
+
+    monkeypatch.setattr(B, "SymmetricWorkspace", no_memory)
+    with pytest.raises(error, match="^" + re.escape(match)):
+        moe_ep.EPBuffer(moe_ep.EPGroup(), **BASE, **kw)
 
 
 @pytest.mark.parametrize("var,bad", [("MOE_EP_COMBINE_TOKENS", "0"), ("MOE_EP_OWN_TOKENS", "x"),

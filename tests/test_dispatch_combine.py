@@ -172,6 +172,55 @@ def test_own_rows_in_token_sub_blocks(R):
     assert not fails, f"{len(fails)} failed checks:\n" + "\n".join(fails[:40])
 
 
+def _column_major_worker(rank, world_size, cases):
+    import moe_ep
+
+    group = moe_ep.EPGroup()
+    fails = []
+    for case in cases:
+        with make_buffer(group, case) as buf:
+            s = buf.expert_scales
+            cap, nb = buf.capacity, buf.num_scale_blocks
+            if tuple(s.shape) != (case.E // case.R, cap, nb) or s.stride() != (nb * cap, 1, cap):
+                fails.append(f"[{case.name}] expert_scales {list(s.shape)} strides {s.stride()}, expected "
+                             f"[{case.E // case.R}, {cap}, {nb}] strides ({nb * cap}, 1, {cap})")
+            fails += run_calls(group, buf, case)
+            if buf.expert_scales.data_ptr() != s.data_ptr():
+                fails.append(f"[{case.name}] expert_scales moved")
+    return fails
+
+
+@pytest.mark.parametrize("R", [1, 2])
+def test_column_major_scales(R):
+    """``column_major_scales=True`` (masked fp8): ``expert_scales`` is a column-major view (DeepEP's
+    low-latency layout) whose values are the oracle's, for fp8 quantized in the kernel and
+    pre-quantized, a rank's own rows (from x) and a peer's (through the workspace), three scale
+    blocks the last of them partial (H = 320), with and without receive hooks."""
+    cases = [Case(R=R, E=2 * R, K=2, dtype="fp8", layout="masked", H=320, M=6, data="random", seed=71, cm_scales=True),
+             Case(R=R, E=4 * R, K=3, dtype="fp8pre", layout="masked", H=320, M=5, seed=72, cm_scales=True,
+                  hooks=True)]
+    results = dist_util.run(R, _column_major_worker, cases, timeout=600)
+    fails = [f for rank_fails in results for f in rank_fails]
+    assert not fails, f"{len(fails)} failed checks:\n" + "\n".join(fails[:40])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R", [1, 2])
+def test_column_major_scales_gpu(R):
+    """``test_column_major_scales`` on a GPU (its kernels as sm_90 compiles them), plus the decode
+    preset's shape (T = 128, H = 7168, K = 8: 56 scale blocks, the layout DeepEP's low-latency
+    dispatch returns)."""
+    dist_util.need_gpu()
+    cases = [Case(R=R, E=2 * R, K=2, dtype="fp8", layout="masked", H=320, M=6, data="random", seed=71, cm_scales=True),
+             Case(R=R, E=4 * R, K=3, dtype="fp8pre", layout="masked", H=320, M=5, seed=72, cm_scales=True,
+                  hooks=True),
+             Case(R=R, E=32 * R, K=8, dtype="fp8", layout="masked", H=7168, M=128, data="random", seed=73,
+                  cm_scales=True)]
+    results = dist_util.run(R, _column_major_worker, cases, timeout=900, backend=dist_util.gpu_backend(R))
+    fails = [f for rank_fails in results for f in rank_fails]
+    assert not fails, f"{len(fails)} failed checks:\n" + "\n".join(fails[:40])
+
+
 def test_matrix_covers_the_contract():
     """The rotation really reaches every value the issue lists."""
     cases = [c for R in RANKS for d in DTYPES for c in matrix_cases(R, d)] + [c for R in (1, 3) for c in edge_cases(R)]

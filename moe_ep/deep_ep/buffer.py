@@ -383,12 +383,13 @@ class Buffer:
         self._ll_turn[key] = turn + 1
         if len(slots) < 2:
             dtype = FP8 if scales == "float" else torch.bfloat16
+            cm = scales == "float"  # the kernels write DeepEP's column-major scales themselves
             if self.ep_group.node_size < self.group_size:  # each (token, k) a token (low_latency.py)
                 epbuf = self._epbuffer(num_experts, hidden, M * K, 1, dtype, "masked",
-                                       expert_capacity=self.group_size * M)
+                                       expert_capacity=self.group_size * M, column_major_scales=cm)
                 slots.append(_ll.LowLatencySlot(epbuf, M, K, scales, expand=K))
             else:
-                epbuf = self._epbuffer(num_experts, hidden, M, K, dtype, "masked")
+                epbuf = self._epbuffer(num_experts, hidden, M, K, dtype, "masked", column_major_scales=cm)
                 slots.append(_ll.LowLatencySlot(epbuf, M, K, scales))
             return slots[-1]
         return slots[turn % 2]
@@ -424,9 +425,10 @@ class Buffer:
         return slots[-1]
 
     def _epbuffer(self, num_experts: int, hidden: int, M: int, K: int, dtype: torch.dtype, layout: str,
-                  expert_capacity: Optional[int] = None) -> EPBuffer:
+                  expert_capacity: Optional[int] = None, column_major_scales: bool = False) -> EPBuffer:
         return EPBuffer(self.ep_group, num_experts, hidden, M, K, dispatch_dtype=dtype, layout=layout,
-                        timeout_s=self.timeout_s, expert_capacity=expert_capacity)
+                        timeout_s=self.timeout_s, expert_capacity=expert_capacity,
+                        column_major_scales=column_major_scales)
 
     def _dispatch(self, x, x_scales, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                   topk_weights, expert_alignment, num_worst_tokens, previous_event, async_finish):

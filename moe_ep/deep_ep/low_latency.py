@@ -28,13 +28,15 @@ from ..handle import DispatchResult
 
 class LowLatencySlot:
     """One masked EPBuffer of a low-latency shape and what DeepEP's calls need beside it: the
-    weights its dispatch sends, the column-major copy of fp8 scales, the combine input buffer.
+    weights its dispatch sends, the power-of-two formats' fp8 tensors, the combine input buffer.
 
     ``M``, ``K``: DeepEP's ``num_max_dispatch_tokens_per_rank`` and top-k. ``expand``: 1 (the
     buffer's tokens are DeepEP's), or K across nodes (module docstring: the buffer's tokens are
     the (token, k) pairs, with staging tensors for them). ``scales``: None (bf16), ``"float"``
-    (the buffer's fp8 scales), ``"pow2"`` / ``"ue8m0"`` (DeepEP's ``round_scale`` / ``use_ue8m0``:
-    the buffer moves bf16 and the rows are cast here, on arrival, into this slot's fp8 tensor)."""
+    (the buffer's fp8 scales: made with ``column_major_scales``, the kernels write DeepEP's
+    layout, nothing is copied), ``"pow2"`` / ``"ue8m0"`` (DeepEP's ``round_scale`` /
+    ``use_ue8m0``: the buffer moves bf16 and the rows are cast here, on arrival, into this slot's
+    fp8 tensor)."""
 
     def __init__(self, epbuf: EPBuffer, M: int, K: int, scales: Optional[str] = None, expand: int = 1):
         self.epbuf, self.scales, self.M, self.K, self.expand = epbuf, scales, M, K, expand
@@ -48,11 +50,13 @@ class LowLatencySlot:
             self.ids_stage = torch.empty(M * K, 1, dtype=torch.int64, device=dev)
             self.rows_f32 = torch.empty(M * K, H, dtype=torch.float32, device=dev)
         # DeepEP's scales are [E_local, R*M, blocks] with the last two dims column-major (TMA-ready):
-        # a [E_local, blocks, R*M] tensor, handed out transposed.
+        # a [E_local, blocks, R*M] tensor, handed out transposed (the "float" format's: the buffer's own).
         self.scales_cm = None
         self.q = None
         if scales == "float":
-            self.scales_cm = torch.empty(EL, epbuf.num_scale_blocks, rows, dtype=torch.float32, device=dev)
+            if epbuf.scale_column_rows != rows:
+                raise ValueError("LowLatencySlot: the float scale format needs a buffer made with "
+                                 "column_major_scales=True")
         elif scales in ("pow2", "ue8m0"):
             self.q = torch.empty(EL, rows, H, dtype=torch.float8_e4m3fn, device=dev)
             self.scales_cm = (torch.empty(EL, H // 512, rows, dtype=torch.int32, device=dev) if scales == "ue8m0"
@@ -126,22 +130,24 @@ def dispatch(slot: LowLatencySlot, x: torch.Tensor, topk_idx: torch.Tensor,
     d, recv_hook = got if return_recv_hook else (got, None)
 
     def finish() -> None:  # on the received layout, after the receive half
-        if slot.scales == "float":
-            slot.scales_cm.copy_(d.expert_scales.transpose(1, 2))
-        elif slot.q is not None:
+        if slot.q is not None:
             pow2_quantize(d.expert_x, slot.q, slot.scales_cm, slot.scales == "ue8m0")
         if stats is not None:
             stats.add_(d.expert_counts)
 
     hook = None
-    if recv_hook is not None:
+    if slot.q is None and stats is None:
+        hook = recv_hook  # nothing to do on arrival: the caller's hook is the buffer's
+    elif recv_hook is not None:
         hook = _chain(recv_hook, finish)
     else:
         finish()
     if slot.scales is None:
         recv_x = d.expert_x
+    elif slot.q is None:  # fp8 from the buffer, its scales already DeepEP's column-major layout
+        recv_x = (d.expert_x, d.expert_scales)
     else:
-        recv_x = (slot.q if slot.q is not None else d.expert_x, slot.scales_cm.transpose(1, 2))
+        recv_x = (slot.q, slot.scales_cm.transpose(1, 2))
     handle = LowLatencyHandle(slot, d, T, buf.hidden, buf.num_experts)
     return recv_x, d.expert_counts, handle, hook
 

@@ -252,20 +252,33 @@ def first_own_tile(x_ptr, xs_ptr, t, tm, H: tl.constexpr, NB: tl.constexpr, FP8:
 
 
 @triton.jit
+def scale_ptr(ptr, row, b, NB: tl.constexpr, CM_ROWS: tl.constexpr):
+    """Address of scale block ``b`` of expert-layout row ``row`` in ``expert_scales`` (``ptr``):
+    row-major ``[rows, NB]`` when ``CM_ROWS`` is 0; else column-major within each block of
+    ``CM_ROWS`` rows (``[rows / CM_ROWS, NB, CM_ROWS]``: a masked layout's expert blocks, the
+    scale layout DeepEP's low-latency dispatch returns and grouped GEMMs read by TMA). (The
+    row-major sum keeps the order of the stores it replaced: the same SASS.)"""
+    if CM_ROWS == 0:
+        return ptr + row * NB + b
+    else:
+        return ptr + (row // CM_ROWS) * (NB * CM_ROWS) + b * CM_ROWS + row % CM_ROWS
+
+
+@triton.jit
 def store_own_rows(v, vs, nt, nm, x_ptr, xs_ptr, t, tm, r, kk, out_x_ptr, out_s_ptr, KS: tl.constexpr,
                    H: tl.constexpr, NB: tl.constexpr, FP8: tl.constexpr, PREQ: tl.constexpr, BLOCK_T: tl.constexpr,
-                   BLOCK_H: tl.constexpr, INTERP: tl.constexpr):
+                   BLOCK_H: tl.constexpr, INTERP: tl.constexpr, CM_ROWS: tl.constexpr):
     """A rank's own tokens ``t`` (mask ``tm``) straight from ``x`` into the expert layout: each
     tile read (and quantized) once, stored as rows ``r[:, k]`` (int64 [BLOCK_T, BLOCK_K], -1:
     none) for ``k < KS`` of ``expert_x`` (``out_x_ptr`` of any element type: bytes for fp8, bf16
-    otherwise) and, for fp8, of ``expert_scales`` (float32 ``[rows, NB]``). ``v, vs``: the first
+    otherwise) and, for fp8, of ``expert_scales`` (float32, at ``scale_ptr``). ``v, vs``: the first
     tile, from ``first_own_tile``. Returns the first tile of the tokens ``nt`` (mask ``nm``, all
     false for none), loaded by the last step: the next call's ``v, vs`` when a caller goes on
     with more tokens (a rows chunk's next sub-block) without a gap in the loads."""
     # One row per token (KS = 1, fp8 quantized here): the scales are stored from the layout the
     # block maxima come in, with pointers made in it once per call; converting the scales to the
     # tile's layout instead costs a trip through shared memory and two CTA barriers per tile.
-    FLAT: tl.constexpr = FP8 and (not PREQ) and KS == 1
+    FLAT: tl.constexpr = FP8 and (not PREQ) and KS == 1 and CM_ROWS == 0
     if FLAT:
         row0 = tl.sum(tl.where(kk[None, :] == 0, r, 0), axis=1)
         hl = tl.arange(0, BLOCK_H)
@@ -284,13 +297,13 @@ def store_own_rows(v, vs, nt, nm, x_ptr, xs_ptr, t, tm, r, kk, out_x_ptr, out_s_
             v, vs = _own_rows_step(v=v, vs=vs, nt=nt, nm=nm, x_ptr=x_ptr, xs_ptr=xs_ptr, t=t, tm=tm, r=r, kk=kk,
                                    out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr, sptr=sptr, srow=srow, sblk=sblk, h0=h0,
                                    last=h0 + BLOCK_H >= H, KS=KS, H=H, NB=NB, FP8=FP8, PREQ=PREQ, BLOCK_T=BLOCK_T,
-                                   BLOCK_H=BLOCK_H, INTERP=INTERP, FLAT=FLAT, STATIC=True)
+                                   BLOCK_H=BLOCK_H, INTERP=INTERP, FLAT=FLAT, STATIC=True, CM_ROWS=CM_ROWS)
     else:
         for h0 in range(0, H, BLOCK_H):
             v, vs = _own_rows_step(v=v, vs=vs, nt=nt, nm=nm, x_ptr=x_ptr, xs_ptr=xs_ptr, t=t, tm=tm, r=r, kk=kk,
                                    out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr, sptr=sptr, srow=srow, sblk=sblk, h0=h0,
                                    last=h0 + BLOCK_H >= H, KS=KS, H=H, NB=NB, FP8=FP8, PREQ=PREQ, BLOCK_T=BLOCK_T,
-                                   BLOCK_H=BLOCK_H, INTERP=INTERP, FLAT=FLAT, STATIC=False)
+                                   BLOCK_H=BLOCK_H, INTERP=INTERP, FLAT=FLAT, STATIC=False, CM_ROWS=CM_ROWS)
     return v, vs
 
 
@@ -298,7 +311,7 @@ def store_own_rows(v, vs, nt, nm, x_ptr, xs_ptr, t, tm, r, kk, out_x_ptr, out_s_
 def _own_rows_step(v, vs, nt, nm, x_ptr, xs_ptr, t, tm, r, kk, out_x_ptr, out_s_ptr, sptr, srow, sblk, h0, last,
                    KS: tl.constexpr, H: tl.constexpr, NB: tl.constexpr, FP8: tl.constexpr, PREQ: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, INTERP: tl.constexpr, FLAT: tl.constexpr,
-                   STATIC: tl.constexpr):
+                   STATIC: tl.constexpr, CM_ROWS: tl.constexpr):
     """One step of ``store_own_rows``: tile ``h0`` (``v, vs``, loaded) quantized and stored;
     returns the next tile, whose loads go out first so that their latency hides behind this
     tile's work (a program keeps two tiles in flight, not one); after the last tile (``last``),
@@ -328,7 +341,8 @@ def _own_rows_step(v, vs, nt, nm, x_ptr, xs_ptr, t, tm, r, kk, out_x_ptr, out_s_
             tl.store(out_x_ptr.to(tl.pointer_type(tl.uint8)) + row[:, None] * H + hh[None, :], q, mask=hm & go,
                      cache_modifier=".cs")
             if not FLAT:
-                tl.store(out_s_ptr + row[:, None] * NB + bb[None, :], sc, mask=bm & go, cache_modifier=".cs")
+                tl.store(scale_ptr(out_s_ptr, row[:, None], bb[None, :], NB, CM_ROWS), sc, mask=bm & go,
+                         cache_modifier=".cs")
         else:
             tl.store(out_x_ptr.to(tl.pointer_type(tl.bfloat16)) + row[:, None] * H + hh[None, :], q,
                      mask=hm & go, cache_modifier=".cs")
@@ -339,7 +353,7 @@ def _own_rows_step(v, vs, nt, nm, x_ptr, xs_ptr, t, tm, r, kk, out_x_ptr, out_s_
 def own_rows_in_blocks(v, vs, s, c, hdr, recv_pos_ptr, x_ptr, xs_ptr, kk, out_x_ptr, out_s_ptr, M: tl.constexpr,
                        K: tl.constexpr, KS: tl.constexpr, H: tl.constexpr, NB: tl.constexpr, HDR: tl.constexpr,
                        CMAX: tl.constexpr, FP8: tl.constexpr, PREQ: tl.constexpr, BLOCK_TS: tl.constexpr,
-                       BLOCK_HS: tl.constexpr, INTERP: tl.constexpr, PREFETCH: tl.constexpr):
+                       BLOCK_HS: tl.constexpr, INTERP: tl.constexpr, PREFETCH: tl.constexpr, CM_ROWS: tl.constexpr):
     """Chunk ``c`` of this rank's own rows (source ``s``), ``store_own_rows`` in sub-blocks of
     ``BLOCK_TS`` tokens (tiles of ``BLOCK_HS`` channels), each token stored as ``KS`` rows: 1 (rows
     layout: ``recv_pos[s, t, 0]``) or K (masked, packed: ``recv_pos[s, t, :K]``). A large chunk
@@ -372,7 +386,7 @@ def own_rows_in_blocks(v, vs, s, c, hdr, recv_pos_ptr, x_ptr, xs_ptr, kk, out_x_
             has = tl.max(r, axis=1) >= 0
         v, vs = store_own_rows(v=v, vs=vs, nt=c * BT + nxt, nm=nm, x_ptr=x_ptr, xs_ptr=xs_ptr, t=tb, tm=has, r=r, kk=kk,
                                out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr, KS=KS, H=H, NB=NB, FP8=FP8, PREQ=PREQ,
-                               BLOCK_T=BLOCK_TS, BLOCK_H=BLOCK_HS, INTERP=INTERP)
+                               BLOCK_T=BLOCK_TS, BLOCK_H=BLOCK_HS, INTERP=INTERP, CM_ROWS=CM_ROWS)
         row = row_n
 
 

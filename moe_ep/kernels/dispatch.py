@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .common import (ERR_BAD_EXPERT, ERR_CAPACITY, PHASE_DISPATCH, abort_combines, chunking, deadline_start,
                      first_own_tile, landed_chunk, own_prefetch, own_rows_in_blocks, payload_cols, payload_tile,
-                     ptr_at, raise_flag, record_error, store_own_rows, wait_flag)
+                     ptr_at, raise_flag, record_error, scale_ptr, store_own_rows, wait_flag)
 from .rows import on_peer, recv_rows_chunk, tokens_before
 
 
@@ -153,7 +153,7 @@ def _recv_chunk(v, vs, s, c, ws, hdr, sel_ptr, scratch_ptr, x_ptr, xs_ptr, out_x
                 CAP: tl.constexpr, PACKED: tl.constexpr, FP8: tl.constexpr, PREQ: tl.constexpr, OWN_X: tl.constexpr,
                 BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr,
                 BLOCK_TS: tl.constexpr, BLOCK_HS: tl.constexpr, BLOCK_NB: tl.constexpr, STAGES: tl.constexpr,
-                SELF_SYNC: tl.constexpr, INTERP: tl.constexpr, PREFETCH: tl.constexpr):
+                SELF_SYNC: tl.constexpr, INTERP: tl.constexpr, PREFETCH: tl.constexpr, CM_ROWS: tl.constexpr):
     """Waits for chunk ``c`` of source ``s``, then copies each of its rows to every position its
     selections have in the expert layout and records those positions in ``recv_pos``. ``OWN_X``:
     this rank's own rows (``s == RANK``) come from ``x`` (quantized here for fp8), not the workspace,
@@ -193,24 +193,26 @@ def _recv_chunk(v, vs, s, c, ws, hdr, sel_ptr, scratch_ptr, x_ptr, xs_ptr, out_x
             if BLOCK_TS == BLOCK_T:
                 store_own_rows(v=v, vs=vs, nt=t, nm=t < 0, x_ptr=x_ptr, xs_ptr=xs_ptr, t=t, tm=tm, r=r, kk=kk,
                                out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr, KS=K, H=H, NB=NB, FP8=FP8, PREQ=PREQ,
-                               BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, INTERP=INTERP)  # (t < 0: no tokens after these)
+                               BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, INTERP=INTERP,
+                               CM_ROWS=CM_ROWS)  # (t < 0: no tokens after these)
             else:
                 own_rows_in_blocks(v=v, vs=vs, s=s, c=c, hdr=hdr, recv_pos_ptr=recv_pos_ptr, x_ptr=x_ptr, xs_ptr=xs_ptr,
                                    kk=kk, out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr, M=M, K=K, KS=K, H=H, NB=NB, HDR=HDR,
                                    CMAX=CMAX, FP8=FP8, PREQ=PREQ, BLOCK_TS=BLOCK_TS, BLOCK_HS=BLOCK_HS, INTERP=INTERP,
-                                   PREFETCH=PREFETCH)
+                                   PREFETCH=PREFETCH, CM_ROWS=CM_ROWS)
         else:
             _expand_rows(src=ptr_at(ws, off_rows, tl.int32) + slot * (RB // 4), r=r, tm=tm, kk=kk, out_x_ptr=out_x_ptr,
                          out_s_ptr=out_s_ptr, K=K, W=W, H=H, NB=NB, FP8=FP8, BLOCK_W=BLOCK_W, BLOCK_NB=BLOCK_NB,
-                         STAGES=STAGES)
+                         STAGES=STAGES, CM_ROWS=CM_ROWS)
 
 
 @triton.jit
 def _expand_rows(src, r, tm, kk, out_x_ptr, out_s_ptr, K: tl.constexpr, W: tl.constexpr, H: tl.constexpr,
                  NB: tl.constexpr, FP8: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_NB: tl.constexpr,
-                 STAGES: tl.constexpr):
+                 STAGES: tl.constexpr, CM_ROWS: tl.constexpr):
     """Workspace rows ``src`` (int32 words) of a chunk's tokens (mask ``tm``) to the K positions
-    ``r`` [tokens, BLOCK_K] (-1: none) of each: each tile read once, stored K times."""
+    ``r`` [tokens, BLOCK_K] (-1: none) of each: each tile read once, stored K times (the scales
+    at ``scale_ptr``)."""
     for w0 in tl.range(0, W, BLOCK_W, num_stages=STAGES):
         ww = w0 + tl.arange(0, BLOCK_W)
         wm = tm[:, None] & (ww[None, :] < W)
@@ -224,7 +226,8 @@ def _expand_rows(src, r, tm, kk, out_x_ptr, out_s_ptr, K: tl.constexpr, W: tl.co
         sv = tl.load(src[:, None].to(tl.pointer_type(tl.float32)) + H // 4 + bb[None, :], mask=bm)
         for k in tl.static_range(K):
             rk = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1)
-            tl.store(out_s_ptr + rk[:, None] * NB + bb[None, :], sv, mask=bm & (rk[:, None] >= 0), cache_modifier=".cs")
+            tl.store(scale_ptr(out_s_ptr, rk[:, None], bb[None, :], NB, CM_ROWS), sv, mask=bm & (rk[:, None] >= 0),
+                     cache_modifier=".cs")
 
 
 @triton.jit(do_not_specialize=['T', 'BT', 'NC', 'ws', 'timeout_ns'])
@@ -265,6 +268,7 @@ def dispatch_kernel(
     BLOCK_EL: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_NB: tl.constexpr, STAGES: tl.constexpr,
     INTERP: tl.constexpr, ROWS: tl.constexpr, OWN_X: tl.constexpr, BLOCK_TS: tl.constexpr, BLOCK_HS: tl.constexpr,
     PREFETCH: tl.constexpr,  # own sub-blocks asked of the L2 ahead (prefetch_l2), 0 for none
+    CM_ROWS: tl.constexpr,   # fp8 scales column-major in blocks of this many rows (scale_ptr), 0: row-major
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -393,6 +397,6 @@ def dispatch_kernel(
                                     CMAX=CMAX, CAP=CAP, PACKED=PACKED, FP8=FP8, PREQ=PREQ, OWN_X=OWN_X, BLOCK_T=BLOCK_T,
                                     BLOCK_K=BLOCK_K, BLOCK_W=BLOCK_W, BLOCK_H=BLOCK_H, BLOCK_TS=BLOCK_TS,
                                     BLOCK_HS=BLOCK_HS, BLOCK_NB=BLOCK_NB, STAGES=STAGES, SELF_SYNC=SELF_SYNC,
-                                    INTERP=INTERP, PREFETCH=PREFETCH)
+                                    INTERP=INTERP, PREFETCH=PREFETCH, CM_ROWS=CM_ROWS)
     if RECV:
         tl.store(state_ptr + pid, epoch)  # each program keeps its own epoch: no cross-program step

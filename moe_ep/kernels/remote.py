@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .common import (ERR_BAD_EXPERT, ERR_CAPACITY, PHASE_DISPATCH, payload_cols, payload_tile, pre_reduce,
-                     record_error, to_bf16)
+                     record_error, scale_ptr, to_bf16)
 
 
 @triton.jit
@@ -276,12 +276,13 @@ def received_row(r1w, ovw, par, s, i, n, g, ov0, R: tl.constexpr, SLOT: tl.const
 
 
 @triton.jit
-def _scatter(ptr, r, kk, width: tl.constexpr, cols, v, m, K: tl.constexpr):
+def _scatter(ptr, r, kk, width: tl.constexpr, cols, v, m, K: tl.constexpr, CM_ROWS: tl.constexpr = 0):
     """Stores the tile ``v`` [rows, cols] at row ``r[:, k]`` (row width ``width``) of ``ptr`` for
-    every k with ``r[:, k] >= 0``."""
+    every k with ``r[:, k] >= 0``; ``CM_ROWS`` > 0: scales, column-major in blocks of that many
+    rows (``scale_ptr``)."""
     for k in tl.static_range(K):
         rk = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1)
-        tl.store(ptr + rk[:, None] * width + cols[None, :], v, mask=m & (rk[:, None] >= 0))
+        tl.store(scale_ptr(ptr, rk[:, None], cols[None, :], width, CM_ROWS), v, mask=m & (rk[:, None] >= 0))
 
 
 @triton.jit
@@ -303,6 +304,7 @@ def remote_unpack_kernel(
     PCAP: tl.constexpr, OVCAP: tl.constexpr, ROWS: tl.constexpr, CAP: tl.constexpr, ALIGN: tl.constexpr,
     PACKED: tl.constexpr, FP8: tl.constexpr, BLOCK_RW: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_EL: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_NB: tl.constexpr,
+    CM_ROWS: tl.constexpr,  # fp8 scales column-major in blocks of this many rows (scale_ptr), 0: row-major
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -369,7 +371,7 @@ def remote_unpack_kernel(
                 bb = tl.arange(0, BLOCK_NB)
                 bm = im[:, None] & (bb[None, :] < NB)
                 sv = tl.load(src[:, None].to(tl.pointer_type(tl.float32)) + H // 4 + bb[None, :], mask=bm)
-                _scatter(out_s_ptr, r, kk, NB, bb, sv, bm, K)
+                _scatter(out_s_ptr, r, kk, NB, bb, sv, bm, K, CM_ROWS)
         below += tl.load(sel_ptr + s * EL + ee, mask=em, other=0)
 
 

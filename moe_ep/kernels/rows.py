@@ -99,12 +99,12 @@ def recv_rows_chunk(v, vs, s, c, ws, hdr, rows_from_ptr, x_ptr, xs_ptr, out_x_pt
                 store_own_rows(v=v, vs=vs, nt=t, nm=t < 0, x_ptr=x_ptr, xs_ptr=xs_ptr, t=t, tm=has,
                                r=tl.where(kk[None, :] == 0, r[:, None], -1), kk=kk, out_x_ptr=out_x_ptr,
                                out_s_ptr=out_s_ptr, KS=1, H=H, NB=NB, FP8=FP8, PREQ=PREQ, BLOCK_T=BLOCK_T,
-                               BLOCK_H=BLOCK_HS, INTERP=INTERP)
+                               BLOCK_H=BLOCK_HS, INTERP=INTERP, CM_ROWS=0)
             else:
                 own_rows_in_blocks(v=v, vs=vs, s=s, c=c, hdr=hdr, recv_pos_ptr=recv_pos_ptr, x_ptr=x_ptr, xs_ptr=xs_ptr,
                                    kk=kk, out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr, M=M, K=K, KS=1, H=H, NB=NB, HDR=HDR,
                                    CMAX=CMAX, FP8=FP8, PREQ=PREQ, BLOCK_TS=BLOCK_TS, BLOCK_HS=BLOCK_HS, INTERP=INTERP,
-                                   PREFETCH=PREFETCH)
+                                   PREFETCH=PREFETCH, CM_ROWS=0)
         else:
             src = ptr_at(ws, off_rows, tl.int32) + slot * (RB // 4)
             for w0 in tl.range(0, W, BLOCK_W, num_stages=STAGES):
