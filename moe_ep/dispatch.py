@@ -19,14 +19,15 @@ from .kernels.route import route_hist_kernel
 DIRECT_MAX = 2048
 
 
-def _on(t: torch.Tensor, device: torch.device) -> bool:
-    # Cheaper than comparing torch.device objects (this runs on every eager call).
+def on_device(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether tensor ``t`` is on ``device``: cheaper than comparing torch.device objects (this
+    runs on every eager call)."""
     return t.is_cuda and t.get_device() == device.index if device.type == "cuda" else t.device == device
 
 
 def _check_tensor(name: str, t, dtypes, shape, device) -> None:
     if (isinstance(t, torch.Tensor) and t.dtype in dtypes and len(t.shape) == len(shape)
-            and all(s is None or a == s for a, s in zip(t.shape, shape)) and _on(t, device) and t.is_contiguous()):
+            and all(s is None or a == s for a, s in zip(t.shape, shape)) and on_device(t, device) and t.is_contiguous()):
         return  # the common case, checked cheaply; below, the same checks one by one for the message
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -35,7 +36,7 @@ def _check_tensor(name: str, t, dtypes, shape, device) -> None:
     if t.dim() != len(shape) or any(s is not None and a != s for a, s in zip(t.shape, shape)):
         want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
         raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
-    if not _on(t, device):
+    if not on_device(t, device):
         raise ValueError(f"{name}: expected a tensor on {device}, got {t.device}")
     if not t.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor")

@@ -17,7 +17,8 @@ class DispatchResult:
             ``[capacity, H]``; rows ``[R*max_tokens, H]``
             (row i: the i-th (source rank, source token) that selected an expert of this rank, in
             ascending order; rows ``< num_recv`` defined); dispatch dtype.
-        expert_scales: fp8 only: float32 ``[..., ceil(H/128)]`` with expert_x's leading dims; else None.
+        expert_scales: fp8 only: float32 ``[..., ceil(H/128)]`` with expert_x's leading dims (a
+            column-major view in its last two dims with ``EPBuffer(column_major_scales=True)``); else None.
         expert_counts: int32 ``[E_local]`` on the device: selections of each local expert (masked,
             packed: its valid rows).
         expert_offsets: packed only: int32 ``[E_local + 1]``; expert e's rows start at offsets[e].

@@ -6,7 +6,8 @@ launches go through real native plans (csrc/proxy/launch.cc) into a stand-in CUD
 cuLaunchKernel only records its arguments (tests/stand_in_cuda.py), so a call costs what it costs
 on a GPU host minus the driver's launch and torch's allocator. Prints the median host time of each
 call (3 rounds of 3000 calls; T = 128, and T changing every call through 1..128; calls with a
-receive hook, the hook included) and, for scale, a launch alone and an allocation.
+receive hook, the hook included; DeepEP's low-latency pair through ``moe_ep.deep_ep``) and, for
+scale, a launch alone and an allocation.
 
     TRITON_INTERPRET=1 python scripts/host_path.py
 """
@@ -68,6 +69,26 @@ class _Launcher:
         return self.plans[key]
 
 
+def _deep_ep_buffer():
+    """A ``moe_ep.deep_ep.Buffer`` on a one-rank gloo group whose EPBuffers launch as on a GPU,
+    into the stand-in driver (each made by the wrapper on first use, patched as it is made)."""
+    import torch.distributed as dist
+
+    import moe_ep.buffer
+    import moe_ep.deep_ep as deep_ep
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(prefix="moe_ep_host_path_"),
+                                rank=0, world_size=1)
+    made = moe_ep.buffer.EPBuffer.__init__
+
+    def init(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        self.fused, self.interp, self.calls.launch = True, False, _Launcher()
+    moe_ep.buffer.EPBuffer.__init__ = init
+    return deep_ep.Buffer(dist.group.WORLD, 0, 1 << 20, low_latency_mode=True, num_qps_per_rank=256)
+
+
 def _median_us(fn, n: int = 3000) -> float:
     ts = []
     for _ in range(n):
@@ -122,6 +143,24 @@ def main() -> None:
     rh = rbuf.dispatch(x, idx, w)
     ry, rw, out32 = torch.zeros(rh.expert_x.shape, dtype=torch.bfloat16), torch.rand(rbuf.capacity, 8), out.float()
     rbuf.combine(ry, rh, topk_weights=rw, out=out32)
+    # DeepEP's low-latency pair through moe_ep.deep_ep (fp8, receive hooks): the same buffers
+    # (their launches into the stand-in too) plus the wrapper's own Python.
+    ll = _deep_ep_buffer()
+    ll_state = {}
+
+    def ll_dispatch():
+        recv_x, _, handle, _, hook = ll.low_latency_dispatch(x, idx, T, 256, use_fp8=True, return_recv_hook=True)
+        hook()
+        ll_state["h"] = handle
+
+    def ll_combine():
+        _, _, hook = ll.low_latency_combine(ll_state["y"], idx, w, ll_state["h"], return_recv_hook=True, out=out)
+        hook()
+    ll_dispatch()
+    ll_state["y"] = torch.zeros(ll_state["h"].result.expert_x.shape, dtype=torch.bfloat16)
+    for _ in range(3):  # both buffers of the pair record (the third call of each replays)
+        ll_dispatch()
+        ll_combine()
     bound = _Native(0x1, 32, 1024, 0, [8] * 4, [0] * 4, [0, 1, 2, 3])
     ptrs = (x.data_ptr(), idx.data_ptr(), w.data_ptr(), out.data_ptr())
     rows = []
@@ -133,11 +172,13 @@ def main() -> None:
                      _median_us(cycle(False)), _median_us(cycle(True)),
                      _median_us(hooked_dispatch), _median_us(hooked_combine),
                      _median_us(lambda: rbuf.combine(ry, rh, topk_weights=rw, out=out32)),
+                     _median_us(ll_dispatch), _median_us(ll_combine),
                      _median_us(lambda: bound.launch(0, ptrs)), _median_us(lambda: torch.empty_like(out)),
                      _median_us(lambda: None)))
     names = ("dispatch", "combine", "combine(out=)", "combine(topk_weights=, out=)", "dispatch, T = 1..128",
              "+ combine(out=), T = 1..128", "dispatch with a hook, + hook()", "combine(w=, out=, hook), + hook()",
-             "rows: combine(w=, out=f32)",
+             "rows: combine(w=, out=f32)", "deep_ep: low_latency_dispatch + hook",
+             "deep_ep: low_latency_combine + hook",
              "one native launch", "empty_like [T, H]", "timer alone")
     print("host time per call, us (median of 3000; 3 rounds; the timer's own cost included in each):")
     for i, name in enumerate(names):

@@ -23,6 +23,7 @@ from typing import Callable, Optional
 import torch
 
 from ..buffer import EPBuffer
+from ..dispatch import on_device
 from ..handle import DispatchResult
 
 
@@ -62,6 +63,15 @@ class LowLatencySlot:
             self.scales_cm = (torch.empty(EL, H // 512, rows, dtype=torch.int32, device=dev) if scales == "ue8m0"
                               else torch.empty(EL, H // 128, rows, dtype=torch.float32, device=dev))
         self.combine_in: Optional[torch.Tensor] = None
+        self._weights_of: dict = {}  # weights_for's views, per token count (at most M*K + 1)
+
+    def weights_for(self, tokens: int) -> torch.Tensor:
+        """The weights a dispatch of ``tokens`` buffer tokens sends (a view kept per count:
+        slicing a tensor costs ~0.5 us of host time per call)."""
+        w = self._weights_of.get(tokens)
+        if w is None:
+            w = self._weights_of[tokens] = self.weights[:tokens]
+        return w
 
     def next_combine_buffer(self) -> torch.Tensor:
         """bf16 ``[E_local, R*M, H]``: what a ``zero_copy`` combine of this slot reads."""
@@ -114,19 +124,19 @@ def dispatch(slot: LowLatencySlot, x: torch.Tensor, topk_idx: torch.Tensor,
     buf = slot.epbuf
     stats = cumulative_local_expert_recv_stats
     if stats is not None and (not isinstance(stats, torch.Tensor) or stats.dtype != torch.int32
-                              or tuple(stats.shape) != (buf.num_local_experts,) or stats.device != buf.device):
+                              or tuple(stats.shape) != (buf.num_local_experts,) or not on_device(stats, buf.device)):
         raise ValueError(f"cumulative_local_expert_recv_stats: expected an int32 [{buf.num_local_experts}] tensor on "
                          f"{buf.device}, got {stats.dtype if isinstance(stats, torch.Tensor) else type(stats).__name__} "
                          f"{list(stats.shape) if isinstance(stats, torch.Tensor) else ''}")
     T = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else 0
     if slot.expand == 1:
-        got = buf.dispatch(x, topk_idx, slot.weights[:T], return_recv_hook=return_recv_hook)
+        got = buf.dispatch(x, topk_idx, slot.weights_for(T), return_recv_hook=return_recv_hook)
     else:  # each (token, k) a token of its own (module docstring); the staging copies are stream-ordered
         K, H = slot.K, buf.hidden
         xs, ids = slot.x_stage[:T * K], slot.ids_stage[:T * K]
         xs.view(T, K, H).copy_(x[:, None, :].expand(T, K, H))
         ids.copy_(topk_idx.reshape(T * K, 1))
-        got = buf.dispatch(xs, ids, slot.weights[:T * K], return_recv_hook=return_recv_hook)
+        got = buf.dispatch(xs, ids, slot.weights_for(T * K), return_recv_hook=return_recv_hook)
     d, recv_hook = got if return_recv_hook else (got, None)
 
     def finish() -> None:  # on the received layout, after the receive half
@@ -174,7 +184,7 @@ def combine(handle: LowLatencyHandle, x: torch.Tensor, topk_idx: torch.Tensor, t
         raise ValueError(f"topk_idx: expected the dispatch's [{T}, {K}] expert ids, got "
                          f"{list(getattr(topk_idx, 'shape', []))}")
     if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16
-                            or tuple(out.shape) != (T, buf.hidden) or out.device != buf.device):
+                            or tuple(out.shape) != (T, buf.hidden) or not on_device(out, buf.device)):
         raise ValueError(f"out: expected a bfloat16 [{T}, {buf.hidden}] tensor on {buf.device}, got "
                          f"{getattr(out, 'dtype', type(out).__name__)} {list(getattr(out, 'shape', []))}")
     if slot.expand == 1:  # (into the caller's out where given: no copy)
@@ -197,7 +207,9 @@ def combine(handle: LowLatencyHandle, x: torch.Tensor, topk_idx: torch.Tensor, t
             o.copy_((rows * w[:, :, None]).sum(dim=1))
 
     hook = None
-    if recv_hook is not None:
+    if slot.expand == 1:
+        hook = recv_hook  # nothing to do on arrival: the caller's hook is the buffer's
+    elif recv_hook is not None:
         hook = _chain(recv_hook, finish)
     else:
         finish()

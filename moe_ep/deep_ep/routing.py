@@ -6,6 +6,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..dispatch import on_device
+
 
 def check_topk_idx(name: str, topk_idx, num_experts: int, device: torch.device,
                    num_tokens: Optional[int] = None, topk: Optional[int] = None) -> None:
@@ -18,7 +20,7 @@ def check_topk_idx(name: str, topk_idx, num_experts: int, device: torch.device,
             (topk is not None and topk_idx.shape[1] != topk):
         want = f"[{num_tokens if num_tokens is not None else 'num_tokens'}, {topk if topk is not None else 'num_topk'}]"
         raise ValueError(f"{name}: expected shape {want}, got {list(topk_idx.shape)}")
-    if topk_idx.device != device:
+    if not on_device(topk_idx, device):
         raise ValueError(f"{name}: expected a tensor on {device}, got {topk_idx.device}")
 
 
