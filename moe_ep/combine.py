@@ -98,7 +98,7 @@ def _replayed_weighted(buf, replays: tuple, expert_y, topk_weights, out, T: int)
             return None  # (an out over expert_y: combine raises the error)
     calls = buf.calls
     if rows:
-        wout = torch.empty(T, buf.topk, dtype=torch.float32, device=buf.device)
+        wout = new_weight_sums(buf, T)
         inputs = (p, q, w, wout.data_ptr(), calls.err_ptr, T)
         result = out, wout
     else:
@@ -156,8 +156,7 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
     out_f32 = out is not None and out.dtype == torch.float32
     if out is None:
         out = new_output(buf, T)
-    wout = torch.empty(T, buf.topk, dtype=torch.float32, device=buf.device) if rows and topk_weights is not None \
-        else None
+    wout = new_weight_sums(buf, T) if rows and topk_weights is not None else None
     if hit is not None:
         inputs = _inputs(buf, ptrs[0], out.data_ptr(), ptrs[1] if weights else None, wout) + (T,)
         hit.run(calls.launch.stream(), inputs)
@@ -264,6 +263,12 @@ def new_output(buf, T: int) -> torch.Tensor:
             calls.out_like.clear()
         like = calls.out_like[T] = calls.out_one.expand(T, buf.hidden)
     return torch.empty_like(like)
+
+
+def new_weight_sums(buf, T: int) -> torch.Tensor:
+    """A new float32 ``[T, topk]`` tensor on the buffer's device: where a rows-layout combine with
+    weights returns their sums (full path and replay alike)."""
+    return torch.empty(T, buf.topk, dtype=torch.float32, device=buf.device)
 
 
 def _combined(buf, result, recv):
