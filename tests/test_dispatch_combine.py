@@ -204,6 +204,29 @@ def test_column_major_scales(R):
     assert not fails, f"{len(fails)} failed checks:\n" + "\n".join(fails[:40])
 
 
+def _mixed_scales_worker(rank, world_size, case):
+    import dataclasses
+
+    import moe_ep
+
+    group = moe_ep.EPGroup()
+    mine = dataclasses.replace(case, cm_scales=rank == 0)  # rank 0 column-major, rank 1 row-major
+    with make_buffer(group, mine) as buf:
+        if (buf.expert_scales.stride(1) == 1) != (rank == 0):
+            return [f"rank {rank}: expert_scales strides {buf.expert_scales.stride()}"]
+        return run_calls(group, buf, mine)
+
+
+def test_column_major_scales_is_local():
+    """``column_major_scales`` is each rank's own choice (no peer writes another's scales, so
+    it is not agreed at construction): with rank 0 column-major and rank 1 row-major, both
+    ranks' dispatches and combines match the oracle."""
+    case = Case(R=2, E=4, K=2, dtype="fp8", layout="masked", H=320, M=6, data="random", seed=74)
+    results = dist_util.run(2, _mixed_scales_worker, case, timeout=600)
+    fails = [f for rank_fails in results for f in rank_fails]
+    assert not fails, f"{len(fails)} failed checks:\n" + "\n".join(fails[:40])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("R", [1, 2])
 def test_column_major_scales_gpu(R):
