@@ -262,7 +262,7 @@ def transport(native_ok: bool) -> dict:
     if not native_ok:
         out["auto"] = {"kind": "tcp", "why": "the native library is not available (see rdma.native_error)"}
         return out
-    from .proxy.session import select_transport
+    from .internode.session import select_transport
 
     kind, why = select_transport("auto")
     out["auto"] = {"kind": kind, "why": why}

@@ -145,7 +145,8 @@ def test_kernels_compile_for_sm90(monkeypatch, tmp_path):
 def _record_remote(monkeypatch, T: int, fp8: bool, layout: str, scale_column_rows: int = 0):
     """The inter-node launches of one dispatch + combine (rank 0 of 2 nodes of 1), recorded as a
     GPU would make them (INTERP off), not run."""
-    from moe_ep import remote as R_
+    from moe_ep.internode import launches as R_
+    from moe_ep.internode.spec import REGIONS, RemoteSpec, RemoteState
 
     gpu_chunking(monkeypatch)
     rec = []
@@ -156,10 +157,10 @@ def _record_remote(monkeypatch, T: int, fp8: bool, layout: str, scale_column_row
 
     monkeypatch.setattr(R_, "_launch", spy)
     H, K, E = 7168, 8, 256
-    spec = R_.RemoteSpec(rank=0, world=2, node_size=1, num_experts=E, topk=K, hidden=H, max_tokens=T, fp8=fp8,
+    spec = RemoteSpec(rank=0, world=2, node_size=1, num_experts=E, topk=K, hidden=H, max_tokens=T, fp8=fp8,
                          private_capacity=T // 2, overflow_capacity=T // 2, layout=layout)
-    st = R_.RemoteState(spec)
-    regions = {n: torch.zeros(16, dtype=torch.uint8) for n in R_.REGIONS}
+    st = RemoteState(spec)
+    regions = {n: torch.zeros(16, dtype=torch.uint8) for n in REGIONS}
     mailbox = torch.zeros(8, dtype=torch.int64)
     x, idx, w = torch.zeros(T, H, dtype=torch.bfloat16), torch.zeros(T, K, dtype=torch.int64), torch.zeros(T, K)
     cap = spec.expert_capacity
@@ -227,12 +228,13 @@ def test_rows_kernels_compile_for_sm90(monkeypatch, tmp_path):
                      torch.zeros(256, 8))
     buf.combine(torch.empty(h.expert_x.shape, dtype=torch.bfloat16), h, topk_weights=torch.zeros(256, 8))
     buf.close()
-    from moe_ep import remote as R_
+    from moe_ep.internode import launches as R_
+    from moe_ep.internode.spec import REGIONS, RemoteSpec, RemoteState
 
-    spec = R_.RemoteSpec(rank=0, world=2, node_size=1, num_experts=256, topk=8, hidden=7168, max_tokens=128, fp8=True,
+    spec = RemoteSpec(rank=0, world=2, node_size=1, num_experts=256, topk=8, hidden=7168, max_tokens=128, fp8=True,
                          private_capacity=64, overflow_capacity=64, layout="rows")
-    st = R_.RemoteState(spec)
-    regions = {n: torch.zeros(16, dtype=torch.uint8) for n in R_.REGIONS}
+    st = RemoteState(spec)
+    regions = {n: torch.zeros(16, dtype=torch.uint8) for n in REGIONS}
 
     def spy(fn, grid, args, consts):
         rec.append((fn.fn.__module__, fn.fn.__name__, signature(fn.arg_names, args, dict(consts, INTERP=False)

@@ -148,7 +148,7 @@ def test_probe_and_engine_say_what_is_missing():
 
 
 def test_requested_efa_names_what_is_missing(monkeypatch):
-    S = light_import("proxy.session")
+    S = light_import("internode.session")
     ok, why = N.efa_probe()
     if ok:
         pytest.skip("an EFA device is usable here")
@@ -165,7 +165,7 @@ def _p(ok, what):
 
 
 def test_auto_selection_rules():
-    S = light_import("proxy.session")
+    S = light_import("internode.session")
     efa, verbs = _p(True, "device efa_0 port 1"), _p(True, "device mlx5_0 port 1")
     no_efa, no_verbs = _p(False, "no EFA device"), _p(False, "no RDMA device found")
     assert S.select_transport("auto", probes={"efa": efa, "verbs": verbs}) == ("efa", "auto: efa device efa_0 port 1")
@@ -197,7 +197,7 @@ class _Group:
 
 
 def test_ranks_agree_on_one_transport(monkeypatch, caplog):
-    S = light_import("proxy.session")
+    S = light_import("internode.session")
     monkeypatch.setattr(S, "efa_probe", lambda device=None: (True, "device efa_0 port 1"))
     monkeypatch.setattr(S, "verbs_probe", lambda device=None, port=0: (True, "device mlx5_0 port 1"))
     monkeypatch.delenv("MOE_EP_TRANSPORT", raising=False)
@@ -225,5 +225,5 @@ def test_efa_refuses_a_verbs_device_by_name():
     assert f"{name} is not an EFA device" in why or "libefa" in why, why
     with pytest.raises(N.NativeError, match=f"rank 0: efa.*{name}"):
         N.EfaTransport(0, 2, device=name)
-    S = light_import("proxy.session")
+    S = light_import("internode.session")
     assert S.select_transport("auto")[0] == "verbs"

@@ -234,7 +234,7 @@ class _Group:
 
 
 def test_ranks_must_open_as_many_nics(monkeypatch):
-    S = light_import("proxy.session")
+    S = light_import("internode.session")
     monkeypatch.setattr(S, "efa_probe", lambda device=None: (False, "no EFA device"))
     monkeypatch.setattr(S, "verbs_probe", lambda device=None, port=0: (True, f"device {device}"))
     monkeypatch.setattr(S, "choose_nics", lambda gpu_index=None: {

@@ -149,7 +149,7 @@ def _fuzz(engine, mem, peer: int) -> list:
 
 def _worker(rank, world_size):
     import moe_ep
-    import moe_ep.internode as internode
+    import moe_ep.internode.path as internode
     from ep_cases import make_buffer, run_calls
 
     group = moe_ep.EPGroup(node_size=1)

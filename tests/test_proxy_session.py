@@ -15,7 +15,7 @@ def _rows(e, s, p, n):
 
 def _session_worker(rank, R, node_size, cap):
     import moe_ep
-    from moe_ep.proxy.session import start_proxy
+    from moe_ep.internode.session import start_proxy
 
     group = moe_ep.EPGroup(node_size=node_size)
     rng = np.random.default_rng(7)
@@ -86,7 +86,7 @@ def test_start_proxy_round_trips(R, node_size, cap):
 
 def _identity_worker(rank, R):
     import moe_ep
-    from moe_ep.proxy.session import start_proxy
+    from moe_ep.internode.session import start_proxy
 
     group = moe_ep.EPGroup(node_size=1)
     out = []
@@ -119,7 +119,7 @@ def test_each_session_has_its_own_identity():
 
 
 def test_default_private_capacity():
-    from moe_ep.proxy.session import default_private_capacity
+    from moe_ep.internode.session import default_private_capacity
 
     # decode at EP16: a token touches a given rank with probability ~0.41 -> ~1.25 * 128 * 0.41 + 8
     assert 60 <= default_private_capacity(128, 8, 256, 16) <= 80

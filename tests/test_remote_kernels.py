@@ -1,4 +1,4 @@
-"""Inter-node kernels (moe_ep/kernels/remote.py) on CPU under the interpreter, against the oracle.
+"""Inter-node kernels (moe_ep/internode/kernels.py) on CPU under the interpreter, against the oracle.
 
 R ranks are emulated in one process with plain tensors. Per epoch: every rank packs its send
 buffer; a Python stand-in for the proxy (written from ARCHITECTURE.md §10, independently of
@@ -21,11 +21,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from moe_ep import remote
+from moe_ep.internode import launches as remote
 from moe_ep.fp8 import dequantize_fp8, quantize_fp8
 from moe_ep.kernels.aot import signature
 from moe_ep.reference import GatheredInputs, dispatch_from_gathered, moe_local
-from moe_ep.remote import RemoteSpec, RemoteState
+from moe_ep.internode.spec import REGIONS, RemoteSpec, RemoteState
 
 FP8 = torch.float8_e4m3fn
 WEIGHTS = torch.tensor([-0.5, 0.25, 0.5, 1.0, 2.0])
@@ -346,7 +346,7 @@ def _proxy_rank(cfg: Cfg, rank: int, epochs, conn) -> None:
         eng = TcpTransport(rank, cfg.R, streams=2)
         eng.set_fault(delay_us=100, reorder=True)
         px = Proxy(eng, **sp.proxy_kwargs(), timeout_s=20.0, spin_us=20, sleep_us=200,
-                   regions={n: reg[n].numpy() for n in remote.REGIONS})
+                   regions={n: reg[n].numpy() for n in REGIONS})
         conn.send(eng.endpoint)
         eng.connect(conn.recv(), timeout_s=20)
         px.start()
@@ -505,7 +505,7 @@ def test_sizes_match_the_proxy():
         cfg = native.ProxyConfig(1, 4, 2, 4, sp.row_bytes, sp.comb_row_bytes, 5, 40, sp.max_send_rows, 1, 0, 0)
         need = (native.ctypes.c_uint64 * 5)()
         native.lib().moe_ep_proxy_region_bytes(native.ctypes.byref(cfg), need)
-        assert list(need) == [sp.region_bytes()[n] for n in remote.REGIONS]
+        assert list(need) == [sp.region_bytes()[n] for n in REGIONS]
     assert RemoteSpec(0, 2, 1, 2, 8, 7168, 128, True, 4, 8).row_bytes == 7504  # 7168 + 4*56 + 4*25, aligned
 
 
@@ -540,7 +540,7 @@ def test_remote_kernels_compile_for_sm90(monkeypatch, tmp_path):
                         private_capacity=16, overflow_capacity=64, layout=layout, expert_alignment=16)
         st = RemoteState(sp)
         x = torch.zeros(T, H, dtype=torch.bfloat16)
-        regs = {n: torch.zeros(16, dtype=torch.uint8) for n in remote.REGIONS}  # never run: only recorded
+        regs = {n: torch.zeros(16, dtype=torch.uint8) for n in REGIONS}  # never run: only recorded
         remote.pack(sp, st, x, torch.zeros(T, K, dtype=torch.int64), torch.zeros(T, K), regs["disp_send"])
         remote.fill_count_matrix(sp, st, regs["round1"])
         ex = torch.zeros(sp.expert_capacity * (E // R if layout == "masked" else 1), H,

@@ -36,7 +36,8 @@ def light_import(module: str = "proxy.native"):
     if "moe_ep" in sys.modules:
         return importlib.import_module("moe_ep." + module)
     light = "_moe_ep_light"
-    for name, path in ((light, os.path.join(ROOT, "moe_ep")), (light + ".proxy", os.path.join(ROOT, "moe_ep", "proxy"))):
+    for name, path in ((light, os.path.join(ROOT, "moe_ep")), (light + ".proxy", os.path.join(ROOT, "moe_ep", "proxy")),
+                       (light + ".internode", os.path.join(ROOT, "moe_ep", "internode"))):
         if name not in sys.modules:
             m = types.ModuleType(name)
             m.__path__ = [path]
@@ -225,7 +226,7 @@ def test_verbs_missing_device_names_it():
 
 
 def test_select_transport():
-    from moe_ep.proxy.session import select_transport
+    from moe_ep.internode.session import select_transport
 
     assert select_transport("tcp") == ("tcp", "MOE_EP_TRANSPORT=tcp")
     efa_ok, _ = N.efa_probe()

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from .common import ERR_BAD_EXPERT, PHASE_DISPATCH, record_error
-from .remote import _first_on_rank
+from .tiles import first_on_rank
 
 
 @triton.jit(do_not_specialize=['T', 'BT'])
@@ -43,7 +43,7 @@ def route_hist_kernel(
     tl.store(hist_ptr + ee * CMAX + c, h, mask=ee < E)
     if ROWS:  # one count per (token, node peer): its first selection on the peer counts
         dst = tl.where(valid, ids // EL - NODE0, -1)
-        first = _first_on_rank(dst, kk) & (dst < N)
+        first = first_on_rank(dst, kk) & (dst < N)
         hn = tl.histogram(tl.reshape(tl.where(first, dst, 0), [BLOCK_T * BLOCK_K]), BLOCK_N,
                           mask=tl.reshape(first, [BLOCK_T * BLOCK_K]))
         nn = tl.arange(0, BLOCK_N)

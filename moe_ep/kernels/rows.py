@@ -14,8 +14,7 @@ from ``x`` (and its combine's from ``expert_y``), which halves the bytes moved a
 import triton
 import triton.language as tl
 
-from .common import ERR_CAPACITY, PHASE_DISPATCH, landed_chunk, own_rows_in_blocks, ptr_at, record_error, store_own_rows
-from .remote import _excl, _pick, received_counts, received_row
+from .common import landed_chunk, own_rows_in_blocks, ptr_at, store_own_rows
 
 
 @triton.jit
@@ -117,70 +116,3 @@ def recv_rows_chunk(v, vs, s, c, ws, hdr, rows_from_ptr, x_ptr, xs_ptr, out_x_pt
                 bm = has[:, None] & (bb[None, :] < NB)
                 sv = tl.load(src[:, None].to(tl.pointer_type(tl.float32)) + H // 4 + bb[None, :], mask=bm)
                 tl.store(out_s_ptr + r[:, None] * NB + bb[None, :], sv, mask=bm)
-
-
-@triton.jit
-def remote_unpack_rows_kernel(
-    round1_ptr,        # uint8: round-1 region, [2][R][HDR + PCAP*RB]
-    overflow_ptr,      # uint8: overflow region, [2][OVCAP*RB]
-    rows_from_ptr,     # int32 [R]: rows each source sends this rank (remote_sel_kernel)
-    out_x_ptr,         # int32 view of expert_x: [R*M, W]
-    out_s_ptr,         # float32 [R*M, NB] expert_scales (FP8 only)
-    ids_ptr,           # int32 [R*M, K]: out, local expert ids of each row (-1: another rank's)
-    wts_ptr,           # float32 [R*M, K]: out, their weights (0 where the id is -1)
-    src_ptr,           # int32 [R*M]: out, source rank * M + source token
-    rpos_ptr,          # int32 [ROWS, K]: out, [g, 0] = the row of received row g (combine order)
-    recv_rows_ptr,     # int32 [R]: out, rows received from each remote source (0 for the others)
-    err_ptr,           # int64 [8]
-    epoch_ptr,         # int64 [1]
-    RANK: tl.constexpr, R: tl.constexpr, G: tl.constexpr, M: tl.constexpr, K: tl.constexpr, H: tl.constexpr,
-    W: tl.constexpr, NB: tl.constexpr, PW: tl.constexpr, RB: tl.constexpr, HDR: tl.constexpr,
-    PCAP: tl.constexpr, OVCAP: tl.constexpr, ROWS: tl.constexpr, FP8: tl.constexpr, BLOCK_RW: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_NB: tl.constexpr,
-):
-    """Rows layout, receive side of the inter-node path: remote source ``s``'s row ``i`` (token
-    order, as packed) becomes row ``rows of every source below s + i``, the intranode order
-    (source rank, source token) over all sources."""
-    pid = tl.program_id(0)
-    P = tl.num_programs(0)
-    SLOT: tl.constexpr = HDR + PCAP * RB
-    par = tl.load(epoch_ptr) & 1
-    r1w = round1_ptr.to(tl.pointer_type(tl.int32))
-    ovw = overflow_ptr.to(tl.pointer_type(tl.int32))
-    rr = tl.arange(0, BLOCK_R)
-    c, ovoff, goff = received_counts(r1w, par, rr, RANK, R, G, SLOT, PCAP)
-    first = _excl(tl.load(rows_from_ptr + rr, mask=rr < R, other=0))  # first output row of each source
-    if tl.sum(c) > ROWS:  # more than the combine send buffer holds (the proxy refuses it too)
-        record_error(err_ptr, ERR_CAPACITY, -1, PHASE_DISPATCH, tl.load(epoch_ptr), tl.sum(c))
-    if pid == 0:
-        tl.store(recv_rows_ptr + rr, c, mask=rr < R)
-    ii = tl.arange(0, BLOCK_RW)
-    kk = tl.arange(0, BLOCK_K)
-    for s in range(R):
-        n = _pick(c, rr, s)
-        ov0 = _pick(ovoff, rr, s)
-        g0 = _pick(goff, rr, s)
-        o0 = _pick(first, rr, s)
-        for b in range(pid, tl.cdiv(n, BLOCK_RW), P):
-            i = b * BLOCK_RW + ii
-            g = g0 + i
-            src, im = received_row(r1w=r1w, ovw=ovw, par=par, s=s, i=i, n=n, g=g, ov0=ov0, R=R, SLOT=SLOT, HDR=HDR,
-                                   RB=RB, PCAP=PCAP, OVCAP=OVCAP, ROWS=ROWS)
-            m2 = im[:, None] & (kk[None, :] < K)
-            tok = tl.load(src + PW, mask=im, other=0)
-            lid = tl.load(src[:, None] + PW + 1 + kk[None, :], mask=m2, other=-1)
-            wt = tl.load(src[:, None] + PW + 1 + 2 * K + kk[None, :], mask=m2, other=0).to(tl.float32, bitcast=True)
-            o = (o0 + i).to(tl.int64)
-            tl.store(ids_ptr + o[:, None] * K + kk[None, :], lid, mask=m2)
-            tl.store(wts_ptr + o[:, None] * K + kk[None, :], tl.where(lid >= 0, wt, 0.0), mask=m2)
-            tl.store(src_ptr + o, s * M + tok, mask=im)
-            tl.store(rpos_ptr + g * K, o.to(tl.int32), mask=im)
-            for w0 in range(0, W, BLOCK_W):
-                ww = w0 + tl.arange(0, BLOCK_W)
-                wm = im[:, None] & (ww[None, :] < W)
-                tl.store(out_x_ptr + o[:, None] * W + ww[None, :], tl.load(src[:, None] + ww[None, :], mask=wm), mask=wm)
-            if FP8:
-                bb = tl.arange(0, BLOCK_NB)
-                bm = im[:, None] & (bb[None, :] < NB)
-                sv = tl.load(src[:, None].to(tl.pointer_type(tl.float32)) + H // 4 + bb[None, :], mask=bm)
-                tl.store(out_s_ptr + o[:, None] * NB + bb[None, :], sv, mask=bm)

@@ -2,9 +2,8 @@
 
 ``native``: the native engine (csrc/proxy) through ctypes: ``ImmCounter``, the transports
 (``Engine``; ``TcpTransport``, ``VerbsTransport``, ``EfaTransport``) and the §10 ``Proxy`` driven
-by mailbox words (``MAILBOX``). ``session``: a rank's proxy from an ``EPGroup`` (transport
-selection, endpoint exchange), which ``EPBuffer`` starts when ``node_size < world_size``
-(``moe_ep.internode``). ``nic``: the NIC nearest a GPU. ``identity``: the job identity every
+by mailbox words (``MAILBOX``), which ``EPBuffer`` starts through ``moe_ep.internode.session`` when
+``node_size < world_size``. ``nic``: the NIC nearest a GPU. ``identity``: the job identity every
 connection is checked against.
 """
 from .identity import JobIdentity

@@ -24,9 +24,10 @@ from typing import Optional
 
 import torch
 
-from . import remote as R_
-from .errors import BufferBrokenError
-from .proxy.session import default_private_capacity, start_proxy
+from ..errors import BufferBrokenError
+from . import launches as R_
+from .session import default_private_capacity, start_proxy
+from .spec import REGIONS, RemoteSpec, RemoteState
 
 
 class RemotePath:
@@ -39,12 +40,12 @@ class RemotePath:
         private_capacity = min(private_capacity, M)
         if overflow_capacity is None:
             overflow_capacity = (R - G) * (M - private_capacity)
-        self.spec = R_.RemoteSpec(rank=buf.rank, world=R, node_size=G, num_experts=buf.num_experts, topk=buf.topk,
+        self.spec = RemoteSpec(rank=buf.rank, world=R, node_size=G, num_experts=buf.num_experts, topk=buf.topk,
                                   hidden=buf.hidden, max_tokens=M, fp8=buf.fp8, private_capacity=private_capacity,
                                   overflow_capacity=overflow_capacity, layout=buf.layout,
                                   expert_alignment=buf.expert_alignment,
                                   masked_capacity=buf.capacity if buf.layout == "masked" else None)
-        self.state = R_.RemoteState(self.spec, buf.device)
+        self.state = RemoteState(self.spec, buf.device)
         kw = {k: v for k, v in self.spec.proxy_kwargs().items() if k != "node_size"}
         self.gpu = buf.device.type == "cuda"
         regions = mailbox = None
@@ -55,7 +56,7 @@ class RemotePath:
             mailbox = self.mailbox.numpy()
         self.proxy = start_proxy(g, timeout_s=buf.timeout_s, regions=regions, mailbox=mailbox, **kw)
         if not self.gpu:  # the proxy allocated numpy arrays; the kernels see the same memory as tensors
-            regions = {n: torch.from_numpy(getattr(self.proxy, n)) for n in R_.REGIONS}
+            regions = {n: torch.from_numpy(getattr(self.proxy, n)) for n in REGIONS}
             self.mailbox = torch.from_numpy(self.proxy.mailbox)
         self.regions = regions
         self.timeout_s = buf.timeout_s

@@ -9,7 +9,7 @@ Mailbox words (int64, ``moe_ep.proxy.native.MAILBOX``): 0 dispatch doorbell, 1 d
 import triton
 import triton.language as tl
 
-from .common import ERR_PROXY, ERR_TIMEOUT, deadline_start, record_error
+from ..kernels.common import ERR_PROXY, ERR_TIMEOUT, deadline_start, record_error
 
 MB_ERR_CODE = tl.constexpr(4)
 MB_ERR_PEER = tl.constexpr(5)

@@ -1,7 +1,7 @@
 """Kernels of the inter-node path (docs/ARCHITECTURE.md §10): pack rows for remote peers into the
 proxy's send buffer, expand what the proxy delivered, and the combine rows both ways.
 
-Remote row (``RB`` bytes, a multiple of 16; ``moe_ep.remote.RemoteSpec``): payload (bf16 ``H``
+Remote row (``RB`` bytes, a multiple of 16; ``moe_ep.internode.spec.RemoteSpec``): payload (bf16 ``H``
 elements, or fp8 ``H`` bytes + ``NB`` float32 scales) at word 0, then the trailer at word ``PW``
 (= payload bytes / 4): ``[token, lid[K], j[K], w[K]]`` int32 (``w`` as float32 bits): the source
 token index, per k the local expert id at the destination (-1: not for it), the position ``j``
@@ -14,71 +14,16 @@ Launches (every grid is fixed by the host, no program waits for another of its l
   remote_unpack_kernel     grid P: remote sources' rows -> expert layout, recv_pos of each received row
   remote_combine_pack_kernel    grid P: one pre-reduced bf16 row per received row -> combine send buffer
   remote_combine_unpack_kernel  grid P: out[t] = base[t] + the partial rows of t's remote owners
+  remote_unpack_rows_kernel     grid P: the rows layout's receive side (one row per source token)
 The epoch (for the parity copies of the regions peers write) is read on the device from
 ``epoch_ptr``, so the launches replay in a CUDA graph.
 """
 import triton
 import triton.language as tl
 
-from .common import (ERR_BAD_EXPERT, ERR_CAPACITY, PHASE_DISPATCH, payload_cols, payload_tile, pre_reduce,
-                     record_error, scale_ptr, to_bf16)
-
-
-@triton.jit
-def _excl(v):
-    """Exclusive prefix sum of a 1-D tensor."""
-    return tl.cumsum(v, 0) - v
-
-
-@triton.jit
-def _pick(v, rr, i):
-    """``v[i]`` of a 1-D register tensor indexed by ``rr`` (a scalar; 0 when out of range)."""
-    return tl.sum(tl.where(rr == i, v, 0), axis=0)
-
-
-@triton.jit
-def _gather(v, ee, idx):
-    """``v[idx]`` for a 2-D index tile into a 1-D register tensor indexed by ``ee`` (0 where idx is
-    out of range): a compare-and-sum, since registers cannot be indexed and scratch memory would
-    need a barrier between programs."""
-    return tl.sum(tl.where(idx[:, :, None] == ee[None, None, :], v[None, None, :], 0), axis=2)
-
-
-@triton.jit
-def _chunk_sum(hist_ptr, row, rmask, upto, CMAX: tl.constexpr, BLOCK_C: tl.constexpr):
-    """``sum(hist[row, :upto])`` per entry of the 1-D ``row`` (int32)."""
-    cc = tl.arange(0, BLOCK_C)
-    acc = tl.zeros(row.shape, tl.int32)
-    for c0 in range(0, upto, BLOCK_C):
-        m = rmask[:, None] & (c0 + cc[None, :] < upto)
-        acc += tl.sum(tl.load(hist_ptr + row[:, None] * CMAX + c0 + cc[None, :], mask=m, other=0), axis=1)
-    return acc
-
-
-@triton.jit
-def _routing(topk_ptr, t, tm, E: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(expert ids [rows, BLOCK_K] with out-of-range ones as -1, count of out-of-range ids) of the
-    tokens ``t`` (rows with ``tm`` false, and k >= K, read as -1)."""
-    kk = tl.arange(0, BLOCK_K)
-    m2 = tm[:, None] & (kk[None, :] < K)
-    ids = tl.load(topk_ptr + t[:, None] * K + kk[None, :], mask=m2, other=-1).to(tl.int32)
-    bad = tl.sum((m2 & ((ids < -1) | (ids >= E))).to(tl.int32))
-    return tl.where(m2 & (ids >= 0) & (ids < E), ids, -1), bad
-
-
-@triton.jit
-def _first_on_rank(dst, kk):
-    """[T, K] bool: selection k is the token's first on its rank ``dst`` (>= 0): one row per
-    (token, destination rank)."""
-    dup = tl.max(((dst[:, :, None] == dst[:, None, :]) & (kk[None, None, :] < kk[None, :, None])).to(tl.int32),
-                 axis=2) > 0
-    return (dst >= 0) & (dup == 0)
-
-
-@triton.jit
-def _col(v, kk, k):
-    """Column ``k`` of a [rows, BLOCK_K] tile."""
-    return tl.sum(tl.where(kk[None, :] == k, v, 0), axis=1)
+from ..kernels.common import (ERR_BAD_EXPERT, ERR_CAPACITY, PHASE_DISPATCH, payload_cols, payload_tile, pre_reduce,
+                              record_error, scale_ptr, to_bf16)
+from ..kernels.tiles import chunk_sum, col, excl, first_on_rank, gather, load_routing, pick
 
 
 @triton.jit(do_not_specialize=['T', 'BT'])
@@ -98,7 +43,7 @@ def remote_count_kernel(
     kk = tl.arange(0, BLOCK_K)
     t = c * BT + tt
     tm = (tt < BT) & (t < T)
-    ids, bad = _routing(topk_ptr, t, tm, E, K, BLOCK_K)
+    ids, bad = load_routing(topk_ptr, t, tm, E, K, BLOCK_K)
     if bad > 0:
         record_error(err_ptr, ERR_BAD_EXPERT, -1, PHASE_DISPATCH, tl.load(epoch_ptr), bad)
     valid = ids >= 0
@@ -106,7 +51,7 @@ def remote_count_kernel(
     ee = tl.arange(0, BLOCK_E)
     tl.store(ehist_ptr + ee * CMAX + c, eh, mask=ee < E)
     dst = tl.where(valid, ids // EL, -1)
-    first = _first_on_rank(dst, kk)
+    first = first_on_rank(dst, kk)
     rh = tl.histogram(tl.reshape(tl.where(first, dst, 0), [S]), BLOCK_R, mask=tl.reshape(first, [S]))
     rr = tl.arange(0, BLOCK_R)
     tl.store(rhist_ptr + rr * CMAX + c, rh, mask=rr < R)
@@ -141,13 +86,13 @@ def remote_pack_kernel(
     km = kk < K
     words = send_ptr.to(tl.pointer_type(tl.int32))
     # Every program derives the whole layout from the chunk histograms (no program waits for another).
-    cnt = _chunk_sum(rhist_ptr, rr, rmask, NC, CMAX, BLOCK_C)
+    cnt = chunk_sum(rhist_ptr, rr, rmask, NC, CMAX, BLOCK_C)
     remote = rmask & (rr // G != RANK // G)
     rows = tl.where(remote, cnt, 0)
     # Offsets in 16-byte units (HDR and RB are multiples of 16): an address formed as ``units * 16``
     # is known to be 16-byte aligned, so row stores become 16-byte vectors.
     seg = tl.where(rmask & (rr != RANK), HDR // 16 + rows.to(tl.int64) * (RB // 16), 0)
-    off = _excl(seg)                                                        # [HDR_p | rows_p] of each peer
+    off = excl(seg)                                                        # [HDR_p | rows_p] of each peer
     total = tl.sum(rows)
     if total > MAXROWS:
         record_error(err_ptr, ERR_CAPACITY, -1, PHASE_DISPATCH, tl.load(epoch_ptr), total)
@@ -158,22 +103,22 @@ def remote_pack_kernel(
     SEND16: tl.constexpr = ((R - 1) * HDR + MAXROWS * RB) // 16
     ee = tl.arange(0, BLOCK_EL)
     for d in range(pid, R, P):
-        if (d != RANK) & (_pick(off, rr, d) + HDR // 16 <= SEND16):
-            hp = words + _pick(off, rr, d) * 4
+        if (d != RANK) & (pick(off, rr, d) + HDR // 16 <= SEND16):
+            hp = words + pick(off, rr, d) * 4
             tl.store(hp + rr, cnt, mask=rmask)
-            ecnt = _chunk_sum(ehist_ptr, d * EL + ee, ee < EL, NC, CMAX, BLOCK_C)
+            ecnt = chunk_sum(ehist_ptr, d * EL + ee, ee < EL, NC, CMAX, BLOCK_C)
             tl.store(hp + R + ee, ecnt, mask=ee < EL)
     tt = tl.arange(0, BLOCK_T)
     ff = tl.arange(0, S)
     for c in range(pid, NC, P):
         t = c * BT + tt
         tm = (tt < BT) & (t < T)
-        ids, bad = _routing(topk_ptr, t, tm, E, K, BLOCK_K)
+        ids, bad = load_routing(topk_ptr, t, tm, E, K, BLOCK_K)
         w = tl.load(w_ptr + t[:, None] * K + kk[None, :], mask=tm[:, None] & km[None, :], other=0.0)
         # Position j of each selection among this rank's selections of its expert (order (token, k)):
         # earlier chunks from the histogram, plus earlier selections of this chunk.
         idf = tl.reshape(ids, (S,))
-        pre = _chunk_sum(ehist_ptr, idf, idf >= 0, c, CMAX, BLOCK_C)
+        pre = chunk_sum(ehist_ptr, idf, idf >= 0, c, CMAX, BLOCK_C)
         within = tl.sum(((idf[:, None] == idf[None, :]) & (ff[None, :] < ff[:, None])).to(tl.int32), axis=1)
         j = tl.reshape(pre + within, (BLOCK_T, BLOCK_K))
         dst = tl.where(ids >= 0, ids // EL, -1)
@@ -181,7 +126,7 @@ def remote_pack_kernel(
         # Row of token t in rows_p: rows to p from earlier chunks + earlier tokens of this chunk.
         # (A compare-and-sum, not tl.cumsum: a scan over a tile this small fails to lower for sm_90.)
         before = tl.sum(tl.where(tt[None, :, None] < tt[:, None, None], go[None, :, :], 0), axis=1)
-        pos = _chunk_sum(rhist_ptr, rr, rmask, c, CMAX, BLOCK_C)[None, :] + before
+        pos = chunk_sum(rhist_ptr, rr, rmask, c, CMAX, BLOCK_C)[None, :] + before
         send = (go > 0) & remote[None, :] & tm[:, None]
         tl.store(send_pos_ptr + t[:, None] * R + rr[None, :], tl.where(send, pos, -1),
                  mask=tm[:, None] & rmask[None, :])
@@ -193,11 +138,11 @@ def remote_pack_kernel(
         hit = rr[None, None, :] == dst[:, :, None]
         # (Multiplied by 4 only after each column is extracted: a reduction loses the alignment.)
         rowk = tl.sum(tl.where(hit, row16[:, None, :], 0), axis=2)
-        okk = _first_on_rank(dst, kk) & (tl.max(tl.where(hit, ok[:, None, :].to(tl.int32), 0), axis=2) > 0)
+        okk = first_on_rank(dst, kk) & (tl.max(tl.where(hit, ok[:, None, :].to(tl.int32), 0), axis=2) > 0)
         for k in tl.static_range(K):
-            okd = _col(okk.to(tl.int32), kk, k) > 0
-            dk = _col(dst, kk, k)
-            tw = words + _col(rowk, kk, k) * 4 + PW
+            okd = col(okk.to(tl.int32), kk, k) > 0
+            dk = col(dst, kk, k)
+            tw = words + col(rowk, kk, k) * 4 + PW
             tl.store(tw, t, mask=okd)
             m2 = okd[:, None] & km[None, :]
             tl.store(tw[:, None] + 1 + kk[None, :], tl.where(dst == dk[:, None], ids - dk[:, None] * EL, -1), mask=m2)
@@ -209,8 +154,8 @@ def remote_pack_kernel(
             q, sc = payload_tile(x_ptr=x_ptr, xs_ptr=xs_ptr, t=t, hh=hh, hm=hm, bb=bb, bm=bm, H=H, NB=NB, FP8=FP8,
                                  PREQ=PREQ, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, INTERP=INTERP)
             for k in tl.static_range(K):
-                okd = _col(okk.to(tl.int32), kk, k) > 0
-                rw = _col(rowk, kk, k) * 4
+                okd = col(okk.to(tl.int32), kk, k) > 0
+                rw = col(rowk, kk, k) * 4
                 if FP8:
                     tl.store(send_ptr + rw[:, None] * 4 + hh[None, :], q, mask=hm & okd[:, None])
                     tl.store((words + rw + H // 4)[:, None].to(tl.pointer_type(tl.float32)) + bb[None, :], sc,
@@ -240,8 +185,8 @@ def remote_sel_kernel(
     one = tl.arange(0, 2)
     for s in range(R):
         if s == RANK:
-            v = _chunk_sum(ehist_ptr, RANK * EL + ee, em, NC, CMAX, BLOCK_C)
-            n = _chunk_sum(rhist_ptr, RANK + one * 0, one < 1, NC, CMAX, BLOCK_C)
+            v = chunk_sum(ehist_ptr, RANK * EL + ee, em, NC, CMAX, BLOCK_C)
+            n = chunk_sum(rhist_ptr, RANK + one * 0, one < 1, NC, CMAX, BLOCK_C)
         else:
             v = tl.load(words + ((par * R + s) * SLOT) // 4 + R + ee, mask=em, other=0)
             n = tl.load(words + ((par * R + s) * SLOT) // 4 + RANK + one * 0, mask=one < 1, other=0)
@@ -257,7 +202,7 @@ def received_counts(r1w, par, rr, RANK: tl.constexpr, R: tl.constexpr, G: tl.con
     received-row index in combine order of each. ``r1w``: the round-1 region as int32 words."""
     remote = (rr < R) & (rr // G != RANK // G)
     c = tl.load(r1w + ((par * R + rr) * SLOT) // 4 + RANK, mask=remote, other=0)
-    return c, _excl(tl.maximum(c - PCAP, 0)), _excl(c)
+    return c, excl(tl.maximum(c - PCAP, 0)), excl(c)
 
 
 @triton.jit
@@ -322,7 +267,7 @@ def remote_unpack_kernel(
         tot += tl.load(sel_ptr + s * EL + ee, mask=em, other=0)
     if PACKED:
         padded = (tot + ALIGN - 1) // ALIGN * ALIGN
-        eoff = _excl(padded)
+        eoff = excl(padded)
         over = tl.sum(padded) > CAP
     else:
         eoff = ee * CAP
@@ -339,9 +284,9 @@ def remote_unpack_kernel(
     kk = tl.arange(0, BLOCK_K)
     below = tl.zeros((BLOCK_EL,), tl.int32)    # rows of each expert from sources below s
     for s in range(R):
-        n = _pick(c, rr, s)
-        ov0 = _pick(ovoff, rr, s)
-        g0 = _pick(goff, rr, s)
+        n = pick(c, rr, s)
+        ov0 = pick(ovoff, rr, s)
+        g0 = pick(goff, rr, s)
         for b in range(pid, tl.cdiv(n, BLOCK_RW), P):
             i = b * BLOCK_RW + ii
             g = g0 + i
@@ -353,12 +298,12 @@ def remote_unpack_kernel(
             wt = tl.load(src[:, None] + PW + 1 + 2 * K + kk[None, :], mask=m2, other=0).to(tl.float32, bitcast=True)
             valid = m2 & (lid >= 0) & (lid < EL)
             # Order (source rank, token, k): rows of the expert from lower sources, then j.
-            pos = _gather(below, ee, lid) + j
+            pos = gather(below, ee, lid) + j
             if PACKED:
-                valid = valid & (_gather(eoff, ee, lid) + pos < CAP)
+                valid = valid & (gather(eoff, ee, lid) + pos < CAP)
             else:
                 valid = valid & (pos < CAP)
-            r = tl.where(valid, _gather(eoff, ee, lid) + pos, -1)
+            r = tl.where(valid, gather(eoff, ee, lid) + pos, -1)
             tl.store(rpos_ptr + g[:, None] * K + kk[None, :], r, mask=m2)
             tl.store(rw_ptr + g[:, None] * K + kk[None, :], tl.where(valid, wt, 0.0), mask=m2)
             r = r.to(tl.int64)
@@ -446,25 +391,25 @@ def remote_combine_unpack_kernel(
     rmask = rr < R
     remote = rmask & (rr // G != RANK // G)
     # Owner p's rows start at sum of c_{RANK,p'} over remote p' < p, in the epoch's parity copy.
-    roff = _excl(tl.where(remote, tl.load(send_counts_ptr + rr, mask=rmask, other=0), 0))
+    roff = excl(tl.where(remote, tl.load(send_counts_ptr + rr, mask=rmask, other=0), 0))
     tt = tl.arange(0, BLOCK_T)
     kk = tl.arange(0, BLOCK_K)
     for c in range(pid, tl.cdiv(T, BLOCK_T), P):
         t = c * BLOCK_T + tt
         tm = t < T
-        ids, bad = _routing(topk_ptr, t, tm, E, K, BLOCK_K)
+        ids, bad = load_routing(topk_ptr, t, tm, E, K, BLOCK_K)
         dst = tl.where(ids >= 0, ids // EL, -1)
         # One partial row per (token, remote owner): found through the token's first selection on
         # that owner, so the loop runs over K selections, not R ranks.
         hit = rr[None, None, :] == dst[:, :, None]
-        use = _first_on_rank(dst, kk) & (tl.max(tl.where(hit, remote[None, None, :].to(tl.int32), 0), axis=2) > 0)
+        use = first_on_rank(dst, kk) & (tl.max(tl.where(hit, remote[None, None, :].to(tl.int32), 0), axis=2) > 0)
         sp = tl.load(send_pos_ptr + t[:, None] * R + dst, mask=use, other=-1)
         row = tl.sum(tl.where(hit, roff[None, None, :], 0), axis=2) + sp
         row = tl.where(use & (sp >= 0), par * MAXROWS + row, -1).to(tl.int64)
         if WOUT:
             wacc = tl.load(wout_ptr + t[:, None] * K + kk[None, :], mask=tm[:, None] & (kk[None, :] < K), other=0.0)
             for k in tl.static_range(K):
-                rk = _col(row, kk, k)
+                rk = col(row, kk, k)
                 wrow = (comb_recv_ptr + rk * CRB + 2 * H).to(tl.pointer_type(tl.float32))
                 wacc += tl.load(wrow[:, None] + kk[None, :], mask=(tm & (rk >= 0))[:, None] & (kk[None, :] < K),
                                 other=0.0)
@@ -477,10 +422,77 @@ def remote_combine_unpack_kernel(
             else:
                 acc = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)
             for k in tl.static_range(K):
-                rk = _col(row, kk, k)
+                rk = col(row, kk, k)
                 acc += tl.load(comb + rk[:, None] * (CRB // 2) + hh[None, :], mask=hm & (rk[:, None] >= 0),
                                other=0.0).to(tl.float32)
             if OUT_F32:
                 tl.store(out_ptr + t[:, None] * H + hh[None, :], acc, mask=hm)
             else:
                 tl.store(out_ptr + t[:, None] * H + hh[None, :], to_bf16(acc, INTERP), mask=hm)
+
+
+@triton.jit
+def remote_unpack_rows_kernel(
+    round1_ptr,        # uint8: round-1 region, [2][R][HDR + PCAP*RB]
+    overflow_ptr,      # uint8: overflow region, [2][OVCAP*RB]
+    rows_from_ptr,     # int32 [R]: rows each source sends this rank (remote_sel_kernel)
+    out_x_ptr,         # int32 view of expert_x: [R*M, W]
+    out_s_ptr,         # float32 [R*M, NB] expert_scales (FP8 only)
+    ids_ptr,           # int32 [R*M, K]: out, local expert ids of each row (-1: another rank's)
+    wts_ptr,           # float32 [R*M, K]: out, their weights (0 where the id is -1)
+    src_ptr,           # int32 [R*M]: out, source rank * M + source token
+    rpos_ptr,          # int32 [ROWS, K]: out, [g, 0] = the row of received row g (combine order)
+    recv_rows_ptr,     # int32 [R]: out, rows received from each remote source (0 for the others)
+    err_ptr,           # int64 [8]
+    epoch_ptr,         # int64 [1]
+    RANK: tl.constexpr, R: tl.constexpr, G: tl.constexpr, M: tl.constexpr, K: tl.constexpr, H: tl.constexpr,
+    W: tl.constexpr, NB: tl.constexpr, PW: tl.constexpr, RB: tl.constexpr, HDR: tl.constexpr,
+    PCAP: tl.constexpr, OVCAP: tl.constexpr, ROWS: tl.constexpr, FP8: tl.constexpr, BLOCK_RW: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_NB: tl.constexpr,
+):
+    """Rows layout, receive side of the inter-node path: remote source ``s``'s row ``i`` (token
+    order, as packed) becomes row ``rows of every source below s + i``, the intranode order
+    (source rank, source token) over all sources."""
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    SLOT: tl.constexpr = HDR + PCAP * RB
+    par = tl.load(epoch_ptr) & 1
+    r1w = round1_ptr.to(tl.pointer_type(tl.int32))
+    ovw = overflow_ptr.to(tl.pointer_type(tl.int32))
+    rr = tl.arange(0, BLOCK_R)
+    c, ovoff, goff = received_counts(r1w, par, rr, RANK, R, G, SLOT, PCAP)
+    first = excl(tl.load(rows_from_ptr + rr, mask=rr < R, other=0))  # first output row of each source
+    if tl.sum(c) > ROWS:  # more than the combine send buffer holds (the proxy refuses it too)
+        record_error(err_ptr, ERR_CAPACITY, -1, PHASE_DISPATCH, tl.load(epoch_ptr), tl.sum(c))
+    if pid == 0:
+        tl.store(recv_rows_ptr + rr, c, mask=rr < R)
+    ii = tl.arange(0, BLOCK_RW)
+    kk = tl.arange(0, BLOCK_K)
+    for s in range(R):
+        n = pick(c, rr, s)
+        ov0 = pick(ovoff, rr, s)
+        g0 = pick(goff, rr, s)
+        o0 = pick(first, rr, s)
+        for b in range(pid, tl.cdiv(n, BLOCK_RW), P):
+            i = b * BLOCK_RW + ii
+            g = g0 + i
+            src, im = received_row(r1w=r1w, ovw=ovw, par=par, s=s, i=i, n=n, g=g, ov0=ov0, R=R, SLOT=SLOT, HDR=HDR,
+                                   RB=RB, PCAP=PCAP, OVCAP=OVCAP, ROWS=ROWS)
+            m2 = im[:, None] & (kk[None, :] < K)
+            tok = tl.load(src + PW, mask=im, other=0)
+            lid = tl.load(src[:, None] + PW + 1 + kk[None, :], mask=m2, other=-1)
+            wt = tl.load(src[:, None] + PW + 1 + 2 * K + kk[None, :], mask=m2, other=0).to(tl.float32, bitcast=True)
+            o = (o0 + i).to(tl.int64)
+            tl.store(ids_ptr + o[:, None] * K + kk[None, :], lid, mask=m2)
+            tl.store(wts_ptr + o[:, None] * K + kk[None, :], tl.where(lid >= 0, wt, 0.0), mask=m2)
+            tl.store(src_ptr + o, s * M + tok, mask=im)
+            tl.store(rpos_ptr + g * K, o.to(tl.int32), mask=im)
+            for w0 in range(0, W, BLOCK_W):
+                ww = w0 + tl.arange(0, BLOCK_W)
+                wm = im[:, None] & (ww[None, :] < W)
+                tl.store(out_x_ptr + o[:, None] * W + ww[None, :], tl.load(src[:, None] + ww[None, :], mask=wm), mask=wm)
+            if FP8:
+                bb = tl.arange(0, BLOCK_NB)
+                bm = im[:, None] & (bb[None, :] < NB)
+                sv = tl.load(src[:, None].to(tl.pointer_type(tl.float32)) + H // 4 + bb[None, :], mask=bm)
+                tl.store(out_s_ptr + o[:, None] * NB + bb[None, :], sv, mask=bm)

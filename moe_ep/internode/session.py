@@ -20,9 +20,9 @@ import os
 import socket
 from typing import TYPE_CHECKING, Callable, Optional
 
-from . import nic as _nic
-from .identity import agree_identity
-from .native import (EfaTransport, Engine, NativeError, Proxy, TcpTransport, VerbsTransport, efa_probe,
+from ..proxy import nic as _nic
+from ..proxy.identity import agree_identity
+from ..proxy.native import (EfaTransport, Engine, NativeError, Proxy, TcpTransport, VerbsTransport, efa_probe,
                      verbs_probe)
 
 if TYPE_CHECKING:  # not at run time: moe_ep.doctor uses this module without torch

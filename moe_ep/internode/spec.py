@@ -1,0 +1,166 @@
+"""Shapes and device state of one rank's inter-node path (docs/ARCHITECTURE.md §10, "Remote row
+format"): ``RemoteSpec`` (row format, header, region sizes; what the proxy must agree with) and
+``RemoteState`` (the device tensors the kernels keep from dispatch to combine)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..fp8 import num_scale_blocks
+from ..layout import max_chunks
+
+REGIONS = ("disp_send", "round1", "overflow", "comb_send", "comb_recv")  # the proxy's registration order
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class RemoteSpec:
+    """One rank's shapes for the inter-node path.
+
+    ``rank``/``world`` R/``node_size`` G; ``num_experts`` E (``EL = E / R`` local); ``topk`` K;
+    ``hidden`` H (a multiple of 16); ``max_tokens`` M; ``fp8`` (fp8 dispatch, quantized in-kernel);
+    ``private_capacity`` (rows per source in the round-1 slot), ``overflow_capacity``;
+    ``max_send_rows`` (rows in the send buffer; default ``M * min(K, R - G)``: a token sends one
+    row per destination rank, and its K selections reach at most K remote ranks);
+    ``layout`` ``"masked"``/``"packed"``/``"rows"`` and ``expert_alignment`` as in ``EPBuffer``.
+    """
+
+    rank: int
+    world: int
+    node_size: int
+    num_experts: int
+    topk: int
+    hidden: int
+    max_tokens: int
+    fp8: bool
+    private_capacity: int
+    overflow_capacity: int
+    max_send_rows: Optional[int] = None
+    layout: str = "masked"
+    expert_alignment: int = 1
+    masked_capacity: Optional[int] = None  # masked: rows per expert when not R * M (EPBuffer's expert_capacity)
+
+    def __post_init__(self):
+        if self.world % self.node_size or self.num_experts % self.world or self.hidden % 16:
+            raise ValueError("RemoteSpec: node_size must divide world, world num_experts, 16 hidden")
+        if self.max_send_rows is None:
+            object.__setattr__(self, "max_send_rows", min(self.topk, self.n_remote) * self.max_tokens)
+
+    # -------------------------------------------------------------- the row format
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.world
+
+    @property
+    def n_remote(self) -> int:
+        """Ranks on other nodes."""
+        return self.world - self.node_size
+
+    def remote(self, p: int) -> bool:
+        return p // self.node_size != self.rank // self.node_size
+
+    @property
+    def num_scale_blocks(self) -> int:
+        return num_scale_blocks(self.hidden) if self.fp8 else 0
+
+    @property
+    def payload_bytes(self) -> int:
+        """bf16 ``2H``, or fp8 ``H + 4 * NB`` (H % 16 == 0, so the scales are 4-byte aligned)."""
+        return self.hidden * (1 if self.fp8 else 2) + 4 * self.num_scale_blocks
+
+    @property
+    def trailer_words(self) -> int:
+        """int32 words after the payload: token, lid[K], j[K], w[K] (float32 bits)."""
+        return 1 + 3 * self.topk
+
+    @property
+    def row_bytes(self) -> int:
+        """RB, the proxy's ``row_bytes``: payload + trailer, 16-byte aligned (rows move as 16-byte vectors)."""
+        return _align(self.payload_bytes + 4 * self.trailer_words, 16)
+
+    @property
+    def comb_row_bytes(self) -> int:
+        """One bf16 combine row (rows layout: followed by its K float32 combine weights, 16-byte aligned)."""
+        if self.layout == "rows":
+            return _align(2 * self.hidden + 4 * self.topk, 16)
+        return 2 * self.hidden
+
+    @property
+    def hdr_bytes(self) -> int:
+        """HDR: int32[R] count vector + int32[EL], padded to 16 bytes (the proxy's ``proxy_hdr_bytes``)."""
+        return _align(4 * (self.world + self.num_local_experts), 16)
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.hdr_bytes + self.private_capacity * self.row_bytes
+
+    @property
+    def recv_rows(self) -> int:
+        """The most rows one dispatch delivers from remote sources (the combine send buffer's rows)."""
+        return self.n_remote * self.private_capacity + self.overflow_capacity
+
+    @property
+    def expert_capacity(self) -> int:
+        """Masked: rows per expert (``R * M``, or ``masked_capacity``); packed: rows in all
+        (``R*M*K + EL*(alignment-1)``); rows: rows in all (``R * M``)."""
+        R, M = self.world, self.max_tokens
+        if self.layout == "masked":
+            return self.masked_capacity or R * M
+        if self.layout == "rows":
+            return R * M
+        return R * M * self.topk + self.num_local_experts * (self.expert_alignment - 1)
+
+    def region_bytes(self) -> dict:
+        """Minimum byte size of each proxy region (``moe_ep_proxy_region_bytes``, in ``REGIONS`` order)."""
+        R, hdr, rb, crb = self.world, self.hdr_bytes, self.row_bytes, self.comb_row_bytes
+        return {"disp_send": (R - 1) * hdr + self.max_send_rows * rb,
+                "round1": 2 * R * self.slot_bytes,
+                "overflow": 2 * self.overflow_capacity * rb,
+                "comb_send": self.recv_rows * crb,
+                "comb_recv": 2 * self.max_send_rows * crb}
+
+    def proxy_kwargs(self) -> dict:
+        """The ``moe_ep.proxy.Proxy`` arguments that must agree with these kernels."""
+        return dict(node_size=self.node_size, num_local_experts=self.num_local_experts, row_bytes=self.row_bytes,
+                    comb_row_bytes=self.comb_row_bytes, private_capacity=self.private_capacity,
+                    overflow_capacity=self.overflow_capacity, max_send_rows=self.max_send_rows)
+
+    @property
+    def chunks(self) -> int:
+        """CMAX of the count histograms (``moe_ep.layout.max_chunks``)."""
+        return max_chunks(self.max_tokens)
+
+
+class RemoteState:
+    """Device tensors of one rank's inter-node path (all int32 unless said; on ``device``).
+
+    ``epoch`` int64 [1]: the dispatch epoch of the current call (the kernels read it for the
+    parity copies); ``rhist`` [R, CMAX] / ``ehist`` [E, CMAX]: per chunk, rows per destination rank
+    and selections per global expert; ``send_counts`` [R]: this rank's count vector;
+    ``send_pos`` [M, R]: row of each token in ``rows_p`` (-1: none); ``sel`` [R, EL]: the count
+    matrix (selections of each local expert per source); ``rpos`` [recv_rows, K] / ``rw`` float32
+    [recv_rows, K]: expert-layout row and weight of each received (row, k); ``recv_rows`` [R]: rows
+    received from each remote source; ``rows_from`` [R]: rows (one per token) each source sends
+    this rank (the rows layout's prefix); ``err`` int64 [8] error record.
+    """
+
+    def __init__(self, spec: RemoteSpec, device: torch.device | str = "cpu"):
+        R, E, EL, K, M = spec.world, spec.num_experts, spec.num_local_experts, spec.topk, spec.max_tokens
+        z = lambda *s, dt=torch.int32: torch.zeros(*s, dtype=dt, device=device)  # noqa: E731
+        self.spec = spec
+        self.epoch = z(1, dt=torch.int64)
+        self.rhist, self.ehist = z(R, spec.chunks), z(E, spec.chunks)
+        self.send_counts, self.send_pos = z(R), z(M, R)
+        self.sel = z(R, EL)
+        self.rpos, self.rw = z(max(1, spec.recv_rows), K), z(max(1, spec.recv_rows), K, dt=torch.float32)
+        self.recv_rows = z(R)
+        self.rows_from = z(R)
+        # Error record: pinned host memory on a GPU, so the host reads it without a device sync.
+        self.err = torch.zeros(8, dtype=torch.int64, pin_memory=torch.device(device).type == "cuda")
+        self.err_host = self.err.numpy()  # the same memory: reading it costs no tensor op
+        self.num_chunks = 0  # chunks of the last pack (the host knows T)
