@@ -278,8 +278,10 @@ class EPBuffer:
         # (prefetch_l2); None: the dispatch's rule (own_prefetch_depth). MOE_EP_PREFETCH overrides.
         pf = os.environ.get("MOE_EP_PREFETCH", "")
         self.prefetch = int(pf) if pf else None
-        # Rows layout: N more rows, the tokens of each chunk with a selection on each node peer.
-        self.hist = torch.zeros(num_experts + (N if rows else 0), self.chunks, dtype=torch.int32, device=dev)
+        # Rows layout: N more rows, the tokens of each chunk with a selection on each node peer;
+        # with other nodes, after N such rows, R more, the same per rank (route_hist_kernel's RANKS).
+        self.hist = torch.zeros(num_experts + (N if rows or G < R else 0) + (R if G < R else 0), self.chunks,
+                                dtype=torch.int32, device=dev)
         self.recv_pos = torch.zeros(N, M, topk, dtype=torch.int32, device=dev)
         # This rank's expert ids of the latest dispatch (written by its send half, -1 where none or
         # out of range): combine reads these, not the caller's topk_idx, which may be reused.
@@ -321,7 +323,8 @@ class EPBuffer:
         self.remote = self._start_remote(private_capacity, overflow_capacity) if G < R else None
         # What dispatch and combine keep from call to call: launch plans, replays, serial, epochs,
         # a pending receive hook, whether the buffer is usable (moe_ep.calls).
-        self.calls = CallState(dev, self.err, self.workspace.local, self.timeout_s, result_fields, G < R)
+        self.calls = CallState(dev, self.err, self.workspace.local, self.timeout_s, result_fields,
+                               self.remote.proxy_error_address() if self.remote is not None else None)
         self._agreement.done(self.timeout_s)
 
     # ------------------------------------------------------------------ public API
@@ -420,7 +423,7 @@ class EPBuffer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if self.remote is not None:
-            self.remote.close()
+            self.remote.close(self.calls.broken)  # the peers learn this rank's error, if any
         self.workspace.close()
         self.calls.closed = True
 

@@ -40,10 +40,10 @@ class CallState:
     """
 
     def __init__(self, device: torch.device, err: torch.Tensor, workspace: torch.Tensor, timeout_s: float,
-                 result_fields: dict, remote: bool):
+                 result_fields: dict, proxy_err: Optional[int] = None):
         """``err``: the buffer's int64 error record (host memory: its word 0 is read per call);
-        ``workspace``: this rank's workspace bytes; ``remote``: some peer is on another node (no
-        replays then: the proxy takes part in every call)."""
+        ``workspace``: this rank's workspace bytes; ``proxy_err``: with peers on other nodes, the
+        address of the proxy's error code (its mailbox word, host memory), else None."""
         self.launch = Launcher(device)
         self.replays = self._replays()
         self.hooked = self._replays()
@@ -58,7 +58,9 @@ class CallState:
         self.pending: Optional[str] = None
         self.closed = False
         self.broken: Optional[BaseException] = None
-        self._remote = remote
+        self.remote = proxy_err is not None  # (its calls' entries launch their receive half at the call too)
+        # The proxy's error code, or the record's again (what ready() reads, ~50 ns each)
+        self._proxy_code = ctypes.c_int64.from_address(proxy_err if proxy_err is not None else err.data_ptr())
         self._err_code = ctypes.c_int64.from_address(err.data_ptr())  # the record's word 0 (~50 ns a read)
 
     @staticmethod
@@ -72,11 +74,11 @@ class CallState:
 
     def ready(self) -> bool:
         """Whether an eager call may take the replay fast path: the buffer is open, not broken, no
-        kernel recorded an error, no receive hook is pending and no peer is on another node (what
+        kernel or proxy recorded an error and no receive hook is pending (what
         ``EPBuffer.check_usable`` and ``check_no_pending`` would pass without a word); else the
         full path raises what they raise."""
-        return (not self.closed and self.broken is None and self.pending is None and not self._remote
-                and not self._err_code.value)
+        return (not self.closed and self.broken is None and self.pending is None and not self._err_code.value
+                and not self._proxy_code.value)
 
     def check_no_pending(self, op: str) -> None:
         """``ValueError`` where a receive hook of this buffer is still to be called (``op``: the call refused)."""

@@ -10,6 +10,7 @@ from . import host_wait
 from .dispatch import _aligned, _check_tensor, launch_half, launch_halves, pipelined_width, planned_half, replayed_recv
 from .layout import pow2
 from .kernels.combine import combine_kernel
+from .internode.combine_kernels import internode_combine_recv_kernel, internode_combine_send_kernel
 from .kernels.launch import arg_positions, runtime_args
 from .handle import DispatchResult
 
@@ -17,6 +18,11 @@ from .handle import DispatchResult
 # buffer's): with combine-time weights also the weights' (and their sums') pointers.
 _DYNAMIC = arg_positions(combine_kernel, "y_ptr", "out_ptr", "T")
 _WEIGHTED_DYNAMIC = _DYNAMIC + arg_positions(combine_kernel, "wy_ptr", "wout_ptr", "cw_ptr")
+# The same of the inter-node halves (moe_ep.internode)
+_SEND_DYNAMIC = arg_positions(internode_combine_send_kernel, "y_ptr", "out_ptr", "T")
+_SEND_WEIGHTED = _SEND_DYNAMIC + arg_positions(internode_combine_send_kernel, "wy_ptr", "wout_ptr", "cw_ptr")
+_RECV_DYNAMIC = arg_positions(internode_combine_recv_kernel, "y_ptr", "out_ptr", "T")
+_RECV_WEIGHTED = _RECV_DYNAMIC + arg_positions(internode_combine_recv_kernel, "wy_ptr", "wout_ptr", "cw_ptr")
 
 
 # The launch argument a replayed combine patches besides its pointers (moe_ep.replay).
@@ -31,7 +37,7 @@ def replayed(buf, expert_y, handle, out, topk_weights=None, hooked: bool = False
     hook), or None where the path does not apply (then ``combine`` decides, with every check)."""
     calls = buf.calls
     if (type(handle) is not DispatchResult or handle.buffer is not buf or handle.serial != calls.serial
-            or not calls.ready()):
+            or not calls.ready() or (calls.remote and buf.remote.combined == handle.serial)):
         return None  # (combine raises the error)
     T = handle.num_tokens
     replays = calls.hooked if hooked else calls.replays
@@ -63,6 +69,12 @@ def replayed(buf, expert_y, handle, out, topk_weights=None, hooked: bool = False
             return None  # (an out over expert_y: combine raises the error)
         inputs = (p, q, T)
         last.run(calls.launch.stream(), inputs)
+    if calls.remote:
+        buf.remote.claim_combine(handle.serial)
+        if not hooked:  # across nodes: the receive half now (under the interpreter, after the host waits)
+            if buf.interp:
+                host_wait.wait_combine(buf, calls.epochs[1] + 1, T)
+            last.run_later(calls.launch.stream(), inputs)
     calls.epochs[1] += 1
     if hooked:
         return out, calls.make_hook("combine", replayed_recv(buf, last, inputs, host_wait.wait_combine,
@@ -134,6 +146,8 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
     if out is not None:
         _check_tensor("out", out, (torch.bfloat16, torch.float32), (T, buf.hidden), buf.device)
     rp = buf.remote
+    if rp is not None and rp.combined == handle.serial:
+        rp.claim_combine(handle.serial)  # (raises: the proxy serves one combine per dispatch)
     # masked/packed: weights at combine, per source token, pushed to the owners over the dispatch's
     push = topk_weights is not None and not rows
     if topk_weights is not None:
@@ -159,29 +173,37 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
     wout = new_weight_sums(buf, T) if rows and topk_weights is not None else None
     if hit is not None:
         inputs = _inputs(buf, ptrs[0], out.data_ptr(), ptrs[1] if weights else None, wout) + (T,)
+        if rp is not None:
+            rp.claim_combine(handle.serial)
         hit.run(calls.launch.stream(), inputs)
-        return _combined(buf, (out, wout) if wout is not None else out,
-                         replayed_recv(buf, hit, inputs, host_wait.wait_combine, calls.epochs[1] + 1, T)
-                         if return_recv_hook else None)
-    # With other nodes the node owners' sum stays float32 until the remote rows are added; a float32
-    # ``out`` takes the sum itself (the kernel skips the rounding).
-    base = torch.empty(T, buf.hidden, dtype=torch.float32, device=buf.device) if rp is not None and not out_f32 \
-        else out
+        recv = replayed_recv(buf, hit, inputs, host_wait.wait_combine, calls.epochs[1] + 1, T) if hit.later else None
+        if recv is not None and not return_recv_hook:  # across nodes: the receive half now
+            recv()
+            recv = None
+        return _combined(buf, (out, wout) if wout is not None else out, recv)
     # This rank's own tokens' rows are read from expert_y by the receive half (rows layout: as they
     # are; masked/packed: pre-reduced there), not across a hook (the caller may reuse expert_y).
     own_y = not return_recv_hook
     # The dispatch's expert ids, kept by the buffer (rows [0, T)): the caller's topk_idx may be reused.
-    args = runtime_args(combine_kernel, y_ptr=expert_y, topk_ptr=buf.route_idx, out_ptr=base, ws=calls.ws_ptr,
-                        peer_ptr=buf.workspace.peer_ptrs, state_ptr=buf.state, err_ptr=buf.err,
-                        recv_pos_ptr=buf.recv_pos, timeout_ns=calls.timeout_ns, T=T,
-                        wy_ptr=topk_weights if wout is not None else buf.err,
-                        wout_ptr=wout if wout is not None else buf.err, cw_ptr=topk_weights if push else buf.err)
-    key = ("combine", _aligned(expert_y), _aligned(base), own_y, wout is not None, push, out_f32)
+    named = dict(y_ptr=expert_y, topk_ptr=buf.route_idx, out_ptr=out, ws=calls.ws_ptr,
+                 peer_ptr=buf.workspace.peer_ptrs, state_ptr=buf.state, err_ptr=buf.err, recv_pos_ptr=buf.recv_pos,
+                 timeout_ns=calls.timeout_ns, T=T, wy_ptr=topk_weights if wout is not None else buf.err,
+                 wout_ptr=wout if wout is not None else buf.err, cw_ptr=topk_weights if push else buf.err,
+                 xrows_ptr=buf.err, xrecv_ptr=buf.err)
+    key = ("combine", _aligned(expert_y), _aligned(out), own_y, wout is not None, push, out_f32)
     epoch = calls.epochs[1] + 1
     # A fused launch pushes the weights itself; else the push is a launch of its own, before the
-    # send half (which waits for every peer's push).
+    # send half (which waits for every peer's push). A float32 ``out`` takes the sum itself.
     consts = lambda: dict(_combine_consts(buf, own_y, wout is not None), WEIGHTS=push,  # noqa: E731
-                          PUSH=push and buf.fused, BASE_F32=rp is not None or out_f32)
+                          PUSH=push and buf.fused, BASE_F32=out_f32)
+    if rp is not None:
+        rp.claim_combine(handle.serial)
+        spans = (expert_y.nbytes, buf.hidden * out.element_size()) if given_out else None
+        recv = _combine_across_nodes(buf, rp, replay, sig, tensors, _inputs(buf, ptrs[0], out.data_ptr(),
+                                     ptrs[1] if weights else None, wout), spans, T, key, named, consts,
+                                     topk_weights is not None, epoch, return_recv_hook)
+        return _combined(buf, (out, wout) if wout is not None else out, recv)
+    args = runtime_args(combine_kernel, **named)
     dyn = _WEIGHTED_DYNAMIC if topk_weights is not None else _DYNAMIC
     launches = []
     if push and not buf.fused:
@@ -189,48 +211,55 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
                                       lambda: dict(consts(), PUSH=True, SEND=False, RECV=False), dyn), args))
         if buf.interp:
             host_wait.wait_weights(buf, epoch)
-    if rp is None:
-        # (value: with the caller's out, the bytes of expert_y and of a row of out, which the
-        # entry's guard fixes: the fast path checks that they do not overlap)
-        spans = (expert_y.nbytes, buf.hidden * out.element_size()) if given_out else None
-        recorded = sig is not None
-        if not return_recv_hook:
-            launches += launch_halves(buf, key, combine_kernel, args, dyn, consts,
-                                      lambda: host_wait.wait_combine(buf, epoch, T))
-            if recorded:
-                replay.record(sig, tensors, launches,
-                              _inputs(buf, ptrs[0], base.data_ptr(), ptrs[1] if weights else None, wout),
-                              spans, _SCALARS, (T,))
-            recv = None
-        else:
-            send = launch_half(buf, key, combine_kernel, args, dyn, consts, True, False)
-            # recorded once the receive half has a plan (a hook of an earlier call launched it)
-            later = planned_half(buf, key, False, True)
-            if recorded and later is not None:
-                replay.record(sig, tensors, launches + [(send, args)],
-                              _inputs(buf, ptrs[0], base.data_ptr(), ptrs[1] if weights else None, wout), spans,
-                              _SCALARS, (T,),
-                              later=[(later, args)])
-
-            def recv():
-                if buf.interp:
-                    host_wait.wait_combine(buf, epoch, T)
-                launch_half(buf, key, combine_kernel, args, dyn, consts, False, True)
+    # (value: with the caller's out, the bytes of expert_y and of a row of out, which the
+    # entry's guard fixes: the fast path checks that they do not overlap)
+    spans = (expert_y.nbytes, buf.hidden * out.element_size()) if given_out else None
+    recorded = sig is not None
+    if not return_recv_hook:
+        launches += launch_halves(buf, key, combine_kernel, args, dyn, consts,
+                                  lambda: host_wait.wait_combine(buf, epoch, T))
+        if recorded:
+            replay.record(sig, tensors, launches, _inputs(buf, ptrs[0], out.data_ptr(), ptrs[1] if weights else None,
+                                                          wout), spans, _SCALARS, (T,))
+        recv = None
     else:
-        depoch = calls.epochs[0]  # the proxy's combine carries the epoch of the dispatch it answers
-        rp.combine_send(buf, expert_y, handle.serial, depoch, topk_weights)  # refuses a second combine first
-        launch_half(buf, key, combine_kernel, args, dyn, consts, True, False)
+        send = launch_half(buf, key, combine_kernel, args, dyn, consts, True, False)
+        # recorded once the receive half has a plan (a hook of an earlier call launched it)
+        later = planned_half(buf, key, False, True)
+        if recorded and later is not None:
+            replay.record(sig, tensors, launches + [(send, args)],
+                          _inputs(buf, ptrs[0], out.data_ptr(), ptrs[1] if weights else None, wout), spans,
+                          _SCALARS, (T,), later=[(later, args)])
 
         def recv():
             if buf.interp:
                 host_wait.wait_combine(buf, epoch, T)
-            rp.wait(buf, "combine", depoch)
             launch_half(buf, key, combine_kernel, args, dyn, consts, False, True)
-            rp.combine_recv(buf, buf.route_idx[:T], base, out, wout)
-        if not return_recv_hook:
-            recv()
-            recv = None
     return _combined(buf, (out, wout) if wout is not None else out, recv)
+
+
+def _combine_across_nodes(buf, rp, replay, sig, tensors, inputs: tuple, spans, T: int, key: tuple, named: dict,
+                          consts, weighted: bool, epoch: int, hooked: bool):
+    """The combine's two launches with peers on other nodes (``moe_ep.internode``): the send half
+    (each remote source's rows pre-reduced, its bell as soon as they are, then the node stores),
+    then, at once or in the hook, the receive half (every owner's partial rows summed, remote ones
+    included, one rounding). Recorded like ``_dispatch_across_nodes``. Returns the receive half
+    for a hook, else None."""
+    sargs = runtime_args(internode_combine_send_kernel, **{**named, **rp.combine_args(send=True)})
+    rargs = runtime_args(internode_combine_recv_kernel, **{**named, **rp.combine_args(send=False)})
+    remote_consts = lambda: dict(consts(), **rp.combine_consts())  # noqa: E731
+    key = key + ("across nodes",)
+    dyn_s, dyn_r = (_SEND_WEIGHTED if weighted else _SEND_DYNAMIC), (_RECV_WEIGHTED if weighted else _RECV_DYNAMIC)
+    send = launch_half(buf, key, internode_combine_send_kernel, sargs, dyn_s, remote_consts, True, False)
+
+    def recv():
+        if buf.interp:
+            host_wait.wait_combine(buf, epoch, T)
+        return launch_half(buf, key, internode_combine_recv_kernel, rargs, dyn_r, remote_consts, False, True)
+    later = planned_half(buf, key, False, True) if hooked else recv()
+    if sig is not None and later is not None:
+        replay.record(sig, tensors, [(send, sargs)], inputs, spans, _SCALARS, (T,), later=[(later, rargs)])
+    return recv if hooked else None
 
 
 _SHAPES = 64  # output shapes kept per buffer (views of one element, a few hundred bytes each)

@@ -12,6 +12,7 @@ from .handle import DispatchResult
 from .layout import chunking, pow2
 from .kernels.launch import arg_positions, runtime_args
 from .kernels.route import route_hist_kernel
+from .internode.dispatch_kernels import internode_dispatch_recv_kernel, internode_dispatch_send_kernel
 
 
 # Decode sizes: up to this many selections (T * K) a dispatch counts earlier selections in its own
@@ -122,10 +123,10 @@ def replayed(buf, x, topk_idx, topk_weights, x_scales=None, hooked: bool = False
     (``Replay.latest``: its guard passes, every pointer
     16-byte aligned; any token count of the same launch structure, at most ``max_tokens``, the
     same in every input) on a buffer whose full path would pass without a word (open, not broken,
-    no kernel error record, no receive hook pending, no peer on another node) launches as that
-    one did with this call's pointers and token count. Returns its ``DispatchResult`` (``hooked``:
-    and the hook, which launches the recorded receive half), or None where the path does not apply
-    (then ``dispatch`` decides, with every check).
+    no kernel or proxy error record, no receive hook pending) launches as that one did with this
+    call's pointers and token count. Returns its ``DispatchResult`` (``hooked``: and the hook,
+    which launches the recorded receive half; across nodes, without a hook, the receive half goes
+    at once), or None where the path does not apply (then ``dispatch`` decides, with every check).
 
     ``Replay.latest`` and ``_dispatched`` are written out here: each Python call costs ~0.1 us
     on a CPU and more on a slow host, and this is the whole host time of an eager decode dispatch
@@ -154,6 +155,10 @@ def replayed(buf, x, topk_idx, topk_weights, x_scales=None, hooked: bool = False
     # the dispatch kernel's input pointers (its arguments 0-3), then the scalars (_SCALARS)
     inputs = (p, s, q, r) + scalars
     last.run(calls.launch.stream(), inputs)
+    if last.later and not hooked:  # across nodes: the receive half now (under the interpreter, after the host waits)
+        if buf.interp:
+            host_wait.wait_dispatch(buf, calls.epochs[0] + 1)
+        last.run_later(calls.launch.stream(), inputs)
     calls.epochs[0] += 1
     calls.serial += 1
     result = DispatchResult.issued(calls.result_fields, buf, scalars[0], calls.serial)
@@ -204,8 +209,12 @@ def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = 
     inputs = (ptrs[0], ptrs[3] if x_scales is not None else calls.err_ptr, ptrs[1], ptrs[2]) if ptrs else ()
     if hit is not None:
         hit.run(calls.launch.stream(), inputs + scalars)
-        return _dispatched(buf, T, replayed_recv(buf, hit, inputs + scalars, host_wait.wait_dispatch,
-                                                 calls.epochs[0] + 1) if return_recv_hook else None)
+        recv = replayed_recv(buf, hit, inputs + scalars, host_wait.wait_dispatch, calls.epochs[0] + 1) \
+            if hit.later else None
+        if recv is not None and not return_recv_hook:  # across nodes: the receive half now
+            recv()
+            recv = None
+        return _dispatched(buf, T, recv)
     fp8_in = x_scales is not None
     rows = buf.layout == "rows"
     # This rank's own rows come from x in the receive half (no round trip through the workspace),
@@ -222,60 +231,73 @@ def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = 
                                                    BLOCK_K=pow2(buf.topk, 2), BLOCK_E=pow2(buf.num_experts, 2),
                                                    ROWS=rows, N=buf.node_size, NODE0=buf.node0,
                                                    EL=buf.num_local_experts, BLOCK_N=pow2(buf.node_size, 2),
-                                                   num_warps=buf.hist_warps),
+                                                   RANKS=buf.world_size if buf.remote is not None else 0,
+                                                   BLOCK_RANKS=pow2(buf.world_size, 2), num_warps=buf.hist_warps),
                                       _HIST_DYNAMIC), hist_args))
     # (where an argument has no tensor in this buffer, a placeholder the kernel never touches)
     xs = x_scales if fp8_in else buf.err
     out_s = buf.expert_scales if buf.fp8 else buf.err
     offsets = buf.expert_offsets if buf.expert_offsets is not None else buf.expert_counts
     rp = buf.remote
-    args = runtime_args(
-        dispatch_kernel, x_ptr=x.view(torch.uint8) if fp8_in else x, xs_ptr=xs, topk_ptr=topk_idx, w_ptr=topk_weights,
+    named = dict(
+        x_ptr=x.view(torch.uint8) if fp8_in else x, xs_ptr=xs, topk_ptr=topk_idx, w_ptr=topk_weights,
         hist_ptr=buf.hist, peer_ptr=buf.workspace.peer_ptrs, ws=calls.ws_ptr, state_ptr=buf.state, err_ptr=buf.err,
         out_x_ptr=buf.expert_x_words, out_s_ptr=out_s, counts_ptr=buf.expert_counts,
-        offsets_ptr=offsets, recv_pos_ptr=buf.recv_pos, scratch_ptr=buf.scratch,
-        sel_ptr=rp.state.sel if rp is not None else buf.scratch, route_ptr=buf.route_idx, T=T, BT=BT, NC=NC,
-        timeout_ns=calls.timeout_ns, **_rows_args(buf))
+        offsets_ptr=offsets, recv_pos_ptr=buf.recv_pos, scratch_ptr=buf.scratch, sel_ptr=buf.scratch,
+        route_ptr=buf.route_idx, T=T, BT=BT, NC=NC, timeout_ns=calls.timeout_ns, **_rows_args(buf))
     key = ("dispatch", fp8_in, direct, own_x, topk_idx.dtype, _aligned(x), _aligned(xs), _aligned(topk_idx),
            _aligned(topk_weights))
     epoch = calls.epochs[0] + 1
     consts = lambda: _dispatch_consts(buf, fp8_in, direct, own_x)  # noqa: E731
-    if rp is None:
-        if not return_recv_hook:
-            launches += launch_halves(buf, key, dispatch_kernel, args, _DISPATCH_DYNAMIC, consts,
-                                      lambda: host_wait.wait_dispatch(buf, epoch))
-            replay.record(sig, tensors, launches, inputs, None, _SCALARS, scalars)
-            recv = None
-        else:
-            send = launch_half(buf, key, dispatch_kernel, args, _DISPATCH_DYNAMIC, consts, True, False)
-            # recorded once the receive half has a plan (a hook of an earlier call launched it)
-            later = planned_half(buf, key, False, True)
-            if later is not None:
-                replay.record(sig, tensors, launches + [(send, args)], inputs, None, _SCALARS, scalars,
-                              later=[(later, args)])
-
-            def recv():
-                if buf.interp:
-                    host_wait.wait_dispatch(buf, epoch)
-                launch_half(buf, key, dispatch_kernel, args, _DISPATCH_DYNAMIC, consts, False, True)
+    if rp is not None:
+        recv = _dispatch_across_nodes(buf, rp, replay, sig, tensors, launches, inputs, scalars, key, named, consts,
+                                      epoch, return_recv_hook)
+        return _dispatched(buf, T, recv)
+    args = runtime_args(dispatch_kernel, **named)
+    if not return_recv_hook:
+        launches += launch_halves(buf, key, dispatch_kernel, args, _DISPATCH_DYNAMIC, consts,
+                                  lambda: host_wait.wait_dispatch(buf, epoch))
+        replay.record(sig, tensors, launches, inputs, None, _SCALARS, scalars)
+        recv = None
     else:
-        # Node peers by stores, other nodes through the proxy (packed and rung first, so it sends
-        # while the node stores run); the node receive half places rows with the whole count
-        # matrix, which the proxy's round-1 headers complete.
-        rp.send(buf, x, topk_idx, topk_weights, x_scales, epoch)
-        launch_half(buf, key, dispatch_kernel, args, _DISPATCH_DYNAMIC, consts, True, False)
+        send = launch_half(buf, key, dispatch_kernel, args, _DISPATCH_DYNAMIC, consts, True, False)
+        # recorded once the receive half has a plan (a hook of an earlier call launched it)
+        later = planned_half(buf, key, False, True)
+        if later is not None:
+            replay.record(sig, tensors, launches + [(send, args)], inputs, None, _SCALARS, scalars,
+                          later=[(later, args)])
 
         def recv():
             if buf.interp:
                 host_wait.wait_dispatch(buf, epoch)
-            rp.wait(buf, "dispatch", epoch)
-            rp.count_matrix()
             launch_half(buf, key, dispatch_kernel, args, _DISPATCH_DYNAMIC, consts, False, True)
-            rp.recv(buf)
-        if not return_recv_hook:
-            recv()
-            recv = None
     return _dispatched(buf, T, recv)
+
+
+def _dispatch_across_nodes(buf, rp, replay, sig, tensors, launches: list, inputs: tuple, scalars: tuple, key: tuple,
+                           named: dict, consts, epoch: int, hooked: bool):
+    """The dispatch's two launches with peers on other nodes (``moe_ep.internode``): the send half
+    (remote peers' headers and rows, each peer's bell as soon as it is packed, then the node
+    stores), then, at once or in the hook, the receive half (node rows placed with the whole count
+    matrix, remote rows as they land). Recorded for replays like a node call with a hook: the
+    send half when the call is made, the receive half ``later``. Returns the receive half for a
+    hook, else None."""
+    sargs = runtime_args(internode_dispatch_send_kernel, **{**named, **rp.dispatch_args(send=True)})
+    rargs = runtime_args(internode_dispatch_recv_kernel, **{**named, **rp.dispatch_args(send=False)})
+    remote_consts = lambda: dict(consts(), **rp.dispatch_consts(buf.block_t))  # noqa: E731
+    key = key + ("across nodes",)
+    send = launch_half(buf, key, internode_dispatch_send_kernel, sargs, _SEND_DYNAMIC, remote_consts, True, False)
+
+    def recv():
+        if buf.interp:
+            host_wait.wait_dispatch(buf, epoch)
+        return launch_half(buf, key, internode_dispatch_recv_kernel, rargs, _RECV_DYNAMIC, remote_consts, False, True)
+    # the receive half's plan: launched now, or (a hook) by an earlier call's hook, if any
+    later = planned_half(buf, key, False, True) if hooked else recv()
+    if later is not None:
+        replay.record(sig, tensors, launches + [(send, sargs)], inputs, None, _SCALARS, scalars,
+                      later=[(later, rargs)])
+    return recv if hooked else None
 
 
 def _dispatched(buf, T: int, recv):
@@ -293,6 +315,8 @@ def _dispatched(buf, T: int, recv):
 
 # The arguments that may change between calls of one launch key (the caller's; the rest is the buffer's).
 _DISPATCH_DYNAMIC = arg_positions(dispatch_kernel, "x_ptr", "xs_ptr", "topk_ptr", "w_ptr", "T", "BT", "NC")
+_SEND_DYNAMIC = arg_positions(internode_dispatch_send_kernel, "x_ptr", "xs_ptr", "topk_ptr", "w_ptr", "T", "BT", "NC")
+_RECV_DYNAMIC = arg_positions(internode_dispatch_recv_kernel, "x_ptr", "xs_ptr", "topk_ptr", "w_ptr", "T", "BT", "NC")
 _HIST_DYNAMIC = arg_positions(route_hist_kernel, "topk_ptr", "T", "BT")
 
 
@@ -302,8 +326,7 @@ def _rows_args(buf) -> dict:
     names = ("rows_from_ptr", "recv_ids_ptr", "recv_wts_ptr", "recv_src_ptr", "num_recv_ptr")
     if buf.layout != "rows":
         return dict.fromkeys(names, buf.scratch)
-    rows_from = buf.remote.state.rows_from if buf.remote is not None else buf.scratch
-    return dict(zip(names, (rows_from, buf.recv_topk_idx, buf.recv_topk_weights, buf.recv_src, buf.num_recv)))
+    return dict(zip(names, (buf.scratch, buf.recv_topk_idx, buf.recv_topk_weights, buf.recv_src, buf.num_recv)))
 
 
 SMEM_BUDGET = 160 * 1024  # bytes of shared memory the pipelined loops' stages may take (H100/H200: 227 KB)

@@ -32,7 +32,8 @@ def _wait(buf, missing, epoch: int, phase: str) -> None:
 
 
 def wait_dispatch(buf, epoch: int) -> None:
-    """Every node source's header flag of dispatch ``epoch``, then the flag of each chunk its header announces."""
+    """Every node source's header flag of dispatch ``epoch``, then the flag of each chunk its header
+    announces; with other nodes, then every source's header through the proxy."""
     N, C, HDR = buf.node_size, buf.chunks, buf.ws_layout.HDR
     hflag, dflag = _flags(buf, "hdr_flag", N), _flags(buf, "disp_flag", N * C).view(N, C)
     hoff = buf.off["hdr"] // 4 + (epoch & 1) * N * HDR
@@ -47,6 +48,8 @@ def wait_dispatch(buf, epoch: int) -> None:
                 return buf.node0 + s
         return None
     _wait(buf, missing, epoch, "dispatch")
+    if buf.remote is not None:  # and every source's header from the proxy (the count matrix)
+        buf.remote.host_wait(buf, "dispatch", epoch)
 
 
 def wait_weights(buf, epoch: int) -> None:
@@ -66,7 +69,8 @@ def wait_weights(buf, epoch: int) -> None:
 
 
 def wait_combine(buf, epoch: int, T: int) -> None:
-    """Every node owner's flag (combine ``epoch``) of each chunk of this rank's ``T`` tokens (chunk 0 at least)."""
+    """Every node owner's flag (combine ``epoch``) of each chunk of this rank's ``T`` tokens (chunk 0
+    at least); with other nodes, then every remote owner's rows through the proxy."""
     N, C = buf.node_size, buf.chunks
     cflag = _flags(buf, "comb_flag", N * C).view(N, C)
     nc = max(1, chunking(T, C)[1])
@@ -75,3 +79,5 @@ def wait_combine(buf, epoch: int, T: int) -> None:
         lag = (cflag[:, :nc].min(dim=1).values < epoch).nonzero()
         return buf.node0 + int(lag[0, 0]) if lag.numel() else None
     _wait(buf, missing, epoch, "combine")
+    if buf.remote is not None:  # and every remote owner's rows from the proxy (its combine carries the dispatch epoch)
+        buf.remote.host_wait(buf, "combine", buf.calls.epochs[0])

@@ -142,78 +142,88 @@ def test_kernels_compile_for_sm90(monkeypatch, tmp_path):
     assert fp8_cvt > 0, "fp8 quantization does not use the hardware conversion on sm_90"
 
 
-def _record_remote(monkeypatch, T: int, fp8: bool, layout: str, scale_column_rows: int = 0):
-    """The inter-node launches of one dispatch + combine (rank 0 of 2 nodes of 1), recorded as a
-    GPU would make them (INTERP off), not run."""
-    from moe_ep.internode import launches as R_
-    from moe_ep.internode.spec import REGIONS, RemoteSpec, RemoteState
+def _record_remote_worker(rank, world_size, configs):
+    """Each rank of 2 nodes of 1 records (does not run) the launches of one dispatch and combine
+    per config ``(T, H, dtype, layout, buffer kwargs)``, as a GPU would make them: chunks and
+    constexprs of a GPU, the halves as two launches. Rank 0 returns them."""
+    import moe_ep
+    import moe_ep.layout
 
-    gpu_chunking(monkeypatch)
+    kept = moe_ep.layout.interpreting  # (the pool's process runs later tests too)
+    moe_ep.layout.interpreting = lambda: False
     rec = []
 
-    def spy(fn, grid, args, consts):
-        consts = dict(consts, **({"INTERP": False} if "INTERP" in consts else {}))
+    def spy(key, fn, grid, args, consts, dynamic=None):
+        consts = consts() if callable(consts) else consts
         rec.append((fn.fn.__module__, fn.fn.__name__, signature(fn.arg_names, args, consts)))
 
-    monkeypatch.setattr(R_, "_launch", spy)
-    H, K, E = 7168, 8, 256
-    spec = RemoteSpec(rank=0, world=2, node_size=1, num_experts=E, topk=K, hidden=H, max_tokens=T, fp8=fp8,
-                         private_capacity=T // 2, overflow_capacity=T // 2, layout=layout)
-    st = RemoteState(spec)
-    regions = {n: torch.zeros(16, dtype=torch.uint8) for n in REGIONS}
-    mailbox = torch.zeros(8, dtype=torch.int64)
-    x, idx, w = torch.zeros(T, H, dtype=torch.bfloat16), torch.zeros(T, K, dtype=torch.int64), torch.zeros(T, K)
-    cap = spec.expert_capacity
-    lead = (E // 2, cap) if layout == "masked" else (cap,)
-    ex = torch.zeros(*lead, H, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
-    es = torch.zeros(*lead, spec.num_scale_blocks, dtype=torch.float32) if fp8 else None
-    counts = torch.zeros(E // 2, dtype=torch.int32)
-    offs = torch.zeros(E // 2 + 1, dtype=torch.int32) if layout == "packed" else None
-    R_.pack(spec, st, x, idx, w, regions["disp_send"], num_programs=132, num_warps=8)
-    R_.ring(st, mailbox, "dispatch")
-    R_.wait_ready(st, mailbox, st.err, 10**9, "dispatch")
-    R_.fill_count_matrix(spec, st, regions["round1"])
-    R_.unpack(spec, st, regions["round1"], regions["overflow"], ex, es, counts, offs, num_programs=132, num_warps=8,
-              scale_column_rows=scale_column_rows)
-    R_.combine_pack(spec, st, torch.zeros(*lead, H, dtype=torch.bfloat16), regions["comb_send"], num_programs=132,
-                    num_warps=8)
-    R_.ring(st, mailbox, "combine")
-    R_.wait_ready(st, mailbox, st.err, 10**9, "combine")
-    R_.combine_unpack(spec, st, regions["comb_recv"], idx, torch.zeros(T, H, dtype=torch.bfloat16),
-                      base=torch.zeros(T, H), num_programs=132, num_warps=8)
-    return rec
+    try:
+        group = moe_ep.EPGroup(node_size=1)
+        for T, H, dt, layout, kwargs in configs:
+            buf = moe_ep.EPBuffer(group, 256, H, T, 8, dispatch_dtype=dt, layout=layout, num_programs=132, **kwargs)
+            buf.num_warps, buf.fused, buf.interp = 8, False, False
+            buf.calls.launch = spy
+            h = buf.dispatch(torch.zeros(T, H, dtype=torch.bfloat16), torch.zeros(T, 8, dtype=torch.int64),
+                             torch.zeros(T, 8))
+            wts = torch.zeros(buf.capacity, 8) if layout == "rows" else None
+            buf.combine(torch.zeros(h.expert_x.shape, dtype=torch.bfloat16), h, topk_weights=wts)
+            buf.close()
+    finally:
+        moe_ep.layout.interpreting = kept
+    return rec if rank == 0 else None
 
 
-def test_internode_kernels_compile_for_sm90(monkeypatch, tmp_path):
-    """The inter-node kernels (pack, count matrix, unpack, combine pack/unpack) and the mailbox
-    kernels (doorbell, ready wait with the GPU deadline) compile for sm_90."""
+def _record_remote(configs):
+    import dist_util
+
+    return dist_util.run(2, _record_remote_worker, configs, timeout=600)[0]
+
+
+_REMOTE_KERNELS = {"internode_dispatch_send_kernel", "internode_dispatch_recv_kernel", "internode_combine_send_kernel",
+                   "internode_combine_recv_kernel"}
+
+
+def test_internode_kernels_compile_for_sm90(tmp_path):
+    """The inter-node launches (two per op: send and receive halves; prefill adds the routing
+    histogram with its rank rows), at decode (fp8 masked, column-major scales) and prefill (bf16
+    packed), and the rows layout with combine weights, compile for sm_90: vector row stores, the
+    GPU deadline in every wait, the hardware fp8 conversion."""
     pytest.importorskip("triton.backends.nvidia")
-    rec = _record_remote(monkeypatch, 128, True, "masked") + _record_remote(monkeypatch, 512, False, "packed")
-    names = {r[1] for r in rec}
-    assert {"remote_count_kernel", "remote_pack_kernel", "ring_kernel", "wait_ready_kernel", "remote_sel_kernel",
-            "remote_unpack_kernel", "remote_combine_pack_kernel", "remote_combine_unpack_kernel"} <= names, names
+    rec = _record_remote([(128, 7168, torch.float8_e4m3fn, "masked", dict(column_major_scales=True)),
+                          (512, 7168, torch.bfloat16, "packed", {}),
+                          (128, 7168, torch.float8_e4m3fn, "rows", {})])
+    names = [r[1] for r in rec]
+    # two launches a dispatch and two a combine; the prefill dispatch also the routing histogram
+    assert names.count("route_hist_kernel") == 1 and len(names) == 3 * 4 + 1, names
+    assert all(n in _REMOTE_KERNELS or n == "route_hist_kernel" for n in names), names
+    hist = next(spec for _, n, spec in rec if n == "route_hist_kernel")
+    assert hist["consts"]["RANKS"] == 2, hist["consts"]
+    cm = [spec["consts"]["CM_ROWS"] for _, n, spec in rec if n.startswith("internode_dispatch")]
+    assert cm[0] > 0 and cm[1] > 0, cm
     results = _compile(rec, tmp_path)
-    waits = [timers for name, _, _, timers, _ in results if name == "wait_ready_kernel"]
-    assert waits and all(t > 0 for t in waits), "wait_ready_kernel compiled without the GPU deadline"
+    for name, vec_stores, byte_stores, timers, cvts in results:
+        if name in _REMOTE_KERNELS:
+            assert vec_stores > 0, (name, vec_stores)
+            assert timers > 0, f"{name}: compiled without the GPU deadline"
+    assert sum(cvts for name, _, _, _, cvts in results if name == "internode_dispatch_send_kernel") > 0
 
 
 def test_column_major_scales_compile_for_sm90(monkeypatch, tmp_path):
-    """A masked fp8 buffer with ``column_major_scales`` (decode, one launch and two halves) and the
-    inter-node unpack writing that layout compile for sm_90, quantizing with the hardware fp8
-    conversion."""
+    """A masked fp8 buffer with ``column_major_scales`` (decode, one launch and two halves) compiles
+    for sm_90, quantizing with the hardware fp8 conversion (across nodes:
+    ``test_internode_kernels_compile_for_sm90``)."""
     pytest.importorskip("triton.backends.nvidia")
     rec = _record(monkeypatch, [(128, 7168, torch.float8_e4m3fn, "masked", True),
                                 (128, 7168, torch.float8_e4m3fn, "masked", False)], column_major_scales=True)
-    rec += _record_remote(monkeypatch, 128, True, "masked", scale_column_rows=256)
-    cm = [spec["consts"]["CM_ROWS"] for _, name, spec in rec if name in ("dispatch_kernel", "remote_unpack_kernel")]
+    cm = [spec["consts"]["CM_ROWS"] for _, name, spec in rec if name == "dispatch_kernel"]
     assert cm and all(c > 0 for c in cm), cm
     results = _compile(rec, tmp_path)
     assert sum(cvts for name, _, _, _, cvts in results if name == "dispatch_kernel") > 0
 
 
 def test_rows_kernels_compile_for_sm90(monkeypatch, tmp_path):
-    """The rows layout's launches (decode and prefill, fused and in halves, combine with weights;
-    the inter-node unpack and combine with weights) compile for sm_90 with vector stores."""
+    """The rows layout's launches (decode and prefill, fused and in halves, combine with weights)
+    compile for sm_90 with vector stores (across nodes: ``test_internode_kernels_compile_for_sm90``)."""
     pytest.importorskip("triton.backends.nvidia")
     monkeypatch.setenv("MOE_EP_PREFETCH", "1")  # the own rows' L2 prefetch (on its own at <= 32 programs)
     rec = _record(monkeypatch, [(4096, 7168, torch.float8_e4m3fn, "rows", True),
@@ -228,30 +238,8 @@ def test_rows_kernels_compile_for_sm90(monkeypatch, tmp_path):
                      torch.zeros(256, 8))
     buf.combine(torch.empty(h.expert_x.shape, dtype=torch.bfloat16), h, topk_weights=torch.zeros(256, 8))
     buf.close()
-    from moe_ep.internode import launches as R_
-    from moe_ep.internode.spec import REGIONS, RemoteSpec, RemoteState
-
-    spec = RemoteSpec(rank=0, world=2, node_size=1, num_experts=256, topk=8, hidden=7168, max_tokens=128, fp8=True,
-                         private_capacity=64, overflow_capacity=64, layout="rows")
-    st = RemoteState(spec)
-    regions = {n: torch.zeros(16, dtype=torch.uint8) for n in REGIONS}
-
-    def spy(fn, grid, args, consts):
-        rec.append((fn.fn.__module__, fn.fn.__name__, signature(fn.arg_names, args, dict(consts, INTERP=False)
-                                                                if "INTERP" in consts else consts)))
-
-    monkeypatch.setattr(R_, "_launch", spy)
-    CAP = 2 * 128
-    R_.unpack_rows(spec, st, regions["round1"], regions["overflow"], torch.zeros(CAP, 7168, dtype=torch.float8_e4m3fn),
-                   torch.zeros(CAP, 56), torch.zeros(CAP, 8, dtype=torch.int32), torch.zeros(CAP, 8),
-                   torch.zeros(CAP, dtype=torch.int32), num_programs=132, num_warps=8)
-    R_.combine_pack(spec, st, torch.zeros(CAP, 7168, dtype=torch.bfloat16), regions["comb_send"], num_programs=132,
-                    num_warps=8, topk_weights=torch.zeros(CAP, 8))
-    R_.combine_unpack(spec, st, regions["comb_recv"], torch.zeros(128, 8, dtype=torch.int64),
-                      torch.zeros(128, 7168, dtype=torch.bfloat16), base=torch.zeros(128, 7168), num_programs=132,
-                      num_warps=8, wout=torch.zeros(128, 8))
     names = [r[1] for r in rec]
-    assert names.count("route_hist_kernel") == 1 and "remote_unpack_rows_kernel" in names, names
+    assert names.count("route_hist_kernel") == 1, names
     results, loops = _compile(rec, tmp_path, loops=True)
     assert all(byte_stores == 0 for _, _, byte_stores, _, _ in results), results
     own = [(r[2]["consts"], loop) for r, loop in zip(rec, loops) if r[1] == "dispatch_kernel"]
@@ -267,9 +255,6 @@ def test_rows_kernels_compile_for_sm90(monkeypatch, tmp_path):
     assert len(own) == 1 and own[0]["prologue_loads"] > 0 and own[0]["selects_b16"] == 0 and \
         own[0]["streaming_stores"] > 0 and own[0]["plain_vector_stores"] == 0 and own[0]["barriers"] == 0 and \
         own[0]["l2_prefetches"] == 2, own
-    for name, vec_stores, _, _, _ in results:
-        if name in ("remote_unpack_rows_kernel", "remote_combine_pack_kernel", "remote_combine_unpack_kernel"):
-            assert vec_stores > 0, (name, vec_stores)
     # Every dispatch / combine launch stores rows as vectors, except the two send halves of the
     # unfused R = 1 buffer: its own rows skip the workspace, so they store no payload at all.
     node = [v for name, v, _, _, _ in results if name in ("dispatch_kernel", "combine_kernel")]

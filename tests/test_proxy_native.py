@@ -1,22 +1,26 @@
 """Native proxy engine (csrc/proxy): ImmCounter and the TCP transport, on CPU.
 
 Integrity runs with delay and reorder injection on; cut and dead peers must give errors within
-the deadline on both sides, never a hang.
+the deadline on both sides, never a hang. The goodbye a closing engine sends: a proxy that loses
+a peer by it names the cause it gives, where that cause can be trusted; on the wire it is taken
+only from a connection that passed its hello and only with the job's identity.
 """
 import multiprocessing as mp
 import os
 import signal
 import socket
+import struct
 import threading
 import time
 
 import numpy as np
 import pytest
 
+import proxy_wire as W
 from moe_ep import CommTimeoutError
 from moe_ep.proxy import native
-from moe_ep.proxy import (CQ_OK, CQ_PEER_LOST, CQ_REMOTE_ACCESS, CQ_TIMEOUT, Engine, ImmCounter, NativeError,
-                          PeerLostError, TcpTransport)
+from moe_ep.proxy import (CQ_OK, CQ_PEER_LOST, CQ_REMOTE_ACCESS, CQ_TIMEOUT, Engine, ImmCounter, JobIdentity,
+                          NativeError, PeerLostError, Proxy, TcpTransport)
 
 
 # ---------------------------------------------------------------- ImmCounter
@@ -390,3 +394,166 @@ def test_tcp_dead_peer_process():
         a.close()
         p.kill()
         p.join(10)
+
+
+# ---------------------------------------------------------------- the goodbye
+
+def _three_waiting(timeout_s=5.0):
+    """Rank 0 of 3 with a Proxy (every rank a node) in dispatch epoch 1, waiting for ranks 1 and 2:
+    bare engines with the same regions (so rank 0's writes land), all connected."""
+    es = [TcpTransport(r, 3, streams=2) for r in range(3)]
+    px = Proxy(es[0], node_size=1, num_local_experts=1, row_bytes=16, comb_row_bytes=16, private_capacity=1,
+               overflow_capacity=2, max_send_rows=4, timeout_s=timeout_s)
+    for e in es[1:]:
+        for name in native.REGION_NAMES:
+            e.register(np.zeros(max(int(px.region_bytes[name]), 16), np.uint8))
+    eps = [e.endpoint for e in es]
+    for e in es:
+        e.connect(eps, timeout_s=10)
+    px.start()
+    px.ring("dispatch", 1)
+    return es, px
+
+
+def _lost(peer, phase, epoch):
+    err = PeerLostError(f"rank 1: connection with peer {peer} lost", native.ERR_PEER, peer)
+    err.rank, err.phase, err.epoch = 1, phase, epoch
+    return err
+
+
+# name: (what rank 1 says as it closes: the error it closes with, or the raw goodbye fields
+# (error, peer, phase, epoch)), the peer rank 0's error names, what its message says of rank 1.
+GOODBYES = {
+    "cause": (CommTimeoutError(1, 2, "dispatch", 1, 3.0), 2,
+              "rank 1 closed after its own error naming peer 2 (dispatch epoch 1)"),
+    "cause in combine": (_lost(2, "combine", 9), 2, "rank 1 closed after its own error naming peer 2 (combine epoch 9)"),
+    "clean": (None, 1, "rank 1 closed without an error of its own (a clean close)"),
+    "error naming no peer": (RuntimeError("expert ids out of range"), 1, "rank 1 closed after its own error, naming no peer"),
+    "peer outside the world": (CommTimeoutError(1, 99, "dispatch", 1, 3.0), 1,
+                               "naming peer 99 in phase 0 (not trusted: not another rank of a world of 3)"),
+    "the closer itself": (CommTimeoutError(1, 1, "dispatch", 1, 3.0), 1,
+                          "naming peer 1 in phase 0 (not trusted: not another rank of a world of 3)"),
+    "unknown phase": ((1, 2, 7, 1), 1, "naming peer 2 in phase 7 (not trusted: an unknown phase)"),
+    # trusted, but rank 0 is alive: a peer that gave up on it is the one it names
+    "this rank": (CommTimeoutError(1, 0, "dispatch", 1, 3.0), 1,
+                  "rank 1 closed after its own error naming peer 0 (dispatch epoch 1)"),
+}
+
+
+@pytest.mark.parametrize("case", list(GOODBYES))
+def test_goodbye_names_the_cause(case):
+    """Rank 1 closes while rank 0's proxy waits for it: rank 0 raises at once (not at its 5 s
+    deadline), naming the peer rank 1's error named where the goodbye may be trusted with it (a
+    rank of this job other than the two of them, in a known phase), else rank 1."""
+    said, named, text = GOODBYES[case]
+    es, px = _three_waiting()
+    try:
+        t0 = time.monotonic()
+        if isinstance(said, tuple):
+            native.lib().moe_ep_engine_goodbye(es[1].handle, *said)  # the first goodbye counts
+            said = None
+        es[1].close(said)
+        with pytest.raises(PeerLostError) as ei:
+            px.wait_ready("dispatch", 1, 10)
+        assert time.monotonic() - t0 < 2.5
+        exc = ei.value
+        assert (exc.rank, exc.peer, exc.phase, exc.epoch) == (0, named, "dispatch", 1), str(exc)
+        assert text in str(exc), str(exc)
+        assert es[0].peer_error(1).endswith(text) and es[0].peer_error(2) == ""
+        assert _wait_lost(es[2], 1).endswith(text)  # rank 2 heard it too
+    finally:
+        px.close()
+        for e in es:
+            e.close()
+
+
+def test_goodbye_cause_of_an_error():
+    assert native.goodbye_cause(None) == (0, -1, -1, 0)
+    assert native.goodbye_cause(CommTimeoutError(0, 3, "dispatch", 4, 1.0)) == (1, 3, native.PHASE_D1, 4)
+    assert native.goodbye_cause(_lost(2, "combine", 5)) == (1, 2, native.PHASE_C, 5)
+    for other in (CommTimeoutError(0, 3, "connect", 0, 1.0), CommTimeoutError(0, -1, "dispatch", 4, 1.0),
+                  PeerLostError("no phase", native.ERR_PEER, 3), ValueError("bad ids")):
+        assert native.goodbye_cause(other) == (1, -1, -1, 0), other
+
+
+# The goodbye written out from docs/ARCHITECTURE.md §10: magic "MEGB", src, dst, world, error,
+# cause peer, cause phase, reserved, cause epoch, session, secret; on an ack stream after an ack
+# (wr_id 0, status 2, shard 0).
+GOODBYE = struct.Struct("<IiiiiiiIqQ16s")
+MAGIC_GOODBYE = 0x4247454D
+assert GOODBYE.size == 64
+ID = JobIdentity(bytes(range(40, 56)), 1_700_000_000_000_000_777)
+
+
+def _goodbye(cause=2, secret=ID.secret, src=1, world=3):
+    return GOODBYE.pack(MAGIC_GOODBYE, src, 0, world, 1, cause, native.PHASE_D1, 0, 4, ID.session, secret)
+
+
+def _wait_lost(e, peer, timeout_s=3.0):
+    deadline = time.monotonic() + timeout_s
+    while not e.peer_error(peer) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return e.peer_error(peer)
+
+
+def _fake_rank1(e, stream):
+    """A connection of a hand-made rank 1 to engine `e` (rank 0 of 3, identity ID) that passed its
+    hello: on its data stream (rank 1 dialled e's listener) or on an ack stream (e dialled it)."""
+    if stream == "data":
+        return W.dial(e.endpoint, W.hello(1, 0, 3, 0, ID.session, ID.secret)), []
+    srvs = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
+    e.connect([e.endpoint] + ["127.0.0.1:%d" % s.getsockname()[1] for s in srvs], timeout_s=5)
+    s, _ = srvs[0].accept()
+    s.settimeout(5)
+    assert W.HELLO.unpack(s.recv(W.HELLO.size, socket.MSG_WAITALL))[1:3] == (0, 1)
+    return s, srvs
+
+
+# name: (the frame rank 1 sends, why rank 0 then says it lost rank 1)
+WIRE_GOODBYES = {
+    "trusted": (_goodbye(), "rank 1 closed after its own error naming peer 2 (dispatch epoch 4)"),
+    "outside the world": (_goodbye(cause=3), "rank 1 closed after its own error, naming peer 3 in phase 0 "
+                                             "(not trusted: not another rank of a world of 3)"),
+    "wrong secret": (_goodbye(secret=bytes(16)), "protocol error: a goodbye whose job secret does not match"),
+    "another rank's": (_goodbye(src=2), "protocol error: a goodbye saying rank 2, from peer 1"),
+    "another world": (_goodbye(world=4), "protocol error: a goodbye for world size 4 (this job has 3)"),
+}
+
+
+@pytest.mark.parametrize("stream", ["data", "acks"])
+@pytest.mark.parametrize("case", list(WIRE_GOODBYES))
+def test_goodbye_on_the_wire(stream, case):
+    """A goodbye on a connection of rank 1 that passed its hello (sent in two pieces: it is taken
+    whole) loses rank 1 by what it says; one that fails the hello's checks is a protocol error."""
+    frame, says = WIRE_GOODBYES[case]
+    e = TcpTransport(0, 3, streams=1, identity=ID)
+    s, srvs = _fake_rank1(e, stream)
+    try:
+        data = (W.ACK.pack(0, 2, 0) if stream == "acks" else b"") + frame
+        s.sendall(data[:10])
+        time.sleep(0.05)
+        assert e.peer_error(1) == ""
+        s.sendall(data[10:])
+        assert _wait_lost(e, 1) == f"rank 0: connection with peer 1 lost: {says}"
+        with pytest.raises(PeerLostError, match="peer 1 lost"):
+            e.imm.wait(5, 1, 5)
+        assert e.peer_error(2) == ""
+    finally:
+        s.close()
+        for srv in srvs:
+            srv.close()
+        e.close()
+
+
+def test_goodbye_without_a_hello_is_refused():
+    """A stranger's goodbye (no hello first) is refused like any connection without a hello: rank 1,
+    whom it names, stays healthy."""
+    e = TcpTransport(0, 3, streams=1, identity=ID)
+    try:
+        s = W.dial(e.endpoint, _goodbye())
+        assert W.wait_gone(s, 2.0) < 2.0
+        s.close()
+        assert "not a moe_ep hello (magic 0x4247454d)" in e.refused().recent[-1]
+        assert e.peer_error(1) == ""
+    finally:
+        e.close()

@@ -268,7 +268,11 @@ def _run(R, node_size, cap, *, epochs=3, seed=0, ovcap=None, fault=True, maxc=MA
 # ---------------------------------------------------------------- in one process
 
 def test_mailbox_layout_and_imm():
-    assert native.native_mailbox_layout() == {**MAILBOX, "n_words": MAILBOX_WORDS}
+    for W in (2, 5):
+        want = {**MAILBOX, "n_fixed": MAILBOX_WORDS,
+                **{a: native.mailbox_word(a, W, 0) for a in native.MAILBOX_ARRAYS}, "n_words": native.mailbox_words(W)}
+        assert native.native_mailbox_layout(W) == want
+    assert native.mailbox_words(3) == 8 + 4 * 3 and native.mailbox_word("ready2", 3, 1) == 8 + 2 * 3 + 1
     # phase in bits 31..30, source rank in bits 29..16, epoch mod 2^16 in bits 15..0
     assert make_imm(0, 5) == 5 and make_imm(1, 5) == (1 << 30) | 5 and make_imm(2, 5) == (2 << 30) | 5
     assert make_imm(2, 5, src=3) == (2 << 30) | (3 << 16) | 5
@@ -298,19 +302,22 @@ def test_imm_names_source_and_epoch():
             a.post_write(1, keys[0], 0, r1, pb.round1_offset(epoch, 0), pb.hdr_bytes, imm=imm)
 
         pb.ring("dispatch", 1)
-        stray = [make_imm(native.PHASE_D1, 1, src=1), make_imm(native.PHASE_D2, 1, src=0)]
+        stray = [make_imm(native.PHASE_D0, 1, src=1), make_imm(native.PHASE_D2, 1, src=0),
+                 make_imm(native.PHASE_D1, 1, src=0)]
         for imm in stray:
             header(1, imm)
-        header(2, make_imm(native.PHASE_D1, 2, src=0))
+        header(2, make_imm(native.PHASE_D0, 2, src=0))
         time.sleep(0.3)
         assert pb.mailbox[MAILBOX["disp_ready"]] == 0 and pb.error_record()[0] == 0
-        header(1, make_imm(native.PHASE_D1, 1, src=0))
+        assert pb.mailbox[MAILBOX["hdr_ready"]] == 0
+        header(1, make_imm(native.PHASE_D0, 1, src=0))
         pb.wait_ready("dispatch", 1, 5)
-        assert b.imm.value(make_imm(native.PHASE_D1, 2, src=0)) == 1
+        assert pb.mailbox[MAILBOX["hdr_ready"]] == 1
+        assert b.imm.value(make_imm(native.PHASE_D0, 2, src=0)) == 1
         pb.ring("dispatch", 2)
         pb.wait_ready("dispatch", 2, 5)
-        assert b.imm.value(make_imm(native.PHASE_D1, 2, src=0)) == 0
-        assert [b.imm.value(i) for i in stray] == [1, 1]  # counted apart, never consumed
+        assert b.imm.value(make_imm(native.PHASE_D0, 2, src=0)) == 0
+        assert [b.imm.value(i) for i in stray] == [1, 1, 1]  # counted apart, never consumed
         t0 = time.monotonic()
         pb.ring("dispatch", 3)
         with pytest.raises(CommTimeoutError) as ei:

@@ -2,7 +2,9 @@
 (``node_size=1``), so every row goes through the proxies over RDMA writes with immediates; the
 dispatch and combine results are checked against the oracle (tests/ep_cases.py). Two buffers
 between them cover bf16 and fp8, masked and packed, round 1 (the default private capacity) and
-round 2 alone (``private_capacity=0``), two calls each (both parities of every region).
+round 2 alone (``private_capacity=0``), two calls each (both parities of every region). Then
+three ranks as three nodes, one killed (SIGKILL) after two good calls: each survivor's error names
+it, though every survivor closes its buffer at once (its goodbye SEND names the killed rank).
 
 ``rdma``-marked: needs a usable verbs device (a NIC, or Soft-RoCE), skipped with the reason
 elsewhere (failed with ``MOE_EP_REQUIRE_RDMA=1``). It is in CI's Soft-RoCE VM step, where the
@@ -14,11 +16,14 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
 import time
 import traceback
 
-from test_verbs_transport import rdma_test
+import pytest
+
+from test_verbs_transport import _connect_all, _dev, light_import, rdma_test
 
 DEADLINE_S = 900.0  # the whole run; under emulation each rank's `import torch` alone takes ~50 s
 TIMEOUT_S = 300.0   # the buffers' deadline: an emulated rank can lag its peer by a minute (first launches)
@@ -50,36 +55,114 @@ def _rank(rank: int, port: int, out) -> None:
                 engines.append(type(buf.remote.proxy.engine).__name__)
                 fails += run_calls(group, buf, c)
         dist.destroy_process_group()
-        out.put((rank, fails, engines))
+        out.put((rank, (fails, engines)))
     except BaseException as exc:  # noqa: BLE001 - reported to the test
-        out.put((rank, [f"rank {rank} raised {type(exc).__name__}: {exc}\n{traceback.format_exc()}"], []))
+        out.put((rank, ([f"rank {rank} raised {type(exc).__name__}: {exc}\n{traceback.format_exc()}"], [])))
 
 
-@rdma_test
-def test_epbuffer_over_verbs_two_nodes():
+KILLED_R, VICTIM = 3, 1
+DETECT_S = 60.0  # a survivor's error comes from the lost connection, long before TIMEOUT_S
+
+
+def _killed_rank(rank: int, port: int, out, when: str) -> None:
+    """One of three ranks over verbs running tests/test_internode.py's killed-rank worker: rank 1
+    kills its process before its third dispatch (``when="dispatch"``) or before its combine."""
+    os.environ.update(TRITON_INTERPRET="1", MOE_EP_TRANSPORT="verbs")
+    try:
+        import torch.distributed as dist
+
+        from test_internode import _killed_worker
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=KILLED_R)
+        out.put((rank, _killed_worker(rank, KILLED_R, VICTIM, when, TIMEOUT_S)))
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        out.put((rank, {"raised": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}))
+
+
+def _run_ranks(target, world: int, *args, victim: int = -1) -> dict:
+    """Spawns ``world`` rank processes ``target(rank, port, out, *args)`` (``port``: their process
+    group's); returns {rank: what it put in ``out``} of every rank but ``victim``, which must die."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank, args=(r, port, out), daemon=True) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, port, out, *args), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
+    want = {r for r in range(world) if r != victim}
     got, deadline = {}, time.monotonic() + DEADLINE_S
     try:
-        while len(got) < 2:
+        while len(got) < len(want):
             try:
-                rank, fails, engines = out.get(timeout=1.0)
-                got[rank] = (fails, engines)
+                rank, value = out.get(timeout=1.0)
+                got[rank] = value
             except queue.Empty:
-                dead = {r: p.exitcode for r, p in enumerate(procs) if r not in got and p.exitcode is not None}
+                dead = {r: p.exitcode for r, p in enumerate(procs) if r in want - set(got) and p.exitcode is not None}
                 assert not dead, f"rank process(es) exited without an answer (exit codes {dead})"
-                assert time.monotonic() < deadline, f"ranks {sorted({0, 1} - set(got))} did not finish in {DEADLINE_S} s"
+                assert time.monotonic() < deadline, f"ranks {sorted(want - set(got))} did not finish in {DEADLINE_S} s"
+        if victim >= 0:
+            procs[victim].join(10)
+            assert procs[victim].exitcode == -signal.SIGKILL, f"the victim's exit code: {procs[victim].exitcode}"
     finally:
         for p in procs:
             p.join(10)
             if p.is_alive():
                 p.kill()
+    return got
+
+
+@rdma_test
+def test_epbuffer_over_verbs_two_nodes():
+    got = _run_ranks(_rank, 2)
     fails = [f for fl, _ in got.values() for f in fl]
     assert not fails, "\n".join(fails[:40])
     assert all(e == ["VerbsTransport"] * len(CASES) for _, e in got.values()), got
+
+
+@rdma_test
+@pytest.mark.parametrize("when", ["dispatch", "combine"])
+def test_rank_killed_over_verbs(when):
+    """Three ranks as three nodes over verbs; rank 1 is killed after two good calls, before its
+    third dispatch or between it and its combine. Each survivor raises PeerLostError naming rank 1
+    in that phase, from its lost queue pairs or from the other survivor's goodbye, well within the
+    buffers' deadline, though every survivor closes its buffer at once."""
+    got = _run_ranks(_killed_rank, KILLED_R, when, victim=VICTIM)
+    for r, res in got.items():
+        assert "raised" not in res, res["raised"]
+        err = res["error"]
+        assert res["good"] == 2 and err is not None and "other" not in err, res
+        assert err["type"] == "PeerLostError" and (err["rank"], err["peer"], err["phase"]) == (r, VICTIM, when), res
+        assert f"peer {VICTIM}" in err["msg"] and err["elapsed"] < DETECT_S, res
+        assert res["after"] == "BufferBrokenError", res
+
+
+def _wait_lost(e, peer: int, timeout_s: float = 30.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while not e.peer_error(peer) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return e.peer_error(peer)
+
+
+@rdma_test
+@pytest.mark.parametrize("nics", [1, 2])
+def test_verbs_goodbye(nics):
+    """Three verbs engines in this process (the device opened ``nics`` times each; no torch):
+    rank 1 closes after an error naming rank 2, and both others lose it by its goodbye at once
+    (RC has no keepalive: without it they would learn nothing until they wrote to it), hearing the
+    cause; then rank 2 closes cleanly and rank 0 hears that."""
+    N = light_import()
+    es = [N.VerbsTransport(r, 3, device=",".join([_dev()] * nics)) for r in range(3)]
+    try:
+        _connect_all(es)
+        es[1].close(N.CommTimeoutError(1, 2, "combine", 6, 3.0))
+        said = "rank 1 closed after its own error naming peer 2 (combine epoch 6)"
+        for r in (0, 2):
+            assert _wait_lost(es[r], 1, 5.0).endswith(said), es[r].peer_error(1)
+            assert f"rank {r}: connection with peer 1 lost (verbs device" in es[r].peer_error(1)
+        assert es[0].peer_error(2) == ""
+        es[2].close()
+        assert _wait_lost(es[0], 2, 5.0).endswith("rank 2 closed without an error of its own (a clean close)")
+    finally:
+        for e in es:
+            e.close()

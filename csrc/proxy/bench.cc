@@ -86,14 +86,14 @@ int moe_ep_bench_post(void* engine, int peer, uint32_t lkey, uint64_t loff, uint
   return moe_ep::kOk;
 }
 
-// Stands in for the kernels of `n` epochs on a proxy's mailbox: for e = first .. first+n-1, writes
-// disp_doorbell = e, waits for disp_ready >= e, then (combine != 0) comb_doorbell = e and waits for
-// comb_ready >= e. Waits spin for spin_ns, then sleep sleep_ns between looks (0: yield).
-// out[2i], out[2i+1]: ns doorbell -> ready of dispatch and combine of epoch first+i. Returns 0;
-// 1 at the deadline (timeout_ns per phase); -1 when the proxy wrote its error record (read it
-// from the mailbox).
-int moe_ep_bench_drive(int64_t* mailbox, int64_t first, int64_t n, int combine, int64_t timeout_ns, int64_t spin_ns,
-                       int64_t sleep_ns, int64_t* out) {
+// Stands in for the kernels of `n` epochs on a proxy's mailbox (`world` ranks): for e = first ..
+// first+n-1, rings every rows bell and the header bell of dispatch e, waits for disp_ready >= e,
+// then (combine != 0) rings every combine bell and waits for comb_ready >= e. Waits spin for
+// spin_ns, then sleep sleep_ns between looks (0: yield). out[2i], out[2i+1]: ns bell -> ready of
+// dispatch and combine of epoch first+i. Returns 0; 1 at the deadline (timeout_ns per phase);
+// -1 when the proxy wrote its error record (read it from the mailbox).
+int moe_ep_bench_drive(int64_t* mailbox, int64_t world, int64_t first, int64_t n, int combine, int64_t timeout_ns,
+                       int64_t spin_ns, int64_t sleep_ns, int64_t* out) {
 #ifdef __linux__
   prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
 #endif
@@ -114,13 +114,14 @@ int moe_ep_bench_drive(int64_t* mailbox, int64_t first, int64_t n, int combine, 
   for (int64_t i = 0; i < n; ++i) {
     const int64_t e = first + i;
     int64_t t0 = now_ns();
-    __atomic_store_n(&mailbox[moe_ep::kMbDispDoorbell], e, __ATOMIC_RELEASE);
+    for (int p = 0; p < world; ++p) __atomic_store_n(&mailbox[moe_ep::mb_disp_bell(world, p)], e, __ATOMIC_RELEASE);
+    __atomic_store_n(&mailbox[moe_ep::kMbHdrBell], e, __ATOMIC_RELEASE);
     if (const int rc = wait(moe_ep::kMbDispReady, e, t0); rc != 0) return rc;
     const int64_t t1 = now_ns();
     out[2 * i] = t1 - t0;
     out[2 * i + 1] = 0;
     if (!combine) continue;
-    __atomic_store_n(&mailbox[moe_ep::kMbCombDoorbell], e, __ATOMIC_RELEASE);
+    for (int s = 0; s < world; ++s) __atomic_store_n(&mailbox[moe_ep::mb_comb_bell(world, s)], e, __ATOMIC_RELEASE);
     if (const int rc = wait(moe_ep::kMbCombReady, e, t1); rc != 0) return rc;
     out[2 * i + 1] = now_ns() - t1;
   }

@@ -240,6 +240,17 @@ int moe_ep_verbs_destroy_qp(void* e, int peer) {
 
 void moe_ep_engine_destroy(void* e) { delete static_cast<Transport*>(e); }
 
+// Before moe_ep_engine_destroy: the goodbye the engine sends every connected peer (transport.h
+// Goodbye): `error` 1 when it closes after an error of its own naming `peer` (-1: none) in `phase`
+// (the proxy's kPhase*) of `epoch`; 0 for a clean close (what destroy says without this call).
+// Waits until the goodbye has left, at most kGoodbyeTimeoutNs. The first goodbye counts.
+int moe_ep_engine_goodbye(void* e, int error, int peer, int phase, int64_t epoch) {
+  return guarded([&] {
+    static_cast<Transport*>(e)->say_goodbye(moe_ep::Goodbye{error ? 1 : 0, peer, phase, epoch});
+    return 0;
+  });
+}
+
 void* moe_ep_engine_imm(void* e) { return &static_cast<Transport*>(e)->imm_counter(); }
 
 // What one write with an immediate adds to the receiver's count (tcp 1, verbs its NIC count).
@@ -338,12 +349,17 @@ int moe_ep_rank(void* e) { return static_cast<Transport*>(e)->rank(); }
 int moe_ep_world(void* e) { return static_cast<Transport*>(e)->world(); }
 
 // ---- Proxy (docs/ARCHITECTURE.md §10) on a transport from moe_ep_engine_create ----
-// Writes the mailbox word indices into out (order: disp_doorbell, disp_ready, comb_doorbell,
-// comb_ready, err_code, err_peer, err_phase, err_epoch, n_words); returns how many it wrote.
-int moe_ep_proxy_mailbox_layout(int64_t* out, int n) {
-  const int64_t v[] = {moe_ep::kMbDispDoorbell, moe_ep::kMbDispReady, moe_ep::kMbCombDoorbell,
-                       moe_ep::kMbCombReady,    moe_ep::kMbErrCode,   moe_ep::kMbErrPeer,
-                       moe_ep::kMbErrPhase,     moe_ep::kMbErrEpoch,  moe_ep::kMbWords};
+// Writes the mailbox word indices into out (order: hdr_bell, disp_ready, hdr_ready, comb_ready,
+// err_code, err_peer, err_phase, err_epoch, n_fixed, then the first word of the per-rank arrays
+// disp_bell, ready1, ready2, comb_bell for `world` ranks, then the words in all); returns how
+// many it wrote.
+int moe_ep_proxy_mailbox_layout(int64_t world, int64_t* out, int n) {
+  const int64_t v[] = {moe_ep::kMbHdrBell,   moe_ep::kMbDispReady,  moe_ep::kMbHdrReady,
+                       moe_ep::kMbCombReady, moe_ep::kMbErrCode,    moe_ep::kMbErrPeer,
+                       moe_ep::kMbErrPhase,  moe_ep::kMbErrEpoch,   moe_ep::kMbWords,
+                       moe_ep::mb_disp_bell(world, 0), moe_ep::mb_ready1(world, 0),
+                       moe_ep::mb_ready2(world, 0),    moe_ep::mb_comb_bell(world, 0),
+                       moe_ep::mailbox_words_for(world)};
   int k = 0;
   for (; k < n && k < int(sizeof(v) / sizeof(v[0])); ++k) out[k] = v[k];
   return k;
@@ -392,6 +408,11 @@ int64_t moe_ep_proxy_phases_done(void* p) { return static_cast<moe_ep::Proxy*>(p
 // Copies up to `max` of the most recent phase records (oldest first); returns how many.
 int moe_ep_proxy_phase_records(void* p, moe_ep::PhaseRecord* out, int max) {
   return static_cast<moe_ep::Proxy*>(p)->phase_records(out, max);
+}
+
+// Copies up to `max` of the most recent trace events (oldest first); returns how many.
+int moe_ep_proxy_trace(void* p, moe_ep::TraceEvent* out, int max) {
+  return static_cast<moe_ep::Proxy*>(p)->trace(out, max);
 }
 
 }  // extern "C"

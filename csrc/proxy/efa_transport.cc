@@ -110,11 +110,12 @@ namespace {
 
 constexpr uint64_t kRecvTag = 1ull << 62;   // receive wr_id: kRecvTag | its slot of the scratch buffer
 constexpr uint64_t kHelloTag = 1ull << 61;  // hello send wr_id: kHelloTag | attempt << 20 | peer
+constexpr uint64_t kByeTag = 1ull << 60;    // goodbye send wr_id: kByeTag | peer
 constexpr uint32_t kQkey = 0x4d455041;      // "MEPA": the Q_Key every engine's QP uses
-// The scratch buffer: one slot per receive (where a hello lands), then one per peer (the hello
-// this rank sends it).
+// The scratch buffer: one slot per receive (where a hello or a goodbye lands), then one per peer
+// (the hello this rank sends it), then one per peer (its goodbye).
 constexpr size_t kSlot = 64;
-static_assert(sizeof(WireHello) <= kSlot, "a hello fits a slot");
+static_assert(sizeof(WireHello) <= kSlot && sizeof(WireGoodbye) <= kSlot, "a hello and a goodbye fit a slot");
 
 std::string gid_hex(const ibv::gid& g) {
   char s[33];
@@ -223,9 +224,12 @@ struct EfaPeer {
   std::atomic<bool> hello_recv{false};
   std::atomic<int> hello_status{-1};  // own hello: -1 pending, else its wc status
   std::atomic<uint32_t> hello_attempt{0};
+  std::atomic<int> bye_status{-2};  // own goodbye: -2 not sent, -1 pending, else its wc status
   std::atomic<int64_t> writes_posted{0};
-  std::mutex mu;  // guards err
+  std::mutex mu;  // guards err, bye, by_goodbye
   std::string err;
+  Goodbye bye;    // what the peer said when it was lost by its goodbye (by_goodbye)
+  bool by_goodbye = false;
 };
 
 class EfaTransport final : public Transport {
@@ -248,7 +252,7 @@ class EfaTransport final : public Transport {
     if (!pd_) return sys_error("ibv_alloc_pd");
     ibcq_ = v_.create_cq(sel_.ctx, sq_depth_ + rq_depth_ + 16, nullptr, nullptr, 0);
     if (!ibcq_) return sys_error("ibv_create_cq");
-    scratch_.assign((size_t(rq_depth_) + size_t(world_)) * kSlot, 0);
+    scratch_.assign((size_t(rq_depth_) + 2 * size_t(world_)) * kSlot, 0);
     for (int p = 0; p < world_; ++p) {
       const WireHello h = make_hello(id_, rank_, p, world_, 0);
       std::memcpy(hello_slot(p), &h, sizeof(h));
@@ -303,6 +307,7 @@ class EfaTransport final : public Transport {
   }
 
   ~EfaTransport() override {
+    say_goodbye(Goodbye{});  // a clean close, unless the owner said otherwise (needs the thread)
     stop_ = true;
     if (thr_.joinable()) thr_.join();
     if (qp_) v_.destroy_qp(qp_);
@@ -470,6 +475,30 @@ class EfaTransport final : public Transport {
     return peers_[peer]->err;
   }
 
+  // The goodbye to every peer that is up and not lost, then a wait until each was delivered (SRD
+  // acknowledges it) or its peer was lost.
+  void say_goodbye(const Goodbye& g) override {
+    if (bye_said_.exchange(true) || !connected_) return;
+    const int64_t deadline = steady_now_ns() + kGoodbyeTimeoutNs;
+    for (int p = 0; p < world_; ++p)
+      if (p != rank_ && peers_[p]->up && !peers_[p]->lost) send_goodbye(p, g);
+    std::unique_lock<std::mutex> lk(conn_mu_);
+    auto out = [this] {
+      for (auto& pr : peers_)
+        if (pr->bye_status == -1 && !pr->lost) return false;
+      return true;
+    };
+    while (!out() && steady_now_ns() < deadline) conn_cv_.wait_for(lk, std::chrono::milliseconds(10));
+  }
+
+  bool peer_goodbye(int peer, Goodbye* out) override {
+    if (peer < 0 || peer >= world_) return false;
+    EfaPeer& pr = *peers_[peer];
+    std::lock_guard<std::mutex> lk(pr.mu);
+    if (pr.by_goodbye) *out = pr.bye;
+    return pr.by_goodbye;
+  }
+
  private:
   std::string prefix() const { return "rank " + std::to_string(rank_) + ": "; }
   int sys_error(const std::string& what) {
@@ -519,6 +548,7 @@ class EfaTransport final : public Transport {
   }
 
   char* hello_slot(int p) { return scratch_.data() + (size_t(rq_depth_) + size_t(p)) * kSlot; }
+  char* bye_slot(int p) { return scratch_.data() + (size_t(rq_depth_) + size_t(world_) + size_t(p)) * kSlot; }
 
   // Receives: each one a hello (a SEND of the sender's WireHello, its rank also as immediate) or,
   // unless the QP takes writes with immediates unsolicited, a write with an immediate. Each has
@@ -556,9 +586,48 @@ class EfaTransport final : public Transport {
     return kOk;
   }
 
+  // The goodbye to peer p: a SEND of a WireGoodbye, this rank also as its immediate (as a hello).
+  void send_goodbye(int p, const Goodbye& g) {
+    EfaPeer& pr = *peers_[p];
+    const WireGoodbye w = make_goodbye(id_, rank_, p, world_, g);
+    std::memcpy(bye_slot(p), &w, sizeof(w));
+    pr.bye_status = -1;
+    std::lock_guard<std::mutex> lk(post_mu_);
+    qpx_->wr_id = kByeTag | uint64_t(p);
+    qpx_->wr_flags = ibv::SEND_SIGNALED;
+    qpx_->wr_start(qpx_);
+    qpx_->wr_send_imm(qpx_, htonl(uint32_t(rank_)));
+    qpx_->wr_set_ud_addr(qpx_, pr.ah, pr.qpn, pr.qkey);
+    qpx_->wr_set_sge(qpx_, scratch_mr_->lkey, reinterpret_cast<uint64_t>(bye_slot(p)), uint32_t(sizeof(w)));
+    if (qpx_->wr_complete(qpx_) != 0) pr.bye_status = -2;  // not sent: nothing to wait for
+  }
+
+  // A goodbye landed in receive slot `slot`. SRD has no connection to vouch for its sender, so it
+  // is checked as a hello is (the job identity, this rank, its immediate naming the rank it says)
+  // and taken only from a rank whose hello passed: then that peer is lost by what it said. Anything
+  // else is refused with one line, and no peer is touched.
+  void on_goodbye(const ibv::wc& w, uint64_t slot) {
+    WireGoodbye g{};
+    std::memcpy(&g, scratch_.data() + slot * kSlot, std::min<size_t>(w.byte_len, sizeof(g)));
+    const int src = g.src_rank;
+    std::string why = src < 0 || src >= world_ || src == rank_
+                          ? "a goodbye saying rank " + std::to_string(src) + " (not a peer)"
+                          : goodbye_mismatch(g, w.byte_len, src, rank_, world_, id_);
+    if (why.empty() && (!(w.wc_flags & ibv::WC_WITH_IMM) || int(ntohl(w.imm_data)) != src))
+      why = "its immediate does not name rank " + std::to_string(src);
+    if (why.empty() && !peers_[size_t(src)]->hello_recv) why = "no hello of rank " + std::to_string(src) + " passed";
+    if (!why.empty()) {
+      refusals_.record(prefix() + "refused a goodbye from QP " + std::to_string(w.src_qp) + " (" + where_ + "): " + why);
+      return;
+    }
+    std::string text;
+    const Goodbye bye = trusted_goodbye(g, world_, &text);
+    lose_peer(src, text, kCqPeerLost, &bye);
+  }
+
   // The peer is lost (first reason wins): its pending and later writes complete with `status`,
-  // the ImmCounter fails. The QP serves the other peers and stays up.
-  void lose_peer(int p, const std::string& why, int32_t status = kCqPeerLost) {
+  // the ImmCounter fails. The QP serves the other peers and stays up. `bye`: lost by its goodbye.
+  void lose_peer(int p, const std::string& why, int32_t status = kCqPeerLost, const Goodbye* bye = nullptr) {
     EfaPeer& pr = *peers_[p];
     const std::string msg = prefix() + "connection with peer " + std::to_string(p) + " lost (" + where_ + ", QP " +
                             std::to_string(qp_ ? qp_->qp_num : 0) + " -> " + std::to_string(pr.qpn) + "): " + why;
@@ -567,6 +636,7 @@ class EfaTransport final : public Transport {
       if (pr.lost) return;
       pr.err = msg;
       pr.lost = true;
+      if (bye) pr.bye = *bye, pr.by_goodbye = true;
     }
     cq_.fail_peer(p, status);
     conn_cv_.notify_all();
@@ -613,8 +683,23 @@ class EfaTransport final : public Transport {
         if (!stop_ && w.status != ibv::WC_WR_FLUSH_ERR) fail_all("receive failed: " + wc_error(w));
         return;
       }
-      if (w.opcode == ibv::WC_RECV) on_hello(w, slot);
+      uint32_t magic = 0;
+      std::memcpy(&magic, scratch_.data() + slot * kSlot, sizeof(magic));
+      if (w.opcode == ibv::WC_RECV && magic == kMagicGoodbye && w.byte_len >= sizeof(magic))
+        on_goodbye(w, slot);
+      else if (w.opcode == ibv::WC_RECV)
+        on_hello(w, slot);
       if (!post_recv(slot)) fail_all("re-posting a receive failed");
+      return;
+    }
+    if (w.wr_id & kByeTag) {
+      const int p = int(w.wr_id & 0xFFFFF);
+      if (p < 0 || p >= world_) return;
+      {
+        std::lock_guard<std::mutex> lk(conn_mu_);
+        peers_[p]->bye_status = w.status;
+      }
+      conn_cv_.notify_all();
       return;
     }
     if (w.wr_id & kHelloTag) {
@@ -701,6 +786,7 @@ class EfaTransport final : public Transport {
   std::atomic<int64_t> op_timeout_ns_{30'000'000'000LL};
   std::atomic<bool> stop_{false};
   std::atomic<bool> connected_{false};
+  std::atomic<bool> bye_said_{false};
   std::thread thr_;
 };
 

@@ -30,6 +30,8 @@ void ImmCounter::add(uint32_t imm, int64_t n) {
                                  [](const Key& k, uint32_t v) { return k.imm < v; });
       if (it != w->keys.end() && it->imm == imm && c - n < it->expected && c >= it->expected) wake |= --w->pending <= 0;
     }
+    gen_.fetch_add(1, std::memory_order_release);
+    wake |= change_waiters_ > 0;
   }
   if (wake) cv_.notify_all();
 }
@@ -88,6 +90,14 @@ int ImmCounter::wait_all(const uint32_t* imms, const int64_t* expected, int n, i
   return rc;
 }
 
+void ImmCounter::wait_change(uint64_t seen, int64_t timeout_ns) {
+  std::unique_lock<std::mutex> lk(mu_);
+  ++change_waiters_;
+  cv_.wait_for(lk, std::chrono::nanoseconds(timeout_ns < 0 ? 0 : timeout_ns),
+               [&] { return gen_.load(std::memory_order_relaxed) != seen; });  // (fail() moves it too)
+  --change_waiters_;
+}
+
 int64_t ImmCounter::value(uint32_t imm) {
   std::lock_guard<std::mutex> lk(mu_);
   return count(imm);
@@ -99,6 +109,7 @@ void ImmCounter::fail(const std::string& msg) {
     if (failed_) return;
     failed_ = true;
     fail_msg_ = msg;
+    gen_.fetch_add(1, std::memory_order_release);  // a poller looks again, and sees the failure
   }
   cv_.notify_all();
 }

@@ -9,6 +9,7 @@
 // count that is already reached still succeeds.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
@@ -41,6 +42,11 @@ class ImmCounter {
   int wait_all(const uint32_t* imms, const int64_t* expected, int n, int64_t timeout_ns, std::string* err = nullptr,
                std::vector<int>* missing = nullptr);
   int64_t value(uint32_t imm);
+  // How many add() calls so far: a poller that saw generation g and finds it unchanged knows no
+  // immediate arrived meanwhile.
+  uint64_t generation() const { return gen_.load(std::memory_order_acquire); }
+  // Sleeps until an add() or fail() moves the generation past `seen`, or timeout_ns.
+  void wait_change(uint64_t seen, int64_t timeout_ns);
   // Records the first failure (later ones are ignored) and wakes every waiter.
   void fail(const std::string& msg);
   bool failed(std::string* msg = nullptr);
@@ -61,6 +67,8 @@ class ImmCounter {
   std::condition_variable cv_;
   std::unordered_map<uint32_t, int64_t> counts_;  // nonzero counts only
   std::vector<Waiter*> waiters_;                  // blocked waits (add wakes them when one can return)
+  std::atomic<uint64_t> gen_{0};
+  int change_waiters_ = 0;  // threads in wait_change (add wakes them)
   bool failed_ = false;
   std::string fail_msg_;
 };

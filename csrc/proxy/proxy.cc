@@ -60,8 +60,9 @@ Proxy* Proxy::create(Transport* t, const ProxyConfig& cfg, void* const regions[k
            nullptr;
   if (t->rank() != cfg.rank || t->world() != cfg.world_size)
     return set_error(kErrInvalid, pre + "config rank/world do not match the transport's"), nullptr;
-  if (!mailbox || mailbox_words < uint64_t(kMbWords) || (reinterpret_cast<uintptr_t>(mailbox) & 7))
-    return set_error(kErrInvalid, pre + "mailbox must be " + std::to_string(int(kMbWords)) + " aligned int64 words"),
+  if (!mailbox || mailbox_words < uint64_t(mailbox_words_for(cfg.world_size)) || (reinterpret_cast<uintptr_t>(mailbox) & 7))
+    return set_error(kErrInvalid, pre + "mailbox must be " + std::to_string(mailbox_words_for(cfg.world_size)) +
+                                      " aligned int64 words"),
            nullptr;
   uint64_t need[kNumRegions];
   proxy_region_bytes(cfg, need);
@@ -134,12 +135,27 @@ int Proxy::lost_peer() {
   return -1;
 }
 
+int Proxy::cause_of(int lost) {
+  // A peer that closed after its own error said in its goodbye which peer that error names (the
+  // transport keeps only a peer of this job other than the closer, in a known phase): that peer
+  // is the cause, not the closer. Not this rank, though: a peer that gave up on it is the one lost.
+  Goodbye g;
+  if (lost < 0 || !t_->peer_goodbye(lost, &g) || !g.error || g.peer < 0 || g.peer >= cfg_.world_size ||
+      g.peer == lost || g.peer == cfg_.rank)
+    return lost;
+  return g.peer;
+}
+
 bool Proxy::fail_lost(int peer, int phase, int64_t epoch, const std::string& msg) {
   const int first = lost_peer();
-  if (first < 0 || first == peer) return fail(kProxyPeerLost, peer, phase, epoch, msg);
-  const std::string why = t_->peer_error(first);
-  if (peer < 0 || msg == why) return fail(kProxyPeerLost, first, phase, epoch, msg);
-  return fail(kProxyPeerLost, first, phase, epoch, why + " (the first peer lost; then " + msg + ")");
+  if (first < 0) return fail(kProxyPeerLost, peer, phase, epoch, msg);
+  const int cause = cause_of(first);
+  const std::string why = t_->peer_error(first);  // names the goodbye's cause where there is one
+  if (peer >= 0 && first != peer && msg != why)
+    return fail(kProxyPeerLost, cause, phase, epoch, why + " (the first peer lost; then " + msg + ")");
+  if (cause != first && msg.find(why) == std::string::npos)
+    return fail(kProxyPeerLost, cause, phase, epoch, why + " (then " + msg + ")");
+  return fail(kProxyPeerLost, cause, phase, epoch, msg);
 }
 
 void Proxy::record(int64_t kind, int64_t epoch, int64_t seen, int64_t mid, int64_t ready, int64_t cpu) {
@@ -156,6 +172,30 @@ int Proxy::phase_records(PhaseRecord* out, int max) {
   return int(n);
 }
 
+void Proxy::trace_event(int32_t kind, int peer, int64_t epoch) {
+  std::lock_guard<std::mutex> lk(trace_mu_);
+  if (trace_.empty()) trace_.resize(kMaxTrace);
+  trace_[size_t(n_trace_ % kMaxTrace)] = TraceEvent{mono_ns(), epoch, kind, peer};
+  ++n_trace_;
+}
+
+int Proxy::trace(TraceEvent* out, int max) {
+  std::lock_guard<std::mutex> lk(trace_mu_);
+  const int64_t n = std::min<int64_t>({int64_t(std::max(max, 0)), n_trace_, int64_t(kMaxTrace)});
+  for (int64_t i = 0; i < n; ++i) out[i] = trace_[size_t((n_trace_ - n + i) % kMaxTrace)];
+  return int(n);
+}
+
+int64_t Proxy::comb_bell_seen() {
+  // The kernels ring every remote source's combine bell, so any of them tells a combine began.
+  for (int s = 0; s < cfg_.world_size; ++s) {
+    if (!remote(s)) continue;
+    const int64_t b = load(mb_comb_bell(cfg_.world_size, s));
+    if (b > last_comb_) return b;
+  }
+  return -1;
+}
+
 void Proxy::loop() {
 #ifdef __linux__
   prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // idle polls sleep sleep_ns, not sleep_ns + 50 us
@@ -164,9 +204,9 @@ void Proxy::loop() {
   while (!stop_) {
     if (load(kMbErrCode) != kProxyOk) break;  // an error stops the proxy (the buffer is broken)
     bool worked = false;
-    const int64_t cd = load(kMbCombDoorbell), dd = load(kMbDispDoorbell);
+    const int64_t cd = comb_bell_seen(), dd = load(kMbHdrBell);
     // A combine for the latest dispatch goes first; dispatch epochs only grow.
-    if (cd != last_comb_ && cd > last_comb_ && cd == counts_epoch_) {
+    if (cd > 0 && cd == counts_epoch_) {
       last_comb_ = cd;
       const int64_t t0 = mono_ns(), c0 = thread_cpu_ns();
       if (!run_combine(cd)) break;
@@ -175,6 +215,7 @@ void Proxy::loop() {
       const int64_t t1 = mono_ns();
       record(1, cd, t0, t1, t1, thread_cpu_ns() - c0);
       phases_done_.fetch_add(1, std::memory_order_release);
+      trace_event(kTrCombReady, -1, cd);
       store(kMbCombReady, cd);
       worked = true;
     } else if (dd != last_disp_) {
@@ -188,9 +229,10 @@ void Proxy::loop() {
       if (!run_dispatch(dd)) break;
       record(0, dd, t0, mid_ns_, mono_ns(), thread_cpu_ns() - c0);
       phases_done_.fetch_add(1, std::memory_order_release);
+      trace_event(kTrDispReady, -1, dd);
       store(kMbDispReady, dd);  // last, as for combine
       worked = true;
-    } else if (cd != last_comb_) {
+    } else if (cd > 0) {
       fail(kProxyInvalid, -1, kPhaseC, cd,
            "combine doorbell for epoch " + std::to_string(cd) + " but the last dispatch was epoch " +
                std::to_string(counts_epoch_));
@@ -218,57 +260,24 @@ bool Proxy::post(int phase, int64_t epoch, int peer, int lreg, uint64_t loff, in
   return fail(kProxyTransport, peer, phase, epoch, "post_write: " + thread_error());
 }
 
-bool Proxy::wait_imm(int phase, int64_t epoch, const std::vector<int>& from, int64_t deadline) {
-  // One counter per source (the immediate carries it), each expecting exactly one write: the
-  // transport's imm_per_write() immediates (one per NIC shard over verbs, empty shards included).
-  std::vector<uint32_t> imms(from.size());
-  for (size_t i = 0; i < from.size(); ++i) imms[i] = make_imm(phase, from[i], epoch);
-  const int64_t per = t_->imm_per_write();
-  const std::vector<int64_t> ones(from.size(), per);
-  std::vector<int> missing;
-  for (;;) {
-    const int64_t now = mono_ns();
-    if (stop_) return fail(kProxyTimeout, -1, phase, epoch, "proxy stopped while waiting");
-    std::string err;
-    const int rc = t_->imm_counter().wait_all(imms.data(), ones.data(), int(imms.size()),
-                                              std::min<int64_t>(std::max<int64_t>(deadline - now, 0), 50'000'000),
-                                              &err, &missing);
-    if (rc == kOk) return true;
-    if (rc == kErrPeer) return fail_lost(-1, phase, epoch, err);
-    if (rc != kErrTimeout) return fail(kProxyTransport, -1, phase, epoch, err);
-    if (mono_ns() >= deadline && !missing.empty()) {
-      // `missing` is the counter's view at the deadline: the peers whose write never landed.
-      std::string who;
-      for (size_t i = 0; i < missing.size() && i < 8; ++i) who += (i ? ", " : "") + std::to_string(from[size_t(missing[i])]);
-      if (missing.size() > 8) who += ", ...";
-      const int first = from[size_t(missing[0])];
-      std::string shards;  // several per write: how many of the first missing peer's landed
-      if (per > 1)
-        shards = "; " + std::to_string(t_->imm_counter().value(imms[size_t(missing[0])])) + " of its " +
-                 std::to_string(per) + " shards landed";
-      return fail(kProxyTimeout, first, phase, epoch,
-                  "no immediate from peer " + std::to_string(first) + " within " + seconds(cfg_.timeout_ns) +
-                      " s (" + std::to_string(missing.size()) + " of " + std::to_string(from.size()) +
-                      " peers missing: " + who + shards + ")");
-    }
+bool Proxy::take(int phase, int src, int64_t epoch, Lost* lost) {
+  std::string err;
+  const int rc = t_->imm_counter().wait(make_imm(phase, src, epoch), t_->imm_per_write(), 0, &err);
+  // The counter fails when any peer is lost; only a loss of `src` itself ends the wait for its
+  // immediate: a peer that closed after its last write to this rank leaves the others' waits alone.
+  if (rc == kErrPeer && lost->peer < 0) {
+    const std::string why = t_->peer_error(src);
+    if (!why.empty()) *lost = Lost{src, why};
   }
+  return rc == kOk;
 }
 
-bool Proxy::wait_writes(int phase, int64_t epoch, int64_t deadline) {
+bool Proxy::reap(int phase, int64_t epoch) {
   Completion cq[64];
   while (n_posted_ > 0) {
-    const int64_t now = mono_ns();
-    if (stop_) return fail(kProxyTimeout, -1, phase, epoch, "proxy stopped while waiting");
-    if (now >= deadline) {
-      const int peer = int(std::find_if(posted_to_.begin(), posted_to_.end(), [](int n) { return n > 0; }) -
-                           posted_to_.begin());
-      return fail(kProxyTimeout, peer < cfg_.world_size ? peer : -1, phase, epoch,
-                  std::to_string(n_posted_) + " own writes not completed within " +
-                      seconds(cfg_.timeout_ns) + " s (the first to peer " +
-                      std::to_string(peer) + ")");
-    }
-    const int n = t_->poll(cq, 64, std::min<int64_t>(deadline - now, 50'000'000));
+    const int n = t_->poll(cq, 64, 0);
     if (n < 0) return fail(kProxyTransport, -1, phase, epoch, "poll: " + thread_error());
+    if (n == 0) return true;
     for (int i = 0; i < n; ++i) {
       --n_posted_;
       const Completion& c = cq[i];
@@ -283,6 +292,47 @@ bool Proxy::wait_writes(int phase, int64_t epoch, int64_t deadline) {
   return true;
 }
 
+void Proxy::idle(int64_t last_work, uint64_t seen_gen) {
+  // Bells are host memory the GPU writes (nothing wakes the proxy when they change), so they are
+  // polled: spinning right after work, then every sleep_ns; an immediate that arrives after the
+  // last look (generation seen_gen) ends a sleep at once.
+  if (mono_ns() - last_work <= cfg_.spin_ns) return;
+  t_->imm_counter().wait_change(seen_gen, cfg_.sleep_ns);
+}
+
+template <class F>
+bool Proxy::fail_missing(int phase, int64_t epoch, const std::vector<int>& from, F missing, const std::string& what) {
+  std::vector<int> gone;
+  for (int r : from)
+    if (missing(r)) gone.push_back(r);
+  if (gone.empty()) return fail(kProxyTimeout, -1, phase, epoch, what + ": timed out");
+  std::string who;
+  for (size_t i = 0; i < gone.size() && i < 8; ++i) who += (i ? ", " : "") + std::to_string(gone[i]);
+  if (gone.size() > 8) who += ", ...";
+  return fail(kProxyTimeout, gone[0], phase, epoch,
+              "no immediate from peer " + std::to_string(gone[0]) + " within " + seconds(cfg_.timeout_ns) + " s (" +
+                  what + "; " + std::to_string(gone.size()) + " of " + std::to_string(from.size()) +
+                  " peers missing: " + who + ")");
+}
+
+bool Proxy::fail_writes(int phase, int64_t epoch) {
+  const int peer =
+      int(std::find_if(posted_to_.begin(), posted_to_.end(), [](int n) { return n > 0; }) - posted_to_.begin());
+  return fail(kProxyTimeout, peer < cfg_.world_size ? peer : -1, phase, epoch,
+              std::to_string(n_posted_) + " own writes not completed within " + seconds(cfg_.timeout_ns) +
+                  " s (the first to peer " + std::to_string(peer) + ")");
+}
+
+// One dispatch epoch (docs/ARCHITECTURE.md §10), as its pieces become possible, in one pass loop:
+//  - at once: this rank's header (count vector + selections) to every peer (D0);
+//  - as each remote peer's rows bell rings: its round-1 rows (D1, when it has rows);
+//  - as each source's header lands: its row of the count matrix; once all have: hdr_ready, the
+//    capacity check (every rank decides alike), and the overflow rows (D2) to each remote peer
+//    whose rows are packed;
+//  - as each source's rows land: its ready1 / ready2 word, so the receive half unpacks it;
+//  - done when every expected immediate is counted and every own write completed.
+// Each (phase, source) is counted exactly: D0 from every other rank; D1 from each remote source
+// with rows for this rank, D2 from each with overflow (both ends know them from the headers).
 bool Proxy::run_dispatch(int64_t epoch) {
   const int64_t deadline = mono_ns() + cfg_.timeout_ns;
   const int R = int(cfg_.world_size), me = int(cfg_.rank);
@@ -290,6 +340,7 @@ bool Proxy::run_dispatch(int64_t epoch) {
   // Parity copies: round-1 slots of epoch e at (e & 1) * R * slot, overflow at (e & 1) * ovcap.
   const uint64_t r1_base = uint64_t((epoch & 1) * R * slot);
   const uint64_t ov_base = uint64_t((epoch & 1) * cfg_.overflow_capacity * RB);
+  trace_event(kTrHdrBell, -1, epoch);
   n_posted_ = 0;
   std::fill(posted_to_.begin(), posted_to_.end(), 0);
   // Own count vector: HDR of the first peer, at offset 0 of the send buffer.
@@ -305,7 +356,7 @@ bool Proxy::run_dispatch(int64_t epoch) {
     return fail(kProxyInvalid, -1, kPhaseD1, epoch,
                 std::to_string(rows) + " rows to remote peers exceed the send buffer's " +
                     std::to_string(cfg_.max_send_rows));
-  // Round 1: HDR_p (+ the first min(c, cap) rows for remote p) into p's round-1 slot [me].
+  // [HDR_p | rows_p] of every peer p != me, in rank order.
   std::vector<uint64_t> off(R, 0);
   uint64_t o = 0;
   for (int p = 0; p < R; ++p) {
@@ -313,61 +364,141 @@ bool Proxy::run_dispatch(int64_t epoch) {
     off[p] = o;
     o += uint64_t(hdr_ + (remote(p) ? C[size_t(me) * R + p] : 0) * RB);
   }
-  for (int p = 0; p < R; ++p) {
-    if (p == me) continue;
-    const int64_t n1 = remote(p) ? std::min<int64_t>(C[size_t(me) * R + p], cap) : 0;
-    if (!post(kPhaseD1, epoch, p, kRegDispSend, off[p], kRegRound1, r1_base + uint64_t(me * slot), uint64_t(hdr_ + n1 * RB)))
-      return false;
+  const uint64_t my_slot = r1_base + uint64_t(me * slot);
+  std::vector<int> others;
+  for (int p = 0; p < R; ++p)
+    if (p != me) others.push_back(p);
+  // Headers first: they are ready before any row is packed, and the receivers place rows with them.
+  for (int p : others) {
+    if (!post(kPhaseD0, epoch, p, kRegDispSend, off[p], kRegRound1, my_slot, uint64_t(hdr_))) return false;
+    trace_event(kTrPostD0, p, epoch);
   }
-  std::vector<int> from;  // the ranks this phase expects one immediate from
-  for (int s = 0; s < R; ++s)
-    if (s != me) from.push_back(s);
-  if (!wait_imm(kPhaseD1, epoch, from, deadline)) return false;
-  mid_ns_ = mono_ns();
-  for (int s = 0; s < R; ++s) {
-    if (s == me) continue;
-    std::memcpy(&C[size_t(s) * R], reg_[kRegRound1] + r1_base + uint64_t(s * slot), 4 * size_t(R));
-    for (int p = 0; p < R; ++p)
-      if (C[size_t(s) * R + p] < 0)
-        return fail(kProxyInvalid, s, kPhaseD1, epoch, "peer " + std::to_string(s) + " sent a negative count");
-  }
-  // Capacity: every rank checks every p's total overflow (same data, same decision everywhere).
-  for (int p = 0; p < R; ++p) {
-    int64_t tot = 0;
-    for (int s = 0; s < R; ++s)
-      if (s != p && s / cfg_.node_size != p / cfg_.node_size) tot += std::max<int64_t>(0, C[size_t(s) * R + p] - cap);
-    if (tot > cfg_.overflow_capacity) {
-      wait_writes(kPhaseD1, epoch, deadline);  // let round 1 finish (best effort); nothing more is written
-      return fail(kProxyCapacity, p, kPhaseD2, epoch,
-                  "rank " + std::to_string(p) + " would receive " + std::to_string(tot) +
-                      " overflow rows, overflow_capacity is " + std::to_string(cfg_.overflow_capacity));
+  auto c_to = [&](int s, int p) -> int64_t { return C[size_t(s) * R + p]; };
+  auto ov = [&](int s, int p) -> int64_t { return std::max<int64_t>(0, c_to(s, p) - cap); };
+  // Per rank: 0 pending, 1 done (or nothing to do).
+  std::vector<char> rows_sent(R, 0), ov_sent(R, 0), got_hdr(R, 0), got1(R, 0), got2(R, 0);
+  for (int p = 0; p < R; ++p)
+    if (p == me || !remote(p)) rows_sent[p] = ov_sent[p] = got1[p] = got2[p] = 1;
+  got_hdr[me] = 1;
+  bool all_hdr = false;
+  int64_t last_work = mono_ns();
+  uint64_t seen_gen = ~uint64_t(0);
+  for (;;) {
+    if (stop_) return fail(kProxyTimeout, -1, kPhaseD1, epoch, "proxy stopped while waiting");
+    bool work = false;
+    Lost lost;
+    // Own rows: each remote peer's as soon as the kernels packed them.
+    for (int p : others) {
+      if (rows_sent[p] || load(mb_disp_bell(R, p)) < epoch) continue;
+      trace_event(kTrRowsBell, p, epoch);
+      const int64_t n1 = std::min(c_to(me, p), cap);
+      if (n1 > 0) {
+        if (!post(kPhaseD1, epoch, p, kRegDispSend, off[p] + uint64_t(hdr_), kRegRound1, my_slot + uint64_t(hdr_),
+                  uint64_t(n1 * RB)))
+          return false;
+        trace_event(kTrPostD1, p, epoch);
+      }
+      rows_sent[p] = 1;
+      work = true;
     }
+    // Arrivals (only when the counter moved since the last look).
+    const uint64_t gen = t_->imm_counter().generation();
+    if (gen != seen_gen) {
+      seen_gen = gen;
+      for (int s : others) {
+        if (!got_hdr[s] && take(kPhaseD0, s, epoch, &lost)) {
+          got_hdr[s] = 1;
+          work = true;
+          trace_event(kTrGotD0, s, epoch);
+          std::memcpy(&C[size_t(s) * R], reg_[kRegRound1] + r1_base + uint64_t(s * slot), 4 * size_t(R));
+          for (int p = 0; p < R; ++p)
+            if (C[size_t(s) * R + p] < 0)
+              return fail(kProxyInvalid, s, kPhaseD1, epoch, "peer " + std::to_string(s) + " sent a negative count");
+          if (remote(s)) {  // what else comes from s: nothing, its round-1 rows, its overflow rows
+            if (std::min(c_to(s, me), cap) == 0) {
+              got1[s] = 1;
+              store(mb_ready1(R, s), epoch);
+            }
+            if (ov(s, me) == 0) {
+              got2[s] = 1;
+              if (got1[s]) store(mb_ready2(R, s), epoch);
+            }
+          }
+        }
+        if (got_hdr[s] && !got1[s] && take(kPhaseD1, s, epoch, &lost)) {
+          got1[s] = work = 1;
+          trace_event(kTrGotD1, s, epoch);
+          store(mb_ready1(R, s), epoch);
+          if (got2[s]) store(mb_ready2(R, s), epoch);
+        }
+        if (got_hdr[s] && !got2[s] && take(kPhaseD2, s, epoch, &lost)) {
+          got2[s] = work = 1;
+          trace_event(kTrGotD2, s, epoch);
+          store(mb_ready2(R, s), epoch);
+        }
+      }
+    }
+    if (!all_hdr && std::all_of(got_hdr.begin(), got_hdr.end(), [](char g) { return g != 0; })) {
+      all_hdr = work = true;
+      mid_ns_ = mono_ns();
+      // Capacity: every rank checks every p's total overflow (same data, same decision everywhere).
+      for (int p = 0; p < R; ++p) {
+        int64_t tot = 0;
+        for (int s = 0; s < R; ++s)
+          if (s != p && s / cfg_.node_size != p / cfg_.node_size) tot += ov(s, p);
+        if (tot > cfg_.overflow_capacity)
+          return fail(kProxyCapacity, p, kPhaseD2, epoch,
+                      "rank " + std::to_string(p) + " would receive " + std::to_string(tot) +
+                          " overflow rows, overflow_capacity is " + std::to_string(cfg_.overflow_capacity));
+      }
+      trace_event(kTrHdrReady, -1, epoch);
+      store(kMbHdrReady, epoch);
+    }
+    // Round 2: overflow rows to each remote p at sum of o_{s'p} over remote s' < me, once every
+    // header is in (the offsets need them) and p's rows are packed.
+    if (all_hdr) {
+      for (int p : others) {
+        if (ov_sent[p] || !rows_sent[p]) continue;
+        ov_sent[p] = 1;
+        const int64_t n2 = ov(me, p);
+        if (n2 == 0) continue;
+        int64_t roff = 0;
+        for (int s = 0; s < me; ++s)
+          if (s != p && s / cfg_.node_size != p / cfg_.node_size) roff += ov(s, p);
+        const uint64_t loff = off[p] + uint64_t(hdr_ + cap * RB);
+        if (!post(kPhaseD2, epoch, p, kRegDispSend, loff, kRegOverflow, ov_base + uint64_t(roff * RB), uint64_t(n2 * RB)))
+          return false;
+        trace_event(kTrPostD2, p, epoch);
+        work = true;
+      }
+    }
+    if (!reap(kPhaseD1, epoch)) return false;
+    const auto all = [](const std::vector<char>& v) { return std::all_of(v.begin(), v.end(), [](char g) { return g != 0; }); };
+    if (all_hdr && all(rows_sent) && all(ov_sent) && all(got1) && all(got2) && n_posted_ == 0) break;
+    if (lost.peer >= 0) return fail_lost(lost.peer, all_hdr && all(got1) ? kPhaseD2 : kPhaseD1, epoch, lost.why);
+    if (work) {
+      last_work = mono_ns();
+      continue;
+    }
+    if (mono_ns() >= deadline) {
+      if (!all_hdr) return fail_missing(kPhaseD1, epoch, others, [&](int s) { return !got_hdr[s]; }, "header");
+      if (!all(got1)) return fail_missing(kPhaseD1, epoch, others, [&](int s) { return !got1[s]; }, "round-1 rows");
+      if (!all(got2)) return fail_missing(kPhaseD2, epoch, others, [&](int s) { return !got2[s]; }, "overflow rows");
+      if (!all(rows_sent))
+        return fail_missing(kPhaseD1, epoch, others, [&](int p) { return !rows_sent[p]; },
+                            "this rank's kernels never rang the rows bell");
+      return fail_writes(kPhaseD1, epoch);
+    }
+    idle(last_work, seen_gen);
   }
-  // Round 2: the overflow rows to each remote p at sum of o_{s'p} over remote s' < me. Every rank
-  // knows every o_{sp} from the count matrix, so only pairs with overflow exchange a write: p
-  // expects one D2 immediate from each remote s with o_{sp} > 0 (none at all in a batch that
-  // fits the private slots).
-  for (int p = 0; p < R; ++p) {
-    if (p == me || !remote(p)) continue;
-    const int64_t c = C[size_t(me) * R + p], ov = std::max<int64_t>(0, c - cap);
-    if (ov == 0) continue;
-    int64_t roff = 0;
-    for (int s = 0; s < me; ++s)
-      if (s != p && s / cfg_.node_size != p / cfg_.node_size) roff += std::max<int64_t>(0, C[size_t(s) * R + p] - cap);
-    const uint64_t loff = off[p] + uint64_t(hdr_ + std::min(c, cap) * RB);
-    if (!post(kPhaseD2, epoch, p, kRegDispSend, loff, kRegOverflow, ov_base + uint64_t(roff * RB), uint64_t(ov * RB)))
-      return false;
-  }
-  from.clear();
-  for (int s = 0; s < R; ++s)
-    if (s != me && remote(s) && C[size_t(s) * R + me] > cap) from.push_back(s);
-  if (!wait_imm(kPhaseD2, epoch, from, deadline)) return false;
-  if (!wait_writes(kPhaseD2, epoch, deadline)) return false;
   counts_.swap(C);
   counts_epoch_ = epoch;
   return true;
 }
 
+// The combine of the latest dispatch: to each remote source s with rows, as soon as its rows
+// are packed (its combine bell), one write of c_{s,me} rows into s's combine receive region at
+// sum of c_{s,p'} over remote p' < me; from each remote owner p with c_{me,p} > 0 one immediate.
 bool Proxy::run_combine(int64_t epoch) {
   const int64_t deadline = mono_ns() + cfg_.timeout_ns;
   const int R = int(cfg_.world_size), me = int(cfg_.rank);
@@ -376,25 +507,62 @@ bool Proxy::run_combine(int64_t epoch) {
   const auto& C = counts_;
   n_posted_ = 0;
   std::fill(posted_to_.begin(), posted_to_.end(), 0);
-  // One write per remote pair with rows (both ends know c_{s,me}): s expects one C immediate
-  // from each remote owner p with c_{s,p} > 0.
-  uint64_t loff = 0;  // per remote source s, in rank order: c_{s,me} rows received from s
+  std::vector<uint64_t> loff(R, 0);  // per remote source s, in rank order: c_{s,me} rows received from s
+  std::vector<char> sent(R, 1), got(R, 1);
+  std::vector<int> owners, sources;
+  uint64_t o = 0;
   for (int s = 0; s < R; ++s) {
     if (s == me || !remote(s)) continue;
-    const int64_t n = C[size_t(s) * R + me];
-    if (n == 0) continue;
-    int64_t roff = 0;  // in s's combine receive region: sum of c_{s,p'} over remote p' < me
-    for (int p = 0; p < me; ++p)
-      if (p != s && p / cfg_.node_size != s / cfg_.node_size) roff += C[size_t(s) * R + p];
-    if (!post(kPhaseC, epoch, s, kRegCombSend, loff, kRegCombRecv, cr_base + uint64_t(roff * CRB), uint64_t(n * CRB)))
-      return false;
-    loff += uint64_t(n * CRB);
+    loff[s] = o;
+    o += uint64_t(C[size_t(s) * R + me] * CRB);
+    if (C[size_t(s) * R + me] > 0) sent[s] = 0, sources.push_back(s);
+    if (C[size_t(me) * R + s] > 0) got[s] = 0, owners.push_back(s);
   }
-  std::vector<int> from;
-  for (int p = 0; p < R; ++p)
-    if (p != me && remote(p) && C[size_t(me) * R + p] > 0) from.push_back(p);
-  if (!wait_imm(kPhaseC, epoch, from, deadline)) return false;
-  return wait_writes(kPhaseC, epoch, deadline);
+  int64_t last_work = mono_ns();
+  uint64_t seen_gen = ~uint64_t(0);
+  for (;;) {
+    if (stop_) return fail(kProxyTimeout, -1, kPhaseC, epoch, "proxy stopped while waiting");
+    bool work = false;
+    Lost lost;
+    for (int s : sources) {
+      if (sent[s] || load(mb_comb_bell(R, s)) < epoch) continue;
+      trace_event(kTrCombBell, s, epoch);
+      int64_t roff = 0;  // in s's combine receive region: sum of c_{s,p'} over remote p' < me
+      for (int p = 0; p < me; ++p)
+        if (p != s && p / cfg_.node_size != s / cfg_.node_size) roff += C[size_t(s) * R + p];
+      if (!post(kPhaseC, epoch, s, kRegCombSend, loff[s], kRegCombRecv, cr_base + uint64_t(roff * CRB),
+                uint64_t(C[size_t(s) * R + me] * CRB)))
+        return false;
+      trace_event(kTrPostC, s, epoch);
+      sent[s] = 1;
+      work = true;
+    }
+    const uint64_t gen = t_->imm_counter().generation();
+    if (gen != seen_gen) {
+      seen_gen = gen;
+      for (int p : owners)
+        if (!got[p] && take(kPhaseC, p, epoch, &lost)) {
+          got[p] = work = 1;
+          trace_event(kTrGotC, p, epoch);
+        }
+    }
+    if (!reap(kPhaseC, epoch)) return false;
+    const auto all = [](const std::vector<char>& v) { return std::all_of(v.begin(), v.end(), [](char g) { return g != 0; }); };
+    if (all(sent) && all(got) && n_posted_ == 0) return true;
+    if (lost.peer >= 0) return fail_lost(lost.peer, kPhaseC, epoch, lost.why);
+    if (work) {
+      last_work = mono_ns();
+      continue;
+    }
+    if (mono_ns() >= deadline) {
+      if (!all(got)) return fail_missing(kPhaseC, epoch, owners, [&](int p) { return !got[p]; }, "combine rows");
+      if (!all(sent))
+        return fail_missing(kPhaseC, epoch, sources, [&](int s) { return !sent[s]; },
+                            "this rank's kernels never rang the combine bell");
+      return fail_writes(kPhaseC, epoch);
+    }
+    idle(last_work, seen_gen);
+  }
 }
 
 }  // namespace moe_ep

@@ -20,19 +20,26 @@
 namespace moe_ep {
 
 // ---- Mailbox: int64 words, single writer each, epoch valued, never reset. ----
-// The kernel side writes the doorbells; the proxy writes the ready words and the error record.
+// The kernel side writes the bells; the proxy writes the ready words and the error record.
 // Mirrored in moe_ep/proxy/native.py (MAILBOX) and checked against moe_ep_proxy_mailbox_layout.
+// Eight fixed words, then four arrays of one word per rank (mb_* below): 8 + 4R words in all.
 enum : int {
-  kMbDispDoorbell = 0,  // kernel: counts and send buffer packed for dispatch epoch e -> e
-  kMbDispReady = 1,     // proxy: every D1/D2 of epoch e landed, own writes completed -> e
-  kMbCombDoorbell = 2,  // kernel: combine send buffer packed for epoch e -> e
-  kMbCombReady = 3,     // proxy: every C of epoch e landed, own writes completed -> e
+  kMbHdrBell = 0,       // kernel: every peer's header (HDR_p) of dispatch epoch e is in the send buffer -> e
+  kMbDispReady = 1,     // proxy: every write of dispatch e from and to this rank landed, own writes completed -> e
+  kMbHdrReady = 2,      // proxy: every source's header of dispatch e landed (the count matrix is complete) -> e
+  kMbCombReady = 3,     // proxy: every combine row of epoch e landed, own writes completed -> e
   kMbErrCode = 4,       // error record: written last (release); 0 while healthy
   kMbErrPeer = 5,       //   the peer concerned (-1: none / unknown)
-  kMbErrPhase = 6,      //   kPhaseD1 / kPhaseD2 / kPhaseC
+  kMbErrPhase = 6,      //   kPhaseD1 / kPhaseD2 / kPhaseC (a header is part of round 1)
   kMbErrEpoch = 7,      //   the epoch of the failed phase
-  kMbWords = 8,         // mailbox length in int64 words
+  kMbWords = 8,         // the fixed words
 };
+// The per-rank arrays (index p or s in [0, R)).
+inline int mb_disp_bell(int64_t R, int p) { return int(kMbWords + p); }         // kernel: rows_p packed -> e
+inline int mb_ready1(int64_t R, int s) { return int(kMbWords + R + s); }        // proxy: s's round-1 rows landed -> e
+inline int mb_ready2(int64_t R, int s) { return int(kMbWords + 2 * R + s); }    // proxy: s's overflow rows landed -> e
+inline int mb_comb_bell(int64_t R, int s) { return int(kMbWords + 3 * R + s); } // kernel: s's combine rows packed -> e
+inline int64_t mailbox_words_for(int64_t R) { return kMbWords + 4 * R; }
 
 // Error codes (mailbox word kMbErrCode).
 enum : int64_t {
@@ -44,8 +51,8 @@ enum : int64_t {
   kProxyTransport = 5,  // any other transport failure (remote access error, post failed)
 };
 
-// Phases: the immediate's bits 31..30.
-enum : int { kPhaseD1 = 0, kPhaseD2 = 1, kPhaseC = 2 };
+// Phases: the immediate's bits 31..30. kPhaseD0 (headers) is reported as round 1 (kPhaseD1).
+enum : int { kPhaseD1 = 0, kPhaseD2 = 1, kPhaseC = 2, kPhaseD0 = 3 };
 
 // Immediate (§10): phase in bits 31..30, the source (sending) rank in bits 29..16, the epoch mod
 // 2^16 in bits 15..0. The ImmCounter keys on the whole value, so each (phase, source, epoch) is
@@ -100,6 +107,31 @@ struct PhaseRecord {
 };
 static_assert(sizeof(PhaseRecord) == 6 * 8, "PhaseRecord is part of the C ABI");
 
+// One event of the proxy's trace (moe_ep_proxy_trace): what it saw and did, in order.
+enum : int32_t {
+  kTrHdrBell = 0,   // the header bell of dispatch `epoch` seen
+  kTrRowsBell = 1,  // peer's rows bell seen
+  kTrPostD0 = 2,    // header write to peer posted
+  kTrPostD1 = 3,    // round-1 rows to peer posted
+  kTrPostD2 = 4,    // overflow rows to peer posted
+  kTrGotD0 = 5,     // peer's header landed
+  kTrGotD1 = 6,     // peer's round-1 rows landed
+  kTrGotD2 = 7,     // peer's overflow rows landed
+  kTrHdrReady = 8,  // every header in: the count matrix
+  kTrDispReady = 9,
+  kTrCombBell = 10, // source peer's combine rows bell seen
+  kTrPostC = 11,
+  kTrGotC = 12,
+  kTrCombReady = 13,
+};
+struct TraceEvent {
+  int64_t ns;     // steady clock
+  int64_t epoch;
+  int32_t kind;   // kTr*
+  int32_t peer;   // -1 where none
+};
+static_assert(sizeof(TraceEvent) == 24, "TraceEvent is part of the C ABI");
+
 class Proxy {
  public:
   // Registers the regions (in kReg* order) with `t`, which the caller keeps alive and connects
@@ -117,23 +149,43 @@ class Proxy {
   int64_t phases_done() const { return phases_done_.load(std::memory_order_acquire); }
   // Copies up to `max` of the most recent phase records (oldest first); returns how many.
   int phase_records(PhaseRecord* out, int max);
+  // Copies up to `max` of the most recent trace events (oldest first); returns how many.
+  int trace(TraceEvent* out, int max);
 
  private:
   Proxy() = default;
   void loop();
   bool run_dispatch(int64_t epoch);  // false: error recorded
   bool run_combine(int64_t epoch);
+  // A combine bell of a remote source (to the latest dispatch, or stale), or -1 (none new).
+  int64_t comb_bell_seen();
+  // One immediate (phase, src, epoch) taken from the counter if it is there (never blocks);
+  // *lost (when still unset): `src` and why, if `src` itself was lost and it is not there.
+  struct Lost {
+    int peer = -1;
+    std::string why;
+  };
+  bool take(int phase, int src, int64_t epoch, Lost* lost);
+  // Completions of own writes polled without waiting; false: error recorded.
+  bool reap(int phase, int64_t epoch);
+  // After a pass that did nothing: spin until spin_ns since `last_work`, then sleep up to sleep_ns
+  // (an immediate arriving after the counter's generation `seen_gen` wakes it).
+  void idle(int64_t last_work, uint64_t seen_gen);
+  void trace_event(int32_t kind, int peer, int64_t epoch);
   bool fail(int64_t code, int peer, int phase, int64_t epoch, const std::string& msg);
-  // Waits until the deadline, in slices (so stop() is prompt), for one immediate of the phase
-  // from each rank in `from`; a timeout names the first one missing (and how many are).
-  bool wait_imm(int phase, int64_t epoch, const std::vector<int>& from, int64_t deadline);
-  // Waits for the completions of every posted write of the phase; a timeout names the first
-  // peer with a write outstanding.
-  bool wait_writes(int phase, int64_t epoch, int64_t deadline);
+  // The timeout of a phase: names the first of `from` (ranks) for which `missing(rank)`, and how
+  // many are missing ("no immediate from peer P within T s (n of m peers missing: ...)").
+  template <class F>
+  bool fail_missing(int phase, int64_t epoch, const std::vector<int>& from, F missing, const std::string& what);
+  // The timeout of own writes: names the first peer with a write outstanding.
+  bool fail_writes(int phase, int64_t epoch);
   bool post(int phase, int64_t epoch, int peer, int lreg, uint64_t loff, int rreg, uint64_t roff, uint64_t len);
   bool remote(int p) const { return p / cfg_.node_size != cfg_.rank / cfg_.node_size; }
   int lost_peer();  // the first peer lost (the root cause), else -1
-  // A lost-peer failure naming the first peer lost (else `peer`).
+  // The peer to name for lost peer `lost`: the cause its goodbye gave, if it closed after an error
+  // of its own naming another peer; else `lost`.
+  int cause_of(int lost);
+  // A lost-peer failure naming the first peer lost (else `peer`), or the cause its goodbye gave.
   bool fail_lost(int peer, int phase, int64_t epoch, const std::string& msg);
   int64_t load(int w) const { return __atomic_load_n(&mb_[w], __ATOMIC_ACQUIRE); }
   void store(int w, int64_t v) { __atomic_store_n(&mb_[w], v, __ATOMIC_RELEASE); }
@@ -151,6 +203,11 @@ class Proxy {
   int64_t last_disp_ = 0, last_comb_ = 0;
   int n_posted_ = 0;               // writes of the phase not completed yet ...
   std::vector<int> posted_to_;     // ... per peer
+
+  static constexpr int kMaxTrace = 1 << 16;  // ring of the most recent trace events
+  std::mutex trace_mu_;
+  std::vector<TraceEvent> trace_;
+  int64_t n_trace_ = 0;
 
   static constexpr int kMaxRecords = 8192;  // ring of the most recent phases
   std::mutex rec_mu_;

@@ -9,8 +9,10 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <pthread.h>
+#include <linux/sockios.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/timerfd.h>
 #include <sys/types.h>
@@ -21,6 +23,7 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <ctime>
 #include <deque>
@@ -58,10 +61,16 @@ static_assert(sizeof(WireHeader) == 48, "wire format");
 // Receiver -> sender, on the same socket, once a shard has landed (or was rejected).
 struct WireAck {
   uint64_t wr_id;
-  uint32_t status;  // 0 ok, 1 rejected (unknown key or out of bounds)
+  uint32_t status;  // 0 ok, 1 rejected (unknown key or out of bounds), kAckGoodbye
   uint32_t shard;
 };
 static_assert(sizeof(WireAck) == 16, "wire format");
+
+// An ack with this status (wr_id 0, which no write has) is followed by the receiver's WireGoodbye
+// (transport_common.h): how a closing rank says goodbye on the connections its peer opened, where
+// the peer reads acks. On its own connections the goodbye is a frame of its own, after the last
+// shard begun (its magic tells it from a shard header).
+constexpr uint32_t kAckGoodbye = 2;
 
 // The first message on every connection, connector -> listener: WireHello (transport_common.h),
 // with the stream index as its lane.
@@ -141,9 +150,10 @@ struct Conn {
   Shard cur{};
   uint64_t cur_off = 0;     // bytes of header + payload of `cur` sent
   int64_t hold_until = 0;   // delay injection: the next message leaves at this time
-  std::vector<char> obuf;   // incoming: acks not yet sent, from opos
+  std::vector<char> obuf;   // incoming: acks not yet sent, from opos; then the goodbye (both kinds)
   size_t opos = 0;
   bool want_out = false;    // EPOLLOUT armed
+  bool bye = false;         // the goodbye is in obuf: nothing is queued after it
 };
 
 struct Partial {
@@ -156,8 +166,10 @@ struct Peer {
   std::atomic<bool> lost{false};
   std::atomic<int64_t> writes_posted{0};
   std::atomic<uint32_t> next_stream{0};
-  std::mutex mu;            // guards err, in_fds and the out fds
+  std::mutex mu;            // guards err, bye, by_goodbye, in_fds and the out fds
   std::string err;
+  Goodbye bye;              // what the peer said when it was lost by its goodbye (by_goodbye)
+  bool by_goodbye = false;
   std::vector<int> in_fds;  // the peer's connections to us
   std::unordered_map<uint64_t, Partial> partial;  // I/O thread: writes with shards still to land
   std::vector<bool> stream_in = std::vector<bool>(kMaxStreams, false);  // I/O thread: streams connected to us
@@ -222,6 +234,7 @@ class TcpTransport final : public Transport {
   }
 
   ~TcpTransport() override {
+    say_goodbye(Goodbye{});  // a clean close, unless the owner said otherwise
     stop_ = true;
     wake();
     if (io_thread_.joinable()) io_thread_.join();
@@ -336,6 +349,26 @@ class TcpTransport final : public Transport {
     if (peer < 0 || peer >= world_) return "";
     std::lock_guard<std::mutex> lk(peers_[peer]->mu);
     return peers_[peer]->err;
+  }
+
+  // The I/O thread queues the goodbye on every connection of every peer not lost and reports when
+  // the kernel has sent all of it (queue_goodbyes, goodbyes_gone); this waits for that.
+  void say_goodbye(const Goodbye& g) override {
+    std::unique_lock<std::mutex> lk(bye_mu_);
+    if (bye_asked_) return;
+    bye_ = g;
+    bye_asked_ = true;
+    if (!connected_ || !io_thread_.joinable()) return;
+    wake();
+    bye_cv_.wait_for(lk, std::chrono::nanoseconds(kGoodbyeTimeoutNs), [this] { return bye_gone_; });
+  }
+
+  bool peer_goodbye(int peer, Goodbye* out) override {
+    if (peer < 0 || peer >= world_) return false;
+    Peer& pr = *peers_[peer];
+    std::lock_guard<std::mutex> lk(pr.mu);
+    if (pr.by_goodbye) *out = pr.bye;
+    return pr.by_goodbye;
   }
 
  private:
@@ -459,8 +492,8 @@ class TcpTransport final : public Transport {
   }
 
   // Marks the peer lost (first reason wins): shuts its sockets down both ways, fails its pending
-  // writes and the ImmCounter's waiters.
-  void lose_peer(int p, const std::string& why, int32_t status = kCqPeerLost) {
+  // writes and the ImmCounter's waiters. `bye`: lost by its goodbye, which said this.
+  void lose_peer(int p, const std::string& why, int32_t status = kCqPeerLost, const Goodbye* bye = nullptr) {
     Peer& pr = *peers_[p];
     const std::string msg = prefix() + "connection with peer " + std::to_string(p) + " lost: " + why;
     {
@@ -468,6 +501,7 @@ class TcpTransport final : public Transport {
       if (pr.lost) return;
       pr.err = msg;
       pr.lost = true;
+      if (bye) pr.bye = *bye, pr.by_goodbye = true;
       for (int fd : pr.in_fds) shutdown(fd, SHUT_RDWR);
       for (auto& c : pr.out)
         if (c->fd >= 0) shutdown(c->fd, SHUT_RDWR);
@@ -510,12 +544,72 @@ class TcpTransport final : public Transport {
           accept_all();
         } else if (!c->dead) {
           if (ev[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR)) on_readable(c);
-          if (!c->dead && (ev[i].events & EPOLLOUT)) c->outgoing ? send_some(c) : flush_acks(c);
+          if (!c->dead && (ev[i].events & EPOLLOUT)) c->outgoing ? send_some(c) : flush_out(c);
         }
       }
       pump();
+      if (bye_asked_ && !bye_queued_) queue_goodbyes();
+      if (bye_queued_) goodbyes_gone();
       expire_hellos();
       reap();
+    }
+  }
+
+  // The goodbye on every connection of every peer not lost (the peer may notice any of them close
+  // first): on this rank's own connections after the shard being sent (the queued ones are
+  // dropped: the engine is closing), on the peer's after the acks queued, behind an ack marker.
+  void queue_goodbyes() {
+    Goodbye g;
+    {
+      std::lock_guard<std::mutex> lk(bye_mu_);
+      g = bye_;
+    }
+    bye_queued_ = true;
+    auto put = [](Conn* c, const void* p, size_t n) {
+      c->obuf.insert(c->obuf.end(), static_cast<const char*>(p), static_cast<const char*>(p) + n);
+    };
+    for (int p = 0; p < world_; ++p) {
+      if (p == rank_ || peers_[p]->lost) continue;
+      const WireGoodbye w = make_goodbye(id_, rank_, p, world_, g);
+      for (auto& c : peers_[p]->out) {
+        if (c->fd < 0 || c->dead) continue;
+        {
+          std::lock_guard<std::mutex> lk(c->mu);
+          c->q.clear();
+        }
+        put(c.get(), &w, sizeof(w));
+        c->bye = true;
+        send_some(c.get());
+      }
+    }
+    const WireAck marker{0, kAckGoodbye, 0};
+    for (auto& c : in_) {
+      if (c->dead || c->st == Conn::kHello || peers_[c->peer]->lost) continue;
+      const WireGoodbye w = make_goodbye(id_, rank_, c->peer, world_, g);
+      put(c.get(), &marker, sizeof(marker));
+      put(c.get(), &w, sizeof(w));
+      c->bye = true;
+      flush_out(c.get());
+    }
+  }
+
+  // Tells say_goodbye once every goodbye is out: handed to the kernel and acknowledged by the peer's
+  // (SIOCOUTQ 0), since closing a socket with unread bytes resets it and drops what it still holds.
+  void goodbyes_gone() {
+    auto gone = [](const Conn& c) {
+      int unsent = 0;
+      return c.dead || !c.bye || (c.obuf.empty() && ioctl(c.fd, SIOCOUTQ, &unsent) == 0 && unsent == 0);
+    };
+    for (int p = 0; p < world_; ++p)
+      if (p != rank_ && !peers_[p]->lost)
+        for (auto& c : peers_[p]->out)
+          if (c->fd >= 0 && !gone(*c)) return;
+    for (auto& c : in_)
+      if (c->st != Conn::kHello && !peers_[c->peer]->lost && !gone(*c)) return;
+    std::lock_guard<std::mutex> lk(bye_mu_);
+    if (!bye_gone_) {
+      bye_gone_ = true;
+      bye_cv_.notify_all();
     }
   }
 
@@ -598,7 +692,7 @@ class TcpTransport final : public Transport {
       if (!parse(c)) return;
       if (size_t(r) < room) break;  // drained (level-triggered: epoll reports more)
     }
-    if (!c->dead && !c->outgoing) flush_acks(c);
+    if (!c->dead && !c->outgoing) flush_out(c);
   }
 
   // r <= 0 from recv. Returns false for "would block" (nothing lost), true when the socket failed.
@@ -630,6 +724,15 @@ class TcpTransport final : public Transport {
         if (!accept_hello(c, p, avail)) return false;
         if (c->st == Conn::kHello) return true;  // not all of it yet
       } else if (c->st == Conn::kHeader) {
+        uint32_t magic = 0;
+        if (avail >= sizeof(magic)) std::memcpy(&magic, p, sizeof(magic));
+        if (magic == kMagicGoodbye) {
+          if (avail < sizeof(WireGoodbye)) return true;
+          WireGoodbye g;
+          std::memcpy(&g, p, sizeof(g));
+          c->rpos += sizeof(g);
+          return on_goodbye(c, g), false;
+        }
         if (avail < sizeof(WireHeader)) return true;
         std::memcpy(&c->w, p, sizeof(WireHeader));
         c->rpos += sizeof(WireHeader);
@@ -726,27 +829,50 @@ class TcpTransport final : public Transport {
     if (count && (w.flags & kFlagImm)) imm_.add(w.imm, 1);
     const WireAck a{w.wr_id, c->ok ? 0u : 1u, w.shard};
     const char* b = reinterpret_cast<const char*>(&a);
-    c->obuf.insert(c->obuf.end(), b, b + sizeof(a));
+    if (!c->bye) c->obuf.insert(c->obuf.end(), b, b + sizeof(a));  // nothing after a goodbye
     c->st = Conn::kHeader;
   }
 
+  // The acks staged on one of this rank's connections, up to a goodbye (false: the connection and
+  // its peer are gone).
   bool parse_acks(Conn* c) {
-    const size_t n = (c->rend - c->rpos) / sizeof(WireAck);
-    if (n == 0) return true;
-    bool notify = false;
-    for (size_t i = 0; i < n; ++i) {
+    bool notify = false, alive = true;
+    while (c->rend - c->rpos >= sizeof(WireAck)) {
       WireAck a;
-      std::memcpy(&a, c->rbuf.data() + c->rpos + i * sizeof(WireAck), sizeof(a));
+      std::memcpy(&a, c->rbuf.data() + c->rpos, sizeof(a));
+      if (a.status == kAckGoodbye) {
+        if (c->rend - c->rpos < sizeof(WireAck) + sizeof(WireGoodbye)) break;
+        WireGoodbye g;
+        std::memcpy(&g, c->rbuf.data() + c->rpos + sizeof(WireAck), sizeof(g));
+        c->rpos += sizeof(WireAck) + sizeof(g);
+        on_goodbye(c, g);
+        alive = false;
+        break;
+      }
       bool completed = false;
       cq_.finish(a.wr_id, a.status != 0 ? kCqRemoteAccess : kCqOk, &completed);  // not pending: already failed
       notify |= completed;
+      c->rpos += sizeof(WireAck);
     }
-    c->rpos += n * sizeof(WireAck);
     if (notify) cq_.notify();
-    return true;
+    return alive;
   }
 
-  void flush_acks(Conn* c) {
+  // A goodbye on a connection that passed its hello: the peer is lost by what it said (only a cause
+  // trusted_goodbye accepts is kept). One that fails the hello's checks is a protocol error: the
+  // peer is lost all the same, named as the cause.
+  void on_goodbye(Conn* c, const WireGoodbye& g) {
+    if (std::string why = goodbye_mismatch(g, sizeof(g), c->peer, rank_, world_, id_); !why.empty())
+      return fail(c, "protocol error: " + why);
+    std::string text;
+    const Goodbye bye = trusted_goodbye(g, world_, &text);
+    if (!stop_) lose_peer(c->peer, text, kCqPeerLost, &bye);
+    drop(c);
+  }
+
+  // Sends obuf (an incoming connection's acks, then its goodbye; an outgoing one's goodbye) as far
+  // as the socket takes it.
+  void flush_out(Conn* c) {
     while (c->opos < c->obuf.size()) {
       const ssize_t r = send(c->fd, c->obuf.data() + c->opos, c->obuf.size() - c->opos, MSG_NOSIGNAL | MSG_DONTWAIT);
       if (r < 0) {
@@ -781,6 +907,7 @@ class TcpTransport final : public Transport {
     Peer& pr = *peers_[c->peer];
     for (;;) {
       if (pr.lost || stop_) return;
+      if (!c->busy && c->bye) return flush_out(c);  // the goodbye, after the last shard begun
       if (!c->busy) {
         std::lock_guard<std::mutex> lk(c->mu);
         if (c->q.empty()) break;
@@ -847,6 +974,12 @@ class TcpTransport final : public Transport {
   std::atomic<bool> stop_{false};
   std::atomic<bool> connected_{false};
   std::atomic<bool> wake_pending_{false};
+  std::mutex bye_mu_;                  // guards bye_, bye_gone_
+  std::condition_variable bye_cv_;
+  Goodbye bye_;                        // what the goodbye says (say_goodbye)
+  std::atomic<bool> bye_asked_{false};
+  bool bye_gone_ = false;              // every goodbye is out (goodbyes_gone)
+  bool bye_queued_ = false;            // I/O thread: queue_goodbyes ran
   std::minstd_rand rng_{std::random_device{}()};  // I/O thread
   int64_t next_hold_ = 0;                          // I/O thread
   int64_t last_hello_check_ = 0;                   // I/O thread

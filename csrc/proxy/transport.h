@@ -66,6 +66,17 @@ struct JobIdentity {
   uint64_t session = 0;
 };
 
+// What a closing engine tells each healthy peer before its connections go (its goodbye,
+// docs/ARCHITECTURE.md §10 "Naming a silent peer"): whether it closes after an error of its own
+// and, if so, the peer that error names, so a peer that sees the close reports that peer (the
+// original cause) rather than the closer.
+struct Goodbye {
+  int32_t error = 0;   // 1: the closer had an error; 0: a clean close
+  int32_t peer = -1;   // the peer the closer's error names (-1: none)
+  int32_t phase = -1;  // the phase of that error: the proxy's kPhaseD1 / kPhaseD2 / kPhaseC (proxy.h)
+  int64_t epoch = 0;   // the epoch of that error
+};
+
 class Transport {
  public:
   virtual ~Transport() = default;
@@ -102,7 +113,18 @@ class Transport {
   virtual std::vector<std::string> refused(int64_t* total) const = 0;
   // Empty when the peer is healthy; otherwise why it was lost.
   virtual std::string peer_error(int peer) = 0;
+  // Sends `g` to every connected peer not lost and waits (at most kGoodbyeTimeoutNs) until it has
+  // left; the first call counts, later ones do nothing. The destructor says a clean goodbye
+  // unless one was said.
+  virtual void say_goodbye(const Goodbye& g) = 0;
+  // True when `peer` was lost by its goodbye (*out: what it said, its cause already checked:
+  // a peer of this job other than the closer, a known phase; else no peer); false otherwise.
+  virtual bool peer_goodbye(int peer, Goodbye* out) = 0;
 };
+
+// How long say_goodbye waits for its frames to leave (a peer that is dead but not yet noticed
+// never acknowledges them).
+constexpr int64_t kGoodbyeTimeoutNs = 1'000'000'000;
 
 // TCP transport: `streams` sockets per direction per peer; listens on bind_host (an IPv4
 // address; "0.0.0.0" listens on all interfaces and advertises this host's name). Returns null

@@ -94,6 +94,13 @@ inline std::string hello_magic_problem(uint32_t magic) {
   return std::string("not a moe_ep hello (magic ") + m + ")";
 }
 
+// Whether `secret` is the job's, compared in constant time.
+inline bool same_secret(const uint8_t* secret, const JobIdentity& id) {
+  uint8_t diff = 0;
+  for (size_t i = 0; i < sizeof(id.secret); ++i) diff |= uint8_t(secret[i] ^ id.secret[i]);
+  return diff == 0;
+}
+
 // "" when the first `nbytes` bytes `h` are a hello from a peer of this job (another rank of the
 // same world, meaning this rank, with this session's epoch and secret); else what is wrong, in
 // words that never contain a secret. The secrets are compared in constant time.
@@ -111,10 +118,83 @@ inline std::string hello_mismatch(const WireHello& h, uint64_t nbytes, int rank,
   if (h.session != id.session)
     return "session epoch " + std::to_string(h.session) + " (this session: " + std::to_string(id.session) +
            "; a rank of another session or job)";
-  uint8_t diff = 0;
-  for (size_t i = 0; i < sizeof(h.secret); ++i) diff |= uint8_t(h.secret[i] ^ id.secret[i]);
-  if (diff != 0) return "the job secret does not match (a process outside this job)";
+  if (!same_secret(h.secret, id)) return "the job secret does not match (a process outside this job)";
   return "";
+}
+
+// ---- The goodbye: a closing engine's last frame to each peer (docs/ARCHITECTURE.md §10) ----
+
+constexpr uint32_t kMagicGoodbye = 0x4247454d;  // "MEGB"
+constexpr int kGoodbyePhases = 4;               // the proxy's phases: the 2 phase bits of an immediate (proxy.h kPhase*)
+
+// tcp: sent on every connection with the peer (on a data stream as a frame of its own, on an ack
+// stream after an ack marker); verbs and efa: the payload of a SEND. It carries the identity of the
+// hello, checked the same way (efa has no connection to vouch for the sender). Host byte order.
+struct WireGoodbye {
+  uint32_t magic;       // kMagicGoodbye
+  int32_t src_rank;     // the closing rank
+  int32_t dst_rank;     // the rank it is sent to
+  int32_t world;        // its world size
+  int32_t error;        // Goodbye::error (1: it closes after an error of its own)
+  int32_t cause_peer;   // Goodbye::peer
+  int32_t cause_phase;  // Goodbye::phase
+  uint32_t reserved;    // 0
+  int64_t cause_epoch;  // Goodbye::epoch
+  uint64_t session;     // JobIdentity::session
+  uint8_t secret[16];   // JobIdentity::secret
+};
+static_assert(sizeof(WireGoodbye) == 64, "wire format");
+
+inline WireGoodbye make_goodbye(const JobIdentity& id, int src, int dst, int world, const Goodbye& g) {
+  WireGoodbye w{kMagicGoodbye, src, dst, world, g.error ? 1 : 0, g.peer, g.phase, 0, g.epoch, id.session, {}};
+  std::memcpy(w.secret, id.secret, sizeof(w.secret));
+  return w;
+}
+
+// "" when the first `nbytes` bytes `g` are a goodbye from peer `src` of this job to this rank; else
+// what is wrong, in words that never contain a secret.
+inline std::string goodbye_mismatch(const WireGoodbye& g, uint64_t nbytes, int src, int rank, int world,
+                                    const JobIdentity& id) {
+  if (nbytes < sizeof(WireGoodbye))
+    return "a goodbye of " + std::to_string(nbytes) + " bytes (expected " + std::to_string(sizeof(WireGoodbye)) + ")";
+  if (g.magic != kMagicGoodbye) return "not a goodbye";
+  if (g.world != world) return "a goodbye for world size " + std::to_string(g.world) + " (this job has " + std::to_string(world) + ")";
+  if (g.src_rank != src) return "a goodbye saying rank " + std::to_string(g.src_rank) + ", from peer " + std::to_string(src);
+  if (g.dst_rank != rank) return "a goodbye meant for rank " + std::to_string(g.dst_rank);
+  if (g.session != id.session) return "a goodbye of session epoch " + std::to_string(g.session);
+  if (!same_secret(g.secret, id)) return "a goodbye whose job secret does not match";
+  return "";
+}
+
+inline const char* goodbye_phase_name(int phase) { return phase == 2 ? "combine" : "dispatch"; }
+
+// What a checked goodbye (goodbye_mismatch passed) may be trusted with: whether its closer had an
+// error and, only when that error names another peer of this job in a known phase, that peer (else
+// none: the receiver then names the closer, as for any loss). *text says what the closer said.
+inline Goodbye trusted_goodbye(const WireGoodbye& g, int world, std::string* text) {
+  Goodbye out;
+  const std::string who = "rank " + std::to_string(g.src_rank);
+  out.error = g.error != 0;
+  if (!out.error) {
+    *text = who + " closed without an error of its own (a clean close)";
+    return out;
+  }
+  const bool peer_ok = g.cause_peer >= 0 && g.cause_peer < world && g.cause_peer != g.src_rank;
+  const bool phase_ok = g.cause_phase >= 0 && g.cause_phase < kGoodbyePhases;
+  if (peer_ok && phase_ok) {
+    out.peer = g.cause_peer;
+    out.phase = g.cause_phase;
+    out.epoch = g.cause_epoch;
+    *text = who + " closed after its own error naming peer " + std::to_string(g.cause_peer) + " (" +
+            goodbye_phase_name(g.cause_phase) + " epoch " + std::to_string(g.cause_epoch) + ")";
+  } else if (g.cause_peer < 0) {
+    *text = who + " closed after its own error, naming no peer";
+  } else {
+    *text = who + " closed after its own error, naming peer " + std::to_string(g.cause_peer) + " in phase " +
+            std::to_string(g.cause_phase) + " (not trusted: " +
+            (peer_ok ? "an unknown phase" : "not another rank of a world of " + std::to_string(world)) + ")";
+  }
+  return out;
 }
 
 constexpr size_t kRefusalRecords = 64;

@@ -269,13 +269,15 @@ bool select_device(const ibv::Api& v, const std::string& want_dev, int want_port
 
 constexpr uint64_t kRecvTag = 1ull << 62;   // receive wr_id: kRecvTag | peer (the NIC: the CQ it is on)
 constexpr uint64_t kHelloTag = 1ull << 61;  // hello send wr_id: kHelloTag | attempt << 20 | peer
+constexpr uint64_t kByeTag = 1ull << 60;    // goodbye send wr_id: kByeTag | peer (the NIC: the CQ it is on)
 constexpr uint32_t kPsnMask = 0xFFFFFF;
 constexpr int kMaxNics = 16;
 constexpr uint64_t kShardAlign = 64;  // shards start at multiples of a cache line
 // Per NIC and peer, kHelloSlot bytes of the NIC's hello buffer: [0, 64) where the peer's hello
-// lands (every receive of that queue pair points there), [64, 64 + sizeof(WireHello)) the hello
-// this rank sends it.
-constexpr size_t kHelloSlot = 128, kHelloRecv = 64;
+// or goodbye lands (every receive of that queue pair points there), [64, 64 + sizeof(WireHello))
+// the hello this rank sends it, [128, 192) its goodbye.
+constexpr size_t kHelloSlot = 192, kHelloRecv = 64, kByeSend = 128;
+static_assert(sizeof(WireGoodbye) <= kHelloRecv && kByeSend + sizeof(WireGoodbye) <= kHelloSlot, "hello buffer slots");
 
 std::string join(const std::vector<std::string>& v, const char* sep) {
   std::string s;
@@ -405,6 +407,7 @@ struct Link {
   std::atomic<int> hello_status{-1};    // own hello: -1 pending, else its wc status
   std::atomic<uint32_t> hello_attempt{0};
   std::string hello_refused;            // why the peer's last hello was refused (under conn_mu_)
+  std::atomic<int> bye_status{-2};      // own goodbye: -2 not sent, -1 pending, else its wc status
 };
 
 struct Peer {
@@ -415,8 +418,10 @@ struct Peer {
   Remote remote;
   std::atomic<bool> lost{false};
   std::atomic<int64_t> writes_posted{0};
-  std::mutex mu;  // guards err
+  std::mutex mu;  // guards err, bye, by_goodbye
   std::string err;
+  Goodbye bye;    // what the peer said when it was lost by its goodbye (by_goodbye)
+  bool by_goodbye = false;
 };
 
 class VerbsTransport final : public Transport {
@@ -484,6 +489,7 @@ class VerbsTransport final : public Transport {
   }
 
   ~VerbsTransport() override {
+    say_goodbye(Goodbye{});  // a clean close, unless the owner said otherwise (needs the threads)
     stop_ = true;
     for (auto& n : nics_)
       if (n->thr.joinable()) n->thr.join();
@@ -769,6 +775,33 @@ class VerbsTransport final : public Transport {
     return peers_[size_t(peer)]->err;
   }
 
+  // A SEND of the goodbye on every queue pair of every peer not lost (RC delivers it before any
+  // failure of a later write to this rank; with several NICs each completion thread sees its
+  // own), then waits until each completed (the peer's NIC has it) or the peer was lost.
+  void say_goodbye(const Goodbye& g) override {
+    if (bye_said_.exchange(true) || !connected_) return;
+    const int64_t deadline = now_ns() + kGoodbyeTimeoutNs;
+    for (int p = 0; p < world_; ++p)
+      if (p != rank_ && !peers_[size_t(p)]->lost)
+        for (int i = 0; i < int(nics_.size()); ++i) send_goodbye(p, i, g);
+    std::unique_lock<std::mutex> lk(conn_mu_);
+    auto out = [this] {
+      for (int p = 0; p < world_; ++p)
+        for (auto& l : peers_[size_t(p)]->link)
+          if (l->bye_status == -1 && !peers_[size_t(p)]->lost) return false;
+      return true;
+    };
+    while (!out() && now_ns() < deadline) conn_cv_.wait_for(lk, std::chrono::milliseconds(10));
+  }
+
+  bool peer_goodbye(int peer, Goodbye* out) override {
+    if (peer < 0 || peer >= world_) return false;
+    Peer& pr = *peers_[size_t(peer)];
+    std::lock_guard<std::mutex> lk(pr.mu);
+    if (pr.by_goodbye) *out = pr.bye;
+    return pr.by_goodbye;
+  }
+
   // Test hook: destroys the queue pairs to `peer` as a crashed process would (its peer then
   // sees its writes fail); this side marks the peer lost.
   int destroy_qp(int peer) {
@@ -993,10 +1026,50 @@ class VerbsTransport final : public Transport {
     return kOk;
   }
 
+  // The goodbye to peer p on NIC i: a SEND of a WireGoodbye from its slot of the hello buffer.
+  void send_goodbye(int p, int i, const Goodbye& g) {
+    Link& l = link(p, i);
+    if (!l.up) return;
+    Nic& n = *nics_[size_t(i)];
+    char* at = n.hello.data() + size_t(p) * kHelloSlot + kByeSend;
+    const WireGoodbye w = make_goodbye(id_, rank_, p, world_, g);
+    std::memcpy(at, &w, sizeof(w));
+    ibv::sge sg{reinterpret_cast<uint64_t>(at), uint32_t(sizeof(w)), n.hello_mr->lkey};
+    ibv::send_wr wr{};
+    wr.wr_id = kByeTag | uint64_t(p);
+    wr.sg_list = &sg;
+    wr.num_sge = 1;
+    wr.opcode = ibv::WR_SEND;
+    wr.send_flags = ibv::SEND_SIGNALED;
+    ibv::send_wr* bad = nullptr;
+    l.bye_status = -1;
+    if (post_send(p, i, &wr, &bad) != 0) l.bye_status = -2;  // not sent: nothing to wait for
+  }
+
+  // A goodbye landed on the queue pair of peer p, NIC i (`len` bytes in its hello slot). Trusted
+  // only on a queue pair whose hello passed (bound to the peer's, proven to be this job's), and
+  // checked as a hello is: then the peer is lost by what it said. One failing the check there is a
+  // protocol error (the peer is lost, named as the cause); on a queue pair without a hello, refused.
+  void on_goodbye(int p, int i, uint32_t len) {
+    WireGoodbye g{};
+    std::memcpy(&g, nics_[size_t(i)]->hello.data() + size_t(p) * kHelloSlot, std::min<size_t>(len, sizeof(g)));
+    const std::string why = goodbye_mismatch(g, len, p, rank_, world_, id_);
+    if (!link(p, i).hello_recv) {
+      refusals_.record(prefix() + "refused a goodbye on the queue pair of peer " + std::to_string(p) + " (" +
+                       peer_where(p, i) + "): " + (why.empty() ? "no hello passed on it" : why));
+      return;
+    }
+    if (!why.empty()) return lose_peer(p, "protocol error: " + why, kCqPeerLost, i);
+    std::string text;
+    const Goodbye bye = trusted_goodbye(g, world_, &text);
+    lose_peer(p, text, kCqPeerLost, i, &bye);
+  }
+
   // Marks the peer lost (first reason wins): its QPs (every NIC's) go to the error state
   // (pending writes flush), its pending writes complete with `status`, the ImmCounter fails.
-  // `nic`: the NIC where it was noticed (named in the message).
-  void lose_peer(int p, const std::string& why, int32_t status = kCqPeerLost, int nic = 0) {
+  // `nic`: the NIC where it was noticed (named in the message). `bye`: lost by its goodbye.
+  void lose_peer(int p, const std::string& why, int32_t status = kCqPeerLost, int nic = 0,
+                 const Goodbye* bye = nullptr) {
     Peer& pr = *peers_[size_t(p)];
     const std::string msg =
         prefix() + "connection with peer " + std::to_string(p) + " lost (" + peer_where(p, nic) + "): " + why;
@@ -1005,6 +1078,7 @@ class VerbsTransport final : public Transport {
       if (pr.lost) return;
       pr.err = msg;
       pr.lost = true;
+      if (bye) pr.bye = *bye, pr.by_goodbye = true;
     }
     {
       std::unique_lock<std::shared_mutex> lk(qp_mu_);
@@ -1092,8 +1166,12 @@ class VerbsTransport final : public Transport {
         lose_peer(p, "receive failed: " + wc_error(w), kCqPeerLost, i);
         return;
       }
+      uint32_t magic = 0;
+      std::memcpy(&magic, nics_[size_t(i)]->hello.data() + size_t(p) * kHelloSlot, sizeof(magic));
       if (w.opcode == ibv::WC_RECV_RDMA_WITH_IMM) {
         imm_.add(ntohl(w.imm_data), 1);  // one shard of a write: imm_per_write() of them make it
+      } else if (w.opcode == ibv::WC_RECV && magic == kMagicGoodbye && w.byte_len >= sizeof(magic)) {
+        on_goodbye(p, i, w.byte_len);
       } else if (w.opcode == ibv::WC_RECV) {
         const std::string why = hello_problem(p, i, w.byte_len);
         {
@@ -1107,6 +1185,16 @@ class VerbsTransport final : public Transport {
         conn_cv_.notify_all();
       }
       if (!pr.lost && !post_recv(p, i)) lose_peer(p, "re-posting a receive failed", kCqPeerLost, i);
+      return;
+    }
+    if (w.wr_id & kByeTag) {
+      const int p = int(w.wr_id & 0xFFFFF);
+      if (p < 0 || p >= world_ || p == rank_) return;
+      {
+        std::lock_guard<std::mutex> lk(conn_mu_);
+        link(p, i).bye_status = w.status;
+      }
+      conn_cv_.notify_all();
       return;
     }
     if (w.wr_id & kHelloTag) {
@@ -1154,6 +1242,7 @@ class VerbsTransport final : public Transport {
   std::atomic<int64_t> op_timeout_ns_{30'000'000'000LL};
   std::atomic<bool> stop_{false};
   std::atomic<bool> connected_{false};
+  std::atomic<bool> bye_said_{false};
 };
 
 }  // namespace

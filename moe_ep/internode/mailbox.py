@@ -1,53 +1,91 @@
-"""The kernel side of the proxy's mailbox (docs/ARCHITECTURE.md §10): ring a doorbell, wait for a
-ready word. The mailbox is host memory the GPU maps (pinned), so the proxy thread polls the
-doorbells the kernels write, and the kernels poll the ready words the proxy writes: no host call
-sits between the launches, and a CUDA graph replays the whole exchange.
+"""The kernel side of the proxy's mailbox (docs/ARCHITECTURE.md §10): bells the kernels ring, ready
+words they wait for. The mailbox is host memory the GPU maps (pinned), so the proxy thread polls
+the bells and the kernels poll the ready words: no host call sits between the launches, and a
+CUDA graph replays the whole exchange.
 
-Mailbox words (int64, ``moe_ep.proxy.native.MAILBOX``): 0 dispatch doorbell, 1 dispatch ready,
-2 combine doorbell, 3 combine ready, 4 error code, 5 its peer.
+Mailbox words (int64, ``moe_ep.proxy.native.MAILBOX``): 0 header bell, 1 dispatch ready, 2 header
+ready, 3 combine ready, 4 error code, 5 its peer, 6 phase, 7 epoch; then one word per rank in
+each of four arrays: the rows bell of each peer, the round-1 and overflow ready words of each
+source, the combine bell of each source (``MAILBOX_ARRAYS``).
 """
 import triton
 import triton.language as tl
 
-from ..kernels.common import ERR_PROXY, ERR_TIMEOUT, deadline_start, record_error
+from ..kernels.common import ERR_PROXY, ERR_TIMEOUT, record_error
 
+MB_HDR_BELL = tl.constexpr(0)
+MB_DISP_READY = tl.constexpr(1)
+MB_HDR_READY = tl.constexpr(2)
+MB_COMB_READY = tl.constexpr(3)
 MB_ERR_CODE = tl.constexpr(4)
 MB_ERR_PEER = tl.constexpr(5)
+MB_FIXED = tl.constexpr(8)  # the fixed words; the per-rank arrays follow
 
 
 @triton.jit
-def ring_kernel(mb_ptr, epoch_ptr, WORD: tl.constexpr):
-    """``mailbox[WORD] = epoch`` (one program, after the launch that packed the send buffer).
-
-    The store is a system-scope release: the packing launch's writes, ordered before this one by
-    the stream, reach host memory before the proxy can see the doorbell."""
-    e = tl.load(epoch_ptr)
-    tl.atomic_xchg(mb_ptr + WORD, e, sem="release", scope="sys")
+def rows_bell(R: tl.constexpr, p):
+    """Word of peer ``p``'s rows bell."""
+    return MB_FIXED + p
 
 
 @triton.jit
-def wait_ready_kernel(mb_ptr, epoch_ptr, err_ptr, timeout_ns, WORD: tl.constexpr, PHASE: tl.constexpr,
-                      INTERP: tl.constexpr):
-    """Spins (one program) until ``mailbox[WORD] >= epoch``, the proxy records an error, or
-    ``timeout_ns`` passes; the launches after it in the stream then read what the proxy received.
+def ready1(R: tl.constexpr, s):
+    """Word of source ``s``'s round-1 ready word (its overflow ready word is ``R`` words on)."""
+    return MB_FIXED + R + s
 
-    A proxy error is copied into the error record (code ``ERR_PROXY``, the proxy's peer) for the
-    host to raise the proxy's own exception; a timeout with no proxy error (the proxy thread
-    itself stuck) records ``ERR_TIMEOUT`` with peer -1. Under the interpreter the host has already
-    waited for the ready word, so one look suffices. Plain volatile loads while spinning (one
-    PCIe read each), one acquire at the end."""
-    e = tl.load(epoch_ptr)
-    t0 = deadline_start(INTERP)
-    v = tl.load(mb_ptr + WORD, volatile=True)
+
+@triton.jit
+def comb_bell(R: tl.constexpr, s):
+    """Word of source ``s``'s combine bell."""
+    return MB_FIXED + 3 * R + s
+
+
+@triton.jit
+def arrive_and_ring(count_ptr, mb_ptr, word, epoch):
+    """This program is done with its part of what bell ``word`` announces: the last of the
+    launch's programs to arrive (on the int32 counter ``count_ptr``) resets the counter for the
+    next launch and rings the bell (``mailbox[word] = epoch``). No program waits for another.
+
+    Why it is safe: each program's stores come before its arrival (a CTA barrier, then a
+    system-scope release), the last arrival acquires every earlier one, and its bell is a
+    system-scope release: the proxy that sees the bell sees every program's stores."""
+    tl.debug_barrier()
+    old = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="sys")
+    if old == tl.num_programs(0) - 1:
+        tl.store(count_ptr, 0)
+        tl.atomic_xchg(mb_ptr + word, epoch, sem="release", scope="sys")
+
+
+@triton.jit
+def wait_word(mb_ptr, word, epoch, err_ptr, peer, phase, t0_ns, timeout_ns, spins, INTERP: tl.constexpr):
+    """Waits until ``mailbox[word] >= epoch`` (the proxy's ready word), the proxy records an error,
+    or the deadline; returns 1 when the word is up (then one system-scope acquire: what the proxy
+    received is visible to the loads after this), else 0 with the error record written: the
+    proxy's error as ``ERR_PROXY`` with its peer (the host raises the proxy's own exception), or
+    ``ERR_TIMEOUT`` naming ``peer`` when the proxy itself is stuck.
+
+    On a GPU the deadline is ``timeout_ns`` after ``t0_ns`` (``globaltimer``). The interpreter has
+    no clock: there the proxy's own deadline (shorter) always ends the wait with its error, and
+    ``spins`` looks bound it besides (each look costs far more than a microsecond there)."""
+    v = tl.load(mb_ptr + word, volatile=True)
     bad = tl.load(mb_ptr + MB_ERR_CODE, volatile=True)
-    if not INTERP:
-        late = tl.full([], 0, tl.int32)
-        while (v < e) & (bad == 0) & (late == 0):
-            v = tl.load(mb_ptr + WORD, volatile=True)
+    if INTERP:
+        n = 0
+        while (v < epoch) & (bad == 0) & (n < spins):
+            v = tl.load(mb_ptr + word, volatile=True)
             bad = tl.load(mb_ptr + MB_ERR_CODE, volatile=True)
-            late = ((tl.extra.cuda.globaltimer() - t0) > timeout_ns).to(tl.int32)
-    v = tl.atomic_add(mb_ptr + WORD, 0, sem="acquire", scope="sys")
+            n += 1
+    else:
+        late = tl.full([], 0, tl.int32)
+        while (v < epoch) & (bad == 0) & (late == 0):
+            v = tl.load(mb_ptr + word, volatile=True)
+            bad = tl.load(mb_ptr + MB_ERR_CODE, volatile=True)
+            late = ((tl.extra.cuda.globaltimer() - t0_ns) > timeout_ns).to(tl.int32)
+    v = tl.atomic_add(mb_ptr + word, 0, sem="acquire", scope="sys")
+    ok = (v >= epoch).to(tl.int32)
     if bad != 0:
-        record_error(err_ptr, ERR_PROXY, tl.load(mb_ptr + MB_ERR_PEER, volatile=True), PHASE, e, bad)
-    elif v < e:
-        record_error(err_ptr, ERR_TIMEOUT, -1, PHASE, e, 0)
+        record_error(err_ptr, ERR_PROXY, tl.load(mb_ptr + MB_ERR_PEER, volatile=True), phase, epoch, bad)
+        ok = ok * 0
+    elif ok == 0:
+        record_error(err_ptr, ERR_TIMEOUT, peer, phase, epoch, 0)
+    return ok

@@ -1,31 +1,31 @@
 """The inter-node half of an ``EPBuffer`` (``group.node_size < world_size``): the proxy, its regions,
-and the kernels that pack rows for remote peers and unpack what arrived (docs/ARCHITECTURE.md §10).
+and the arguments of the two launches each op takes across nodes (docs/ARCHITECTURE.md §10).
 
-Node peers keep the store path (``kernels/dispatch.py``, ``kernels/combine.py``, with ``N`` the
-node's ranks); ranks of other nodes are reached through this rank's proxy. A dispatch of epoch
-``e`` is: the node send half; ``pack`` into the proxy's send buffer; the doorbell; the node flags
-and ``disp_ready >= e``; the count matrix (every source's selections of each local expert, from
-the round-1 headers); the node receive half (rows placed with the whole count matrix, so every
-source, of any node, keeps the order (source rank, token, k)); ``unpack`` of the remote rows. A
-combine: the node send half; ``combine_pack``; the doorbell; the node flags and ``comb_ready``;
-the node receive half into a float32 sum; ``combine_unpack`` adds the remote owners' rows and
-rounds once.
+A dispatch is two launches, as the node path's halves: the send half
+(``internode_dispatch_send_kernel``: headers and rows for remote peers, each peer's bell rung as
+soon as its rows are packed, then the node stores) and the receive half
+(``internode_dispatch_recv_kernel``: once every header is in, the node peers' rows placed with the
+whole count matrix, then each remote source's rows as they land). A combine likewise
+(``internode_combine_send_kernel``, ``internode_combine_recv_kernel``). With a receive hook the
+receive half is what the hook launches. ``moe_ep.dispatch`` and ``moe_ep.combine`` launch them
+through the buffer's ``Launcher``, so they have native launch plans and replay like node calls.
 
-The kernels ring the doorbells (``ring``) and wait for the ready words (``wait_ready``) in the
-mailbox, host memory the GPU maps, so no host call sits between the launches and a CUDA graph
-replays the whole exchange; the epoch advances on the device. On a GPU the regions and the
-mailbox are pinned host memory (the TCP transport reads and writes host memory; rows cross PCIe
-once each way). Under the interpreter the host waits for the ready word first (a kernel cannot
-spin there), then the same wait kernel looks once.
+The kernels ring the bells and wait for the ready words in the mailbox, host memory the GPU maps,
+so no host call sits between the launches and a CUDA graph replays the whole exchange. On a GPU
+the regions and the mailbox are pinned host memory (the TCP transport reads and writes host
+memory; rows cross PCIe once each way). Under the interpreter the host waits for the headers (and
+the node flags) between the halves; the receive half waits for each source's rows itself.
 """
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import torch
 
-from ..errors import BufferBrokenError
-from . import launches as R_
+from ..errors import CommTimeoutError
+from ..layout import pow2
+from ..proxy.native import MAILBOX, mailbox_words
 from .session import default_private_capacity, start_proxy
 from .spec import REGIONS, RemoteSpec, RemoteState
 
@@ -41,18 +41,18 @@ class RemotePath:
         if overflow_capacity is None:
             overflow_capacity = (R - G) * (M - private_capacity)
         self.spec = RemoteSpec(rank=buf.rank, world=R, node_size=G, num_experts=buf.num_experts, topk=buf.topk,
-                                  hidden=buf.hidden, max_tokens=M, fp8=buf.fp8, private_capacity=private_capacity,
-                                  overflow_capacity=overflow_capacity, layout=buf.layout,
-                                  expert_alignment=buf.expert_alignment,
-                                  masked_capacity=buf.capacity if buf.layout == "masked" else None)
-        self.state = RemoteState(self.spec, buf.device)
+                               hidden=buf.hidden, max_tokens=M, fp8=buf.fp8, private_capacity=private_capacity,
+                               overflow_capacity=overflow_capacity, layout=buf.layout,
+                               expert_alignment=buf.expert_alignment,
+                               masked_capacity=buf.capacity if buf.layout == "masked" else None)
+        self.state = RemoteState(self.spec, buf.device, buf.num_programs)
         kw = {k: v for k, v in self.spec.proxy_kwargs().items() if k != "node_size"}
         self.gpu = buf.device.type == "cuda"
         regions = mailbox = None
         if self.gpu:  # the proxy and the kernels share these: host memory the GPU addresses
             regions = {n: torch.zeros(max(16, b), dtype=torch.uint8, pin_memory=True)
                        for n, b in self.spec.region_bytes().items()}
-            self.mailbox = torch.zeros(8, dtype=torch.int64, pin_memory=True)
+            self.mailbox = torch.zeros(mailbox_words(R), dtype=torch.int64, pin_memory=True)
             mailbox = self.mailbox.numpy()
         self.proxy = start_proxy(g, timeout_s=buf.timeout_s, regions=regions, mailbox=mailbox, **kw)
         if not self.gpu:  # the proxy allocated numpy arrays; the kernels see the same memory as tensors
@@ -60,78 +60,88 @@ class RemotePath:
             self.mailbox = torch.from_numpy(self.proxy.mailbox)
         self.regions = regions
         self.timeout_s = buf.timeout_s
-        self.programs = buf.num_programs
+        # The kernels' waits for the proxy end at its deadline plus 5 s (its own, which names the
+        # peer, runs out first); the interpreter has no clock and bounds its looks instead (each
+        # costs far more than the microsecond assumed here).
+        self.rtimeout_ns = int((buf.timeout_s + 5.0) * 1e9)
+        self.spins = self.rtimeout_ns // 1000
         self.combined = -1  # serial of the last dispatch combined (the proxy serves one combine each)
 
-    # ------------------------------------------------------------------ dispatch
-    def send(self, buf, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-             x_scales: Optional[torch.Tensor], epoch: int) -> None:
-        """Advances the device epoch (to ``epoch``, the host's count), packs this rank's rows for
-        remote peers and rings the dispatch doorbell."""
-        self.state.epoch.add_(1)  # on the device: a graph replay advances it too
-        R_.pack(self.spec, self.state, x, topk_idx, topk_weights, self.regions["disp_send"], x_scales=x_scales,
-                num_programs=self.programs, num_warps=buf.num_warps)
-        R_.ring(self.state, self.mailbox, "dispatch")
+    # ------------------------------------------------------------------ launch arguments
+    def dispatch_args(self, send: bool) -> dict:
+        """The remote runtime arguments of the dispatch's send (else receive) half, by name; the
+        node kernel's ``sel_ptr`` / ``rows_from_ptr`` are this path's per-program copies."""
+        st, reg = self.state, self.regions
+        node = dict(sel_ptr=st.sel, rows_from_ptr=st.rows_from)
+        if send:
+            return dict(node, send_ptr=reg["disp_send"], mb_ptr=self.mailbox, arrive_ptr=st.arrive,
+                        comb_row_ptr=st.comb_row, own_ptr=st.own)
+        return dict(node, round1_ptr=reg["round1"], overflow_ptr=reg["overflow"], mb_ptr=self.mailbox,
+                    own_ptr=st.own, rpos_ptr=st.rpos, rw_ptr=st.rw, recv_rows_ptr=st.recv_rows,
+                    rtimeout_ns=self.rtimeout_ns, spins=self.spins)
 
-    def wait(self, buf, phase: str, epoch: int) -> None:
-        """The launches after this see what the proxy received for the current epoch. The
-        proxy's errors (timeout naming the peer, lost peer, capacity) break the buffer; its own
-        deadline runs out first, so its error, which names the peer, is the one raised. Under
-        the interpreter the host waits (and raises) here; on a GPU the error comes at the next
-        call or ``synchronize()``."""
-        if buf.interp:
-            try:
-                self.proxy.wait_ready(phase, epoch, self.timeout_s + 5.0)
-            except Exception as exc:  # noqa: BLE001
-                buf.calls.fail(exc)
-        R_.wait_ready(self.state, self.mailbox, buf.err, int((self.timeout_s + 5.0) * 1e9), phase)
+    def dispatch_consts(self, block_t: int) -> dict:
+        """The remote constexprs of both dispatch halves (``block_t``: tokens per payload tile)."""
+        sp = self.spec
+        return dict(GLOBAL=True, REM_PW=sp.payload_bytes // 4, REM_RB=sp.row_bytes, REM_HDR=sp.hdr_bytes,
+                    MAXROWS=sp.max_send_rows, PCAP=sp.private_capacity, OVCAP=sp.overflow_capacity,
+                    ROWS_CAP=sp.recv_rows, BLOCK_R=pow2(sp.world, 2), BLOCK_RW=16,
+                    BLOCK_RH=max(128, min(pow2(sp.hidden, 2), 4096 // block_t)))
 
-    def count_matrix(self) -> torch.Tensor:
-        """int32 [R, EL]: selections of each local expert from each source (after the dispatch wait)."""
-        R_.fill_count_matrix(self.spec, self.state, self.regions["round1"])
-        return self.state.sel
+    def combine_args(self, send: bool) -> dict:
+        """The remote runtime arguments of the combine's send (else receive) half, by name (the
+        node kernel's ``xrows_ptr`` / ``xrecv_ptr`` included)."""
+        st, R = self.state, self.spec.world
+        node = dict(xrows_ptr=st.comb_row, xrecv_ptr=self.regions["comb_recv"])
+        if send:
+            return dict(node, comb_send_ptr=self.regions["comb_send"], mb_ptr=self.mailbox,
+                        arrive_ptr=st.arrive[R + 1:], rpos_ptr=st.rpos, rw_ptr=st.rw, recv_rows_ptr=st.recv_rows)
+        return dict(node, mb_ptr=self.mailbox, rtimeout_ns=self.rtimeout_ns, spins=self.spins)
 
-    def recv(self, buf) -> None:
-        """Expands the remote sources' rows into the expert layout (rows layout: places them)."""
-        if buf.layout == "rows":
-            R_.unpack_rows(self.spec, self.state, self.regions["round1"], self.regions["overflow"], buf.expert_x,
-                           buf.expert_scales, buf.recv_topk_idx, buf.recv_topk_weights, buf.recv_src,
-                           num_programs=self.programs, num_warps=buf.num_warps)
-            return
-        R_.unpack(self.spec, self.state, self.regions["round1"], self.regions["overflow"], buf.expert_x,
-                  buf.expert_scales, buf.expert_counts, buf.expert_offsets, num_programs=self.programs,
-                  num_warps=buf.num_warps, scale_column_rows=buf.scale_column_rows)
+    def combine_consts(self) -> dict:
+        """The remote constexprs of both combine halves."""
+        sp = self.spec
+        return dict(XROWS=True, XCRB=sp.comb_row_bytes, XMAX=sp.max_send_rows, R=sp.world, BLOCK_R=pow2(sp.world, 2),
+                    BLOCK_RW=16, BLOCK_RH=max(16, min(pow2(sp.hidden, 2), 512)))
 
-    # ------------------------------------------------------------------ combine
-    def combine_send(self, buf, expert_y: torch.Tensor, serial: int, epoch: int,
-                     topk_weights: Optional[torch.Tensor] = None) -> None:
-        """Pre-reduces the rows received from remote sources (rows layout: sends them back as they
-        are, with ``topk_weights``) and rings the combine doorbell."""
+    # ------------------------------------------------------------------ host side
+    def claim_combine(self, serial: int) -> None:
+        """The combine of dispatch ``serial`` is issued: ``ValueError`` (before anything is sent)
+        when it was combined already, since the proxy serves one combine per dispatch."""
         if serial == self.combined:
             raise ValueError("handle: already combined; over the inter-node path each dispatch is combined once "
                              "(dispatch again for another combine)")
         self.combined = serial
-        R_.combine_pack(self.spec, self.state, expert_y, self.regions["comb_send"], num_programs=self.programs,
-                        num_warps=buf.num_warps, topk_weights=topk_weights)
-        R_.ring(self.state, self.mailbox, "combine")
 
-    def combine_recv(self, buf, topk_idx: torch.Tensor, base: torch.Tensor, out: torch.Tensor,
-                     wout: Optional[torch.Tensor] = None) -> None:
-        """``out = bf16(base + the remote owners' rows)``; base float32 [T, H] (the node owners' sum),
-        topk_idx [T, K] the dispatch's routing; rows layout: ``wout`` float32 [T, K] += the remote
-        owners' combine weights."""
-        R_.combine_unpack(self.spec, self.state, self.regions["comb_recv"], topk_idx, out, base=base,
-                          num_programs=self.programs, num_warps=buf.num_warps, wout=wout)
+    def host_wait(self, buf, phase: str, epoch: int) -> None:
+        """Interpreter only, between the halves: the proxy's ``hdr_ready`` (dispatch) or
+        ``comb_ready`` (combine) reaching ``epoch``. The proxy's errors break the buffer at once;
+        past the deadline (the proxy's own runs out first) a ``CommTimeoutError``."""
+        word = MAILBOX["hdr_ready" if phase == "dispatch" else "comb_ready"]
+        mb = self.proxy.mailbox
+        deadline = time.monotonic() + self.timeout_s + 5.0
+        delay = 1e-4
+        while mb[word] < epoch:
+            try:
+                self.proxy.check_error()
+            except Exception as exc:  # noqa: BLE001
+                buf.calls.fail(exc)
+            if time.monotonic() > deadline:
+                buf.calls.fail(CommTimeoutError(buf.rank, -1, phase, epoch, self.timeout_s))
+            time.sleep(delay)
+            delay = min(delay * 2, 5e-3)
+
+    def proxy_error_address(self) -> int:
+        """Address of the proxy's error code (a mailbox word, host memory; 0 while healthy)."""
+        return self.mailbox.data_ptr() + 8 * MAILBOX["err_code"]
 
     def check(self) -> None:
-        """Raises the proxy's error, or one a remote kernel recorded (bad ids, rows beyond the send
-        buffer). Both records are host memory: no device sync."""
+        """Raises the proxy's error, if there is one (host memory: no device sync)."""
         self.proxy.check_error()
-        code = int(self.state.err_host[0])
-        if code != 0:
-            raise BufferBrokenError(f"rank {self.spec.rank}: inter-node kernel error record "
-                                    f"{[int(v) for v in self.state.err_host[:5]]}")
 
-    def close(self) -> None:
+    def close(self, cause: Optional[BaseException] = None) -> None:
+        """Stops the proxy, then closes the engine, whose goodbye tells every peer ``cause`` (the
+        error this buffer broke with; None: a clean close), so a peer that sees this close names
+        the original cause, not this rank."""
         self.proxy.close()
-        self.proxy.engine.close()
+        self.proxy.engine.close(cause)

@@ -137,30 +137,26 @@ class RemoteSpec:
 
 
 class RemoteState:
-    """Device tensors of one rank's inter-node path (all int32 unless said; on ``device``).
+    """Device tensors of one rank's inter-node path (int32, on ``device``; ``P`` programs a launch).
 
-    ``epoch`` int64 [1]: the dispatch epoch of the current call (the kernels read it for the
-    parity copies); ``rhist`` [R, CMAX] / ``ehist`` [E, CMAX]: per chunk, rows per destination rank
-    and selections per global expert; ``send_counts`` [R]: this rank's count vector;
-    ``send_pos`` [M, R]: row of each token in ``rows_p`` (-1: none); ``sel`` [R, EL]: the count
-    matrix (selections of each local expert per source); ``rpos`` [recv_rows, K] / ``rw`` float32
-    [recv_rows, K]: expert-layout row and weight of each received (row, k); ``recv_rows`` [R]: rows
-    received from each remote source; ``rows_from`` [R]: rows (one per token) each source sends
-    this rank (the rows layout's prefix); ``err`` int64 [8] error record.
+    ``own`` [EL + 1]: this rank's selections of its own local experts, and its tokens with a
+    selection on itself (the send half's, for the receive half's count matrix: the caller may
+    reuse ``topk_idx`` meanwhile); ``comb_row`` [M, K]: row in the combine receive region of each
+    token's partial row from a remote owner (at the token's first selection on it), else -1;
+    ``arrive`` [2R + 1]: programs of the current launch done with each peer's dispatch rows (then
+    with the headers, at [R]) and each source's combine rows ([R + 1 + s]), back to 0 after each
+    launch; ``sel`` [P, R, EL] and ``rows_from`` [P, R]: each program's copy of the count matrix
+    and of the rows each source sends this rank; ``rpos`` / ``rw`` (float32) [recv_rows, K]: layout
+    row and weight of each received (row, k); ``recv_rows`` [R]: rows received from each remote source.
     """
 
-    def __init__(self, spec: RemoteSpec, device: torch.device | str = "cpu"):
-        R, E, EL, K, M = spec.world, spec.num_experts, spec.num_local_experts, spec.topk, spec.max_tokens
+    def __init__(self, spec: RemoteSpec, device: torch.device | str = "cpu", programs: int = 1):
+        R, EL, K, M = spec.world, spec.num_local_experts, spec.topk, spec.max_tokens
         z = lambda *s, dt=torch.int32: torch.zeros(*s, dtype=dt, device=device)  # noqa: E731
         self.spec = spec
-        self.epoch = z(1, dt=torch.int64)
-        self.rhist, self.ehist = z(R, spec.chunks), z(E, spec.chunks)
-        self.send_counts, self.send_pos = z(R), z(M, R)
-        self.sel = z(R, EL)
+        self.own = z(EL + 1)
+        self.comb_row = z(M, K)
+        self.arrive = z(2 * R + 1)
+        self.sel, self.rows_from = z(programs, R, EL), z(programs, R)
         self.rpos, self.rw = z(max(1, spec.recv_rows), K), z(max(1, spec.recv_rows), K, dt=torch.float32)
         self.recv_rows = z(R)
-        self.rows_from = z(R)
-        # Error record: pinned host memory on a GPU, so the host reads it without a device sync.
-        self.err = torch.zeros(8, dtype=torch.int64, pin_memory=torch.device(device).type == "cuda")
-        self.err_host = self.err.numpy()  # the same memory: reading it costs no tensor op
-        self.num_chunks = 0  # chunks of the last pack (the host knows T)

@@ -5,6 +5,8 @@ machine with no GPU: record the launches of a CPU run, then compile each for sm_
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
@@ -36,6 +38,7 @@ def compile_for(fn, spec: dict, arch: int = 90):
     sig, cexpr, attrs = {}, {}, {}
     consts = spec["consts"]
     options = {k: v for k, v in consts.items() if k not in fn.arg_names}
+    defaults = {n: p.default for n, p in inspect.signature(fn.fn).parameters.items()}
     for i, name in enumerate(fn.arg_names):
         if name in spec["sig"]:
             sig[name] = spec["sig"][name]
@@ -43,7 +46,7 @@ def compile_for(fn, spec: dict, arch: int = 90):
                 attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             sig[name] = "constexpr"
-            cexpr[(i,)] = consts[name]
+            cexpr[(i,)] = consts[name] if name in consts else defaults[name]  # (a launch may leave a default)
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=cexpr, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 

@@ -24,6 +24,11 @@ chunk back, i.e. has read that source's weights of the previous combine.
 reduced its local experts) with the row's combine weights (``comb_w``, zeros when the caller gave
 none), and the source sums rows and weights over owners; ``OWN_Y``: this rank's own rows skip the
 workspace (the receive half reads them from ``expert_y``).
+
+``XROWS`` (the inter-node path, ``moe_ep/internode``): a token with owners on other nodes also sums
+their partial rows, which the proxy delivered to ``xrecv``; ``xrows`` gives each one's row there
+(the inter-node send half wrote it at dispatch), so every partial row is summed in float32 and
+the output rounded once.
 """
 import triton
 import triton.language as tl
@@ -36,7 +41,7 @@ from .common import (ABORT_FLAG, ERR_CAPACITY, PHASE_COMBINE, PHASE_DISPATCH, ch
 def combine_kernel(
     y_ptr,             # bf16 [rows, H]: expert outputs in the layout of expert_x
     topk_ptr,          # int32 [T, K]: the dispatch's expert ids (the buffer's copy, -1 where none)
-    out_ptr,           # bf16 [T, H]; float32 when BASE_F32 (the node owners' sum, before the remote ones)
+    out_ptr,           # bf16 [T, H]; float32 when BASE_F32 (the sum, not rounded)
     ws,                # int: address of this rank's workspace
     peer_ptr,          # int64 [N]: workspace base of each node peer
     state_ptr,         # int64 [2, P]: [0, p] dispatch epoch, [1, p] combine epoch completed by program p
@@ -44,8 +49,10 @@ def combine_kernel(
     recv_pos_ptr,      # int32 [N, M, K] from the dispatch kernel
     timeout_ns, T,
     wy_ptr,            # ROWS and WIN: float32 [rows, K] combine weights of each received row
-    wout_ptr,          # ROWS and WOUT: float32 [T, K] out: their sum over owners (added to later when BASE_F32)
+    wout_ptr,          # ROWS and WOUT: float32 [T, K] out: their sum over owners
     cw_ptr,            # WEIGHTS: float32 [T, K] combine-time weights of this rank's tokens (masked/packed)
+    xrows_ptr,         # XROWS: int32 [M, K] row in xrecv of each token's partial row from an owner on another node, or -1
+    xrecv_ptr,         # XROWS: uint8, where those rows landed: [2][XMAX][XCRB], copy dispatch epoch & 1
     off_cflag: tl.constexpr, off_wflag: tl.constexpr, off_hdr: tl.constexpr, off_meta_w: tl.constexpr,
     off_comb: tl.constexpr,
     RANK: tl.constexpr, NODE0: tl.constexpr, N: tl.constexpr, M: tl.constexpr, K: tl.constexpr, E: tl.constexpr,
@@ -55,6 +62,7 @@ def combine_kernel(
     BLOCK_TR: tl.constexpr,
     STAGES: tl.constexpr, INTERP: tl.constexpr, ROWS: tl.constexpr, OWN_Y: tl.constexpr, WIN: tl.constexpr,
     WOUT: tl.constexpr, off_comb_w: tl.constexpr,
+    XROWS: tl.constexpr = False, XCRB: tl.constexpr = 0, XMAX: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -146,6 +154,9 @@ def combine_kernel(
                     ids = tl.load(topk_ptr + t[:, None] * K + kk[None, :], mask=tm[:, None] & km[None, :],
                                   other=-1).to(tl.int32)
                     dst = tl.where((ids >= 0) & (ids < E), ids // EL - NODE0, -1)  # node peer, if any
+                    if XROWS:  # owners on other nodes: their rows' place in xrecv (bytes, -1: none)
+                        xr = tl.load(xrows_ptr + t[:, None] * K + kk[None, :], mask=tm[:, None] & km[None, :], other=-1)
+                        xoff = tl.where(xr >= 0, (dpar * XMAX + xr).to(tl.int64) * XCRB, -1)
                     if OWN_Y:  # this rank's rows of its own tokens, read from expert_y where dispatch put them
                         if ROWS:  # one row per token
                             own = tl.load(recv_pos_ptr + (RANK * M + t) * K, mask=tm, other=-1).to(tl.int64)
@@ -170,7 +181,12 @@ def combine_kernel(
                             else:
                                 wsrc = ptr_at(ws, off_comb_w, tl.float32) + ((par * N + d) * M + t).to(tl.int64) * K
                                 wacc += tl.load(wsrc[:, None] + kk[None, :], mask=m2, other=0.0)
-                        # (with BASE_F32 the remote owners' weights are added to these later)
+                        if XROWS:  # each row's K weights follow its 2H bytes of payload
+                            for k in tl.static_range(K):
+                                xk = tl.sum(tl.where(kk[None, :] == k, xoff, 0), axis=1)
+                                wrow = (xrecv_ptr + xk + 2 * H).to(tl.pointer_type(tl.float32))
+                                wacc += tl.load(wrow[:, None] + kk[None, :], mask=(xk >= 0)[:, None] & km[None, :],
+                                                other=0.0)
                         tl.store(wout_ptr + t[:, None] * K + kk[None, :], wacc, mask=tm[:, None] & km[None, :])
                     if OWN_Y and ROWS:  # this rank's own rows: the first tile's loads, ahead of the loop
                         own_m = tm & (tl.max((dst == RANK).to(tl.int32), axis=1) > 0)
@@ -202,7 +218,13 @@ def combine_kernel(
                                 src = comb + ((par * N + d) * M + t).to(tl.int64) * H
                                 acc += tl.load(src[:, None] + hh[None, :], mask=hm & go[:, None],
                                                other=0.0).to(tl.float32)
-                        if BASE_F32:  # the remote owners' rows are added later, then rounded once
+                        if XROWS:
+                            for k in tl.static_range(K):
+                                xk = tl.sum(tl.where(kk[None, :] == k, xoff, 0), axis=1)
+                                src = (xrecv_ptr + xk).to(tl.pointer_type(tl.bfloat16))
+                                acc += tl.load(src[:, None] + hh[None, :], mask=hm & (xk >= 0)[:, None],
+                                               other=0.0).to(tl.float32)
+                        if BASE_F32:  # a float32 out: the sum itself, not rounded
                             tl.store(out_ptr + t[:, None] * H + hh[None, :], acc, mask=hm)
                         else:
                             tl.store(out_ptr + t[:, None] * H + hh[None, :], to_bf16(acc, INTERP), mask=hm)

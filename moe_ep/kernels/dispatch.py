@@ -28,7 +28,7 @@ from .rows import on_peer, recv_rows_chunk, tokens_before
 
 
 @triton.jit
-def _local_counts(topk_ptr, hist_ptr, T, NC, d, E: tl.constexpr, EL: tl.constexpr, K: tl.constexpr,
+def local_counts(topk_ptr, hist_ptr, T, NC, d, E: tl.constexpr, EL: tl.constexpr, K: tl.constexpr,
                   CMAX: tl.constexpr, DIRECT: tl.constexpr, BLOCK_EL: tl.constexpr, BLOCK_C: tl.constexpr):
     """This rank's selections of each local expert of rank ``d``: int32 [BLOCK_EL]."""
     ee = tl.arange(0, BLOCK_EL)
@@ -286,7 +286,7 @@ def dispatch_kernel(
     if SEND:
         # Headers first (program d writes the one for rank d) and the first chunk, before any wait.
         for d in range(pid, N, P):
-            cnt = _local_counts(topk_ptr=topk_ptr, hist_ptr=hist_ptr, T=T, NC=NC, d=NODE0 + d, E=E, EL=EL, K=K,
+            cnt = local_counts(topk_ptr=topk_ptr, hist_ptr=hist_ptr, T=T, NC=NC, d=NODE0 + d, E=E, EL=EL, K=K,
                                 CMAX=CMAX, DIRECT=DIRECT, BLOCK_EL=BLOCK_EL, BLOCK_C=BLOCK_C)
             base = tl.load(peer_ptr + d)
             ph = ptr_at(base, off_hdr, tl.int32) + (par * N + RANK) * HDR

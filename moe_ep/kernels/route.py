@@ -4,7 +4,9 @@ The dispatch send kernel turns these into each selection's position among the se
 its expert from this rank (an exclusive prefix over chunks plus a rank inside the chunk), so the
 receiver can place every row without a scan of its own and the order is deterministic:
 (source rank, token, k). For the rows layout it also counts, per chunk, the tokens with a
-selection on each node peer (rows ``E + d``), from which the send kernel places whole tokens.
+selection on each node peer (rows ``E + d``), from which the send kernel places whole tokens; with
+other nodes, per chunk, the tokens with a selection on each rank (rows ``E + N + r``), from which
+the inter-node send half places each remote peer's rows.
 """
 import triton
 import triton.language as tl
@@ -16,15 +18,16 @@ from .tiles import first_on_rank
 @triton.jit(do_not_specialize=['T', 'BT'])
 def route_hist_kernel(
     topk_ptr,          # int32/int64 [T, K]
-    hist_ptr,          # int32 [E (+ N with ROWS), CMAX]: hist[e, c] = selections of e in chunk c;
-                       # ROWS: hist[E + d, c] = tokens of chunk c with a selection on node peer d
+    hist_ptr,          # int32 [E (+ N with ROWS or RANKS) (+ RANKS), CMAX]: hist[e, c] = selections of e in chunk c;
+                       # ROWS: hist[E + d, c] = tokens of chunk c with a selection on node peer d;
+                       # RANKS: hist[E + N + r, c] = tokens of chunk c with a selection on rank r
     state_ptr,         # int64 [8]: [0] = dispatch epoch
     err_ptr,           # int64 [8] error record
     T, BT,             # tokens, tokens per chunk
     E: tl.constexpr, K: tl.constexpr, CMAX: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     ROWS: tl.constexpr = False, N: tl.constexpr = 1, NODE0: tl.constexpr = 0, EL: tl.constexpr = 1,
-    BLOCK_N: tl.constexpr = 2,
+    BLOCK_N: tl.constexpr = 2, RANKS: tl.constexpr = 0, BLOCK_RANKS: tl.constexpr = 2,
 ):
     c = tl.program_id(0)
     t = c * BT + tl.arange(0, BLOCK_T)
@@ -48,3 +51,10 @@ def route_hist_kernel(
                           mask=tl.reshape(first, [BLOCK_T * BLOCK_K]))
         nn = tl.arange(0, BLOCK_N)
         tl.store(hist_ptr + (E + nn) * CMAX + c, hn, mask=nn < N)
+    if RANKS > 0:  # with other nodes: one count per (token, rank) of all RANKS, after the N node rows
+        dst = tl.where(valid, ids // EL, -1)
+        first = first_on_rank(dst, kk)
+        hr = tl.histogram(tl.reshape(tl.where(first, dst, 0), [BLOCK_T * BLOCK_K]), BLOCK_RANKS,
+                          mask=tl.reshape(first, [BLOCK_T * BLOCK_K]))
+        rr = tl.arange(0, BLOCK_RANKS)
+        tl.store(hist_ptr + (E + N + rr) * CMAX + c, hr, mask=rr < RANKS)

@@ -136,6 +136,7 @@ def lib() -> ctypes.CDLL:
             _c(L, "moe_ep_efa_check_caps", i32, u32, cp, sz)
             _c(L, "moe_ep_rdma_devices", i32, cp, sz)
             _c(L, "moe_ep_engine_destroy", None, vp)
+            _c(L, "moe_ep_engine_goodbye", i32, vp, i32, i32, i32, i64)
             _c(L, "moe_ep_engine_imm", vp, vp)
             _c(L, "moe_ep_register", i32, vp, vp, u64, ctypes.POINTER(u32))
             _c(L, "moe_ep_endpoint", i32, vp, cp, sz)
@@ -152,7 +153,7 @@ def lib() -> ctypes.CDLL:
             _c(L, "moe_ep_engine_cpu_ns", i64, vp)
             _c(L, "moe_ep_rank", i32, vp)
             _c(L, "moe_ep_world", i32, vp)
-            _c(L, "moe_ep_proxy_mailbox_layout", i32, ctypes.POINTER(i64), i32)
+            _c(L, "moe_ep_proxy_mailbox_layout", i32, i64, ctypes.POINTER(i64), i32)
             _c(L, "moe_ep_proxy_hdr_bytes", i64, i64, i64)
             _c(L, "moe_ep_proxy_region_bytes", i32, ctypes.POINTER(ProxyConfig), ctypes.POINTER(u64))
             _c(L, "moe_ep_proxy_create", vp, vp, ctypes.POINTER(ProxyConfig), ctypes.POINTER(vp),
@@ -163,9 +164,10 @@ def lib() -> ctypes.CDLL:
             _c(L, "moe_ep_proxy_error_message", i32, vp, cp, sz)
             _c(L, "moe_ep_proxy_phases_done", i64, vp)
             _c(L, "moe_ep_proxy_phase_records", i32, vp, ctypes.POINTER(PhaseRecord), i32)
+            _c(L, "moe_ep_proxy_trace", i32, vp, ctypes.POINTER(TraceEvent), i32)
             _c(L, "moe_ep_bench_post", i32, vp, i32, u32, u64, u32, u64, u64, u32, i64, i64, i64,
                ctypes.POINTER(i64))
-            _c(L, "moe_ep_bench_drive", i32, ctypes.POINTER(i64), i64, i64, i32, i64, i64, i64, ctypes.POINTER(i64))
+            _c(L, "moe_ep_bench_drive", i32, ctypes.POINTER(i64), i64, i64, i64, i32, i64, i64, i64, ctypes.POINTER(i64))
             _c(L, "moe_ep_launch_plan_create", i32, u64, u32, u32, u32, i32, ctypes.POINTER(u32),
                ctypes.POINTER(u64), i32, ctypes.POINTER(i32))
             _c(L, "moe_ep_launch_plan_destroy", None, i32)
@@ -480,11 +482,31 @@ class Engine(_Closable):
         text = _str(lambda buf, n: self._lib.moe_ep_engine_refused(self._h, buf, n, ctypes.byref(total)))
         return Refused(total.value, text.splitlines())
 
-    def close(self) -> None:
+    def close(self, error: BaseException | None = None) -> None:
+        """Closes the engine. Every connected peer first gets its goodbye (waited for at most 1 s):
+        ``error``, the exception this rank failed with, names its cause (``goodbye_cause``), so a
+        peer that sees this close reports that peer rather than this rank; None: a clean close."""
         if getattr(self, "_h", None):
+            self._lib.moe_ep_engine_goodbye(self._h, *goodbye_cause(error))
             self._lib.moe_ep_engine_destroy(self._h)
             self._h = None
             self.imm.close()  # (the engine's counter: forgets its handle, destroys nothing)
+
+
+def goodbye_cause(error: BaseException | None) -> tuple[int, int, int, int]:
+    """What a closing engine's goodbye says of ``error`` (csrc/proxy/transport.h ``Goodbye``):
+    ``(error, peer, phase, epoch)``. None: ``(0, -1, -1, 0)``, a clean close. A
+    ``CommTimeoutError`` / ``PeerLostError`` of a dispatch or a combine (its ``peer``, ``phase``,
+    ``epoch``): ``(1, peer, PHASE_D1 or PHASE_C, epoch)``, so the peers name that peer. Any other
+    error (none of these, or one naming no peer or phase): ``(1, -1, -1, 0)``, so they name this rank."""
+    if error is None:
+        return 0, -1, -1, 0
+    peer, phase, epoch = (getattr(error, k, None) for k in ("peer", "phase", "epoch"))
+    codes = {"dispatch": PHASE_D1, "combine": PHASE_C}
+    if (isinstance(error, (CommTimeoutError, PeerLostError)) and isinstance(peer, int) and peer >= 0
+            and phase in codes and isinstance(epoch, int)):
+        return 1, peer, codes[phase], epoch
+    return 1, -1, -1, 0
 
 
 HELLO_TIMEOUT_S, MAX_PENDING = 10.0, 256  # the tcp defaults (csrc/proxy/tcp_transport.cc)
@@ -687,23 +709,38 @@ class EfaTransport(Engine):
 
 # ---------------------------------------------------------------- Proxy (§10)
 
-# Mailbox word indices (int64 words), mirrored from csrc/proxy/proxy.h (kMb*); the kernel side
-# writes the doorbells, the proxy the ready words and the error record.
+# Mailbox word indices (int64 words), mirrored from csrc/proxy/proxy.h (kMb*, mb_*); the kernel
+# side writes the bells, the proxy the ready words and the error record. Eight fixed words, then
+# four arrays of one word per rank (``mailbox_words(world)`` in all): the rows bell of each peer,
+# each source's round-1 and overflow ready words, each source's combine bell.
 MAILBOX = {
-    "disp_doorbell": 0,
+    "hdr_bell": 0,
     "disp_ready": 1,
-    "comb_doorbell": 2,
+    "hdr_ready": 2,
     "comb_ready": 3,
     "err_code": 4,
     "err_peer": 5,
     "err_phase": 6,
     "err_epoch": 7,
 }
-MAILBOX_WORDS = 8
+MAILBOX_WORDS = 8  # the fixed words
+MAILBOX_ARRAYS = ("disp_bell", "ready1", "ready2", "comb_bell")  # after them, one word per rank each
+
+
+def mailbox_words(world: int) -> int:
+    """Words of a mailbox for ``world`` ranks."""
+    return MAILBOX_WORDS + len(MAILBOX_ARRAYS) * world
+
+
+def mailbox_word(name: str, world: int, rank: int) -> int:
+    """Index of the word of ``rank`` in the per-rank array ``name`` (``MAILBOX_ARRAYS``)."""
+    return MAILBOX_WORDS + MAILBOX_ARRAYS.index(name) * world + rank
+
+
 # Error codes (mailbox["err_code"]) and phases (immediate bits 31..30, mailbox["err_phase"]).
 PROXY_OK, PROXY_TIMEOUT, PROXY_PEER_LOST, PROXY_CAPACITY, PROXY_INVALID, PROXY_TRANSPORT = 0, 1, 2, 3, 4, 5
-PHASE_D1, PHASE_D2, PHASE_C = 0, 1, 2
-PHASE_NAMES = {PHASE_D1: "dispatch", PHASE_D2: "dispatch", PHASE_C: "combine"}
+PHASE_D1, PHASE_D2, PHASE_C, PHASE_D0 = 0, 1, 2, 3  # D0: the headers (reported as round 1)
+PHASE_NAMES = {PHASE_D1: "dispatch", PHASE_D2: "dispatch", PHASE_C: "combine", PHASE_D0: "dispatch"}
 REGION_NAMES = ("disp_send", "round1", "overflow", "comb_send", "comb_recv")  # registration order
 
 
@@ -719,11 +756,12 @@ def make_imm(phase: int, epoch: int, src: int = 0) -> int:
     return (phase << 30) | ((src & (IMM_MAX_RANKS - 1)) << IMM_SRC_SHIFT) | (epoch & ((1 << IMM_SRC_SHIFT) - 1))
 
 
-def native_mailbox_layout() -> dict[str, int]:
-    """The word indices as the native library defines them (plus ``"n_words"``)."""
+def native_mailbox_layout(world: int) -> dict[str, int]:
+    """The word indices as the native library defines them for ``world`` ranks: the fixed words,
+    ``"n_fixed"``, the first word of each per-rank array, and ``"n_words"``."""
     out = (ctypes.c_int64 * 16)()
-    n = lib().moe_ep_proxy_mailbox_layout(out, 16)
-    return dict(zip([*MAILBOX, "n_words"], out[:n]))
+    n = lib().moe_ep_proxy_mailbox_layout(world, out, 16)
+    return dict(zip([*MAILBOX, "n_fixed", *MAILBOX_ARRAYS, "n_words"], out[:n]))
 
 
 def hdr_bytes(world: int, num_local_experts: int) -> int:
@@ -741,6 +779,16 @@ class ProxyConfig(ctypes.Structure):
 class PhaseRecord(ctypes.Structure):
     """csrc/proxy/proxy.h PhaseRecord: one served phase (steady-clock ns)."""
     _fields_ = [(n, ctypes.c_int64) for n in ("kind", "epoch", "seen_ns", "mid_ns", "ready_ns", "cpu_ns")]
+
+
+class TraceEvent(ctypes.Structure):
+    """csrc/proxy/proxy.h TraceEvent: one thing the proxy saw or did."""
+    _fields_ = [("ns", ctypes.c_int64), ("epoch", ctypes.c_int64), ("kind", ctypes.c_int32), ("peer", ctypes.c_int32)]
+
+
+# TraceEvent kinds (csrc/proxy/proxy.h kTr*), by value.
+TRACE_KINDS = ("hdr_bell", "rows_bell", "post_d0", "post_d1", "post_d2", "got_d0", "got_d1", "got_d2", "hdr_ready",
+               "disp_ready", "comb_bell", "post_c", "got_c", "comb_ready")
 
 
 def proxy_region_bytes(world_size: int, *, node_size: int, num_local_experts: int, row_bytes: int,
@@ -799,7 +847,7 @@ class Proxy(_Closable):
             if name not in regions:
                 regions[name] = np.zeros(max(int(self.region_bytes[name]), 16), np.uint8)
             setattr(self, name, regions[name])
-        self.mailbox = np.zeros(MAILBOX_WORDS, np.int64) if mailbox is None else mailbox
+        self.mailbox = np.zeros(mailbox_words(self.world), np.int64) if mailbox is None else mailbox
         addrs = [_address(regions[n]) for n in REGION_NAMES]
         ptrs = (ctypes.c_void_p * 5)(*[a[0] for a in addrs])
         lens = (ctypes.c_uint64 * 5)(*[a[1] for a in addrs])
@@ -843,8 +891,14 @@ class Proxy(_Closable):
             _raise(rc)
 
     def ring(self, phase: str, epoch: int) -> None:
-        """Kernel stand-in: writes the doorbell of ``phase`` ("dispatch" / "combine")."""
-        self.mailbox[MAILBOX["disp_doorbell" if phase == "dispatch" else "comb_doorbell"]] = epoch
+        """Kernel stand-in: rings every bell of ``phase``: dispatch, each peer's rows bell and the
+        header bell (the send buffer holds every header and row); combine, each source's bell."""
+        W = self.world
+        if phase == "dispatch":
+            self.mailbox[mailbox_word("disp_bell", W, 0):mailbox_word("disp_bell", W, W)] = epoch
+            self.mailbox[MAILBOX["hdr_bell"]] = epoch
+        else:
+            self.mailbox[mailbox_word("comb_bell", W, 0):mailbox_word("comb_bell", W, W)] = epoch
 
     def error_record(self) -> tuple[int, int, int, int]:
         """(code, peer, phase, epoch); code 0 while healthy."""
@@ -869,6 +923,14 @@ class Proxy(_Closable):
         return [("dispatch" if r.kind == 0 else "combine", r.epoch, r.seen_ns, r.mid_ns, r.ready_ns, r.cpu_ns)
                 for r in buf[:n]]
 
+    def trace(self, max_n: int = 1 << 16) -> list[tuple[int, str, int, int]]:
+        """The most recent trace events, oldest first: (steady-clock ns, kind (``TRACE_KINDS``),
+        peer (-1: none), epoch). Every bell seen, write posted, immediate counted and ready word
+        raised is one (the last 65536 kept)."""
+        buf = (TraceEvent * max(1, max_n))()
+        n = self._lib.moe_ep_proxy_trace(self._h, buf, max(1, max_n))
+        return [(e.ns, TRACE_KINDS[e.kind], e.peer, e.epoch) for e in buf[:n]]
+
     def bench_drive(self, first: int, n: int, *, combine: bool = True, timeout_s: float = 30.0,
                     spin_us: float = 20.0, sleep_us: float = 5.0) -> tuple[list[int], list[int]]:
         """Kernel stand-in in native code (moe_ep/bench/proxy_cost.py): rings dispatch (and combine) for
@@ -876,12 +938,20 @@ class Proxy(_Closable):
         of every dispatch and every combine. The send buffers are used as they are."""
         out = (ctypes.c_int64 * (2 * max(1, n)))()
         mb = ctypes.cast(_address(self.mailbox)[0], ctypes.POINTER(ctypes.c_int64))
-        rc = self._lib.moe_ep_bench_drive(mb, first, n, int(combine), _ns(timeout_s), int(spin_us * 1e3),
+        rc = self._lib.moe_ep_bench_drive(mb, self.world, first, n, int(combine), _ns(timeout_s), int(spin_us * 1e3),
                                           int(sleep_us * 1e3), out)
         if rc != 0:
             self.check_error()
             raise CommTimeoutError(self.rank, -1, "bench", first, timeout_s)
         return list(out[0:2 * n:2]), list(out[1:2 * n:2])
+
+    def error(self) -> BaseException | None:
+        """The exception of the error record (what ``check_error`` raises), or None while healthy."""
+        try:
+            self.check_error()
+        except Exception as exc:  # noqa: BLE001 - returned, not raised
+            return exc
+        return None
 
     def check_error(self) -> None:
         """Raises the exception of the error record, if there is one."""

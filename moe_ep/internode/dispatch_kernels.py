@@ -1,0 +1,426 @@
+"""The inter-node dispatch in two launches (docs/ARCHITECTURE.md §10): the send half packs rows for
+remote peers and rings their bells, then stores into node peers; the receive half waits for the
+headers, places node peers' rows and unpacks each remote source's as it lands.
+
+Remote row (``REM_RB`` bytes, a multiple of 16; ``moe_ep.internode.spec.RemoteSpec``): payload
+(bf16 ``H`` elements, or fp8 ``H`` bytes + ``NB`` float32 scales) at word 0, then the trailer at
+word ``REM_PW`` (= payload bytes / 4): ``[token, lid[K], j[K], w[K]]`` int32 (``w`` as float32
+bits): the source token index, per k the local expert id at the destination (-1: not for it),
+the position ``j`` among the source's selections of that expert, the routing weight.
+Send buffer: ``[HDR_p | rows_p]`` for every peer ``p`` != this rank in rank order (rows only for
+remote ``p``, in token order); ``HDR_p`` = the count vector ``int32[R]`` (rows to each rank) +
+``int32[EL]`` (selections of each of ``p``'s local experts).
+
+Both kernels call the node kernel (``dispatch_kernel``) for the node peers' part, so the node path
+and this one share every line of it; the epoch is the node kernel's (``state[0, pid] + 1``).
+"""
+import triton
+import triton.language as tl
+
+from ..kernels.common import (ERR_CAPACITY, PHASE_DISPATCH, deadline_start, payload_cols, payload_tile, record_error,
+                              scale_ptr)
+from ..kernels.dispatch import dispatch_kernel, local_counts
+from ..kernels.rows import tokens_before
+from ..kernels.tiles import chunk_sum, col, excl, first_on_rank, gather, load_routing, pick
+from .mailbox import MB_DISP_READY, MB_HDR_BELL, MB_HDR_READY, arrive_and_ring, ready1, rows_bell, wait_word
+
+
+@triton.jit
+def rank_counts(topk_ptr, rhist_ptr, T, NC, R: tl.constexpr, E: tl.constexpr, EL: tl.constexpr, K: tl.constexpr,
+                CMAX: tl.constexpr, DIRECT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                BLOCK_C: tl.constexpr):
+    """int32 [BLOCK_R]: this rank's rows to each rank (one per token with a selection there): at
+    decode sizes (``DIRECT``) counted from the ids, else summed over the routing histogram's rank
+    rows ``rhist`` [R, CMAX]."""
+    rr = tl.arange(0, BLOCK_R)
+    if DIRECT:
+        cnt = tl.zeros((BLOCK_R,), tl.int32)
+        tt = tl.arange(0, 64)
+        kk = tl.arange(0, BLOCK_K)
+        for t0 in range(0, T, 64):
+            ids, bad = load_routing(topk_ptr, t0 + tt, t0 + tt < T, E, K, BLOCK_K)
+            dst = tl.where(ids >= 0, ids // EL, -1)
+            first = first_on_rank(dst, kk)
+            cnt += tl.histogram(tl.reshape(tl.where(first, dst, 0), [64 * BLOCK_K]), BLOCK_R,
+                                mask=tl.reshape(first, [64 * BLOCK_K]))
+        return cnt
+    else:
+        return chunk_sum(rhist_ptr, rr, rr < R, NC, CMAX, BLOCK_C)
+
+
+@triton.jit
+def selections_before(topk_ptr, ehist_ptr, idf, c, BT, K: tl.constexpr, CMAX: tl.constexpr, DIRECT: tl.constexpr,
+                      BLOCK_C: tl.constexpr):
+    """Per flat selection ``idf`` of chunk ``c``: this rank's selections of the same expert in earlier
+    chunks (counted from the ids at decode sizes, else from the histogram ``ehist`` [E, CMAX])."""
+    pre = tl.zeros(idf.shape, tl.int32)
+    if DIRECT:
+        for f0 in range(0, c * BT * K, 256):
+            ff = f0 + tl.arange(0, 256)
+            prev = tl.load(topk_ptr + ff, mask=ff < c * BT * K, other=-1).to(tl.int32)
+            pre += tl.sum((idf[:, None] == prev[None, :]).to(tl.int32), axis=1)
+    else:
+        pre = chunk_sum(ehist_ptr, idf, idf >= 0, c, CMAX, BLOCK_C)
+    return tl.where(idf >= 0, pre, 0)
+
+
+@triton.jit
+def pack_chunk_for(d, c, first_peer, off16, roff, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, send_ptr, comb_row_ptr,
+                   T, BT, ME: tl.constexpr, N: tl.constexpr, E: tl.constexpr, EL: tl.constexpr, K: tl.constexpr, H: tl.constexpr,
+                   NB: tl.constexpr, CMAX: tl.constexpr, FP8: tl.constexpr, PREQ: tl.constexpr,
+                   DIRECT: tl.constexpr, REM_PW: tl.constexpr, REM_RB: tl.constexpr, REM_HDR: tl.constexpr,
+                   SEND16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+                   BLOCK_RH: tl.constexpr, INTERP: tl.constexpr):
+    """Chunk ``c``'s rows for remote rank ``d`` into ``rows_d`` of the send buffer (``off16``: where
+    ``[HDR_d | rows_d]`` starts, in 16-byte units; ``ME``: this rank): one row per token with a selection on ``d``, in
+    token order, its trailer, and the token's combine row index ``roff + its row`` at its first
+    selection on ``d`` in ``comb_row`` [M, K]. ``first_peer``: the chunk's first remote peer also
+    writes -1 at every other selection of ``comb_row`` (each (token, k) is written once)."""
+    S: tl.constexpr = BLOCK_T * BLOCK_K
+    tt = tl.arange(0, BLOCK_T)
+    kk = tl.arange(0, BLOCK_K)
+    km = kk < K
+    t = c * BT + tt
+    tm = (tt < BT) & (t < T)
+    ids, bad = load_routing(topk_ptr, t, tm, E, K, BLOCK_K)
+    dst = tl.where(ids >= 0, ids // EL, -1)
+    hit = dst == d
+    go = (tl.max(hit.to(tl.int32), axis=1) > 0) & tm
+    g = go.to(tl.int32)
+    # The token's row among this rank's rows for d: tokens of earlier chunks with a selection on d
+    # (the histogram's rank rows follow its N node rows), then earlier tokens of the chunk.
+    pos = tokens_before(topk_ptr=topk_ptr, hist_ptr=hist_ptr + N * CMAX, c=c, BT=BT, T=T, d=d, NODE0=0, E=E, EL=EL,
+                        K=K, CMAX=CMAX, DIRECT=DIRECT, BLOCK_K=BLOCK_K) + tl.cumsum(g, 0) - g
+    first = first_on_rank(dst, kk)
+    cm = tm[:, None] & km[None, :]
+    tl.store(comb_row_ptr + t[:, None] * K + kk[None, :], tl.broadcast_to((roff + pos)[:, None], (BLOCK_T, BLOCK_K)),
+             mask=cm & first & hit)
+    if first_peer:  # every selection that is not a token's first on some remote rank
+        remote_first = first & (dst >= 0) & (dst // N != ME // N)
+        tl.store(comb_row_ptr + t[:, None] * K + kk[None, :], tl.full((BLOCK_T, BLOCK_K), -1, tl.int32),
+                 mask=cm & (remote_first == 0))
+    # Position j of each selection among this rank's selections of its expert (order (token, k)).
+    ff = tl.arange(0, S)
+    idf = tl.reshape(ids, (S,))
+    within = tl.sum(((idf[:, None] == idf[None, :]) & (ff[None, :] < ff[:, None])).to(tl.int32), axis=1)
+    j = tl.reshape(selections_before(topk_ptr, hist_ptr, idf, c, BT, K, CMAX, DIRECT, BLOCK_C) + within,
+                   (BLOCK_T, BLOCK_K))
+    w = tl.load(w_ptr + t[:, None] * K + kk[None, :], mask=cm, other=0.0)
+    # Rows in 16-byte units, so the compiler sees every row address 16-byte aligned (vector stores).
+    row16 = off16 + REM_HDR // 16 + pos.to(tl.int64) * (REM_RB // 16)
+    ok = go & (row16 + REM_RB // 16 <= SEND16)  # never past the send buffer (the count check records it)
+    words = send_ptr.to(tl.pointer_type(tl.int32))
+    tw = words + row16 * 4 + REM_PW
+    tl.store(tw, t, mask=ok)
+    m2 = ok[:, None] & km[None, :]
+    tl.store(tw[:, None] + 1 + kk[None, :], tl.where(hit, ids - d * EL, -1), mask=m2)
+    tl.store(tw[:, None] + 1 + K + kk[None, :], j, mask=m2)
+    tl.store(tw[:, None] + 1 + 2 * K + kk[None, :], w.to(tl.int32, bitcast=True), mask=m2)
+    rw = row16 * 4
+    for h0 in range(0, H, BLOCK_RH):
+        hh, hm, bb, bm = payload_cols(h0, ok, H, NB, FP8, BLOCK_RH)
+        q, sc = payload_tile(x_ptr=x_ptr, xs_ptr=xs_ptr, t=t, hh=hh, hm=hm, bb=bb, bm=bm, H=H, NB=NB, FP8=FP8,
+                             PREQ=PREQ, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_RH, INTERP=INTERP)
+        if FP8:
+            tl.store(send_ptr + rw[:, None] * 4 + hh[None, :], q, mask=hm)
+            tl.store((words + rw + H // 4)[:, None].to(tl.pointer_type(tl.float32)) + bb[None, :], sc, mask=bm)
+        else:
+            tl.store((words + rw)[:, None].to(tl.pointer_type(tl.bfloat16)) + hh[None, :], q, mask=hm)
+
+
+@triton.jit(do_not_specialize=['T', 'BT', 'NC', 'ws', 'timeout_ns'])
+def internode_dispatch_send_kernel(
+    # the node kernel's runtime arguments (dispatch_kernel)
+    x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, peer_ptr, ws, state_ptr, err_ptr, out_x_ptr, out_s_ptr, counts_ptr,
+    offsets_ptr, recv_pos_ptr, scratch_ptr, sel_ptr, route_ptr, T, BT, NC, timeout_ns, rows_from_ptr, recv_ids_ptr,
+    recv_wts_ptr, recv_src_ptr, num_recv_ptr,
+    # the remote peers'
+    send_ptr,          # uint8: the proxy's dispatch send buffer
+    mb_ptr,            # int64: the proxy's mailbox (host memory)
+    arrive_ptr,        # int32 [R + 1]: programs done with each peer's rows ([R]: with the headers); 0 between launches
+    comb_row_ptr,      # int32 [M, K]: out, combine row index of each token's first selection on a remote rank, else -1
+    own_ptr,           # int32 [EL + 1]: out, this rank's selections of its own experts; [EL] its tokens for itself
+    # the node kernel's constexprs
+    off_hflag: tl.constexpr, off_dflag: tl.constexpr, off_hdr: tl.constexpr, off_meta_i: tl.constexpr,
+    off_meta_w: tl.constexpr, off_rows: tl.constexpr, off_cflag: tl.constexpr,
+    RANK: tl.constexpr, NODE0: tl.constexpr, R: tl.constexpr, N: tl.constexpr, M: tl.constexpr,
+    K: tl.constexpr, E: tl.constexpr, EL: tl.constexpr, H: tl.constexpr, W: tl.constexpr, NB: tl.constexpr,
+    RB: tl.constexpr, HDR: tl.constexpr, CMAX: tl.constexpr, ALIGN: tl.constexpr, CAP: tl.constexpr,
+    GLOBAL: tl.constexpr, FP8: tl.constexpr, PREQ: tl.constexpr, DIRECT: tl.constexpr, PACKED: tl.constexpr,
+    SEND: tl.constexpr, RECV: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_EL: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_NB: tl.constexpr, STAGES: tl.constexpr,
+    INTERP: tl.constexpr, ROWS: tl.constexpr, OWN_X: tl.constexpr, BLOCK_TS: tl.constexpr, BLOCK_HS: tl.constexpr,
+    PREFETCH: tl.constexpr, CM_ROWS: tl.constexpr,
+    # the remote peers'
+    REM_PW: tl.constexpr, REM_RB: tl.constexpr, REM_HDR: tl.constexpr, MAXROWS: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_RH: tl.constexpr,
+):
+    """The send half: headers and rows for remote peers (each peer's bell rung as soon as its rows
+    are packed, peers taken from the next node on), then the node peers' stores."""
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    epoch = tl.load(state_ptr + pid) + 1
+    ME: tl.constexpr = NODE0 + RANK
+    rr = tl.arange(0, BLOCK_R)
+    rmask = rr < R
+    remote = rmask & (rr // N != ME // N)
+    # Every program derives the count vector and the send buffer's layout (no program waits for
+    # another); offsets in 16-byte units (REM_HDR and REM_RB are multiples of 16).
+    cnt = rank_counts(topk_ptr, hist_ptr + (E + N) * CMAX, T, NC, R, E, EL, K, CMAX, DIRECT, BLOCK_R, BLOCK_K, BLOCK_C)
+    rows = tl.where(remote, cnt, 0)
+    off16 = excl(tl.where(rmask & (rr != ME), REM_HDR // 16 + rows.to(tl.int64) * (REM_RB // 16), 0))
+    roff = excl(rows)  # each remote owner's first row in the combine receive region (rank order)
+    SEND16: tl.constexpr = ((R - 1) * REM_HDR + MAXROWS * REM_RB) // 16
+    ee = tl.arange(0, BLOCK_EL)
+    if pid == 0:
+        if tl.sum(rows) > MAXROWS:  # the proxy refuses these counts too; nothing is written past the buffer
+            record_error(err_ptr, ERR_CAPACITY, -1, PHASE_DISPATCH, epoch, tl.sum(rows))
+        mine = local_counts(topk_ptr=topk_ptr, hist_ptr=hist_ptr, T=T, NC=NC, d=ME, E=E, EL=EL, K=K, CMAX=CMAX,
+                            DIRECT=DIRECT, BLOCK_EL=BLOCK_EL, BLOCK_C=BLOCK_C)
+        tl.store(own_ptr + ee, mine, mask=ee < EL)
+        tl.store(own_ptr + EL, pick(cnt, rr, ME))
+    # Headers first: the receivers place every row with them.
+    words = send_ptr.to(tl.pointer_type(tl.int32))
+    for d in range(pid, R, P):
+        o16 = pick(off16, rr, d)
+        if (d != ME) & (o16 + REM_HDR // 16 <= SEND16):
+            hp = words + o16 * 4
+            tl.store(hp + rr, cnt, mask=rmask)
+            sel = local_counts(topk_ptr=topk_ptr, hist_ptr=hist_ptr, T=T, NC=NC, d=d, E=E, EL=EL, K=K, CMAX=CMAX,
+                               DIRECT=DIRECT, BLOCK_EL=BLOCK_EL, BLOCK_C=BLOCK_C)
+            tl.store(hp + R + ee, sel, mask=ee < EL)
+    arrive_and_ring(arrive_ptr + R, mb_ptr, MB_HDR_BELL, epoch)
+    # Rows, peer by peer: the proxy posts a peer's rows while the next one is packed.
+    for q in range(R - N):
+        d = (NODE0 + N + q) % R
+        for c in range(pid, NC, P):
+            pack_chunk_for(d=d, c=c, first_peer=q == 0, off16=pick(off16, rr, d), roff=pick(roff, rr, d), x_ptr=x_ptr,
+                           xs_ptr=xs_ptr, topk_ptr=topk_ptr, w_ptr=w_ptr, hist_ptr=hist_ptr, send_ptr=send_ptr,
+                           comb_row_ptr=comb_row_ptr, T=T, BT=BT, ME=ME, N=N, E=E, EL=EL, K=K, H=H, NB=NB, CMAX=CMAX,
+                           FP8=FP8, PREQ=PREQ, DIRECT=DIRECT, REM_PW=REM_PW, REM_RB=REM_RB, REM_HDR=REM_HDR,
+                           SEND16=SEND16, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, BLOCK_C=BLOCK_C, BLOCK_RH=BLOCK_RH,
+                           INTERP=INTERP)
+        arrive_and_ring(arrive_ptr + d, mb_ptr, rows_bell(R, d), epoch)
+    dispatch_kernel(
+        x_ptr=x_ptr, xs_ptr=xs_ptr, topk_ptr=topk_ptr, w_ptr=w_ptr, hist_ptr=hist_ptr, peer_ptr=peer_ptr, ws=ws,
+        state_ptr=state_ptr, err_ptr=err_ptr, out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr, counts_ptr=counts_ptr,
+        offsets_ptr=offsets_ptr, recv_pos_ptr=recv_pos_ptr, scratch_ptr=scratch_ptr, sel_ptr=sel_ptr,
+        route_ptr=route_ptr, T=T, BT=BT, NC=NC, timeout_ns=timeout_ns, rows_from_ptr=rows_from_ptr,
+        recv_ids_ptr=recv_ids_ptr, recv_wts_ptr=recv_wts_ptr, recv_src_ptr=recv_src_ptr, num_recv_ptr=num_recv_ptr,
+        off_hflag=off_hflag, off_dflag=off_dflag, off_hdr=off_hdr, off_meta_i=off_meta_i, off_meta_w=off_meta_w,
+        off_rows=off_rows, off_cflag=off_cflag, RANK=RANK, NODE0=NODE0, R=R, N=N, M=M, K=K, E=E, EL=EL, H=H, W=W,
+        NB=NB, RB=RB, HDR=HDR, CMAX=CMAX, ALIGN=ALIGN, CAP=CAP, GLOBAL=GLOBAL, FP8=FP8, PREQ=PREQ, DIRECT=DIRECT,
+        PACKED=PACKED, SEND=True, RECV=False, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, BLOCK_C=BLOCK_C, BLOCK_H=BLOCK_H,
+        BLOCK_EL=BLOCK_EL, BLOCK_W=BLOCK_W, BLOCK_NB=BLOCK_NB, STAGES=STAGES, INTERP=INTERP, ROWS=ROWS, OWN_X=OWN_X,
+        BLOCK_TS=BLOCK_TS, BLOCK_HS=BLOCK_HS, PREFETCH=PREFETCH, CM_ROWS=CM_ROWS)
+
+
+@triton.jit
+def count_matrix(round1_ptr, own_ptr, sel_ptr, rows_from_ptr, ok, par, ME: tl.constexpr, R: tl.constexpr,
+                 EL: tl.constexpr, REM_SLOT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EL: tl.constexpr):
+    """This program's copy of the count matrix ``sel`` [R, EL] (selections of each local expert from
+    each source: row ``s`` from ``s``'s header in the epoch's round-1 copy, this rank's own from
+    ``own``) and of ``rows_from`` [R] (each source's rows for this rank), loaded as one tile each
+    (host memory: one round of reads, not one per source). Zeros where the headers are not
+    in (``ok`` 0: the error is recorded)."""
+    rr = tl.arange(0, BLOCK_R)
+    ee = tl.arange(0, BLOCK_EL)
+    em = ee < EL
+    r1w = round1_ptr.to(tl.pointer_type(tl.int32))
+    hdr = ((par * R + rr) * REM_SLOT) // 4
+    peer = (rr < R) & (rr != ME) & (ok != 0)
+    sel = tl.load(r1w + hdr[:, None] + R + ee[None, :], mask=peer[:, None] & em[None, :], other=0)
+    sel += tl.where((rr == ME)[:, None], tl.load(own_ptr + ee, mask=em, other=0)[None, :], 0)
+    tl.store(sel_ptr + rr[:, None] * EL + ee[None, :], sel, mask=(rr < R)[:, None] & em[None, :])
+    rf = tl.load(r1w + hdr + ME, mask=peer, other=0) + tl.where(rr == ME, tl.load(own_ptr + EL), 0)
+    tl.store(rows_from_ptr + rr, rf, mask=rr < R)
+    tl.debug_barrier()  # the node receive reads these copies from other threads of this program
+
+
+@triton.jit
+def unpack_block(src, im, g, below, eoff, ee, out_x_ptr, out_s_ptr, rpos_ptr, rw_ptr, EL: tl.constexpr, K: tl.constexpr,
+                 H: tl.constexpr, W: tl.constexpr, NB: tl.constexpr, REM_PW: tl.constexpr, CAP: tl.constexpr,
+                 PACKED: tl.constexpr, FP8: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
+                 BLOCK_NB: tl.constexpr, CM_ROWS: tl.constexpr):
+    """Masked / packed layouts: received rows ``src`` (int32 word addresses, mask ``im``; combine
+    order ``g``) into the expert layout, each selection at ``eoff[lid] + below[lid] + j`` (rows of
+    the expert from lower sources, then the source's own order): the order (source rank, token,
+    k) of the node path. Records each (row, k)'s layout row and weight in ``rpos`` / ``rw``."""
+    kk = tl.arange(0, BLOCK_K)
+    m2 = im[:, None] & (kk[None, :] < K)
+    lid = tl.load(src[:, None] + REM_PW + 1 + kk[None, :], mask=m2, other=-1)
+    j = tl.load(src[:, None] + REM_PW + 1 + K + kk[None, :], mask=m2, other=0)
+    wt = tl.load(src[:, None] + REM_PW + 1 + 2 * K + kk[None, :], mask=m2, other=0).to(tl.float32, bitcast=True)
+    valid = m2 & (lid >= 0) & (lid < EL)
+    r = gather(eoff, ee, lid) + gather(below, ee, lid) + j
+    if PACKED:
+        valid = valid & (r < CAP)
+    else:
+        valid = valid & (gather(below, ee, lid) + j < CAP)
+    r = tl.where(valid, r, -1)
+    tl.store(rpos_ptr + g[:, None] * K + kk[None, :], r, mask=m2)
+    tl.store(rw_ptr + g[:, None] * K + kk[None, :], tl.where(valid, wt, 0.0), mask=m2)
+    r = r.to(tl.int64)
+    # Payload words, then (fp8) the scales: each row read once, stored once per selection.
+    for w0 in range(0, W, BLOCK_W):
+        ww = w0 + tl.arange(0, BLOCK_W)
+        wm = im[:, None] & (ww[None, :] < W)
+        v = tl.load(src[:, None] + ww[None, :], mask=wm)
+        for k in tl.static_range(K):
+            rk = col(r, kk, k)
+            tl.store(out_x_ptr + rk[:, None] * W + ww[None, :], v, mask=wm & (rk[:, None] >= 0))
+    if FP8:
+        bb = tl.arange(0, BLOCK_NB)
+        bm = im[:, None] & (bb[None, :] < NB)
+        sv = tl.load(src[:, None].to(tl.pointer_type(tl.float32)) + H // 4 + bb[None, :], mask=bm)
+        for k in tl.static_range(K):
+            rk = col(r, kk, k)
+            tl.store(scale_ptr(out_s_ptr, rk[:, None], bb[None, :], NB, CM_ROWS), sv, mask=bm & (rk[:, None] >= 0))
+
+
+@triton.jit
+def unpack_rows_block(src, im, g, o, s, ids_ptr, wts_ptr, src_ptr, out_x_ptr, out_s_ptr, rpos_ptr, M: tl.constexpr,
+                      K: tl.constexpr, H: tl.constexpr, W: tl.constexpr, NB: tl.constexpr, REM_PW: tl.constexpr,
+                      FP8: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_NB: tl.constexpr):
+    """Rows layout: received rows ``src`` of source ``s`` (mask ``im``, combine order ``g``) become
+    rows ``o`` (the source's first row among every source's, plus its token order), with their
+    local ids, weights and source; ``rpos[g, 0] = o``."""
+    kk = tl.arange(0, BLOCK_K)
+    m2 = im[:, None] & (kk[None, :] < K)
+    tok = tl.load(src + REM_PW, mask=im, other=0)
+    lid = tl.load(src[:, None] + REM_PW + 1 + kk[None, :], mask=m2, other=-1)
+    wt = tl.load(src[:, None] + REM_PW + 1 + 2 * K + kk[None, :], mask=m2, other=0).to(tl.float32, bitcast=True)
+    o = o.to(tl.int64)
+    tl.store(ids_ptr + o[:, None] * K + kk[None, :], lid, mask=m2)
+    tl.store(wts_ptr + o[:, None] * K + kk[None, :], tl.where(lid >= 0, wt, 0.0), mask=m2)
+    tl.store(src_ptr + o, s * M + tok, mask=im)
+    tl.store(rpos_ptr + g * K, o.to(tl.int32), mask=im)
+    for w0 in range(0, W, BLOCK_W):
+        ww = w0 + tl.arange(0, BLOCK_W)
+        wm = im[:, None] & (ww[None, :] < W)
+        tl.store(out_x_ptr + o[:, None] * W + ww[None, :], tl.load(src[:, None] + ww[None, :], mask=wm), mask=wm)
+    if FP8:
+        bb = tl.arange(0, BLOCK_NB)
+        bm = im[:, None] & (bb[None, :] < NB)
+        sv = tl.load(src[:, None].to(tl.pointer_type(tl.float32)) + H // 4 + bb[None, :], mask=bm)
+        tl.store(out_s_ptr + o[:, None] * NB + bb[None, :], sv, mask=bm)
+
+
+@triton.jit(do_not_specialize=['T', 'BT', 'NC', 'ws', 'timeout_ns', 'rtimeout_ns', 'spins'])
+def internode_dispatch_recv_kernel(
+    # the node kernel's runtime arguments (dispatch_kernel)
+    x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, peer_ptr, ws, state_ptr, err_ptr, out_x_ptr, out_s_ptr, counts_ptr,
+    offsets_ptr, recv_pos_ptr, scratch_ptr, sel_ptr, route_ptr, T, BT, NC, timeout_ns, rows_from_ptr, recv_ids_ptr,
+    recv_wts_ptr, recv_src_ptr, num_recv_ptr,
+    # the remote sources'
+    round1_ptr,        # uint8: the round-1 region, [2][R][REM_HDR + PCAP * REM_RB]
+    overflow_ptr,      # uint8: the overflow region, [2][OVCAP * REM_RB]
+    mb_ptr,            # int64: the proxy's mailbox
+    own_ptr,           # int32 [EL + 1] from the send half
+    rpos_ptr,          # int32 [ROWS_CAP, K]: out, layout row of each received (row, k), or -1 (rows: [g, 0] its row)
+    rw_ptr,            # float32 [ROWS_CAP, K]: out, its weight (0 where rpos is -1)
+    recv_rows_ptr,     # int32 [R]: out, rows received from each remote source (0 for the others)
+    rtimeout_ns,       # the deadline of the waits for the proxy (its own deadline, which names the peer, is shorter)
+    spins,             # the interpreter's bound on looks per wait (it has no clock)
+    # the node kernel's constexprs
+    off_hflag: tl.constexpr, off_dflag: tl.constexpr, off_hdr: tl.constexpr, off_meta_i: tl.constexpr,
+    off_meta_w: tl.constexpr, off_rows: tl.constexpr, off_cflag: tl.constexpr,
+    RANK: tl.constexpr, NODE0: tl.constexpr, R: tl.constexpr, N: tl.constexpr, M: tl.constexpr,
+    K: tl.constexpr, E: tl.constexpr, EL: tl.constexpr, H: tl.constexpr, W: tl.constexpr, NB: tl.constexpr,
+    RB: tl.constexpr, HDR: tl.constexpr, CMAX: tl.constexpr, ALIGN: tl.constexpr, CAP: tl.constexpr,
+    GLOBAL: tl.constexpr, FP8: tl.constexpr, PREQ: tl.constexpr, DIRECT: tl.constexpr, PACKED: tl.constexpr,
+    SEND: tl.constexpr, RECV: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_EL: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_NB: tl.constexpr, STAGES: tl.constexpr,
+    INTERP: tl.constexpr, ROWS: tl.constexpr, OWN_X: tl.constexpr, BLOCK_TS: tl.constexpr, BLOCK_HS: tl.constexpr,
+    PREFETCH: tl.constexpr, CM_ROWS: tl.constexpr,
+    # the remote sources'
+    REM_PW: tl.constexpr, REM_RB: tl.constexpr, REM_HDR: tl.constexpr, PCAP: tl.constexpr, OVCAP: tl.constexpr,
+    ROWS_CAP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_RW: tl.constexpr,
+):
+    """The receive half: once every source's header is in (the count matrix), the node peers' rows
+    (the node kernel, placing them with the count matrix), then each remote source's round-1 rows
+    as they land, then each overflowing source's round-2 rows as they land. ``sel_ptr`` and
+    ``rows_from_ptr`` hold one copy per program ([P, R, EL], [P, R])."""
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    epoch = tl.load(state_ptr + pid) + 1
+    par = epoch & 1
+    ME: tl.constexpr = NODE0 + RANK
+    REM_SLOT: tl.constexpr = REM_HDR + PCAP * REM_RB
+    t0_ns = deadline_start(INTERP)
+    ok = wait_word(mb_ptr, MB_HDR_READY, epoch, err_ptr, -1, PHASE_DISPATCH, t0_ns, rtimeout_ns, spins, INTERP)
+    sel_p = sel_ptr + pid * (R * EL)
+    rf_p = rows_from_ptr + pid * R
+    count_matrix(round1_ptr, own_ptr, sel_p, rf_p, ok, par, ME, R, EL, REM_SLOT, BLOCK_R, BLOCK_EL)
+    dispatch_kernel(
+        x_ptr=x_ptr, xs_ptr=xs_ptr, topk_ptr=topk_ptr, w_ptr=w_ptr, hist_ptr=hist_ptr, peer_ptr=peer_ptr, ws=ws,
+        state_ptr=state_ptr, err_ptr=err_ptr, out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr, counts_ptr=counts_ptr,
+        offsets_ptr=offsets_ptr, recv_pos_ptr=recv_pos_ptr, scratch_ptr=scratch_ptr, sel_ptr=sel_p,
+        route_ptr=route_ptr, T=T, BT=BT, NC=NC, timeout_ns=timeout_ns, rows_from_ptr=rf_p,
+        recv_ids_ptr=recv_ids_ptr, recv_wts_ptr=recv_wts_ptr, recv_src_ptr=recv_src_ptr, num_recv_ptr=num_recv_ptr,
+        off_hflag=off_hflag, off_dflag=off_dflag, off_hdr=off_hdr, off_meta_i=off_meta_i, off_meta_w=off_meta_w,
+        off_rows=off_rows, off_cflag=off_cflag, RANK=RANK, NODE0=NODE0, R=R, N=N, M=M, K=K, E=E, EL=EL, H=H, W=W,
+        NB=NB, RB=RB, HDR=HDR, CMAX=CMAX, ALIGN=ALIGN, CAP=CAP, GLOBAL=GLOBAL, FP8=FP8, PREQ=PREQ, DIRECT=DIRECT,
+        PACKED=PACKED, SEND=False, RECV=True, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, BLOCK_C=BLOCK_C, BLOCK_H=BLOCK_H,
+        BLOCK_EL=BLOCK_EL, BLOCK_W=BLOCK_W, BLOCK_NB=BLOCK_NB, STAGES=STAGES, INTERP=INTERP, ROWS=ROWS, OWN_X=OWN_X,
+        BLOCK_TS=BLOCK_TS, BLOCK_HS=BLOCK_HS, PREFETCH=PREFETCH, CM_ROWS=CM_ROWS)
+    # Remote sources: rows from each (one per token), where they are, in combine order.
+    rr = tl.arange(0, BLOCK_R)
+    remote = (rr < R) & (rr // N != ME // N)
+    c = tl.where(remote, tl.load(rf_p + rr, mask=rr < R, other=0), 0)
+    n1s = tl.minimum(c, PCAP)
+    ovoff = excl(c - n1s)            # each source's first row in the overflow copy
+    goff = excl(c)                   # each source's first received row in combine order
+    first = excl(tl.load(rf_p + rr, mask=rr < R, other=0))  # rows layout: each source's first row
+    if (tl.sum(c) > ROWS_CAP) & (pid == 0):  # more than the combine send buffer holds (the proxy refuses it too)
+        record_error(err_ptr, ERR_CAPACITY, -1, PHASE_DISPATCH, epoch, tl.sum(c))
+    if pid == 0:
+        tl.store(recv_rows_ptr + rr, c, mask=rr < R)
+    ee = tl.arange(0, BLOCK_EL)
+    em = ee < EL
+    tot = tl.zeros((BLOCK_EL,), tl.int32)
+    for s in range(R):
+        tot += tl.load(sel_p + s * EL + ee, mask=em, other=0)
+    if PACKED:
+        eoff = excl((tot + ALIGN - 1) // ALIGN * ALIGN)
+    else:
+        eoff = ee * CAP
+    r1w = round1_ptr.to(tl.pointer_type(tl.int32))
+    ovw = overflow_ptr.to(tl.pointer_type(tl.int32))
+    ii = tl.arange(0, BLOCK_RW)
+    # Round 1 of every source, then round 2 (it lands later: the proxy posts it once every header is in).
+    for part in tl.static_range(2):
+        below = tl.zeros((BLOCK_EL,), tl.int32)  # rows of each expert from sources below s
+        for s in range(R):
+            n = pick(c, rr, s)
+            n1 = pick(n1s, rr, s)
+            lo = n1 if part == 1 else 0
+            hi = n if part == 1 else n1
+            if pid < tl.cdiv(hi - lo, BLOCK_RW):  # this program has rows of s in this part: wait for them
+                word = ready1(R, s) + part * R  # (ready2 follows ready1's array)
+                okw = wait_word(mb_ptr, word, epoch, err_ptr, s, PHASE_DISPATCH, t0_ns, rtimeout_ns, spins, INTERP)
+                for b in range(pid, tl.cdiv(hi - lo, BLOCK_RW), P):
+                    i = lo + b * BLOCK_RW + ii
+                    im = (i < hi) & (okw != 0) & (ok != 0)
+                    if part == 1:
+                        w2 = (par * OVCAP * REM_RB + (pick(ovoff, rr, s) + i - PCAP).to(tl.int64) * REM_RB) // 4
+                        src = ovw + tl.multiple_of(tl.where(im, w2, 0), 4)
+                    else:
+                        w1 = ((par * R + s) * REM_SLOT + REM_HDR + i.to(tl.int64) * REM_RB) // 4
+                        src = r1w + tl.multiple_of(tl.where(im, w1, 0), 4)
+                    g = pick(goff, rr, s) + i
+                    if ROWS:
+                        unpack_rows_block(src=src, im=im, g=g, o=pick(first, rr, s) + i, s=s, ids_ptr=recv_ids_ptr,
+                                          wts_ptr=recv_wts_ptr, src_ptr=recv_src_ptr, out_x_ptr=out_x_ptr,
+                                          out_s_ptr=out_s_ptr, rpos_ptr=rpos_ptr, M=M, K=K, H=H, W=W, NB=NB,
+                                          REM_PW=REM_PW, FP8=FP8, BLOCK_K=BLOCK_K, BLOCK_W=BLOCK_W, BLOCK_NB=BLOCK_NB)
+                    else:
+                        unpack_block(src=src, im=im, g=g, below=below, eoff=eoff, ee=ee, out_x_ptr=out_x_ptr,
+                                     out_s_ptr=out_s_ptr, rpos_ptr=rpos_ptr, rw_ptr=rw_ptr, EL=EL, K=K, H=H, W=W, NB=NB,
+                                     REM_PW=REM_PW, CAP=CAP, PACKED=PACKED, FP8=FP8, BLOCK_K=BLOCK_K,
+                                     BLOCK_W=BLOCK_W, BLOCK_NB=BLOCK_NB, CM_ROWS=CM_ROWS)
+            below += tl.load(sel_p + s * EL + ee, mask=em, other=0)
+    if pid == 0:  # this rank's own writes completed: the next dispatch may pack the send buffer again
+        wait_word(mb_ptr, MB_DISP_READY, epoch, err_ptr, -1, PHASE_DISPATCH, t0_ns, rtimeout_ns, spins, INTERP)
