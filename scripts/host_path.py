@@ -7,7 +7,8 @@ cuLaunchKernel only records its arguments (tests/stand_in_cuda.py), so a call co
 on a GPU host minus the driver's launch and torch's allocator. Prints the median host time of each
 call (3 rounds of 3000 calls; T = 128, and T changing every call through 1..128; calls with a
 receive hook, the hook included; DeepEP's low-latency pair through ``moe_ep.deep_ep``) and, for
-scale, a launch alone and an allocation.
+scale, a launch alone and an allocation; then the same calls across nodes (2 rank processes, 2
+nodes of 1, their proxies over TCP loopback; nothing runs, so nothing waits).
 
     TRITON_INTERPRET=1 python scripts/host_path.py
 """
@@ -87,6 +88,61 @@ def _deep_ep_buffer():
         self.fused, self.interp, self.calls.launch = True, False, _Launcher()
     moe_ep.buffer.EPBuffer.__init__ = init
     return deep_ep.Buffer(dist.group.WORLD, 0, 1 << 20, low_latency_mode=True, num_qps_per_rank=256)
+
+
+def _internode_rank(rank: int, init: str, out: str) -> None:
+    """One of 2 ranks on 2 nodes of 1 (gloo, TCP proxies over loopback): a decode buffer across
+    nodes whose launches go into the stand-in driver (nothing runs, so no bell rings and nothing
+    waits: moe_ep's own host time); rank 0 writes its medians to ``out``."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    T, H = 128, 7168
+    buf = moe_ep.EPBuffer(moe_ep.EPGroup(node_size=1), 256, H, T, 8, dispatch_dtype=torch.float8_e4m3fn,
+                          layout="masked")
+    buf.interp, buf.calls.launch = False, _Launcher()
+    x = torch.randn(T, H, dtype=torch.bfloat16)
+    idx, w = torch.randint(0, 256, (T, 8)), torch.rand(T, 8)
+    h = buf.dispatch(x, idx, w)  # recorded here, replayed below
+    y = torch.zeros(h.expert_x.shape, dtype=torch.bfloat16)
+    o = torch.empty(T, H, dtype=torch.bfloat16)
+    buf.combine(y, h)
+    buf.combine(y, buf.dispatch(x, idx, w), out=o)
+
+    def pair(with_out: bool):
+        def one():
+            hh = buf.dispatch(x, idx, w)
+            buf.combine(y, hh, out=o) if with_out else buf.combine(y, hh)
+        return one
+
+    def hooked():
+        got, hook = buf.dispatch(x, idx, w, return_recv_hook=True)
+        hook()
+        _, hook = buf.combine(y, got, out=o, return_recv_hook=True)
+        hook()
+    for _ in range(2):  # recorded by the second call (the first's hook made the receive half's plan)
+        hooked()
+    rows = [(_median_us(lambda: buf.dispatch(x, idx, w)), _median_us(pair(False)), _median_us(pair(True)),
+             _median_us(hooked)) for _ in range(3)]
+    dist.barrier()
+    buf.close()
+    if rank == 0:
+        with open(out, "w") as f:
+            f.write(repr(rows))
+
+
+def _internode_rows() -> list:
+    """``_internode_rank``'s medians (3 rounds): dispatch, dispatch + combine, dispatch + combine(out=),
+    both with hooks."""
+    import ast
+
+    import torch.multiprocessing as mp
+
+    tmp = tempfile.mkdtemp(prefix="moe_ep_host_path_")
+    out = os.path.join(tmp, "internode")
+    mp.spawn(_internode_rank, args=("file://" + os.path.join(tmp, "init"), out), nprocs=2)
+    with open(out) as f:
+        return ast.literal_eval(f.read())
 
 
 def _median_us(fn, n: int = 3000) -> float:
@@ -183,6 +239,11 @@ def main() -> None:
     print("host time per call, us (median of 3000; 3 rounds; the timer's own cost included in each):")
     for i, name in enumerate(names):
         print(f"  {name:36s} " + "  ".join(f"{r[i]:6.2f}" for r in rows))
+    across = _internode_rows()
+    print("across nodes (2 nodes of 1; two launches a call), us per call:")
+    for i, name in enumerate(("dispatch", "dispatch + combine", "dispatch + combine(out=)",
+                              "both with a hook, + hooks")):
+        print(f"  {name:36s} " + "  ".join(f"{r[i]:6.2f}" for r in across))
 
 
 if __name__ == "__main__":

@@ -168,6 +168,48 @@ def test_replayed_prefill_structure_matches_the_oracle(dtype, layout):
     assert hits[case.name] == 2 * 5 + 3 * 3, hits
 
 
+def _across_worker(rank, world_size, node_size, cases):
+    """``_replay_worker`` with peers on other nodes; returns (failures, replayed launches per
+    case and kind (``dispatch_send``, ``combine_recv``, ...) on this rank)."""
+    import moe_ep
+
+    group = moe_ep.EPGroup(node_size=node_size)
+    fails, hits = [], {}
+    for case in cases:
+        with make_buffer(group, case, 20.0) as buf:
+            if buf.remote is None:
+                return [f"rank {rank}: no peer on another node"], {}
+            buf.calls.launch = la = _InterpLauncher()
+            fails += run_calls(group, buf, case)
+            hits[case.name] = {p.fn.fn.__name__.replace("internode_", "").replace("_kernel", ""): 0 for p in la.plans}
+            for p in la.plans:
+                hits[case.name][p.fn.fn.__name__.replace("internode_", "").replace("_kernel", "")] += len(p.launches)
+    return fails, hits
+
+
+@pytest.mark.parametrize("R,node_size,dtype,layout,hooks", [(2, 1, "fp8", "masked", False),
+                                                            (2, 1, "bf16", "rows", False),
+                                                            (2, 1, "fp8pre", "packed", True),
+                                                            (4, 2, "bf16", "masked", False)],
+                         ids=["2x1-fp8-masked", "2x1-rows", "2x1-hooks", "2x2"])
+def test_replayed_calls_across_nodes(R, node_size, dtype, layout, hooks):
+    """Calls across nodes replay too: every launch of a dispatch (send and receive halves, through
+    the launcher; under the interpreter the host waits between them) and of a combine, on every
+    rank, with each call's pointers and token count patched; with hooks, the receive half in the
+    hook. Every result equals the oracle."""
+    case = Case(R=R, E=2 * R, K=2, dtype=dtype, layout=layout, align=16 if layout == "packed" else 1, M=6,
+                calls=_CALLS, seed=5, hooks=hooks)
+    results = dist_util.run(R, _across_worker, node_size, [case], timeout=600)
+    fails = [f for r, _ in results for f in r]
+    assert not fails, "\n".join(fails[:20])
+    for r, (_, hits) in enumerate(results):
+        h = hits[case.name]
+        # Both halves of both ops are replayed alike (never one without the other), on every rank.
+        assert h["dispatch_send"] == h["dispatch_recv"] > 0 and h["combine_send"] == h["combine_recv"] > 0, (r, h)
+        # Calls 3-5 repeat the token counts of calls 0-2 with new tensors: each has an entry by then.
+        assert h["dispatch_send"] >= 3 and h["combine_send"] >= 3, (r, h)
+
+
 def _errors_worker(rank, world_size):
     """After calls that recorded replays, each input changed in one way raises what validation
     raises for it (same type, same message) and launches nothing; then a correct call still works."""

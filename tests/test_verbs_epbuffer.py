@@ -21,6 +21,7 @@ import socket
 import time
 import traceback
 
+import numpy as np
 import pytest
 
 from test_verbs_transport import _connect_all, _dev, light_import, rdma_test
@@ -150,19 +151,27 @@ def test_verbs_goodbye(nics):
     """Three verbs engines in this process (the device opened ``nics`` times each; no torch):
     rank 1 closes after an error naming rank 2, and both others lose it by its goodbye at once
     (RC has no keepalive: without it they would learn nothing until they wrote to it), hearing the
-    cause; then rank 2 closes cleanly and rank 0 hears that."""
+    cause. Then rank 2 closes cleanly: rank 0 only remembers that, and its next write to rank 2
+    fails as any write to a vanished peer does, the loss naming the clean goodbye."""
     N = light_import()
     es = [N.VerbsTransport(r, 3, device=",".join([_dev()] * nics)) for r in range(3)]
+    mem = [np.zeros(4096, np.uint8) for _ in es]
     try:
+        keys = [e.register(m) for e, m in zip(es, mem)]
         _connect_all(es)
         es[1].close(N.CommTimeoutError(1, 2, "combine", 6, 3.0))
         said = "rank 1 closed after its own error naming peer 2 (combine epoch 6)"
         for r in (0, 2):
             assert _wait_lost(es[r], 1, 5.0).endswith(said), es[r].peer_error(1)
             assert f"rank {r}: connection with peer 1 lost (verbs device" in es[r].peer_error(1)
-        assert es[0].peer_error(2) == ""
         es[2].close()
-        assert _wait_lost(es[0], 2, 5.0).endswith("rank 2 closed without an error of its own (a clean close)")
+        time.sleep(0.5)
+        assert es[0].peer_error(2) == ""  # a clean goodbye alone loses no peer
+        es[0].post_write(2, keys[0], 0, keys[2], 0, 64, imm=7)
+        (c,) = es[0].wait_completions(1, 60, check=False)
+        msg = es[0].peer_error(2)
+        assert c.status == N.CQ_PEER_LOST and "failed: " in msg, msg
+        assert msg.endswith("; its goodbye said: rank 2 closed without an error of its own (a clean close)"), msg
     finally:
         for e in es:
             e.close()

@@ -226,10 +226,11 @@ struct EfaPeer {
   std::atomic<uint32_t> hello_attempt{0};
   std::atomic<int> bye_status{-2};  // own goodbye: -2 not sent, -1 pending, else its wc status
   std::atomic<int64_t> writes_posted{0};
-  std::mutex mu;  // guards err, bye, by_goodbye
+  std::mutex mu;  // guards err and the goodbye fields
   std::string err;
-  Goodbye bye;    // what the peer said when it was lost by its goodbye (by_goodbye)
-  bool by_goodbye = false;
+  bool said_bye = false;  // the peer's goodbye came before it was lost: it said `bye`
+  Goodbye bye;
+  std::string bye_text;
 };
 
 class EfaTransport final : public Transport {
@@ -495,8 +496,8 @@ class EfaTransport final : public Transport {
     if (peer < 0 || peer >= world_) return false;
     EfaPeer& pr = *peers_[peer];
     std::lock_guard<std::mutex> lk(pr.mu);
-    if (pr.by_goodbye) *out = pr.bye;
-    return pr.by_goodbye;
+    if (pr.said_bye) *out = pr.bye;
+    return pr.said_bye;
   }
 
  private:
@@ -604,8 +605,9 @@ class EfaTransport final : public Transport {
 
   // A goodbye landed in receive slot `slot`. SRD has no connection to vouch for its sender, so it
   // is checked as a hello is (the job identity, this rank, its immediate naming the rank it says)
-  // and taken only from a rank whose hello passed: then that peer is lost by what it said. Anything
-  // else is refused with one line, and no peer is touched.
+  // and taken only from a rank whose hello passed. After an error that peer is lost at once, by
+  // what it said; a clean one is remembered for the loss that follows, noticed as any loss is.
+  // Anything else is refused with one line, and no peer is touched.
   void on_goodbye(const ibv::wc& w, uint64_t slot) {
     WireGoodbye g{};
     std::memcpy(&g, scratch_.data() + slot * kSlot, std::min<size_t>(w.byte_len, sizeof(g)));
@@ -622,6 +624,7 @@ class EfaTransport final : public Transport {
     }
     std::string text;
     const Goodbye bye = trusted_goodbye(g, world_, &text);
+    if (!bye.error) return remember_goodbye(*peers_[size_t(src)], bye, text);
     lose_peer(src, text, kCqPeerLost, &bye);
   }
 
@@ -629,14 +632,15 @@ class EfaTransport final : public Transport {
   // the ImmCounter fails. The QP serves the other peers and stays up. `bye`: lost by its goodbye.
   void lose_peer(int p, const std::string& why, int32_t status = kCqPeerLost, const Goodbye* bye = nullptr) {
     EfaPeer& pr = *peers_[p];
-    const std::string msg = prefix() + "connection with peer " + std::to_string(p) + " lost (" + where_ + ", QP " +
-                            std::to_string(qp_ ? qp_->qp_num : 0) + " -> " + std::to_string(pr.qpn) + "): " + why;
+    std::string msg = prefix() + "connection with peer " + std::to_string(p) + " lost (" + where_ + ", QP " +
+                      std::to_string(qp_ ? qp_->qp_num : 0) + " -> " + std::to_string(pr.qpn) + "): " + why;
     {
       std::lock_guard<std::mutex> lk(pr.mu);
       if (pr.lost) return;
+      if (bye) pr.bye = *bye, pr.said_bye = true;
+      else if (pr.said_bye) msg += "; its goodbye said: " + pr.bye_text;
       pr.err = msg;
       pr.lost = true;
-      if (bye) pr.bye = *bye, pr.by_goodbye = true;
     }
     cq_.fail_peer(p, status);
     conn_cv_.notify_all();

@@ -166,10 +166,11 @@ struct Peer {
   std::atomic<bool> lost{false};
   std::atomic<int64_t> writes_posted{0};
   std::atomic<uint32_t> next_stream{0};
-  std::mutex mu;            // guards err, bye, by_goodbye, in_fds and the out fds
+  std::mutex mu;            // guards err, the goodbye fields, in_fds and the out fds
   std::string err;
-  Goodbye bye;              // what the peer said when it was lost by its goodbye (by_goodbye)
-  bool by_goodbye = false;
+  bool said_bye = false;    // the peer's goodbye came before it was lost: it said `bye`
+  Goodbye bye;
+  std::string bye_text;
   std::vector<int> in_fds;  // the peer's connections to us
   std::unordered_map<uint64_t, Partial> partial;  // I/O thread: writes with shards still to land
   std::vector<bool> stream_in = std::vector<bool>(kMaxStreams, false);  // I/O thread: streams connected to us
@@ -367,8 +368,8 @@ class TcpTransport final : public Transport {
     if (peer < 0 || peer >= world_) return false;
     Peer& pr = *peers_[peer];
     std::lock_guard<std::mutex> lk(pr.mu);
-    if (pr.by_goodbye) *out = pr.bye;
-    return pr.by_goodbye;
+    if (pr.said_bye) *out = pr.bye;
+    return pr.said_bye;
   }
 
  private:
@@ -483,6 +484,13 @@ class TcpTransport final : public Transport {
     in_.erase(std::remove_if(in_.begin(), in_.end(), [](const std::unique_ptr<Conn>& c) { return c->dead; }), in_.end());
   }
 
+  // A send failed: the peer ended the connection (reset it), but what it sent before is still to be
+  // read (its goodbye above all, which says why it left), so that is read first.
+  void fail_send(Conn* c, const std::string& why) {
+    on_readable(c, false);
+    if (!c->dead) fail(c, why);
+  }
+
   // A socket failed: its peer is lost (first reason wins) and the socket is closed. A connection
   // still waiting for its hello belongs to no peer: it is refused, and no peer is touched.
   void fail(Conn* c, const std::string& why) {
@@ -492,16 +500,17 @@ class TcpTransport final : public Transport {
   }
 
   // Marks the peer lost (first reason wins): shuts its sockets down both ways, fails its pending
-  // writes and the ImmCounter's waiters. `bye`: lost by its goodbye, which said this.
+  // writes and the ImmCounter's waiters. `bye`: lost by its goodbye (`why` says what it said).
   void lose_peer(int p, const std::string& why, int32_t status = kCqPeerLost, const Goodbye* bye = nullptr) {
     Peer& pr = *peers_[p];
-    const std::string msg = prefix() + "connection with peer " + std::to_string(p) + " lost: " + why;
+    std::string msg = prefix() + "connection with peer " + std::to_string(p) + " lost: " + why;
     {
       std::lock_guard<std::mutex> lk(pr.mu);
       if (pr.lost) return;
+      if (bye) pr.bye = *bye, pr.said_bye = true;
+      else if (pr.said_bye) msg += "; its goodbye said: " + pr.bye_text;
       pr.err = msg;
       pr.lost = true;
-      if (bye) pr.bye = *bye, pr.by_goodbye = true;
       for (int fd : pr.in_fds) shutdown(fd, SHUT_RDWR);
       for (auto& c : pr.out)
         if (c->fd >= 0) shutdown(c->fd, SHUT_RDWR);
@@ -663,7 +672,8 @@ class TcpTransport final : public Transport {
       if (!c->dead && c->st == Conn::kHello && now > c->hello_deadline) refuse(c.get(), why);
   }
 
-  void on_readable(Conn* c) {
+  // `flush`: send the acks this read queued (an incoming connection).
+  void on_readable(Conn* c, bool flush = true) {
     for (int round = 0; round < 64 && !c->dead; ++round) {
       if (c->st == Conn::kPayload && c->dst && c->rpos == c->rend && c->left >= kDirectRecv) {
         const ssize_t r = recv(c->fd, c->dst, size_t(c->left), MSG_DONTWAIT);  // large payload: no staging copy
@@ -692,7 +702,7 @@ class TcpTransport final : public Transport {
       if (!parse(c)) return;
       if (size_t(r) < room) break;  // drained (level-triggered: epoll reports more)
     }
-    if (!c->dead && !c->outgoing) flush_out(c);
+    if (flush && !c->dead && !c->outgoing) flush_out(c);
   }
 
   // r <= 0 from recv. Returns false for "would block" (nothing lost), true when the socket failed.
@@ -731,7 +741,8 @@ class TcpTransport final : public Transport {
           WireGoodbye g;
           std::memcpy(&g, p, sizeof(g));
           c->rpos += sizeof(g);
-          return on_goodbye(c, g), false;
+          if (!on_goodbye(c, g)) return false;
+          continue;
         }
         if (avail < sizeof(WireHeader)) return true;
         std::memcpy(&c->w, p, sizeof(WireHeader));
@@ -845,9 +856,8 @@ class TcpTransport final : public Transport {
         WireGoodbye g;
         std::memcpy(&g, c->rbuf.data() + c->rpos + sizeof(WireAck), sizeof(g));
         c->rpos += sizeof(WireAck) + sizeof(g);
-        on_goodbye(c, g);
-        alive = false;
-        break;
+        if (!(alive = on_goodbye(c, g))) break;
+        continue;
       }
       bool completed = false;
       cq_.finish(a.wr_id, a.status != 0 ? kCqRemoteAccess : kCqOk, &completed);  // not pending: already failed
@@ -858,16 +868,20 @@ class TcpTransport final : public Transport {
     return alive;
   }
 
-  // A goodbye on a connection that passed its hello: the peer is lost by what it said (only a cause
-  // trusted_goodbye accepts is kept). One that fails the hello's checks is a protocol error: the
-  // peer is lost all the same, named as the cause.
-  void on_goodbye(Conn* c, const WireGoodbye& g) {
+  // A goodbye on a connection that passed its hello (only a cause trusted_goodbye accepts is
+  // kept). After an error the peer is lost at once, by what it said; a clean one is remembered, and
+  // the end of the connection that follows loses the peer as any end does (so a healthy job never
+  // fails by a goodbye). One that fails the hello's checks is a protocol error: the peer is lost
+  // all the same, named as the cause. False: the connection is gone.
+  bool on_goodbye(Conn* c, const WireGoodbye& g) {
     if (std::string why = goodbye_mismatch(g, sizeof(g), c->peer, rank_, world_, id_); !why.empty())
-      return fail(c, "protocol error: " + why);
+      return fail(c, "protocol error: " + why), false;
     std::string text;
     const Goodbye bye = trusted_goodbye(g, world_, &text);
+    if (!bye.error) return remember_goodbye(*peers_[c->peer], bye, text), true;
     if (!stop_) lose_peer(c->peer, text, kCqPeerLost, &bye);
     drop(c);
+    return false;
   }
 
   // Sends obuf (an incoming connection's acks, then its goodbye; an outgoing one's goodbye) as far
@@ -878,7 +892,7 @@ class TcpTransport final : public Transport {
       if (r < 0) {
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) return arm_out(c, true);
-        return fail(c, "sending ack failed: " + errno_str(errno));
+        return fail_send(c, "sending ack failed: " + errno_str(errno));
       }
       c->opos += size_t(r);
     }
@@ -941,7 +955,7 @@ class TcpTransport final : public Transport {
       if (r < 0) {
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) return arm_out(c, true);
-        return fail(c, "send failed: " + errno_str(errno));
+        return fail_send(c, "send failed: " + errno_str(errno));
       }
       c->cur_off += uint64_t(r);
       if (c->cur_off == total) c->busy = false;

@@ -117,8 +117,8 @@ class Transport {
   // left; the first call counts, later ones do nothing. The destructor says a clean goodbye
   // unless one was said.
   virtual void say_goodbye(const Goodbye& g) = 0;
-  // True when `peer` was lost by its goodbye (*out: what it said, its cause already checked:
-  // a peer of this job other than the closer, a known phase; else no peer); false otherwise.
+  // True when `peer` said goodbye before it was lost (*out: what it said, its cause already
+  // checked: a peer of this job other than the closer, in a known phase; else no peer).
   virtual bool peer_goodbye(int peer, Goodbye* out) = 0;
 };
 

@@ -168,6 +168,17 @@ inline std::string goodbye_mismatch(const WireGoodbye& g, uint64_t nbytes, int s
 
 inline const char* goodbye_phase_name(int phase) { return phase == 2 ? "combine" : "dispatch"; }
 
+// A clean goodbye of a peer not lost yet (PeerT: a transport's peer, with mu, lost and the
+// goodbye fields); the first one counts. The loss that follows names it (lose_peer).
+template <class PeerT>
+void remember_goodbye(PeerT& pr, const Goodbye& bye, const std::string& text) {
+  std::lock_guard<std::mutex> lk(pr.mu);
+  if (pr.lost || pr.said_bye) return;
+  pr.bye = bye;
+  pr.bye_text = text;
+  pr.said_bye = true;
+}
+
 // What a checked goodbye (goodbye_mismatch passed) may be trusted with: whether its closer had an
 // error and, only when that error names another peer of this job in a known phase, that peer (else
 // none: the receiver then names the closer, as for any loss). *text says what the closer said.

@@ -418,10 +418,11 @@ struct Peer {
   Remote remote;
   std::atomic<bool> lost{false};
   std::atomic<int64_t> writes_posted{0};
-  std::mutex mu;  // guards err, bye, by_goodbye
+  std::mutex mu;  // guards err and the goodbye fields
   std::string err;
-  Goodbye bye;    // what the peer said when it was lost by its goodbye (by_goodbye)
-  bool by_goodbye = false;
+  bool said_bye = false;  // the peer's goodbye came before it was lost: it said `bye`
+  Goodbye bye;
+  std::string bye_text;
 };
 
 class VerbsTransport final : public Transport {
@@ -798,8 +799,8 @@ class VerbsTransport final : public Transport {
     if (peer < 0 || peer >= world_) return false;
     Peer& pr = *peers_[size_t(peer)];
     std::lock_guard<std::mutex> lk(pr.mu);
-    if (pr.by_goodbye) *out = pr.bye;
-    return pr.by_goodbye;
+    if (pr.said_bye) *out = pr.bye;
+    return pr.said_bye;
   }
 
   // Test hook: destroys the queue pairs to `peer` as a crashed process would (its peer then
@@ -1048,8 +1049,11 @@ class VerbsTransport final : public Transport {
 
   // A goodbye landed on the queue pair of peer p, NIC i (`len` bytes in its hello slot). Trusted
   // only on a queue pair whose hello passed (bound to the peer's, proven to be this job's), and
-  // checked as a hello is: then the peer is lost by what it said. One failing the check there is a
-  // protocol error (the peer is lost, named as the cause); on a queue pair without a hello, refused.
+  // checked as a hello is. After an error the peer is lost at once, by what it said (RC has no
+  // keepalive: nothing else would tell this rank before its next write to it); a clean one is
+  // remembered for the loss that follows, noticed as any loss is (so a healthy job never fails by
+  // a goodbye). One failing the check there is a protocol error (the peer is lost, named as the
+  // cause); on a queue pair without a hello, refused.
   void on_goodbye(int p, int i, uint32_t len) {
     WireGoodbye g{};
     std::memcpy(&g, nics_[size_t(i)]->hello.data() + size_t(p) * kHelloSlot, std::min<size_t>(len, sizeof(g)));
@@ -1062,6 +1066,7 @@ class VerbsTransport final : public Transport {
     if (!why.empty()) return lose_peer(p, "protocol error: " + why, kCqPeerLost, i);
     std::string text;
     const Goodbye bye = trusted_goodbye(g, world_, &text);
+    if (!bye.error) return remember_goodbye(*peers_[size_t(p)], bye, text);
     lose_peer(p, text, kCqPeerLost, i, &bye);
   }
 
@@ -1071,14 +1076,14 @@ class VerbsTransport final : public Transport {
   void lose_peer(int p, const std::string& why, int32_t status = kCqPeerLost, int nic = 0,
                  const Goodbye* bye = nullptr) {
     Peer& pr = *peers_[size_t(p)];
-    const std::string msg =
-        prefix() + "connection with peer " + std::to_string(p) + " lost (" + peer_where(p, nic) + "): " + why;
+    std::string msg = prefix() + "connection with peer " + std::to_string(p) + " lost (" + peer_where(p, nic) + "): " + why;
     {
       std::lock_guard<std::mutex> lk(pr.mu);
       if (pr.lost) return;
+      if (bye) pr.bye = *bye, pr.said_bye = true;
+      else if (pr.said_bye) msg += "; its goodbye said: " + pr.bye_text;
       pr.err = msg;
       pr.lost = true;
-      if (bye) pr.bye = *bye, pr.by_goodbye = true;
     }
     {
       std::unique_lock<std::shared_mutex> lk(qp_mu_);
