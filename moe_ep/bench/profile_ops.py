@@ -3,6 +3,7 @@
     torchrun --nproc-per-node=1 -m moe_ep.bench.profile_ops --preset decode
     torchrun --nproc-per-node=2 -m moe_ep.bench.profile_ops --preset prefill --num-programs 32
     torchrun --nproc-per-node=4 -m moe_ep.bench.profile_ops   # 4 ranks on 1 GPU: gloo, CUDA IPC
+    MOE_EP_NODE_SIZE=1 torchrun --nproc-per-node=2 -m moe_ep.bench.profile_ops   # 2 nodes of 1: the proxy (TCP)
 
 Prints, for rank 0: the host time to issue a call (Python and launch, no device sync; the median
 over many calls of dispatch, of combine returning a new tensor and of combine with ``out=``; of
@@ -144,8 +145,11 @@ def main(argv=None) -> None:
             st["d"], hook = buf.dispatch(x, idx, w, return_recv_hook=True)
             hook()
 
+        # (across nodes weights come with the dispatch: combine-time weights reach node peers only)
+        late = dict(topk_weights=w) if buf.remote is None else {}
+
         def comb_hooked():
-            _, hook = buf.combine(y, st["d"], topk_weights=w, out=out, return_recv_hook=True)
+            _, hook = buf.combine(y, st["d"], out=out, return_recv_hook=True, **late)
             hook()
 
         for _ in range(20):
@@ -153,7 +157,7 @@ def main(argv=None) -> None:
             comb_hooked()
         t_dh, t_ch = _issue_us([disp_hooked, comb_hooked], args.calls)
         lines.append(f"host to issue with a receive hook (the call and its hook): dispatch {med(t_dh):.1f} us, "
-                     f"combine(topk_weights=, out=) {med(t_ch):.1f} us")
+                     f"combine({'topk_weights=, ' if late else ''}out=) {med(t_ch):.1f} us")
         # where the host time of the pairs goes
         pr = cProfile.Profile()
         pr.enable()
@@ -208,7 +212,8 @@ def main(argv=None) -> None:
                 lines.append(f"    {name[:50]:50s} #{i} {sum(mine) / len(mine):9.1f} us  x{len(mine)}")
     dist.barrier()
     if rank == 0:
-        print(f"== profile_ops {args.preset} R={R} T={T} H={H} K={K} E={E} {args.dispatch_dtype} {layout} "
+        nodes = f" nodes of {group.node_size}" if group.node_size < R else ""
+        print(f"== profile_ops {args.preset} R={R}{nodes} T={T} H={H} K={K} E={E} {args.dispatch_dtype} {layout} "
               f"[{torch.cuda.get_device_name(dev)}; {how}; MOE_EP_LAUNCH={os.environ.get('MOE_EP_LAUNCH', '')}]")
         print("\n".join(lines))
     dist.destroy_process_group()
