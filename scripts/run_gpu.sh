@@ -14,6 +14,8 @@
 #   TESTS=none COPY_FLOOR=1 CONFIGS="prefill fp8 packed 132" bash scripts/run_gpu.sh   # benchmarks only
 #   PROFILE="1 2 4" bash scripts/run_gpu.sh   # also: host time per call (moe_ep.bench.profile_ops, decode) at R=1, 2, 4
 #   PROFILE="2 4" PROFILE_MPS=1 bash scripts/run_gpu.sh   # the same with the ranks' processes under MPS
+#   PROFILE_NODES="2x1 2x2" bash scripts/run_gpu.sh   # the same across nodes: 2 nodes of 1 and of 2 ranks
+#                                    # (MOE_EP_NODE_SIZE; the proxy over TCP loopback; ranks share the GPUs)
 #   VARIANTS="prefill 32 | fp8 rows | fp8 rows MOE_EP_MAX_CHUNKS=128
 #             decode 132 | fp8 masked" bash scripts/run_gpu.sh   # tuning points, one process per line
 #                                    # (moe_ep.bench.variants: "PRESET PROGRAMS | point | point ...")
@@ -41,6 +43,7 @@ PREFILL_PROGRAMS=${PREFILL_PROGRAMS:-32}   # the prefill targets are at <= 32 SM
 CONFIGS=${CONFIGS:-"decode fp8 masked,prefill fp8 packed,prefill bf16 packed"}   # "preset dtype layout [programs]", comma-separated
 PROFILE=${PROFILE:-}          # rank counts for moe_ep.bench.profile_ops --preset decode (ranks share the GPUs there are)
 PROFILE_MPS=${PROFILE_MPS:-0} # 1: those runs under an MPS daemon started for them (one GPU context for every rank)
+PROFILE_NODES=${PROFILE_NODES:-}  # "NODESxSIZE" entries: profile_ops --preset decode across nodes
 COPY_FLOOR=${COPY_FLOOR:-0}   # 1: the copy-floor micro-benchmark (moe_ep.bench.copy_floor) at 7168- and 14336-byte rows
 COPY_FLOOR_ARGS=${COPY_FLOOR_ARGS:-}   # more copy_floor arguments, e.g. "--programs 32,132 --ring-stages 2,4"
 NCU=${NCU:-}                  # "programs dtype layout" configs, comma-separated: scripts/ncu_kernels.py under ncu
@@ -149,6 +152,17 @@ for r in $PROFILE; do
     fi
 done
 if [ -n "$pmps" ]; then mps_stop; fi
+for nn in $PROFILE_NODES; do
+    nodes=${nn%x*}; size=${nn#*x}; r=$(( nodes * size ))
+    step "MOE_EP_NODE_SIZE=$size torchrun --nproc-per-node=$r -m moe_ep.bench.profile_ops --preset decode"
+    if MOE_EP_NODE_SIZE=$size "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node="$r" \
+            -m moe_ep.bench.profile_ops --preset decode >"$RESULTS/profile_nodes_$nn.log" 2>&1; then
+        grep -E "^== profile_ops|host to issue|host per|device time|    " "$RESULTS/profile_nodes_$nn.log" | head -30 || true
+        profiles+=("$nn across nodes: $(grep -m1 'host to issue' "$RESULTS/profile_nodes_$nn.log")")
+    else
+        tail -n 20 "$RESULTS/profile_nodes_$nn.log"; profile_rc=1; profiles+=("$nn across nodes: FAILED")
+    fi
+done
 
 shared_rc=0
 shared_runs=()

@@ -11,14 +11,14 @@ number is measured in native code, so it is the engine's cost, not that of ctype
 
 Part "phase" (one process per rank, node_size=1 so every peer is remote, 16-byte rows, one row
 to every peer; private capacity 2, so round 2 is empty, or 0 with --private-capacity 0, so every
-row goes in round 2): each rank's native kernel stand-in ``moe_ep_bench_drive`` rings
-dispatch and combine for ``warmup + epochs`` epochs, each doorbell right after the previous ready
-word. Reported over all ranks and measured epochs:
-  - proxy dispatch / combine: doorbell seen -> ready written, by the proxy thread (its own
+row goes in round 2): each rank's native kernel stand-in ``moe_ep_bench_drive`` rings every bell
+of dispatch and combine for ``warmup + epochs`` epochs, each right after the previous ready word.
+Reported over all ranks and measured epochs:
+  - proxy dispatch / combine: bell seen -> ready written, by the proxy thread (its own
     phase time: posting, waiting for the peers' immediates and its own completions);
-  - proxy D1: doorbell seen -> every round-1 immediate counted;
-  - kernel dispatch / combine: doorbell written -> ready seen, as a kernel polling the mailbox
-    would see it (adds the proxy's doorbell polling and the stand-in's own polling);
+  - proxy D1: header bell seen -> every peer's header counted (``hdr_ready``);
+  - kernel dispatch / combine: bells written -> ready seen, as a kernel polling the mailbox
+    would see it (adds the proxy's bell polling and the stand-in's own polling);
   - CPU per epoch and rank: CPU time of the proxy thread in a dispatch and in a combine (p50),
     plus that of the transport's thread per epoch (mean): the work one rank's proxy needs
     per dispatch + combine, whatever the scheduling.
