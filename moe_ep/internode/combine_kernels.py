@@ -84,7 +84,6 @@ def internode_combine_send_kernel(
     combine send buffer, its bell rung as soon as they are, then the node peers' rows."""
     pid = tl.program_id(0)
     depoch = tl.load(state_ptr + pid)  # the dispatch this combine answers (the proxy's combine epoch)
-    ME: tl.constexpr = NODE0 + RANK
     rr = tl.arange(0, BLOCK_R)
     c = tl.load(recv_rows_ptr + rr, mask=rr < R, other=0)
     goff = excl(c)  # each source's first row in combine order (rank order)
