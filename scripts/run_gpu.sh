@@ -16,6 +16,7 @@
 #   PROFILE="2 4" PROFILE_MPS=1 bash scripts/run_gpu.sh   # the same with the ranks' processes under MPS
 #   PROFILE_NODES="2x1 2x2" bash scripts/run_gpu.sh   # the same across nodes: 2 nodes of 1 and of 2 ranks
 #                                    # (MOE_EP_NODE_SIZE; the proxy over TCP loopback; ranks share the GPUs)
+#   NODES_BENCH="2x1" bash scripts/run_gpu.sh   # the decode pair (graph and eager) across 2 nodes of 1
 #   VARIANTS="prefill 32 | fp8 rows | fp8 rows MOE_EP_MAX_CHUNKS=128
 #             decode 132 | fp8 masked" bash scripts/run_gpu.sh   # tuning points, one process per line
 #                                    # (moe_ep.bench.variants: "PRESET PROGRAMS | point | point ...")
@@ -44,6 +45,7 @@ CONFIGS=${CONFIGS:-"decode fp8 masked,prefill fp8 packed,prefill bf16 packed"}  
 PROFILE=${PROFILE:-}          # rank counts for moe_ep.bench.profile_ops --preset decode (ranks share the GPUs there are)
 PROFILE_MPS=${PROFILE_MPS:-0} # 1: those runs under an MPS daemon started for them (one GPU context for every rank)
 PROFILE_NODES=${PROFILE_NODES:-}  # "NODESxSIZE" entries: profile_ops --preset decode across nodes
+NODES_BENCH=${NODES_BENCH:-}  # "NODESxSIZE" entries: moe_ep.bench.intranode --preset decode across nodes
 COPY_FLOOR=${COPY_FLOOR:-0}   # 1: the copy-floor micro-benchmark (moe_ep.bench.copy_floor) at 7168- and 14336-byte rows
 COPY_FLOOR_ARGS=${COPY_FLOOR_ARGS:-}   # more copy_floor arguments, e.g. "--programs 32,132 --ring-stages 2,4"
 NCU=${NCU:-}                  # "programs dtype layout" configs, comma-separated: scripts/ncu_kernels.py under ncu
@@ -212,6 +214,20 @@ for cfg in "${configs[@]}"; do
     else
         bench_rc=1
         echo "   FAILED: $cfg"
+    fi
+done
+
+for nn in $NODES_BENCH; do
+    nodes=${nn%x*}; size=${nn#*x}; r=$(( nodes * size ))
+    json="$RESULTS/bench_decode_nodes_$nn.json"
+    step "MOE_EP_NODE_SIZE=$size torchrun --nproc-per-node=$r -m moe_ep.bench.intranode --preset decode (across nodes)"
+    if MOE_EP_NODE_SIZE=$size "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node="$r" \
+            -m moe_ep.bench.intranode --preset decode --dispatch-dtype fp8 --layout masked --iters "$ITERS" \
+            --no-baseline --output "$json" 2>&1 | tee -a "$RESULTS/bench.log"; then
+        jsons+=("$json")
+    else
+        bench_rc=1
+        echo "   FAILED: across nodes $nn"
     fi
 done
 
