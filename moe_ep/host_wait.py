@@ -18,13 +18,20 @@ def _flags(buf, region: str, count: int) -> torch.Tensor:
 
 def _wait(buf, missing, epoch: int, phase: str) -> None:
     """Polls (backoff up to 5 ms) until ``missing()``, the first peer whose flag is not there yet
-    or None, names no peer; past ``buf.timeout_s`` the buffer fails with ``CommTimeoutError``."""
+    or None, names no peer; past ``buf.timeout_s`` the buffer fails with ``CommTimeoutError``.
+    With other nodes the proxy's error fails it at once (a node peer killed: its connections go
+    before any deadline)."""
     deadline = time.monotonic() + buf.timeout_s
     delay = 1e-4
     while True:
         peer = missing()
         if peer is None:
             return
+        if buf.remote is not None:
+            try:
+                buf.remote.check()
+            except Exception as exc:  # noqa: BLE001
+                buf.calls.fail(exc)
         if time.monotonic() > deadline:
             buf.calls.fail(CommTimeoutError(buf.rank, peer, phase, epoch, buf.timeout_s))
         time.sleep(delay)

@@ -476,17 +476,17 @@ class EfaTransport final : public Transport {
     return peers_[peer]->err;
   }
 
-  // The goodbye to every peer that is up and not lost, then a wait until each was delivered (SRD
-  // acknowledges it) or its peer was lost.
+  // The goodbye to every peer that is up and not gone, then a wait until each was delivered (SRD
+  // acknowledges it) or its peer went.
   void say_goodbye(const Goodbye& g) override {
     if (bye_said_.exchange(true) || !connected_) return;
     const int64_t deadline = steady_now_ns() + kGoodbyeTimeoutNs;
     for (int p = 0; p < world_; ++p)
-      if (p != rank_ && peers_[p]->up && !peers_[p]->lost) send_goodbye(p, g);
+      if (p != rank_ && peers_[p]->up && !peer_gone(*peers_[p])) send_goodbye(p, g);
     std::unique_lock<std::mutex> lk(conn_mu_);
     auto out = [this] {
       for (auto& pr : peers_)
-        if (pr->bye_status == -1 && !pr->lost) return false;
+        if (pr->bye_status == -1 && !peer_gone(*pr)) return false;
       return true;
     };
     while (!out() && steady_now_ns() < deadline) conn_cv_.wait_for(lk, std::chrono::milliseconds(10));

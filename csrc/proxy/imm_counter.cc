@@ -98,6 +98,24 @@ void ImmCounter::wait_change(uint64_t seen, int64_t timeout_ns) {
   --change_waiters_;
 }
 
+int ImmCounter::try_take(uint32_t imm, int64_t expected, std::string* err) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = counts_.find(imm);
+  const int64_t c = it == counts_.end() ? 0 : it->second;
+  if (c >= expected) {
+    if (c == expected)
+      counts_.erase(it);  // spent: the table holds only immediates with a count
+    else
+      it->second = c - expected;
+    return kOk;
+  }
+  if (failed_) {
+    if (err) *err = fail_msg_;
+    return kErrPeer;
+  }
+  return kErrTimeout;
+}
+
 int64_t ImmCounter::value(uint32_t imm) {
   std::lock_guard<std::mutex> lk(mu_);
   return count(imm);

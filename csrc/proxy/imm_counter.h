@@ -42,6 +42,9 @@ class ImmCounter {
   int wait_all(const uint32_t* imms, const int64_t* expected, int n, int64_t timeout_ns, std::string* err = nullptr,
                std::vector<int>* missing = nullptr);
   int64_t value(uint32_t imm);
+  // wait() that never blocks: kOk having subtracted `expected` when the count is there, else
+  // kErrTimeout, or kErrPeer (with `err`) when the counter failed.
+  int try_take(uint32_t imm, int64_t expected, std::string* err = nullptr);
   // How many add() calls so far: a poller that saw generation g and finds it unchanged knows no
   // immediate arrived meanwhile.
   uint64_t generation() const { return gen_.load(std::memory_order_acquire); }

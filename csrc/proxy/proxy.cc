@@ -262,7 +262,7 @@ bool Proxy::post(int phase, int64_t epoch, int peer, int lreg, uint64_t loff, in
 
 bool Proxy::take(int phase, int src, int64_t epoch, Lost* lost) {
   std::string err;
-  const int rc = t_->imm_counter().wait(make_imm(phase, src, epoch), t_->imm_per_write(), 0, &err);
+  const int rc = t_->imm_counter().try_take(make_imm(phase, src, epoch), t_->imm_per_write(), &err);
   // The counter fails when any peer is lost; only a loss of `src` itself ends the wait for its
   // immediate: a peer that closed after its last write to this rank leaves the others' waits alone.
   if (rc == kErrPeer && lost->peer < 0) {
@@ -272,10 +272,19 @@ bool Proxy::take(int phase, int src, int64_t epoch, Lost* lost) {
   return rc == kOk;
 }
 
-bool Proxy::reap(int phase, int64_t epoch) {
+bool Proxy::await_all(int phase, int64_t epoch, const std::vector<int>& srcs, int64_t timeout_ns) {
+  std::vector<uint32_t> imms;
+  for (int s : srcs) imms.push_back(make_imm(phase, s, epoch));
+  const std::vector<int64_t> per(imms.size(), t_->imm_per_write());
+  // (a failure or a timeout takes nothing: the next pass's takes name a lost source)
+  return t_->imm_counter().wait_all(imms.data(), per.data(), int(imms.size()), std::max<int64_t>(timeout_ns, 0)) == kOk;
+}
+
+bool Proxy::reap(int phase, int64_t epoch, int64_t wait_ns) {
   Completion cq[64];
   while (n_posted_ > 0) {
-    const int n = t_->poll(cq, 64, 0);
+    const int n = t_->poll(cq, 64, wait_ns);
+    wait_ns = 0;
     if (n < 0) return fail(kProxyTransport, -1, phase, epoch, "poll: " + thread_error());
     if (n == 0) return true;
     for (int i = 0; i < n; ++i) {
@@ -292,16 +301,27 @@ bool Proxy::reap(int phase, int64_t epoch) {
   return true;
 }
 
-void Proxy::idle(int64_t last_work, uint64_t seen_gen) {
-  // Bells are host memory the GPU writes (nothing wakes the proxy when they change), so they are
-  // polled: spinning right after work, then every sleep_ns; an immediate that arrives after the
-  // last look (generation seen_gen) ends a sleep at once.
-  if (mono_ns() - last_work <= cfg_.spin_ns) return;
-  t_->imm_counter().wait_change(seen_gen, cfg_.sleep_ns);
+int64_t Proxy::idle(int64_t last_work, uint64_t seen_gen, bool bells, bool imms) {
+  // Spinning spin_ns after its last work: what comes next in a phase usually comes soon, and a
+  // wake-up costs more than a few looks. Then: bells are host memory the GPU writes, which nothing
+  // wakes the proxy for, so while one is to ring it looks every sleep_ns (an immediate arriving
+  // after the last look, generation seen_gen, ends the sleep at once); with no bell to wait for,
+  // the immediates' counter wakes it, or, with only its own writes to complete, the transport's
+  // poll does (the next pass's reap waits that long).
+  if (mono_ns() - last_work <= cfg_.spin_ns) return 0;
+  if (bells || (imms && n_posted_ > 0)) {
+    t_->imm_counter().wait_change(seen_gen, cfg_.sleep_ns);
+  } else if (imms) {
+    t_->imm_counter().wait_change(seen_gen, kBlockNs);
+  } else {
+    return kBlockNs;
+  }
+  return 0;
 }
 
 template <class F>
-bool Proxy::fail_missing(int phase, int64_t epoch, const std::vector<int>& from, F missing, const std::string& what) {
+bool Proxy::fail_missing(int phase, int imm_phase, int64_t epoch, const std::vector<int>& from, F missing,
+                         const std::string& what) {
   std::vector<int> gone;
   for (int r : from)
     if (missing(r)) gone.push_back(r);
@@ -309,10 +329,15 @@ bool Proxy::fail_missing(int phase, int64_t epoch, const std::vector<int>& from,
   std::string who;
   for (size_t i = 0; i < gone.size() && i < 8; ++i) who += (i ? ", " : "") + std::to_string(gone[i]);
   if (gone.size() > 8) who += ", ...";
+  std::string shards;  // several immediates per write: how many of the first missing peer's landed
+  const int64_t per = t_->imm_per_write();
+  if (per > 1 && imm_phase >= 0)
+    shards = "; " + std::to_string(t_->imm_counter().value(make_imm(imm_phase, gone[0], epoch))) + " of its " +
+             std::to_string(per) + " shards landed";
   return fail(kProxyTimeout, gone[0], phase, epoch,
               "no immediate from peer " + std::to_string(gone[0]) + " within " + seconds(cfg_.timeout_ns) + " s (" +
                   what + "; " + std::to_string(gone.size()) + " of " + std::to_string(from.size()) +
-                  " peers missing: " + who + ")");
+                  " peers missing: " + who + shards + ")");
 }
 
 bool Proxy::fail_writes(int phase, int64_t epoch) {
@@ -381,7 +406,28 @@ bool Proxy::run_dispatch(int64_t epoch) {
     if (p == me || !remote(p)) rows_sent[p] = ov_sent[p] = got1[p] = got2[p] = 1;
   got_hdr[me] = 1;
   bool all_hdr = false;
-  int64_t last_work = mono_ns();
+  // Source s's header landed: its row of the count matrix, and what else comes from it (nothing,
+  // its round-1 rows, its overflow rows). False: bad counts (error recorded).
+  auto on_header = [&](int s) {
+    got_hdr[s] = 1;
+    trace_event(kTrGotD0, s, epoch);
+    std::memcpy(&C[size_t(s) * R], reg_[kRegRound1] + r1_base + uint64_t(s * slot), 4 * size_t(R));
+    for (int p = 0; p < R; ++p)
+      if (C[size_t(s) * R + p] < 0)
+        return fail(kProxyInvalid, s, kPhaseD1, epoch, "peer " + std::to_string(s) + " sent a negative count");
+    if (remote(s)) {
+      if (std::min(c_to(s, me), cap) == 0) {
+        got1[s] = 1;
+        store(mb_ready1(R, s), epoch);
+      }
+      if (ov(s, me) == 0) {
+        got2[s] = 1;
+        if (got1[s]) store(mb_ready2(R, s), epoch);
+      }
+    }
+    return true;
+  };
+  int64_t last_work = mono_ns(), reap_wait = 0;
   uint64_t seen_gen = ~uint64_t(0);
   for (;;) {
     if (stop_) return fail(kProxyTimeout, -1, kPhaseD1, epoch, "proxy stopped while waiting");
@@ -407,23 +453,8 @@ bool Proxy::run_dispatch(int64_t epoch) {
       seen_gen = gen;
       for (int s : others) {
         if (!got_hdr[s] && take(kPhaseD0, s, epoch, &lost)) {
-          got_hdr[s] = 1;
           work = true;
-          trace_event(kTrGotD0, s, epoch);
-          std::memcpy(&C[size_t(s) * R], reg_[kRegRound1] + r1_base + uint64_t(s * slot), 4 * size_t(R));
-          for (int p = 0; p < R; ++p)
-            if (C[size_t(s) * R + p] < 0)
-              return fail(kProxyInvalid, s, kPhaseD1, epoch, "peer " + std::to_string(s) + " sent a negative count");
-          if (remote(s)) {  // what else comes from s: nothing, its round-1 rows, its overflow rows
-            if (std::min(c_to(s, me), cap) == 0) {
-              got1[s] = 1;
-              store(mb_ready1(R, s), epoch);
-            }
-            if (ov(s, me) == 0) {
-              got2[s] = 1;
-              if (got1[s]) store(mb_ready2(R, s), epoch);
-            }
-          }
+          if (!on_header(s)) return false;
         }
         if (got_hdr[s] && !got1[s] && take(kPhaseD1, s, epoch, &lost)) {
           got1[s] = work = 1;
@@ -472,7 +503,8 @@ bool Proxy::run_dispatch(int64_t epoch) {
         work = true;
       }
     }
-    if (!reap(kPhaseD1, epoch)) return false;
+    if (!reap(kPhaseD1, epoch, reap_wait)) return false;
+    reap_wait = 0;
     const auto all = [](const std::vector<char>& v) { return std::all_of(v.begin(), v.end(), [](char g) { return g != 0; }); };
     if (all_hdr && all(rows_sent) && all(ov_sent) && all(got1) && all(got2) && n_posted_ == 0) break;
     if (lost.peer >= 0) return fail_lost(lost.peer, all_hdr && all(got1) ? kPhaseD2 : kPhaseD1, epoch, lost.why);
@@ -481,15 +513,28 @@ bool Proxy::run_dispatch(int64_t epoch) {
       continue;
     }
     if (mono_ns() >= deadline) {
-      if (!all_hdr) return fail_missing(kPhaseD1, epoch, others, [&](int s) { return !got_hdr[s]; }, "header");
-      if (!all(got1)) return fail_missing(kPhaseD1, epoch, others, [&](int s) { return !got1[s]; }, "round-1 rows");
-      if (!all(got2)) return fail_missing(kPhaseD2, epoch, others, [&](int s) { return !got2[s]; }, "overflow rows");
+      if (!all_hdr) return fail_missing(kPhaseD1, kPhaseD0, epoch, others, [&](int s) { return !got_hdr[s]; }, "header");
+      if (!all(got1)) return fail_missing(kPhaseD1, kPhaseD1, epoch, others, [&](int s) { return !got1[s]; }, "round-1 rows");
+      if (!all(got2)) return fail_missing(kPhaseD2, kPhaseD2, epoch, others, [&](int s) { return !got2[s]; }, "overflow rows");
       if (!all(rows_sent))
-        return fail_missing(kPhaseD1, epoch, others, [&](int p) { return !rows_sent[p]; },
+        return fail_missing(kPhaseD1, -1, epoch, others, [&](int p) { return !rows_sent[p]; },
                             "this rank's kernels never rang the rows bell");
       return fail_writes(kPhaseD1, epoch);
     }
-    idle(last_work, seen_gen);
+    if (!all_hdr && all(rows_sent) && mono_ns() - last_work > cfg_.spin_ns) {
+      // Only headers to wait for: nothing can be placed before the last one, so one wake-up for
+      // them all (as many as there are sources would cost the proxy's CPU for nothing).
+      std::vector<int> rest;
+      for (int s : others)
+        if (!got_hdr[s]) rest.push_back(s);
+      if (await_all(kPhaseD0, epoch, rest, std::min(kBlockNs, deadline - mono_ns())))
+        for (int s : rest)
+          if (!on_header(s)) return false;
+      last_work = mono_ns();
+      continue;
+    }
+    reap_wait = idle(last_work, seen_gen, !all(rows_sent),
+                     !all_hdr || !all(got1) || !all(got2));
   }
   counts_.swap(C);
   counts_epoch_ = epoch;
@@ -518,7 +563,7 @@ bool Proxy::run_combine(int64_t epoch) {
     if (C[size_t(s) * R + me] > 0) sent[s] = 0, sources.push_back(s);
     if (C[size_t(me) * R + s] > 0) got[s] = 0, owners.push_back(s);
   }
-  int64_t last_work = mono_ns();
+  int64_t last_work = mono_ns(), reap_wait = 0;
   uint64_t seen_gen = ~uint64_t(0);
   for (;;) {
     if (stop_) return fail(kProxyTimeout, -1, kPhaseC, epoch, "proxy stopped while waiting");
@@ -546,7 +591,8 @@ bool Proxy::run_combine(int64_t epoch) {
           trace_event(kTrGotC, p, epoch);
         }
     }
-    if (!reap(kPhaseC, epoch)) return false;
+    if (!reap(kPhaseC, epoch, reap_wait)) return false;
+    reap_wait = 0;
     const auto all = [](const std::vector<char>& v) { return std::all_of(v.begin(), v.end(), [](char g) { return g != 0; }); };
     if (all(sent) && all(got) && n_posted_ == 0) return true;
     if (lost.peer >= 0) return fail_lost(lost.peer, kPhaseC, epoch, lost.why);
@@ -555,13 +601,26 @@ bool Proxy::run_combine(int64_t epoch) {
       continue;
     }
     if (mono_ns() >= deadline) {
-      if (!all(got)) return fail_missing(kPhaseC, epoch, owners, [&](int p) { return !got[p]; }, "combine rows");
+      if (!all(got)) return fail_missing(kPhaseC, kPhaseC, epoch, owners, [&](int p) { return !got[p]; }, "combine rows");
       if (!all(sent))
-        return fail_missing(kPhaseC, epoch, sources, [&](int s) { return !sent[s]; },
+        return fail_missing(kPhaseC, -1, epoch, sources, [&](int s) { return !sent[s]; },
                             "this rank's kernels never rang the combine bell");
       return fail_writes(kPhaseC, epoch);
     }
-    idle(last_work, seen_gen);
+    if (all(sent) && !all(got) && mono_ns() - last_work > cfg_.spin_ns) {
+      // Only the owners' rows to wait for, and one ready word for them all: one wake-up.
+      std::vector<int> rest;
+      for (int p : owners)
+        if (!got[p]) rest.push_back(p);
+      if (await_all(kPhaseC, epoch, rest, std::min(kBlockNs, deadline - mono_ns())))
+        for (int p : rest) {
+          got[p] = 1;
+          trace_event(kTrGotC, p, epoch);
+        }
+      last_work = mono_ns();
+      continue;
+    }
+    reap_wait = idle(last_work, seen_gen, !all(sent), !all(got));
   }
 }
 

@@ -166,17 +166,24 @@ class Proxy {
     std::string why;
   };
   bool take(int phase, int src, int64_t epoch, Lost* lost);
-  // Completions of own writes polled without waiting; false: error recorded.
-  bool reap(int phase, int64_t epoch);
-  // After a pass that did nothing: spin until spin_ns since `last_work`, then sleep up to sleep_ns
-  // (an immediate arriving after the counter's generation `seen_gen` wakes it).
-  void idle(int64_t last_work, uint64_t seen_gen);
+  // The immediates of `phase` from every rank of `srcs`, all taken at once when all are there
+  // within timeout_ns (one wake-up for them all); false (nothing taken) otherwise.
+  bool await_all(int phase, int64_t epoch, const std::vector<int>& srcs, int64_t timeout_ns);
+  // Completions of own writes, waiting up to wait_ns for the first; false: error recorded.
+  bool reap(int phase, int64_t epoch, int64_t wait_ns = 0);
+  // After a pass that did nothing (`bells`: some bell is still to ring; `imms`: some immediate
+  // still to come): spin until spin_ns since `last_work`, then sleep until something can have
+  // changed (see proxy.cc). Returns how long the next pass's reap may wait.
+  int64_t idle(int64_t last_work, uint64_t seen_gen, bool bells, bool imms);
+  static constexpr int64_t kBlockNs = 1'000'000;  // the longest sleep in a phase (stop() and the deadline are checked after)
   void trace_event(int32_t kind, int peer, int64_t epoch);
   bool fail(int64_t code, int peer, int phase, int64_t epoch, const std::string& msg);
   // The timeout of a phase: names the first of `from` (ranks) for which `missing(rank)`, and how
-  // many are missing ("no immediate from peer P within T s (n of m peers missing: ...)").
+  // many are missing ("no immediate from peer P within T s (what; n of m peers missing: ...)");
+  // with several immediates a write, how many of the first one's (`imm_phase`; -1: none) landed.
   template <class F>
-  bool fail_missing(int phase, int64_t epoch, const std::vector<int>& from, F missing, const std::string& what);
+  bool fail_missing(int phase, int imm_phase, int64_t epoch, const std::vector<int>& from, F missing,
+                    const std::string& what);
   // The timeout of own writes: names the first peer with a write outstanding.
   bool fail_writes(int phase, int64_t epoch);
   bool post(int phase, int64_t epoch, int peer, int lreg, uint64_t loff, int rreg, uint64_t roff, uint64_t len);

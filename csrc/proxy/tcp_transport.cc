@@ -564,7 +564,7 @@ class TcpTransport final : public Transport {
     }
   }
 
-  // The goodbye on every connection of every peer not lost (the peer may notice any of them close
+  // The goodbye on every connection of every peer not gone (the peer may notice any of them close
   // first): on this rank's own connections after the shard being sent (the queued ones are
   // dropped: the engine is closing), on the peer's after the acks queued, behind an ack marker.
   void queue_goodbyes() {
@@ -578,7 +578,7 @@ class TcpTransport final : public Transport {
       c->obuf.insert(c->obuf.end(), static_cast<const char*>(p), static_cast<const char*>(p) + n);
     };
     for (int p = 0; p < world_; ++p) {
-      if (p == rank_ || peers_[p]->lost) continue;
+      if (p == rank_ || peer_gone(*peers_[p])) continue;
       const WireGoodbye w = make_goodbye(id_, rank_, p, world_, g);
       for (auto& c : peers_[p]->out) {
         if (c->fd < 0 || c->dead) continue;
@@ -593,7 +593,7 @@ class TcpTransport final : public Transport {
     }
     const WireAck marker{0, kAckGoodbye, 0};
     for (auto& c : in_) {
-      if (c->dead || c->st == Conn::kHello || peers_[c->peer]->lost) continue;
+      if (c->dead || c->st == Conn::kHello || peer_gone(*peers_[c->peer])) continue;
       const WireGoodbye w = make_goodbye(id_, rank_, c->peer, world_, g);
       put(c.get(), &marker, sizeof(marker));
       put(c.get(), &w, sizeof(w));

@@ -113,9 +113,9 @@ class Transport {
   virtual std::vector<std::string> refused(int64_t* total) const = 0;
   // Empty when the peer is healthy; otherwise why it was lost.
   virtual std::string peer_error(int peer) = 0;
-  // Sends `g` to every connected peer not lost and waits (at most kGoodbyeTimeoutNs) until it has
-  // left; the first call counts, later ones do nothing. The destructor says a clean goodbye
-  // unless one was said.
+  // Sends `g` to every connected peer not gone (lost, or said its own goodbye) and waits (at most
+  // kGoodbyeTimeoutNs) until it has left; the first call counts, later ones do nothing. The
+  // destructor says a clean goodbye unless one was said.
   virtual void say_goodbye(const Goodbye& g) = 0;
   // True when `peer` said goodbye before it was lost (*out: what it said, its cause already
   // checked: a peer of this job other than the closer, in a known phase; else no peer).

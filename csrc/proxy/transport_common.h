@@ -179,6 +179,14 @@ void remember_goodbye(PeerT& pr, const Goodbye& bye, const std::string& text) {
   pr.said_bye = true;
 }
 
+// Whether the peer is gone: lost, or it said goodbye (nothing is sent to it any more, a goodbye
+// included: it may never take one).
+template <class PeerT>
+bool peer_gone(PeerT& pr) {
+  std::lock_guard<std::mutex> lk(pr.mu);
+  return pr.lost || pr.said_bye;
+}
+
 // What a checked goodbye (goodbye_mismatch passed) may be trusted with: whether its closer had an
 // error and, only when that error names another peer of this job in a known phase, that peer (else
 // none: the receiver then names the closer, as for any loss). *text says what the closer said.

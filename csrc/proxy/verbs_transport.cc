@@ -776,20 +776,20 @@ class VerbsTransport final : public Transport {
     return peers_[size_t(peer)]->err;
   }
 
-  // A SEND of the goodbye on every queue pair of every peer not lost (RC delivers it before any
+  // A SEND of the goodbye on every queue pair of every peer not gone (RC delivers it before any
   // failure of a later write to this rank; with several NICs each completion thread sees its
-  // own), then waits until each completed (the peer's NIC has it) or the peer was lost.
+  // own), then waits until each completed (the peer's NIC has it) or the peer went.
   void say_goodbye(const Goodbye& g) override {
     if (bye_said_.exchange(true) || !connected_) return;
     const int64_t deadline = now_ns() + kGoodbyeTimeoutNs;
     for (int p = 0; p < world_; ++p)
-      if (p != rank_ && !peers_[size_t(p)]->lost)
+      if (p != rank_ && !peer_gone(*peers_[size_t(p)]))
         for (int i = 0; i < int(nics_.size()); ++i) send_goodbye(p, i, g);
     std::unique_lock<std::mutex> lk(conn_mu_);
     auto out = [this] {
       for (int p = 0; p < world_; ++p)
         for (auto& l : peers_[size_t(p)]->link)
-          if (l->bye_status == -1 && !peers_[size_t(p)]->lost) return false;
+          if (l->bye_status == -1 && !peer_gone(*peers_[size_t(p)])) return false;
       return true;
     };
     while (!out() && now_ns() < deadline) conn_cv_.wait_for(lk, std::chrono::milliseconds(10));

@@ -141,7 +141,10 @@ class RemotePath:
 
     def close(self, cause: Optional[BaseException] = None) -> None:
         """Stops the proxy, then closes the engine, whose goodbye tells every peer ``cause`` (the
-        error this buffer broke with; None: a clean close), so a peer that sees this close names
-        the original cause, not this rank."""
+        error this buffer broke with), else the proxy's own error record (on a GPU it reaches the
+        buffer only at its next call), else nothing (a clean close), so a peer that sees this
+        close names the original cause, not this rank."""
+        if cause is None:
+            cause = self.proxy.error()
         self.proxy.close()
         self.proxy.engine.close(cause)

@@ -916,7 +916,7 @@ class Proxy(_Closable):
 
     def phase_records(self, max_n: int = 8192) -> list[tuple[str, int, int, int, int, int]]:
         """The most recent served phases, oldest first: (``"dispatch"``/``"combine"``, epoch,
-        doorbell seen, round 1 done (dispatch; = ready for combine), ready written: steady-clock
+        bell seen, every header in (dispatch; = ready for combine), ready written: steady-clock
         ns; the proxy thread's CPU ns in the phase)."""
         buf = (PhaseRecord * max(1, max_n))()
         n = self._lib.moe_ep_proxy_phase_records(self._h, buf, max(1, max_n))
@@ -934,7 +934,7 @@ class Proxy(_Closable):
     def bench_drive(self, first: int, n: int, *, combine: bool = True, timeout_s: float = 30.0,
                     spin_us: float = 20.0, sleep_us: float = 5.0) -> tuple[list[int], list[int]]:
         """Kernel stand-in in native code (moe_ep/bench/proxy_cost.py): rings dispatch (and combine) for
-        epochs first .. first+n-1, each after the previous ready; returns the ns doorbell -> ready
+        epochs first .. first+n-1, each after the previous ready; returns the ns bells -> ready
         of every dispatch and every combine. The send buffers are used as they are."""
         out = (ctypes.c_int64 * (2 * max(1, n)))()
         mb = ctypes.cast(_address(self.mailbox)[0], ctypes.POINTER(ctypes.c_int64))
