@@ -125,11 +125,19 @@ bool Proxy::fail(int64_t code, int peer, int phase, int64_t epoch, const std::st
 
 int Proxy::lost_peer() {
   // The transports fail the ImmCounter with the first lost peer's error message: that peer is
-  // the root cause (peers that went away after it, e.g. survivors closing their buffers, are not).
+  // the root cause (peers that went away after it, e.g. survivors closing their buffers, are not),
+  // unless it left with a clean goodbye (it had finished) and another was lost otherwise.
   std::string first;
+  int clean = -1;
   if (t_->imm_counter().failed(&first))
     for (int p = 0; p < cfg_.world_size; ++p)
-      if (p != cfg_.rank && t_->peer_error(p) == first) return p;
+      if (p != cfg_.rank && t_->peer_error(p) == first) {
+        if (!left_cleanly(p)) return p;
+        clean = p;
+      }
+  for (int p = 0; p < cfg_.world_size; ++p)
+    if (p != cfg_.rank && !t_->peer_error(p).empty() && !left_cleanly(p)) return p;
+  if (clean >= 0) return clean;
   for (int p = 0; p < cfg_.world_size; ++p)
     if (p != cfg_.rank && !t_->peer_error(p).empty()) return p;
   return -1;
@@ -263,13 +271,29 @@ bool Proxy::post(int phase, int64_t epoch, int peer, int lreg, uint64_t loff, in
 bool Proxy::take(int phase, int src, int64_t epoch, Lost* lost) {
   std::string err;
   const int rc = t_->imm_counter().try_take(make_imm(phase, src, epoch), t_->imm_per_write(), &err);
-  // The counter fails when any peer is lost; only a loss of `src` itself ends the wait for its
-  // immediate: a peer that closed after its last write to this rank leaves the others' waits alone.
-  if (rc == kErrPeer && lost->peer < 0) {
+  // The counter fails when any peer is lost. That ends the wait for `src`'s immediate when `src`
+  // itself is gone, or when the job is failing (a peer lost without a clean goodbye: killed, cut,
+  // or closed after its own error, whose cause fail_lost names); a peer that closed cleanly after
+  // its last write to this rank leaves the others' waits alone.
+  if (rc == kErrPeer && lost->peer < 0 && lost->why.empty()) {
     const std::string why = t_->peer_error(src);
-    if (!why.empty()) *lost = Lost{src, why};
+    if (!why.empty())
+      *lost = Lost{src, why};
+    else if (failing())
+      *lost = Lost{-1, err};
   }
   return rc == kOk;
+}
+
+bool Proxy::left_cleanly(int p) {
+  Goodbye g;
+  return t_->peer_goodbye(p, &g) && !g.error;
+}
+
+bool Proxy::failing() {
+  for (int p = 0; p < cfg_.world_size; ++p)
+    if (p != cfg_.rank && !t_->peer_error(p).empty() && !left_cleanly(p)) return true;
+  return false;
 }
 
 bool Proxy::await_all(int phase, int64_t epoch, const std::vector<int>& srcs, int64_t timeout_ns) {
@@ -507,7 +531,7 @@ bool Proxy::run_dispatch(int64_t epoch) {
     reap_wait = 0;
     const auto all = [](const std::vector<char>& v) { return std::all_of(v.begin(), v.end(), [](char g) { return g != 0; }); };
     if (all_hdr && all(rows_sent) && all(ov_sent) && all(got1) && all(got2) && n_posted_ == 0) break;
-    if (lost.peer >= 0) return fail_lost(lost.peer, all_hdr && all(got1) ? kPhaseD2 : kPhaseD1, epoch, lost.why);
+    if (!lost.why.empty()) return fail_lost(lost.peer, all_hdr && all(got1) ? kPhaseD2 : kPhaseD1, epoch, lost.why);
     if (work) {
       last_work = mono_ns();
       continue;
@@ -527,11 +551,12 @@ bool Proxy::run_dispatch(int64_t epoch) {
       std::vector<int> rest;
       for (int s : others)
         if (!got_hdr[s]) rest.push_back(s);
-      if (await_all(kPhaseD0, epoch, rest, std::min(kBlockNs, deadline - mono_ns())))
+      if (await_all(kPhaseD0, epoch, rest, std::min(kBlockNs, deadline - mono_ns()))) {
         for (int s : rest)
           if (!on_header(s)) return false;
-      last_work = mono_ns();
-      continue;
+        last_work = mono_ns();
+        continue;
+      }  // (else a time slice passed, or the counter failed: the next pass's takes tell which)
     }
     reap_wait = idle(last_work, seen_gen, !all(rows_sent),
                      !all_hdr || !all(got1) || !all(got2));
@@ -595,7 +620,7 @@ bool Proxy::run_combine(int64_t epoch) {
     reap_wait = 0;
     const auto all = [](const std::vector<char>& v) { return std::all_of(v.begin(), v.end(), [](char g) { return g != 0; }); };
     if (all(sent) && all(got) && n_posted_ == 0) return true;
-    if (lost.peer >= 0) return fail_lost(lost.peer, kPhaseC, epoch, lost.why);
+    if (!lost.why.empty()) return fail_lost(lost.peer, kPhaseC, epoch, lost.why);
     if (work) {
       last_work = mono_ns();
       continue;
@@ -612,13 +637,14 @@ bool Proxy::run_combine(int64_t epoch) {
       std::vector<int> rest;
       for (int p : owners)
         if (!got[p]) rest.push_back(p);
-      if (await_all(kPhaseC, epoch, rest, std::min(kBlockNs, deadline - mono_ns())))
+      if (await_all(kPhaseC, epoch, rest, std::min(kBlockNs, deadline - mono_ns()))) {
         for (int p : rest) {
           got[p] = 1;
           trace_event(kTrGotC, p, epoch);
         }
-      last_work = mono_ns();
-      continue;
+        last_work = mono_ns();
+        continue;
+      }  // (else a time slice passed, or the counter failed: the next pass's takes tell which)
     }
     reap_wait = idle(last_work, seen_gen, !all(sent), !all(got));
   }

@@ -160,12 +160,15 @@ class Proxy {
   // A combine bell of a remote source (to the latest dispatch, or stale), or -1 (none new).
   int64_t comb_bell_seen();
   // One immediate (phase, src, epoch) taken from the counter if it is there (never blocks);
-  // *lost (when still unset): `src` and why, if `src` itself was lost and it is not there.
+  // *lost (when still unset), when it is not there: `src` and why, if `src` itself was lost; -1
+  // and why, if the job is failing (some peer lost without a clean goodbye).
   struct Lost {
     int peer = -1;
     std::string why;
   };
   bool take(int phase, int src, int64_t epoch, Lost* lost);
+  bool left_cleanly(int p);  // peer p said a clean goodbye (it closed after finishing, no error)
+  bool failing();            // some peer was lost without a clean goodbye
   // The immediates of `phase` from every rank of `srcs`, all taken at once when all are there
   // within timeout_ns (one wake-up for them all); false (nothing taken) otherwise.
   bool await_all(int phase, int64_t epoch, const std::vector<int>& srcs, int64_t timeout_ns);
