@@ -328,13 +328,14 @@ def test_launches_per_op(R, node_size):
             assert comb == [csend, crecv], comb
 
 
-def _overlap_worker(rank, world_size, signal):
-    """3 nodes of 1. Rank 2's rows bells reach its proxy only once rank 0 has seen rank 1's rows in
-    its expert layout (its kernels ring a stand-in mailbox; a thread passes the header bell on at
-    once, the rows bells when the file ``signal`` exists, or after 15 s, inside every deadline), so
-    its rows to rank 0 land late while its header is in time. Rank 0 watches its expert layout
-    during its dispatch: rank 1's rows must be there while rank 2's round-1 ready word is still
-    down (and none of rank 2's rows). Then the results against the oracle."""
+def _overlap_worker(rank, world_size, signal, late):
+    """3 nodes of 1. Rank ``late``'s rows bells reach its proxy only once rank 0 has seen the other
+    source's rows in its expert layout (its kernels ring a stand-in mailbox; a thread passes the
+    header bell on at once, the rows bells when the file ``signal`` exists, or after 15 s, inside
+    every deadline), so its rows to rank 0 land late while its header is in time. Rank 0 watches
+    its expert layout during its dispatch: the other source's rows must be there while rank
+    ``late``'s round-1 ready word is still down (and none of its rows). Then the results against
+    the oracle."""
     import threading
 
     import moe_ep
@@ -350,7 +351,7 @@ def _overlap_worker(rank, world_size, signal):
     with moe_ep.EPBuffer(group, 2 * R, H, M, 2, timeout_s=20.0) as buf:
         rp = buf.remote
         stop = threading.Event()
-        if rank == 2:
+        if rank == late:
             real, decoy = rp.mailbox, torch.zeros_like(rp.mailbox)
             args = rp.dispatch_args
             rp.dispatch_args = lambda send: dict(args(send), mb_ptr=decoy) if send else args(send)
@@ -363,22 +364,22 @@ def _overlap_worker(rank, world_size, signal):
                 t0 = time.monotonic()
                 while not stop.is_set() and not os.path.exists(signal) and time.monotonic() - t0 < 15:
                     time.sleep(1e-2)
-                while not stop.is_set() and int(decoy[bells][:rank].min()) < 1:  # (its peers 0 and 1)
+                while not stop.is_set() and int(decoy[bells][[p for p in range(R) if p != rank]].min()) < 1:
                     time.sleep(1e-3)
                 real[bells] = decoy[bells]
             threading.Thread(target=relay, daemon=True).start()
         seen = []
         if rank == 0:
             buf.expert_x.fill_(float("nan"))
-            ready2 = mailbox_word("ready1", R, 2)
+            ready_late = mailbox_word("ready1", R, late)
 
             def watch():  # which sources' rows are in the layout, while rank 2's are not yet landed
                 while not stop.is_set():
-                    if int(rp.mailbox[ready2]) < 1:
+                    if int(rp.mailbox[ready_late]) < 1:
                         v = buf.expert_x.float()
                         src = set(int(s) for s in (v[~v.isnan()] // 10 - 1).unique().tolist())
                         seen.append(src)
-                        if 1 in src:
+                        if 3 - late in src:
                             open(signal, "w").close()
                     time.sleep(2e-3)
             threading.Thread(target=watch, daemon=True).start()
@@ -390,17 +391,18 @@ def _overlap_worker(rank, world_size, signal):
     return res
 
 
-def test_remote_sources_unpack_as_they_land(tmp_path):
-    """A late remote source does not hold the others' rows back: rank 0's receive half unpacks
-    rank 1's rows (their round-1 ready word is up) while rank 2's have not landed (observed in the
-    expert layout, not timed), and every result still equals the oracle. (Without the per-source
-    ready words, rank 1's rows would wait for the last source's: never seen alone, as a kernel
-    that waits for the whole dispatch before unpacking shows.)"""
-    results = dist_util.run(3, _overlap_worker, str(tmp_path / "rank1_seen"), timeout=300)
+@pytest.mark.parametrize("late", [2, 1], ids=["higher-rank-late", "lower-rank-late"])
+def test_remote_sources_unpack_as_they_land(tmp_path, late):
+    """A late remote source holds no other's rows back, whatever its rank: rank 0's receive half
+    unpacks the other source's rows (their round-1 ready word is up) while the late one's have not
+    landed (observed in the expert layout, not timed), and every result still equals the oracle.
+    (A kernel that waits for the whole dispatch before unpacking fails both; one that unpacks the
+    sources in rank order fails ``lower-rank-late``.)"""
+    results = dist_util.run(3, _overlap_worker, str(tmp_path / "seen"), late, timeout=300)
     assert all(r["ok"] for r in results), results
-    seen = results[0]["seen"]  # per look: the sources (0: rank 0's own) whose rows were in the layout
-    assert any(1 in s for s in seen), f"rank 1's rows never seen while rank 2's were late: {seen[-20:]}"
-    assert not any(2 in s for s in seen), f"rank 2's rows in the layout before its ready word: {seen[-20:]}"
+    other, seen = 3 - late, results[0]["seen"]  # per look: the sources (0: own) whose rows were in the layout
+    assert any(other in s for s in seen), f"rank {other}'s rows never seen while rank {late}'s were late: {seen[-20:]}"
+    assert not any(late in s for s in seen), f"rank {late}'s rows in the layout before its ready word: {seen[-20:]}"
 
 
 def _trace_worker(rank, world_size):

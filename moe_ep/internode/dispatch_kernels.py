@@ -17,12 +17,13 @@ and this one share every line of it; the epoch is the node kernel's (``state[0, 
 import triton
 import triton.language as tl
 
-from ..kernels.common import (ERR_CAPACITY, PHASE_DISPATCH, deadline_start, payload_cols, payload_tile, record_error,
-                              scale_ptr)
+from ..kernels.common import (ERR_CAPACITY, ERR_PROXY, ERR_TIMEOUT, PHASE_DISPATCH, deadline_start, payload_cols,
+                              payload_tile, record_error, scale_ptr)
 from ..kernels.dispatch import dispatch_kernel, local_counts
 from ..kernels.rows import tokens_before
 from ..kernels.tiles import chunk_sum, col, excl, first_on_rank, gather, load_routing, pick
-from .mailbox import MB_DISP_READY, MB_HDR_BELL, MB_HDR_READY, arrive_and_ring, ready1, rows_bell, wait_word
+from .mailbox import (MB_DISP_READY, MB_ERR_CODE, MB_ERR_PEER, MB_HDR_BELL, MB_HDR_READY, arrive_and_ring, ready1,
+                      rows_bell, wait_word)
 
 
 @triton.jit
@@ -380,9 +381,8 @@ def internode_dispatch_recv_kernel(
         tl.store(recv_rows_ptr + rr, c, mask=rr < R)
     ee = tl.arange(0, BLOCK_EL)
     em = ee < EL
-    tot = tl.zeros((BLOCK_EL,), tl.int32)
-    for s in range(R):
-        tot += tl.load(sel_p + s * EL + ee, mask=em, other=0)
+    sel_t = tl.load(sel_p + rr[:, None] * EL + ee[None, :], mask=(rr < R)[:, None] & em[None, :], other=0)
+    tot = tl.sum(sel_t, axis=0)
     if PACKED:
         eoff = excl((tot + ALIGN - 1) // ALIGN * ALIGN)
     else:
@@ -390,37 +390,67 @@ def internode_dispatch_recv_kernel(
     r1w = round1_ptr.to(tl.pointer_type(tl.int32))
     ovw = overflow_ptr.to(tl.pointer_type(tl.int32))
     ii = tl.arange(0, BLOCK_RW)
-    # Round 1 of every source, then round 2 (it lands later: the proxy posts it once every header is in).
-    for part in tl.static_range(2):
-        below = tl.zeros((BLOCK_EL,), tl.int32)  # rows of each expert from sources below s
-        for s in range(R):
-            n = pick(c, rr, s)
-            n1 = pick(n1s, rr, s)
-            lo = n1 if part == 1 else 0
-            hi = n if part == 1 else n1
-            if pid < tl.cdiv(hi - lo, BLOCK_RW):  # this program has rows of s in this part: wait for them
-                word = ready1(R, s) + part * R  # (ready2 follows ready1's array)
-                okw = wait_word(mb_ptr, word, epoch, err_ptr, s, PHASE_DISPATCH, t0_ns, rtimeout_ns, spins, INTERP)
-                for b in range(pid, tl.cdiv(hi - lo, BLOCK_RW), P):
-                    i = lo + b * BLOCK_RW + ii
-                    im = (i < hi) & (okw != 0) & (ok != 0)
-                    if part == 1:
-                        w2 = (par * OVCAP * REM_RB + (pick(ovoff, rr, s) + i - PCAP).to(tl.int64) * REM_RB) // 4
-                        src = ovw + tl.multiple_of(tl.where(im, w2, 0), 4)
-                    else:
-                        w1 = ((par * R + s) * REM_SLOT + REM_HDR + i.to(tl.int64) * REM_RB) // 4
-                        src = r1w + tl.multiple_of(tl.where(im, w1, 0), 4)
-                    g = pick(goff, rr, s) + i
-                    if ROWS:
-                        unpack_rows_block(src=src, im=im, g=g, o=pick(first, rr, s) + i, s=s, ids_ptr=recv_ids_ptr,
-                                          wts_ptr=recv_wts_ptr, src_ptr=recv_src_ptr, out_x_ptr=out_x_ptr,
-                                          out_s_ptr=out_s_ptr, rpos_ptr=rpos_ptr, M=M, K=K, H=H, W=W, NB=NB,
-                                          REM_PW=REM_PW, FP8=FP8, BLOCK_K=BLOCK_K, BLOCK_W=BLOCK_W, BLOCK_NB=BLOCK_NB)
-                    else:
-                        unpack_block(src=src, im=im, g=g, below=below, eoff=eoff, ee=ee, out_x_ptr=out_x_ptr,
-                                     out_s_ptr=out_s_ptr, rpos_ptr=rpos_ptr, rw_ptr=rw_ptr, EL=EL, K=K, H=H, W=W, NB=NB,
-                                     REM_PW=REM_PW, CAP=CAP, PACKED=PACKED, FP8=FP8, BLOCK_K=BLOCK_K,
-                                     BLOCK_W=BLOCK_W, BLOCK_NB=BLOCK_NB, CM_ROWS=CM_ROWS)
-            below += tl.load(sel_p + s * EL + ee, mask=em, other=0)
+    # Each source's round-1 rows once its ready1 word is up, its round-2 rows once its ready2 is,
+    # in whatever order they land (a late source holds no other back): this program's work per
+    # source (bit 0: round 1, bit 1: round 2, where it has blocks), the words read as two vectors
+    # per look.
+    nb1 = tl.cdiv(n1s, BLOCK_RW)
+    nb2 = tl.cdiv(c - n1s, BLOCK_RW)
+    todo = tl.where(remote & (pid < nb1), 1, 0) + tl.where(remote & (pid < nb2), 2, 0)
+    bad = tl.load(mb_ptr + MB_ERR_CODE, volatile=True)
+    late = tl.full([], 0, tl.int32)
+    looks = 0
+    while (tl.max(todo, axis=0) > 0) & (bad == 0) & (late == 0):
+        up1 = tl.load(mb_ptr + ready1(R, rr), mask=rr < R, other=0, volatile=True) >= epoch
+        up2 = tl.load(mb_ptr + ready1(R, rr) + R, mask=rr < R, other=0, volatile=True) >= epoch
+        go = tl.where(up1, todo & 1, 0) + tl.where(up2, todo & 2, 0)
+        if tl.max(go, axis=0) > 0:
+            # one system-scope acquire of each word seen up: what the proxy had received before it
+            # raised them is visible to the loads below
+            tl.atomic_add(mb_ptr + ready1(R, rr), 0, mask=(go & 1) > 0, sem="acquire", scope="sys")
+            tl.atomic_add(mb_ptr + ready1(R, rr) + R, 0, mask=(go & 2) > 0, sem="acquire", scope="sys")
+            for s in range(R):
+                g_s = pick(go, rr, s)
+                if g_s > 0:
+                    below = tl.sum(tl.where((rr < s)[:, None], sel_t, 0), axis=0)  # rows of each expert from lower sources
+                    n = pick(c, rr, s)
+                    n1 = pick(n1s, rr, s)
+                    for part in tl.static_range(2):
+                        if (g_s >> part) & 1:
+                            lo = n1 if part == 1 else 0
+                            hi = n if part == 1 else n1
+                            for b in range(pid, tl.cdiv(hi - lo, BLOCK_RW), P):
+                                i = lo + b * BLOCK_RW + ii
+                                im = i < hi
+                                if part == 1:
+                                    w2 = (par * OVCAP * REM_RB + (pick(ovoff, rr, s) + i - PCAP).to(tl.int64) * REM_RB) // 4
+                                    src = ovw + tl.multiple_of(tl.where(im, w2, 0), 4)
+                                else:
+                                    w1 = ((par * R + s) * REM_SLOT + REM_HDR + i.to(tl.int64) * REM_RB) // 4
+                                    src = r1w + tl.multiple_of(tl.where(im, w1, 0), 4)
+                                g = pick(goff, rr, s) + i
+                                if ROWS:
+                                    unpack_rows_block(src=src, im=im, g=g, o=pick(first, rr, s) + i, s=s,
+                                                      ids_ptr=recv_ids_ptr, wts_ptr=recv_wts_ptr, src_ptr=recv_src_ptr,
+                                                      out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr, rpos_ptr=rpos_ptr, M=M,
+                                                      K=K, H=H, W=W, NB=NB, REM_PW=REM_PW, FP8=FP8, BLOCK_K=BLOCK_K,
+                                                      BLOCK_W=BLOCK_W, BLOCK_NB=BLOCK_NB)
+                                else:
+                                    unpack_block(src=src, im=im, g=g, below=below, eoff=eoff, ee=ee,
+                                                 out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr, rpos_ptr=rpos_ptr,
+                                                 rw_ptr=rw_ptr, EL=EL, K=K, H=H, W=W, NB=NB, REM_PW=REM_PW, CAP=CAP,
+                                                 PACKED=PACKED, FP8=FP8, BLOCK_K=BLOCK_K, BLOCK_W=BLOCK_W,
+                                                 BLOCK_NB=BLOCK_NB, CM_ROWS=CM_ROWS)
+            todo = todo - go
+        bad = tl.load(mb_ptr + MB_ERR_CODE, volatile=True)
+        if INTERP:  # no clock: the proxy's own deadline ends the wait first; `spins` looks bound it
+            looks += 1
+            late = (looks >= spins).to(tl.int32)
+        else:
+            late = ((tl.extra.cuda.globaltimer() - t0_ns) > rtimeout_ns).to(tl.int32)
+    if bad != 0:
+        record_error(err_ptr, ERR_PROXY, tl.load(mb_ptr + MB_ERR_PEER, volatile=True), PHASE_DISPATCH, epoch, bad)
+    elif tl.max(todo, axis=0) > 0:  # the proxy itself stuck: name the first source still awaited
+        record_error(err_ptr, ERR_TIMEOUT, tl.min(tl.where(todo > 0, rr, R), axis=0), PHASE_DISPATCH, epoch, 0)
     if pid == 0:  # this rank's own writes completed: the next dispatch may pack the send buffer again
         wait_word(mb_ptr, MB_DISP_READY, epoch, err_ptr, -1, PHASE_DISPATCH, t0_ns, rtimeout_ns, spins, INTERP)
