@@ -317,8 +317,11 @@ bool Proxy::reap(int phase, int64_t epoch, int64_t wait_ns) {
       if (c.peer >= 0 && c.peer < cfg_.world_size) --posted_to_[size_t(c.peer)];
       if (c.status == kCqOk) continue;
       std::string why = t_->peer_error(c.peer);
+      // A write to a peer the transport has lost fails with whatever its NIC says (verbs: a dead
+      // peer's queue pair may answer "remote access error"): that is the loss, not its status.
+      const bool gone = !why.empty();
       if (why.empty()) why = "write to peer " + std::to_string(c.peer) + " failed with status " + std::to_string(c.status);
-      if (c.status == kCqPeerLost || c.status == kCqTimeout) return fail_lost(c.peer, phase, epoch, why);
+      if (c.status == kCqPeerLost || c.status == kCqTimeout || gone) return fail_lost(c.peer, phase, epoch, why);
       return fail(kProxyTransport, c.peer, phase, epoch, why);
     }
   }
