@@ -173,7 +173,7 @@ def lib() -> ctypes.CDLL:
             _c(L, "moe_ep_launch_plan_destroy", None, i32)
             _c(L, "moe_ep_launch_plan_stage", u64, i32)
             _c(L, "moe_ep_launch_plan_params", i64, i32, ctypes.c_char_p, sz)
-            if L.moe_ep_abi_version() != 6:
+            if L.moe_ep_abi_version() != 7:
                 raise NativeError("native proxy library has an unexpected ABI version; rebuild moe_ep")
             _lib = L
         return _lib
