@@ -42,7 +42,7 @@ def fake_gpu(monkeypatch):
     compiled = []
 
     class _Jit:  # what kernel[grid] returns: the compiled kernel (after launching it)
-        arg_names = _k.arg_names
+        arg_names, fn = _k.arg_names, _k.fn
 
         def __getitem__(self, grid):
             def go(*args, **consts):
@@ -76,6 +76,25 @@ def test_cached_launch_passes_raw_args_in_signature_order(fake_gpu):
     call = compiled[0][3].calls[-1]
     assert call[:9] == L.leading_args(compiled[0][3], 3, 1003)          # the buffer's device's stream
     assert call[9:] == (a.data_ptr(), b.data_ptr(), 9, 16, True)        # signature order, constexprs last
+
+
+@triton.jit
+def _k_default(a_ptr, b_ptr, n, BLOCK: tl.constexpr, FLAG: tl.constexpr = False):
+    pass
+
+
+def test_constexprs_by_name_with_the_kernels_defaults(fake_gpu):
+    """A kernel takes the constexprs it declares from a dict that may serve another kernel too
+    (Triton refuses an unknown keyword on a GPU, the interpreter ignores it), and the defaults of
+    those the caller leaves out are replayed too."""
+    compiled, fn = fake_gpu
+    fn.arg_names, fn.fn = _k_default.arg_names, _k_default.fn
+    la = L.Launcher(torch.device("cuda", 0))
+    a, b = torch.zeros(64), torch.zeros(64, dtype=torch.int32)
+    la(("d",), fn, 3, (a, b, 5), dict(BLOCK=16, OTHER_HALF=1))
+    assert compiled[0][2] == dict(BLOCK=16, FLAG=False)
+    la(("d",), fn, 3, (a, b, 6), dict(BLOCK=16, OTHER_HALF=1))
+    assert compiled[0][3].calls[-1][9:] == (a.data_ptr(), b.data_ptr(), 6, 16, False)
 
 
 def test_keys_decide_compiles(fake_gpu):

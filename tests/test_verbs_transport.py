@@ -539,6 +539,27 @@ def test_verbs_destroyed_peer_qp_errors_within_deadline(how):
         b.close()
 
 
+@rdma_test
+def test_verbs_silent_dead_peer_lost_by_keepalive():
+    """A peer whose queue pair is gone while this rank writes nothing to it (a survivor waiting
+    for a killed rank's rows): RC tells nothing until a write, so the completion thread's
+    keepalive write is what fails, and the wait ends with PeerLostError long before its deadline."""
+    a, b, bufs = _pair()
+    try:
+        _send(b, 0, bufs[1][2], bufs[0][3], [(0, 100, 5)])
+        a.imm.wait(5, 1, 30)
+        b.destroy_qp(0)  # no goodbye, no write from a after this
+        t0 = time.monotonic()
+        with pytest.raises(N.PeerLostError) as ei:
+            a.imm.wait(6, 1, 120)
+        dt = time.monotonic() - t0
+        assert ei.value.peer == 1 and dt < 30, (dt, str(ei.value))
+        assert "keepalive write failed" in a.peer_error(1), a.peer_error(1)
+    finally:
+        a.close()
+        b.close()
+
+
 def _catch(f, errs):
     try:
         f()

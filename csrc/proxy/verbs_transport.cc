@@ -270,6 +270,12 @@ bool select_device(const ibv::Api& v, const std::string& want_dev, int want_port
 constexpr uint64_t kRecvTag = 1ull << 62;   // receive wr_id: kRecvTag | peer (the NIC: the CQ it is on)
 constexpr uint64_t kHelloTag = 1ull << 61;  // hello send wr_id: kHelloTag | attempt << 20 | peer
 constexpr uint64_t kByeTag = 1ull << 60;    // goodbye send wr_id: kByeTag | peer (the NIC: the CQ it is on)
+constexpr uint64_t kProbeTag = 1ull << 59;  // keepalive write wr_id: kProbeTag | peer (the NIC: the CQ it is on)
+// RC has no keepalive: a peer whose process or node died is noticed only by a write to it. So a
+// peer nothing was written to for this long gets a zero-byte write from each NIC's completion
+// thread (C9-88: it touches no memory); failing, it loses the peer within the retry time
+// (timeout x retry_cnt), where a wait for that peer's immediates would run to its deadline.
+constexpr int64_t kKeepaliveNs = 1'000'000'000;
 constexpr uint32_t kPsnMask = 0xFFFFFF;
 constexpr int kMaxNics = 16;
 constexpr uint64_t kShardAlign = 64;  // shards start at multiples of a cache line
@@ -408,6 +414,7 @@ struct Link {
   std::atomic<uint32_t> hello_attempt{0};
   std::string hello_refused;            // why the peer's last hello was refused (under conn_mu_)
   std::atomic<int> bye_status{-2};      // own goodbye: -2 not sent, -1 pending, else its wc status
+  std::atomic<bool> probing{false};     // a keepalive write is posted and not completed
 };
 
 struct Peer {
@@ -418,6 +425,7 @@ struct Peer {
   Remote remote;
   std::atomic<bool> lost{false};
   std::atomic<int64_t> writes_posted{0};
+  std::atomic<int64_t> last_post_ns{0};  // the latest write posted to the peer (keepalives included)
   std::mutex mu;  // guards err and the goodbye fields
   std::string err;
   bool said_bye = false;  // the peer's goodbye came before it was lost: it said `bye`
@@ -467,7 +475,7 @@ class VerbsTransport final : public Transport {
         ibv::qp_init_attr ia{};
         ia.send_cq = nics_[size_t(i)]->cq;
         ia.recv_cq = nics_[size_t(i)]->cq;
-        ia.cap.max_send_wr = uint32_t(depth_);
+        ia.cap.max_send_wr = uint32_t(depth_ + 3);  // + the hello, the goodbye and a keepalive
         ia.cap.max_recv_wr = uint32_t(depth_);
         ia.cap.max_send_sge = 1;
         ia.cap.max_recv_sge = 1;
@@ -700,6 +708,7 @@ class VerbsTransport final : public Transport {
     const uint64_t wr = next_wr_++;
     *wr_id = wr;
     const int64_t n = pr.writes_posted++;
+    pr.last_post_ns.store(now_ns(), std::memory_order_relaxed);
     if (cut_peer_.load() == peer && n >= cut_after_.load())
       lose_peer(peer, "connection cut by fault injection after " + std::to_string(n) + " writes");
     // The peer's advertised regions: a bad key or range fails the write here, as a remote access
@@ -1097,6 +1106,30 @@ class VerbsTransport final : public Transport {
     imm_.fail(msg);
   }
 
+  // The keepalive writes of NIC i (kKeepaliveNs): one to each connected peer nothing was posted
+  // to for that long, at most one pending per queue pair.
+  void keepalive(int i, int64_t now) {
+    for (int p = 0; p < world_; ++p) {
+      if (p == rank_) continue;
+      Peer& pr = *peers_[size_t(p)];
+      Link& l = link(p, i);
+      if (!l.up || pr.lost || l.probing || now - pr.last_post_ns.load(std::memory_order_relaxed) < kKeepaliveNs)
+        continue;
+      const auto& mrs = pr.remote.mr;  // (a zero-byte write needs no key; a real one where there is)
+      ibv::send_wr w{};
+      w.wr_id = kProbeTag | uint64_t(p);
+      w.num_sge = 0;
+      w.opcode = ibv::WR_RDMA_WRITE;
+      w.send_flags = ibv::SEND_SIGNALED;
+      w.wr.rdma.remote_addr = mrs.empty() ? 0 : mrs[0].addr;
+      w.wr.rdma.rkey = mrs.empty() ? 0 : mrs[0].rkey[size_t(i)];
+      ibv::send_wr* bad = nullptr;
+      l.probing = true;
+      pr.last_post_ns.store(now, std::memory_order_relaxed);
+      if (post_send(p, i, &w, &bad) != 0) l.probing = false;  // (a QP being reset: the next look tries again)
+    }
+  }
+
   void check_op_timeouts() {
     cq_.expire(op_timeout_ns_.load(), [this](int p, const std::string& why) { lose_peer(p, why, kCqTimeout); });
   }
@@ -1107,8 +1140,12 @@ class VerbsTransport final : public Transport {
     Nic& nic = *nics_[size_t(i)];
     ibv::cq* cq = nic.cq;
     ibv::wc wc[32];
-    int64_t idle_since = now_ns();
+    int64_t idle_since = now_ns(), next_keepalive = idle_since + kKeepaliveNs / 8;
     while (!stop_) {
+      if (connected_ && idle_since >= next_keepalive) {  // (idle_since: the latest time read)
+        keepalive(i, idle_since);
+        next_keepalive = idle_since + kKeepaliveNs / 8;
+      }
       const int n = cq->ctx->ops.poll_cq(cq, 32, wc);
       if (n > 0) {
         for (int j = 0; j < n; ++j) handle(i, wc[j]);
@@ -1200,6 +1237,17 @@ class VerbsTransport final : public Transport {
         link(p, i).bye_status = w.status;
       }
       conn_cv_.notify_all();
+      return;
+    }
+    if (w.wr_id & kProbeTag) {
+      const int p = int(w.wr_id & 0xFFFFF);
+      if (p < 0 || p >= world_ || p == rank_) return;
+      link(p, i).probing = false;
+      // (flushed: its queue pair went to the error state, the peer lost or this rank closing)
+      if (w.status != ibv::WC_SUCCESS && w.status != ibv::WC_WR_FLUSH_ERR)
+        lose_peer(p, "keepalive write failed: " + wc_error(w) + " (nothing was written to it for " +
+                         std::to_string(kKeepaliveNs / 1'000'000'000) + " s; its process or node is gone)",
+                  kCqPeerLost, i);
       return;
     }
     if (w.wr_id & kHelloTag) {

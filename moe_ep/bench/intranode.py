@@ -575,8 +575,8 @@ def worker(args: argparse.Namespace, rank: int = -1, world: int = -1, port: int 
         else:
             dist.init_process_group("gloo")
     else:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl")
+        from moe_ep.group import init_distributed
+        init_distributed("cuda")   # NCCL, or gloo where ranks share a GPU (then --no-baseline: no NCCL all-to-all)
     try:
         res = run_bench(args)
         ok = checks_ok(res)

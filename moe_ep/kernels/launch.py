@@ -292,7 +292,7 @@ class TritonPlan:
         self.compiled, self.grid, self.dynamic = compiled, grid, tuple(dynamic)
         self.arg_names = tuple(arg_names)
         self.vals = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
-        self.vals += [consts[n] for n in arg_names[len(args):]]
+        self.vals += [consts[n] for n in arg_names[len(args):]]  # (kernel_consts filled the defaults)
 
     def launch(self, args: tuple, stream: int) -> None:
         vals = self.vals.copy()
@@ -333,6 +333,27 @@ class JitPlan:
 
     def bind(self, args: tuple, positions: Sequence[int]):
         return None  # not replayable: the caller keeps calling launch()
+
+
+def kernel_consts(fn, consts: dict) -> dict:
+    """The constexprs ``fn`` declares, from ``consts`` (which may hold more: one dict serves both
+    halves of an op) or else from the kernel's defaults; a plan replays every one of them by name."""
+    declared = _DECLARED.get(fn)
+    if declared is None:
+        params = inspect.signature(fn.fn).parameters.values()   # (the interpreter's kernels have no .params)
+        declared = _DECLARED[fn] = [(p.name, _NO_DEFAULT if p.default is p.empty else p.default)
+                                    for p in params if "constexpr" in str(p.annotation)]
+    out = {}
+    for name, default in declared:
+        if name in consts:
+            out[name] = consts[name]
+        elif default is not _NO_DEFAULT:   # (none: Triton names the missing argument)
+            out[name] = default
+    return out
+
+
+_DECLARED: dict = {}   # kernel -> [(constexpr name, its default or _NO_DEFAULT)]
+_NO_DEFAULT = object()
 
 
 def make_plan(compiled, fn, grid: int, args: tuple, consts: dict, dynamic: Sequence[int], path: str):
@@ -377,11 +398,11 @@ class Launcher:
         others are read once, when the kernel is compiled. Returns the plan (None under the
         interpreter)."""
         if self.interp:
-            fn[(grid,)](*args, **(consts() if callable(consts) else consts))
+            fn[(grid,)](*args, **kernel_consts(fn, consts() if callable(consts) else consts))
             return None
         plan = self._plans.get(key)
         if plan is None:
-            consts = consts() if callable(consts) else consts
+            consts = kernel_consts(fn, consts() if callable(consts) else consts)
             compiled = fn[(grid,)](*args, **consts)
             dyn = range(len(args)) if dynamic is None else dynamic
             self.path = self.path or launch_path()
