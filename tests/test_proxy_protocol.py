@@ -69,7 +69,7 @@ def _combine_epochs(plan, epochs):
 def _check_dispatch(px, seed, e, R, maxc, cap, plan, stats=None):
     """Dispatch receive "kernel": every header and row of epoch e where §10 puts it (in the
     epoch's parity copy); returns the rows received from each remote source."""
-    rank, HDR = px.rank, px.hdr_bytes
+    rank = px.rank
     C = _epoch_counts(seed, e, R, maxc, plan)
     received = {}
     ov_base = px.overflow_offset(e)
@@ -77,7 +77,7 @@ def _check_dispatch(px, seed, e, R, maxc, cap, plan, stats=None):
         if s == rank:
             continue
         base = px.round1_offset(e, s)
-        hdr = px.round1[base:base + HDR].view(np.int32)
+        hdr = px.received_header(e, s)
         np.testing.assert_array_equal(hdr[:R], C[s], err_msg=f"epoch {e}: header counts from {s}")
         np.testing.assert_array_equal(hdr[R:R + EL], _el(e, s, rank))
         if not px.remote(s):
@@ -85,7 +85,7 @@ def _check_dispatch(px, seed, e, R, maxc, cap, plan, stats=None):
         c = int(C[s, rank])
         n1, ov = min(c, cap), max(0, c - cap)
         want = _rows(seed, e, s, rank, c)
-        got1 = px.round1[base + HDR:base + HDR + n1 * RB].reshape(n1, RB)
+        got1 = px.round1[base:base + n1 * RB].reshape(n1, RB)
         np.testing.assert_array_equal(got1, want[:n1], err_msg=f"epoch {e}: round-1 rows from {s}")
         o = ov_base + RB * sum(max(0, int(C[q, rank]) - cap) for q in range(s) if q != rank and px.remote(q))
         got2 = px.overflow[o:o + ov * RB].reshape(ov, RB)
@@ -98,12 +98,11 @@ def _check_dispatch(px, seed, e, R, maxc, cap, plan, stats=None):
 
 
 def _wait_headers(px, e, timeout_s):
-    """Waits until every peer's round-1 header of epoch e has landed (its EL part is unique per epoch)."""
+    """Waits until every peer's header of epoch e has landed (its EL part is unique per epoch)."""
     deadline = time.monotonic() + timeout_s
     R = px.world
     for s in range(R):
-        o = px.round1_offset(e, s) + 4 * R
-        while s != px.rank and not np.array_equal(px.round1[o:o + 4 * EL].view(np.int32), _el(e, s, px.rank)):
+        while s != px.rank and not np.array_equal(px.received_header(e, s)[R:R + EL], _el(e, s, px.rank)):
             if time.monotonic() > deadline:
                 raise CommTimeoutError(px.rank, s, "run-ahead header", e, timeout_s)
             time.sleep(0.001)
@@ -130,26 +129,25 @@ def _rank_main(rank, R, node_size, cap, ovcap, epochs, seed, fault, maxc, plan, 
         px = Proxy(eng, node_size=node_size, num_local_experts=EL, row_bytes=RB, comb_row_bytes=CRB,
                    private_capacity=cap, overflow_capacity=ovcap, max_send_rows=R * maxc, timeout_s=timeout_s,
                    spin_us=20, sleep_us=200)
-        assert list(px.keys.values()) == [1, 2, 3, 4, 5]
+        assert list(px.keys.values()) == [1, 2, 3, 4, 5, 6, 7]
         conn.send(eng.endpoint)
         eng.connect(conn.recv(), timeout_s=10)
         px.start()
-        HDR = px.hdr_bytes
         log = []
         stats = {"round1_rows": 0, "overflow_rows": 0, "combine_rows": 0, "ran_ahead": 0, "stale_count": 0}
         served = 0  # phases this rank's proxy has made ready: its count must include each at once
         combine_at = _combine_epochs(plan, epochs)
         for e in range(1, epochs + 1):
             C = _epoch_counts(seed, e, R, maxc, plan)
-            # ---- dispatch send "kernel": [HDR_p | rows_p] per peer p != rank, rank order
-            offs = px.disp_offsets(C[rank])
-            for p, off in offs.items():
-                hdr = px.disp_send[off:off + HDR].view(np.int32)
+            # ---- dispatch send "kernel": a header per peer (own slot: the count vector), rows_p per
+            # remote peer p, rank order
+            for p in range(R):
+                hdr = px.header(p)
                 hdr[:R] = C[rank]
                 hdr[R:R + EL] = _el(e, rank, p)
-                if px.remote(p):
-                    n = int(C[rank, p])
-                    px.disp_send[off + HDR:off + HDR + n * RB] = _rows(seed, e, rank, p, n).reshape(-1)
+            for p, off in px.disp_offsets(C[rank]).items():
+                n = int(C[rank, p])
+                px.disp_send[off:off + n * RB] = _rows(seed, e, rank, p, n).reshape(-1)
             victim = plan and plan.get("victim") == rank and plan.get("epoch") == e
             silent = plan and rank in plan.get("silent", ()) and plan.get("epoch") == e
             if silent and plan["phase"] == "dispatch":  # alive, but never rings: the others time out
@@ -296,10 +294,10 @@ def test_imm_names_source_and_epoch():
         a.connect([a.endpoint, b.endpoint], 10)
         b.connect([a.endpoint, b.endpoint], 10)
         pb.start()
-        r1 = keys[native.REGION_NAMES.index("round1")]
+        hs, hr = (keys[native.REGION_NAMES.index(n)] for n in native.HEADER_REGIONS)
 
-        def header(epoch, imm):  # rank 0's (all-zero) header into its round-1 slot of `epoch`
-            a.post_write(1, keys[0], 0, r1, pb.round1_offset(epoch, 0), pb.hdr_bytes, imm=imm)
+        def header(epoch, imm):  # rank 0's (all-zero) header into its header slot of `epoch`
+            a.post_write(1, hs, 0, hr, ((epoch & 1) * 2 + 0) * pb.hdr_bytes, pb.hdr_bytes, imm=imm)
 
         pb.ring("dispatch", 1)
         stray = [make_imm(native.PHASE_D0, 1, src=1), make_imm(native.PHASE_D2, 1, src=0),
@@ -362,10 +360,11 @@ def test_config_errors_and_combine_misuse():
         # and rows land in its own parity copy, and epoch 1's copy survives epoch 2
         for e in (1, 2):
             for px, me in ((pa, 0), (pb, 1)):
-                hdr = px.disp_send[:px.hdr_bytes].view(np.int32)
-                hdr[:2] = [0, 3] if me == 0 else [3, 0]
-                hdr[2:4] = [me, 10 * e]
-                px.disp_send[px.hdr_bytes:px.hdr_bytes + 3 * RB] = 10 * e + me
+                for p in range(2):
+                    hdr = px.header(p)
+                    hdr[:2] = [0, 3] if me == 0 else [3, 0]
+                    hdr[2:4] = [me, 10 * e]
+                px.disp_send[:3 * RB] = 10 * e + me
                 px.ring("dispatch", e)
             for px, me in ((pa, 0), (pb, 1)):
                 px.wait_ready("dispatch", e, 10)
@@ -374,13 +373,14 @@ def test_config_errors_and_combine_misuse():
                 s = 1 - me
                 o = px.round1_offset(e, s)
                 slot = px.round1[o:o + px.slot_bytes]
-                assert list(slot[:px.hdr_bytes].view(np.int32)[:4]) == ([0, 3] if s == 0 else [3, 0]) + [s, 10 * e]
-                assert (slot[px.hdr_bytes:px.hdr_bytes + 2 * RB] == 10 * e + s).all()
+                assert list(px.received_header(e, s)[:4]) == ([0, 3] if s == 0 else [3, 0]) + [s, 10 * e]
+                assert (slot[:2 * RB] == 10 * e + s).all()
                 ov = px.overflow[px.overflow_offset(e):px.overflow_offset(e) + 4 * RB]
                 assert (ov[:RB] == 10 * e + s).all() and not ov[RB:].any()
         assert px.round1_offset(1, 0) == 2 * px.slot_bytes and px.overflow_offset(2) == 0
-        assert dict(px.region_bytes) == {"disp_send": px.hdr_bytes + 8 * RB, "round1": 2 * 2 * px.slot_bytes,
-                                         "overflow": 2 * 4 * RB, "comb_send": (2 + 4) * CRB, "comb_recv": 2 * 8 * CRB}
+        assert dict(px.region_bytes) == {"disp_send": 8 * RB, "round1": 2 * 2 * px.slot_bytes,
+                                         "overflow": 2 * 4 * RB, "comb_send": (2 + 4) * CRB, "comb_recv": 2 * 8 * CRB,
+                                         "hdr_send": 2 * px.hdr_bytes, "hdr_recv": 2 * 2 * px.hdr_bytes}
         # a combine doorbell for an older dispatch than the last one: refused as stale
         pa.ring("combine", 1)
         with pytest.raises(NativeError, match="combine doorbell for epoch 1 but the last dispatch was epoch 2"):

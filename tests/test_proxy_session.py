@@ -24,17 +24,16 @@ def _session_worker(rank, R, node_size, cap):
         np.fill_diagonal(C, 0)
     px = start_proxy(group, num_local_experts=EL, row_bytes=RB, comb_row_bytes=CRB, private_capacity=cap,
                      overflow_capacity=R * 8, max_send_rows=R * 8, timeout_s=20, streams=2)
-    HDR = px.hdr_bytes
     got = []
     try:
         for e, C in enumerate(counts, start=1):
-            for p, off in px.disp_offsets(C[rank]).items():
-                hdr = px.disp_send[off:off + HDR].view(np.int32)
+            for p in range(R):
+                hdr = px.header(p)
                 hdr[:R] = C[rank]
                 hdr[R:R + EL] = e
-                if px.remote(p):
-                    n = int(C[rank, p])
-                    px.disp_send[off + HDR:off + HDR + n * RB] = _rows(e, rank, p, n).reshape(-1)
+            for p, off in px.disp_offsets(C[rank]).items():
+                n = int(C[rank, p])
+                px.disp_send[off:off + n * RB] = _rows(e, rank, p, n).reshape(-1)
             px.ring("dispatch", e)
             px.wait_ready("dispatch", e, 20)
             received = {}
@@ -42,14 +41,14 @@ def _session_worker(rank, R, node_size, cap):
                 if s == rank:
                     continue
                 base = px.round1_offset(e, s)
-                hdr = px.round1[base:base + HDR].view(np.int32)
+                hdr = px.received_header(e, s)
                 assert hdr[:R].tolist() == C[s].tolist() and hdr[R:R + EL].tolist() == [e] * EL
                 if px.remote(s):
                     c = int(C[s, rank])
                     n1 = min(c, cap)
                     o = sum(max(0, int(C[q, rank]) - cap) for q in range(s) if q != rank and px.remote(q))
                     o = px.overflow_offset(e) + o * RB
-                    rows = np.concatenate([px.round1[base + HDR:base + HDR + n1 * RB].reshape(n1, RB),
+                    rows = np.concatenate([px.round1[base:base + n1 * RB].reshape(n1, RB),
                                            px.overflow[o:o + (c - n1) * RB].reshape(c - n1, RB)])
                     assert np.array_equal(rows, _rows(e, s, rank, c)), (e, s)
                     received[s] = rows

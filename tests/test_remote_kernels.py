@@ -49,6 +49,7 @@ def _format_worker(rank, world_size, node_size, cap):
         buf.combine(torch.zeros(h.expert_x.shape, dtype=torch.bfloat16), h)
         send = rp.regions["disp_send"]
         words = send.view(torch.int32)
+        hwords = rp.regions["hdr_send"].view(torch.int32)
         HDR, RB, PW = sp.hdr_bytes, sp.row_bytes, sp.payload_bytes // 4
         dst = torch.where(ids >= 0, ids // EL, -1)
 
@@ -66,9 +67,7 @@ def _format_worker(rank, world_size, node_size, cap):
                     seen[e] = j[t, k] + 1
         o, roff = 0, 0
         for p in range(R):
-            if p == rank:
-                continue
-            hdr = words[o // 4:o // 4 + R + EL]
+            hdr = hwords[p * HDR // 4:p * HDR // 4 + R + EL]  # (its own slot too: the proxy reads its counts there)
             if hdr[:R].tolist() != cnt:
                 fails.append(f"rank {rank}: header for {p}: counts {hdr[:R].tolist()} != {cnt}")
             sel = [int((ids == p * EL + e).sum()) for e in range(EL)]
@@ -76,7 +75,7 @@ def _format_worker(rank, world_size, node_size, cap):
                 fails.append(f"rank {rank}: header for {p}: selections {hdr[R:].tolist()} != {sel}")
             if sp.remote(p):
                 for i, t in enumerate(rows_to(ids, p)):
-                    row = o + HDR + i * RB
+                    row = o + i * RB
                     tr = words[row // 4 + PW:row // 4 + PW + 1 + 3 * K]
                     lid = torch.where(dst[t] == p, ids[t] - p * EL, -1)
                     want = [t] + lid.tolist() + torch.where(lid >= 0, j[t], tr[1 + K:1 + 2 * K].long()).tolist()
@@ -93,7 +92,7 @@ def _format_worker(rank, world_size, node_size, cap):
                         fails.append(f"rank {rank}: comb_row[{t}, {first}] = {int(rp.state.comb_row[t, first])}, "
                                      f"expected {roff + i}")
                 roff += cnt[p]
-            o += HDR + (cnt[p] * RB if sp.remote(p) else 0)
+                o += cnt[p] * RB
         # Selections that are not a token's first on a remote rank have no combine row.
         for t in range(ids.shape[0]):
             for k in range(K):
@@ -101,15 +100,15 @@ def _format_worker(rank, world_size, node_size, cap):
                 first_remote = p >= 0 and sp.remote(p) and all(int(dst[t, q]) != p for q in range(k))
                 if not first_remote and int(rp.state.comb_row[t, k]) != -1:
                     fails.append(f"rank {rank}: comb_row[{t}, {k}] = {int(rp.state.comb_row[t, k])}, expected -1")
-        # Round-1 headers of epoch 1 (parity copy 1): every source's count vector.
-        r1 = rp.regions["round1"].view(torch.int32)
+        # Received headers of epoch 1 (parity copy 1): every source's count vector.
+        r1 = rp.regions["hdr_recv"].view(torch.int32)
         for s in range(R):
             if s == rank:
                 continue
-            at = (1 * R + s) * sp.slot_bytes // 4
+            at = (1 * R + s) * HDR // 4
             want = [len(rows_to(_inputs(s, R)[1], p)) for p in range(R)]
             if r1[at:at + R].tolist() != want:
-                fails.append(f"rank {rank}: round-1 header of {s}: {r1[at:at + R].tolist()} != {want}")
+                fails.append(f"rank {rank}: received header of {s}: {r1[at:at + R].tolist()} != {want}")
         # The trace of dispatch 1 (its combine, which carries its epoch, after disp_ready): what
         # was posted to and counted from whom.
         ev = [(kind, peer) for _, kind, peer, epoch in rp.proxy.trace() if epoch == 1]
@@ -141,7 +140,7 @@ def test_sizes_match_the_proxy():
         assert sp.row_bytes % 16 == 0 and sp.row_bytes >= sp.payload_bytes + 4 * (1 + 3 * k)
         assert sp.hdr_bytes == native.hdr_bytes(4, 4)
         cfg = native.ProxyConfig(1, 4, 2, 4, sp.row_bytes, sp.comb_row_bytes, 5, 40, sp.max_send_rows, 1, 0, 0)
-        need = (native.ctypes.c_uint64 * 5)()
+        need = (native.ctypes.c_uint64 * len(REGIONS))()
         native.lib().moe_ep_proxy_region_bytes(native.ctypes.byref(cfg), need)
         assert list(need) == [sp.region_bytes()[n] for n in REGIONS]
     assert RemoteSpec(0, 2, 1, 2, 8, 7168, 128, True, 4, 8).row_bytes == 7504  # 7168 + 4*56 + 4*25, aligned

@@ -925,29 +925,29 @@ def test_verbs_proxy_dispatch_combine_two_nodes(cap, nics, min_shard):
         _connect_all(engines)
         for px in pxs:
             px.start()
-        HDR = pxs[0].hdr_bytes
         rng = np.random.default_rng(3)
         for e in range(1, 4):
             C = rng.integers(0, 6, size=(R, R))
             np.fill_diagonal(C, 0)
             for r, px in enumerate(pxs):
-                for p, off in px.disp_offsets(C[r]).items():
-                    hdr = px.disp_send[off:off + HDR].view(np.int32)
+                for p in range(R):
+                    hdr = px.header(p)
                     hdr[:R], hdr[R:R + EL] = C[r], e
+                for p, off in px.disp_offsets(C[r]).items():
                     n = int(C[r, p])
-                    px.disp_send[off + HDR:off + HDR + n * RB] = _rows(e, r, p, n).reshape(-1)
+                    px.disp_send[off:off + n * RB] = _rows(e, r, p, n).reshape(-1)
                 px.ring("dispatch", e)
             for px in pxs:
                 px.wait_ready("dispatch", e, 60)
             for r, px in enumerate(pxs):
                 s = 1 - r
                 base = px.round1_offset(e, s)
-                hdr = px.round1[base:base + HDR].view(np.int32)
+                hdr = px.received_header(e, s)
                 assert hdr[:R].tolist() == C[s].tolist() and hdr[R:R + EL].tolist() == [e] * EL
                 c = int(C[s, r])
                 n1 = min(c, cap)
                 o = px.overflow_offset(e)  # the only remote source: overflow rows from offset 0
-                rows = np.concatenate([px.round1[base + HDR:base + HDR + n1 * RB].reshape(n1, RB),
+                rows = np.concatenate([px.round1[base:base + n1 * RB].reshape(n1, RB),
                                        px.overflow[o:o + (c - n1) * RB].reshape(c - n1, RB)])
                 assert np.array_equal(rows, _rows(e, s, r, c)), (e, s, r)
                 px.comb_send[:c * CRB] = rows[:, :CRB].reshape(-1)

@@ -47,7 +47,7 @@ int copy_str(const std::string& s, char* buf, size_t len) {
 #pragma GCC visibility push(default)
 extern "C" {
 
-int moe_ep_abi_version() { return 7; }  // 7: the mailbox of 8 + 4R words, per-peer bells and ready words
+int moe_ep_abi_version() { return 8; }  // 8: seven proxy regions (headers apart from rows); 7: the mailbox of 8 + 4R words
 
 // How this library was built, for bug reports (python -m moe_ep.doctor): the compiler, the C++
 // standard and the builder's flags, which setup.py and the in-tree build of

@@ -36,12 +36,14 @@ const char* phase_name(int ph) { return ph == kPhaseD1 ? "dispatch round 1" : ph
 void proxy_region_bytes(const ProxyConfig& c, uint64_t out[kNumRegions]) {
   const int64_t hdr = proxy_hdr_bytes(c.world_size, c.num_local_experts);
   const int64_t n_remote = c.world_size - c.node_size;
-  out[kRegDispSend] = uint64_t((c.world_size - 1) * hdr + c.max_send_rows * c.row_bytes);
-  // The three regions peers write into hold two copies each, picked by epoch & 1 (§10).
-  out[kRegRound1] = uint64_t(2 * c.world_size * (hdr + c.private_capacity * c.row_bytes));
+  out[kRegDispSend] = uint64_t(c.max_send_rows * c.row_bytes);
+  // The four regions peers write into hold two copies each, picked by epoch & 1 (§10).
+  out[kRegRound1] = uint64_t(2 * c.world_size * c.private_capacity * c.row_bytes);
   out[kRegOverflow] = uint64_t(2 * c.overflow_capacity * c.row_bytes);
   out[kRegCombSend] = uint64_t((n_remote * c.private_capacity + c.overflow_capacity) * c.comb_row_bytes);
   out[kRegCombRecv] = uint64_t(2 * c.max_send_rows * c.comb_row_bytes);
+  out[kRegHdrSend] = uint64_t(c.world_size * hdr);
+  out[kRegHdrRecv] = uint64_t(2 * c.world_size * hdr);
 }
 
 Proxy* Proxy::create(Transport* t, const ProxyConfig& cfg, void* const regions[kNumRegions],
@@ -66,7 +68,8 @@ Proxy* Proxy::create(Transport* t, const ProxyConfig& cfg, void* const regions[k
            nullptr;
   uint64_t need[kNumRegions];
   proxy_region_bytes(cfg, need);
-  static const char* names[kNumRegions] = {"dispatch send", "round-1", "overflow", "combine send", "combine receive"};
+  static const char* names[kNumRegions] = {"dispatch send", "round-1", "overflow", "combine send", "combine receive",
+                                              "header send", "header receive"};
   for (int i = 0; i < kNumRegions; ++i)
     if (lens[i] < need[i] || (lens[i] > 0 && !regions[i]))
       return set_error(kErrInvalid, pre + std::string(names[i]) + " region has " + std::to_string(lens[i]) +
@@ -388,16 +391,17 @@ bool Proxy::fail_writes(int phase, int64_t epoch) {
 bool Proxy::run_dispatch(int64_t epoch) {
   const int64_t deadline = mono_ns() + cfg_.timeout_ns;
   const int R = int(cfg_.world_size), me = int(cfg_.rank);
-  const int64_t RB = cfg_.row_bytes, cap = cfg_.private_capacity, slot = hdr_ + cap * RB;
-  // Parity copies: round-1 slots of epoch e at (e & 1) * R * slot, overflow at (e & 1) * ovcap.
-  const uint64_t r1_base = uint64_t((epoch & 1) * R * slot);
+  const int64_t RB = cfg_.row_bytes, cap = cfg_.private_capacity, slot = cap * RB;
+  // Parity copies: round-1 slots of epoch e at (e & 1) * R * slot, headers at (e & 1) * R * HDR,
+  // overflow at (e & 1) * ovcap.
+  const uint64_t r1_base = uint64_t((epoch & 1) * R * slot), h_base = uint64_t((epoch & 1) * R * hdr_);
   const uint64_t ov_base = uint64_t((epoch & 1) * cfg_.overflow_capacity * RB);
   trace_event(kTrHdrBell, -1, epoch);
   n_posted_ = 0;
   std::fill(posted_to_.begin(), posted_to_.end(), 0);
-  // Own count vector: HDR of the first peer, at offset 0 of the send buffer.
+  // Own count vector: the start of this rank's own header slot.
   std::vector<int32_t> C(size_t(R) * R);
-  std::memcpy(&C[size_t(me) * R], reg_[kRegDispSend], 4 * size_t(R));
+  std::memcpy(&C[size_t(me) * R], reg_[kRegHdrSend] + uint64_t(me * hdr_), 4 * size_t(R));
   int64_t rows = 0;
   for (int p = 0; p < R; ++p) {
     const int32_t c = C[size_t(me) * R + p];
@@ -408,21 +412,21 @@ bool Proxy::run_dispatch(int64_t epoch) {
     return fail(kProxyInvalid, -1, kPhaseD1, epoch,
                 std::to_string(rows) + " rows to remote peers exceed the send buffer's " +
                     std::to_string(cfg_.max_send_rows));
-  // [HDR_p | rows_p] of every peer p != me, in rank order.
+  // rows_p of every remote peer p, in rank order.
   std::vector<uint64_t> off(R, 0);
   uint64_t o = 0;
   for (int p = 0; p < R; ++p) {
-    if (p == me) continue;
+    if (p == me || !remote(p)) continue;
     off[p] = o;
-    o += uint64_t(hdr_ + (remote(p) ? C[size_t(me) * R + p] : 0) * RB);
+    o += uint64_t(C[size_t(me) * R + p] * RB);
   }
-  const uint64_t my_slot = r1_base + uint64_t(me * slot);
+  const uint64_t my_slot = r1_base + uint64_t(me * slot), my_hdr = h_base + uint64_t(me * hdr_);
   std::vector<int> others;
   for (int p = 0; p < R; ++p)
     if (p != me) others.push_back(p);
   // Headers first: they are ready before any row is packed, and the receivers place rows with them.
   for (int p : others) {
-    if (!post(kPhaseD0, epoch, p, kRegDispSend, off[p], kRegRound1, my_slot, uint64_t(hdr_))) return false;
+    if (!post(kPhaseD0, epoch, p, kRegHdrSend, uint64_t(p * hdr_), kRegHdrRecv, my_hdr, uint64_t(hdr_))) return false;
     trace_event(kTrPostD0, p, epoch);
   }
   auto c_to = [&](int s, int p) -> int64_t { return C[size_t(s) * R + p]; };
@@ -438,7 +442,7 @@ bool Proxy::run_dispatch(int64_t epoch) {
   auto on_header = [&](int s) {
     got_hdr[s] = 1;
     trace_event(kTrGotD0, s, epoch);
-    std::memcpy(&C[size_t(s) * R], reg_[kRegRound1] + r1_base + uint64_t(s * slot), 4 * size_t(R));
+    std::memcpy(&C[size_t(s) * R], reg_[kRegHdrRecv] + h_base + uint64_t(s * hdr_), 4 * size_t(R));
     for (int p = 0; p < R; ++p)
       if (C[size_t(s) * R + p] < 0)
         return fail(kProxyInvalid, s, kPhaseD1, epoch, "peer " + std::to_string(s) + " sent a negative count");
@@ -466,8 +470,7 @@ bool Proxy::run_dispatch(int64_t epoch) {
       trace_event(kTrRowsBell, p, epoch);
       const int64_t n1 = std::min(c_to(me, p), cap);
       if (n1 > 0) {
-        if (!post(kPhaseD1, epoch, p, kRegDispSend, off[p] + uint64_t(hdr_), kRegRound1, my_slot + uint64_t(hdr_),
-                  uint64_t(n1 * RB)))
+        if (!post(kPhaseD1, epoch, p, kRegDispSend, off[p], kRegRound1, my_slot, uint64_t(n1 * RB)))
           return false;
         trace_event(kTrPostD1, p, epoch);
       }
@@ -523,7 +526,7 @@ bool Proxy::run_dispatch(int64_t epoch) {
         int64_t roff = 0;
         for (int s = 0; s < me; ++s)
           if (s != p && s / cfg_.node_size != p / cfg_.node_size) roff += ov(s, p);
-        const uint64_t loff = off[p] + uint64_t(hdr_ + cap * RB);
+        const uint64_t loff = off[p] + uint64_t(cap * RB);
         if (!post(kPhaseD2, epoch, p, kRegDispSend, loff, kRegOverflow, ov_base + uint64_t(roff * RB), uint64_t(n2 * RB)))
           return false;
         trace_event(kTrPostD2, p, epoch);

@@ -71,9 +71,20 @@ inline uint32_t make_imm(int phase, int src, int64_t epoch) {
 }
 
 // Region order (registration order, hence the key order on every rank). The regions peers write
-// into (round-1, overflow, combine receive) hold two copies each; epoch e uses copy e & 1, at
-// (e & 1) * (the copy's size), so several dispatches in a row are safe (§10).
-enum : int { kRegDispSend = 0, kRegRound1 = 1, kRegOverflow = 2, kRegCombSend = 3, kRegCombRecv = 4, kNumRegions = 5 };
+// into (round-1, overflow, combine receive, header receive) hold two copies each; epoch e uses
+// copy e & 1, at (e & 1) * (the copy's size), so several dispatches in a row are safe (§10).
+// The five row regions hold rows only, so they may be GPU memory where the transport registers
+// it; the proxy reads counts only from the two header regions, which are host memory.
+enum : int {
+  kRegDispSend = 0,  // rows for each remote peer, in rank order: [rows_p]
+  kRegRound1 = 1,    // [2][R][cap rows]: each source's first cap rows
+  kRegOverflow = 2,  // [2][overflow rows]
+  kRegCombSend = 3,
+  kRegCombRecv = 4,
+  kRegHdrSend = 5,   // [R][HDR]: the header for each peer (this rank's own slot: its count vector too)
+  kRegHdrRecv = 6,   // [2][R][HDR]: each source's header
+  kNumRegions = 7
+};
 
 // Part of the C ABI (moe_ep_proxy_create): all fields int64.
 struct ProxyConfig {

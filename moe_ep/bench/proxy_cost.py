@@ -113,11 +113,12 @@ def _rank_main(rank, R, transport, streams, warmup, epochs, poll, cap, conn):
         eng.connect(conn.recv(), timeout_s=30)
         counts = np.ones(R, np.int32)
         counts[rank] = 0
-        for p, off in px.disp_offsets(counts).items():  # one 16-byte row to every peer, every epoch
-            hdr = px.disp_send[off:off + px.hdr_bytes].view(np.int32)
+        for p in range(R):
+            hdr = px.header(p)
             hdr[:R] = counts
             hdr[R] = 1
-            px.disp_send[off + px.hdr_bytes:off + px.hdr_bytes + RB] = p
+        for p, off in px.disp_offsets(counts).items():  # one 16-byte row to every peer, every epoch
+            px.disp_send[off:off + RB] = p
         px.comb_send[:(R - 1) * CRB] = rank
         px.start()
         conn.send("ready")
@@ -140,7 +141,7 @@ def _rank_main(rank, R, transport, streams, warmup, epochs, poll, cap, conn):
         for s in range(R):
             if s != rank:
                 if cap:
-                    got = px.round1[px.round1_offset(e, s) + px.hdr_bytes:][:RB]
+                    got = px.round1[px.round1_offset(e, s):][:RB]
                 else:
                     got = px.overflow[px.overflow_offset(e) + RB * (s - (s > rank)):][:RB]
                 assert (got == rank).all(), s

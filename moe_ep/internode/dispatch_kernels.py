@@ -69,11 +69,10 @@ def selections_before(topk_ptr, ehist_ptr, idf, c, BT, K: tl.constexpr, CMAX: tl
 def pack_chunk_for(d, c, first_peer, off16, roff, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, send_ptr, comb_row_ptr,
                    T, BT, ME: tl.constexpr, N: tl.constexpr, E: tl.constexpr, EL: tl.constexpr, K: tl.constexpr, H: tl.constexpr,
                    NB: tl.constexpr, CMAX: tl.constexpr, FP8: tl.constexpr, PREQ: tl.constexpr,
-                   DIRECT: tl.constexpr, REM_PW: tl.constexpr, REM_RB: tl.constexpr, REM_HDR: tl.constexpr,
-                   SEND16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+                   DIRECT: tl.constexpr, REM_PW: tl.constexpr, REM_RB: tl.constexpr, SEND16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
                    BLOCK_RH: tl.constexpr, INTERP: tl.constexpr):
     """Chunk ``c``'s rows for remote rank ``d`` into ``rows_d`` of the send buffer (``off16``: where
-    ``[HDR_d | rows_d]`` starts, in 16-byte units; ``ME``: this rank): one row per token with a selection on ``d``, in
+    ``rows_d`` starts, in 16-byte units; ``ME``: this rank): one row per token with a selection on ``d``, in
     token order, its trailer, and the token's combine row index ``roff + its row`` at its first
     selection on ``d`` in ``comb_row`` [M, K]. ``first_peer``: the chunk's first remote peer also
     writes -1 at every other selection of ``comb_row`` (each (token, k) is written once)."""
@@ -108,7 +107,7 @@ def pack_chunk_for(d, c, first_peer, off16, roff, x_ptr, xs_ptr, topk_ptr, w_ptr
                    (BLOCK_T, BLOCK_K))
     w = tl.load(w_ptr + t[:, None] * K + kk[None, :], mask=cm, other=0.0)
     # Rows in 16-byte units, so the compiler sees every row address 16-byte aligned (vector stores).
-    row16 = off16 + REM_HDR // 16 + pos.to(tl.int64) * (REM_RB // 16)
+    row16 = off16 + pos.to(tl.int64) * (REM_RB // 16)
     ok = go & (row16 + REM_RB // 16 <= SEND16)  # never past the send buffer (the count check records it)
     words = send_ptr.to(tl.pointer_type(tl.int32))
     tw = words + row16 * 4 + REM_PW
@@ -136,7 +135,8 @@ def internode_dispatch_send_kernel(
     offsets_ptr, recv_pos_ptr, scratch_ptr, sel_ptr, route_ptr, T, BT, NC, timeout_ns, rows_from_ptr, recv_ids_ptr,
     recv_wts_ptr, recv_src_ptr, num_recv_ptr,
     # the remote peers'
-    send_ptr,          # uint8: the proxy's dispatch send buffer
+    send_ptr,          # uint8: the proxy's dispatch send buffer, rows only (host or GPU memory)
+    hdr_send_ptr,      # uint8: the proxy's header send region, [R][REM_HDR] (host memory)
     mb_ptr,            # int64: the proxy's mailbox (host memory)
     arrive_ptr,        # int32 [R + 1]: programs done with each peer's rows ([R]: with the headers); 0 between launches
     comb_row_ptr,      # int32 [M, K]: out, combine row index of each token's first selection on a remote rank, else -1
@@ -167,12 +167,12 @@ def internode_dispatch_send_kernel(
     rmask = rr < R
     remote = rmask & (rr // N != ME // N)
     # Every program derives the count vector and the send buffer's layout (no program waits for
-    # another); offsets in 16-byte units (REM_HDR and REM_RB are multiples of 16).
+    # another); offsets in 16-byte units (REM_RB is a multiple of 16).
     cnt = rank_counts(topk_ptr, hist_ptr + (E + N) * CMAX, T, NC, R, E, EL, K, CMAX, DIRECT, BLOCK_R, BLOCK_K, BLOCK_C)
     rows = tl.where(remote, cnt, 0)
-    off16 = excl(tl.where(rmask & (rr != ME), REM_HDR // 16 + rows.to(tl.int64) * (REM_RB // 16), 0))
+    off16 = excl(rows.to(tl.int64) * (REM_RB // 16))
     roff = excl(rows)  # each remote owner's first row in the combine receive region (rank order)
-    SEND16: tl.constexpr = ((R - 1) * REM_HDR + MAXROWS * REM_RB) // 16
+    SEND16: tl.constexpr = MAXROWS * REM_RB // 16
     ee = tl.arange(0, BLOCK_EL)
     if pid == 0:
         if tl.sum(rows) > MAXROWS:  # the proxy refuses these counts too; nothing is written past the buffer
@@ -181,16 +181,15 @@ def internode_dispatch_send_kernel(
                             DIRECT=DIRECT, BLOCK_EL=BLOCK_EL, BLOCK_C=BLOCK_C)
         tl.store(own_ptr + ee, mine, mask=ee < EL)
         tl.store(own_ptr + EL, pick(cnt, rr, ME))
-    # Headers first: the receivers place every row with them.
-    words = send_ptr.to(tl.pointer_type(tl.int32))
+    # Headers first: the receivers place every row with them. Slot d: the count vector and d's
+    # selections (this rank's own slot too: the proxy reads its count vector there).
+    words = hdr_send_ptr.to(tl.pointer_type(tl.int32))
     for d in range(pid, R, P):
-        o16 = pick(off16, rr, d)
-        if (d != ME) & (o16 + REM_HDR // 16 <= SEND16):
-            hp = words + o16 * 4
-            tl.store(hp + rr, cnt, mask=rmask)
-            sel = local_counts(topk_ptr=topk_ptr, hist_ptr=hist_ptr, T=T, NC=NC, d=d, E=E, EL=EL, K=K, CMAX=CMAX,
-                               DIRECT=DIRECT, BLOCK_EL=BLOCK_EL, BLOCK_C=BLOCK_C)
-            tl.store(hp + R + ee, sel, mask=ee < EL)
+        hp = words + d * (REM_HDR // 4)
+        tl.store(hp + rr, cnt, mask=rmask)
+        sel = local_counts(topk_ptr=topk_ptr, hist_ptr=hist_ptr, T=T, NC=NC, d=d, E=E, EL=EL, K=K, CMAX=CMAX,
+                           DIRECT=DIRECT, BLOCK_EL=BLOCK_EL, BLOCK_C=BLOCK_C)
+        tl.store(hp + R + ee, sel, mask=ee < EL)
     arrive_and_ring(arrive_ptr + R, mb_ptr, MB_HDR_BELL, epoch)
     # Rows, peer by peer: the proxy posts a peer's rows while the next one is packed.
     for q in range(R - N):
@@ -199,8 +198,7 @@ def internode_dispatch_send_kernel(
             pack_chunk_for(d=d, c=c, first_peer=q == 0, off16=pick(off16, rr, d), roff=pick(roff, rr, d), x_ptr=x_ptr,
                            xs_ptr=xs_ptr, topk_ptr=topk_ptr, w_ptr=w_ptr, hist_ptr=hist_ptr, send_ptr=send_ptr,
                            comb_row_ptr=comb_row_ptr, T=T, BT=BT, ME=ME, N=N, E=E, EL=EL, K=K, H=H, NB=NB, CMAX=CMAX,
-                           FP8=FP8, PREQ=PREQ, DIRECT=DIRECT, REM_PW=REM_PW, REM_RB=REM_RB, REM_HDR=REM_HDR,
-                           SEND16=SEND16, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, BLOCK_C=BLOCK_C, BLOCK_RH=BLOCK_RH,
+                           FP8=FP8, PREQ=PREQ, DIRECT=DIRECT, REM_PW=REM_PW, REM_RB=REM_RB, SEND16=SEND16, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, BLOCK_C=BLOCK_C, BLOCK_RH=BLOCK_RH,
                            INTERP=INTERP)
         arrive_and_ring(arrive_ptr + d, mb_ptr, rows_bell(R, d), epoch)
     dispatch_kernel(
@@ -218,18 +216,18 @@ def internode_dispatch_send_kernel(
 
 
 @triton.jit
-def count_matrix(round1_ptr, own_ptr, sel_ptr, rows_from_ptr, ok, par, ME: tl.constexpr, R: tl.constexpr,
-                 EL: tl.constexpr, REM_SLOT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EL: tl.constexpr):
+def count_matrix(hdr_recv_ptr, own_ptr, sel_ptr, rows_from_ptr, ok, par, ME: tl.constexpr, R: tl.constexpr,
+                 EL: tl.constexpr, REM_HDR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EL: tl.constexpr):
     """This program's copy of the count matrix ``sel`` [R, EL] (selections of each local expert from
-    each source: row ``s`` from ``s``'s header in the epoch's round-1 copy, this rank's own from
+    each source: row ``s`` from ``s``'s header in the epoch's header copy, this rank's own from
     ``own``) and of ``rows_from`` [R] (each source's rows for this rank), loaded as one tile each
     (host memory: one round of reads, not one per source). Zeros where the headers are not
     in (``ok`` 0: the error is recorded)."""
     rr = tl.arange(0, BLOCK_R)
     ee = tl.arange(0, BLOCK_EL)
     em = ee < EL
-    r1w = round1_ptr.to(tl.pointer_type(tl.int32))
-    hdr = ((par * R + rr) * REM_SLOT) // 4
+    r1w = hdr_recv_ptr.to(tl.pointer_type(tl.int32))
+    hdr = ((par * R + rr) * REM_HDR) // 4
     peer = (rr < R) & (rr != ME) & (ok != 0)
     sel = tl.load(r1w + hdr[:, None] + R + ee[None, :], mask=peer[:, None] & em[None, :], other=0)
     sel += tl.where((rr == ME)[:, None], tl.load(own_ptr + ee, mask=em, other=0)[None, :], 0)
@@ -315,8 +313,9 @@ def internode_dispatch_recv_kernel(
     offsets_ptr, recv_pos_ptr, scratch_ptr, sel_ptr, route_ptr, T, BT, NC, timeout_ns, rows_from_ptr, recv_ids_ptr,
     recv_wts_ptr, recv_src_ptr, num_recv_ptr,
     # the remote sources'
-    round1_ptr,        # uint8: the round-1 region, [2][R][REM_HDR + PCAP * REM_RB]
-    overflow_ptr,      # uint8: the overflow region, [2][OVCAP * REM_RB]
+    round1_ptr,        # uint8: the round-1 region, [2][R][PCAP * REM_RB] (host or GPU memory)
+    overflow_ptr,      # uint8: the overflow region, [2][OVCAP * REM_RB] (host or GPU memory)
+    hdr_recv_ptr,      # uint8: the header receive region, [2][R][REM_HDR] (host memory)
     mb_ptr,            # int64: the proxy's mailbox
     own_ptr,           # int32 [EL + 1] from the send half
     rpos_ptr,          # int32 [ROWS_CAP, K]: out, layout row of each received (row, k), or -1 (rows: [g, 0] its row)
@@ -349,12 +348,12 @@ def internode_dispatch_recv_kernel(
     epoch = tl.load(state_ptr + pid) + 1
     par = epoch & 1
     ME: tl.constexpr = NODE0 + RANK
-    REM_SLOT: tl.constexpr = REM_HDR + PCAP * REM_RB
+    REM_SLOT: tl.constexpr = PCAP * REM_RB
     t0_ns = deadline_start(INTERP)
     ok = wait_word(mb_ptr, MB_HDR_READY, epoch, err_ptr, -1, PHASE_DISPATCH, t0_ns, rtimeout_ns, spins, INTERP)
     sel_p = sel_ptr + pid * (R * EL)
     rf_p = rows_from_ptr + pid * R
-    count_matrix(round1_ptr, own_ptr, sel_p, rf_p, ok, par, ME, R, EL, REM_SLOT, BLOCK_R, BLOCK_EL)
+    count_matrix(hdr_recv_ptr, own_ptr, sel_p, rf_p, ok, par, ME, R, EL, REM_HDR, BLOCK_R, BLOCK_EL)
     dispatch_kernel(
         x_ptr=x_ptr, xs_ptr=xs_ptr, topk_ptr=topk_ptr, w_ptr=w_ptr, hist_ptr=hist_ptr, peer_ptr=peer_ptr, ws=ws,
         state_ptr=state_ptr, err_ptr=err_ptr, out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr, counts_ptr=counts_ptr,
@@ -426,7 +425,7 @@ def internode_dispatch_recv_kernel(
                                     w2 = (par * OVCAP * REM_RB + (pick(ovoff, rr, s) + i - PCAP).to(tl.int64) * REM_RB) // 4
                                     src = ovw + tl.multiple_of(tl.where(im, w2, 0), 4)
                                 else:
-                                    w1 = ((par * R + s) * REM_SLOT + REM_HDR + i.to(tl.int64) * REM_RB) // 4
+                                    w1 = ((par * R + s) * REM_SLOT + i.to(tl.int64) * REM_RB) // 4
                                     src = r1w + tl.multiple_of(tl.where(im, w1, 0), 4)
                                 g = pick(goff, rr, s) + i
                                 if ROWS:

@@ -74,9 +74,11 @@ class RemotePath:
         st, reg = self.state, self.regions
         node = dict(sel_ptr=st.sel, rows_from_ptr=st.rows_from)
         if send:
-            return dict(node, send_ptr=reg["disp_send"], mb_ptr=self.mailbox, arrive_ptr=st.arrive,
+            return dict(node, send_ptr=reg["disp_send"], hdr_send_ptr=reg["hdr_send"], mb_ptr=self.mailbox,
+                        arrive_ptr=st.arrive,
                         comb_row_ptr=st.comb_row, own_ptr=st.own)
-        return dict(node, round1_ptr=reg["round1"], overflow_ptr=reg["overflow"], mb_ptr=self.mailbox,
+        return dict(node, round1_ptr=reg["round1"], overflow_ptr=reg["overflow"], hdr_recv_ptr=reg["hdr_recv"],
+                    mb_ptr=self.mailbox,
                     own_ptr=st.own, rpos_ptr=st.rpos, rw_ptr=st.rw, recv_rows_ptr=st.recv_rows,
                     rtimeout_ns=self.rtimeout_ns, spins=self.spins)
 

@@ -11,7 +11,10 @@ import torch
 from ..fp8 import num_scale_blocks
 from ..layout import max_chunks
 
-REGIONS = ("disp_send", "round1", "overflow", "comb_send", "comb_recv")  # the proxy's registration order
+# The proxy's registration order: five regions of rows (GPU memory where the transport can
+# register it), then the headers (host memory: the proxy reads the counts).
+REGIONS = ("disp_send", "round1", "overflow", "comb_send", "comb_recv", "hdr_send", "hdr_recv")
+ROW_REGIONS = REGIONS[:5]
 
 
 def _align(n: int, a: int) -> int:
@@ -97,7 +100,8 @@ class RemoteSpec:
 
     @property
     def slot_bytes(self) -> int:
-        return self.hdr_bytes + self.private_capacity * self.row_bytes
+        """One source's round-1 slot: its first ``private_capacity`` rows."""
+        return self.private_capacity * self.row_bytes
 
     @property
     def recv_rows(self) -> int:
@@ -118,11 +122,13 @@ class RemoteSpec:
     def region_bytes(self) -> dict:
         """Minimum byte size of each proxy region (``moe_ep_proxy_region_bytes``, in ``REGIONS`` order)."""
         R, hdr, rb, crb = self.world, self.hdr_bytes, self.row_bytes, self.comb_row_bytes
-        return {"disp_send": (R - 1) * hdr + self.max_send_rows * rb,
+        return {"disp_send": self.max_send_rows * rb,
                 "round1": 2 * R * self.slot_bytes,
                 "overflow": 2 * self.overflow_capacity * rb,
                 "comb_send": self.recv_rows * crb,
-                "comb_recv": 2 * self.max_send_rows * crb}
+                "comb_recv": 2 * self.max_send_rows * crb,
+                "hdr_send": R * hdr,
+                "hdr_recv": 2 * R * hdr}
 
     def proxy_kwargs(self) -> dict:
         """The ``moe_ep.proxy.Proxy`` arguments that must agree with these kernels."""

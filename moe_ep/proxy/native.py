@@ -173,7 +173,7 @@ def lib() -> ctypes.CDLL:
             _c(L, "moe_ep_launch_plan_destroy", None, i32)
             _c(L, "moe_ep_launch_plan_stage", u64, i32)
             _c(L, "moe_ep_launch_plan_params", i64, i32, ctypes.c_char_p, sz)
-            if L.moe_ep_abi_version() != 7:
+            if L.moe_ep_abi_version() != 8:
                 raise NativeError("native proxy library has an unexpected ABI version; rebuild moe_ep")
             _lib = L
         return _lib
@@ -741,7 +741,10 @@ def mailbox_word(name: str, world: int, rank: int) -> int:
 PROXY_OK, PROXY_TIMEOUT, PROXY_PEER_LOST, PROXY_CAPACITY, PROXY_INVALID, PROXY_TRANSPORT = 0, 1, 2, 3, 4, 5
 PHASE_D1, PHASE_D2, PHASE_C, PHASE_D0 = 0, 1, 2, 3  # D0: the headers (reported as round 1)
 PHASE_NAMES = {PHASE_D1: "dispatch", PHASE_D2: "dispatch", PHASE_C: "combine", PHASE_D0: "dispatch"}
-REGION_NAMES = ("disp_send", "round1", "overflow", "comb_send", "comb_recv")  # registration order
+# Registration order. The first five hold rows only (GPU memory where the transport can register
+# it); the proxy reads counts from the two header regions, which stay in host memory.
+REGION_NAMES = ("disp_send", "round1", "overflow", "comb_send", "comb_recv", "hdr_send", "hdr_recv")
+HEADER_REGIONS = ("hdr_send", "hdr_recv")
 
 
 # Immediate fields (csrc/proxy/proxy.h make_imm, §10): phase in bits 31..30, the source rank in
@@ -798,7 +801,7 @@ def proxy_region_bytes(world_size: int, *, node_size: int, num_local_experts: in
     (the native ``moe_ep_proxy_region_bytes``), for a caller that passes its own ``regions``."""
     cfg = ProxyConfig(0, world_size, node_size, num_local_experts, row_bytes, comb_row_bytes, private_capacity,
                       overflow_capacity, max_send_rows, 0, 0, 0)
-    need = (ctypes.c_uint64 * 5)()
+    need = (ctypes.c_uint64 * len(REGION_NAMES))()
     lib().moe_ep_proxy_region_bytes(ctypes.byref(cfg), need)
     return dict(zip(REGION_NAMES, (int(n) for n in need)))
 
@@ -806,17 +809,19 @@ def proxy_region_bytes(world_size: int, *, node_size: int, num_local_experts: in
 class Proxy(_Closable):
     """One rank's §10 proxy on a (not yet or already connected) ``Engine``.
 
-    The five regions (``disp_send``, ``round1``, ``overflow``, ``comb_send``, ``comb_recv``: uint8
-    numpy arrays, allocated here unless given) and the int64 ``mailbox`` are owned by this
-    object; they are registered with the engine at construction, in that order, so the engine
-    must see the same registrations in the same order on every rank. Then ``engine.connect``,
-    then ``start()``. The kernel side packs the send buffer (``disp_offsets``), calls
-    ``ring("dispatch", e)``, polls ``wait_ready("dispatch", e, timeout_s)``, and the same for
-    ``"combine"``. Any error stops the proxy; ``wait_ready`` then raises. ``close()`` before the
-    engine is closed.
+    The seven regions (``REGION_NAMES``: ``disp_send``, ``round1``, ``overflow``, ``comb_send``,
+    ``comb_recv`` hold rows; ``hdr_send``, ``hdr_recv`` the headers; uint8 arrays or tensors,
+    numpy arrays allocated here unless given) and the int64 ``mailbox`` are owned by this object;
+    they are registered with the engine at construction, in that order, so the engine must see
+    the same registrations in the same order on every rank. Then ``engine.connect``, then
+    ``start()``. The kernel side writes the headers (``header(p)``) and packs the send buffer
+    (``disp_offsets``), calls ``ring("dispatch", e)``, polls ``wait_ready("dispatch", e,
+    timeout_s)``, and the same for ``"combine"``. Any error stops the proxy; ``wait_ready`` then
+    raises. ``close()`` before the engine is closed.
 
     The regions peers write into hold two copies, picked by the epoch's parity (§10): epoch ``e``
-    finds its round-1 slot of source ``s`` at ``round1_offset(e, s)``, its overflow rows from
+    finds source ``s``'s header at ``received_header(e, s)``, its round-1 rows at
+    ``round1_offset(e, s)``, its overflow rows from
     ``overflow_offset(e)`` and its combine rows from ``comb_recv_offset(e)``.
     """
 
@@ -837,7 +842,7 @@ class Proxy(_Closable):
         self.row_bytes, self.comb_row_bytes = row_bytes, comb_row_bytes
         self.private_capacity, self.overflow_capacity = private_capacity, overflow_capacity
         self.max_send_rows = max_send_rows
-        self.slot_bytes = self.hdr_bytes + private_capacity * row_bytes  # one round-1 slot
+        self.slot_bytes = private_capacity * row_bytes  # one round-1 slot
         self.region_bytes = proxy_region_bytes(self.world, node_size=node_size, num_local_experts=num_local_experts,
                                                row_bytes=row_bytes, comb_row_bytes=comb_row_bytes,
                                                private_capacity=private_capacity,
@@ -849,14 +854,14 @@ class Proxy(_Closable):
             setattr(self, name, regions[name])
         self.mailbox = np.zeros(mailbox_words(self.world), np.int64) if mailbox is None else mailbox
         addrs = [_address(regions[n]) for n in REGION_NAMES]
-        ptrs = (ctypes.c_void_p * 5)(*[a[0] for a in addrs])
-        lens = (ctypes.c_uint64 * 5)(*[a[1] for a in addrs])
+        ptrs = (ctypes.c_void_p * len(addrs))(*[a[0] for a in addrs])
+        lens = (ctypes.c_uint64 * len(addrs))(*[a[1] for a in addrs])
         mb_ptr, mb_len = _address(self.mailbox)
         self._h = self._lib.moe_ep_proxy_create(engine.handle, ctypes.byref(self.cfg), ptrs, lens,
                                                 ctypes.cast(mb_ptr, ctypes.POINTER(ctypes.c_int64)), mb_len // 8)
         if not self._h:
             _raise(ERR_INVALID, f"rank {self.rank}: creating the proxy failed")
-        keys = (ctypes.c_uint32 * 5)()
+        keys = (ctypes.c_uint32 * len(REGION_NAMES))()
         self._lib.moe_ep_proxy_keys(self._h, keys)
         self.keys = dict(zip(REGION_NAMES, keys))
 
@@ -864,8 +869,18 @@ class Proxy(_Closable):
         return p // self.node_size != self.rank // self.node_size
 
     def round1_offset(self, epoch: int, s: int) -> int:
-        """Byte offset of source s's round-1 slot ``[HDR | min(c, cap) rows]`` for ``epoch``."""
+        """Byte offset of source s's round-1 slot (its first ``min(c, cap)`` rows) for ``epoch``."""
         return ((epoch & 1) * self.world + s) * self.slot_bytes
+
+    def header(self, p: int):
+        """The int32 view of this rank's header for peer ``p`` in ``hdr_send`` (``[R]`` count
+        vector, then ``[EL]`` selections of p's experts); slot ``rank``: its own count vector."""
+        return self.hdr_send[p * self.hdr_bytes:(p + 1) * self.hdr_bytes].view("int32")
+
+    def received_header(self, epoch: int, s: int):
+        """The int32 view of source ``s``'s header for ``epoch`` in ``hdr_recv``."""
+        o = ((epoch & 1) * self.world + s) * self.hdr_bytes
+        return self.hdr_recv[o:o + self.hdr_bytes].view("int32")
 
     def overflow_offset(self, epoch: int) -> int:
         """Byte offset of ``epoch``'s overflow copy (rows at sum of o_{s'p} over remote s' < s)."""
@@ -876,13 +891,13 @@ class Proxy(_Closable):
         return (epoch & 1) * self.max_send_rows * self.comb_row_bytes
 
     def disp_offsets(self, counts: Sequence[int]) -> dict[int, int]:
-        """Byte offset of ``[HDR_p | rows_p]`` in the send buffer for each peer p != rank (rank
-        order; rows only for remote p), from this rank's count vector."""
+        """Byte offset of ``rows_p`` in the send buffer for each remote peer p (rank order), from
+        this rank's count vector."""
         out, o = {}, 0
         for p in range(self.world):
-            if p != self.rank:
+            if self.remote(p):
                 out[p] = o
-                o += self.hdr_bytes + (counts[p] * self.row_bytes if self.remote(p) else 0)
+                o += counts[p] * self.row_bytes
         return out
 
     def start(self) -> None:
@@ -892,7 +907,8 @@ class Proxy(_Closable):
 
     def ring(self, phase: str, epoch: int) -> None:
         """Kernel stand-in: rings every bell of ``phase``: dispatch, each peer's rows bell and the
-        header bell (the send buffer holds every header and row); combine, each source's bell."""
+        header bell (``hdr_send`` holds every header, the send buffer every row); combine, each
+        source's bell."""
         W = self.world
         if phase == "dispatch":
             self.mailbox[mailbox_word("disp_bell", W, 0):mailbox_word("disp_bell", W, W)] = epoch
