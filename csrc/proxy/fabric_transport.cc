@@ -32,8 +32,7 @@ constexpr uint64_t kShardAlign = 64;
 constexpr size_t kSlot = 128;  // a receive's buffer (a hello, a goodbye or a keepalive lands there)
 constexpr uint32_t kMagicPing = 0x4950454d;  // "MEPI": a keepalive message (its receiver ignores it)
 // Keepalive (§9): a message to every peer from each endpoint's completion thread once a second;
-// one that fails loses the peer (tcp: the dead process's socket is gone), one not completed
-// within kLivenessNs too (udp;ofi_rxd and efa complete a send once the peer acknowledged it).
+// one that fails loses the peer, and so does none delivered for kLivenessNs (see keepalive()).
 constexpr int64_t kKeepaliveNs = 1'000'000'000;
 constexpr int64_t kLivenessNs = 5'000'000'000;
 
@@ -121,6 +120,7 @@ struct Link {
   std::atomic<int> bye_status{-2};    // own goodbye: -2 not sent, -1 pending, else its status
   std::atomic<bool> probing{false};   // a keepalive is posted and not completed
   std::atomic<int64_t> probe_ns{0};   // when it was posted
+  std::atomic<int64_t> alive_ns{0};   // the latest keepalive delivered (or when connected)
 };
 
 struct Peer {
@@ -326,7 +326,10 @@ class FabricTransport final : public Transport {
           }
           if (wp < 0) wp = p, wi = i;
         }
-        if (all) pr.up = true;
+        if (all) {
+          for (auto& ln : pr.link) ln->alive_ns = steady_now_ns();
+          pr.up = true;
+        }
       }
       if (wp < 0) break;
       const int64_t now = steady_now_ns();
@@ -399,6 +402,10 @@ class FabricTransport final : public Transport {
                      : l.ep->rma->write(l.ep, src, bytes, desc, l.peer_addr[size_t(peer)], addr, key, op);
         if (rc != -fi::EAGAIN_ || pr.lost || steady_now_ns() >= deadline) break;
         std::this_thread::sleep_for(std::chrono::microseconds(5));
+      }
+      if (rc != 0 && pr.lost) {  // lost meanwhile: lose_peer completed the write as lost
+        free_op(op);
+        return kOk;
       }
       if (rc != 0) {
         free_op(op);
@@ -705,21 +712,22 @@ class FabricTransport final : public Transport {
     }
   }
 
-  // Keepalives of endpoint i (kKeepaliveNs): to each connected peer not lost, one at a time; a
-  // keepalive pending for kLivenessNs loses the peer.
+  // Keepalives of endpoint i (kKeepaliveNs): to each connected peer not lost, one at a time. A
+  // peer none was delivered to for kLivenessNs is lost: rxd and efa complete one only once the
+  // peer acknowledged it; rxm answers -FI_EAGAIN for good once the peer's socket is gone.
   void keepalive(int i, int64_t now) {
     Lane& l = *lanes_[size_t(i)];
     for (int p = 0; p < world_; ++p) {
       Peer& pr = *peers_[size_t(p)];
       if (p == rank_ || !pr.up || pr.lost) continue;
       Link& ln = *pr.link[size_t(i)];
-      if (ln.probing) {
-        if (now - ln.probe_ns.load() > kLivenessNs)
-          lose_peer(p, "a keepalive message was not acknowledged within " + std::to_string(kLivenessNs / 1'000'000'000) +
-                           " s (its process or node is gone)", kCqPeerLost, i);
+      if (now - ln.alive_ns.load() > kLivenessNs) {
+        lose_peer(p, "no keepalive message reached it for " + std::to_string(kLivenessNs / 1'000'000'000) + " s (" +
+                         (ln.probing ? "one is still not acknowledged" : "posting one answers -FI_EAGAIN") +
+                         "; its process or node is gone)", kCqPeerLost, i);
         continue;
       }
-      if (now - ln.probe_ns.load() < kKeepaliveNs) continue;
+      if (ln.probing || now - ln.probe_ns.load() < kKeepaliveNs) continue;
       Op* op = new_op(OpKind::Ping, p);
       ln.probing = true;
       ln.probe_ns = now;
@@ -730,7 +738,7 @@ class FabricTransport final : public Transport {
         if (rc != -fi::EAGAIN_)
           lose_peer(p, std::string("sending a keepalive message failed: ") + api_.strerror(int(-rc)), kCqPeerLost, i);
         else
-          ln.probe_ns = now - kKeepaliveNs + kKeepaliveNs / 8;  // queue full: try again soon
+          ln.probe_ns = now - kKeepaliveNs + kKeepaliveNs / 8;  // try again soon
       }
     }
   }
@@ -810,7 +818,9 @@ class FabricTransport final : public Transport {
       }
       case OpKind::Ping: {
         free_op(op);
-        peers_[size_t(p)]->link[size_t(i)]->probing = false;
+        Link& ln = *peers_[size_t(p)]->link[size_t(i)];
+        if (err == 0) ln.alive_ns = steady_now_ns();
+        ln.probing = false;
         if (err != 0 && !stop_)
           lose_peer(p, "keepalive message failed: " + text + " (its process or node is gone)", kCqPeerLost, i);
         return;
