@@ -480,3 +480,16 @@ def test_fabric_proxy_dispatch_combine_two_nodes(prov, cap, eps):
             px.close()
         for e in engines:
             e.close()
+
+
+def test_select_transport_libfabric():
+    """``MOE_EP_TRANSPORT=libfabric`` is taken only when asked for, and fails naming why where no
+    provider fits; ``auto`` never picks it."""
+    S = light_import("internode.session")
+    assert "libfabric" in S.TRANSPORTS
+    yes = {"libfabric": lambda: (True, "provider tcp;ofi_rxm domain lo"), "efa": lambda: (False, "no efa"),
+           "verbs": lambda: (False, "no verbs")}
+    assert S.select_transport("libfabric", probes=yes) == ("libfabric", "MOE_EP_TRANSPORT=libfabric: provider tcp;ofi_rxm domain lo")
+    assert S.select_transport("auto", probes=yes)[0] == "tcp"
+    with pytest.raises(N.NativeError, match="MOE_EP_TRANSPORT=libfabric, but no libfabric provider is usable: nope"):
+        S.select_transport("libfabric", probes={"libfabric": lambda: (False, "nope")})
