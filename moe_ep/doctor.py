@@ -201,6 +201,9 @@ def rdma(root: Optional[str] = None, use_pyverbs: bool = True) -> dict:
         ok, what = native.efa_probe()
         out["efa_probe"] = {"ok": ok, "what": what}
         out["libibverbs"] = native.rdma_devices()
+        ok, what = native.fabric_probe()
+        out["fabric_probe"] = {"ok": ok, "what": what}
+        out["libfabric"] = native.fabric_providers()
     except Exception as e:  # noqa: BLE001 - no compiler for the native library, ...
         out["native_error"] = _err(e)
     out["dmabuf"] = dmabuf(root)
@@ -398,13 +401,20 @@ def render(rep: dict) -> str:
     if "native_error" in r:
         L.append(f"  native library: {r['native_error']}")
     else:
-        for k, name in (("verbs_probe", "verbs"), ("efa_probe", "efa")):
+        for k, name in (("verbs_probe", "verbs"), ("efa_probe", "efa"), ("fabric_probe", "libfabric")):
             p = r[k]
             L.append(f"  {name} probe: {'usable: ' if p['ok'] else 'not usable: '}{p['what']}")
         if r.get("libibverbs", {}).get("error"):
             L.append(f"  libibverbs: {r['libibverbs']['error']}")
         elif r.get("libibverbs", {}).get("efa_library"):
             L.append(f"  libefa: {r['libibverbs']['efa_library']}")
+        lf = r.get("libfabric", {})
+        if lf.get("error"):
+            L.append(f"  libfabric: {lf['error']}")
+        else:
+            usable = sorted({f"{e['provider']} ({e['domain']}, mr_mode {e['mr_mode']}, cq_data_size {e['cq_data_size']})"
+                             for e in lf.get("entries", []) if e["usable"]})
+            L.append(f"  libfabric {lf.get('library_version')}: usable entries: " + ("; ".join(usable) or "none"))
         diffs = r.get("libibverbs_vs_sysfs", [])
         L.append("  libibverbs vs sysfs: " + ("agree" if not diffs else "; ".join(diffs)))
     db = r.get("dmabuf")

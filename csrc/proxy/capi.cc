@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "cuda_mem.h"
+#include "fabric_load.h"
 #include "imm_counter.h"
 #include "proxy.h"
 #include "rdma_probe.h"
@@ -47,7 +48,7 @@ int copy_str(const std::string& s, char* buf, size_t len) {
 #pragma GCC visibility push(default)
 extern "C" {
 
-int moe_ep_abi_version() { return 8; }  // 8: seven proxy regions (headers apart from rows); 7: the mailbox of 8 + 4R words
+int moe_ep_abi_version() { return 9; }  // 9: the libfabric engine and seven proxy regions (headers apart from rows)
 
 // How this library was built, for bug reports (python -m moe_ep.doctor): the compiler, the C++
 // standard and the builder's flags, which setup.py and the in-tree build of
@@ -111,7 +112,7 @@ int moe_ep_imm_stress(void* c, uint32_t imm, int threads, int64_t adds_per_threa
 // ---- Engine (a transport plus its ImmCounter) ----
 // Every create call takes the job identity every hello carries and checks (transport.h
 // JobIdentity): `secret` 16 bytes (null: none, all zero), `session` the session epoch.
-// transport: "tcp", "verbs" or "efa" (device, port and GID from the environment, see
+// transport: "tcp", "verbs", "efa" or "libfabric" (device, port and GID from the environment, see
 // moe_ep_engine_create_verbs / _efa; streams and bind_host unused). bind_host: IPv4 address to listen
 // on (null: 127.0.0.1). Returns null on failure (see moe_ep_last_error).
 void* moe_ep_engine_create(const char* transport, int rank, int world, int streams, const char* bind_host,
@@ -121,6 +122,7 @@ void* moe_ep_engine_create(const char* transport, int rank, int world, int strea
     const moe_ep::JobIdentity id = identity(secret, session);
     if (kind == "verbs") return moe_ep::create_verbs_transport(rank, world, "", 0, -1, 0, id);
     if (kind == "efa") return moe_ep::create_efa_transport(rank, world, "", id);
+    if (kind == "libfabric") return moe_ep::create_fabric_transport(rank, world, "", "", 1, 0, id);
     if (kind != "tcp") {
       moe_ep::set_error(moe_ep::kErrInvalid, "rank " + std::to_string(rank) + ": unknown transport '" + kind + "'");
       return nullptr;
@@ -181,6 +183,44 @@ void* moe_ep_engine_create_efa(int rank, int world, const char* device, const ui
     moe_ep::set_error(moe_ep::kErrSystem, std::string("native exception: ") + e.what());
     return nullptr;
   }
+}
+
+// libfabric engine (libfabric loaded at run time): `endpoints` FI_EP_RDM endpoints of `provider`
+// (null or "" = MOE_EP_FI_PROVIDER, else FI_PROVIDER, else efa where it fits, else libfabric's
+// first) on `domain` (null or "" = MOE_EP_FI_DOMAIN, else the provider's first); force_mr_mode:
+// FI_MR_* bits used as if the provider needed them. Null on failure, the message naming what is
+// missing (library, provider, capability).
+void* moe_ep_engine_create_fabric(int rank, int world, const char* provider, const char* domain, int endpoints,
+                                  int force_mr_mode, const uint8_t* secret, uint64_t session) {
+  try {
+    return moe_ep::create_fabric_transport(rank, world, provider ? provider : "", domain ? domain : "", endpoints,
+                                           force_mr_mode, identity(secret, session));
+  } catch (const std::exception& e) {
+    moe_ep::set_error(moe_ep::kErrSystem, std::string("native exception: ") + e.what());
+    return nullptr;
+  }
+}
+
+// 1 when a libfabric engine can be created here (null or "": the default choices), else 0; buf
+// gets the provider and domain, or why not.
+int moe_ep_fabric_probe(const char* provider, const char* domain, char* buf, size_t len) {
+  return guarded([&] {
+    std::string what;
+    const bool ok = moe_ep::fabric_probe(provider ? provider : "", domain ? domain : "", &what);
+    copy_str(what, buf, len);
+    return ok ? 1 : 0;
+  });
+}
+
+// Every fi_info entry of `provider` (null or "": all) as JSON (fabric_load.h providers_json);
+// returns its full length.
+int moe_ep_fabric_providers(const char* provider, char* buf, size_t len) {
+  return copy_str(moe_ep::fi::providers_json(provider ? provider : ""), buf, len);
+}
+
+// A libfabric engine's provider, domain and mr_mode as JSON ("" for another engine); returns the length.
+int moe_ep_fabric_describe(void* e, char* buf, size_t len) {
+  return copy_str(moe_ep::fabric_describe(static_cast<Transport*>(e)), buf, len);
 }
 
 // 1 when an efa engine can be created here (on `device`; null or "": the default choice), else

@@ -149,6 +149,21 @@ int verbs_destroy_qp(Transport* t, int peer);
 // ('/'-joined per NIC; "" for a 0-byte region or another engine).
 std::string verbs_region_how(Transport* t, uint32_t key);
 
+// libfabric transport (fabric_transport.cc): libfabric opened at run time, `endpoints` FI_EP_RDM
+// endpoints (1..16; every rank must open as many) over which writes are sharded as verbs shards
+// them over NICs. provider: "tcp;ofi_rxm", "udp;ofi_rxd", "efa", "shm", ...; "" =
+// MOE_EP_FI_PROVIDER, else FI_PROVIDER, else efa where it fits, else libfabric's first. domain:
+// the fi_info domain (interface) name, e.g. "lo"; "" = MOE_EP_FI_DOMAIN, else the provider's
+// first. force_mr_mode: FI_MR_* bits used as if the provider had asked for them (tests: the paths
+// EFA needs on tcp). Returns null and sets the thread's error (naming what is missing: the
+// library, a provider with FI_EP_RDM + FI_RMA + remote CQ data) on failure.
+Transport* create_fabric_transport(int rank, int world, const std::string& provider, const std::string& domain,
+                                   int endpoints = 1, int force_mr_mode = 0, const JobIdentity& id = {});
+// True when a libfabric engine could be created here; *what names the provider and domain, or why not.
+bool fabric_probe(const std::string& provider, const std::string& domain, std::string* what);
+// A libfabric engine's provider, domain and mr_mode as JSON ("" for another engine).
+std::string fabric_describe(Transport* t);
+
 // The message of the last failed call on this thread (set by every failing call).
 inline std::string& thread_error() {
   static thread_local std::string msg;

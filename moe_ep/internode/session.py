@@ -2,9 +2,11 @@
 
 The endpoints travel through the group's process group (``all_gather_object``), so a job needs
 nothing beyond what ``torch.distributed`` already set up. The transport comes from
-``MOE_EP_TRANSPORT`` (``auto`` | ``efa`` | ``verbs`` | ``tcp``): ``auto`` takes efa when every
-rank has a usable EFA device, else verbs when every rank has another usable verbs device, else
-tcp. Each rank's NIC is the one nearest its GPU (``moe_ep.proxy.nic``; ``MOE_EP_IB_DEVICE``
+``MOE_EP_TRANSPORT`` (``auto`` | ``efa`` | ``verbs`` | ``tcp`` | ``libfabric``): ``auto`` takes efa
+when every rank has a usable EFA device, else verbs when every rank has another usable verbs
+device, else tcp; ``libfabric`` only when asked for (provider ``MOE_EP_FI_PROVIDER``, endpoints per
+rank ``MOE_EP_FI_ENDPOINTS``, default 1; tcp and udp providers stay on ``lo`` when every rank
+shares this host, else ``MOE_EP_FI_DOMAIN`` or the provider's first interface). Each rank's NIC is the one nearest its GPU (``moe_ep.proxy.nic``; ``MOE_EP_IB_DEVICE``
 overrides it; ``MOE_EP_IB_NICS=k``: the k nearest, over which verbs shards every write; every
 rank must open as many). Rank 0 logs the choice, why, and its NIC(s) in one line.
 
@@ -22,13 +24,13 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from ..proxy import nic as _nic
 from ..proxy.identity import agree_identity
-from ..proxy.native import (EfaTransport, Engine, NativeError, Proxy, TcpTransport, VerbsTransport, efa_probe,
-                     verbs_probe)
+from ..proxy.native import (EfaTransport, Engine, FabricTransport, NativeError, Proxy, TcpTransport, VerbsTransport,
+                            efa_probe, fabric_probe, verbs_probe)
 
 if TYPE_CHECKING:  # not at run time: moe_ep.doctor uses this module without torch
     from ..group import EPGroup
 
-TRANSPORTS = ("auto", "verbs", "tcp", "efa")
+TRANSPORTS = ("auto", "verbs", "tcp", "efa", "libfabric")
 _log = logging.getLogger(__name__)
 Probe = Callable[[], "tuple[bool, str]"]
 
@@ -68,12 +70,12 @@ def select_transport(name: Optional[str] = None, *, probes: Optional[dict[str, P
         raise ValueError(f"MOE_EP_TRANSPORT={want!r}: expected one of {', '.join(TRANSPORTS)}")
     if want == "tcp":
         return "tcp", "MOE_EP_TRANSPORT=tcp"
-    probe = {"efa": efa_probe, "verbs": verbs_probe, **(probes or {})}
+    probe = {"efa": efa_probe, "verbs": verbs_probe, "libfabric": fabric_probe, **(probes or {})}
     if want != "auto":
         ok, what = probe[want]()
         if not ok:
-            dev = "EFA" if want == "efa" else "verbs"
-            raise NativeError(f"MOE_EP_TRANSPORT={want}, but no {dev} device is usable: {what}")
+            dev = {"efa": "EFA device", "verbs": "verbs device", "libfabric": "libfabric provider"}[want]
+            raise NativeError(f"MOE_EP_TRANSPORT={want}, but no {dev} is usable: {what}")
         return want, f"MOE_EP_TRANSPORT={want}: {what}"
     ok, efa_what = probe["efa"]()
     if ok:
@@ -132,9 +134,35 @@ def _agreed_transport(group: EPGroup, name: Optional[str]) -> tuple[str, Optiona
             bad = next(r for r, n in enumerate(counts) if n != counts[0])
             raise NativeError(f"rank {group.rank}: ranks open different numbers of NICs (rank 0: {counts[0]}, "
                               f"rank {bad}: {counts[bad]}); set MOE_EP_IB_NICS (or MOE_EP_IB_DEVICE) alike on every rank")
+    if kind == "libfabric":  # writes are sharded over the endpoints: every rank must open as many
+        counts = group.all_gather_object(fabric_endpoints())
+        if len(set(counts)) > 1:
+            bad = next(r for r, n in enumerate(counts) if n != counts[0])
+            raise NativeError(f"rank {group.rank}: ranks open different numbers of libfabric endpoints (rank 0: "
+                              f"{counts[0]}, rank {bad}: {counts[bad]}); set MOE_EP_FI_ENDPOINTS alike on every rank")
     if group.rank == 0:
         _log.info("moe_ep proxy transport: %s (%s)%s", kind, why, f"; NIC {nic}" if nic else "")
     return kind, nic
+
+
+def fabric_endpoints() -> int:
+    """The libfabric endpoints per rank: ``MOE_EP_FI_ENDPOINTS`` (a positive integer), else 1."""
+    text = os.environ.get("MOE_EP_FI_ENDPOINTS", "").strip()
+    if not text:
+        return 1
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"MOE_EP_FI_ENDPOINTS={text!r}: expected a positive integer")
+    return int(text)
+
+
+def _fabric_domain(group: EPGroup) -> Optional[str]:
+    """``"lo"`` for a tcp or udp provider when every rank shares this host (and neither
+    ``MOE_EP_FI_DOMAIN`` nor ``MOE_EP_TCP_HOST`` says otherwise); else None (the native default)."""
+    if os.environ.get("MOE_EP_FI_DOMAIN") or os.environ.get("MOE_EP_TCP_HOST"):
+        return None
+    prov = os.environ.get("MOE_EP_FI_PROVIDER") or os.environ.get("FI_PROVIDER") or ""
+    one_host = len(set(group.all_gather_object(socket.gethostname()))) == 1
+    return "lo" if one_host and prov.split(";")[0] in ("tcp", "udp") else None
 
 
 CPU_IDLE_SLEEP_US = 500.0  # an idle proxy's poll interval on CPU ranks (GPU ranks: Proxy's 20 us)
@@ -162,6 +190,9 @@ def start_proxy(group: EPGroup, *, num_local_experts: int, row_bytes: int, comb_
                                 identity=identity)
     elif kind == "efa":
         engine = EfaTransport(group.rank, group.world_size, device=nic.device, identity=identity)
+    elif kind == "libfabric":
+        engine = FabricTransport(group.rank, group.world_size, domain=_fabric_domain(group),
+                                 endpoints=fabric_endpoints(), identity=identity)
     else:
         engine = TcpTransport(group.rank, group.world_size, streams=streams, bind_host=bind_host or _bind_host(group),
                               identity=identity)

@@ -1,7 +1,7 @@
 """ctypes loader and Python wrapper for the native proxy engine (csrc/proxy).
 
 ``ImmCounter``: a signed counter per 32-bit immediate; ``wait`` subtracts what it expects.
-``Engine`` (``TcpTransport``, ``VerbsTransport``, ``EfaTransport``): registered memory, one-sided writes with immediates to peers,
+``Engine`` (``TcpTransport``, ``VerbsTransport``, ``EfaTransport``, ``FabricTransport``): registered memory, one-sided writes with immediates to peers,
 completions by ``poll``, the receiver's immediates counted in ``engine.imm``.
 ``Proxy``: the host side of the inter-node protocol (docs/ARCHITECTURE.md §10) on an engine,
 driven by the mailbox words (``MAILBOX``); ``Proxy.wait_ready`` turns its error record into
@@ -46,6 +46,7 @@ class PeerLostError(NativeError):
     """A peer's connection was lost (cut, closed, dead); ``peer`` names it (-1 if unknown)."""
 
 
+ABI_VERSION = 9  # moe_ep_abi_version() of the library this module drives (csrc/proxy/capi.cc)
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 _SRC_DIR = os.path.normpath(os.path.join(_PKG_DIR, "..", "..", "csrc", "proxy"))
 _lib = None
@@ -135,6 +136,10 @@ def lib() -> ctypes.CDLL:
             _c(L, "moe_ep_efa_probe", i32, cp, cp, sz)
             _c(L, "moe_ep_efa_check_caps", i32, u32, cp, sz)
             _c(L, "moe_ep_rdma_devices", i32, cp, sz)
+            _c(L, "moe_ep_engine_create_fabric", vp, i32, i32, cp, cp, i32, i32, cp, u64)
+            _c(L, "moe_ep_fabric_probe", i32, cp, cp, cp, sz)
+            _c(L, "moe_ep_fabric_providers", i32, cp, cp, sz)
+            _c(L, "moe_ep_fabric_describe", i32, vp, cp, sz)
             _c(L, "moe_ep_engine_destroy", None, vp)
             _c(L, "moe_ep_engine_goodbye", i32, vp, i32, i32, i32, i64)
             _c(L, "moe_ep_engine_imm", vp, vp)
@@ -173,7 +178,7 @@ def lib() -> ctypes.CDLL:
             _c(L, "moe_ep_launch_plan_destroy", None, i32)
             _c(L, "moe_ep_launch_plan_stage", u64, i32)
             _c(L, "moe_ep_launch_plan_params", i64, i32, ctypes.c_char_p, sz)
-            if L.moe_ep_abi_version() != 8:
+            if L.moe_ep_abi_version() != ABI_VERSION:
                 raise NativeError("native proxy library has an unexpected ABI version; rebuild moe_ep")
             _lib = L
         return _lib
@@ -367,7 +372,8 @@ class Engine(_Closable):
     @property
     def imm_per_write(self) -> int:
         """What one write with an immediate adds to the receiver's count: 1 (tcp, efa), the NIC
-        count for verbs (one immediate per byte shard, empty shards included). A receiver that
+        count for verbs and the endpoint count for libfabric (one immediate per byte shard, empty
+        shards included). A receiver that
         waits for n writes waits for ``n * imm_per_write``."""
         return self._lib.moe_ep_engine_imm_per_write(self._h)
 
@@ -705,6 +711,63 @@ class EfaTransport(Engine):
         self._adopt(self._lib.moe_ep_engine_create_efa(rank, world, (device or "").encode(), ident.secret,
                                                        ident.session), rank, world, "efa", ident)
         self.streams = 1
+
+
+# FI_MR_* bits (csrc/proxy/fabric_abi.h; fi_mr(3)) for FabricTransport's force_mr_mode.
+FI_MR = {"local": 1 << 2, "virt_addr": 1 << 4, "allocated": 1 << 5, "prov_key": 1 << 6, "endpoint": 1 << 9,
+         "hmem": 1 << 10}
+
+
+def fabric_probe(provider: str | None = None, domain: str | None = None) -> tuple[bool, str]:
+    """(True, "provider tcp;ofi_rxm domain lo (mr_mode ..., cq_data_size 8)") when a libfabric
+    engine can be created here (``provider`` / ``domain``, default the transport's own choice),
+    else (False, why not: libfabric missing, no provider with FI_EP_RDM + FI_RMA + remote CQ data)."""
+    buf = ctypes.create_string_buffer(4096)
+    ok = lib().moe_ep_fabric_probe((provider or "").encode(), (domain or "").encode(), buf, len(buf))
+    return ok == 1, buf.value.decode(errors="replace")
+
+
+def fabric_providers(provider: str | None = None) -> dict:
+    """What libfabric offers (every fi_info entry of ``provider``, default all): provider, fabric,
+    domain, endpoint type, RMA / MSG / HMEM caps, mr_mode, cq_data_size, progress, max message size
+    and whether the libfabric transport can use it: ``{"library_version", "api_version",
+    "entries": [...]}``, or ``{"error": why}``."""
+    return json.loads(_str(lambda buf, n: lib().moe_ep_fabric_providers((provider or "").encode(), buf, n)))
+
+
+class FabricTransport(Engine):
+    """Engine over libfabric (loaded at run time): ``endpoints`` ``FI_EP_RDM`` endpoints of one
+    provider, ``fi_writedata`` carrying the immediate as remote CQ data (``fi_write`` without
+    one), hellos and goodbyes as messages, a completion thread per endpoint (which is what
+    progresses tcp and udp).
+
+    ``provider``: ``"efa"``, ``"tcp;ofi_rxm"``, ``"udp;ofi_rxd"``, ``"shm"``, ...; default
+    ``MOE_EP_FI_PROVIDER``, else ``FI_PROVIDER``, else efa where it fits, else libfabric's first.
+    ``domain``: the fi_info domain (interface) name, e.g. ``"lo"``; default ``MOE_EP_FI_DOMAIN``,
+    else the provider's first. ``endpoints`` (default 1): a write is split into contiguous byte
+    shards, one per endpoint (``shard_bounds``; ``set_min_shard_bytes``, default 16 KiB), each
+    with the write's immediate, so a receiver counts ``imm_per_write`` (= ``endpoints``) per
+    write; every rank must open as many (``connect`` refuses a peer that opened another number or
+    another provider). ``force_mr_mode``: ``FI_MR`` bits used as if the provider had asked for
+    them (descriptors, virtual addresses, keys, endpoint binding: EFA's paths on tcp). Register
+    every region before reading ``endpoint``. ``set_fault(cut_peer=...)`` works; delay and reorder
+    do not (udp;ofi_rxd reorders on its own). Creating one where this cannot work raises
+    ``NativeError`` naming what is missing."""
+
+    def __init__(self, rank: int, world: int, provider: str | None = None, domain: str | None = None,
+                 endpoints: int = 1, force_mr_mode: int = 0, *, identity: JobIdentity | None = None):
+        self._lib = lib()
+        ident = _identity(identity)
+        self._adopt(self._lib.moe_ep_engine_create_fabric(rank, world, (provider or "").encode(),
+                                                          (domain or "").encode(), endpoints, force_mr_mode,
+                                                          ident.secret, ident.session), rank, world, "libfabric", ident)
+        self.streams = 1
+        self.endpoints = self.imm_per_write
+
+    def describe(self) -> dict:
+        """The provider, domain and mr_mode in use: ``{"provider", "domain", "mr_mode" (in use),
+        "provider_mr_mode", "forced_mr_mode", "mr_mode_names", "endpoints", "max_msg_size"}``."""
+        return json.loads(_str(self._lib.moe_ep_fabric_describe, self._h))
 
 
 # ---------------------------------------------------------------- Proxy (§10)
