@@ -1,8 +1,9 @@
 // libfabric transport: FI_EP_RDM endpoints of any provider with RMA and remote CQ data (efa,
 // tcp;ofi_rxm, udp;ofi_rxd, shm), fi_writedata carrying the immediate as remote CQ data (fi_write
 // without one), hellos and goodbyes as messages (fi_send), one completion thread per endpoint
-// (progress is manual on most providers). libfabric is opened at run time (fabric_load.cc), so
-// nothing here needs it to build. Endpoint format, mr_mode, progress, hellos and errors:
+// (progress is manual on most providers), endpoints on one domain or spread over several (one per
+// EFA device near the GPU). libfabric is opened at run time (fabric_load.cc), so nothing here
+// needs it to build. Endpoint format, mr_mode, progress, hellos and errors:
 // docs/ARCHITECTURE.md §9, "libfabric transport".
 #include <algorithm>
 #include <atomic>
@@ -17,6 +18,10 @@
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
+
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
 
 #include "cuda_mem.h"
 #include "fabric_abi.h"
@@ -35,6 +40,8 @@ constexpr uint32_t kMagicPing = 0x4950454d;  // "MEPI": a keepalive message (its
 // one that fails loses the peer, and so does none delivered for kLivenessNs (see keepalive()).
 constexpr int64_t kKeepaliveNs = 1'000'000'000;
 constexpr int64_t kLivenessNs = 5'000'000'000;
+constexpr int64_t kSpinNs = 100'000;  // a completion thread's spin after its last completion or post
+constexpr int64_t kSleepNs = 20'000;  // then its sleep between reads
 
 enum class OpKind : uint8_t { Write, Recv, Hello, Bye, Ping };
 
@@ -80,6 +87,7 @@ std::vector<std::string> split(const std::string& s, char sep) {
 // slots (then a send slot per peer for the hello, the goodbye and the keepalive) and thread.
 struct Lane {
   fi::info* info = nullptr;
+  fi::fid_fabric* fabric = nullptr;  // not owned (FabricTransport::fabrics_)
   fi::fid_domain* domain = nullptr;
   fi::fid_cq* cq = nullptr;
   fi::fid_av* av = nullptr;
@@ -92,6 +100,7 @@ struct Lane {
   std::vector<fi::addr_t> peer_addr;  // per rank (FI_AV_TABLE)
   std::string where;
   std::thread thr;
+  std::atomic<int64_t> kicked_ns{0};  // the latest post on this lane: its completion thread spins again
 };
 
 struct MrOnLane {
@@ -144,32 +153,57 @@ class FabricTransport final : public Transport {
   FabricTransport(int rank, int world, const fi::Api& api, const JobIdentity& id, int force_mr_mode)
       : rank_(rank), world_(world), api_(api), id_(id), force_(force_mr_mode) {}
 
-  // Opens `k` endpoints on the chosen fi_info (taken over: freed by the destructor).
-  int start(fi::info* chosen, int k, const std::string& domain_name) {
+  // Opens `k` endpoints, endpoint i on the fi_info chosen[i % n] (one per domain, all of one
+  // provider; taken over: freed by the destructor).
+  int start(const std::vector<fi::info*>& chosen, int k) {
     chosen_ = chosen;
-    prov_ = chosen->fabric->prov_name ? chosen->fabric->prov_name : "?";
-    dom_ = chosen->domain->name ? chosen->domain->name : "?";
-    prov_mode_ = chosen->domain->mr_mode;
+    const fi::info* first = chosen.front();
+    prov_ = first->fabric->prov_name ? first->fabric->prov_name : "?";
+    prov_mode_ = first->domain->mr_mode;
     mode_ = prov_mode_ | force_;
-    max_msg_ = chosen->ep->max_msg_size;
-    (void)domain_name;
+    max_msg_ = first->ep->max_msg_size;
+    for (const fi::info* c : chosen) {
+      const std::string name = c->domain->name ? c->domain->name : "?";
+      dom_ += (dom_.empty() ? "" : ",") + name;
+      domains_.push_back(name);
+      if (c->domain->mr_mode != prov_mode_)
+        return set_error(kErrInvalid, prefix() + "libfabric " + prov_ + ": domain " + name + " asks for mr_mode " +
+                                          fi::mr_mode_names(c->domain->mr_mode) + ", domain " + domains_.front() +
+                                          " for " + fi::mr_mode_names(prov_mode_) + ": expected the same on every domain");
+      if (c->ep->max_msg_size > 0 && (max_msg_ == 0 || c->ep->max_msg_size < max_msg_)) max_msg_ = c->ep->max_msg_size;
+    }
     // rxm hands its core (tcp) domain an mr_mode of its own: a forced FI_MR_VIRT_ADDR would
     // change only this side's addresses, and every write would fail at the target.
     if ((force_ & fi::MR_VIRT_ADDR) && !(prov_mode_ & fi::MR_VIRT_ADDR) && prov_.find("ofi_rxm") != std::string::npos)
       return set_error(kErrInvalid, prefix() + "libfabric " + prov_ + ": a forced FI_MR_VIRT_ADDR is not honoured by "
                                                "rxm (its tcp domain keeps offset addressing); force it on udp;ofi_rxd");
     for (int p = 0; p < world_; ++p) peers_.emplace_back(new Peer(k));
-    if (int rc = api_.fabric(chosen->fabric, &fabric_, nullptr); rc != 0)
-      return fi_error(rc, "fi_fabric");
+    // One fabric per fabric name among the domains (efa: all of them on one).
+    std::vector<fi::fid_fabric*> lane_fabric;
+    for (const fi::info* c : chosen) {
+      const std::string fname = c->fabric->name ? c->fabric->name : "";
+      size_t f = 0;
+      while (f < fabric_names_.size() && fabric_names_[f] != fname) ++f;
+      if (f == fabric_names_.size()) {
+        fi::fid_fabric* fab = nullptr;
+        if (int rc = api_.fabric(c->fabric, &fab, nullptr); rc != 0) return fi_error(rc, "fi_fabric (" + fname + ")");
+        fabrics_.push_back(fab);
+        fabric_names_.push_back(fname);
+      }
+      lane_fabric.push_back(fabrics_[f]);
+    }
+    const size_t n = chosen.size();
     nrecv_ = 2 * world_ + 32;
     for (int i = 0; i < k; ++i) {
       lanes_.emplace_back(new Lane);
       Lane& l = *lanes_.back();
-      l.where = "libfabric " + prov_ + " domain " + dom_ + (k > 1 ? " (endpoint " + std::to_string(i) + " of " + std::to_string(k) + ")" : "");
-      l.info = api_.dupinfo(chosen);
+      l.where = "libfabric " + prov_ + " domain " + domains_[size_t(i) % n] +
+                (k > 1 ? " (endpoint " + std::to_string(i) + " of " + std::to_string(k) + ")" : "");
+      l.fabric = lane_fabric[size_t(i) % n];
+      l.info = api_.dupinfo(chosen[size_t(i) % n]);
       if (!l.info) return set_error(kErrSystem, prefix() + "fi_dupinfo failed");
       l.info->domain->mr_mode = mode_;  // the forced bits too (the provider may refuse them)
-      if (int rc = fabric_->ops->domain(fabric_, l.info, &l.domain, nullptr); rc != 0)
+      if (int rc = l.fabric->ops->domain(l.fabric, l.info, &l.domain, nullptr); rc != 0)
         return fi_error(rc, l.where + ": fi_domain (mr_mode " + fi::mr_mode_names(mode_) + ")");
       fi::cq_attr ca{};
       ca.size = size_t(nrecv_ + 4096);
@@ -235,8 +269,8 @@ class FabricTransport final : public Transport {
       close(l->domain ? &l->domain->fid_ : nullptr);
       if (l->info) api_.freeinfo(l->info);
     }
-    close(fabric_ ? &fabric_->fid_ : nullptr);
-    if (chosen_) api_.freeinfo(chosen_);
+    for (fi::fid_fabric* f : fabrics_) close(&f->fid_);
+    for (fi::info* c : chosen_) api_.freeinfo(c);
     std::lock_guard<std::mutex> lk(ops_mu_);
     for (Op* o : ops_) delete o;
   }
@@ -403,6 +437,7 @@ class FabricTransport final : public Transport {
         if (rc != -fi::EAGAIN_ || pr.lost || steady_now_ns() >= deadline) break;
         std::this_thread::sleep_for(std::chrono::microseconds(5));
       }
+      if (rc == 0) l.kicked_ns.store(steady_now_ns(), std::memory_order_relaxed);
       if (rc != 0 && pr.lost) {  // lost meanwhile: lose_peer completed the write as lost
         free_op(op);
         return kOk;
@@ -476,10 +511,13 @@ class FabricTransport final : public Transport {
     return pr.said_bye;
   }
 
-  // {"provider", "domain", "mr_mode" (in use), "provider_mr_mode", "forced_mr_mode", "endpoints"} as JSON.
+  // {"provider", "domain" (','-joined), "domains" (endpoint i on domains[i % n]), "mr_mode" (in
+  // use), "provider_mr_mode", "forced_mr_mode", "endpoints", "max_msg_size"} as JSON.
   std::string describe() const {
     std::ostringstream s;
-    s << "{\"provider\": \"" << prov_ << "\", \"domain\": \"" << dom_ << "\", \"mr_mode\": " << mode_
+    s << "{\"provider\": \"" << prov_ << "\", \"domain\": \"" << dom_ << "\", \"domains\": [";
+    for (size_t i = 0; i < domains_.size(); ++i) s << (i ? ", " : "") << "\"" << domains_[i] << "\"";
+    s << "], \"mr_mode\": " << mode_
       << ", \"provider_mr_mode\": " << prov_mode_ << ", \"forced_mr_mode\": " << force_ << ", \"mr_mode_names\": \""
       << fi::mr_mode_names(mode_) << "\", \"endpoints\": " << lanes_.size() << ", \"max_msg_size\": " << max_msg_ << "}";
     return s.str();
@@ -532,7 +570,7 @@ class FabricTransport final : public Transport {
     a.requested_key = requested;
     a.iface = fi::HMEM_SYSTEM;
     if (memory_type(ptr) == MemType::Device) {
-      if (!(chosen_->caps & fi::HMEM))
+      if (!(l.info->caps & fi::HMEM))
         return set_error(kErrInvalid, prefix() + l.where + ": registering GPU memory needs FI_HMEM, which " + prov_ +
                                           " does not offer");
       a.iface = fi::HMEM_CUDA;
@@ -676,9 +714,15 @@ class FabricTransport final : public Transport {
   }
 
   // ---- a completion thread per endpoint: reads its CQ (which is what progresses the provider),
-  // spins 20 us after the last completion, then sleeps 50 us at a time (1 ms once idle for 200 ms)
+  // spins kSpinNs after the last completion or post, then sleeps kSleepNs at a time (1 ms once
+  // idle for 200 ms). Progress is manual on the tcp, udp and efa providers: nothing lands in this
+  // rank's memory, and no write of its own completes, between two reads, so a phase's latency is
+  // a few of these sleeps; the sleeps are exact (1 us timer slack, not the default 50 us).
 
   void cq_loop(int i) {
+#ifdef __linux__
+    prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+#endif
     Lane& l = *lanes_[size_t(i)];
     fi::cq_data_entry e[32];
     int64_t idle_since = steady_now_ns(), next_keepalive = idle_since + kKeepaliveNs / 8;
@@ -706,9 +750,9 @@ class FabricTransport final : public Transport {
         std::this_thread::sleep_for(std::chrono::milliseconds(10));
         continue;
       }
-      const int64_t idle = now - idle_since;
-      if (idle < 20'000) continue;
-      std::this_thread::sleep_for(std::chrono::microseconds(idle < 200'000'000 ? 50 : 1000));
+      const int64_t idle = now - std::max(idle_since, l.kicked_ns.load(std::memory_order_relaxed));
+      if (idle < kSpinNs) continue;
+      std::this_thread::sleep_for(std::chrono::nanoseconds(idle < 200'000'000 ? kSleepNs : 1'000'000));
     }
   }
 
@@ -879,12 +923,14 @@ class FabricTransport final : public Transport {
   const fi::Api& api_;
   const JobIdentity id_;
   const int force_;
-  fi::info* chosen_ = nullptr;
-  std::string prov_, dom_;
+  std::vector<fi::info*> chosen_;  // one per domain
+  std::string prov_, dom_;         // dom_: the domains, ','-joined
+  std::vector<std::string> domains_;
+  std::vector<std::string> fabric_names_;
+  std::vector<fi::fid_fabric*> fabrics_;  // one per fabric name
   int prov_mode_ = 0, mode_ = 0;
   uint64_t max_msg_ = 0;
   int nrecv_ = 0;
-  fi::fid_fabric* fabric_ = nullptr;
   std::vector<std::unique_ptr<Lane>> lanes_;
   std::vector<std::unique_ptr<Peer>> peers_;
   RefusalLog refusals_;
@@ -909,24 +955,61 @@ class FabricTransport final : public Transport {
 
 }  // namespace
 
+namespace {
+
+// "a,b" -> {"a", "b"}; "" -> {""} (the provider's first domain). Empty entries are dropped.
+std::vector<std::string> domain_list(const std::string& domains) {
+  std::vector<std::string> out;
+  for (const auto& d : split(domains, ','))
+    if (!d.empty()) out.push_back(d);
+  if (out.empty()) out.push_back("");
+  return out;
+}
+
+// The fi_info of every domain in `doms`, all of one provider (`prov`, or the one the first
+// domain's choice took); empty with *why on failure (the caller frees what it got).
+std::vector<fi::info*> choose_infos(const fi::Api& api, const std::string& prov, const std::vector<std::string>& doms,
+                                    std::string* why) {
+  std::vector<fi::info*> out;
+  for (size_t i = 0; i < doms.size(); ++i) {
+    const std::string p = prov.empty() && !out.empty() ? std::string(out.front()->fabric->prov_name) : prov;
+    fi::info* info = fi::choose_info(api, p, doms[i], why);
+    if (!info) {
+      if (doms.size() > 1) *why = "domain " + std::to_string(i + 1) + " of " + std::to_string(doms.size()) + ": " + *why;
+      for (fi::info* f : out) api.freeinfo(f);
+      return {};
+    }
+    out.push_back(info);
+  }
+  return out;
+}
+
+}  // namespace
+
 Transport* create_fabric_transport(int rank, int world, const std::string& provider, const std::string& domain,
                                    int endpoints, int force_mr_mode, const JobIdentity& id) {
   const std::string pre = "rank " + std::to_string(rank) + ": ";
   if (bad_rank(rank, world)) return nullptr;
+  const std::string prov = fi::provider_wanted(provider);
+  const std::vector<std::string> doms = domain_list(fi::domain_wanted(domain));
+  const int n = int(doms.size());
+  if (endpoints == 0) endpoints = n;
   if (endpoints < 1 || endpoints > kMaxEndpoints)
     return set_error(kErrInvalid, pre + "libfabric: " + std::to_string(endpoints) + " endpoints asked for (1.." +
                                       std::to_string(kMaxEndpoints) + ")"), nullptr;
+  if (endpoints % n != 0)
+    return set_error(kErrInvalid, pre + "libfabric: " + std::to_string(endpoints) + " endpoints over " +
+                                      std::to_string(n) + " domains: expected a multiple of the domains listed"), nullptr;
   if (force_mr_mode & ~fi::kMrModeAsked)
     return set_error(kErrInvalid, pre + "libfabric: force_mr_mode " + std::to_string(force_mr_mode) +
                                       " has bits other than " + fi::mr_mode_names(fi::kMrModeAsked)), nullptr;
   std::string why;
   const fi::Api* api = fi::load_fabric(&why);
   if (!api) return set_error(kErrInvalid, pre + "libfabric transport not available: " + why), nullptr;
-  const std::string prov = fi::provider_wanted(provider), dom = fi::domain_wanted(domain);
-  fi::info* info = fi::choose_info(*api, prov, dom, &why);
-  if (!info) return set_error(kErrInvalid, pre + "libfabric transport not available: " + why), nullptr;
+  const std::vector<fi::info*> infos = choose_infos(*api, prov, doms, &why);
+  if (infos.empty()) return set_error(kErrInvalid, pre + "libfabric transport not available: " + why), nullptr;
   auto* t = new FabricTransport(rank, world, *api, id, force_mr_mode);
-  if (t->start(info, endpoints, dom) != kOk) {
+  if (t->start(infos, endpoints) != kOk) {
     const std::string msg = thread_error();
     delete t;
     thread_error() = msg;
@@ -942,14 +1025,19 @@ bool fabric_probe(const std::string& provider, const std::string& domain, std::s
     *what = why;
     return false;
   }
-  fi::info* info = fi::choose_info(*api, fi::provider_wanted(provider), fi::domain_wanted(domain), &why);
-  if (!info) {
+  const std::vector<fi::info*> infos = choose_infos(*api, fi::provider_wanted(provider),
+                                                    domain_list(fi::domain_wanted(domain)), &why);
+  if (infos.empty()) {
     *what = why;
     return false;
   }
-  *what = std::string("provider ") + info->fabric->prov_name + " domain " + info->domain->name + " (mr_mode " +
-          fi::mr_mode_names(info->domain->mr_mode) + ", cq_data_size " + std::to_string(info->domain->cq_data_size) + ")";
-  api->freeinfo(info);
+  const fi::info* info = infos.front();
+  std::string doms;
+  for (const fi::info* i : infos) doms += (doms.empty() ? "" : ",") + std::string(i->domain->name);
+  *what = std::string("provider ") + info->fabric->prov_name + (infos.size() > 1 ? " domains " : " domain ") + doms +
+          " (mr_mode " + fi::mr_mode_names(info->domain->mr_mode) + ", cq_data_size " +
+          std::to_string(info->domain->cq_data_size) + ")";
+  for (fi::info* i : infos) api->freeinfo(i);
   return true;
 }
 

@@ -35,6 +35,7 @@ import os
 import platform
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -67,18 +68,32 @@ def _meta(argv) -> dict:
 
 # ----------------------------------------------------------------------------- post cost
 
-def post_cost(streams: int, sizes=SIZES, scale: float = 1.0, transport: str = "tcp") -> list[dict]:
-    from moe_ep.proxy import Engine
+def make_engine(rank: int, world: int, streams: int, transport: str):
+    """One rank's engine on this host: ``tcp`` (``streams`` sockets per peer), ``verbs``, or
+    ``libfabric:PROVIDER`` (e.g. ``libfabric:tcp;ofi_rxm``, ``libfabric:udp;ofi_rxd``, on the
+    loopback domain; ``streams`` is not used)."""
+    from moe_ep.proxy.native import Engine, FabricTransport
 
-    a, b = (Engine(r, 2, streams=streams, transport=transport) for r in (0, 1))
+    if transport.startswith("libfabric:"):
+        prov = transport.split(":", 1)[1]
+        local = prov.split(";")[0] in ("tcp", "udp")
+        return FabricTransport(rank, world, provider=prov, domain="lo" if local else None)
+    return Engine(rank, world, streams=streams, transport=transport)
+
+
+def post_cost(streams: int, sizes=SIZES, scale: float = 1.0, transport: str = "tcp") -> list[dict]:
+    a, b = (make_engine(r, 2, streams, transport) for r in (0, 1))
     src, dst = np.ones(max(sizes) or 16, np.uint8), np.zeros(max(sizes) or 16, np.uint8)
     try:
         for e, buf in ((a, src), (b, np.zeros(16, np.uint8))):
             e.register(buf)
         for e, buf in ((a, np.zeros(16, np.uint8)), (b, dst)):
             e.register(buf)
-        a.connect([a.endpoint, b.endpoint], 10)
-        b.connect([a.endpoint, b.endpoint], 10)
+        eps = [a.endpoint, b.endpoint]
+        t = threading.Thread(target=b.connect, args=(eps, 10))  # (libfabric: both ends answer hellos at once)
+        t.start()
+        a.connect(eps, 10)
+        t.join()
         rows = []
         for size in sizes:
             n, ns = max(10, int(POST_N[size] * scale)), max(10, int(SERIAL_N[size] * scale))
@@ -103,9 +118,9 @@ def post_cost(streams: int, sizes=SIZES, scale: float = 1.0, transport: str = "t
 
 def _rank_main(rank, R, transport, streams, warmup, epochs, poll, cap, conn):
     try:
-        from moe_ep.proxy import Engine, Proxy
+        from moe_ep.proxy import Proxy
 
-        eng = Engine(rank, R, streams=streams, transport=transport)
+        eng = make_engine(rank, R, streams, transport)
         px = Proxy(eng, node_size=1, num_local_experts=1, row_bytes=RB, comb_row_bytes=CRB, private_capacity=cap,
                    overflow_capacity=R, max_send_rows=R, timeout_s=30, spin_us=poll["proxy_spin_us"],
                    sleep_us=poll["proxy_sleep_us"])
@@ -252,7 +267,8 @@ def main(argv=None) -> int:
     ap.add_argument("--part", choices=["post", "phase", "all"], default="all")
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 16])
     ap.add_argument("--streams", type=int, nargs="+", default=[4, 1])
-    ap.add_argument("--transports", nargs="+", default=["tcp"])
+    ap.add_argument("--transports", nargs="+", default=["tcp"],
+                    help="tcp, verbs, or libfabric:PROVIDER (e.g. 'libfabric:tcp;ofi_rxm' 'libfabric:udp;ofi_rxd')")
     ap.add_argument("--epochs", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--repeat", type=int, default=1, help="runs per phase row; the one with the best p50 is kept")
