@@ -25,6 +25,7 @@ from test_verbs_transport import (REGION, SRC, _catch, _check_received, _connect
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 N = light_import()
+nic = light_import("proxy.nic")
 PROVIDERS = ["tcp;ofi_rxm", "udp;ofi_rxd"]
 PROBES = {p: N.fabric_probe(p, "lo") for p in PROVIDERS}
 M = N.FI_MR
@@ -243,6 +244,47 @@ def test_fabric_several_endpoints_and_count_mismatch(prov):
     finally:
         c.close()
         d.close()
+
+
+def _second_domain(prov: str) -> str:
+    """Another usable IPv4 domain of ``prov`` than lo (its own fabric), else lo again."""
+    for e in N.fabric_providers(prov).get("entries", []):
+        if e["usable"] and e["domain"] != "lo" and "." in e["fabric"] and N.fabric_probe(prov, e["domain"])[0]:
+            return e["domain"]
+    return "lo"
+
+
+@pytest.mark.parametrize("prov", provider_params())
+def test_fabric_endpoints_over_several_domains(prov):
+    """A domain list (EFA: one domain per device near the GPU): endpoint i opens domain i % n,
+    one endpoint per listed domain by default, a multiple of them when asked; a second interface
+    (another fabric) when there is one. Writes shard over all of them; a count that is not a
+    multiple, or a domain that does not fit, is refused naming it."""
+    doms = ["lo", _second_domain(prov)]
+    a, b = N.FabricTransport(0, 2, prov, doms), N.FabricTransport(1, 2, prov, ",".join(doms))
+    try:
+        d = a.describe()
+        assert d["domains"] == doms and d["domain"] == ",".join(doms) and d["endpoints"] == a.imm_per_write == 2
+        bufs = {}
+        for e in (a, b):
+            src, dst = np.zeros(REGION, np.uint8), np.zeros(REGION, np.uint8)
+            bufs[e.rank] = (src, dst, e.register(src), e.register(dst))
+        _connect_all([a, b])
+        for e in (a, b):
+            e.set_min_shard_bytes(1)
+        _exchange(a, b, bufs, {0: _plan(41, 60), 1: _plan(42, 60)})
+    finally:
+        a.close()
+        b.close()
+    c = N.FabricTransport(0, 2, prov, doms, endpoints=4)
+    assert c.describe()["endpoints"] == 4 and c.imm_per_write == 4
+    c.close()
+    with pytest.raises(N.NativeError, match="rank 0: libfabric: 3 endpoints over 2 domains: expected a multiple"):
+        N.FabricTransport(0, 2, prov, doms, endpoints=3)
+    ok, why = N.fabric_probe(prov, "lo,nosuch0")
+    assert not ok and why.startswith("domain 2 of 2: ") and "'nosuch0'" in why, why
+    ok, what = N.fabric_probe(prov, ",".join(doms))
+    assert ok and f"domains {','.join(doms)}" in what, what
 
 
 @pytest.mark.parametrize("prov", provider_params())
@@ -493,3 +535,104 @@ def test_select_transport_libfabric():
     assert S.select_transport("auto", probes=yes)[0] == "tcp"
     with pytest.raises(S.NativeError, match="MOE_EP_TRANSPORT=libfabric, but no libfabric provider is usable: nope"):
         S.select_transport("libfabric", probes={"libfabric": lambda: (False, "nope")})
+
+
+# ---------------------------------------------------------------- EFA through libfabric's efa provider
+
+def _p(ok, what):
+    return lambda: (ok, what)
+
+
+class _Group:
+    """A stand-in EPGroup whose other ranks answer every all_gather_object from a queue."""
+
+    def __init__(self, rank, answers):
+        self.rank, self.device = rank, None
+        self._answers = list(answers)  # per gather: the other ranks' objects
+        self.world_size = len(self._answers[0]) + 1
+
+    def all_gather_object(self, obj):
+        out = list(self._answers.pop(0))
+        out.insert(self.rank, obj)
+        return out
+
+
+def test_auto_selection_rules():
+    """auto: efa (libfabric, provider efa) where its probe passes, else verbs, else tcp; asking
+    for one names what is missing; tcp always works (injected probes)."""
+    S = light_import("internode.session")
+    efa, verbs = _p(True, "provider efa domain rdmap16s27-rdm"), _p(True, "device mlx5_0 port 1")
+    no_efa, no_verbs = _p(False, "libfabric has no provider 'efa'"), _p(False, "no RDMA device found")
+    assert S.select_transport("auto", probes={"efa": efa, "verbs": verbs}) == (
+        "efa", "auto: efa (libfabric) provider efa domain rdmap16s27-rdm")
+    assert S.select_transport("auto", probes={"efa": no_efa, "verbs": verbs}) == (
+        "verbs", "auto: verbs device mlx5_0 port 1")
+    assert S.select_transport("auto", probes={"efa": no_efa, "verbs": no_verbs}) == (
+        "tcp", "auto: efa (libfabric provider efa) not usable: libfabric has no provider 'efa'; "
+               "verbs not usable: no RDMA device found")
+    assert S.select_transport("verbs", probes={"efa": efa, "verbs": verbs})[0] == "verbs"
+    assert S.select_transport("efa", probes={"efa": efa, "verbs": no_verbs}) == (
+        "efa", "MOE_EP_TRANSPORT=efa: provider efa domain rdmap16s27-rdm")
+    assert S.select_transport("tcp", probes={"efa": efa, "verbs": verbs})[0] == "tcp"
+    with pytest.raises(RuntimeError, match=r"MOE_EP_TRANSPORT=efa, but no EFA device \(libfabric provider efa\) is "
+                                           r"usable: libfabric has no provider 'efa'"):
+        S.select_transport("efa", probes={"efa": no_efa, "verbs": verbs})
+    with pytest.raises(RuntimeError, match="MOE_EP_TRANSPORT=verbs, but no verbs device is usable: no RDMA"):
+        S.select_transport("verbs", probes={"efa": efa, "verbs": no_verbs})
+
+
+def test_requested_efa_names_what_is_missing(monkeypatch):
+    """Without an EFA device: MOE_EP_TRANSPORT=efa fails with libfabric's own reason, and an
+    engine of transport "efa" (the C entry's name for libfabric with provider efa) too."""
+    S = light_import("internode.session")
+    ok, why = N.fabric_probe("efa")
+    if ok:
+        pytest.skip("libfabric's efa provider is usable here")
+    assert S.efa_probe() == (ok, why)
+    with pytest.raises(RuntimeError, match=r"MOE_EP_TRANSPORT=efa, but no EFA device \(libfabric provider efa\) "
+                                           r"is usable: "):
+        S.select_transport("efa")
+    monkeypatch.setenv("MOE_EP_TRANSPORT", "efa")
+    with pytest.raises(RuntimeError) as e:
+        S.select_transport()
+    assert why in str(e.value)
+    for make in (lambda: N.Engine(1, 2, transport="efa"), lambda: N.FabricTransport(1, 2, "efa")):
+        with pytest.raises(N.NativeError, match="rank 1: libfabric transport not available: "):
+            make()
+
+
+def test_ranks_agree_on_efa_and_its_endpoints(monkeypatch, caplog):
+    """Every rank takes efa or none does (tcp); each opens one endpoint per EFA device near its
+    GPU, all the smallest number any rank found; its engine is FabricTransport(provider="efa")
+    on those devices' domains."""
+    S = light_import("internode.session")
+    four = nic.NicChoice("rdmap10,rdmap11,rdmap12,rdmap13", 1, "behind the same PCIe switch as GPU x",
+                         (1, 1, 1, 1), 4)
+    monkeypatch.setattr(S, "choose_nics", lambda gpu_index=None: {"efa": four, "verbs": nic.NicChoice(None, None, "")})
+    monkeypatch.setattr(S, "efa_probe", lambda domain=None: (True, f"provider efa domains {domain}"))
+    monkeypatch.setattr(S, "verbs_probe", lambda device=None, port=0: (False, "no verbs device"))
+    for k in ("MOE_EP_TRANSPORT", "MOE_EP_FI_ENDPOINTS", "MOE_EP_FI_DOMAIN"):
+        monkeypatch.delenv(k, raising=False)
+    ok = ("efa", "auto: efa (libfabric) provider efa domains ...")
+    with caplog.at_level("INFO", logger=S.__name__):
+        kind, c = S._agreed_transport(_Group(0, [[ok], [4]]), None)
+    assert kind == "efa" and c.devices == four.devices
+    msg = caplog.records[-1].getMessage()
+    assert msg.startswith("moe_ep proxy transport: efa (auto: efa (libfabric) provider efa domains rdmap10-rdm,") and "; NIC " in msg
+    kind, c = S._agreed_transport(_Group(1, [[ok], [2]]), None)
+    assert kind == "efa" and c.devices == ["rdmap10", "rdmap11"] and c.nics == 2 and "a rank found only 2" in c.reason
+    kind, c = S._agreed_transport(_Group(0, [[("verbs", "auto: verbs device mlx5_0 port 1")]]), None)
+    assert kind == "tcp" and c is None  # one rank has only a verbs device: no common RDMA transport
+    with pytest.raises(RuntimeError, match="rank 1 cannot start its transport: MOE_EP_TRANSPORT=efa, but"):
+        S._agreed_transport(_Group(0, [[("", "MOE_EP_TRANSPORT=efa, but no EFA device is usable: x")]]), "efa")
+    monkeypatch.setattr(S, "efa_probe", lambda domain=None: (False, "libfabric has no provider 'efa'"))
+    with pytest.raises(RuntimeError, match="MOE_EP_TRANSPORT=efa, but no EFA device .* libfabric has no provider"):
+        S._agreed_transport(_Group(1, [[("efa", "ok")]]), "efa")
+    made = []
+    monkeypatch.setattr(S, "FabricTransport", lambda *a, **kw: made.append((a, kw)) or "engine")
+    assert S.make_engine(_Group(0, [[None]]), "efa", four, None) == "engine"
+    assert made[-1] == ((0, 2), {"provider": "efa", "domain": "rdmap10-rdm,rdmap11-rdm,rdmap12-rdm,rdmap13-rdm",
+                                 "endpoints": 0, "identity": None})
+    monkeypatch.setenv("MOE_EP_FI_ENDPOINTS", "8")
+    S.make_engine(_Group(0, [[None]]), "efa", four, None)
+    assert made[-1][1]["endpoints"] == 8

@@ -244,3 +244,51 @@ def test_ranks_must_open_as_many_nics(monkeypatch):
     assert kind == "verbs" and c.nics == 2 and c.spec == "rxe0:1,rxe0:1"
     with pytest.raises(RuntimeError, match=r"rank 1: ranks open different numbers of NICs \(rank 0: 1, rank 1: 2\)"):
         S._agreed_transport(_Group(1, [[("verbs", "auto: verbs")], [1]]), "verbs")
+
+
+def _efa(name: str, switch: str, numa: int = 0) -> "nic.RdmaDevice":
+    """An EFA device with an active port behind PCIe switch ``switch`` (a p5-like layout)."""
+    return nic.RdmaDevice(name=name, driver="efa", pci=f"0000:{name[-2:]}:00.0", numa_node=numa,
+                          pci_path=("pci0000:00", "0000:00:01.0", switch, f"0000:{name[-2:]}:00.0"),
+                          ports=[nic.Port(1, "ACTIVE")])
+
+
+def test_efa_devices_near_a_gpu_become_libfabric_domains():
+    """The efa transport opens every EFA device behind its GPU's PCIe switch (p5: 4 per GPU), each
+    as the efa provider's domain "<device>-rdm"; MOE_EP_IB_NICS / MOE_EP_IB_DEVICE override the
+    count; a CPU rank or a GPU with no EFA device behind its switch opens one."""
+    devs = [_efa(f"rdmap{i}", "0000:01:00.0" if i < 14 else "0000:02:00.0") for i in range(10, 18)]
+    gpu = nic.GpuPci("0000:05:00.0", ("pci0000:00", "0000:00:01.0", "0000:01:00.0", "0000:05:00.0"), 0)
+    assert nic.efa_count(devs, gpu, env={}) == 4
+    c = nic.choose_nic(devs, "efa", gpu, 0, env={}, count=nic.efa_count(devs, gpu, env={}))
+    assert c.devices == ["rdmap10", "rdmap11", "rdmap12", "rdmap13"] and "behind the same PCIe switch" in c.reason
+    assert [nic.efa_domain(d) for d in c.devices] == ["rdmap10-rdm", "rdmap11-rdm", "rdmap12-rdm", "rdmap13-rdm"]
+    assert nic.efa_domain("rdmap10-rdm") == "rdmap10-rdm"
+    assert nic.efa_count(devs, gpu, env={"MOE_EP_IB_NICS": "2"}) == 2
+    assert nic.efa_count(devs, gpu, env={"MOE_EP_IB_DEVICE": "rdmap16"}) == 1
+    assert nic.efa_count(devs, None, env={}) == 1  # CPU rank
+    far = nic.GpuPci("0000:41:00.0", ("pci0000:40", "0000:40:01.0", "0000:41:00.0"), 1)
+    assert nic.efa_count(devs, far, env={}) == 1
+    assert nic.efa_count([d for d in devs if d.name != "rdmap10"] + [nic.RdmaDevice("mlx5_0", "mlx5_core")],
+                         gpu, env={}) == 3
+
+
+def test_choose_nics_gives_efa_every_device_behind_the_switch(monkeypatch):
+    S = light_import("internode.session")
+    devs = [_efa(f"rdmap{i}", "0000:01:00.0") for i in range(10, 14)]
+    gpu = nic.GpuPci("0000:05:00.0", ("pci0000:00", "0000:00:01.0", "0000:01:00.0", "0000:05:00.0"), 0)
+    monkeypatch.setattr(S._nic, "list_devices", lambda root=None: devs)
+    monkeypatch.setattr(S._nic, "torch_gpu_bdf", lambda i: "0000:05:00.0")
+    monkeypatch.setattr(S._nic, "gpu_pci", lambda bdf, root=None: gpu)
+    monkeypatch.delenv("MOE_EP_IB_NICS", raising=False)
+    monkeypatch.delenv("MOE_EP_IB_DEVICE", raising=False)
+    monkeypatch.delenv("MOE_EP_FI_DOMAIN", raising=False)
+    nics = S.choose_nics(0)
+    assert nics["efa"].devices == ["rdmap10", "rdmap11", "rdmap12", "rdmap13"] and nics["verbs"].device is None
+    assert S.efa_domains(nics["efa"]) == "rdmap10-rdm,rdmap11-rdm,rdmap12-rdm,rdmap13-rdm"
+    seen = []
+    monkeypatch.setattr(S, "fabric_probe", lambda prov=None, dom=None: (seen.append((prov, dom)), (True, "ok"))[1])
+    assert S.nic_probes(nics)["efa"]() == (True, "ok")
+    assert seen == [("efa", "rdmap10-rdm,rdmap11-rdm,rdmap12-rdm,rdmap13-rdm")]
+    monkeypatch.setenv("MOE_EP_FI_DOMAIN", "rdmap99-rdm")  # the domains named: the native side takes them
+    assert S.efa_domains(nics["efa"]) is None

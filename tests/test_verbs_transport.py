@@ -158,7 +158,12 @@ def _run_py(code: str, **env) -> subprocess.CompletedProcess:
 
 def test_library_does_not_need_rdma_core():
     """No source includes rdma-core headers, the library links neither libibverbs nor libefa, and
-    without libibverbs it still imports and runs the TCP transport."""
+    without libibverbs it still imports and runs the TCP transport. The sources libibverbs is
+    opened from compile without warnings."""
+    for f in ("verbs_transport.cc", "rdma_probe.cc"):
+        r = subprocess.run([os.environ.get("CXX", "c++"), "-std=c++17", "-fsyntax-only", "-Wall", "-Wextra", "-Werror",
+                            os.path.join(SRC, f)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
     srcs = sorted(os.path.join(SRC, f) for f in os.listdir(SRC) if f.endswith(".cc"))
     py = "-I" + sysconfig.get_paths()["include"]  # (launch.cc's Python function)
     deps = subprocess.run([os.environ.get("CXX", "c++"), "-std=c++17", py, "-M", *srcs], capture_output=True, text=True)
@@ -194,7 +199,7 @@ def test_verbs_unavailable_errors_name_what_is_missing():
             else:
                 raise SystemExit("no error")
         try:
-            N.Engine(1, 2, transport="efa")
+            N.Engine(1, 2, transport="verbs")
         except N.NativeError as e:
             print("ERR", e)
     """, MOE_EP_IBVERBS_LIB="libmissing-ibverbs.so.1")
@@ -203,7 +208,7 @@ def test_verbs_unavailable_errors_name_what_is_missing():
     assert len(lines) == 3, r.stdout
     for ln in lines[:2]:
         assert "rank 0" in ln and "verbs transport not available" in ln and "libmissing-ibverbs.so.1" in ln, ln
-    assert "rank 1" in lines[2] and "efa transport not available" in lines[2] and "libmissing-ibverbs.so.1" in lines[2]
+    assert "rank 1" in lines[2] and "verbs transport not available" in lines[2] and "libmissing-ibverbs.so.1" in lines[2]
 
 
 def test_verbs_missing_device_names_it():
@@ -229,11 +234,11 @@ def test_select_transport():
     from moe_ep.internode.session import select_transport
 
     assert select_transport("tcp") == ("tcp", "MOE_EP_TRANSPORT=tcp")
-    efa_ok, _ = N.efa_probe()
+    efa_ok, efa_why = N.fabric_probe("efa")
     kind, why = select_transport("auto")
     assert kind == ("efa" if efa_ok else "verbs" if AVAILABLE else "tcp") and why.startswith("auto: ")
-    if not efa_ok:
-        assert WHY in why
+    if not efa_ok and not AVAILABLE:
+        assert WHY in why and f"efa (libfabric provider efa) not usable: {efa_why}" in why
     with pytest.raises(ValueError, match="expected one of auto, verbs, tcp, efa"):
         select_transport("ucx")
     if not AVAILABLE:
@@ -241,6 +246,24 @@ def test_select_transport():
             select_transport("verbs")
     else:
         assert select_transport("verbs")[0] == "verbs"
+
+
+@rdma_test
+def test_auto_takes_verbs_where_efa_is_not_usable():
+    """On a non-EFA verbs device (the Soft-RoCE VM): libfabric's efa provider is not usable, so
+    auto takes verbs, and asking for efa (on the device's would-be efa domain too) names why."""
+    ok, efa_why = N.fabric_probe("efa")
+    if ok:
+        pytest.skip("libfabric's efa provider is usable here")
+    assert AVAILABLE, WHY
+    S = light_import("internode.session")
+    assert S.select_transport("auto")[0] == "verbs"
+    with pytest.raises(RuntimeError, match=r"MOE_EP_TRANSPORT=efa, but no EFA device \(libfabric provider efa\) "
+                                           r"is usable: "):
+        S.select_transport("efa")
+    name = WHY.split()[1]  # "device rxe0 port 1 ..."
+    with pytest.raises(N.NativeError, match="rank 0: libfabric transport not available: "):
+        N.FabricTransport(0, 2, "efa", light_import("proxy.nic").efa_domain(name))
 
 
 def _shards_ref(n: int, k: int, min_shard: int, align: int) -> list[int]:
@@ -367,6 +390,11 @@ SAME_OFF(v::wc, ibv_wc, opcode, opcode);
 SAME_OFF(v::wc, ibv_wc, vendor_err, vendor_err);
 SAME_OFF(v::wc, ibv_wc, imm_data, imm_data);
 SAME_SIZE(v::sge, ibv_sge);
+SAME_SIZE(v::device_attr, ibv_device_attr);  // the device listing (rdma_probe.cc)
+SAME_OFF(v::device_attr, ibv_device_attr, max_qp, max_qp);
+SAME_OFF(v::device_attr, ibv_device_attr, max_cqe, max_cqe);
+SAME_OFF(v::device_attr, ibv_device_attr, max_ah, max_ah);
+SAME_OFF(v::device_attr, ibv_device_attr, phys_port_cnt, phys_port_cnt);
 SAME_SIZE(v::send_wr, ibv_send_wr);
 SAME_OFF(v::send_wr, ibv_send_wr, sg_list, sg_list);
 SAME_OFF(v::send_wr, ibv_send_wr, num_sge, num_sge);
@@ -713,7 +741,7 @@ def test_verbs_nic_lists_and_counts(monkeypatch):
     dev = _dev()
     ok, what = N.verbs_probe(f"{dev},{dev}:1")
     assert ok and what.startswith(f"2 NICs: device {dev} port 1") and what.count("GID index") == 2, what
-    verbs_devs = [d["name"] for d in N.rdma_devices().get("devices", []) if "efa" not in d]
+    verbs_devs = [d.name for d in light_import("proxy.nic").list_devices() if d.kind == "verbs"]
     errs = []
     for kw in ({"nics": 2}, {"device": dev, "nics": 2}, {"device": f"{dev},nosuch9"}):
         try:

@@ -48,7 +48,7 @@ int copy_str(const std::string& s, char* buf, size_t len) {
 #pragma GCC visibility push(default)
 extern "C" {
 
-int moe_ep_abi_version() { return 9; }  // 9: the libfabric engine and seven proxy regions (headers apart from rows)
+int moe_ep_abi_version() { return 10; }  // 10: the efadv engine retired (EFA through libfabric); per-endpoint domains
 
 // How this library was built, for bug reports (python -m moe_ep.doctor): the compiler, the C++
 // standard and the builder's flags, which setup.py and the in-tree build of
@@ -112,8 +112,9 @@ int moe_ep_imm_stress(void* c, uint32_t imm, int threads, int64_t adds_per_threa
 // ---- Engine (a transport plus its ImmCounter) ----
 // Every create call takes the job identity every hello carries and checks (transport.h
 // JobIdentity): `secret` 16 bytes (null: none, all zero), `session` the session epoch.
-// transport: "tcp", "verbs", "efa" or "libfabric" (device, port and GID from the environment, see
-// moe_ep_engine_create_verbs / _efa; streams and bind_host unused). bind_host: IPv4 address to listen
+// transport: "tcp", "verbs", "libfabric" or "efa" (libfabric with provider efa) (devices, provider
+// and domain from the environment, see moe_ep_engine_create_verbs / _fabric; streams and bind_host
+// unused). bind_host: IPv4 address to listen
 // on (null: 127.0.0.1). Returns null on failure (see moe_ep_last_error).
 void* moe_ep_engine_create(const char* transport, int rank, int world, int streams, const char* bind_host,
                            const uint8_t* secret, uint64_t session) {
@@ -121,7 +122,7 @@ void* moe_ep_engine_create(const char* transport, int rank, int world, int strea
     const std::string kind = transport ? transport : "tcp";
     const moe_ep::JobIdentity id = identity(secret, session);
     if (kind == "verbs") return moe_ep::create_verbs_transport(rank, world, "", 0, -1, 0, id);
-    if (kind == "efa") return moe_ep::create_efa_transport(rank, world, "", id);
+    if (kind == "efa") return moe_ep::create_fabric_transport(rank, world, "efa", "", 0, 0, id);
     if (kind == "libfabric") return moe_ep::create_fabric_transport(rank, world, "", "", 1, 0, id);
     if (kind != "tcp") {
       moe_ep::set_error(moe_ep::kErrInvalid, "rank " + std::to_string(rank) + ": unknown transport '" + kind + "'");
@@ -172,22 +173,10 @@ int moe_ep_verbs_probe_device(const char* device, int port, char* buf, size_t le
   });
 }
 
-// efa engine (libibverbs and libefa loaded at run time): one SRD queue pair, an address handle
-// per peer. device: null or "" = MOE_EP_IB_DEVICE, else the first EFA device with an active
-// port and the capabilities it needs. Null on failure, the message naming what is missing
-// (library, EFA device, active port, capability).
-void* moe_ep_engine_create_efa(int rank, int world, const char* device, const uint8_t* secret, uint64_t session) {
-  try {
-    return moe_ep::create_efa_transport(rank, world, device ? device : "", identity(secret, session));
-  } catch (const std::exception& e) {
-    moe_ep::set_error(moe_ep::kErrSystem, std::string("native exception: ") + e.what());
-    return nullptr;
-  }
-}
-
 // libfabric engine (libfabric loaded at run time): `endpoints` FI_EP_RDM endpoints of `provider`
 // (null or "" = MOE_EP_FI_PROVIDER, else FI_PROVIDER, else efa where it fits, else libfabric's
-// first) on `domain` (null or "" = MOE_EP_FI_DOMAIN, else the provider's first); force_mr_mode:
+// first) on `domain` (null or "" = MOE_EP_FI_DOMAIN, else the provider's first; "a,b": endpoint
+// i on the i % n-th; endpoints 0: one per listed domain); force_mr_mode:
 // FI_MR_* bits used as if the provider needed them. Null on failure, the message naming what is
 // missing (library, provider, capability).
 void* moe_ep_engine_create_fabric(int rank, int world, const char* provider, const char* domain, int endpoints,
@@ -221,25 +210,6 @@ int moe_ep_fabric_providers(const char* provider, char* buf, size_t len) {
 // A libfabric engine's provider, domain and mr_mode as JSON ("" for another engine); returns the length.
 int moe_ep_fabric_describe(void* e, char* buf, size_t len) {
   return copy_str(moe_ep::fabric_describe(static_cast<Transport*>(e)), buf, len);
-}
-
-// 1 when an efa engine can be created here (on `device`; null or "": the default choice), else
-// 0; buf gets the device and its capabilities, or why not.
-int moe_ep_efa_probe(const char* device, char* buf, size_t len) {
-  return guarded([&] {
-    std::string what;
-    const bool ok = moe_ep::efa_probe(device ? device : "", &what);
-    copy_str(what, buf, len);
-    return ok ? 1 : 0;
-  });
-}
-
-// The start-up capability check of the efa transport on efadv device_caps bits: 1 when they
-// suffice, else 0 with the missing capabilities by name in buf.
-int moe_ep_efa_check_caps(uint32_t caps, char* buf, size_t len) {
-  const std::string miss = moe_ep::efa_missing_caps(caps);
-  copy_str(miss.empty() ? moe_ep::efa_caps_names(caps) : miss, buf, len);
-  return miss.empty() ? 1 : 0;
 }
 
 // Every RDMA device libibverbs lists, as JSON (see rdma_probe.h); returns its full length.

@@ -1,13 +1,11 @@
-// The RDMA devices libibverbs sees, as JSON for `python -m moe_ep.doctor`: per device its
-// ibv_query_device attributes, its ports (ibv_query_port, the non-empty GIDs) and, for EFA
-// devices, efadv_query_device's attributes and capabilities. Opens each device briefly; creates
-// nothing on it.
+// The RDMA devices libibverbs sees (EFA devices too), as JSON for `python -m moe_ep.doctor`: per
+// device its ibv_query_device attributes and its ports (ibv_query_port, the non-empty GIDs).
+// Opens each device briefly; creates nothing on it.
 #include <cstdio>
 #include <cstring>
 #include <sstream>
 #include <string>
 
-#include "efa_abi.h"
 #include "rdma_probe.h"
 #include "verbs_abi.h"
 
@@ -70,10 +68,8 @@ std::string rdma_devices_json() {
   std::string why;
   const ibv::Api* v = ibv::load_verbs(&why);
   if (!v) return "{\"error\":" + quoted(why) + "}";
-  const RdmaExtra* x = load_rdma_extra(&why);
-  if (!x) return "{\"error\":" + quoted(why) + "}";
   std::ostringstream o;
-  o << "{\"efa_library\":" << (x->efadv_query_device ? "null" : quoted(x->efa_why)) << ",\"devices\":[";
+  o << "{\"devices\":[";
   int n = 0;
   ibv::device** list = v->get_device_list(&n);
   for (int i = 0; list && i < n; ++i) {
@@ -85,7 +81,7 @@ std::string rdma_devices_json() {
       continue;
     }
     ibv::device_attr da{};
-    if (x->query_device(ctx, &da) == 0) {
+    if (v->query_device && v->query_device(ctx, &da) == 0) {
       o << ",\"fw_ver\":" << quoted(std::string(da.fw_ver, strnlen(da.fw_ver, sizeof(da.fw_ver))))
         << ",\"vendor_id\":" << da.vendor_id << ",\"vendor_part_id\":" << da.vendor_part_id
         << ",\"max_qp\":" << da.max_qp << ",\"max_qp_wr\":" << da.max_qp_wr << ",\"max_sge\":" << da.max_sge
@@ -95,15 +91,6 @@ std::string rdma_devices_json() {
     } else {
       da.phys_port_cnt = 1;
       o << ",\"query_device_error\":true";
-    }
-    efadv::device_attr ea{};
-    if (x->efadv_query_device && x->efadv_query_device(ctx, &ea, sizeof(ea)) == 0) {
-      const std::string miss = efa_missing_caps(ea.device_caps);
-      o << ",\"efa\":{\"max_sq_wr\":" << ea.max_sq_wr << ",\"max_rq_wr\":" << ea.max_rq_wr
-        << ",\"max_sq_sge\":" << ea.max_sq_sge << ",\"max_rq_sge\":" << ea.max_rq_sge
-        << ",\"inline_buf_size\":" << ea.inline_buf_size << ",\"max_rdma_size\":" << ea.max_rdma_size
-        << ",\"device_caps\":" << ea.device_caps << ",\"caps\":" << quoted(efa_caps_names(ea.device_caps))
-        << ",\"missing\":" << (miss.empty() ? "null" : quoted(miss)) << "}";
     }
     o << ",\"ports\":[";
     for (int p = 1; p <= int(da.phys_port_cnt); ++p) {

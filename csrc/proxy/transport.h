@@ -1,7 +1,8 @@
 // Transport interface for the proxy engine: one-sided writes with an optional 32-bit immediate,
 // reliable but unordered delivery, completion known by polling (sender) and by counting
-// immediates (receiver). Implemented by TcpTransport (tcp_transport.cc) and VerbsTransport
-// (verbs_transport.cc, libibverbs RC, one or several NICs) and EfaTransport (efa_transport.cc).
+// immediates (receiver). Implemented by TcpTransport (tcp_transport.cc), VerbsTransport
+// (verbs_transport.cc, libibverbs RC, one or several NICs) and FabricTransport
+// (fabric_transport.cc, libfabric FI_EP_RDM: EFA through its efa provider).
 //
 // Contract:
 //  - register_memory(ptr, len) returns a key; a peer addresses that memory as (key, offset).
@@ -153,9 +154,10 @@ std::string verbs_region_how(Transport* t, uint32_t key);
 // endpoints (1..16; every rank must open as many) over which writes are sharded as verbs shards
 // them over NICs. provider: "tcp;ofi_rxm", "udp;ofi_rxd", "efa", "shm", ...; "" =
 // MOE_EP_FI_PROVIDER, else FI_PROVIDER, else efa where it fits, else libfabric's first. domain:
-// the fi_info domain (interface) name, e.g. "lo"; "" = MOE_EP_FI_DOMAIN, else the provider's
-// first. force_mr_mode: FI_MR_* bits used as if the provider had asked for them (tests: the paths
-// EFA needs on tcp). Returns null and sets the thread's error (naming what is missing: the
+// the fi_info domain (interface) name, e.g. "lo", or several ("rdmap16s27-rdm,rdmap17s27-rdm":
+// endpoint i opens domain i % n); "" = MOE_EP_FI_DOMAIN, else the provider's first. endpoints 0:
+// one per listed domain; else a multiple of their number. force_mr_mode: FI_MR_* bits used as if
+// the provider had asked for them (tests: the paths EFA needs on tcp). Returns null and sets the thread's error (naming what is missing: the
 // library, a provider with FI_EP_RDM + FI_RMA + remote CQ data) on failure.
 Transport* create_fabric_transport(int rank, int world, const std::string& provider, const std::string& domain,
                                    int endpoints = 1, int force_mr_mode = 0, const JobIdentity& id = {});

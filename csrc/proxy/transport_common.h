@@ -65,14 +65,14 @@ inline bool bad_rank(int rank, int world) {
 constexpr uint32_t kMagicHello = 0x3248454d;    // "MEH2": the hello with the job identity
 constexpr uint32_t kMagicHelloV1 = 0x4850454d;  // "MEPH": the hello before it (refused, by name)
 
-// tcp: the first message of every connection, connector -> listener; verbs and efa: the payload
-// of the hello SEND. Host byte order (little-endian hosts).
+// tcp: the first message of every connection, connector -> listener; verbs: the payload of the
+// hello SEND; libfabric: the hello message (fi_send). Host byte order (little-endian hosts).
 struct WireHello {
   uint32_t magic;     // kMagicHello
   int32_t src_rank;   // the connector
   int32_t dst_rank;   // the rank it means to reach
   int32_t world;      // its world size
-  int32_t lane;       // tcp: the stream; verbs: the NIC index; efa: 0
+  int32_t lane;       // tcp: the stream; verbs: the NIC index; libfabric: the endpoint index
   uint32_t reserved;  // 0
   uint64_t session;   // JobIdentity::session
   uint8_t secret[16];  // JobIdentity::secret
@@ -128,8 +128,8 @@ constexpr uint32_t kMagicGoodbye = 0x4247454d;  // "MEGB"
 constexpr int kGoodbyePhases = 4;               // the proxy's phases: the 2 phase bits of an immediate (proxy.h kPhase*)
 
 // tcp: sent on every connection with the peer (on a data stream as a frame of its own, on an ack
-// stream after an ack marker); verbs and efa: the payload of a SEND. It carries the identity of the
-// hello, checked the same way (efa has no connection to vouch for the sender). Host byte order.
+// stream after an ack marker); verbs: the payload of a SEND; libfabric: a message. It carries the
+// identity of the hello, checked the same way (FI_EP_RDM has no connection to vouch for the sender). Host byte order.
 struct WireGoodbye {
   uint32_t magic;       // kMagicGoodbye
   int32_t src_rank;     // the closing rank

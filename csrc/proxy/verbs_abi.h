@@ -283,6 +283,50 @@ enum : int {
   QP_DEST_QPN = 1 << 20,
 };
 
+// ibv_query_device's attributes (the device listing, rdma_probe.cc).
+struct device_attr {
+  char fw_ver[64];
+  uint64_t node_guid;       // big endian
+  uint64_t sys_image_guid;  // big endian
+  uint64_t max_mr_size;
+  uint64_t page_size_cap;
+  uint32_t vendor_id;
+  uint32_t vendor_part_id;
+  uint32_t hw_ver;
+  int max_qp;
+  int max_qp_wr;
+  unsigned int device_cap_flags;
+  int max_sge;
+  int max_sge_rd;
+  int max_cq;
+  int max_cqe;
+  int max_mr;
+  int max_pd;
+  int max_qp_rd_atom;
+  int max_ee_rd_atom;
+  int max_res_rd_atom;
+  int max_qp_init_rd_atom;
+  int max_ee_init_rd_atom;
+  int atomic_cap;
+  int max_ee;
+  int max_rdd;
+  int max_mw;
+  int max_raw_ipv6_qp;
+  int max_raw_ethy_qp;
+  int max_mcast_grp;
+  int max_mcast_qp_attach;
+  int max_total_mcast_qp_attach;
+  int max_ah;
+  int max_fmr;
+  int max_map_per_fmr;
+  int max_srq;
+  int max_srq_wr;
+  int max_srq_sge;
+  uint16_t max_pkeys;
+  uint8_t local_ca_ack_delay;
+  uint8_t phys_port_cnt;
+};
+
 // The exported functions, resolved with dlsym.
 struct Api {
   device** (*get_device_list)(int* num);
@@ -306,6 +350,8 @@ struct Api {
   int (*modify_qp)(qp* q, qp_attr* attr, int mask);
   int (*destroy_qp)(qp* q);
   const char* (*wc_status_str)(int status);
+  // Optional: null when the library lacks it (the device listing then says so).
+  int (*query_device)(context* ctx, device_attr* attr);
   // Optional (rdma-core 34+, IBVERBS_1.12); null when the library lacks it.
   mr* (*reg_dmabuf_mr)(pd* p, uint64_t offset, size_t len, uint64_t iova, int fd, int access);
 };

@@ -84,8 +84,10 @@ const Api* load_verbs(std::string* why) {
       sym(api.modify_qp, "ibv_modify_qp");
       sym(api.destroy_qp, "ibv_destroy_qp");
       sym(api.wc_status_str, "ibv_wc_status_str");
-      if (state == 1)  // optional: GPU memory through dma-buf (rdma-core 34+)
+      if (state == 1) {  // optional: GPU memory through dma-buf (rdma-core 34+); the device listing
         api.reg_dmabuf_mr = reinterpret_cast<decltype(api.reg_dmabuf_mr)>(dlsym(h, "ibv_reg_dmabuf_mr"));
+        api.query_device = reinterpret_cast<decltype(api.query_device)>(dlsym(h, "ibv_query_device"));
+      }
     }
   }
   if (state != 1) {
@@ -200,8 +202,8 @@ bool select_device(const ibv::Api& v, const std::string& want_dev, int want_port
     names += (names.empty() ? "" : ", ") + name;
     if (!dev.empty() && name != dev) continue;
     if (dev.empty() && std::find(skip.begin(), skip.end(), name) != skip.end()) continue;  // already chosen
-    if (dev.empty() && is_efa_device(name)) {  // RC does not run on EFA: that is the efa transport's
-      reasons += "; " + name + " is an EFA device (MOE_EP_TRANSPORT=efa)";
+    if (dev.empty() && is_efa_device(name)) {  // RC does not run on EFA: libfabric's efa provider does
+      reasons += "; " + name + " is an EFA device (MOE_EP_TRANSPORT=efa: libfabric's efa provider)";
       continue;
     }
     ibv::context* ctx = v.open_device(list[i]);

@@ -2,13 +2,18 @@
 
 The endpoints travel through the group's process group (``all_gather_object``), so a job needs
 nothing beyond what ``torch.distributed`` already set up. The transport comes from
-``MOE_EP_TRANSPORT`` (``auto`` | ``efa`` | ``verbs`` | ``tcp`` | ``libfabric``): ``auto`` takes efa
-when every rank has a usable EFA device, else verbs when every rank has another usable verbs
-device, else tcp; ``libfabric`` only when asked for (provider ``MOE_EP_FI_PROVIDER``, endpoints per
-rank ``MOE_EP_FI_ENDPOINTS``, default 1; tcp and udp providers stay on ``lo`` when every rank
-shares this host, else ``MOE_EP_FI_DOMAIN`` or the provider's first interface). Each rank's NIC is the one nearest its GPU (``moe_ep.proxy.nic``; ``MOE_EP_IB_DEVICE``
-overrides it; ``MOE_EP_IB_NICS=k``: the k nearest, over which verbs shards every write; every
-rank must open as many). Rank 0 logs the choice, why, and its NIC(s) in one line.
+``MOE_EP_TRANSPORT`` (``auto`` | ``efa`` | ``verbs`` | ``tcp`` | ``libfabric``). ``efa`` is the
+libfabric transport with libfabric's ``efa`` provider (``FabricTransport(provider="efa")``; there is
+no other EFA transport). ``auto`` takes efa when every rank's libfabric finds a usable efa provider
+on its EFA devices, else verbs when every rank has a usable (non-EFA) verbs device, else tcp;
+``libfabric`` with another provider only when asked for (provider ``MOE_EP_FI_PROVIDER``, endpoints
+per rank ``MOE_EP_FI_ENDPOINTS``, default 1; tcp and udp providers stay on ``lo`` when every rank
+shares this host, else ``MOE_EP_FI_DOMAIN`` or the provider's first interface). Each rank's NIC is
+the one nearest its GPU (``moe_ep.proxy.nic``; ``MOE_EP_IB_DEVICE`` overrides it;
+``MOE_EP_IB_NICS=k``: the k nearest, over which verbs shards every write; every rank must open as
+many). For efa, every EFA device behind the GPU's PCIe switch (p5: 4) is opened as its libfabric
+domain (``<device>-rdm``), one endpoint each, writes sharded over them; ranks that found different
+numbers all open the smallest. Rank 0 logs the choice, why, and its NIC(s) in one line.
 
 Each session gets a new ``JobIdentity`` (``identity.agree_identity``: rank 0 draws a 128-bit
 secret and a session epoch, every rank gets them through the process group); the engines check
@@ -24,8 +29,8 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from ..proxy import nic as _nic
 from ..proxy.identity import agree_identity
-from ..proxy.native import (EfaTransport, Engine, FabricTransport, NativeError, Proxy, TcpTransport, VerbsTransport,
-                            efa_probe, fabric_probe, verbs_probe)
+from ..proxy.native import (Engine, FabricTransport, NativeError, Proxy, TcpTransport, VerbsTransport, fabric_probe,
+                            verbs_probe)
 
 if TYPE_CHECKING:  # not at run time: moe_ep.doctor uses this module without torch
     from ..group import EPGroup
@@ -56,14 +61,21 @@ def _bind_host(group: EPGroup) -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
+def efa_probe(domain: Optional[str] = None) -> tuple[bool, str]:
+    """Whether the efa transport can start here: libfabric's ``efa`` provider on ``domain`` (the
+    EFA devices' domains, ``"a-rdm,b-rdm"``; default ``MOE_EP_FI_DOMAIN``, else its first)."""
+    return fabric_probe("efa", domain)
+
+
 def select_transport(name: Optional[str] = None, *, probes: Optional[dict[str, Probe]] = None) -> tuple[str, str]:
     """This rank's transport and why: ``name`` (default ``MOE_EP_TRANSPORT``, else ``auto``).
 
-    ``auto``: efa when an EFA device is usable here, else verbs when another verbs device is,
-    else tcp. Asking for ``efa`` or ``verbs`` where none is usable raises ``NativeError`` naming
-    what is missing; an unknown name raises ``ValueError``. ``probes`` (``{"efa": f, "verbs": f}``,
-    each ``() -> (ok, what)``) replace ``efa_probe`` / ``verbs_probe``: the device a rank will use
-    (``nic_probes``), or fakes in tests.
+    ``auto``: efa (libfabric, provider efa) when libfabric's efa provider is usable here, else
+    verbs when a verbs device is, else tcp. Asking for ``efa``, ``verbs`` or ``libfabric`` where
+    none is usable raises ``NativeError`` naming what is missing; an unknown name raises
+    ``ValueError``. ``probes`` (``{"efa": f, "verbs": f, "libfabric": f}``, each
+    ``() -> (ok, what)``) replace ``efa_probe`` / ``verbs_probe`` / ``fabric_probe``: the devices a
+    rank will use (``nic_probes``), or fakes in tests.
     """
     want = (name or os.environ.get("MOE_EP_TRANSPORT") or "auto").strip().lower()
     if want not in TRANSPORTS:
@@ -74,16 +86,17 @@ def select_transport(name: Optional[str] = None, *, probes: Optional[dict[str, P
     if want != "auto":
         ok, what = probe[want]()
         if not ok:
-            dev = {"efa": "EFA device", "verbs": "verbs device", "libfabric": "libfabric provider"}[want]
+            dev = {"efa": "EFA device (libfabric provider efa)", "verbs": "verbs device",
+                   "libfabric": "libfabric provider"}[want]
             raise NativeError(f"MOE_EP_TRANSPORT={want}, but no {dev} is usable: {what}")
         return want, f"MOE_EP_TRANSPORT={want}: {what}"
     ok, efa_what = probe["efa"]()
     if ok:
-        return "efa", f"auto: efa {efa_what}"
+        return "efa", f"auto: efa (libfabric) {efa_what}"
     ok, what = probe["verbs"]()
     if ok:
         return "verbs", f"auto: verbs {what}"
-    return "tcp", f"auto: efa not usable: {efa_what}; verbs not usable: {what}"
+    return "tcp", f"auto: efa (libfabric provider efa) not usable: {efa_what}; verbs not usable: {what}"
 
 
 def choose_nics(gpu_index: Optional[int] = None, root: Optional[str] = None) -> dict[str, _nic.NicChoice]:
@@ -94,15 +107,24 @@ def choose_nics(gpu_index: Optional[int] = None, root: Optional[str] = None) -> 
     if gpu_index is not None:
         bdf = _nic.torch_gpu_bdf(gpu_index)
         gpu = _nic.gpu_pci(bdf, root) if bdf else _nic.GpuPci("")
-    # Several NICs per rank (MOE_EP_IB_NICS) are the verbs transport's; efa opens one.
-    return {k: _nic.choose_nic(devices, k, gpu, gpu_index or 0, count=1 if k == "efa" else None)
-            for k in ("efa", "verbs")}
+    # verbs: MOE_EP_IB_NICS (else 1) NICs; efa: every EFA device behind the GPU's switch (efa_count).
+    return {"verbs": _nic.choose_nic(devices, "verbs", gpu, gpu_index or 0),
+            "efa": _nic.choose_nic(devices, "efa", gpu, gpu_index or 0, count=_nic.efa_count(devices, gpu))}
+
+
+def efa_domains(nic: Optional[_nic.NicChoice]) -> Optional[str]:
+    """The libfabric domains of the EFA devices ``nic`` chose (``"rdmap16s27-rdm,..."``), or None
+    (the native default: ``MOE_EP_FI_DOMAIN``, else the efa provider's first) when
+    ``MOE_EP_FI_DOMAIN`` is set or sysfs offered no EFA device."""
+    if os.environ.get("MOE_EP_FI_DOMAIN") or nic is None or not nic.devices:
+        return None
+    return ",".join(_nic.efa_domain(d) for d in nic.devices)
 
 
 def nic_probes(nics: dict[str, _nic.NicChoice]) -> dict[str, Probe]:
     """``select_transport`` probes that check the devices ``nics`` chose (the native default
     where sysfs offered none)."""
-    return {"efa": lambda: efa_probe(nics["efa"].device),
+    return {"efa": lambda: efa_probe(efa_domains(nics["efa"])),
             "verbs": lambda: verbs_probe(nics["verbs"].spec, nics["verbs"].port or 0)}
 
 
@@ -134,7 +156,13 @@ def _agreed_transport(group: EPGroup, name: Optional[str]) -> tuple[str, Optiona
             bad = next(r for r, n in enumerate(counts) if n != counts[0])
             raise NativeError(f"rank {group.rank}: ranks open different numbers of NICs (rank 0: {counts[0]}, "
                               f"rank {bad}: {counts[bad]}); set MOE_EP_IB_NICS (or MOE_EP_IB_DEVICE) alike on every rank")
-    if kind == "libfabric":  # writes are sharded over the endpoints: every rank must open as many
+    if kind == "efa" and not os.environ.get("MOE_EP_FI_ENDPOINTS"):  # one endpoint per EFA device
+        counts = group.all_gather_object(max(1, len(nic.devices)))
+        least = min(counts)
+        if least < counts[group.rank] and nic.devices:  # every rank opens the smallest number
+            nic = _nic.NicChoice(",".join(nic.devices[:least]), nic.port, f"{nic.reason}; {least} of "
+                                 f"{counts[group.rank]} (a rank found only {least})", nic.ports[:least], least)
+    elif kind in ("libfabric", "efa"):  # writes are sharded over the endpoints: every rank must open as many
         counts = group.all_gather_object(fabric_endpoints())
         if len(set(counts)) > 1:
             bad = next(r for r, n in enumerate(counts) if n != counts[0])
@@ -165,6 +193,25 @@ def _fabric_domain(group: EPGroup) -> Optional[str]:
     return "lo" if one_host and prov.split(";")[0] in ("tcp", "udp") else None
 
 
+def make_engine(group: EPGroup, kind: str, nic: Optional[_nic.NicChoice], identity, *, streams: int = 4,
+                bind_host: Optional[str] = None) -> Engine:
+    """This rank's engine of transport ``kind`` on ``nic`` (``_agreed_transport``'s choice): verbs on
+    its NICs; efa as libfabric's efa provider on its EFA devices' domains, one endpoint each (or
+    ``MOE_EP_FI_ENDPOINTS``); libfabric on ``MOE_EP_FI_PROVIDER``; else tcp."""
+    if kind == "verbs":
+        return VerbsTransport(group.rank, group.world_size, device=nic.spec, port=nic.port or 0, nics=nic.nics,
+                              identity=identity)
+    if kind == "efa":
+        endpoints = fabric_endpoints() if os.environ.get("MOE_EP_FI_ENDPOINTS") else 0
+        return FabricTransport(group.rank, group.world_size, provider="efa", domain=efa_domains(nic),
+                               endpoints=endpoints, identity=identity)
+    if kind == "libfabric":
+        return FabricTransport(group.rank, group.world_size, domain=_fabric_domain(group),
+                               endpoints=fabric_endpoints(), identity=identity)
+    return TcpTransport(group.rank, group.world_size, streams=streams, bind_host=bind_host or _bind_host(group),
+                        identity=identity)
+
+
 CPU_IDLE_SLEEP_US = 500.0  # an idle proxy's poll interval on CPU ranks (GPU ranks: Proxy's 20 us)
 
 
@@ -182,20 +229,9 @@ def start_proxy(group: EPGroup, *, num_local_experts: int, row_bytes: int, comb_
     this session's ``JobIdentity`` (drawn by rank 0); tcp takes ``MOE_EP_TCP_HELLO_TIMEOUT`` and
     ``MOE_EP_TCP_MAX_PENDING`` (``TcpTransport``).
     """
-    engine: Engine
     kind, nic = _agreed_transport(group, transport)
     identity = agree_identity(group)
-    if kind == "verbs":
-        engine = VerbsTransport(group.rank, group.world_size, device=nic.spec, port=nic.port or 0, nics=nic.nics,
-                                identity=identity)
-    elif kind == "efa":
-        engine = EfaTransport(group.rank, group.world_size, device=nic.device, identity=identity)
-    elif kind == "libfabric":
-        engine = FabricTransport(group.rank, group.world_size, domain=_fabric_domain(group),
-                                 endpoints=fabric_endpoints(), identity=identity)
-    else:
-        engine = TcpTransport(group.rank, group.world_size, streams=streams, bind_host=bind_host or _bind_host(group),
-                              identity=identity)
+    engine = make_engine(group, kind, nic, identity, streams=streams, bind_host=bind_host)
     # CPU ranks (kernels in the interpreter, milliseconds each) poll their idle proxy every
     # CPU_IDLE_SLEEP_US: at the GPU's 20 us, each idle proxy woke 50,000 times a second, and a
     # few ranks' proxies on a 2-core machine took the cores from the ranks themselves.

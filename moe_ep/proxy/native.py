@@ -1,8 +1,9 @@
 """ctypes loader and Python wrapper for the native proxy engine (csrc/proxy).
 
 ``ImmCounter``: a signed counter per 32-bit immediate; ``wait`` subtracts what it expects.
-``Engine`` (``TcpTransport``, ``VerbsTransport``, ``EfaTransport``, ``FabricTransport``): registered memory, one-sided writes with immediates to peers,
-completions by ``poll``, the receiver's immediates counted in ``engine.imm``.
+``Engine`` (``TcpTransport``, ``VerbsTransport``, ``FabricTransport``: libfabric, which is also how
+EFA is reached, through its ``efa`` provider): registered memory, one-sided writes with immediates
+to peers, completions by ``poll``, the receiver's immediates counted in ``engine.imm``.
 ``Proxy``: the host side of the inter-node protocol (docs/ARCHITECTURE.md §10) on an engine,
 driven by the mailbox words (``MAILBOX``); ``Proxy.wait_ready`` turns its error record into
 ``CommTimeoutError`` / ``PeerLostError`` / ``moe_ep.CapacityError``.
@@ -46,7 +47,7 @@ class PeerLostError(NativeError):
     """A peer's connection was lost (cut, closed, dead); ``peer`` names it (-1 if unknown)."""
 
 
-ABI_VERSION = 9  # moe_ep_abi_version() of the library this module drives (csrc/proxy/capi.cc)
+ABI_VERSION = 10  # moe_ep_abi_version() of the library this module drives (csrc/proxy/capi.cc)
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 _SRC_DIR = os.path.normpath(os.path.join(_PKG_DIR, "..", "..", "csrc", "proxy"))
 _lib = None
@@ -132,9 +133,6 @@ def lib() -> ctypes.CDLL:
             _c(L, "moe_ep_memory_type", i32, vp)
             _c(L, "moe_ep_cuda_dmabuf_fd", i32, vp, u64, ctypes.POINTER(i32), ctypes.POINTER(u64))
             _c(L, "moe_ep_verbs_probe_device", i32, cp, i32, cp, sz)
-            _c(L, "moe_ep_engine_create_efa", vp, i32, i32, cp, cp, u64)
-            _c(L, "moe_ep_efa_probe", i32, cp, cp, sz)
-            _c(L, "moe_ep_efa_check_caps", i32, u32, cp, sz)
             _c(L, "moe_ep_rdma_devices", i32, cp, sz)
             _c(L, "moe_ep_engine_create_fabric", vp, i32, i32, cp, cp, i32, i32, cp, u64)
             _c(L, "moe_ep_fabric_probe", i32, cp, cp, cp, sz)
@@ -331,7 +329,8 @@ def _identity(identity: JobIdentity | None) -> JobIdentity:
 
 
 class Engine(_Closable):
-    """One rank's proxy engine: a transport (``"tcp"``) plus the ImmCounter its receives feed.
+    """One rank's proxy engine: a transport (``"tcp"``; ``"verbs"``, ``"libfabric"`` and ``"efa"``
+    (libfabric, provider efa) with their defaults) plus the ImmCounter its receives feed.
 
     Usage: ``key = e.register(buf)`` (every rank registers its regions in the same order, so keys
     agree), exchange ``e.endpoint`` strings, ``e.connect(endpoints)``, then ``post_write`` /
@@ -371,7 +370,7 @@ class Engine(_Closable):
 
     @property
     def imm_per_write(self) -> int:
-        """What one write with an immediate adds to the receiver's count: 1 (tcp, efa), the NIC
+        """What one write with an immediate adds to the receiver's count: 1 (tcp), the NIC
         count for verbs and the endpoint count for libfabric (one immediate per byte shard, empty
         shards included). A receiver that
         waits for n writes waits for ``n * imm_per_write``."""
@@ -481,7 +480,7 @@ class Engine(_Closable):
         return _str(self._lib.moe_ep_peer_error, self._h, peer)
 
     def refused(self) -> Refused:
-        """The connections (tcp) and hellos (verbs, efa) this engine refused: a wrong job secret,
+        """The connections (tcp) and hellos (verbs, libfabric) this engine refused: a wrong job secret,
         session, world, rank or format, a second connection for a stream, no hello in time, too
         many waiting. Each was also one line on stderr (at most 20 a second)."""
         total = ctypes.c_int64()
@@ -622,31 +621,9 @@ def shard_bounds(nbytes: int, k: int, min_shard: int = DEFAULT_MIN_SHARD, align:
     return list(out)
 
 
-# efadv device_caps bits (csrc/proxy/efa_abi.h, efadv_query_device(3)).
-EFA_CAPS = {"rdma read": 1 << 0, "rnr retry": 1 << 1, "cq with sgid": 1 << 2, "rdma write": 1 << 3,
-            "unsolicited write recv": 1 << 4}
-
-
-def efa_probe(device: str | None = None) -> tuple[bool, str]:
-    """(True, "device efa_0 port 1 GID index 0 (SRD; <capabilities>; max RDMA size N)") when an
-    efa engine can be created here (on ``device``, default the transport's own choice), else
-    (False, why not: libibverbs or libefa missing, no EFA device, a capability missing)."""
-    buf = ctypes.create_string_buffer(2048)
-    ok = lib().moe_ep_efa_probe((device or "").encode(), buf, len(buf))
-    return ok == 1, buf.value.decode(errors="replace")
-
-
-def efa_check_caps(caps: int) -> tuple[bool, str]:
-    """The efa transport's start-up check of efadv ``device_caps`` bits: (True, their names) or
-    (False, the missing capabilities by name)."""
-    buf = ctypes.create_string_buffer(1024)
-    ok = lib().moe_ep_efa_check_caps(caps, buf, len(buf))
-    return ok == 1, buf.value.decode(errors="replace")
-
-
 def rdma_devices() -> dict:
-    """What libibverbs reports of every RDMA device (device and port attributes, GIDs, EFA
-    attributes): ``{"devices": [...], "efa_library": None | why not}``, or ``{"error": why}``."""
+    """What libibverbs reports of every RDMA device, EFA devices included (device and port
+    attributes, GIDs): ``{"devices": [...]}``, or ``{"error": why}``."""
     import json
 
     return json.loads(_str(lib().moe_ep_rdma_devices))
@@ -695,24 +672,6 @@ class VerbsTransport(Engine):
             _raise(rc)
 
 
-class EfaTransport(Engine):
-    """Engine over AWS EFA (libibverbs + libefa, loaded at run time): one SRD queue pair per
-    engine and an address handle per peer; ``RDMA_WRITE_WITH_IMM`` through the ``ibv_qp_ex``
-    send-ops API; writes with immediates received unsolicited where the device supports it.
-
-    ``device`` (default ``MOE_EP_IB_DEVICE``, else the first EFA device with an active port and
-    the capabilities the transport needs: RDMA write, and unsolicited write receive or RNR
-    retry). Register every region before reading ``endpoint``. Creating one where this cannot
-    work raises ``NativeError`` naming what is missing."""
-
-    def __init__(self, rank: int, world: int, device: str | None = None, *, identity: JobIdentity | None = None):
-        self._lib = lib()
-        ident = _identity(identity)
-        self._adopt(self._lib.moe_ep_engine_create_efa(rank, world, (device or "").encode(), ident.secret,
-                                                       ident.session), rank, world, "efa", ident)
-        self.streams = 1
-
-
 # FI_MR_* bits (csrc/proxy/fabric_abi.h; fi_mr(3)) for FabricTransport's force_mr_mode.
 FI_MR = {"local": 1 << 2, "virt_addr": 1 << 4, "allocated": 1 << 5, "prov_key": 1 << 6, "endpoint": 1 << 9,
          "hmem": 1 << 10}
@@ -720,7 +679,8 @@ FI_MR = {"local": 1 << 2, "virt_addr": 1 << 4, "allocated": 1 << 5, "prov_key": 
 
 def fabric_probe(provider: str | None = None, domain: str | None = None) -> tuple[bool, str]:
     """(True, "provider tcp;ofi_rxm domain lo (mr_mode ..., cq_data_size 8)") when a libfabric
-    engine can be created here (``provider`` / ``domain``, default the transport's own choice),
+    engine can be created here (``provider`` / ``domain``, default the transport's own choice;
+    ``domain`` may list several, ``"a,b"``: each must fit),
     else (False, why not: libfabric missing, no provider with FI_EP_RDM + FI_RMA + remote CQ data)."""
     buf = ctypes.create_string_buffer(4096)
     ok = lib().moe_ep_fabric_probe((provider or "").encode(), (domain or "").encode(), buf, len(buf))
@@ -743,9 +703,12 @@ class FabricTransport(Engine):
 
     ``provider``: ``"efa"``, ``"tcp;ofi_rxm"``, ``"udp;ofi_rxd"``, ``"shm"``, ...; default
     ``MOE_EP_FI_PROVIDER``, else ``FI_PROVIDER``, else efa where it fits, else libfabric's first.
-    ``domain``: the fi_info domain (interface) name, e.g. ``"lo"``; default ``MOE_EP_FI_DOMAIN``,
-    else the provider's first. ``endpoints`` (default 1): a write is split into contiguous byte
-    shards, one per endpoint (``shard_bounds``; ``set_min_shard_bytes``, default 16 KiB), each
+    ``domain``: the fi_info domain (interface) name, e.g. ``"lo"`` or ``"rdmap16s27-rdm"`` (the
+    efa provider names a domain after its EFA device: ``nic.efa_domain``), or several
+    (``"a,b"`` or a list: endpoint i opens domain ``i % n``, e.g. one per EFA device near the
+    GPU); default ``MOE_EP_FI_DOMAIN``, else the provider's first. ``endpoints`` (default 0: one
+    per listed domain, so 1 for one domain; else a multiple of their number): a write is split
+    into contiguous byte shards, one per endpoint (``shard_bounds``; ``set_min_shard_bytes``, default 16 KiB), each
     with the write's immediate, so a receiver counts ``imm_per_write`` (= ``endpoints``) per
     write; every rank must open as many (``connect`` refuses a peer that opened another number or
     another provider). ``force_mr_mode``: ``FI_MR`` bits used as if the provider had asked for
@@ -754,9 +717,12 @@ class FabricTransport(Engine):
     do not (udp;ofi_rxd reorders on its own). Creating one where this cannot work raises
     ``NativeError`` naming what is missing."""
 
-    def __init__(self, rank: int, world: int, provider: str | None = None, domain: str | None = None,
-                 endpoints: int = 1, force_mr_mode: int = 0, *, identity: JobIdentity | None = None):
+    def __init__(self, rank: int, world: int, provider: str | None = None,
+                 domain: str | Sequence[str] | None = None, endpoints: int = 0, force_mr_mode: int = 0, *,
+                 identity: JobIdentity | None = None):
         self._lib = lib()
+        if domain is not None and not isinstance(domain, str):
+            domain = ",".join(domain)
         ident = _identity(identity)
         self._adopt(self._lib.moe_ep_engine_create_fabric(rank, world, (provider or "").encode(),
                                                           (domain or "").encode(), endpoints, force_mr_mode,
@@ -765,8 +731,9 @@ class FabricTransport(Engine):
         self.endpoints = self.imm_per_write
 
     def describe(self) -> dict:
-        """The provider, domain and mr_mode in use: ``{"provider", "domain", "mr_mode" (in use),
-        "provider_mr_mode", "forced_mr_mode", "mr_mode_names", "endpoints", "max_msg_size"}``."""
+        """The provider, domains and mr_mode in use: ``{"provider", "domain" (``,``-joined),
+        "domains" (endpoint i on ``domains[i % n]``), "mr_mode" (in use), "provider_mr_mode",
+        "forced_mr_mode", "mr_mode_names", "endpoints", "max_msg_size"}``."""
         return json.loads(_str(self._lib.moe_ep_fabric_describe, self._h))
 
 

@@ -6,7 +6,9 @@ link layer, rate, LID, GIDs with their type and address). ``choose_nic`` picks t
 should use: for a GPU rank the one nearest the GPU (behind the same PCIe switch > on the same NUMA
 node > any), for a CPU rank the first with an active port; ``MOE_EP_IB_DEVICE`` overrides it.
 Several NICs per rank (``MOE_EP_IB_NICS=k``, or a list in ``MOE_EP_IB_DEVICE``): the k nearest.
-EFA devices (driver ``efa``) serve the ``efa`` transport only, the others ``verbs`` only.
+EFA devices (driver ``efa``) serve the ``efa`` transport only (libfabric's efa provider, on the
+domain ``efa_domain`` names; a GPU with several EFA devices behind its PCIe switch opens one
+endpoint on each: ``efa_count``), the others ``verbs`` only.
 
 Pure Python over files, no libibverbs: the sysfs root is a parameter (``MOE_EP_SYSFS_ROOT``, else
 ``/sys``) so tests build fake trees. ``moe_ep.doctor`` reports what this module reads.
@@ -312,6 +314,29 @@ class NicChoice:
             return f"{self.device} port {self.port} ({self.reason})"
         ports = self.ports or (self.port,) * len(self.devices)
         return ", ".join(f"{d} port {p}" for d, p in zip(self.devices, ports)) + f" ({self.reason})"
+
+
+EFA_DOMAIN_SUFFIX = "-rdm"  # the efa provider's FI_EP_RDM domain: "<ibv device name>-rdm"
+
+
+def efa_domain(device: str) -> str:
+    """The libfabric efa provider's FI_EP_RDM domain of EFA device ``device`` ("rdmap16s27" ->
+    "rdmap16s27-rdm"; a name that already is a domain is kept)."""
+    return device if device.endswith(EFA_DOMAIN_SUFFIX) else device + EFA_DOMAIN_SUFFIX
+
+
+def efa_count(devices: Sequence[RdmaDevice], gpu: Optional[GpuPci] = None, env: Optional[dict] = None) -> int:
+    """How many EFA devices a rank opens (one libfabric endpoint each): ``MOE_EP_IB_NICS`` or a
+    list in ``MOE_EP_IB_DEVICE`` when set (``nic_count``); else, for a GPU rank, every EFA device
+    with an active port behind the same PCIe switch as the GPU (p5: 4), at least 1; else 1."""
+    env = os.environ if env is None else env
+    if _int(env.get("MOE_EP_IB_NICS", ""), 0) > 0 or env.get("MOE_EP_IB_DEVICE"):
+        return nic_count(env)
+    if gpu is None or not gpu.pci_path:
+        return 1
+    shared = [_shared_bridges(gpu.pci_path, d.pci_path) for d in devices if d.kind == "efa" and d.active_port()]
+    best = max(shared, default=0)
+    return max(1, sum(1 for n in shared if n == best)) if best else 1
 
 
 def nic_count(env: Optional[dict] = None) -> int:
