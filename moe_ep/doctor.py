@@ -4,10 +4,12 @@ What is installed: moe_ep's version and where it is imported from, the native li
 and build (compiler, C++ standard, flags), so a bug report says it.
 GPUs and their peer-to-peer / NVLink peers (torch.cuda when it sees GPUs; ``nvidia-smi topo -m``
 when present; NVIDIA functions on the PCI bus otherwise), RDMA devices with their ports, GIDs
-(index, type, address), link layer and state from sysfs, their attributes as libibverbs reports
-them (through the native library; EFA attributes through libefa), a cross-check with pyverbs where
-it is importable, whether GPU memory can be registered (dma-buf: ``ibv_reg_dmabuf_mr`` and the
-CUDA driver's export; or nvidia-peermem), the NIC each GPU (or a CPU rank) would use, and which transport
+(index, type, address), link layer and state from sysfs (EFA devices among them), their attributes
+as libibverbs reports them (through the native library), a cross-check with pyverbs where it is
+importable, whether GPU memory can be registered (dma-buf: ``ibv_reg_dmabuf_mr`` and the CUDA
+driver's export; or nvidia-peermem), libfabric's providers (fabric, domain, endpoint type, RMA,
+remote CQ data size, HMEM, mr_mode) and whether each would be used and why (EFA runs through the
+``efa`` provider), the NIC each GPU (or a CPU rank) would use, and which transport
 ``MOE_EP_TRANSPORT=auto`` picks and why. Needs no process group, no GPU and no rdma-core: what
 is missing is reported, not fatal. ``--json`` prints the same as one JSON document.
 """
@@ -27,7 +29,8 @@ from typing import Optional
 from .proxy import nic as _nic
 
 ENV_VARS = ("MOE_EP_TRANSPORT", "MOE_EP_IB_DEVICE", "MOE_EP_IB_NICS", "MOE_EP_IB_PORT", "MOE_EP_IB_GID_INDEX",
-            "MOE_EP_IB_TIMEOUT", "MOE_EP_IB_RETRY_CNT", "MOE_EP_IBVERBS_LIB", "MOE_EP_EFA_LIB", "MOE_EP_CUDA_LIB", "MOE_EP_SYSFS_ROOT", "MOE_EP_TCP_HOST",
+            "MOE_EP_IB_TIMEOUT", "MOE_EP_IB_RETRY_CNT", "MOE_EP_IBVERBS_LIB", "MOE_EP_LIBFABRIC_LIB", "MOE_EP_FI_PROVIDER",
+            "MOE_EP_FI_DOMAIN", "MOE_EP_FI_ENDPOINTS", "FI_PROVIDER", "MOE_EP_CUDA_LIB", "MOE_EP_SYSFS_ROOT", "MOE_EP_TCP_HOST",
             "MOE_EP_NATIVE_LIB", "MOE_EP_NODE_SIZE", "MOE_EP_NODE_MEMORY", "MOE_EP_DEVICE", "MOE_EP_LAUNCH",
             "CUDA_VISIBLE_DEVICES")
 
@@ -187,6 +190,33 @@ def pyverbs_devices() -> tuple[Optional[list[dict]], str]:
     return out, "ok"
 
 
+def fabric_lacks(e: dict) -> list[str]:
+    """What a libfabric entry lacks for the libfabric transport (FI_EP_RDM, FI_MSG, FI_RMA, remote
+    CQ data of 4 bytes); [] when it fits."""
+    need = [(e.get("ep_type") == "FI_EP_RDM", "FI_EP_RDM"), (e.get("msg"), "FI_MSG"), (e.get("rma"), "FI_RMA"),
+            (e.get("cq_data_size", 0) >= 4, "remote CQ data of 4 bytes")]
+    return [what for ok, what in need if not ok]
+
+
+def fabric_use(e: dict, default: dict, efa_domains: set[str]) -> str:
+    """Whether a libfabric entry would be used, and why: efa entries by ``auto`` and
+    ``MOE_EP_TRANSPORT=efa`` (on the EFA devices each rank chooses: ``efa_domains`` are those of
+    the EFA devices in sysfs); any other fitting one only by ``MOE_EP_TRANSPORT=libfabric``
+    (``default``: the native default choice, ``fabric_probe()``)."""
+    lacks = fabric_lacks(e)
+    if lacks:
+        return "not used: lacks " + ", ".join(lacks)
+    if not e.get("usable", True):
+        return "not used: refused the transport's hints"
+    if e["provider"] == "efa":
+        near = "" if not efa_domains or e["domain"] in efa_domains else " (not an EFA device sysfs lists)"
+        return f"used by auto and MOE_EP_TRANSPORT=efa on the ranks whose GPU it is nearest{near}"
+    picked = default.get("ok") and default.get("what", "").startswith(f"provider {e['provider']} domain {e['domain']} ")
+    return ("used by MOE_EP_TRANSPORT=libfabric (its default choice)" if picked else
+            f"used by MOE_EP_TRANSPORT=libfabric with MOE_EP_FI_PROVIDER='{e['provider']}' "
+            f"MOE_EP_FI_DOMAIN={e['domain']}") + "; not by auto (efa only)"
+
+
 def rdma(root: Optional[str] = None, use_pyverbs: bool = True) -> dict:
     """RDMA devices: sysfs, the native library's probes and listing, pyverbs, their differences."""
     root = _nic.sysfs_root(root)
@@ -198,12 +228,15 @@ def rdma(root: Optional[str] = None, use_pyverbs: bool = True) -> dict:
         native.lib()
         ok, what = native.verbs_probe()
         out["verbs_probe"] = {"ok": ok, "what": what}
-        ok, what = native.efa_probe()
-        out["efa_probe"] = {"ok": ok, "what": what}
         out["libibverbs"] = native.rdma_devices()
         ok, what = native.fabric_probe()
         out["fabric_probe"] = {"ok": ok, "what": what}
+        ok, what = native.fabric_probe("efa")
+        out["efa_probe"] = {"ok": ok, "what": what}
         out["libfabric"] = native.fabric_providers()
+        efa_doms = {_nic.efa_domain(d.name) for d in devs if d.kind == "efa"}
+        out["libfabric"]["entries"] = [{**e, "use": fabric_use(e, out["fabric_probe"], efa_doms)}
+                                       for e in out["libfabric"].get("entries", [])]
     except Exception as e:  # noqa: BLE001 - no compiler for the native library, ...
         out["native_error"] = _err(e)
     out["dmabuf"] = dmabuf(root)
@@ -248,14 +281,16 @@ def dmabuf(root: Optional[str] = None) -> dict:
 # ---------------------------------------------------------------- NIC choice and transport
 
 def nic_choices(devs: list[_nic.RdmaDevice], gpu_list: list[dict], root: Optional[str] = None) -> list[dict]:
-    """The NIC each GPU (and a CPU rank) would use, for each RDMA transport."""
+    """The NIC each GPU (and a CPU rank) would use, for each RDMA transport, as ``start_proxy``
+    chooses them: verbs ``MOE_EP_IB_NICS`` of them; efa every EFA device behind the GPU's switch,
+    with the libfabric domains (``efa_domains``) its endpoints open."""
     rows = []
-    one = {"verbs": None, "efa": 1}  # several NICs (MOE_EP_IB_NICS) are the verbs transport's, as in start_proxy
-    for g in gpu_list:
-        gp = _nic.gpu_pci(g["pci"], root) if g.get("pci") else _nic.GpuPci("")
-        rows.append({"rank": f"GPU{g['index']}", **{k: str(_nic.choose_nic(devs, k, gp, g["index"], count=one[k]))
-                                                   for k in ("verbs", "efa")}})
-    rows.append({"rank": "CPU", **{k: str(_nic.choose_nic(devs, k, count=one[k])) for k in ("verbs", "efa")}})
+    for g in gpu_list + [None]:
+        gp = (_nic.gpu_pci(g["pci"], root) if g.get("pci") else _nic.GpuPci("")) if g else None
+        idx = g["index"] if g else 0
+        efa = _nic.choose_nic(devs, "efa", gp, idx, count=_nic.efa_count(devs, gp))
+        rows.append({"rank": f"GPU{idx}" if g else "CPU", "verbs": str(_nic.choose_nic(devs, "verbs", gp, idx)),
+                     "efa": str(efa), "efa_domains": [_nic.efa_domain(d) for d in efa.devices]})
     return rows
 
 
@@ -387,10 +422,6 @@ def render(rep: dict) -> str:
         if "max_qp" in n:
             L.append(f"    libibverbs: max_qp {n['max_qp']}, max_qp_wr {n['max_qp_wr']}, max_cqe {n['max_cqe']}, "
                      f"max_mr_size {n['max_mr_size']}, max_sge {n['max_sge']}, ports {n['phys_port_cnt']}")
-        if "efa" in n:
-            e = n["efa"]
-            L.append(f"    efadv: {e['caps']}; max_sq_wr {e['max_sq_wr']}, max_rq_wr {e['max_rq_wr']}, "
-                     f"max_rdma_size {e['max_rdma_size']}" + (f"; MISSING: {e['missing']}" if e["missing"] else ""))
         for p in d["ports"]:
             L.append(f"    port {p['num']}  {p['state']} ({p['phys_state'] or '?'})  {p['link_layer'] or 'unspecified'}"
                      f"  {p['rate'] or ''}  lid {p['lid']}")
@@ -401,20 +432,12 @@ def render(rep: dict) -> str:
     if "native_error" in r:
         L.append(f"  native library: {r['native_error']}")
     else:
-        for k, name in (("verbs_probe", "verbs"), ("efa_probe", "efa"), ("fabric_probe", "libfabric")):
+        for k, name in (("verbs_probe", "verbs"), ("efa_probe", "efa (libfabric provider efa)"),
+                        ("fabric_probe", "libfabric (default provider)")):
             p = r[k]
             L.append(f"  {name} probe: {'usable: ' if p['ok'] else 'not usable: '}{p['what']}")
         if r.get("libibverbs", {}).get("error"):
             L.append(f"  libibverbs: {r['libibverbs']['error']}")
-        elif r.get("libibverbs", {}).get("efa_library"):
-            L.append(f"  libefa: {r['libibverbs']['efa_library']}")
-        lf = r.get("libfabric", {})
-        if lf.get("error"):
-            L.append(f"  libfabric: {lf['error']}")
-        else:
-            usable = sorted({f"{e['provider']} ({e['domain']}, mr_mode {e['mr_mode']}, cq_data_size {e['cq_data_size']})"
-                             for e in lf.get("entries", []) if e["usable"]})
-            L.append(f"  libfabric {lf.get('library_version')}: usable entries: " + ("; ".join(usable) or "none"))
         diffs = r.get("libibverbs_vs_sysfs", [])
         L.append("  libibverbs vs sysfs: " + ("agree" if not diffs else "; ".join(diffs)))
     db = r.get("dmabuf")
@@ -427,10 +450,24 @@ def render(rep: dict) -> str:
             L.append(f"  pyverbs: {pv['why']}")
         else:
             L.append("  pyverbs vs sysfs: " + ("agree" if not pv["vs_sysfs"] else "; ".join(pv["vs_sysfs"])))
+    lf = r.get("libfabric")
+    if lf is not None:
+        L += [""]
+        if lf.get("error"):
+            L.append(f"libfabric: {lf['error']}")
+        else:
+            rows = list(dict.fromkeys(  # fi_getinfo repeats entries (one per API level): each once
+                f"  {e['provider']}  fabric {e['fabric']}  domain {e['domain']}  {e['ep_type']}  "
+                f"RMA {'yes' if e['rma'] else 'no'}  cq_data_size {e['cq_data_size']}  HMEM {'yes' if e['hmem'] else 'no'}"
+                f"  mr_mode {e['mr_mode']}\n      -> {e['use']}" for e in lf.get("entries", [])))
+            L.append(f"libfabric {lf.get('library_version')} (API {lf.get('api_version')}): {len(rows)} provider "
+                     f"entries" + (f"; fi_getinfo: {lf['getinfo_error']}" if lf.get("getinfo_error") else ""))
+            L += [ln for row in rows for ln in row.split("\n")]
     L += ["", "NIC per rank (MOE_EP_IB_DEVICE overrides):"]
     for row in rep["nic"]:
         L.append(f"  {row['rank']:<6} verbs: {row['verbs']}")
-        L.append(f"  {'':<6} efa:   {row['efa']}")
+        L.append(f"  {'':<6} efa:   {row['efa']}" + (f"  -> libfabric domains {', '.join(row['efa_domains'])}"
+                                                       if row["efa_domains"] else ""))
     L += ["", f"Transport: auto -> {t['auto']['kind']}  ({t['auto']['why']})"]
     if "requested" in t:
         q = t["requested"]

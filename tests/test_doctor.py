@@ -53,14 +53,17 @@ def test_report_says_what_is_installed():
 
 
 def test_cli_reports_requested_transport_error():
-    r = _run("--json", "--no-torch", "--no-pyverbs", MOE_EP_TRANSPORT="efa", MOE_EP_EFA_LIB="libmissing-efa.so.1")
+    """MOE_EP_TRANSPORT=efa without libfabric: the error names the missing library (EFA runs
+    through libfabric's efa provider only), and there are no efadv rows."""
+    r = _run("--json", "--no-torch", "--no-pyverbs", MOE_EP_TRANSPORT="efa", MOE_EP_LIBFABRIC_LIB="libmissing-fabric.so.1")
     assert r.returncode == 0, r.stderr
     rep = json.loads(r.stdout)
     q = rep["transport"]["requested"]
-    assert q["name"] == "efa" and "MOE_EP_TRANSPORT=efa, but no EFA device is usable" in q["error"], q
+    assert q["name"] == "efa" and "MOE_EP_TRANSPORT=efa, but no EFA device (libfabric provider efa) is usable: " \
+        "cannot load libmissing-fabric.so.1" in q["error"], q
     assert rep["env"]["MOE_EP_TRANSPORT"] == "efa"
-    if "cannot load" not in WHY:  # libibverbs loads: the missing libefa is named
-        assert "cannot load libmissing-efa.so.1" in q["error"], q
+    assert rep["rdma"]["libfabric"]["error"].startswith("cannot load libmissing-fabric.so.1")
+    assert "efadv" not in r.stdout and "efa_library" not in r.stdout
 
 
 def test_report_on_fake_sysfs(tmp_path):
@@ -79,11 +82,41 @@ def test_report_on_fake_sysfs(tmp_path):
         rows = {r["rank"]: r for r in rep["nic"]}
         assert rows["GPU0"]["verbs"].startswith("mlx5_0 port 1 (behind the same PCIe switch")
         assert rows["GPU2"]["verbs"].startswith("mlx5_1 port 1 (on NUMA node 1")
-        assert rows["CPU"]["efa"].startswith("efa_0 port 1")
+        assert rows["CPU"]["efa"].startswith("efa_0 port 1") and rows["CPU"]["efa_domains"] == ["efa_0-rdm"]
     text = doctor.render(rep)
+    assert "efa:   efa_0 port 1 (" in text and "-> libfabric domains efa_0-rdm" in text and "efadv" not in text
     assert "GID 3   RoCE v2  ::ffff:10.0.0.1  (eth0)  <- default" in text
     assert "mlx5_2  [verbs]" in text and "port 1  DOWN" in text and "efa_0  [efa]  driver efa" in text
     json.dumps(rep)  # JSON-able
+
+
+def test_libfabric_rows_say_whether_each_entry_is_used():
+    """Each libfabric entry: its caps, and whether auto / MOE_EP_TRANSPORT=efa / =libfabric would
+    use it and why; the report lists them (each once) next to the verbs and efa probes."""
+    efa = {"provider": "efa", "fabric": "efa", "domain": "rdmap16s27-rdm", "ep_type": "FI_EP_RDM", "rma": True,
+           "msg": True, "hmem": True, "mr_mode": "FI_MR_LOCAL|FI_MR_HMEM", "cq_data_size": 4, "usable": True}
+    default = {"ok": True, "what": "provider tcp;ofi_rxm domain lo (mr_mode none, cq_data_size 8)"}
+    assert doctor.fabric_use(efa, default, {"rdmap16s27-rdm"}).startswith("used by auto and MOE_EP_TRANSPORT=efa")
+    assert "not an EFA device sysfs lists" in doctor.fabric_use(efa, default, {"rdmap99s0-rdm"})
+    tcp = {**efa, "provider": "tcp;ofi_rxm", "fabric": "127.0.0.1/32", "domain": "lo", "cq_data_size": 8}
+    assert doctor.fabric_use(tcp, default, set()) == ("used by MOE_EP_TRANSPORT=libfabric (its default choice); "
+                                                       "not by auto (efa only)")
+    assert "MOE_EP_FI_DOMAIN=eth0" in doctor.fabric_use({**tcp, "domain": "eth0"}, default, set())
+    dgram = {**tcp, "provider": "udp", "ep_type": "FI_EP_DGRAM", "rma": False, "cq_data_size": 0, "usable": False}
+    assert doctor.fabric_use(dgram, default, set()) == ("not used: lacks FI_EP_RDM, FI_RMA, remote CQ data of 4 "
+                                                        "bytes")
+    rep = doctor.report(use_torch=False, use_pyverbs=False)
+    r = rep["rdma"]
+    if "native_error" in r:
+        pytest.skip(r["native_error"])
+    assert {"verbs_probe", "efa_probe", "fabric_probe", "libfabric"} <= set(r)
+    text = doctor.render(rep)
+    assert "  efa (libfabric provider efa) probe: " in text and "  libfabric (default provider) probe: " in text
+    if "error" not in r["libfabric"]:
+        assert all("use" in e for e in r["libfabric"]["entries"])
+        assert f"libfabric {r['libfabric']['library_version']} (API " in text
+        if r["fabric_probe"]["ok"]:
+            assert "(its default choice)" in text
 
 
 def test_dmabuf_support_detection(tmp_path, monkeypatch):
