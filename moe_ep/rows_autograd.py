@@ -78,10 +78,6 @@ class RowsExchange:
         leading rows of a dispatch can be defined (an upper bound of ``num_recv`` known on the host:
         the sum of every rank's T, or ``R * max_tokens`` where that sum is not gathered)."""
         R = self.group.world_size
-        if R == 1:
-            if num_tokens > self.max_tokens or self.max_tokens == 0:
-                self._grow(num_tokens)
-            return num_tokens
         if self.fixed or _capturing(self.group.device):
             if num_tokens > self.max_tokens:
                 why = ("fixed max_tokens" if self.fixed else
@@ -89,12 +85,17 @@ class RowsExchange:
                        "eagerly first")
                 raise ValueError(f"max_tokens: this rank has {num_tokens} tokens, more than max_tokens="
                                  f"{self.max_tokens} ({why})")
-            return R * self.max_tokens
+            return num_tokens if R == 1 else R * self.max_tokens
+        if R == 1:
+            if num_tokens > self.max_tokens or self.max_tokens == 0:
+                self._grow(num_tokens)
+            return num_tokens
         t = torch.tensor([num_tokens], dtype=torch.int64)
         every = torch.empty(R, dtype=torch.int64)
         dist.all_gather_into_tensor(every, t, group=self._agreement_group())
         self.agreements += 1
-        most, total = int(every.max()), int(every.sum())
+        counts = every.tolist()  # a host tensor: no device involved
+        most, total = max(counts), sum(counts)
         if most > self.max_tokens or self.max_tokens == 0:
             self._grow(most)
         return total

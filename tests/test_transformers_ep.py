@@ -263,3 +263,41 @@ def test_register_options():
         mt.register("x", dispatch_dtype="fp16")
     with pytest.raises(ValueError, match="max_tokens"):
         mt.register("x", max_tokens=0)
+
+
+def _dense_experts(weights: torch.Tensor):
+    """experts(rows, ids, w) = sum_k w[:, k] * rows @ weights[ids[:, k]].T, ids out of range skipped."""
+    def experts(rows, ids, w):
+        ok = (ids >= 0) & (ids < weights.shape[0])
+        y = torch.einsum("nh,nkoh->nko", rows, weights[ids.clamp(0, weights.shape[0] - 1)])
+        return (y * (w * ok).unsqueeze(-1)).sum(1)
+    return experts
+
+
+def test_rows_moe_one_rank_against_dense():
+    """``rows_moe`` without a process group: output and gradients (tokens, routing weights, expert
+    weights) equal the same experts on the tokens themselves; a fixed max_tokens refuses more."""
+    import moe_ep
+    from moe_ep.rows_autograd import RowsExchange, rows_moe
+
+    ex = RowsExchange(moe_ep.EPGroup(), max_tokens=8)
+    E, K, H = 4, 2, 32
+    g = torch.Generator().manual_seed(0)
+    weights = (torch.randn(E, H, H, generator=g) / H ** 0.5).requires_grad_(True)
+    idx, w = _routing(6, E, K, seed=1)
+    idx[0, 1] = -1  # a selection of no expert
+    x = torch.randn(6, H, generator=g).bfloat16().float()
+    xs, ws = [x.clone().requires_grad_(True) for _ in range(2)], [w.clone().requires_grad_(True) for _ in range(2)]
+    out = rows_moe(ex, _dense_experts(weights), xs[0], idx, ws[0], E, sentinel=E)
+    want = _dense_experts(weights)(xs[1], idx, ws[1])
+    gy = torch.randn(6, H, generator=g)
+    gw_got = torch.autograd.grad((out * gy).sum(), [xs[0], ws[0], weights])
+    gw_want = torch.autograd.grad((want * gy).sum(), [xs[1], ws[1], weights])
+    fails = _close("out", out, want, 1e-2)
+    for name, a, b in zip(("x", "weights", "experts"), gw_got, gw_want):
+        fails += _close(f"grad {name}", a, b, 2e-2)
+    assert not fails, "\n".join(fails)
+    with pytest.raises(ValueError, match="max_tokens"):
+        rows_moe(ex, _dense_experts(weights), torch.zeros(9, H), torch.zeros(9, K, dtype=torch.long),
+                 torch.ones(9, K), E)
+    ex.close()

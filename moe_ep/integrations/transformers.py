@@ -48,9 +48,12 @@ def _exchange(pg, max_tokens: Optional[int], timeout_s: float) -> RowsExchange:
 
 
 def close_all() -> None:
-    """Releases every buffer this module made (they are made again on the next forward)."""
+    """Releases every buffer this module made and forgets the groups (a later forward makes them
+    again, collectively). Call it on every rank, e.g. before dropping a model."""
     for ex in _EXCHANGES.values():
         ex.close()
+    _EXCHANGES.clear()
+    _GROUPS.clear()
 
 
 def check_layout(ep_size: int, tp_size: int, shares_batch: bool, is_expert_parallel: bool) -> None:
