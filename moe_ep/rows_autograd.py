@@ -224,16 +224,19 @@ class CombineRows(torch.autograd.Function):
 
 def rows_moe(exchange: RowsExchange, experts, x: torch.Tensor, topk_idx: torch.Tensor,
              topk_weights: torch.Tensor, num_experts: int, dispatch_dtype: torch.dtype = torch.bfloat16,
-             sentinel: Optional[int] = None) -> torch.Tensor:
+             sentinel: Optional[int] = None, distinct_ids: bool = True) -> torch.Tensor:
     """Dispatch -> ``experts(rows, local_ids, weights)`` -> combine, differentiable in ``x``,
     ``topk_weights`` and whatever ``experts`` closes over.
 
     Args:
         x: ``[T, H]`` floating point on the group's device. topk_idx: ``[T, K]`` global expert ids.
         topk_weights: ``[T, K]`` floating point.
-        experts: ``(rows [n, H] x.dtype, ids [n, K] int64, weights [n, K] topk_weights.dtype) -> [n, H]``,
-            each row already weighted and summed over its selections; ids of selections elsewhere
-            (and of padding rows, which are zero) are ``sentinel`` (default -1) with weight 0.
+        experts: ``(rows [n, H] x.dtype, ids [n, K'] int64, weights [n, K']
+            topk_weights.dtype) -> [n, H]``, each row already weighted and summed over its
+            selections; ids of selections elsewhere (and of padding rows, which are zero) are
+            ``sentinel`` (default -1) with weight 0. With ``distinct_ids`` (a token's ids are distinct,
+            as top-k routers make them) ``K' = min(K, num_experts / R)``, a row's selections here
+            first; else ``K' = K``.
     Returns:
         ``[T, H]`` in ``x.dtype``.
     """
@@ -245,6 +248,10 @@ def rows_moe(exchange: RowsExchange, experts, x: torch.Tensor, topk_idx: torch.T
     wf = topk_weights.float().contiguous()
     idx = topk_idx.contiguous()
     rows, ids, w = DispatchRows.apply(link, xb, wf, idx)
+    local = num_experts // exchange.group.world_size
+    if distinct_ids and local < K:  # a row holds at most `local` picks here: keep those columns (less for the experts to expand)
+        order = torch.where(ids < 0, torch.full_like(ids, local), ids).argsort(dim=1, stable=True)[:, :local]
+        ids, w = ids.gather(1, order), w.gather(1, order)
     if sentinel is not None:
         ids = torch.where(ids < 0, torch.full_like(ids, sentinel), ids)
     y = experts(rows.to(x.dtype), ids, w.to(topk_weights.dtype))

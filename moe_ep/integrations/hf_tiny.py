@@ -51,7 +51,8 @@ def tiny_model(family: str, seed: int = 0, hidden: int = 128):
 
 # ---------------------------------------------------------------------------------------------
 # Models for transformers' own expert parallelism (``ep_implementation="moe_ep"``): two decoder
-# layers, both MoE where the family allows it, 8 experts (EP = 2 and 4 hold whole experts).
+# layers, both MoE, 8 experts (EP = 2 and 4 hold whole experts), top-2 (Qwen2-MoE top-4, OLMoE top-6:
+# more picks than a rank holds experts at EP = 4 and 2).
 
 EP_FAMILIES = ("gpt_oss", "deepseek_v3", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "olmoe", "qwen3_next",
                "minimax")
@@ -59,7 +60,7 @@ EP_HIDDEN, EP_EXPERTS = 64, 8
 
 
 def tiny_ep_config(family: str):
-    """The config of a two-layer ``family`` model (H=64, 8 experts, top-2), float32, no dropout."""
+    """The config of a two-layer ``family`` model (H=64, 8 experts, top-2 but for Qwen2-MoE and OLMoE)."""
     import transformers as tf
 
     H = EP_HIDDEN
@@ -78,7 +79,7 @@ def tiny_ep_config(family: str):
         return tf.Qwen3MoeConfig(**common, intermediate_size=96, moe_intermediate_size=32, head_dim=16,
                                  num_experts=EP_EXPERTS, norm_topk_prob=True)
     if family == "qwen2_moe":
-        return tf.Qwen2MoeConfig(**common, intermediate_size=96, moe_intermediate_size=32,
+        return tf.Qwen2MoeConfig(**dict(common, num_experts_per_tok=4), intermediate_size=96, moe_intermediate_size=32,
                                  shared_expert_intermediate_size=48, num_experts=EP_EXPERTS)
     if family == "mixtral":
         return tf.MixtralConfig(**common, intermediate_size=32, num_local_experts=EP_EXPERTS)
@@ -87,7 +88,7 @@ def tiny_ep_config(family: str):
                                 n_shared_experts=1, first_k_dense_replace=0, n_group=1, topk_group=1,
                                 routed_scaling_factor=1.5, head_dim=16)
     if family == "olmoe":
-        return tf.OlmoeConfig(**common, intermediate_size=32, num_experts=EP_EXPERTS)
+        return tf.OlmoeConfig(**dict(common, num_experts_per_tok=6), intermediate_size=32, num_experts=EP_EXPERTS)
     if family == "qwen3_next":
         return tf.Qwen3NextConfig(**common, intermediate_size=96, moe_intermediate_size=32,
                                   shared_expert_intermediate_size=48, num_experts=EP_EXPERTS, head_dim=16,
