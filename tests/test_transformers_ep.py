@@ -12,8 +12,8 @@ Each rank runs its own tokens. Oracles, on every rank:
 moe_ep carries bf16 on the wire (the models are float32), hence the bf16 tolerances below.
 
 CI runs every family at R=2 with gradients, generate on three families, R=4 on three families,
-one MoE layer with a rank that has no tokens, fp8 dispatch, and the refused TP layout; the full
-matrix (R=4 and generate on every family) is ``slow`` (``-m slow``).
+tensor parallelism (tp_size=2 with ep_size 2 and 4), one MoE layer with a rank that has no tokens,
+fp8 dispatch; the full matrix (R=4 and generate on every family) is ``slow`` (``-m slow``).
 """
 from __future__ import annotations
 
@@ -63,12 +63,13 @@ def _close(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float) -> lis
     return [] if err <= rtol * max(scale, 1e-6) else [f"{name}: max error {err:.3g} > {rtol} x {scale:.3g}"]
 
 
-def _load(path: str, impl: str, R: int, dtype: torch.dtype = torch.float32):
+def _load(path: str, impl: str, R: int, dtype: torch.dtype = torch.float32, tp: int = 1, ep: int = 0):
+    """The checkpoint on R ranks: ``tp_size=tp``, ``ep_size=ep`` (default R), ``fsdp_size=R // tp``."""
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
-    return AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, distributed_config=DistributedConfig(ep_size=R, fsdp_size=R, ep_implementation=impl))
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, distributed_config=DistributedConfig(
+        tp_size=tp, ep_size=ep or R, fsdp_size=R // tp, ep_implementation=impl))
 
 
 def _gpu_rank(rank: int) -> torch.device:
@@ -89,29 +90,30 @@ def _full_grads(model) -> dict:
 
 
 def ep_models_worker(rank: int, R: int, root: str, families, grads: bool = True, generate=(),
-                     gpu: bool = False) -> dict:
+                     gpu: bool = False, tp: int = 1, ep: int = 0) -> dict:
     """On every rank: each family through moe_ep, all_to_all and the one-process oracle (float32 on
-    CPU; bfloat16 on a GPU with ``gpu``)."""
+    CPU; bfloat16 on a GPU with ``gpu``). With ``tp > 1`` the ranks of a TP group (consecutive
+    ranks) share their batch; ``ep``: the EP size (default R)."""
     import moe_ep.integrations.transformers as mt
     from transformers import AutoModelForCausalLM
 
     fails, secs = [], {}
     dev, dtype = (_gpu_rank(rank), torch.bfloat16) if gpu else (torch.device("cpu"), torch.float32)
     lt, gt = (GPU_RTOL, GPU_RTOL) if gpu else (LOGITS_RTOL, GRAD_RTOL)
-    ids = _tokens(rank).to(dev)
+    ids, batches = _tokens(rank // tp).to(dev), R // tp
     for fam in families:
         t0 = time.perf_counter()
         path = os.path.join(root, fam)
         ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager", dtype=dtype).to(dev)
         want = ref(ids).logits
         if grads:
-            loss = sum(ref(_tokens(r).to(dev), labels=_tokens(r).to(dev)).loss for r in range(R)) / R
+            loss = sum(ref(_tokens(b).to(dev), labels=_tokens(b).to(dev)).loss for b in range(batches)) / batches
             loss.backward()
             want_grads = {n: p.grad for n, p in ref.named_parameters()}
         got_grads = {}
         for impl in ("moe_ep", "all_to_all"):
-            model = _load(path, impl, R, dtype)
-            tag = f"R{R} rank {rank} {fam} {impl}"
+            model = _load(path, impl, R, dtype, tp, ep)
+            tag = f"R{R} tp{tp} rank {rank} {fam} {impl}"
             if grads:
                 out = model(ids, labels=ids)
                 fails += _close(f"{tag} logits", out.logits, want, lt)
@@ -243,23 +245,12 @@ def test_one_layer_zero_tokens_growth_fp8(checkpoints):
     assert not fails, "\n".join(fails)
 
 
-def ep_tp_worker(rank: int, R: int, root: str) -> str:
-    """``tp_size=2`` with ``ep_implementation="moe_ep"``: the error every rank raises."""
-    import moe_ep.integrations.transformers  # noqa: F401
-    from transformers import AutoModelForCausalLM
-    from transformers.distributed import DistributedConfig
-
-    try:
-        AutoModelForCausalLM.from_pretrained(os.path.join(root, "mixtral"), distributed_config=DistributedConfig(
-            tp_size=2, ep_size=2, ep_implementation="moe_ep"))
-    except NotImplementedError as exc:
-        return str(exc)
-    return "no error"
-
-
-def test_tensor_parallel_refused(checkpoints):
-    for msg in dist_util.run(2, ep_tp_worker, checkpoints):
-        assert "tp_size=2" in msg and "ep_size=2" in msg, msg
+@pytest.mark.parametrize("R,tp,ep", [(2, 2, 2), (4, 2, 4)])
+def test_tensor_parallel(checkpoints, R, tp, ep):
+    """tp_size=2 (the two ranks of a TP group share a batch; each sends half of it): ep_size = tp_size
+    without FSDP, and ep_size = 4 over two TP groups with FSDP; logits, gradients, generate."""
+    fams = ("mixtral", "qwen3_moe") if R == 2 else ("deepseek_v3",)
+    _run(R, checkpoints, fams, generate=fams[:1], tp=tp, ep=ep)
 
 
 def test_register_options():

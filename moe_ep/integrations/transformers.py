@@ -7,7 +7,7 @@ keeps everything else: the model, its router, the sharding and loading of the ex
 (``grouped_gemm`` / ``ep_dispatch_experts`` plans), FSDP of the rest, and the experts' own
 forward (``experts_implementation``), which runs on the rows moe_ep brings.
 
-Per MoE layer call (each rank its own batch): an ``EPBuffer`` in the rows layout sends every token
+Per MoE layer call: an ``EPBuffer`` in the rows layout sends every token
 once to each rank holding one of its experts; that rank's experts run on the received rows with
 their local expert ids (``num_local_experts``, the sentinel the experts skip, where the expert is
 elsewhere) and weights, each row coming out already weighted and summed over its selections; the
@@ -15,6 +15,10 @@ rows combine sums them back on the token's rank. Differentiable in the tokens, t
 weights and the experts (``moe_ep.rows_autograd``). Nothing is read back from the device, so it
 captures in a CUDA graph; the ranks agree on ``max_tokens`` with one host all-gather of an
 integer per call (gloo; skipped with ``register(max_tokens=N)`` and under graph capture).
+
+Layouts: each rank its own batch (``tp_size=1``), or with ``tp_size > 1`` the ranks of a TP group
+share a batch and each sends an equal slice of it, the outputs gathered back over TP (one
+all-gather of ``[T, H]`` per layer; ``ep_size`` any multiple of ``tp_size`` transformers accepts).
 """
 from __future__ import annotations
 
@@ -56,23 +60,28 @@ def close_all() -> None:
     _GROUPS.clear()
 
 
-def check_layout(ep_size: int, tp_size: int, shares_batch: bool, is_expert_parallel: bool) -> None:
-    """Raises for the parallel layouts moe_ep does not run, naming the setting.
-
-    moe_ep dispatches each rank's own batch: ``tp_size == 1`` (``ep_size`` ranks with distinct
-    batches; ``fsdp_size`` a multiple of ``ep_size``). With ``tp_size > 1`` the ranks of a TP group
-    share one batch, which transformers' ``"all_to_all"`` slices and ``"all_reduce"`` masks.
-    """
-    if tp_size > 1 or shares_batch:
-        raise NotImplementedError(
-            f'ep_implementation="moe_ep" needs tp_size=1 (each rank of the expert group holds its own batch), '
-            f"got tp_size={tp_size} with ep_size={ep_size}: use DistributedConfig(ep_size={ep_size}, "
-            f'fsdp_size=<a multiple of {ep_size}>), or ep_implementation="all_to_all" / "all_reduce" with tensor '
-            f"parallelism")
+def check_layout(is_expert_parallel: bool) -> None:
+    """Raises where the experts are not sharded by expert (the sentinel ids would then be wrong)."""
     if not is_expert_parallel:
         raise ValueError(
             'ep_implementation="moe_ep": the experts are not sharded by expert (ep_plan needs "grouped_gemm" on '
             "the experts' weights next to \"ep_dispatch_experts\" on the experts module)")
+
+
+def tp_slice(t: torch.Tensor, tp_mesh) -> torch.Tensor:
+    """This TP rank's rows of ``t [T, ...]``, which every rank of the TP group holds alike (the
+    ``torch.chunk`` split, uneven or empty pieces included); the gradient gathers back over TP."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    return DTensor.from_local(t, tp_mesh, [Replicate()], run_check=False).redistribute(tp_mesh, [Shard(0)]).to_local()
+
+
+def tp_gather(t: torch.Tensor, tp_mesh, num_tokens: int) -> torch.Tensor:
+    """Inverse of :func:`tp_slice`: every TP rank's rows ``[T_i, H]`` -> ``[num_tokens, H]`` on each."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    H = t.shape[-1]
+    return DTensor.from_local(t.contiguous(), tp_mesh, [Shard(0)], shape=(num_tokens, H), stride=(H, 1)).full_tensor()
 
 
 def _make_class(name: str, dispatch_dtype: torch.dtype, max_tokens: Optional[int], timeout_s: float) -> Type:
@@ -83,8 +92,8 @@ def _make_class(name: str, dispatch_dtype: torch.dtype, max_tokens: Optional[int
 
         def __init__(self, experts, ep_mesh, tp_mesh):
             super().__init__(experts, ep_mesh, tp_mesh)
-            check_layout(ep_mesh.size(), tp_mesh.size(), self.shares_batch,
-                         bool(getattr(experts, "_is_expert_parallel", False)))
+            check_layout(bool(getattr(experts, "_is_expert_parallel", False)))
+            self.tp_mesh = tp_mesh if tp_mesh.size() > 1 else None
             self.pg = ep_mesh.get_group()
             if dist.get_rank(self.pg) != ep_mesh.get_local_rank():
                 raise ValueError(f'ep_implementation="{name}": the expert group\'s ranks are not in mesh order')
@@ -98,8 +107,13 @@ def _make_class(name: str, dispatch_dtype: torch.dtype, max_tokens: Optional[int
             """hidden_states ``[T, H]``, top_k_index ``[T, K]`` global ids, top_k_weights ``[T, K]``
             (this rank's batch) -> ``[T, H]`` in hidden_states' dtype: the weighted expert outputs."""
             ex = _exchange(self.pg, *self.options)
-            return rows_moe(ex, self.experts_forward, hidden_states, top_k_index, top_k_weights,
-                            self.num_experts, self.dispatch_dtype, sentinel=self.num_local_experts)
+            T = hidden_states.shape[0]
+            if self.tp_mesh is not None:  # the TP group shares the batch: each rank sends its slice
+                hidden_states, top_k_index, top_k_weights = (tp_slice(t, self.tp_mesh) for t in
+                                                             (hidden_states, top_k_index, top_k_weights))
+            out = rows_moe(ex, self.experts_forward, hidden_states, top_k_index, top_k_weights,
+                           self.num_experts, self.dispatch_dtype, sentinel=self.num_local_experts)
+            return out if self.tp_mesh is None else tp_gather(out, self.tp_mesh, T)
 
     MoeEpImplementation.__name__ = MoeEpImplementation.__qualname__ = f"MoeEp_{name}"
     return MoeEpImplementation
