@@ -84,8 +84,19 @@ def tp_gather(t: torch.Tensor, tp_mesh, num_tokens: int) -> torch.Tensor:
     return DTensor.from_local(t.contiguous(), tp_mesh, [Shard(0)], shape=(num_tokens, H), stride=(H, 1)).full_tensor()
 
 
+def _ep_module():
+    """transformers' ``expert_parallel`` module (its ``EPImplementation`` registry came in 5.23)."""
+    try:
+        from transformers.distributed import expert_parallel
+        expert_parallel.EPImplementationInterface  # noqa: B018
+    except (ImportError, AttributeError) as exc:
+        raise ImportError("moe_ep.integrations.transformers needs transformers >= 5.23 (EPImplementationInterface) "
+                          "and accelerate: pip install 'moe_ep[hf]'") from exc
+    return expert_parallel
+
+
 def _make_class(name: str, dispatch_dtype: torch.dtype, max_tokens: Optional[int], timeout_s: float) -> Type:
-    from transformers.distributed.expert_parallel import EPImplementation
+    EPImplementation = _ep_module().EPImplementation  # noqa: N806
 
     class MoeEpImplementation(EPImplementation):
         """moe_ep's rows dispatch -> this rank's experts -> rows combine (module docstring)."""
@@ -133,8 +144,7 @@ def register(name: str = "moe_ep", dispatch_dtype="bf16", max_tokens: Optional[i
     Returns:
         the registered class.
     """
-    from transformers.distributed.expert_parallel import EPImplementationInterface
-
+    EPImplementationInterface = _ep_module().EPImplementationInterface  # noqa: N806
     if dispatch_dtype not in _DTYPES:
         raise ValueError(f"dispatch_dtype: expected 'bf16' or 'fp8', got {dispatch_dtype!r}")
     if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
@@ -146,8 +156,8 @@ def register(name: str = "moe_ep", dispatch_dtype="bf16", max_tokens: Optional[i
 
 def register_defaults() -> None:
     """``"moe_ep"`` (bf16 dispatch) and ``"moe_ep_fp8"`` (fp8 dispatch), growing ``max_tokens``."""
-    register("moe_ep", "bf16")
-    register("moe_ep_fp8", "fp8")
+    for name, dtype in zip(NAMES, ("bf16", "fp8")):
+        register(name, dtype)
 
 
 register_defaults()
