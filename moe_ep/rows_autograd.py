@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from .buffer import EPBuffer
-from .fp8 import dequantize_fp8
 from .group import EPGroup
+from .rows import delivered
 
 FP8 = torch.float8_e4m3fn
 
@@ -143,8 +143,7 @@ class RowsLink:
 def _received(d, n: int, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
     """The first ``n`` rows of a rows dispatch as ``dtype`` with rows past ``num_recv`` zeroed (they
     hold whatever an earlier call left), and the validity mask ``[n]``; no host sync."""
-    x = d.expert_x[:n]
-    x = dequantize_fp8(x, d.expert_scales[:n]).to(dtype) if d.expert_scales is not None else x.to(dtype)
+    x = delivered(d, n, slice(0, d.expert_x.shape[1]), dtype)  # fp8: dequantized with its scales
     valid = torch.arange(n, device=x.device) < d.num_recv
     return torch.where(valid.unsqueeze(1), x, torch.zeros((), dtype=dtype, device=x.device)), valid
 

@@ -12,7 +12,7 @@ Each rank runs its own tokens. Oracles, on every rank:
 moe_ep carries bf16 on the wire (the models are float32), hence the bf16 tolerances below.
 
 CI runs every family at R=2 with gradients, generate on three families, R=4 on three families,
-tensor parallelism (tp_size=2 with ep_size 2 and 4), one MoE layer with a rank that has no tokens,
+tensor parallelism (tp_size=2 with ep_size 2 and 4), gradient checkpointing, one MoE layer with a rank that has no tokens,
 fp8 dispatch; the full matrix (R=4 and generate on every family) is ``slow`` (``-m slow``).
 """
 from __future__ import annotations
@@ -90,10 +90,11 @@ def _full_grads(model) -> dict:
 
 
 def ep_models_worker(rank: int, R: int, root: str, families, grads: bool = True, generate=(),
-                     gpu: bool = False, tp: int = 1, ep: int = 0) -> dict:
+                     gpu: bool = False, tp: int = 1, ep: int = 0, checkpointing: bool = False) -> dict:
     """On every rank: each family through moe_ep, all_to_all and the one-process oracle (float32 on
     CPU; bfloat16 on a GPU with ``gpu``). With ``tp > 1`` the ranks of a TP group (consecutive
-    ranks) share their batch; ``ep``: the EP size (default R)."""
+    ranks) share their batch; ``ep``: the EP size (default R); ``checkpointing``: the distributed
+    models recompute each layer's forward (dispatch and combine too) inside the backward."""
     import moe_ep.integrations.transformers as mt
     from transformers import AutoModelForCausalLM
 
@@ -113,6 +114,9 @@ def ep_models_worker(rank: int, R: int, root: str, families, grads: bool = True,
         got_grads = {}
         for impl in ("moe_ep", "all_to_all"):
             model = _load(path, impl, R, dtype, tp, ep)
+            if checkpointing:
+                model.gradient_checkpointing_enable()
+                model.train()
             tag = f"R{R} tp{tp} rank {rank} {fam} {impl}"
             if grads:
                 out = model(ids, labels=ids)
@@ -251,6 +255,11 @@ def test_tensor_parallel(checkpoints, R, tp, ep):
     without FSDP, and ep_size = 4 over two TP groups with FSDP; logits, gradients, generate."""
     fams = ("mixtral", "qwen3_moe") if R == 2 else ("deepseek_v3",)
     _run(R, checkpoints, fams, generate=fams[:1], tp=tp, ep=ep)
+
+
+def test_gradient_checkpointing(checkpoints):
+    """Each layer's dispatch and combine run again inside the backward, between other layers' backwards."""
+    _run(2, checkpoints, ("mixtral",), checkpointing=True)
 
 
 def test_register_options():
