@@ -248,7 +248,7 @@ def rows_moe(exchange: RowsExchange, experts, x: torch.Tensor, topk_idx: torch.T
     idx = topk_idx.contiguous()
     rows, ids, w = DispatchRows.apply(link, xb, wf, idx)
     local = num_experts // exchange.group.world_size
-    if distinct_ids and local < K:  # a row holds at most `local` picks here: keep those columns (less for the experts to expand)
+    if distinct_ids and local < K:  # a row holds at most `local` picks here: keep those columns
         order = torch.where(ids < 0, torch.full_like(ids, local), ids).argsort(dim=1, stable=True)[:, :local]
         ids, w = ids.gather(1, order), w.gather(1, order)
     if sentinel is not None:

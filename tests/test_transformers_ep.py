@@ -1,7 +1,7 @@
 """transformers' own expert parallelism with ``ep_implementation="moe_ep"`` (moe_ep.integrations.transformers).
 
 Tiny random models of nine families (``moe_ep.integrations.hf_tiny.tiny_ep_model``: two MoE
-layers, 8 experts, top-2) are saved once by the test process; every rank loads them the way a
+layers, 8 experts, top-2 to top-6) are saved once by the test process; every rank loads them the way a
 user does, ``from_pretrained(path, distributed_config=DistributedConfig(ep_size=R, fsdp_size=R,
 ep_implementation=...))``, so transformers shards and loads the experts and FSDP-shards the rest.
 Each rank runs its own tokens. Oracles, on every rank:
@@ -12,8 +12,10 @@ Each rank runs its own tokens. Oracles, on every rank:
 moe_ep carries bf16 on the wire (the models are float32), hence the bf16 tolerances below.
 
 CI runs every family at R=2 with gradients, generate on three families, R=4 on three families,
-tensor parallelism (tp_size=2 with ep_size 2 and 4), gradient checkpointing, one MoE layer with a rank that has no tokens,
-fp8 dispatch; the full matrix (R=4 and generate on every family) is ``slow`` (``-m slow``).
+tensor parallelism (tp_size=2 with ep_size 2 and 4), gradient checkpointing, one MoE layer with a
+rank that has no tokens, fp8 dispatch; the full matrix (R=4 and generate on every family) is
+``slow`` (``-m slow``). A rank with no tokens is tested on one layer: the models themselves do not
+run an empty batch. GPU tests (``-m gpu``): bf16 models at R=2 and 4, one layer in a CUDA graph.
 """
 from __future__ import annotations
 

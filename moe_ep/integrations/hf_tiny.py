@@ -71,8 +71,8 @@ def tiny_ep_config(family: str):
         return tf.GptOssConfig(**common, intermediate_size=32, head_dim=16, num_local_experts=EP_EXPERTS,
                                sliding_window=8, layer_types=["sliding_attention", "full_attention"])
     if family == "deepseek_v3":
-        return tf.DeepseekV3Config(**dict(common, num_key_value_heads=4), intermediate_size=96, moe_intermediate_size=32, n_routed_experts=EP_EXPERTS,
-                                   n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=0,
+        return tf.DeepseekV3Config(**dict(common, num_key_value_heads=4), intermediate_size=96,
+                                   moe_intermediate_size=32, n_routed_experts=EP_EXPERTS, n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=0,
                                    kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=16,
                                    v_head_dim=16, routed_scaling_factor=2.5)
     if family == "qwen3_moe":
