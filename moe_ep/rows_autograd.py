@@ -149,10 +149,11 @@ def _received(d, n: int, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor
 
 
 def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """``t [n, W]`` as ``[rows, W]`` (rows past n zero), contiguous."""
+    """``t [n, W]`` as ``[rows, W]``, contiguous. Rows past n are left unset: a rows combine reads only
+    rows below ``num_recv`` <= n (no fill of the whole capacity)."""
     if t.shape[0] == rows:
         return t.contiguous()
-    out = t.new_zeros(rows, t.shape[1])
+    out = t.new_empty(rows, t.shape[1])
     out[:t.shape[0]] = t
     return out
 
