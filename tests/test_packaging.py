@@ -108,7 +108,7 @@ def test_wheel_installs_moe_ep_only(wheel, sdist_names):
     scripts = wheel.read(dist_info + "entry_points.txt").decode()
     assert re.search(r"^moe-ep-bench = moe_ep\.bench\.cli:main$", scripts, re.M), scripts
     meta = wheel.read(dist_info + "METADATA").decode()
-    for extra, dep in (("bench", "matplotlib"), ("hf", "transformers"), ("test", "pytest")):
+    for extra, dep in (("bench", "matplotlib"), ("hf", "transformers"), ("hf", "accelerate"), ("test", "pytest")):
         assert f"Provides-Extra: {extra}" in meta and re.search(rf'^Requires-Dist: {dep}\b.*extra == "{extra}"', meta, re.M)
     assert not re.search(r"^Requires-Dist: torch\b", meta, re.M)  # torch is the user's choice (README)
 

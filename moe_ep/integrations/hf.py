@@ -1,4 +1,9 @@
-"""Expert parallelism for HF transformers MoE models (Mixtral, Qwen3-MoE, DeepSeek-V3).
+"""Expert parallelism for HF transformers MoE models (Mixtral, Qwen3-MoE, DeepSeek-V3) with dense weights replicated.
+
+For every MoE family, FSDP and training, transformers' own expert parallelism with moe_ep's
+dispatch is ``moe_ep.integrations.transformers`` (``ep_implementation="moe_ep"``); this adapter
+stays for what that cannot do: the dense weights replicated on every rank (transformers' EP
+FSDP-shards them), models loaded without a ``distributed_config``, and ``MoELayer``'s own layouts.
 
 ``apply_expert_parallel(model)`` replaces every MoE block of the model in place by a
 ``moe_ep.MoELayer`` with the same router and weights (each rank keeps its experts). The layer
