@@ -85,6 +85,13 @@ class EPBuffer:
             view of a contiguous ``[E_local, NB, capacity]`` tensor (strides ``(NB * capacity, 1,
             capacity)``: column-major in its last two dims), the layout DeepEP's low-latency
             dispatch returns and grouped GEMMs read by TMA; written so by the kernels, no copy.
+        proxy_memory: with other nodes on GPUs: where the proxy's five row regions live.
+            ``"auto"`` (default): GPU memory where the transport can register it (verbs: dma-buf
+            or nvidia-peermem; libfabric: FI_HMEM_CUDA), so the NIC reads and writes rows in
+            place, else pinned host memory (tcp always); ``"gpu"``: GPU memory or
+            ``NativeError`` saying why not; ``"host"``: pinned host memory. The headers and the
+            mailbox are pinned host memory either way. ``buffer.remote.memory`` says which was
+            taken (per rank: ranks may differ), the log line why.
 
     All calls on one buffer must be issued on one CUDA stream (the current one), in the same
     order on every rank. Construction is collective: every rank passes the same arguments (checked,
@@ -99,7 +106,7 @@ class EPBuffer:
                  layout: str = "masked", expert_alignment: int = 1, timeout_s: float = 30.0,
                  num_programs: Optional[int] = None, private_capacity: Optional[int] = None,
                  overflow_capacity: Optional[int] = None, expert_capacity: Optional[int] = None,
-                 column_major_scales: bool = False):
+                 column_major_scales: bool = False, proxy_memory: str = "auto"):
         if not isinstance(group, EPGroup):
             raise TypeError(f"group: expected moe_ep.EPGroup, got {type(group).__name__}")
         R = group.world_size
@@ -138,6 +145,9 @@ class EPBuffer:
             raise ValueError(f"column_major_scales: only with layout='masked' and dispatch_dtype=torch.float8_e4m3fn "
                              f"(got layout={layout!r}, dispatch_dtype={dispatch_dtype})")
         G = group.node_size
+        from .internode.path import PROXY_MEMORY
+        if proxy_memory not in PROXY_MEMORY:
+            raise ValueError(f"proxy_memory: expected one of {', '.join(PROXY_MEMORY)}, got {proxy_memory!r}")
         for name, v in (("private_capacity", private_capacity), ("overflow_capacity", overflow_capacity)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise ValueError(f"{name}: expected None or an int >= 0, got {v!r}")
@@ -320,7 +330,7 @@ class EPBuffer:
                              expert_counts=self.expert_counts, expert_offsets=self.expert_offsets,
                              recv_topk_idx=self.recv_topk_idx, recv_topk_weights=self.recv_topk_weights,
                              recv_src=self.recv_src, num_recv=self.num_recv)
-        self.remote = self._start_remote(private_capacity, overflow_capacity) if G < R else None
+        self.remote = self._start_remote(private_capacity, overflow_capacity, proxy_memory) if G < R else None
         # What dispatch and combine keep from call to call: launch plans, replays, serial, epochs,
         # a pending receive hook, whether the buffer is usable (moe_ep.calls).
         self.calls = CallState(dev, self.err, self.workspace.local, self.timeout_s, result_fields,
@@ -467,10 +477,17 @@ class EPBuffer:
             local += 4 * (N * self.ws_layout.CMAX + self.world_size * M * (2 * K + 1) + 1)
         return self.off["total"] + layout_rows + local + 16 * self.num_programs
 
-    def _start_remote(self, private_capacity: Optional[int], overflow_capacity: Optional[int]):
+    def _start_remote(self, private_capacity: Optional[int], overflow_capacity: Optional[int], proxy_memory: str):
         from .internode.path import RemotePath
 
-        return RemotePath(self, private_capacity, overflow_capacity)
+        rp = RemotePath(self, private_capacity, overflow_capacity, proxy_memory)
+        if self.device.type == "cuda":
+            mib = sum(int(r.numel()) for r in rp.regions.values()) / 2**20
+            _log.log(logging.INFO if self.rank == 0 else logging.DEBUG,
+                     "moe_ep rank %d proxy regions (%.1f MiB, %s transport): rows in %s memory (%s); headers and "
+                     "mailbox in pinned host memory", self.rank, mib, rp.proxy.engine.transport,
+                     "GPU" if rp.memory == "gpu" else "pinned host", rp.memory_why)
+        return rp
 
     def _error_from_record(self) -> BaseException:
         code, peer, phase, epoch, detail = (int(v) for v in self._err_host[:5])

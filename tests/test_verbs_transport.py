@@ -779,8 +779,10 @@ def test_verbs_gpu_memory_registration(tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_CUDA_DEVICE", f"{gpu.ctypes.data}:{gpu.nbytes}")
     ctypes.CDLL(lib_path)  # the process "uses CUDA"
     try:
+        assert b.try_register(gpu) == (True, "gpu address/gpu address")  # tried, released, no key used
         ks, kd = a.register(src), b.register(gpu)
         assert a.region_how(ks) == "host/host" and b.region_how(kd) == "gpu address/gpu address"
+        assert (ks, kd) == (1, 1)
         (call,) = log.read_text().splitlines()  # one dma-buf for both NICs
         base, size, kind, flags = map(int, call.split())
         pg = os.sysconf("SC_PAGE_SIZE")

@@ -223,6 +223,15 @@ int moe_ep_verbs_region_how(void* e, uint32_t key, char* buf, size_t len) {
   return copy_str(moe_ep::verbs_region_how(static_cast<Transport*>(e), key), buf, len);
 }
 
+// Whether engine `e` would register [ptr, ptr + len) (tried and released, no key used): 1 with
+// how it would ("host", "dma-buf", "FI_HMEM_CUDA", ...) in buf, else 0 with why not.
+int moe_ep_engine_try_register(void* e, void* ptr, uint64_t len, char* buf, size_t buflen) {
+  std::string how;
+  const bool ok = static_cast<Transport*>(e)->try_register(ptr, len, &how);
+  copy_str(how, buf, buflen);
+  return ok ? 1 : 0;
+}
+
 // ---- GPU memory (cuda_mem.h) ----
 // Test hook: the memory type registration assumes: -1 asks the CUDA driver (default), 0 host, 1 device.
 int moe_ep_test_memory_type(int kind) {

@@ -18,6 +18,11 @@ using CUdeviceptr = unsigned long long;
 constexpr int kCuPointerAttributeMemoryType = 2;  // CU_POINTER_ATTRIBUTE_MEMORY_TYPE
 constexpr unsigned kCuMemoryTypeDevice = 2;       // CU_MEMORYTYPE_DEVICE
 constexpr int kCuMemRangeHandleTypeDmaBufFd = 1;  // CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD
+constexpr int kCuPointerAttributeDeviceOrdinal = 9;  // CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+constexpr int kCuDevAttrGdrFlushOptions = 117;       // CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS
+constexpr int kCuFlushOptionHost = 1;                // CU_FLUSH_GPU_DIRECT_RDMA_WRITES_OPTION_HOST
+constexpr int kCuFlushTargetCurrentCtx = 0;          // CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX
+constexpr int kCuFlushToOwner = 100;                 // CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER
 
 struct Cuda {
   CUresult (*pointer_get_attribute)(void* data, int attribute, CUdeviceptr ptr) = nullptr;
@@ -25,6 +30,10 @@ struct Cuda {
                                                unsigned long long flags) = nullptr;  // CUDA 11.7+
   CUresult (*get_error_string)(CUresult, const char**) = nullptr;
   CuLaunchKernel launch_kernel = nullptr;
+  CUresult (*device_get_attribute)(int* value, int attribute, int dev) = nullptr;
+  CUresult (*primary_ctx_retain)(void** ctx, int dev) = nullptr;
+  CUresult (*ctx_set_current)(void* ctx) = nullptr;
+  CUresult (*flush_gdr_writes)(int target, int scope) = nullptr;  // CUDA 11.3+
 };
 
 std::atomic<int> g_override{-1};
@@ -61,6 +70,10 @@ const Cuda* cuda(bool load, std::string* why) {
           dlsym(h, "cuMemGetHandleForAddressRange"));
       api.get_error_string = reinterpret_cast<decltype(api.get_error_string)>(dlsym(h, "cuGetErrorString"));
       api.launch_kernel = reinterpret_cast<CuLaunchKernel>(dlsym(h, "cuLaunchKernel"));
+      api.device_get_attribute = reinterpret_cast<decltype(api.device_get_attribute)>(dlsym(h, "cuDeviceGetAttribute"));
+      api.primary_ctx_retain = reinterpret_cast<decltype(api.primary_ctx_retain)>(dlsym(h, "cuDevicePrimaryCtxRetain"));
+      api.ctx_set_current = reinterpret_cast<decltype(api.ctx_set_current)>(dlsym(h, "cuCtxSetCurrent"));
+      api.flush_gdr_writes = reinterpret_cast<decltype(api.flush_gdr_writes)>(dlsym(h, "cuFlushGPUDirectRDMAWrites"));
       if (!api.pointer_get_attribute) err = name + " has no symbol cuPointerGetAttribute";
     }
     loaded = true;  // one attempt per process (after the driver was seen or asked for)
@@ -127,6 +140,46 @@ CuLaunchKernel cuda_launch_kernel(std::string* why) {
   if (!c) return nullptr;
   if (!c->launch_kernel) *why = lib_name() + " has no symbol cuLaunchKernel";
   return c->launch_kernel;
+}
+
+bool GdrFlush::bind(const void* dev_ptr, std::string* why) {
+  const Cuda* c = cuda(true, why);
+  if (!c) return false;
+  if (!c->device_get_attribute || !c->primary_ctx_retain || !c->ctx_set_current) {
+    *why = lib_name() + " lacks cuDeviceGetAttribute, cuDevicePrimaryCtxRetain or cuCtxSetCurrent";
+    return false;
+  }
+  int dev = -1, opts = 0;
+  void* ctx = nullptr;
+  if (CUresult rc = c->pointer_get_attribute(&dev, kCuPointerAttributeDeviceOrdinal,
+                                             CUdeviceptr(reinterpret_cast<uintptr_t>(dev_ptr)));
+      rc != 0) {
+    *why = "cuPointerGetAttribute(DEVICE_ORDINAL) failed: " + cu_error(*c, rc);
+    return false;
+  }
+  if (CUresult rc = c->primary_ctx_retain(&ctx, dev); rc != 0) {
+    *why = "cuDevicePrimaryCtxRetain(" + std::to_string(dev) + ") failed: " + cu_error(*c, rc);
+    return false;
+  }
+  if (CUresult rc = c->ctx_set_current(ctx); rc != 0) {
+    *why = "cuCtxSetCurrent failed: " + cu_error(*c, rc);
+    return false;
+  }
+  if (c->device_get_attribute(&opts, kCuDevAttrGdrFlushOptions, dev) != 0) opts = 0;
+  needed_ = (opts & kCuFlushOptionHost) && c->flush_gdr_writes;
+  bound_ = true;
+  return true;
+}
+
+bool GdrFlush::flush(std::string* why) {
+  if (!bound_ || !needed_) return true;
+  const Cuda* c = cuda(false, why);
+  if (!c) return false;
+  if (CUresult rc = c->flush_gdr_writes(kCuFlushTargetCurrentCtx, kCuFlushToOwner); rc != 0) {
+    *why = "cuFlushGPUDirectRDMAWrites failed: " + cu_error(*c, rc);
+    return false;
+  }
+  return true;
 }
 
 std::string cuda_error_string(int rc) {

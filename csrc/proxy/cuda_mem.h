@@ -41,4 +41,20 @@ CuLaunchKernel cuda_launch_kernel(std::string* why);
 // The driver's name and text for a CUresult, e.g. "invalid argument (CUresult 1)".
 std::string cuda_error_string(int rc);
 
+// GPUDirect RDMA consistency: a NIC's writes into GPU memory whose completion the CPU has seen
+// are visible to the GPU's kernels only after a flush. GdrFlush binds the calling thread to the
+// primary context of the device that holds `dev_ptr` (cuDevicePrimaryCtxRetain, cuCtxSetCurrent),
+// then flush() calls cuFlushGPUDirectRDMAWrites(current context, to owner) where the device
+// supports it (CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS has the HOST bit), and
+// does nothing where the device orders remote writes itself. False with *why on failure.
+class GdrFlush {
+ public:
+  bool bind(const void* dev_ptr, std::string* why);
+  bool flush(std::string* why);
+  bool needed() const { return needed_; }
+
+ private:
+  bool bound_ = false, needed_ = false;
+};
+
 }  // namespace moe_ep

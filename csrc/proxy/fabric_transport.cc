@@ -300,6 +300,27 @@ class FabricTransport final : public Transport {
     return kOk;
   }
 
+  bool try_register(void* ptr, uint64_t len, std::string* how) override {
+    if (len == 0 || ptr == nullptr) {
+      *how = "host";
+      return true;
+    }
+    std::lock_guard<std::mutex> lk(reg_mu_);
+    std::vector<MrOnLane> done;
+    for (size_t i = 0; i < lanes_.size(); ++i) {
+      MrOnLane m;  // (a requested key no region uses: regions take 1, 2, ...)
+      if (reg(int(i), ptr, len, fi::WRITE | fi::REMOTE_WRITE, (uint64_t(1) << 31) + i, &m) != kOk) {
+        *how = thread_error();
+        for (auto& d : done) d.mr->fid_.ops->close(&d.mr->fid_);
+        return false;
+      }
+      done.push_back(m);
+    }
+    for (auto& d : done) d.mr->fid_.ops->close(&d.mr->fid_);
+    *how = memory_type(ptr) == MemType::Device ? "FI_HMEM_CUDA" : "host";
+    return true;
+  }
+
   // "fabric1;rank=R;world=W;prov=P;eps=K;addr=HEX/HEX;mr=BASE:LEN:KEY/KEY,..": the provider
   // (';' written as '+': "tcp+ofi_rxm"), fi_getname's address of each endpoint, the regions registered so far (in key order) with the address
   // peers write byte 0 of each at (its virtual address under FI_MR_VIRT_ADDR, else 0) and its key

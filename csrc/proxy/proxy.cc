@@ -81,6 +81,8 @@ Proxy* Proxy::create(Transport* t, const ProxyConfig& cfg, void* const regions[k
   p->hdr_ = proxy_hdr_bytes(cfg.world_size, cfg.num_local_experts);
   p->mb_ = mailbox;
   p->posted_to_.assign(size_t(cfg.world_size), 0);
+  for (int i : {kRegRound1, kRegOverflow, kRegCombRecv})
+    if (lens[i] > 0 && p->gdr_region_ < 0 && memory_type(regions[i]) == MemType::Device) p->gdr_region_ = i;
   for (int i = 0; i < kNumRegions; ++i) {
     p->reg_[i] = static_cast<char*>(regions[i]);
     p->len_[i] = lens[i];
@@ -207,10 +209,24 @@ int64_t Proxy::comb_bell_seen() {
   return -1;
 }
 
+bool Proxy::raise_ready(int w, int64_t epoch, int phase) {
+  std::string why;
+  if (gdr_region_ >= 0 && !gdr_.flush(&why)) return fail(kProxyTransport, -1, phase, epoch, "GPU memory regions: " + why);
+  store(w, epoch);
+  return true;
+}
+
 void Proxy::loop() {
 #ifdef __linux__
   prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // idle polls sleep sleep_ns, not sleep_ns + 50 us
 #endif
+  if (gdr_region_ >= 0) {  // the flush runs on this thread, in the context of the regions' GPU
+    std::string why;
+    if (!gdr_.bind(reg_[gdr_region_], &why)) {
+      fail(kProxyTransport, -1, kPhaseD1, 0, "GPU memory regions: " + why);
+      return;
+    }
+  }
   int64_t idle_since = mono_ns();
   while (!stop_) {
     if (load(kMbErrCode) != kProxyOk) break;  // an error stops the proxy (the buffer is broken)
@@ -227,7 +243,7 @@ void Proxy::loop() {
       record(1, cd, t0, t1, t1, thread_cpu_ns() - c0);
       phases_done_.fetch_add(1, std::memory_order_release);
       trace_event(kTrCombReady, -1, cd);
-      store(kMbCombReady, cd);
+      if (!raise_ready(kMbCombReady, cd, kPhaseC)) break;
       worked = true;
     } else if (dd != last_disp_) {
       if (dd < last_disp_ || dd <= 0) {
@@ -449,11 +465,11 @@ bool Proxy::run_dispatch(int64_t epoch) {
     if (remote(s)) {
       if (std::min(c_to(s, me), cap) == 0) {
         got1[s] = 1;
-        store(mb_ready1(R, s), epoch);
+        if (!raise_ready(mb_ready1(R, s), epoch, kPhaseD1)) return false;
       }
       if (ov(s, me) == 0) {
         got2[s] = 1;
-        if (got1[s]) store(mb_ready2(R, s), epoch);
+        if (got1[s] && !raise_ready(mb_ready2(R, s), epoch, kPhaseD2)) return false;
       }
     }
     return true;
@@ -489,13 +505,13 @@ bool Proxy::run_dispatch(int64_t epoch) {
         if (got_hdr[s] && !got1[s] && take(kPhaseD1, s, epoch, &lost)) {
           got1[s] = work = 1;
           trace_event(kTrGotD1, s, epoch);
-          store(mb_ready1(R, s), epoch);
-          if (got2[s]) store(mb_ready2(R, s), epoch);
+          if (!raise_ready(mb_ready1(R, s), epoch, kPhaseD1)) return false;
+          if (got2[s] && !raise_ready(mb_ready2(R, s), epoch, kPhaseD2)) return false;
         }
         if (got_hdr[s] && !got2[s] && take(kPhaseD2, s, epoch, &lost)) {
           got2[s] = work = 1;
           trace_event(kTrGotD2, s, epoch);
-          store(mb_ready2(R, s), epoch);
+          if (!raise_ready(mb_ready2(R, s), epoch, kPhaseD2)) return false;
         }
       }
     }

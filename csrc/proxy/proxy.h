@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "cuda_mem.h"
 #include "transport.h"
 
 namespace moe_ep {
@@ -210,6 +211,9 @@ class Proxy {
   bool fail_lost(int peer, int phase, int64_t epoch, const std::string& msg);
   int64_t load(int w) const { return __atomic_load_n(&mb_[w], __ATOMIC_ACQUIRE); }
   void store(int w, int64_t v) { __atomic_store_n(&mb_[w], v, __ATOMIC_RELEASE); }
+  // Raises ready word w to `epoch` for rows that landed in a region the kernels read: after the
+  // GPUDirect RDMA flush where those regions are GPU memory. False (error recorded) if it failed.
+  bool raise_ready(int w, int64_t epoch, int phase);
 
   Transport* t_ = nullptr;
   ProxyConfig cfg_{};
@@ -218,6 +222,8 @@ class Proxy {
   uint64_t len_[kNumRegions] = {};
   uint32_t keys_[kNumRegions] = {};
   int64_t* mb_ = nullptr;
+  int gdr_region_ = -1;  // a region peers write into that is GPU memory (-1: none): flush before ready words
+  GdrFlush gdr_;
 
   std::vector<int32_t> counts_;  // [R][R] count matrix of the last dispatch
   int64_t counts_epoch_ = -1;

@@ -34,6 +34,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "cuda_mem.h"
 #include "transport.h"
 #include "transport_common.h"
 
@@ -255,8 +256,20 @@ class TcpTransport final : public Transport {
 
   int register_memory(void* ptr, uint64_t len, uint32_t* key) override {
     if (ptr == nullptr && len > 0) return set_error(kErrInvalid, prefix() + "register: null pointer");
+    std::string why;
+    if (len > 0 && !try_register(ptr, len, &why)) return set_error(kErrInvalid, prefix() + "register: " + why);
     *key = regions_.add(Region{static_cast<char*>(ptr), len});
     return kOk;
+  }
+
+  // The CPU sends and receives every byte (send/recv on sockets), so GPU memory is refused.
+  bool try_register(void* ptr, uint64_t len, std::string* how) override {
+    if (len > 0 && memory_type(ptr) == MemType::Device) {
+      *how = "the tcp transport moves bytes with the CPU, which cannot reach GPU memory";
+      return false;
+    }
+    *how = "host";
+    return true;
   }
 
   int connect(const std::vector<std::string>& endpoints, int64_t timeout_ns) override {

@@ -538,6 +538,28 @@ class VerbsTransport final : public Transport {
   int register_memory(void* ptr, uint64_t len, uint32_t* key) override {
     if (ptr == nullptr && len > 0) return set_error(kErrInvalid, prefix() + "register: null pointer");
     Region r{static_cast<char*>(ptr), len, {}, ""};
+    if (int rc = make_mrs(&r); rc != kOk) return rc;
+    *key = regions_.add(r);
+    return kOk;
+  }
+
+  bool try_register(void* ptr, uint64_t len, std::string* how) override {
+    Region r{static_cast<char*>(ptr), len, {}, ""};
+    if (make_mrs(&r) != kOk) {
+      *how = thread_error();
+      return false;
+    }
+    for (ibv::mr* m : r.mr) v_.dereg_mr(m);
+    *how = len > 0 ? r.how : "host";
+    return true;
+  }
+
+  // r's memory registered on every NIC (r.mr, r.how): host memory with ibv_reg_mr; GPU memory
+  // through dma-buf where it can, else ibv_reg_mr on its address (nvidia-peermem).
+  int make_mrs(Region* rp) {
+    Region& r = *rp;
+    void* ptr = r.ptr;
+    const uint64_t len = r.len;
     if (len > 0) {
       constexpr int access = ibv::ACCESS_LOCAL_WRITE | ibv::ACCESS_REMOTE_WRITE | ibv::ACCESS_REMOTE_READ;
       const bool gpu = memory_type(ptr) == MemType::Device;
@@ -578,7 +600,6 @@ class VerbsTransport final : public Transport {
       if (fd >= 0) close(fd);  // each MR holds its own reference to the dma-buf
       r.how = join(how, "/");
     }
-    *key = regions_.add(r);
     return kOk;
   }
 

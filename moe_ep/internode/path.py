@@ -12,9 +12,12 @@ through the buffer's ``Launcher``, so they have native launch plans and replay l
 
 The kernels ring the bells and wait for the ready words in the mailbox, host memory the GPU maps,
 so no host call sits between the launches and a CUDA graph replays the whole exchange. On a GPU
-the regions and the mailbox are pinned host memory (the TCP transport reads and writes host
-memory; rows cross PCIe once each way). Under the interpreter the host waits for the headers (and
-the node flags) between the halves; the receive half waits for each source's rows itself.
+the five row regions are GPU memory where the transport registers it (verbs: dma-buf or
+nvidia-peermem; libfabric: FI_HMEM_CUDA), so the NIC reads and writes rows where the kernels
+pack and unpack them; else pinned host memory (tcp: the CPU moves the bytes; rows then cross
+PCIe once each way). The header regions and the mailbox are always pinned host memory: the
+proxy reads them. Under the interpreter the host waits for the headers (and the node flags)
+between the halves; the receive half waits for each source's rows itself.
 """
 from __future__ import annotations
 
@@ -25,15 +28,38 @@ import torch
 
 from ..errors import CommTimeoutError
 from ..layout import pow2
-from ..proxy.native import MAILBOX, mailbox_words
+from ..proxy.native import MAILBOX, NativeError, mailbox_words
 from .session import default_private_capacity, start_proxy
-from .spec import REGIONS, RemoteSpec, RemoteState
+from .spec import REGIONS, ROW_REGIONS, RemoteSpec, RemoteState
+
+PROXY_MEMORY = ("auto", "gpu", "host")
+
+
+def row_region_memory(engine, sizes: dict, device: torch.device, want: str) -> tuple[dict, str, str]:
+    """The five row regions of a GPU rank (``sizes``: bytes by name) for ``engine``: GPU memory
+    on ``device`` where ``engine.try_register`` takes it and ``want`` is ``"auto"`` or ``"gpu"``,
+    else pinned host memory. Returns ``(regions, "gpu" | "host", how or why)``; ``want="gpu"``
+    where the engine cannot raises ``NativeError`` saying why."""
+    if want != "host":
+        rows = {n: torch.zeros(max(16, sizes[n]), dtype=torch.uint8, device=device) for n in ROW_REGIONS}
+        ok, how = engine.try_register(rows["round1"])
+        if ok:
+            return rows, "gpu", how
+        del rows
+        if want == "gpu":
+            raise NativeError(f"rank {engine.rank}: proxy_memory='gpu', but the {engine.transport} engine cannot "
+                              f"register GPU memory here: {how}")
+        why = how
+    else:
+        why = "proxy_memory='host'"
+    return {n: torch.zeros(max(16, sizes[n]), dtype=torch.uint8, pin_memory=True) for n in ROW_REGIONS}, "host", why
 
 
 class RemotePath:
     """One rank's proxy, regions and device state for its peers on other nodes (``buf.remote``)."""
 
-    def __init__(self, buf, private_capacity: Optional[int], overflow_capacity: Optional[int]):
+    def __init__(self, buf, private_capacity: Optional[int], overflow_capacity: Optional[int],
+                 proxy_memory: str = "auto"):
         g, M, R, G = buf.group, buf.max_tokens, buf.world_size, buf.node_size
         if private_capacity is None:
             private_capacity = default_private_capacity(M, buf.topk, buf.num_experts, R)
@@ -49,14 +75,21 @@ class RemotePath:
         kw = {k: v for k, v in self.spec.proxy_kwargs().items() if k != "node_size"}
         self.gpu = buf.device.type == "cuda"
         regions = mailbox = None
-        if self.gpu:  # the proxy and the kernels share these: host memory the GPU addresses
-            regions = {n: torch.zeros(max(16, b), dtype=torch.uint8, pin_memory=True)
-                       for n, b in self.spec.region_bytes().items()}
+        self.memory, self.memory_why = "host", "CPU ranks"  # where the row regions are, and why
+        if self.gpu:  # the proxy and the kernels share these; the headers: host memory the GPU addresses
+            sizes = self.spec.region_bytes()
+            headers = {n: torch.zeros(max(16, sizes[n]), dtype=torch.uint8, pin_memory=True)
+                       for n in REGIONS if n not in ROW_REGIONS}
+
+            def regions(engine):  # once the engine exists: what it can register
+                rows, self.memory, self.memory_why = row_region_memory(engine, sizes, buf.device, proxy_memory)
+                return {**rows, **headers}
             self.mailbox = torch.zeros(mailbox_words(R), dtype=torch.int64, pin_memory=True)
             mailbox = self.mailbox.numpy()
         self.proxy = start_proxy(g, timeout_s=buf.timeout_s, regions=regions, mailbox=mailbox, **kw)
+        regions = {n: getattr(self.proxy, n) for n in REGIONS}
         if not self.gpu:  # the proxy allocated numpy arrays; the kernels see the same memory as tensors
-            regions = {n: torch.from_numpy(getattr(self.proxy, n)) for n in REGIONS}
+            regions = {n: torch.from_numpy(r) for n, r in regions.items()}
             self.mailbox = torch.from_numpy(self.proxy.mailbox)
         self.regions = regions
         self.timeout_s = buf.timeout_s

@@ -225,7 +225,8 @@ def start_proxy(group: EPGroup, *, num_local_experts: int, row_bytes: int, comb_
 
     ``bind_host``: the address peers reach this rank at (default ``MOE_EP_TCP_HOST``, else loopback
     when every rank shares this host, else this host's address). ``regions`` / ``mailbox``: the
-    memory to use (``Proxy``'s arguments; default: numpy arrays it allocates). The engine gets
+    memory to use (``Proxy``'s arguments; default: numpy arrays it allocates); ``regions`` may be
+    a function of the engine, called once it exists (to choose what it can register). The engine gets
     this session's ``JobIdentity`` (drawn by rank 0); tcp takes ``MOE_EP_TCP_HELLO_TIMEOUT`` and
     ``MOE_EP_TCP_MAX_PENDING`` (``TcpTransport``).
     """
@@ -236,6 +237,8 @@ def start_proxy(group: EPGroup, *, num_local_experts: int, row_bytes: int, comb_
     # CPU_IDLE_SLEEP_US: at the GPU's 20 us, each idle proxy woke 50,000 times a second, and a
     # few ranks' proxies on a 2-core machine took the cores from the ranks themselves.
     sleep_us = CPU_IDLE_SLEEP_US if group.device.type == "cpu" else 20.0
+    if callable(regions):  # chosen for this engine (what it can register)
+        regions = regions(engine)
     proxy = Proxy(engine, node_size=group.node_size, num_local_experts=num_local_experts, row_bytes=row_bytes,
                   comb_row_bytes=comb_row_bytes, private_capacity=private_capacity,
                   overflow_capacity=overflow_capacity, max_send_rows=max_send_rows, timeout_s=timeout_s,

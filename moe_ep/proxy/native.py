@@ -129,6 +129,7 @@ def lib() -> ctypes.CDLL:
             _c(L, "moe_ep_verbs_probe", i32, cp, sz)
             _c(L, "moe_ep_verbs_destroy_qp", i32, vp, i32)
             _c(L, "moe_ep_verbs_region_how", i32, vp, u32, cp, sz)
+            _c(L, "moe_ep_engine_try_register", i32, vp, vp, u64, cp, sz)
             _c(L, "moe_ep_test_memory_type", i32, i32)
             _c(L, "moe_ep_memory_type", i32, vp)
             _c(L, "moe_ep_cuda_dmabuf_fd", i32, vp, u64, ctypes.POINTER(i32), ctypes.POINTER(u64))
@@ -382,6 +383,16 @@ class Engine(_Closable):
         if rc != OK:
             _raise(rc)
         return key.value
+
+    def try_register(self, obj) -> tuple[bool, str]:
+        """Whether ``register(obj)`` would succeed (tried and released at once; no key is used):
+        ``(True, how)`` (``"host"``; GPU memory: ``"dma-buf"`` / ``"gpu address"`` per NIC for
+        verbs, ``"FI_HMEM_CUDA"`` for libfabric), else ``(False, why)``. ``obj``: a contiguous
+        numpy array or tensor (host or CUDA)."""
+        ptr, n = _address(obj)
+        buf = ctypes.create_string_buffer(1024)
+        ok = self._lib.moe_ep_engine_try_register(self._h, ptr, n, buf, len(buf))
+        return bool(ok), buf.value.decode(errors="replace")
 
     def register(self, obj) -> int:
         """Registers a writable contiguous buffer (kept alive by the engine); returns its key."""
