@@ -86,11 +86,7 @@ class Transport {
   virtual int register_memory(void* ptr, uint64_t len, uint32_t* key) = 0;
   // Whether register_memory(ptr, len) would take this memory: tried and released at once, no key
   // used. True with *how ("host", "dma-buf", "FI_HMEM_CUDA", ...), else false with *how saying why.
-  virtual bool try_register(void* ptr, uint64_t len, std::string* how) {
-    (void)ptr, (void)len;
-    *how = "this transport cannot tell";
-    return false;
-  }
+  virtual bool try_register(void* ptr, uint64_t len, std::string* how) = 0;
   virtual std::string endpoint() const = 0;
   virtual int connect(const std::vector<std::string>& endpoints, int64_t timeout_ns) = 0;
   virtual int post_write(int peer, uint32_t local_key, uint64_t local_off, uint32_t remote_key,

@@ -47,7 +47,7 @@ class PeerLostError(NativeError):
     """A peer's connection was lost (cut, closed, dead); ``peer`` names it (-1 if unknown)."""
 
 
-ABI_VERSION = 10  # moe_ep_abi_version() of the library this module drives (csrc/proxy/capi.cc)
+ABI_VERSION = 11  # moe_ep_abi_version() of the library this module drives (csrc/proxy/capi.cc)
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 _SRC_DIR = os.path.normpath(os.path.join(_PKG_DIR, "..", "..", "csrc", "proxy"))
 _lib = None
