@@ -10,8 +10,8 @@ importable, whether GPU memory can be registered (dma-buf: ``ibv_reg_dmabuf_mr``
 driver's export; or nvidia-peermem), libfabric's providers (fabric, domain, endpoint type, RMA,
 remote CQ data size, HMEM, mr_mode) and whether each would be used and why (EFA runs through the
 ``efa`` provider), the NIC each GPU (or a CPU rank) would use, and which transport
-``MOE_EP_TRANSPORT=auto`` picks and why. Needs no process group, no GPU and no rdma-core: what
-is missing is reported, not fatal. ``--json`` prints the same as one JSON document.
+``MOE_EP_TRANSPORT=auto`` picks and why; whether ``import deep_ep`` loads moe_ep. Needs no process
+group, no GPU and no rdma-core: what is missing is reported, not fatal. ``--json`` prints the same as one JSON document.
 """
 from __future__ import annotations
 
@@ -358,6 +358,17 @@ def install() -> dict:
     return out
 
 
+def deep_ep_alias() -> dict:
+    """Whether ``import deep_ep`` loads moe_ep here (``python -m moe_ep.deep_ep.install``), or a real
+    DeepEP, or nothing (``moe_ep.deep_ep_alias.status``; imports neither)."""
+    try:
+        from .deep_ep_alias import status
+
+        return status()
+    except Exception as e:  # noqa: BLE001 - a broken sys.path entry, ...
+        return {"active": False, "what": f"unknown ({_err(e)})"}
+
+
 def report(root: Optional[str] = None, use_torch: bool = True, use_pyverbs: bool = True) -> dict:
     """Everything, as one JSON-able dict (the keys of ``--json``)."""
     root = _nic.sysfs_root(root)
@@ -382,6 +393,7 @@ def report(root: Optional[str] = None, use_torch: bool = True, use_pyverbs: bool
         "transport": transport("native_error" not in r),
         "node_memory": node_memory(len(g["devices"]), use_torch),
         "env": {k: os.environ[k] for k in ENV_VARS if k in os.environ},
+        "deep_ep": deep_ep_alias(),
     }
 
 
@@ -480,6 +492,8 @@ def render(rep: dict) -> str:
               f"{'?' if m['symm_available'] is None else ('yes' if m['symm_available'] else 'no')}; "
               f"CUDA IPC binding: {m['ipc_binding'] or 'none'}"
               + (f"; MOE_EP_NODE_MEMORY={m['forced']}" if m["forced"] else "") + ")", f"  ({m['note']})"]
+    if "deep_ep" in rep:
+        L += ["", f"import deep_ep: {rep['deep_ep']['what']}"]
     if rep["env"]:
         L += ["", "Environment: " + ", ".join(f"{k}={v}" for k, v in rep["env"].items())]
     return "\n".join(L)

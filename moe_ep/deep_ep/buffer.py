@@ -18,10 +18,11 @@ from ..buffer import EPBuffer
 from ..kernels.interpret import interpreting
 from ..group import EPGroup
 from ..layout import WorkspaceLayout, pow2
+from . import forks as _forks
 from . import low_latency as _ll
 from . import normal as _normal
 from .config import Config
-from .event import EventOverlap, record_event
+from .event import EventHandle, EventOverlap, record_event, stream_wait
 from .routing import check_topk_idx, dispatch_layout
 
 FP8 = torch.float8_e4m3fn
@@ -229,7 +230,7 @@ class Buffer:
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
                              dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
                              round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
-                             return_recv_hook: bool = False):
+                             return_recv_hook: bool = False, **branch_options):
         """DeepEP's low-latency dispatch: ``(recv_x, recv_count, handle, event, hook)``.
 
         ``x`` bfloat16 ``[T, H]`` (T <= num_max_dispatch_tokens_per_rank), ``topk_idx`` int64 ``[T, K]``.
@@ -241,7 +242,10 @@ class Buffer:
         these two move bf16 and cast on arrival (DeepEP's values exactly, twice the bytes of fp8).
         Results stay valid until the dispatch after next (two buffers take turns). Across nodes
         each (token, k) travels on its own, as in DeepEP (``moe_ep/deep_ep/low_latency.py``).
+        ``branch_options``: DeepEP hybrid-ep's ``use_nvfp4`` / ``x_global_scale``, accepted at their
+        defaults (``moe_ep/deep_ep/forks.py``).
         """
+        _forks.check_dispatch(branch_options)
         self._check_alive()
         if use_ue8m0 and not round_scale:
             raise ValueError("use_ue8m0: needs round_scale=True (as in DeepEP)")
@@ -273,15 +277,18 @@ class Buffer:
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
                             return_recv_hook: bool = False, out: Optional[torch.Tensor] = None,
-                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None):
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None, **fork_options):
         """DeepEP's low-latency combine: ``(combined_x bf16 [T, H], event, hook)``,
         ``combined_x[t] = sum_k topk_weights[t, k] * x[expert, row of (t, k)]`` (float32 sums).
 
         ``x`` bf16 ``[E_local, R*M, H]`` (ignored with ``zero_copy``: the buffer from
         ``get_next_low_latency_combine_buffer`` is read); ``topk_weights`` float32 ``[T, K]``; the
         experts are the dispatch's (``topk_idx`` is checked for shape, the dispatch's ids are used);
-        ``out``: written in place and returned.
+        ``out``: written in place and returned. ``fork_options``: the single-batch-overlap options of
+        DeepEP's forks SGLang calls (``overlap``, ``src_signals``, ``comp_signal``, ...), accepted
+        where they ask for nothing (``moe_ep/deep_ep/forks.py``).
         """
+        _forks.check_combine(fork_options)
         self._check_alive()
         if use_logfmt:
             _refuse("use_logfmt", use_logfmt, "combine sends bfloat16")
@@ -349,18 +356,20 @@ class Buffer:
                on_current: bool = False, unpack: bool = False):
         """Runs ``fn`` with DeepEP's stream semantics; returns ``(fn(), event)`` (or ``(*fn(),
         event)`` with ``unpack``)."""
-        if previous_event is not None and not isinstance(previous_event, EventOverlap):
-            raise TypeError(f"previous_event: expected an EventOverlap, got {type(previous_event).__name__}")
+        if previous_event is not None and not isinstance(previous_event, (EventOverlap, EventHandle)):
+            raise TypeError(f"previous_event: expected an EventOverlap (or EventHandle), got "
+                            f"{type(previous_event).__name__}")
+        waits = previous_event is not None and previous_event.event is not None
         if self._comm_stream is None or on_current:
-            if previous_event is not None and previous_event.event is not None:
-                previous_event.current_stream_wait()
+            if waits:
+                stream_wait(None, previous_event)
             res = fn()
             ev = EventOverlap(record_event(self.device)) if async_finish else EventOverlap(None)
         else:
             cur = torch.cuda.current_stream(self.device)
             comm = self._comm_stream
-            if previous_event is not None and previous_event.event is not None:
-                comm.wait_event(previous_event.event)
+            if waits:
+                stream_wait(comm, previous_event)
             else:
                 comm.wait_stream(cur)
             with torch.cuda.stream(comm):
