@@ -275,13 +275,18 @@ class ElasticBuffer:
             w = topk_weights if with_w else slot.zero_weights[:T]
             d = slot.epbuf.dispatch(x, ids, w, x_scales=sf)
             counts = d.expert_counts
+            cached = None
             if sync:  # the one host read (as DeepEP's CPU sync)
                 host = torch.cat([d.num_recv.long().view(1), counts.long()]).tolist()
                 rows, host_counts = host[0], host[1:]
+            elif handle is not None:  # the handle's shapes (the same routing)
+                rows, host_counts = handle.num_recv_tokens, None
+                cached = (handle.num_expanded_tokens, handle.num_recv_tokens_per_expert_list)
             else:
                 rows, host_counts = R * M, None
             out = self._received(slot, d, rows, M, K, EL, align, with_w, do_expand, sync, host_counts, sf_int,
-                                 do_zero_padding, use_tma_aligned_col_major_sf, previous_event_before_epilogue)
+                                 do_zero_padding, use_tma_aligned_col_major_sf, previous_event_before_epilogue,
+                                 cached)
             if stats is not None:
                 stats.add_(counts)
             nh = _normal.NormalHandle(slot, d, ids, w_keep if with_w else slot.zero_weights[:T], rows, True)
@@ -379,9 +384,10 @@ class ElasticBuffer:
 
     def _received(self, slot, d, rows: int, M: int, K: int, EL: int, align: int, with_w: bool, expand: bool,
                   sync: bool, host_counts: Optional[List[int]], sf_int: bool, zero_pad: bool, tma_sf: bool,
-                  before_epilogue):
+                  before_epilogue, cached: Optional[Tuple[int, List[int]]] = None):
         """``(recv_x, recv_topk_idx, recv_topk_weights, handle fields)`` from rows dispatch ``d``
-        (``rows`` returned; past ``d.num_recv`` ids -1, weights 0, sources -1)."""
+        (``rows`` returned; past ``d.num_recv`` ids -1, weights 0, sources -1). ``cached``: a
+        cached dispatch's ``(num_expanded_tokens, list)`` from its handle."""
         dev, Mb, S = self.device, slot.epbuf.max_tokens, self.num_scaleup_ranks
         live = torch.arange(rows, device=dev) < d.num_recv  # [rows]
         idx = torch.where(live[:, None], d.recv_topk_idx[:rows].long(), -1)
@@ -397,7 +403,8 @@ class ElasticBuffer:
         meta[:, 0] = gsrc.int()
         meta[:, 1] = torch.arange(rows, device=dev, dtype=torch.int32)
         fields = dict(num_recv_tokens=rows, num_expanded_tokens=0,
-                      num_recv_tokens_per_expert_list=[-(-c // align) * align for c in host_counts] if sync else [],
+                      num_recv_tokens_per_expert_list=([-(-c // align) * align for c in host_counts] if sync
+                                                       else cached[1] if cached else []),
                       psum_num_recv_tokens_per_scaleup_rank=per_s.cumsum(0).int(), recv_src_metadata=meta)
         x_rows = d.expert_x[:rows]
         sc_rows = d.expert_scales[:rows] if d.expert_scales is not None else None
@@ -412,7 +419,8 @@ class ElasticBuffer:
             stream_wait(None, before_epilogue)
         # Expanded: selection (r, k) of local expert e goes to start[e] + its place among e's
         # selections in (row, k) order; N is a dummy row for the others (dropped).
-        N = sum(-(-c // align) * align for c in host_counts) if sync else rows * K + EL * (align - 1)
+        N = (sum(-(-c // align) * align for c in host_counts) if sync else cached[0] if cached
+             else rows * K + EL * (align - 1))
         start = aligned.cumsum(0) - aligned  # [EL]
         flat = idx.view(-1)
         ok = flat >= 0

@@ -1,0 +1,180 @@
+"""DeepEP V2's ElasticBuffer (moe_ep.deep_ep.elastic), deep_ep.utils' events and the branch/fork
+keyword arguments of the low-latency pair, against a pure-torch oracle on CPU ranks (R = 1..4)."""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import dist_util
+
+FP8 = torch.float8_e4m3fn
+M, H, K = 6, 128, 3
+
+
+def _inputs(rank: int, R: int, call: int):
+    """This rank's (x bf16 [T, H], topk_idx int64 [T, K], topk_weights float32 [T, K]): T rotates
+    over 0, M and M//2; ids may repeat within a token and may be -1."""
+    g = torch.Generator().manual_seed(100 * call + 7 * rank + R)
+    T = [0, M, M // 2][(call + rank) % 3]
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    idx = torch.randint(-1, 2 * R, (T, K), generator=g)
+    if T:
+        idx[0, 1] = idx[0, 0] = max(0, int(idx[0, 0]))  # a duplicate expert id
+    return x, idx, torch.rand(T, K, generator=g) + 0.5
+
+
+def _same(a, b) -> bool:
+    """Bitwise equality of tensors or (x, scales) pairs."""
+    if isinstance(a, tuple):
+        return all(_same(p, q) for p, q in zip(a, b))
+    return a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def _packs(rank: int, T: int) -> torch.Tensor:
+    """int32 [T, H/128] scale packs of ``rank`` (four UE8M0 bytes each, no NaN pattern)."""
+    t = torch.arange(T, dtype=torch.int32)[:, None] * 16 + torch.arange(H // 128, dtype=torch.int32)
+    return 0x30303030 + rank * 256 + t
+
+
+def _oracle_rows(xs, idxs, ws, rank: int, EL: int):
+    """This rank's rows in (source rank, token) order: (x, local ids, weights, global source)."""
+    rx, ri, rw, src = [], [], [], []
+    for s, (x, idx, w) in enumerate(zip(xs, idxs, ws)):
+        own = (idx >= rank * EL) & (idx < (rank + 1) * EL)
+        for t in range(x.shape[0]):
+            if own[t].any():
+                rx.append(x[t]), ri.append(torch.where(own[t], idx[t] - rank * EL, -1))
+                rw.append(torch.where(own[t], w[t], 0.0)), src.append(s * M + t)
+    if not rx:
+        return torch.zeros(0, H, dtype=torch.bfloat16), torch.zeros(0, K, dtype=torch.int64), torch.zeros(0, K), []
+    return torch.stack(rx), torch.stack(ri), torch.stack(rw), src
+
+
+def _elastic_worker(rank, R):
+    import torch.distributed as dist
+
+    import moe_ep.deep_ep as deep_ep
+    from moe_ep.reference import gather_inputs
+
+    E, EL = 2 * R, 2
+    buf = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=M, hidden=H, num_topk=K,
+                                explicitly_destroy=True, num_gpu_timeout_secs=60)
+    fails = []
+    for call, (expand, sync, align, fp8) in enumerate([(False, True, 1, True), (True, True, 4, False),
+                                                      (False, False, 1, True), (True, False, 2, False)]):
+        where = f"[R{R} rank {rank} call {call} expand={expand} sync={sync}]"
+        x, idx, w = _inputs(rank, R, call)
+        g = gather_inputs(buf.ep_group, x, idx, w)
+        ox, oi, ow, osrc = _oracle_rows(g.x, g.topk_idx, g.topk_weights, rank, EL)
+        n = ox.shape[0]
+        xin = x
+        if fp8:  # pre-quantized with int32 scale packs (MXFP8 as vLLM packs them): they travel bit for bit
+            packs = _packs(rank, x.shape[0])
+            xin = (x.to(FP8), packs)
+        stats = torch.zeros(EL, dtype=torch.int32)
+        guard = contextlib.nullcontext() if sync else _no_host_reads()
+        with guard:
+            rx, ri, rw, h, ev = buf.dispatch(xin, topk_idx=idx, topk_weights=w, num_experts=E, expert_alignment=align,
+                                             do_expand=expand, do_cpu_sync=sync, cumulative_local_expert_recv_stats=stats,
+                                             num_max_tokens_per_rank=M if call % 2 else None)
+        assert ev.event is None
+        q, sc = rx if fp8 else (rx, None)
+        counts = [int(((oi == e)).sum()) for e in range(EL)]
+        if stats.tolist() != counts:
+            fails.append(f"{where} stats {stats.tolist()} != {counts}")
+        psum_s = torch.tensor([sum(1 for s in osrc if (s // M) % R == i) for i in range(R)]).cumsum(0).tolist()
+        if h.psum_num_recv_tokens_per_scaleup_rank.tolist() != psum_s:
+            fails.append(f"{where} psum per scale-up rank {h.psum_num_recv_tokens_per_scaleup_rank.tolist()} != {psum_s}")
+        al = [-(-c // align) * align for c in counts]
+        if h.num_recv_tokens_per_expert_list != (al if sync else []):
+            fails.append(f"{where} list {h.num_recv_tokens_per_expert_list} != {al}")
+        if not expand:
+            rows = n if sync else R * M
+            if q.shape[0] != rows or ri.shape != (rows, K):
+                fails.append(f"{where} rows {q.shape[0]} != {rows}")
+                continue
+            if not (torch.equal(q[:n].to(torch.bfloat16) if not fp8 else q[:n].float(),
+                                ox if not fp8 else ox.to(FP8).float())
+                    and torch.equal(ri[:n], oi) and torch.equal(rw[:n], ow) and bool((ri[n:] == -1).all())):
+                fails.append(f"{where} received rows differ from the oracle")
+            if h.recv_src_metadata[:n, 0].tolist() != osrc or bool((h.recv_src_metadata[n:, 0] != -1).any()):
+                fails.append(f"{where} recv_src_metadata")
+            if fp8 and not torch.equal(sc[:n], torch.cat([_packs(sr // M, sr % M + 1)[-1:] for sr in osrc]
+                                                        or [torch.zeros(0, H // 128, dtype=torch.int32)])):
+                fails.append(f"{where} int32 scale packs did not travel bit for bit")
+            if h.psum_num_recv_tokens_per_expert.tolist() != torch.tensor(al).cumsum(0).tolist():
+                fails.append(f"{where} psum per expert")
+            y = (q.float() * 2.0 ** rank).to(torch.bfloat16)
+            out, cw, _ = buf.combine(y, h, topk_weights=rw)
+        else:
+            N = sum(al) if sync else R * M * K + EL * (align - 1)
+            if q.shape[0] != N or rw.shape != (N,) or ri is not None:
+                fails.append(f"{where} expanded shape {list(q.shape)} != [{N}, {H}]")
+                continue
+            start = 0
+            for e in range(EL):
+                sel = [(r, k) for r in range(n) for k in range(K) if oi[r, k] == e]
+                got_x, got_w = q[start:start + len(sel)], rw[start:start + len(sel)]
+                if sel and not (torch.equal(got_x, torch.stack([ox[r] for r, _ in sel]))
+                                and torch.equal(got_w, torch.tensor([float(ow[r, k]) for r, k in sel]))):
+                    fails.append(f"{where} expert {e}: expanded rows differ from the oracle")
+                if int(h.psum_num_recv_tokens_per_expert[e]) != start + len(sel):
+                    fails.append(f"{where} expert {e}: psum {int(h.psum_num_recv_tokens_per_expert[e])}")
+                start += -(-len(sel) // align) * align
+            fac = torch.zeros(N)  # expert e's rows times 2^e (0 in padding)
+            for e in range(EL):
+                lo = int(h.psum_num_recv_tokens_per_expert[e]) - counts[e]
+                fac[lo:lo + counts[e]] = 2.0 ** e
+            y = (q.float() * fac[:, None]).to(torch.bfloat16)
+            with (contextlib.nullcontext() if sync else _no_host_reads()):
+                out, cw, _ = buf.combine(y, h, topk_weights=rw)
+        # Oracle of the combine: per receiving rank its row (expanded: its selections' sum, rounded),
+        # summed over ranks in float32, rounded once; weights summed back per (token, k).
+        T = x.shape[0]
+        xb = x.to(FP8).to(torch.bfloat16) if fp8 else x
+        exp32 = torch.zeros(T, H)
+        for r in range(R):
+            own = (idx >= r * EL) & (idx < (r + 1) * EL)
+            if expand:
+                f = torch.where(own, 2.0 ** (idx - r * EL).clamp(min=0).float(), 0.0).sum(1)
+                row = (xb.float() * f[:, None]).to(torch.bfloat16)
+            else:
+                row = (xb.float() * 2.0 ** r).to(torch.bfloat16) * own.any(1)[:, None]
+            exp32 += row.float()
+        if not torch.equal(out, exp32.to(torch.bfloat16)):
+            fails.append(f"{where} combined_x differs from the oracle (max {float((out.float() - exp32).abs().max())})")
+        if not torch.equal(cw, torch.where(idx >= 0, w, 0.0)):
+            fails.append(f"{where} combined_topk_weights differ")
+        if not expand and sync:  # cached dispatch repeats the routing
+            rx2, _, _, h2, _ = buf.dispatch(xin, handle=h)
+            out2, _, _ = buf.combine(y, h2)
+            if h2 is not h or not _same(rx2, rx) or not torch.equal(out2, out):
+                fails.append(f"{where} cached dispatch (and its combine) differs")
+    slots = [s.epbuf for v in buf._v1._rows.values() for s in v]
+    if len({id(s) for s in slots}) != len(buf._v1._rows) or len(slots) > 2:  # bf16 and fp8: one buffer each
+        fails.append(f"[R{R} rank {rank}] {len(slots)} rows buffers for {len(buf._v1._rows)} shapes")
+    buf.destroy()
+    return fails
+
+
+@contextlib.contextmanager
+def _no_host_reads():
+    """``tolist`` / ``item`` (host reads of tensor values) raise inside: what ``do_cpu_sync=False``
+    promises. (A call with a new shape or dtype still makes its buffer, collectively, once.)"""
+    def refuse(*a, **k):
+        raise AssertionError("a host read with do_cpu_sync=False")
+
+    saved = torch.Tensor.tolist, torch.Tensor.item
+    torch.Tensor.tolist, torch.Tensor.item = refuse, refuse
+    try:
+        yield
+    finally:
+        torch.Tensor.tolist, torch.Tensor.item = saved
+
+
+@pytest.mark.parametrize("R", [1, 2, 3])
+def test_elastic_buffer(R):
+    fails = [f for r in dist_util.run(R, _elastic_worker) for f in r]
+    assert not fails, "\n".join(fails[:20])
