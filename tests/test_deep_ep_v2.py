@@ -178,3 +178,138 @@ def _no_host_reads():
 def test_elastic_buffer(R):
     fails = [f for r in dist_util.run(R, _elastic_worker) for f in r]
     assert not fails, "\n".join(fails[:20])
+
+
+# ---------------------------------------------------------------------------- branch / fork options
+def _forks_worker(rank, R):
+    import torch.distributed as dist
+
+    import moe_ep.deep_ep as deep_ep
+    from moe_ep.deep_ep.utils import EventHandle, EventOverlap
+
+    fails = []
+    b = deep_ep.Buffer(dist.group.WORLD, 0, 0, low_latency_mode=True)
+    E = 2 * R
+    x = torch.randn(3, H).to(torch.bfloat16)
+    idx = torch.tensor([[0, 1], [1, -1], [-1, -1]], dtype=torch.int64)
+    w = torch.rand(3, 2)
+    # asking for nothing: accepted, same result as without them
+    prev = EventOverlap(EventHandle())
+    rx, cnt, h, _, _ = b.low_latency_dispatch(x, idx, 4, E, use_fp8=False, use_nvfp4=False, x_global_scale=None)
+    y = (rx.float() * 3).to(torch.bfloat16)
+    ref, _, _ = b.low_latency_combine(y, idx, w, h)
+    rx, cnt, h, _, _ = b.low_latency_dispatch(x, idx, 4, E, use_fp8=False)
+    got, _, _ = b.low_latency_combine(y, idx, w, h, overlap=False, src_signals=None, src_signal_expect_value=0,
+                                      packed_recv_count=None, comp_signal=None, block_m=64, threshold=0, num_sms=3)
+    if not torch.equal(got, ref):
+        fails.append("fork options at their defaults changed the combine")
+    sig = torch.zeros(2, dtype=torch.int32)
+    for name, kw, where in (("use_nvfp4", dict(use_nvfp4=True), "hybrid-ep"),
+                            ("x_global_scale", dict(x_global_scale=torch.ones(1)), "hybrid-ep")):
+        try:
+            b.low_latency_dispatch(x, idx, 4, E, use_fp8=False, **kw)
+            fails.append(f"{name}: accepted")
+        except NotImplementedError as e:
+            if name not in str(e) or where not in str(e):
+                fails.append(f"{name}: the error does not name the option and its branch: {e}")
+    for name, kw, where in (("overlap", dict(overlap=True), "single-batch overlap"),
+                            ("src_signals", dict(src_signals=sig, src_signal_expect_value=1), "Blackwell"),
+                            ("comp_signal", dict(comp_signal=sig, packed_recv_count=sig, block_m=64, threshold=1),
+                             "antgroup-opt")):
+        try:
+            b.low_latency_combine(y, idx, w, h, **kw)
+            fails.append(f"{name}: accepted")
+        except NotImplementedError as e:
+            if name not in str(e) or where not in str(e):
+                fails.append(f"{name}: the error does not name the option and its fork: {e}")
+    for call in (lambda: b.low_latency_dispatch(x, idx, 4, E, use_fp8=False, no_such_option=1),
+                 lambda: b.low_latency_combine(y, idx, w, h, no_such_option=1)):
+        try:
+            call()
+            fails.append("an unknown keyword argument was accepted")
+        except TypeError as e:
+            if "no_such_option" not in str(e):
+                fails.append(f"unknown option: {e}")
+    # deep_ep.utils' events: EventOverlap(EventHandle()) as previous_event, hooks, with-blocks
+    _, _, _, _, _ = b.get_dispatch_layout(idx, E, previous_event=prev, async_finish=True)
+    ev = EventOverlap(EventHandle())
+    ev.register_hook_after_wait(lambda: 7)
+    if ev.current_stream_wait() != 7 or ev.hook_after_wait is not None:
+        fails.append("EventOverlap: the hook's result is not returned once")
+    with ev(release_handle=True):
+        pass
+    if ev.event is not None:
+        fails.append("EventOverlap: release_handle kept the event")
+    eb = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=4, hidden=H, num_topk=2)
+    _, _, _, hd, evd = eb.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E, previous_event=eb.capture(),
+                                   async_with_compute_stream=True)
+    evd.current_stream_wait()
+    if not isinstance(evd.event, EventHandle):
+        fails.append("ElasticBuffer: async_with_compute_stream gives no EventHandle")
+    for name, call, exc in (("num_cpu_bytes", lambda: deep_ep.ElasticBuffer(dist.group.WORLD, num_cpu_bytes=1 << 21),
+                             NotImplementedError),
+                            ("engram_fetch", lambda: eb.engram_fetch(idx), NotImplementedError),
+                            ("num_max_tokens_per_rank", lambda: eb.dispatch(x, topk_idx=idx, num_experts=E,
+                                                                            num_max_tokens_per_rank=8), ValueError),
+                            ("destroy", lambda: eb.destroy(), RuntimeError)):
+        try:
+            call()
+            fails.append(f"{name}: accepted")
+        except exc as e:
+            if name not in str(e) and "explicitly_destroy" not in str(e):
+                fails.append(f"{name}: {e}")
+    return fails
+
+
+def test_branch_options_and_events():
+    fails = dist_util.run(1, _forks_worker)[0]
+    assert not fails, "\n".join(fails)
+
+
+# ---------------------------------------------------------------------------- import deep_ep
+def test_import_deep_ep_alias(tmp_path):
+    """Install into a temporary directory, then a fresh interpreter's unedited ``import deep_ep``
+    (as vLLM, SGLang and Megatron write it) loads moe_ep; a real DeepEP on the path is refused by
+    name (install and import alike); uninstall removes only the alias; the doctor says which."""
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    site, real = tmp_path / "site", tmp_path / "real"
+    site.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), repo])}
+
+    def py(code: str, extra_path: str = ""):
+        e = dict(env, PYTHONPATH=os.pathsep.join(filter(None, [env["PYTHONPATH"], extra_path])))
+        return subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=120)
+
+    from moe_ep.deep_ep import install as inst
+
+    pkg = inst.install(str(site))
+    user = py("import deep_ep, moe_ep.deep_ep as m\n"
+              "from deep_ep.utils import EventHandle, EventOverlap\n"
+              "assert deep_ep is m and deep_ep.utils is m.utils and deep_ep.EventOverlap is EventOverlap\n"
+              "assert deep_ep.Buffer is m.Buffer and deep_ep.ElasticBuffer is m.ElasticBuffer and deep_ep.Config\n"
+              "EventOverlap(EventHandle()).current_stream_wait()\n"
+              "import importlib.util; assert importlib.util.find_spec('deep_ep') is not None\n"
+              "from moe_ep.doctor import deep_ep_alias; print(deep_ep_alias()['what'])")
+    assert user.returncode == 0, user.stderr[-2000:]
+    assert user.stdout.startswith("active") and str(site) in user.stdout
+    # a real DeepEP beside the alias: import refuses naming it, install refuses too
+    (real / "deep_ep").mkdir(parents=True)
+    (real / "deep_ep" / "__init__.py").write_text("REAL = True\n")
+    clash = py("import deep_ep", str(real))
+    assert clash.returncode != 0 and str(real / "deep_ep") in clash.stderr and "shadow" in clash.stderr
+    refused = subprocess.run([sys.executable, "-m", "moe_ep.deep_ep.install", "--target", str(tmp_path / "t2")],
+                             env=dict(env, PYTHONPATH=os.pathsep.join([env["PYTHONPATH"], str(real)])),
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and str(real / "deep_ep") in refused.stderr
+    assert not (tmp_path / "t2" / "deep_ep").exists()
+    # uninstall removes the alias only, never a real package
+    try:
+        inst.uninstall(str(real))
+        raise AssertionError("uninstall removed a real deep_ep")
+    except RuntimeError as e:
+        assert "not moe_ep's" in str(e)
+    assert inst.uninstall(str(site)) == pkg and not os.path.exists(pkg)
