@@ -17,7 +17,7 @@ from test_nic import make_sysfs
 from test_verbs_transport import AVAILABLE, ROOT, WHY, light_import, rdma_test
 
 doctor = light_import("doctor")
-KEYS = {"host", "gpus", "rdma", "nic", "transport", "node_memory", "env"}
+KEYS = {"host", "gpus", "rdma", "nic", "transport", "node_memory", "env", "deep_ep"}
 
 
 def _run(*args, **env):
@@ -28,7 +28,8 @@ def _run(*args, **env):
 def test_cli_text_and_json():
     r = _run()
     assert r.returncode == 0, r.stderr
-    for head in ("moe_ep doctor:", "GPUs (", "RDMA devices (sysfs", "NIC per rank", "Transport: auto -> "):
+    for head in ("moe_ep doctor:", "GPUs (", "RDMA devices (sysfs", "NIC per rank", "Transport: auto -> ",
+                 "import deep_ep: "):
         assert head in r.stdout, r.stdout
     r = _run("--json", "--no-pyverbs")
     assert r.returncode == 0, r.stderr
@@ -37,6 +38,7 @@ def test_cli_text_and_json():
     assert {"source", "devices"} <= set(rep["gpus"]) and {"sysfs_root", "devices"} <= set(rep["rdma"])
     assert rep["transport"]["auto"]["kind"] in ("tcp", "verbs", "efa") and rep["transport"]["auto"]["why"]
     assert rep["nic"][-1]["rank"] == "CPU"
+    assert rep["deep_ep"]["active"] is False and rep["deep_ep"]["what"].startswith("inactive")  # no alias here
 
 
 def test_report_says_what_is_installed():
