@@ -84,6 +84,7 @@ def status() -> dict:
         return {"active": True, "alias": alias, "real": [],
                 "what": f"active: import deep_ep loads moe_ep.deep_ep (alias {alias})"}
     if real:
-        return {"active": False, "alias": None, "real": real, "what": f"inactive: import deep_ep loads DeepEP ({real[0]})"}
+        return {"active": False, "alias": None, "real": real,
+                "what": f"inactive: import deep_ep loads DeepEP ({real[0]})"}
     return {"active": False, "alias": None, "real": [],
             "what": "inactive: no deep_ep (python -m moe_ep.deep_ep.install makes import deep_ep load moe_ep)"}

@@ -77,7 +77,8 @@ def _elastic_worker(rank, R):
         guard = contextlib.nullcontext() if sync else _no_host_reads()
         with guard:
             rx, ri, rw, h, ev = buf.dispatch(xin, topk_idx=idx, topk_weights=w, num_experts=E, expert_alignment=align,
-                                             do_expand=expand, do_cpu_sync=sync, cumulative_local_expert_recv_stats=stats,
+                                             do_expand=expand, do_cpu_sync=sync,
+                                             cumulative_local_expert_recv_stats=stats,
                                              num_max_tokens_per_rank=M if call % 2 else None)
         assert ev.event is None
         q, sc = rx if fp8 else (rx, None)
@@ -86,7 +87,8 @@ def _elastic_worker(rank, R):
             fails.append(f"{where} stats {stats.tolist()} != {counts}")
         psum_s = torch.tensor([sum(1 for s in osrc if (s // M) % R == i) for i in range(R)]).cumsum(0).tolist()
         if h.psum_num_recv_tokens_per_scaleup_rank.tolist() != psum_s:
-            fails.append(f"{where} psum per scale-up rank {h.psum_num_recv_tokens_per_scaleup_rank.tolist()} != {psum_s}")
+            fails.append(f"{where} psum per scale-up rank {h.psum_num_recv_tokens_per_scaleup_rank.tolist()} "
+                         f"!= {psum_s}")
         al = [-(-c // align) * align for c in counts]
         if h.num_recv_tokens_per_expert_list != (al if sync else []):
             fails.append(f"{where} list {h.num_recv_tokens_per_expert_list} != {al}")

@@ -102,7 +102,8 @@ class ElasticBuffer:
         if num_bytes is not None:
             _int("num_bytes", num_bytes)
         if not isinstance(num_gpu_timeout_secs, (int, float)) or num_gpu_timeout_secs <= 0:
-            raise ValueError(f"num_gpu_timeout_secs: expected a positive number of seconds, got {num_gpu_timeout_secs!r}")
+            raise ValueError(f"num_gpu_timeout_secs: expected a positive number of seconds, got "
+                             f"{num_gpu_timeout_secs!r}")
         self._v1 = Buffer(group, explicitly_destroy=True, timeout_s=float(num_gpu_timeout_secs))
         self.group, self.ep_group = group, self._v1.ep_group
         self.rank_idx, self.num_ranks = self._v1.rank, self._v1.group_size
@@ -237,7 +238,8 @@ class ElasticBuffer:
             if topk_weights is None:
                 topk_weights = handle._weights
             if x.shape[0] != topk_idx.shape[0]:
-                raise ValueError(f"x: expected the {topk_idx.shape[0]} tokens of the handle's dispatch, got {x.shape[0]}")
+                raise ValueError(f"x: expected the {topk_idx.shape[0]} tokens of the handle's dispatch, got "
+                                 f"{x.shape[0]}")
             do_cpu_sync = False
         M = self._tokens_cap(num_max_tokens_per_rank)
         align = _int("expert_alignment", 1 if expert_alignment is None else expert_alignment, 1)
