@@ -735,10 +735,12 @@ class FabricTransport final : public Transport {
   }
 
   // ---- a completion thread per endpoint: reads its CQ (which is what progresses the provider),
-  // spins kSpinNs after the last completion or post, then sleeps kSleepNs at a time (1 ms once
-  // idle for 200 ms). Progress is manual on the tcp, udp and efa providers: nothing lands in this
-  // rank's memory, and no write of its own completes, between two reads, so a phase's latency is
-  // a few of these sleeps; the sleeps are exact (1 us timer slack, not the default 50 us).
+  // spins kSpinNs after the last completion or post, then sleeps kSleepNs at a time, 200 us once
+  // idle for 1 ms (between the phases of CPU ranks, whose kernels take milliseconds: their
+  // wake-ups took the cores from the ranks), 1 ms once idle for 200 ms. Progress is manual on the
+  // tcp, udp and efa providers: nothing lands in this rank's memory, and no write of its own
+  // completes, between two reads, so a phase's latency is a few of these sleeps; the sleeps are
+  // exact (1 us timer slack, not the default 50 us).
 
   void cq_loop(int i) {
 #ifdef __linux__
@@ -773,7 +775,7 @@ class FabricTransport final : public Transport {
       }
       const int64_t idle = now - std::max(idle_since, l.kicked_ns.load(std::memory_order_relaxed));
       if (idle < kSpinNs) continue;
-      std::this_thread::sleep_for(std::chrono::nanoseconds(idle < 200'000'000 ? kSleepNs : 1'000'000));
+      std::this_thread::sleep_for(std::chrono::nanoseconds(idle < 1'000'000 ? kSleepNs : idle < 200'000'000 ? 200'000 : 1'000'000));
     }
   }
 
