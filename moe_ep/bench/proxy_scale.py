@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import sys
 from dataclasses import asdict, dataclass
@@ -66,6 +67,13 @@ def count_matrix(R: int, sh: Shape, rng: np.random.Generator, routing: str = "un
     return C
 
 
+@functools.lru_cache(maxsize=4)
+def _draws(R: int, sh: Shape, n: int, seed: int, routing: str) -> np.ndarray:
+    """``n`` count matrices [n, R, R] (cached: repeats of a point reuse them)."""
+    rng = np.random.default_rng(seed * 7919 + R)
+    return np.stack([count_matrix(R, sh, rng, routing) for _ in range(n)])
+
+
 def expected(C: np.ndarray, me: int, G: int, cap: int) -> dict[str, int]:
     """Writes rank ``me``'s proxy posts for one epoch of matrix C and doorbells it sees."""
     R = C.shape[0]
@@ -102,8 +110,7 @@ def run_point(pt: Point) -> dict:
     from moe_ep.proxy.native import NullTransport, Proxy, SimConfig, lib
 
     R, sh, G, me = pt.R, pt.shape, min(pt.node_size, pt.R), 0
-    rng = np.random.default_rng(pt.seed * 7919 + R)
-    mats = np.stack([count_matrix(R, sh, rng, pt.routing) for _ in range(pt.draws)])
+    mats = _draws(R, sh, pt.draws, pt.seed, pt.routing)
     cap = default_private_capacity(sh.tokens, sh.topk, sh.num_experts, R)
     spec = RemoteSpec(rank=me, world=R, node_size=G, num_experts=sh.num_experts, topk=sh.topk, hidden=sh.hidden,
                       max_tokens=sh.tokens, fp8=True, private_capacity=cap, overflow_capacity=1)
