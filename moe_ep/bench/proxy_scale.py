@@ -165,7 +165,7 @@ def _row(pt: Point, mats, cap: int, recs, trace, stats: dict, n: int) -> dict:
         row[op] = dict(cpu_p50_us=_pct(cpu, 50), cpu_p99_us=_pct(cpu, 99), wall_p50_us=_pct(wall, 50),
                        wall_p99_us=_pct(wall, 99),
                        posts_per_op=sum(stats[k] for k in ph) / n,
-                       bells_per_op=float(np.mean(list(bells[op].values()))) if bells[op] else float("nan"),
+                       bells_per_op=float(np.median(list(bells[op].values()))) if bells[op] else float("nan"),
                        bells_expected=float(np.mean([w[op + "_bells"] for w in want])))
     return row
 
@@ -177,10 +177,11 @@ def fit(rows: list[dict]) -> list[dict]:
         sel = sorted((r for r in rows if (r["shape"], r["arrival"]) == key), key=lambda r: r["ranks"])
         if len(sel) < 2:
             continue
-        x = np.array([r["ranks"] for r in sel], np.float64)
         for op in ("dispatch", "combine"):
-            y = np.array([r[op]["cpu_p50_us"] for r in sel]) * 1e3
-            b, a = np.polyfit(x, y, 1)
+            pts = [(r["ranks"], r[op]["cpu_p50_us"] * 1e3) for r in sel if np.isfinite(r[op]["cpu_p50_us"])]
+            if len(pts) < 2:  # (R = 8 is one node: no combine)
+                continue
+            b, a = np.polyfit(*np.array(pts, np.float64).T, 1)
             out.append(dict(shape=key[0], arrival=key[1], op=op, slope_ns_per_peer=float(b), intercept_us=float(a) / 1e3))
     return out
 
