@@ -3,6 +3,7 @@
 #include "proxy.h"
 
 #include <chrono>
+#include <climits>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
@@ -20,6 +21,14 @@ int64_t mono_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
 }
+// The trace's clock: the TSC on x86 (invariant on every CPU this runs on; trace() converts), else steady-clock ns.
+#if defined(__x86_64__)
+constexpr bool trace_tsc_ = true;
+int64_t trace_clock() { return int64_t(__builtin_ia32_rdtsc()); }
+#else
+constexpr bool trace_tsc_ = false;
+int64_t trace_clock() { return mono_ns(); }
+#endif
 int64_t thread_cpu_ns() {
   timespec ts{};
   clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
@@ -29,6 +38,13 @@ std::string seconds(int64_t ns) {
   char b[32];
   std::snprintf(b, sizeof b, "%g", double(ns) / 1e9);
   return b;
+}
+// Whether some row[p] is negative or above cap (as unsigned, a negative count is above any cap):
+// one pass over R counts, vectorized (the proxy does it for every row of the count matrix).
+__attribute__((optimize("tree-vectorize"))) bool row_exceeds(const int32_t* row, int n, uint32_t cap) {
+  uint32_t any = 0;
+  for (int p = 0; p < n; ++p) any |= uint32_t(uint32_t(row[p]) > cap);
+  return any != 0;
 }
 const char* phase_name(int ph) { return ph == kPhaseD1 ? "dispatch round 1" : ph == kPhaseD2 ? "dispatch round 2" : "combine"; }
 }  // namespace
@@ -81,6 +97,9 @@ Proxy* Proxy::create(Transport* t, const ProxyConfig& cfg, void* const regions[k
   p->hdr_ = proxy_hdr_bytes(cfg.world_size, cfg.num_local_experts);
   p->mb_ = mailbox;
   p->posted_to_.assign(size_t(cfg.world_size), 0);
+  p->trace_.resize(kMaxTrace);
+  p->ns0_ = mono_ns();
+  p->tsc0_ = trace_clock();
   for (int i : {kRegRound1, kRegOverflow, kRegCombRecv})
     if (lens[i] > 0 && p->gdr_region_ < 0 && memory_type(regions[i]) == MemType::Device) p->gdr_region_ = i;
   for (int i = 0; i < kNumRegions; ++i) {
@@ -186,16 +205,38 @@ int Proxy::phase_records(PhaseRecord* out, int max) {
 }
 
 void Proxy::trace_event(int32_t kind, int peer, int64_t epoch) {
-  std::lock_guard<std::mutex> lk(trace_mu_);
-  if (trace_.empty()) trace_.resize(kMaxTrace);
-  trace_[size_t(n_trace_ % kMaxTrace)] = TraceEvent{mono_ns(), epoch, kind, peer};
-  ++n_trace_;
+  // Single writer (the proxy thread), no lock: the slot's words first, then the count (release).
+  // A time stamp is the TSC where there is one (a few ns; trace() turns it into steady-clock ns).
+  const int64_t i = n_trace_.load(std::memory_order_relaxed);
+  TraceEvent& ev = trace_[size_t(i % kMaxTrace)];
+  __atomic_store_n(&ev.ns, trace_clock(), __ATOMIC_RELAXED);
+  __atomic_store_n(&ev.epoch, epoch, __ATOMIC_RELAXED);
+  __atomic_store_n(&ev.kind, kind, __ATOMIC_RELAXED);
+  __atomic_store_n(&ev.peer, int32_t(peer), __ATOMIC_RELAXED);
+  n_trace_.store(i + 1, std::memory_order_release);
 }
 
 int Proxy::trace(TraceEvent* out, int max) {
-  std::lock_guard<std::mutex> lk(trace_mu_);
-  const int64_t n = std::min<int64_t>({int64_t(std::max(max, 0)), n_trace_, int64_t(kMaxTrace)});
-  for (int64_t i = 0; i < n; ++i) out[i] = trace_[size_t((n_trace_ - n + i) % kMaxTrace)];
+  std::lock_guard<std::mutex> lk(trace_mu_);  // (readers only)
+  const int64_t end = n_trace_.load(std::memory_order_acquire);
+  int64_t n = std::min<int64_t>({int64_t(std::max(max, 0)), end, int64_t(kMaxTrace)});
+  for (int64_t i = 0; i < n; ++i) {
+    const TraceEvent& ev = trace_[size_t((end - n + i) % kMaxTrace)];
+    out[i] = TraceEvent{__atomic_load_n(&ev.ns, __ATOMIC_RELAXED), __atomic_load_n(&ev.epoch, __ATOMIC_RELAXED),
+                        __atomic_load_n(&ev.kind, __ATOMIC_RELAXED), __atomic_load_n(&ev.peer, __ATOMIC_RELAXED)};
+  }
+  // Slots the writer reused while they were copied (it wrapped past them) are dropped.
+  std::atomic_thread_fence(std::memory_order_acquire);
+  const int64_t torn = std::max<int64_t>(0, n_trace_.load(std::memory_order_relaxed) - kMaxTrace - (end - n));
+  if (torn > 0) {
+    n = std::max<int64_t>(0, n - torn);
+    std::memmove(out, out + torn, size_t(n) * sizeof(TraceEvent));
+  }
+  // TSC -> steady-clock ns: the line through (tsc, ns) at creation and now.
+  const int64_t tsc1 = trace_clock(), ns1 = mono_ns();
+  const double scale = trace_tsc_ && tsc1 > tsc0_ ? double(ns1 - ns0_) / double(tsc1 - tsc0_) : 1.0;
+  if (trace_tsc_)
+    for (int64_t i = 0; i < n; ++i) out[i].ns = ns0_ + int64_t(double(out[i].ns - tsc0_) * scale);
   return int(n);
 }
 
@@ -394,6 +435,16 @@ bool Proxy::fail_writes(int phase, int64_t epoch) {
                   " s (the first to peer " + std::to_string(peer) + ")");
 }
 
+bool Proxy::add_overflow(const int32_t* row, int s) {
+  const int R = int(cfg_.world_size);
+  const int64_t cap = cfg_.private_capacity, G = cfg_.node_size, lo = s / G * G, hi = lo + G;
+  if (!row_exceeds(row, R, uint32_t(std::min<int64_t>(cap, INT32_MAX)))) return true;  // no overflow (the common case)
+  if (*std::min_element(row, row + R) < 0) return false;
+  for (int64_t p = 0; p < R; ++p)
+    if (p < lo || p >= hi) ov_total_[size_t(p)] += std::max<int64_t>(0, row[p] - cap);
+  return true;
+}
+
 // One dispatch epoch (docs/ARCHITECTURE.md §10), as its pieces become possible, in one pass loop:
 //  - at once: this rank's header (count vector + selections) to every peer (D0);
 //  - as each remote peer's rows bell rings: its round-1 rows (D1, when it has rows);
@@ -453,15 +504,18 @@ bool Proxy::run_dispatch(int64_t epoch) {
     if (p == me || !remote(p)) rows_sent[p] = ov_sent[p] = got1[p] = got2[p] = 1;
   got_hdr[me] = 1;
   bool all_hdr = false;
+  // Every p's total overflow from remote sources, summed row by row as headers land (the
+  // capacity check below needs the whole matrix; one pass per row, no division).
+  ov_total_.assign(size_t(R), 0);
+  add_overflow(&C[size_t(me) * R], me);
   // Source s's header landed: its row of the count matrix, and what else comes from it (nothing,
   // its round-1 rows, its overflow rows). False: bad counts (error recorded).
   auto on_header = [&](int s) {
     got_hdr[s] = 1;
     trace_event(kTrGotD0, s, epoch);
     std::memcpy(&C[size_t(s) * R], reg_[kRegHdrRecv] + h_base + uint64_t(s * hdr_), 4 * size_t(R));
-    for (int p = 0; p < R; ++p)
-      if (C[size_t(s) * R + p] < 0)
-        return fail(kProxyInvalid, s, kPhaseD1, epoch, "peer " + std::to_string(s) + " sent a negative count");
+    if (!add_overflow(&C[size_t(s) * R], s))
+      return fail(kProxyInvalid, s, kPhaseD1, epoch, "peer " + std::to_string(s) + " sent a negative count");
     if (remote(s)) {
       if (std::min(c_to(s, me), cap) == 0) {
         got1[s] = 1;
@@ -520,9 +574,7 @@ bool Proxy::run_dispatch(int64_t epoch) {
       mid_ns_ = mono_ns();
       // Capacity: every rank checks every p's total overflow (same data, same decision everywhere).
       for (int p = 0; p < R; ++p) {
-        int64_t tot = 0;
-        for (int s = 0; s < R; ++s)
-          if (s != p && s / cfg_.node_size != p / cfg_.node_size) tot += ov(s, p);
+        const int64_t tot = ov_total_[size_t(p)];
         if (tot > cfg_.overflow_capacity)
           return fail(kProxyCapacity, p, kPhaseD2, epoch,
                       "rank " + std::to_string(p) + " would receive " + std::to_string(tot) +

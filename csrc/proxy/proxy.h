@@ -225,6 +225,10 @@ class Proxy {
   int gdr_region_ = -1;  // a region peers write into that is GPU memory (-1: none): flush before ready words
   GdrFlush gdr_;
 
+  // Checks source s's count vector (false: a negative count) and adds its overflow to remote
+  // ranks into ov_total_.
+  bool add_overflow(const int32_t* row, int s);
+  std::vector<int64_t> ov_total_;  // per rank p: overflow rows from remote sources (this dispatch's headers so far)
   std::vector<int32_t> counts_;  // [R][R] count matrix of the last dispatch
   int64_t counts_epoch_ = -1;
   int64_t last_disp_ = 0, last_comb_ = 0;
@@ -232,9 +236,10 @@ class Proxy {
   std::vector<int> posted_to_;     // ... per peer
 
   static constexpr int kMaxTrace = 1 << 16;  // ring of the most recent trace events
-  std::mutex trace_mu_;
-  std::vector<TraceEvent> trace_;
-  int64_t n_trace_ = 0;
+  std::mutex trace_mu_;             // readers of the trace (the writer takes no lock)
+  std::vector<TraceEvent> trace_;   // kMaxTrace slots, written by the proxy thread only
+  std::atomic<int64_t> n_trace_{0};
+  int64_t ns0_ = 0, tsc0_ = 0;      // steady clock and trace clock at creation (trace() converts)
 
   static constexpr int kMaxRecords = 8192;  // ring of the most recent phases
   std::mutex rec_mu_;

@@ -8,6 +8,7 @@ Run one process per GPU with torchrun (one node or many):
     moe-ep-bench plot ep16.json ep32.json ep64.json --output ep_sweep.png   # latency vs EP size
     moe-ep-bench table decode.json                                           # the table again
     moe-ep-bench merge a.json b.json --output ab.json                        # one document
+    moe-ep-bench proxy --ranks 8 16 32 64 128 --json scale.json --plot scale.png   # proxy cost vs R (null transport)
 
 Without a GPU the same runs on CPU ranks (gloo, Triton interpreter; times are meaningless):
     torchrun --nproc-per-node=2 -m moe_ep.bench --device cpu --tokens 4,8 --hidden 128 --num-experts 4 --topk 2 --iters 2
@@ -332,6 +333,10 @@ def files_main(command: str, argv: Sequence[str]) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "proxy":  # one proxy vs simulated peers (no torchrun): moe_ep/bench/proxy_scale.py
+        from .proxy_scale import main as proxy_main
+
+        return proxy_main(list(argv[1:]))
     if argv and argv[0] in ("plot", "table", "merge"):
         return files_main(argv[0], argv[1:])
     return run(parse_run_args(argv))

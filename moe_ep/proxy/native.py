@@ -47,7 +47,7 @@ class PeerLostError(NativeError):
     """A peer's connection was lost (cut, closed, dead); ``peer`` names it (-1 if unknown)."""
 
 
-ABI_VERSION = 11  # moe_ep_abi_version() of the library this module drives (csrc/proxy/capi.cc)
+ABI_VERSION = 12  # moe_ep_abi_version() of the library this module drives (csrc/proxy/capi.cc)
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 _SRC_DIR = os.path.normpath(os.path.join(_PKG_DIR, "..", "..", "csrc", "proxy"))
 _lib = None
@@ -171,6 +171,10 @@ def lib() -> ctypes.CDLL:
             _c(L, "moe_ep_proxy_trace", i32, vp, ctypes.POINTER(TraceEvent), i32)
             _c(L, "moe_ep_bench_post", i32, vp, i32, u32, u64, u32, u64, u64, u32, i64, i64, i64,
                ctypes.POINTER(i64))
+            _c(L, "moe_ep_engine_create_null", vp, i32, i32)
+            _c(L, "moe_ep_null_stats", i32, vp, ctypes.POINTER(i64))
+            _c(L, "moe_ep_sim_drive", i32, vp, ctypes.POINTER(i64), ctypes.POINTER(SimConfig), ctypes.POINTER(ctypes.c_int32),
+               i64, i64, ctypes.POINTER(i64))
             _c(L, "moe_ep_bench_drive", i32, ctypes.POINTER(i64), i64, i64, i64, i32, i64, i64, i64, ctypes.POINTER(i64))
             _c(L, "moe_ep_launch_plan_create", i32, u64, u32, u32, u32, i32, ctypes.POINTER(u32),
                ctypes.POINTER(u64), i32, ctypes.POINTER(i32))
@@ -845,6 +849,31 @@ def proxy_region_bytes(world_size: int, *, node_size: int, num_local_experts: in
     need = (ctypes.c_uint64 * len(REGION_NAMES))()
     lib().moe_ep_proxy_region_bytes(ctypes.byref(cfg), need)
     return dict(zip(REGION_NAMES, (int(n) for n in need)))
+
+
+class NullTransport(Engine):
+    """Bench tool (csrc/proxy/null_transport.cc): posts complete at once and move nothing; peers'
+    writes are injected by ``moe_ep_sim_drive`` (moe_ep/bench/proxy_scale.py). Never connected to
+    anything: one proxy's own cost."""
+
+    def __init__(self, rank: int, world: int):
+        self._lib = lib()
+        self._adopt(self._lib.moe_ep_engine_create_null(rank, world), rank, world, "null", _identity(None))
+        self.streams = 0
+
+    def stats(self) -> dict[str, int]:
+        """Writes posted so far by phase (``D1``, ``D2``, ``C``, ``D0``, ``plain``) and ``bytes``."""
+        out = (ctypes.c_int64 * 6)()
+        if self._lib.moe_ep_null_stats(self._h, out) != OK:
+            _raise(ERR_INVALID)
+        return dict(zip(("D1", "D2", "C", "D0", "plain", "bytes"), out))
+
+
+class SimConfig(ctypes.Structure):
+    """``moe_ep::SimConfig`` (csrc/proxy/null_transport.cc): the simulated peers of a null-transport run."""
+    _fields_ = [(n, ctypes.c_int64) for n in ("rank", "world", "node_size", "private_capacity", "hdr_bytes",
+                                              "hdr_send_key", "hdr_recv_key", "n_draws", "arrival", "gap_ns",
+                                              "timeout_ns", "spin_ns", "sleep_ns")]
 
 
 class Proxy(_Closable):

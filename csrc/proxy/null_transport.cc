@@ -1,0 +1,263 @@
+// Bench tool, not on the proxy's path: a null transport (posts complete at once, nothing moves) and a simulator of R-1 peers that injects the immediates they would send, to measure one proxy's own cost to large R (moe_ep/bench/proxy_scale.py).
+//
+// NullTransport: register_memory hands out keys 1, 2, ... (memory is never read, except through
+// inject()); post_write checks its arguments, counts the write by phase (the immediate's bits
+// 31..30) and queues an ok completion that the next poll returns. inject(src, key, off, bytes,
+// imm) is a peer's write landing: its bytes (headers only) copied into the registered region,
+// then its immediate added to the counter, as a real transport does once a write has landed.
+//
+// moe_ep_sim_drive: for each epoch, the kernels of rank `rank` (rows bells, header bell, combine
+// bells; its own count vector in its header slot) and the R-1 peers, which send exactly what
+// docs/ARCHITECTURE.md §10 says: D0 (header: the source's count vector) from every other rank,
+// D1 from each remote source with rows for this rank, D2 from each with overflow, C from each
+// remote owner this rank sent rows to. Peers' immediates land either all before the bells
+// (arrival 0, "early": the proxy's floor) or one by one after them (arrival 1, "spread", with
+// gap_ns between two).
+#include <sched.h>
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "proxy.h"
+#include "transport.h"
+
+namespace moe_ep {
+namespace {
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+class NullTransport final : public Transport {
+ public:
+  NullTransport(int rank, int world) : rank_(rank), world_(world) {}
+  int rank() const override { return rank_; }
+  int world() const override { return world_; }
+  int register_memory(void* ptr, uint64_t len, uint32_t* key) override {
+    regions_.push_back({static_cast<char*>(ptr), len});
+    *key = uint32_t(regions_.size());
+    return kOk;
+  }
+  bool try_register(void*, uint64_t, std::string* how) override { return *how = "host", true; }
+  std::string endpoint() const override { return "null"; }
+  int connect(const std::vector<std::string>&, int64_t) override { return kOk; }
+  int post_write(int peer, uint32_t lkey, uint64_t loff, uint32_t rkey, uint64_t roff, uint64_t len, bool has_imm,
+                 uint32_t imm, uint64_t* wr_id) override {
+    if (peer < 0 || peer >= world_ || peer == rank_ || !in_bounds(lkey, loff, len) || rkey == 0 ||
+        rkey > regions_.size())
+      return set_error(kErrInvalid, "rank " + std::to_string(rank_) + ": null transport: bad post_write");
+    *wr_id = ++next_wr_;
+    cq_.push_back(Completion{*wr_id, peer, kCqOk});
+    ++posts_[has_imm ? imm >> 30 : 4];
+    bytes_ += int64_t(len);
+    (void)roff;
+    return kOk;
+  }
+  int poll(Completion* out, int max, int64_t) override {
+    const int n = std::min<int>(max, int(cq_.size() - cq_head_));
+    for (int i = 0; i < n; ++i) out[i] = cq_[cq_head_ + size_t(i)];
+    cq_head_ += size_t(n);
+    if (cq_head_ == cq_.size()) cq_.clear(), cq_head_ = 0;
+    return n;
+  }
+  ImmCounter& imm_counter() override { return imm_; }
+  void set_fault(const FaultConfig&) override {}
+  void set_op_timeout(int64_t) override {}
+  std::vector<std::string> refused(int64_t* total) const override { return *total = 0, std::vector<std::string>{}; }
+  std::string peer_error(int) override { return ""; }
+  void say_goodbye(const Goodbye&) override {}
+  bool peer_goodbye(int, Goodbye*) override { return false; }
+
+  // A peer's write landing (see the top of the file).
+  int inject(uint32_t key, uint64_t off, const void* bytes, uint64_t len, uint32_t imm) {
+    if (const int rc = fill(key, off, bytes, len); rc != kOk) return rc;
+    imm_.add(imm, 1);
+    return kOk;
+  }
+  // Bytes into a registered region, no immediate (what this rank's own kernels write).
+  int fill(uint32_t key, uint64_t off, const void* bytes, uint64_t len) {
+    if (!in_bounds(key, off, len)) return set_error(kErrInvalid, "null transport: write out of bounds");
+    if (len) std::memcpy(regions_[key - 1].ptr + off, bytes, len);
+    return kOk;
+  }
+  // out: writes posted with phase D1, D2, C, D0, without immediate; bytes posted (6 values).
+  void stats(int64_t* out) const {
+    for (int i = 0; i < 5; ++i) out[i] = posts_[i];
+    out[5] = bytes_;
+  }
+
+ private:
+  struct Region {
+    char* ptr;
+    uint64_t len;
+  };
+  bool in_bounds(uint32_t key, uint64_t off, uint64_t len) const {
+    return key >= 1 && key <= regions_.size() && off <= regions_[key - 1].len && len <= regions_[key - 1].len - off;
+  }
+  int rank_, world_;
+  std::vector<Region> regions_;
+  std::vector<Completion> cq_;
+  size_t cq_head_ = 0;
+  uint64_t next_wr_ = 0;
+  int64_t posts_[5] = {};
+  int64_t bytes_ = 0;
+  ImmCounter imm_;
+};
+
+}  // namespace
+
+// Part of the C ABI (moe_ep_sim_drive): all fields int64.
+struct SimConfig {
+  int64_t rank, world, node_size, private_capacity, hdr_bytes;
+  int64_t hdr_send_key, hdr_recv_key;  // the proxy's keys of its header regions
+  int64_t n_draws;                     // count matrices [n_draws][R][R]; epoch e uses draw e % n_draws
+  int64_t arrival;                     // 0 early (before the bells), 1 spread (after them)
+  int64_t gap_ns;                      // spread: between two injected immediates
+  int64_t timeout_ns, spin_ns, sleep_ns;  // waits for ready words (as moe_ep_bench_drive)
+};
+static_assert(sizeof(SimConfig) == 13 * 8, "SimConfig is part of the C ABI");
+
+namespace {
+
+struct Sim {
+  NullTransport* t;
+  int64_t* mb;
+  const SimConfig& c;
+  const int32_t* counts;
+  int R() const { return int(c.world); }
+  bool remote(int p) const { return p / c.node_size != c.rank / c.node_size; }
+  const int32_t* C(int64_t e) const { return counts + size_t(e % c.n_draws) * size_t(R()) * size_t(R()); }
+  void gap() const {
+    if (c.gap_ns <= 0) return;
+    const int64_t until = now_ns() + c.gap_ns;
+    while (now_ns() < until) {
+    }
+  }
+  // Every peer's writes of dispatch e addressed to this rank, in phase order D0, D1, D2.
+  int dispatch_peers(int64_t e, bool spread) const {
+    const int me = int(c.rank);
+    const int32_t* m = C(e);
+    const uint64_t hbase = uint64_t((e & 1) * R()) * uint64_t(c.hdr_bytes);
+    for (int s = 0; s < R(); ++s) {
+      if (s == me) continue;
+      if (spread) gap();
+      if (int rc = t->inject(uint32_t(c.hdr_recv_key), hbase + uint64_t(s) * uint64_t(c.hdr_bytes), m + size_t(s) * R(),
+                             4 * uint64_t(R()), make_imm(kPhaseD0, s, e));
+          rc != kOk)
+        return rc;
+    }
+    for (int ph : {kPhaseD1, kPhaseD2})
+      for (int s = 0; s < R(); ++s) {
+        const int64_t n = m[size_t(s) * R() + me];
+        const int64_t rows = ph == kPhaseD1 ? std::min<int64_t>(n, c.private_capacity) : n - c.private_capacity;
+        if (s == me || !remote(s) || rows <= 0) continue;
+        if (spread) gap();
+        if (int rc = t->inject(1, 0, nullptr, 0, make_imm(ph, s, e)); rc != kOk) return rc;
+      }
+    return kOk;
+  }
+  // Every remote owner's combine write of epoch e to this rank (one per owner sent rows).
+  int combine_peers(int64_t e, bool spread) const {
+    const int me = int(c.rank);
+    const int32_t* m = C(e);
+    for (int p = 0; p < R(); ++p) {
+      if (p == me || !remote(p) || m[size_t(me) * R() + p] <= 0) continue;
+      if (spread) gap();
+      if (int rc = t->inject(1, 0, nullptr, 0, make_imm(kPhaseC, p, e)); rc != kOk) return rc;
+    }
+    return kOk;
+  }
+  // 0 ready, 1 deadline, -1 the proxy's error record.
+  int wait(int w, int64_t e, int64_t t0) const {
+    while (__atomic_load_n(&mb[w], __ATOMIC_ACQUIRE) < e) {
+      if (__atomic_load_n(&mb[kMbErrCode], __ATOMIC_ACQUIRE) != kProxyOk) return -1;
+      const int64_t now = now_ns();
+      if (now - t0 > c.timeout_ns) return 1;
+      if (now - t0 <= c.spin_ns) continue;
+      if (c.sleep_ns > 0)
+        std::this_thread::sleep_for(std::chrono::nanoseconds(c.sleep_ns));
+      else
+        sched_yield();
+    }
+    return 0;
+  }
+  void ring(int (*word)(int64_t, int), int64_t e) const {
+    for (int p = 0; p < R(); ++p) __atomic_store_n(&mb[word(c.world, p)], e, __ATOMIC_RELEASE);
+  }
+};
+
+}  // namespace
+}  // namespace moe_ep
+
+#pragma GCC visibility push(default)
+extern "C" {
+
+void* moe_ep_engine_create_null(int rank, int world) {
+  if (world < 2 || rank < 0 || rank >= world) {
+    moe_ep::set_error(moe_ep::kErrInvalid, "null transport: bad rank/world");
+    return nullptr;
+  }
+  return new (std::nothrow) moe_ep::NullTransport(rank, world);
+}
+
+// out[0..5]: writes posted with phase D1, D2, C, D0, without immediate, bytes posted.
+int moe_ep_null_stats(void* engine, int64_t* out) {
+  auto* t = dynamic_cast<moe_ep::NullTransport*>(static_cast<moe_ep::Transport*>(engine));
+  if (!t) return moe_ep::set_error(moe_ep::kErrInvalid, "not a null transport");
+  t->stats(out);
+  return moe_ep::kOk;
+}
+
+// Runs epochs first .. first+n-1 (see the top of the file) on a proxy over a null transport:
+// counts [n_draws][R][R] int32 (row s: source s's count vector). out[2i], out[2i+1]: ns from the
+// bells to the ready word of dispatch and combine of epoch first+i, as the kernels see it.
+// Returns 0; 1 at a deadline; -1 when the proxy wrote its error record; <-1 a bad argument.
+int moe_ep_sim_drive(void* engine, int64_t* mailbox, const moe_ep::SimConfig* cfg, const int32_t* counts,
+                     int64_t first, int64_t n, int64_t* out) {
+  using namespace moe_ep;
+  auto* t = dynamic_cast<NullTransport*>(static_cast<Transport*>(engine));
+  if (!t || !cfg || !counts || cfg->n_draws < 1 || cfg->world != t->world() || cfg->rank != t->rank())
+    return set_error(kErrInvalid, "sim_drive: bad arguments"), -2;
+#ifdef __linux__
+  prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+#endif
+  const Sim sim{t, mailbox, *cfg, counts};
+  const int R = int(cfg->world), me = int(cfg->rank);
+  const bool spread = cfg->arrival != 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t e = first + i;
+    // The kernels' own count vector, in this rank's header slot (the proxy reads it there).
+    if (t->fill(uint32_t(cfg->hdr_send_key), uint64_t(me) * uint64_t(cfg->hdr_bytes), sim.C(e) + size_t(me) * R,
+                4 * uint64_t(R)) != kOk)
+      return -2;
+    if (!spread && sim.dispatch_peers(e, false) != kOk) return -2;
+    const int64_t t0 = now_ns();
+    sim.ring(mb_disp_bell, e);
+    __atomic_store_n(&mailbox[kMbHdrBell], e, __ATOMIC_RELEASE);
+    if (spread && sim.dispatch_peers(e, true) != kOk) return -2;
+    if (const int rc = sim.wait(kMbDispReady, e, t0); rc != 0) return rc;
+    const int64_t t1 = now_ns();
+    out[2 * i] = t1 - t0;
+    out[2 * i + 1] = 0;
+    if (cfg->node_size >= R) continue;  // one node: no remote source, so no combine bell (the proxy has none to serve)
+    if (!spread && sim.combine_peers(e, false) != kOk) return -2;
+    const int64_t t2 = now_ns();
+    sim.ring(mb_comb_bell, e);
+    if (spread && sim.combine_peers(e, true) != kOk) return -2;
+    if (const int rc = sim.wait(kMbCombReady, e, t2); rc != 0) return rc;
+    out[2 * i + 1] = now_ns() - t2;
+  }
+  return 0;
+}
+
+}  // extern "C"
+#pragma GCC visibility pop
