@@ -406,7 +406,11 @@ def test_remote_sources_unpack_as_they_land(tmp_path, late):
 
 
 def _trace_worker(rank, world_size):
+    import os
+
     import moe_ep
+
+    os.environ["MOE_EP_PROXY_TRACE"] = "peers"  # bells and posts per peer
 
     group = moe_ep.EPGroup(node_size=1)
     M, H = 6, 128

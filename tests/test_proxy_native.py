@@ -60,6 +60,37 @@ def test_imm_exact_counts_and_timeout():
     assert c.value(4) == -2
 
 
+def test_imm_counts_match_a_dict_under_random_adds_and_takes():
+    """The counter's table (open addressing, deletion by backward shift) against a dict: random
+    adds (negative ones too) and exact takes over keys shaped like immediates (the same epoch
+    bits, sources and phases packed above them), growing the table and emptying it again."""
+    rng = np.random.default_rng(5)
+    keys = [int(native.make_imm(ph, e, src=s)) for ph in range(4) for s in range(0, 4096, 7) for e in (1, 2)]
+    c, want = ImmCounter(), {}
+    for step in range(20000):
+        k = keys[int(rng.integers(len(keys)))] if step < 14000 else list(want)[0] if want else keys[0]
+        have = want.get(k, 0)
+        if step >= 14000 and have > 0:  # drain: take what each key holds
+            c.wait(k, have, timeout_s=0.0)
+            want.pop(k)
+        elif have > 0 and rng.random() < 0.4:
+            n = int(rng.integers(1, have + 1))
+            c.wait(k, n, timeout_s=0.0)
+            want[k] = have - n
+        else:
+            n = int(rng.choice([-2, -1, 1, 2, 3])) if step < 14000 else -have
+            if n:
+                c.add(k, n)
+                want[k] = have + n
+        if not want.get(k):
+            want.pop(k, None)
+        if step % 97 == 0:
+            probe = keys[int(rng.integers(len(keys)))]
+            assert c.value(probe) == want.get(probe, 0), (step, probe)
+        assert c.value(k) == want.get(k, 0), (step, k)
+    assert all(c.value(k) == want.get(k, 0) for k in keys)
+
+
 def test_imm_waiter_wakes_without_gil():
     c = ImmCounter()
     done = []

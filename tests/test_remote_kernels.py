@@ -36,7 +36,11 @@ def _inputs(rank: int, R: int):
 
 
 def _format_worker(rank, world_size, node_size, cap):
+    import os
+
     import moe_ep
+
+    os.environ["MOE_EP_PROXY_TRACE"] = "peers"  # the trace of every write posted and counted, checked below
 
     R, EL = world_size, E_PER_RANK
     group = moe_ep.EPGroup(node_size=node_size)

@@ -5,10 +5,60 @@
 
 namespace moe_ep {
 
-int64_t ImmCounter::count(uint32_t imm) const {
-  auto it = counts_.find(imm);
-  return it == counts_.end() ? 0 : it->second;
+size_t CountTable::find(uint32_t key) const {
+  if (n_ == 0) return kNone;
+  const size_t mask = slots_.size() - 1;
+  for (size_t i = home(key);; i = (i + 1) & mask) {
+    if (!slots_[i].used) return kNone;
+    if (slots_[i].key == key) return i;
+  }
 }
+
+void CountTable::grow() {
+  std::vector<Slot> old;
+  old.swap(slots_);
+  const size_t cap = old.empty() ? 64 : 2 * old.size();
+  slots_.assign(cap, Slot{});
+  shift_ = 64 - __builtin_ctzll(cap);
+  n_ = 0;
+  for (const Slot& s : old)
+    if (s.used) add(s.key, s.val);
+}
+
+void CountTable::erase_at(size_t i) {
+  // Backward shift: move up each later entry of the run that may live at i (its home is not
+  // cyclically in (i, j]), so every lookup still finds its key without tombstones.
+  const size_t mask = slots_.size() - 1;
+  for (size_t j = i;;) {
+    j = (j + 1) & mask;
+    if (!slots_[j].used) break;
+    const size_t k = home(slots_[j].key);
+    if (i <= j ? (i < k && k <= j) : (i < k || k <= j)) continue;
+    slots_[i] = slots_[j];
+    i = j;
+  }
+  slots_[i] = Slot{};
+  --n_;
+}
+
+int64_t CountTable::add(uint32_t key, int64_t n) {
+  if (n == 0) return get(key);
+  if (2 * (n_ + 1) > slots_.size()) grow();  // load factor <= 1/2
+  const size_t mask = slots_.size() - 1;
+  size_t i = home(key);
+  while (slots_[i].used && slots_[i].key != key) i = (i + 1) & mask;
+  if (!slots_[i].used) {
+    slots_[i] = Slot{key, 1, n};
+    ++n_;
+    return n;
+  }
+  const int64_t c = (slots_[i].val += n);
+  if (c == 0) erase_at(i);
+  return c;
+}
+
+int64_t ImmCounter::count(uint32_t imm) const { return counts_.get(imm); }
+
 
 int ImmCounter::unmet(const Waiter& w) const {
   int u = 0;
@@ -20,7 +70,8 @@ void ImmCounter::add(uint32_t imm, int64_t n) {
   bool wake = false;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    const int64_t c = (counts_[imm] += n);
+    const int64_t c = counts_.add(imm, n);
+    if (log_on_ && n > 0 && c == n) log_.push_back(imm);  // it rose from zero
     // Wake a waiter only when it can now return: when this add brings the last of its counts
     // up to its expectation (a phase waiting for R - 1 immediates sleeps through the first R - 2).
     // `pending` never exceeds the true number of unmet keys (a count that drops is not re-added,
@@ -52,14 +103,7 @@ int ImmCounter::wait_all(const uint32_t* imms, const int64_t* expected, int n, i
   auto take = [&]() {
     w.pending = unmet(w);
     if (w.pending > 0) return false;
-    for (const Key& k : w.keys) {
-      auto it = counts_.find(k.imm);
-      const int64_t c = (it == counts_.end() ? 0 : it->second) - k.expected;
-      if (c != 0)
-        counts_[k.imm] = c;
-      else if (it != counts_.end())
-        counts_.erase(it);  // spent: the table holds only immediates with a count
-    }
+    for (const Key& k : w.keys) counts_.add(k.imm, -k.expected);  // (a count spent leaves the table)
     return true;
   };
   int rc = kOk;
@@ -90,6 +134,13 @@ int ImmCounter::wait_all(const uint32_t* imms, const int64_t* expected, int n, i
   return rc;
 }
 
+void ImmCounter::enable_log() {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (log_on_) return;
+  log_on_ = true;
+  counts_.for_each([this](uint32_t imm, int64_t) { log_.push_back(imm); });
+}
+
 void ImmCounter::wait_change(uint64_t seen, int64_t timeout_ns) {
   std::unique_lock<std::mutex> lk(mu_);
   ++change_waiters_;
@@ -100,13 +151,8 @@ void ImmCounter::wait_change(uint64_t seen, int64_t timeout_ns) {
 
 int ImmCounter::try_take(uint32_t imm, int64_t expected, std::string* err) {
   std::lock_guard<std::mutex> lk(mu_);
-  auto it = counts_.find(imm);
-  const int64_t c = it == counts_.end() ? 0 : it->second;
-  if (c >= expected) {
-    if (c == expected)
-      counts_.erase(it);  // spent: the table holds only immediates with a count
-    else
-      it->second = c - expected;
+  if (counts_.get(imm) >= expected) {
+    counts_.add(imm, -expected);  // (a count spent leaves the table)
     return kOk;
   }
   if (failed_) {

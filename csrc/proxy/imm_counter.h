@@ -7,6 +7,11 @@
 // says which were not reached. A counter that has been failed (a peer's connection was lost)
 // makes every waiter whose counts are not yet reached return kErrPeer with the failure message; a
 // count that is already reached still succeeds.
+//
+// Arrival log (off until enable_log): an immediate whose count rises from zero is appended once,
+// and take_arrived takes, under one lock, every logged immediate a consumer asks for whose count
+// is reached. A consumer waiting on many sources (the proxy, one immediate per peer and phase)
+// then looks only at what arrived, not at every source it still waits for.
 #pragma once
 
 #include <atomic>
@@ -14,7 +19,6 @@
 #include <cstdint>
 #include <mutex>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 namespace moe_ep {
@@ -26,6 +30,41 @@ enum : int {
   kErrPeer = 2,       // a peer's connection was lost (cut, closed, dead)
   kErrInvalid = -1,   // bad argument (unknown key, out of bounds, bad peer, ...)
   kErrSystem = -2,    // a system call failed (socket, bind, connect, thread)
+};
+
+// Immediate -> count, nonzero counts only: open addressing with linear probing in a
+// power-of-two table, multiplicative hashing, deletion by backward shift (no tombstones). The
+// proxy counts and takes one immediate per peer and phase: a node allocation per count and a
+// modulo per look (std::unordered_map) were most of what that cost.
+class CountTable {
+ public:
+  // The count of `key` (0 when absent).
+  int64_t get(uint32_t key) const {
+    const size_t i = find(key);
+    return i == kNone ? 0 : slots_[i].val;
+  }
+  // Adds n to `key`'s count (inserting it); removes it when the count reaches 0. Returns the new count.
+  int64_t add(uint32_t key, int64_t n);
+  template <class F>
+  void for_each(F f) const {
+    for (const Slot& s : slots_)
+      if (s.used) f(s.key, s.val);
+  }
+
+ private:
+  struct Slot {
+    uint32_t key = 0;
+    uint32_t used = 0;
+    int64_t val = 0;
+  };
+  static constexpr size_t kNone = ~size_t(0);
+  size_t home(uint32_t key) const { return size_t((uint64_t(key) * 0x9E3779B97F4A7C15ull) >> shift_); }
+  size_t find(uint32_t key) const;
+  void erase_at(size_t i);
+  void grow();
+  std::vector<Slot> slots_;
+  size_t n_ = 0;
+  int shift_ = 64;
 };
 
 class ImmCounter {
@@ -45,6 +84,13 @@ class ImmCounter {
   // wait() that never blocks: kOk having subtracted `expected` when the count is there, else
   // kErrTimeout, or kErrPeer (with `err`) when the counter failed.
   int try_take(uint32_t imm, int64_t expected, std::string* err = nullptr);
+  // Starts the arrival log (the immediates already counted are logged too).
+  void enable_log();
+  // The logged immediates that `want(imm)` accepts and whose count is >= per, each taken (per
+  // subtracted) and appended to *out, in arrival order, under one lock; the rest stay logged.
+  // Returns kOk, or kErrPeer once the counter failed (what was there is still taken).
+  template <class F>
+  int take_arrived(F want, int64_t per, std::vector<uint32_t>* out);
   // How many add() calls so far: a poller that saw generation g and finds it unchanged knows no
   // immediate arrived meanwhile.
   uint64_t generation() const { return gen_.load(std::memory_order_acquire); }
@@ -68,12 +114,33 @@ class ImmCounter {
 
   std::mutex mu_;
   std::condition_variable cv_;
-  std::unordered_map<uint32_t, int64_t> counts_;  // nonzero counts only
+  CountTable counts_;
   std::vector<Waiter*> waiters_;                  // blocked waits (add wakes them when one can return)
   std::atomic<uint64_t> gen_{0};
   int change_waiters_ = 0;  // threads in wait_change (add wakes them)
+  bool log_on_ = false;
+  std::vector<uint32_t> log_;  // immediates whose count rose from zero, oldest first (may hold spent ones)
   bool failed_ = false;
   std::string fail_msg_;
 };
+
+template <class F>
+int ImmCounter::take_arrived(F want, int64_t per, std::vector<uint32_t>* out) {
+  std::lock_guard<std::mutex> lk(mu_);
+  size_t keep = 0;
+  for (size_t i = 0; i < log_.size(); ++i) {
+    const uint32_t imm = log_[i];
+    const int64_t c = counts_.get(imm);
+    if (c == 0) continue;  // spent meanwhile (wait / try_take): no longer logged
+    if (c < per || !want(imm)) {
+      log_[keep++] = imm;
+      continue;
+    }
+    out->push_back(imm);
+    if (counts_.add(imm, -per) != 0) log_[keep++] = imm;
+  }
+  log_.resize(keep);
+  return failed_ ? kErrPeer : kOk;
+}
 
 }  // namespace moe_ep

@@ -46,6 +46,12 @@ __attribute__((optimize("tree-vectorize"))) bool row_exceeds(const int32_t* row,
   for (int p = 0; p < n; ++p) any |= uint32_t(uint32_t(row[p]) > cap);
   return any != 0;
 }
+// Sum of row[a..b) (0 when b <= a): vectorized, as the combine sums a row prefix per source.
+__attribute__((optimize("tree-vectorize"))) int64_t sum_range(const int32_t* row, int a, int b) {
+  int64_t s = 0;
+  for (int p = a; p < b; ++p) s += row[p];
+  return s;
+}
 const char* phase_name(int ph) { return ph == kPhaseD1 ? "dispatch round 1" : ph == kPhaseD2 ? "dispatch round 2" : "combine"; }
 }  // namespace
 
@@ -69,7 +75,8 @@ Proxy* Proxy::create(Transport* t, const ProxyConfig& cfg, void* const regions[k
   if (cfg.world_size < 2 || cfg.rank < 0 || cfg.rank >= cfg.world_size || cfg.node_size < 1 ||
       cfg.world_size % cfg.node_size != 0 || cfg.num_local_experts < 0 || cfg.row_bytes < 0 ||
       cfg.comb_row_bytes < 0 || cfg.private_capacity < 0 || cfg.overflow_capacity < 0 || cfg.max_send_rows < 0 ||
-      cfg.timeout_ns <= 0 || cfg.spin_ns < 0 || cfg.sleep_ns < 0)
+      cfg.timeout_ns <= 0 || cfg.spin_ns < 0 || cfg.sleep_ns < 0 || cfg.trace_level < kTraceOff ||
+      cfg.trace_level > kTracePeers)
     return set_error(kErrInvalid, pre + "bad config"), nullptr;
   if (cfg.world_size > kImmMaxRanks)
     return set_error(kErrInvalid, pre + "world_size " + std::to_string(cfg.world_size) + " exceeds " +
@@ -96,7 +103,16 @@ Proxy* Proxy::create(Transport* t, const ProxyConfig& cfg, void* const regions[k
   p->cfg_ = cfg;
   p->hdr_ = proxy_hdr_bytes(cfg.world_size, cfg.num_local_experts);
   p->mb_ = mailbox;
-  p->posted_to_.assign(size_t(cfg.world_size), 0);
+  const size_t R = size_t(cfg.world_size);
+  p->posted_to_.assign(R, 0);
+  p->counts_.assign(R * R, 0);
+  p->next_counts_.assign(R * R, 0);
+  for (int r = 0; r < int(R); ++r)
+    if (r != cfg.rank) p->others_.push_back(r);
+  p->todo_.reserve(R);
+  p->off_.assign(R, 0);
+  p->arrived_.reserve(4 * R);
+  t->imm_counter().enable_log();
   p->trace_.resize(kMaxTrace);
   p->ns0_ = mono_ns();
   p->tsc0_ = trace_clock();
@@ -190,10 +206,10 @@ bool Proxy::fail_lost(int peer, int phase, int64_t epoch, const std::string& msg
   return fail(kProxyPeerLost, cause, phase, epoch, msg);
 }
 
-void Proxy::record(int64_t kind, int64_t epoch, int64_t seen, int64_t mid, int64_t ready, int64_t cpu) {
+void Proxy::record(const PhaseRecord& r) {
   std::lock_guard<std::mutex> lk(rec_mu_);
   if (rec_.empty()) rec_.resize(kMaxRecords);
-  rec_[size_t(n_rec_ % kMaxRecords)] = PhaseRecord{kind, epoch, seen, mid, ready, cpu};
+  rec_[size_t(n_rec_ % kMaxRecords)] = r;
   ++n_rec_;
 }
 
@@ -281,9 +297,9 @@ void Proxy::loop() {
       // The record and the count first, then the ready word (release): a caller that sees
       // ready sees the phase counted and recorded.
       const int64_t t1 = mono_ns();
-      record(1, cd, t0, t1, t1, thread_cpu_ns() - c0);
+      record(PhaseRecord{1, cd, t0, t1, t1, thread_cpu_ns() - c0, phase_posts_, phase_bells_});
       phases_done_.fetch_add(1, std::memory_order_release);
-      trace_event(kTrCombReady, -1, cd);
+      trace_phase(kTrCombReady, cd);
       if (!raise_ready(kMbCombReady, cd, kPhaseC)) break;
       worked = true;
     } else if (dd != last_disp_) {
@@ -295,9 +311,9 @@ void Proxy::loop() {
       last_disp_ = dd;
       const int64_t t0 = mono_ns(), c0 = thread_cpu_ns();
       if (!run_dispatch(dd)) break;
-      record(0, dd, t0, mid_ns_, mono_ns(), thread_cpu_ns() - c0);
+      record(PhaseRecord{0, dd, t0, mid_ns_, mono_ns(), thread_cpu_ns() - c0, phase_posts_, phase_bells_});
       phases_done_.fetch_add(1, std::memory_order_release);
-      trace_event(kTrDispReady, -1, dd);
+      trace_phase(kTrDispReady, dd);
       store(kMbDispReady, dd);  // last, as for combine
       worked = true;
     } else if (cd > 0) {
@@ -321,6 +337,7 @@ bool Proxy::post(int phase, int64_t epoch, int peer, int lreg, uint64_t loff, in
                                 make_imm(phase, int(cfg_.rank), epoch), &wr);
   if (rc == kOk) {
     ++n_posted_;
+    ++phase_posts_;
     ++posted_to_[size_t(peer)];
     return true;
   }
@@ -343,6 +360,19 @@ bool Proxy::take(int phase, int src, int64_t epoch, Lost* lost) {
       *lost = Lost{-1, err};
   }
   return rc == kOk;
+}
+
+template <class F>
+int Proxy::take_arrived(int64_t epoch, F want) {
+  const uint32_t e16 = uint32_t(uint64_t(epoch)) & kImmEpochMask;
+  const int R = int(cfg_.world_size), me = int(cfg_.rank);
+  arrived_.clear();
+  return t_->imm_counter().take_arrived(
+      [&](uint32_t imm) {
+        const int s = int((imm >> kImmSrcShift) & uint32_t(kImmMaxRanks - 1));
+        return (imm & kImmEpochMask) == e16 && s < R && s != me && want(int(imm >> 30), s);
+      },
+      t_->imm_per_write(), &arrived_);
 }
 
 bool Proxy::left_cleanly(int p) {
@@ -455,19 +485,23 @@ bool Proxy::add_overflow(const int32_t* row, int s) {
 //  - done when every expected immediate is counted and every own write completed.
 // Each (phase, source) is counted exactly: D0 from every other rank; D1 from each remote source
 // with rows for this rank, D2 from each with overflow (both ends know them from the headers).
+// A pass looks only at what changed: the bells not yet rung, and the immediates that arrived
+// (the counter's arrival log), so its cost follows the events, not the number of peers.
 bool Proxy::run_dispatch(int64_t epoch) {
   const int64_t deadline = mono_ns() + cfg_.timeout_ns;
-  const int R = int(cfg_.world_size), me = int(cfg_.rank);
+  const int R = int(cfg_.world_size), me = int(cfg_.rank), G = int(cfg_.node_size);
   const int64_t RB = cfg_.row_bytes, cap = cfg_.private_capacity, slot = cap * RB;
   // Parity copies: round-1 slots of epoch e at (e & 1) * R * slot, headers at (e & 1) * R * HDR,
   // overflow at (e & 1) * ovcap.
   const uint64_t r1_base = uint64_t((epoch & 1) * R * slot), h_base = uint64_t((epoch & 1) * R * hdr_);
   const uint64_t ov_base = uint64_t((epoch & 1) * cfg_.overflow_capacity * RB);
-  trace_event(kTrHdrBell, -1, epoch);
+  trace_phase(kTrHdrBell, epoch);
   n_posted_ = 0;
+  phase_posts_ = 0;
+  phase_bells_ = 1;  // the header bell
   std::fill(posted_to_.begin(), posted_to_.end(), 0);
   // Own count vector: the start of this rank's own header slot.
-  std::vector<int32_t> C(size_t(R) * R);
+  int32_t* const C = next_counts_.data();
   std::memcpy(&C[size_t(me) * R], reg_[kRegHdrSend] + uint64_t(me * hdr_), 4 * size_t(R));
   int64_t rows = 0;
   for (int p = 0; p < R; ++p) {
@@ -480,50 +514,84 @@ bool Proxy::run_dispatch(int64_t epoch) {
                 std::to_string(rows) + " rows to remote peers exceed the send buffer's " +
                     std::to_string(cfg_.max_send_rows));
   // rows_p of every remote peer p, in rank order.
-  std::vector<uint64_t> off(R, 0);
   uint64_t o = 0;
   for (int p = 0; p < R; ++p) {
     if (p == me || !remote(p)) continue;
-    off[p] = o;
+    off_[p] = o;
     o += uint64_t(C[size_t(me) * R + p] * RB);
   }
   const uint64_t my_slot = r1_base + uint64_t(me * slot), my_hdr = h_base + uint64_t(me * hdr_);
-  std::vector<int> others;
-  for (int p = 0; p < R; ++p)
-    if (p != me) others.push_back(p);
   // Headers first: they are ready before any row is packed, and the receivers place rows with them.
-  for (int p : others) {
+  for (int p : others_) {
     if (!post(kPhaseD0, epoch, p, kRegHdrSend, uint64_t(p * hdr_), kRegHdrRecv, my_hdr, uint64_t(hdr_))) return false;
-    trace_event(kTrPostD0, p, epoch);
+    trace_peer(kTrPostD0, p, epoch);
   }
   auto c_to = [&](int s, int p) -> int64_t { return C[size_t(s) * R + p]; };
   auto ov = [&](int s, int p) -> int64_t { return std::max<int64_t>(0, c_to(s, p) - cap); };
-  // Per rank: 0 pending, 1 done (or nothing to do).
-  std::vector<char> rows_sent(R, 0), ov_sent(R, 0), got_hdr(R, 0), got1(R, 0), got2(R, 0);
-  for (int p = 0; p < R; ++p)
-    if (p == me || !remote(p)) rows_sent[p] = ov_sent[p] = got1[p] = got2[p] = 1;
-  got_hdr[me] = 1;
+  // Per rank: 0 pending, 1 done (or nothing to do). Rows that land before their source's header
+  // (writes are unordered) stay counted until the header says they are expected.
+  for (auto* v : {&rows_sent_, &ov_sent_, &got_hdr_, &got1_, &got2_}) v->assign(size_t(R), 0);
+  todo_.clear();
+  int n_remote = 0;
+  for (int p = 0; p < R; ++p) {
+    if (p == me || !remote(p))
+      rows_sent_[p] = ov_sent_[p] = got1_[p] = got2_[p] = 1;
+    else
+      todo_.push_back(p), ++n_remote;
+  }
+  got_hdr_[me] = 1;
+  // What is left, counted down: headers, round-1 rows, overflow rows to receive; overflow to post.
+  int hdr_left = R - 1, got1_left = n_remote, got2_left = n_remote, ov_left = n_remote;
   bool all_hdr = false;
   // Every p's total overflow from remote sources, summed row by row as headers land (the
   // capacity check below needs the whole matrix; one pass per row, no division).
   ov_total_.assign(size_t(R), 0);
   add_overflow(&C[size_t(me) * R], me);
+  auto land1 = [&](int s) {  // s's round-1 rows are in (or it has none)
+    got1_[s] = 1;
+    --got1_left;
+    if (!raise_ready(mb_ready1(R, s), epoch, kPhaseD1)) return false;
+    return !got2_[s] || raise_ready(mb_ready2(R, s), epoch, kPhaseD2);
+  };
+  auto land2 = [&](int s, bool rows) {  // s's overflow rows are in (rows), or it has none
+    got2_[s] = 1;
+    --got2_left;
+    return !(rows || got1_[s]) || raise_ready(mb_ready2(R, s), epoch, kPhaseD2);
+  };
   // Source s's header landed: its row of the count matrix, and what else comes from it (nothing,
   // its round-1 rows, its overflow rows). False: bad counts (error recorded).
   auto on_header = [&](int s) {
-    got_hdr[s] = 1;
-    trace_event(kTrGotD0, s, epoch);
+    got_hdr_[s] = 1;
+    --hdr_left;
+    trace_peer(kTrGotD0, s, epoch);
     std::memcpy(&C[size_t(s) * R], reg_[kRegHdrRecv] + h_base + uint64_t(s * hdr_), 4 * size_t(R));
     if (!add_overflow(&C[size_t(s) * R], s))
       return fail(kProxyInvalid, s, kPhaseD1, epoch, "peer " + std::to_string(s) + " sent a negative count");
     if (remote(s)) {
-      if (std::min(c_to(s, me), cap) == 0) {
-        got1[s] = 1;
-        if (!raise_ready(mb_ready1(R, s), epoch, kPhaseD1)) return false;
+      if (ov(s, me) == 0 && !land2(s, false)) return false;
+      if (std::min(c_to(s, me), cap) == 0 && !land1(s)) return false;
+    }
+    return true;
+  };
+  // What a pass takes from the arrival log: headers not yet in; a remote source's rows once its
+  // header expects them.
+  auto want = [&](int ph, int s) {
+    if (ph == kPhaseD0) return !got_hdr_[s];
+    if (!got_hdr_[s] || !remote(s)) return false;
+    return ph == kPhaseD1 ? !got1_[s] : ph == kPhaseD2 && !got2_[s];
+  };
+  // The old way, for a failing counter: a take per source still waited for, which names a lost
+  // source (its own loss, or the job's) in `lost`; what is there is still taken.
+  auto scan_all = [&](Lost* lost) {
+    for (int s : others_) {
+      if (!got_hdr_[s] && take(kPhaseD0, s, epoch, lost) && !on_header(s)) return false;
+      if (got_hdr_[s] && !got1_[s] && take(kPhaseD1, s, epoch, lost)) {
+        trace_peer(kTrGotD1, s, epoch);
+        if (!land1(s)) return false;
       }
-      if (ov(s, me) == 0) {
-        got2[s] = 1;
-        if (got1[s] && !raise_ready(mb_ready2(R, s), epoch, kPhaseD2)) return false;
+      if (got_hdr_[s] && !got2_[s] && take(kPhaseD2, s, epoch, lost)) {
+        trace_peer(kTrGotD2, s, epoch);
+        if (!land2(s, true)) return false;
       }
     }
     return true;
@@ -535,41 +603,49 @@ bool Proxy::run_dispatch(int64_t epoch) {
     bool work = false;
     Lost lost;
     // Own rows: each remote peer's as soon as the kernels packed them.
-    for (int p : others) {
-      if (rows_sent[p] || load(mb_disp_bell(R, p)) < epoch) continue;
-      trace_event(kTrRowsBell, p, epoch);
-      const int64_t n1 = std::min(c_to(me, p), cap);
-      if (n1 > 0) {
-        if (!post(kPhaseD1, epoch, p, kRegDispSend, off[p], kRegRound1, my_slot, uint64_t(n1 * RB)))
-          return false;
-        trace_event(kTrPostD1, p, epoch);
+    if (!todo_.empty()) {
+      size_t keep = 0;
+      for (int p : todo_) {
+        if (load(mb_disp_bell(R, p)) < epoch) {
+          todo_[keep++] = p;
+          continue;
+        }
+        ++phase_bells_;
+        trace_peer(kTrRowsBell, p, epoch);
+        const int64_t n1 = std::min(c_to(me, p), cap);
+        if (n1 > 0) {
+          if (!post(kPhaseD1, epoch, p, kRegDispSend, off_[p], kRegRound1, my_slot, uint64_t(n1 * RB))) return false;
+          trace_peer(kTrPostD1, p, epoch);
+        }
+        rows_sent_[p] = 1;
+        work = true;
       }
-      rows_sent[p] = 1;
-      work = true;
+      todo_.resize(keep);
     }
     // Arrivals (only when the counter moved since the last look).
     const uint64_t gen = t_->imm_counter().generation();
     if (gen != seen_gen) {
       seen_gen = gen;
-      for (int s : others) {
-        if (!got_hdr[s] && take(kPhaseD0, s, epoch, &lost)) {
-          work = true;
+      const bool failing_counter = take_arrived(epoch, want) == kErrPeer;
+      bool headers = false;
+      for (const uint32_t imm : arrived_) {
+        const int ph = int(imm >> 30), s = int((imm >> kImmSrcShift) & uint32_t(kImmMaxRanks - 1));
+        work = true;
+        if (ph == kPhaseD0) {
+          headers = true;
           if (!on_header(s)) return false;
-        }
-        if (got_hdr[s] && !got1[s] && take(kPhaseD1, s, epoch, &lost)) {
-          got1[s] = work = 1;
-          trace_event(kTrGotD1, s, epoch);
-          if (!raise_ready(mb_ready1(R, s), epoch, kPhaseD1)) return false;
-          if (got2[s] && !raise_ready(mb_ready2(R, s), epoch, kPhaseD2)) return false;
-        }
-        if (got_hdr[s] && !got2[s] && take(kPhaseD2, s, epoch, &lost)) {
-          got2[s] = work = 1;
-          trace_event(kTrGotD2, s, epoch);
-          if (!raise_ready(mb_ready2(R, s), epoch, kPhaseD2)) return false;
+        } else if (ph == kPhaseD1) {
+          trace_peer(kTrGotD1, s, epoch);
+          if (!land1(s)) return false;
+        } else {
+          trace_peer(kTrGotD2, s, epoch);
+          if (!land2(s, true)) return false;
         }
       }
+      if (headers) seen_gen = ~uint64_t(0);  // rows that came before these headers are wanted now: look again
+      if (failing_counter && !scan_all(&lost)) return false;
     }
-    if (!all_hdr && std::all_of(got_hdr.begin(), got_hdr.end(), [](char g) { return g != 0; })) {
+    if (!all_hdr && hdr_left == 0) {
       all_hdr = work = true;
       mid_ns_ = mono_ns();
       // Capacity: every rank checks every p's total overflow (same data, same decision everywhere).
@@ -580,51 +656,52 @@ bool Proxy::run_dispatch(int64_t epoch) {
                       "rank " + std::to_string(p) + " would receive " + std::to_string(tot) +
                           " overflow rows, overflow_capacity is " + std::to_string(cfg_.overflow_capacity));
       }
-      trace_event(kTrHdrReady, -1, epoch);
+      trace_phase(kTrHdrReady, epoch);
       store(kMbHdrReady, epoch);
     }
     // Round 2: overflow rows to each remote p at sum of o_{s'p} over remote s' < me, once every
     // header is in (the offsets need them) and p's rows are packed.
-    if (all_hdr) {
-      for (int p : others) {
-        if (ov_sent[p] || !rows_sent[p]) continue;
-        ov_sent[p] = 1;
+    if (all_hdr && ov_left > 0) {
+      for (int p : others_) {
+        if (ov_sent_[p] || !rows_sent_[p]) continue;
+        ov_sent_[p] = 1;
+        --ov_left;
         const int64_t n2 = ov(me, p);
         if (n2 == 0) continue;
+        const int plo = p / G * G, phi = plo + G;  // p's node: its sources send no overflow to p
         int64_t roff = 0;
         for (int s = 0; s < me; ++s)
-          if (s != p && s / cfg_.node_size != p / cfg_.node_size) roff += ov(s, p);
-        const uint64_t loff = off[p] + uint64_t(cap * RB);
+          if (s < plo || s >= phi) roff += ov(s, p);
+        const uint64_t loff = off_[p] + uint64_t(cap * RB);
         if (!post(kPhaseD2, epoch, p, kRegDispSend, loff, kRegOverflow, ov_base + uint64_t(roff * RB), uint64_t(n2 * RB)))
           return false;
-        trace_event(kTrPostD2, p, epoch);
+        trace_peer(kTrPostD2, p, epoch);
         work = true;
       }
     }
     if (!reap(kPhaseD1, epoch, reap_wait)) return false;
     reap_wait = 0;
-    const auto all = [](const std::vector<char>& v) { return std::all_of(v.begin(), v.end(), [](char g) { return g != 0; }); };
-    if (all_hdr && all(rows_sent) && all(ov_sent) && all(got1) && all(got2) && n_posted_ == 0) break;
-    if (!lost.why.empty()) return fail_lost(lost.peer, all_hdr && all(got1) ? kPhaseD2 : kPhaseD1, epoch, lost.why);
+    if (all_hdr && todo_.empty() && ov_left == 0 && got1_left == 0 && got2_left == 0 && n_posted_ == 0) break;
+    if (!lost.why.empty()) return fail_lost(lost.peer, all_hdr && got1_left == 0 ? kPhaseD2 : kPhaseD1, epoch, lost.why);
     if (work) {
       last_work = mono_ns();
       continue;
     }
     if (mono_ns() >= deadline) {
-      if (!all_hdr) return fail_missing(kPhaseD1, kPhaseD0, epoch, others, [&](int s) { return !got_hdr[s]; }, "header");
-      if (!all(got1)) return fail_missing(kPhaseD1, kPhaseD1, epoch, others, [&](int s) { return !got1[s]; }, "round-1 rows");
-      if (!all(got2)) return fail_missing(kPhaseD2, kPhaseD2, epoch, others, [&](int s) { return !got2[s]; }, "overflow rows");
-      if (!all(rows_sent))
-        return fail_missing(kPhaseD1, -1, epoch, others, [&](int p) { return !rows_sent[p]; },
+      if (!all_hdr) return fail_missing(kPhaseD1, kPhaseD0, epoch, others_, [&](int s) { return !got_hdr_[s]; }, "header");
+      if (got1_left) return fail_missing(kPhaseD1, kPhaseD1, epoch, others_, [&](int s) { return !got1_[s]; }, "round-1 rows");
+      if (got2_left) return fail_missing(kPhaseD2, kPhaseD2, epoch, others_, [&](int s) { return !got2_[s]; }, "overflow rows");
+      if (!todo_.empty())
+        return fail_missing(kPhaseD1, -1, epoch, others_, [&](int p) { return !rows_sent_[p]; },
                             "this rank's kernels never rang the rows bell");
       return fail_writes(kPhaseD1, epoch);
     }
-    if (!all_hdr && all(rows_sent) && mono_ns() - last_work > cfg_.spin_ns) {
+    if (!all_hdr && todo_.empty() && mono_ns() - last_work > cfg_.spin_ns) {
       // Only headers to wait for: nothing can be placed before the last one, so one wake-up for
       // them all (as many as there are sources would cost the proxy's CPU for nothing).
       std::vector<int> rest;
-      for (int s : others)
-        if (!got_hdr[s]) rest.push_back(s);
+      for (int s : others_)
+        if (!got_hdr_[s]) rest.push_back(s);
       if (await_all(kPhaseD0, epoch, rest, std::min(kBlockNs, deadline - mono_ns()))) {
         for (int s : rest)
           if (!on_header(s)) return false;
@@ -632,10 +709,9 @@ bool Proxy::run_dispatch(int64_t epoch) {
         continue;
       }  // (else a time slice passed, or the counter failed: the next pass's takes tell which)
     }
-    reap_wait = idle(last_work, seen_gen, !all(rows_sent),
-                     !all_hdr || !all(got1) || !all(got2));
+    reap_wait = idle(last_work, seen_gen, !todo_.empty(), !all_hdr || got1_left > 0 || got2_left > 0);
   }
-  counts_.swap(C);
+  counts_.swap(next_counts_);
   counts_epoch_ = epoch;
   return true;
 }
@@ -645,82 +721,120 @@ bool Proxy::run_dispatch(int64_t epoch) {
 // sum of c_{s,p'} over remote p' < me; from each remote owner p with c_{me,p} > 0 one immediate.
 bool Proxy::run_combine(int64_t epoch) {
   const int64_t deadline = mono_ns() + cfg_.timeout_ns;
-  const int R = int(cfg_.world_size), me = int(cfg_.rank);
+  const int R = int(cfg_.world_size), me = int(cfg_.rank), G = int(cfg_.node_size);
   const int64_t CRB = cfg_.comb_row_bytes;
   const uint64_t cr_base = uint64_t((epoch & 1) * cfg_.max_send_rows * CRB);  // parity copy of s's region
-  const auto& C = counts_;
+  const int32_t* const C = counts_.data();
   n_posted_ = 0;
+  phase_posts_ = phase_bells_ = 0;
   std::fill(posted_to_.begin(), posted_to_.end(), 0);
-  std::vector<uint64_t> loff(R, 0);  // per remote source s, in rank order: c_{s,me} rows received from s
-  std::vector<char> sent(R, 1), got(R, 1);
-  std::vector<int> owners, sources;
+  // off_: per remote source s, in rank order: c_{s,me} rows received from s. rows_sent_ / got1_
+  // stand for sent (to source s) and got (from owner p).
+  std::vector<char>& sent = rows_sent_;
+  std::vector<char>& got = got1_;
+  sent.assign(size_t(R), 1);
+  got.assign(size_t(R), 1);
+  todo_.clear();
+  int got_left = 0;
   uint64_t o = 0;
   for (int s = 0; s < R; ++s) {
     if (s == me || !remote(s)) continue;
-    loff[s] = o;
+    off_[s] = o;
     o += uint64_t(C[size_t(s) * R + me] * CRB);
-    if (C[size_t(s) * R + me] > 0) sent[s] = 0, sources.push_back(s);
-    if (C[size_t(me) * R + s] > 0) got[s] = 0, owners.push_back(s);
+    if (C[size_t(s) * R + me] > 0) sent[s] = 0, todo_.push_back(s);
+    if (C[size_t(me) * R + s] > 0) got[s] = 0, ++got_left;
   }
+  auto owners = [&]() {
+    std::vector<int> v;
+    for (int p : others_)
+      if (remote(p) && C[size_t(me) * R + p] > 0) v.push_back(p);
+    return v;
+  };
+  auto scan_all = [&](Lost* lost) {  // a failing counter: as run_dispatch's
+    for (int p : others_)
+      if (!got[p] && take(kPhaseC, p, epoch, lost)) {
+        got[p] = 1;
+        --got_left;
+        trace_peer(kTrGotC, p, epoch);
+      }
+  };
   int64_t last_work = mono_ns(), reap_wait = 0;
   uint64_t seen_gen = ~uint64_t(0);
   for (;;) {
     if (stop_) return fail(kProxyTimeout, -1, kPhaseC, epoch, "proxy stopped while waiting");
     bool work = false;
     Lost lost;
-    for (int s : sources) {
-      if (sent[s] || load(mb_comb_bell(R, s)) < epoch) continue;
-      trace_event(kTrCombBell, s, epoch);
-      int64_t roff = 0;  // in s's combine receive region: sum of c_{s,p'} over remote p' < me
-      for (int p = 0; p < me; ++p)
-        if (p != s && p / cfg_.node_size != s / cfg_.node_size) roff += C[size_t(s) * R + p];
-      if (!post(kPhaseC, epoch, s, kRegCombSend, loff[s], kRegCombRecv, cr_base + uint64_t(roff * CRB),
-                uint64_t(C[size_t(s) * R + me] * CRB)))
-        return false;
-      trace_event(kTrPostC, s, epoch);
-      sent[s] = 1;
-      work = true;
+    if (!todo_.empty()) {
+      size_t keep = 0;
+      for (int s : todo_) {
+        if (load(mb_comb_bell(R, s)) < epoch) {
+          todo_[keep++] = s;
+          continue;
+        }
+        ++phase_bells_;
+        trace_peer(kTrCombBell, s, epoch);
+        // In s's combine receive region: sum of c_{s,p'} over p' < me outside s's node.
+        const int32_t* row = &C[size_t(s) * R];
+        const int slo = s / G * G;
+        const int64_t roff = sum_range(row, 0, me) - sum_range(row, slo, std::min(slo + G, me));
+        if (!post(kPhaseC, epoch, s, kRegCombSend, off_[s], kRegCombRecv, cr_base + uint64_t(roff * CRB),
+                  uint64_t(row[me] * CRB)))
+          return false;
+        trace_peer(kTrPostC, s, epoch);
+        sent[s] = 1;
+        work = true;
+      }
+      todo_.resize(keep);
     }
     const uint64_t gen = t_->imm_counter().generation();
     if (gen != seen_gen) {
       seen_gen = gen;
-      for (int p : owners)
-        if (!got[p] && take(kPhaseC, p, epoch, &lost)) {
-          got[p] = work = 1;
-          trace_event(kTrGotC, p, epoch);
-        }
+      const bool failing_counter =
+          take_arrived(epoch, [&](int ph, int p) { return ph == kPhaseC && !got[p]; }) == kErrPeer;
+      for (const uint32_t imm : arrived_) {
+        const int p = int((imm >> kImmSrcShift) & uint32_t(kImmMaxRanks - 1));
+        got[p] = 1;
+        --got_left;
+        work = true;
+        trace_peer(kTrGotC, p, epoch);
+      }
+      if (failing_counter) scan_all(&lost);
     }
     if (!reap(kPhaseC, epoch, reap_wait)) return false;
     reap_wait = 0;
-    const auto all = [](const std::vector<char>& v) { return std::all_of(v.begin(), v.end(), [](char g) { return g != 0; }); };
-    if (all(sent) && all(got) && n_posted_ == 0) return true;
+    if (todo_.empty() && got_left == 0 && n_posted_ == 0) return true;
     if (!lost.why.empty()) return fail_lost(lost.peer, kPhaseC, epoch, lost.why);
     if (work) {
       last_work = mono_ns();
       continue;
     }
     if (mono_ns() >= deadline) {
-      if (!all(got)) return fail_missing(kPhaseC, kPhaseC, epoch, owners, [&](int p) { return !got[p]; }, "combine rows");
-      if (!all(sent))
+      if (got_left) return fail_missing(kPhaseC, kPhaseC, epoch, owners(), [&](int p) { return !got[p]; }, "combine rows");
+      if (!todo_.empty()) {
+        std::vector<int> sources;
+        for (int s : others_)
+          if (remote(s) && C[size_t(s) * R + me] > 0) sources.push_back(s);
         return fail_missing(kPhaseC, -1, epoch, sources, [&](int s) { return !sent[s]; },
                             "this rank's kernels never rang the combine bell");
+      }
       return fail_writes(kPhaseC, epoch);
     }
-    if (all(sent) && !all(got) && mono_ns() - last_work > cfg_.spin_ns) {
+    if (todo_.empty() && got_left > 0 && mono_ns() - last_work > cfg_.spin_ns) {
       // Only the owners' rows to wait for, and one ready word for them all: one wake-up.
       std::vector<int> rest;
-      for (int p : owners)
+      for (int p : others_)
         if (!got[p]) rest.push_back(p);
       if (await_all(kPhaseC, epoch, rest, std::min(kBlockNs, deadline - mono_ns()))) {
         for (int p : rest) {
           got[p] = 1;
-          trace_event(kTrGotC, p, epoch);
+          trace_peer(kTrGotC, p, epoch);
         }
+        got_left = 0;
         last_work = mono_ns();
         continue;
       }  // (else a time slice passed, or the counter failed: the next pass's takes tell which)
     }
-    reap_wait = idle(last_work, seen_gen, !all(sent), !all(got));
+    reap_wait = idle(last_work, seen_gen, !todo_.empty(), got_left > 0);
   }
 }
 

@@ -101,8 +101,14 @@ struct ProxyConfig {
   int64_t timeout_ns;           // per-phase deadline, from the doorbell
   int64_t spin_ns;              // doorbell polling: spin this long after the last work ...
   int64_t sleep_ns;             // ... then sleep this long between polls
+  int64_t trace_level;          // kTraceOff / kTracePhases / kTracePeers: what the trace records
 };
-static_assert(sizeof(ProxyConfig) == 12 * 8, "ProxyConfig is part of the C ABI");
+static_assert(sizeof(ProxyConfig) == 13 * 8, "ProxyConfig is part of the C ABI");
+
+// Trace levels (ProxyConfig::trace_level). Per-peer events cost the proxy about 15 ns each, five
+// per remote peer and dispatch (a third of its CPU at EP64), so buffers record phases only
+// unless asked for peers (tests, diagnosis).
+enum : int64_t { kTraceOff = 0, kTracePhases = 1, kTracePeers = 2 };
 
 inline int64_t proxy_hdr_bytes(int64_t world, int64_t el) { return (4 * (world + el) + 15) / 16 * 16; }
 // Minimum byte size of each region for a config (kReg* order).
@@ -116,8 +122,10 @@ struct PhaseRecord {
   int64_t mid_ns;    // dispatch: every D1 immediate counted; combine: = ready_ns
   int64_t ready_ns;  // just before the ready word was written
   int64_t cpu_ns;    // CPU time of the proxy thread in the phase (the transport's own threads not included)
+  int64_t posts;     // writes the phase posted
+  int64_t bells;     // doorbells it saw (dispatch: the header bell and each remote peer's rows bell)
 };
-static_assert(sizeof(PhaseRecord) == 6 * 8, "PhaseRecord is part of the C ABI");
+static_assert(sizeof(PhaseRecord) == 8 * 8, "PhaseRecord is part of the C ABI");
 
 // One event of the proxy's trace (moe_ep_proxy_trace): what it saw and did, in order.
 enum : int32_t {
@@ -192,6 +200,18 @@ class Proxy {
   int64_t idle(int64_t last_work, uint64_t seen_gen, bool bells, bool imms);
   static constexpr int64_t kBlockNs = 1'000'000;  // the longest sleep in a phase (stop() and the deadline are checked after)
   void trace_event(int32_t kind, int peer, int64_t epoch);
+  // trace_event at kTracePhases (phase events) / kTracePeers (one per peer).
+  void trace_phase(int32_t kind, int64_t epoch) {
+    if (cfg_.trace_level >= kTracePhases) trace_event(kind, -1, epoch);
+  }
+  void trace_peer(int32_t kind, int peer, int64_t epoch) {
+    if (cfg_.trace_level >= kTracePeers) trace_event(kind, peer, epoch);
+  }
+  // The immediates of `epoch` that landed and that `want(phase, source)` waits for, taken from
+  // the counter's arrival log into arrived_ (the rest stay counted, for later or never: a stray
+  // write is not consumed); kErrPeer once the counter failed.
+  template <class F>
+  int take_arrived(int64_t epoch, F want);
   bool fail(int64_t code, int peer, int phase, int64_t epoch, const std::string& msg);
   // The timeout of a phase: names the first of `from` (ranks) for which `missing(rank)`, and how
   // many are missing ("no immediate from peer P within T s (what; n of m peers missing: ...)");
@@ -230,6 +250,14 @@ class Proxy {
   bool add_overflow(const int32_t* row, int s);
   std::vector<int64_t> ov_total_;  // per rank p: overflow rows from remote sources (this dispatch's headers so far)
   std::vector<int32_t> counts_;  // [R][R] count matrix of the last dispatch
+  // Per-phase scratch, sized once at create (a phase allocates nothing).
+  std::vector<int32_t> next_counts_;  // [R][R] the count matrix being filled by a dispatch
+  std::vector<int> others_;           // every rank but this one, ascending
+  std::vector<int> todo_;             // peers whose bell has not rung yet
+  std::vector<uint64_t> off_;         // per peer: byte offset of its rows (send / combine receive)
+  std::vector<char> rows_sent_, ov_sent_, got_hdr_, got1_, got2_;  // per rank
+  std::vector<uint32_t> arrived_;     // immediates taken by the last take_arrived
+  int64_t phase_posts_ = 0, phase_bells_ = 0;
   int64_t counts_epoch_ = -1;
   int64_t last_disp_ = 0, last_comb_ = 0;
   int n_posted_ = 0;               // writes of the phase not completed yet ...
@@ -246,7 +274,7 @@ class Proxy {
   std::vector<PhaseRecord> rec_;
   int64_t n_rec_ = 0;
   int64_t mid_ns_ = 0;  // set by run_dispatch after round 1
-  void record(int64_t kind, int64_t epoch, int64_t seen, int64_t mid, int64_t ready, int64_t cpu);
+  void record(const PhaseRecord& r);
 
   std::thread thr_;
   std::atomic<bool> stop_{false};

@@ -144,7 +144,7 @@ def _rank_main(rank, R, transport, streams, warmup, epochs, poll, cap, conn):
         disp, comb = px.bench_drive(warmup + 1, epochs, **kw)
         io_cpu = (eng.cpu_ns() - io0) / epochs
         prox = {"dispatch": [], "d1": [], "combine": [], "dispatch_cpu": [], "combine_cpu": []}
-        for kind, e, seen, mid, ready, cpu in px.phase_records():
+        for kind, e, seen, mid, ready, cpu, *_ in px.phase_records():
             if e > warmup:
                 prox[kind].append(ready - seen)
                 prox[kind + "_cpu"].append(cpu)

@@ -97,6 +97,8 @@ class Point:
     gap_ns: int = 0
     node_size: int = 8
     routing: str = "uniform"
+    rank: str = "first"  # the real proxy's rank: "first" (0) or "last" (R-1, the longest offset sums)
+    trace: str = "phases"  # its trace level (Proxy's ``trace``): what EPBuffer runs with by default
 
 
 def _pct(v, q) -> float:
@@ -109,7 +111,8 @@ def run_point(pt: Point) -> dict:
     from moe_ep.internode.spec import RemoteSpec
     from moe_ep.proxy.native import NullTransport, Proxy, SimConfig, lib
 
-    R, sh, G, me = pt.R, pt.shape, min(pt.node_size, pt.R), 0
+    R, sh, G = pt.R, pt.shape, min(pt.node_size, pt.R)
+    me = 0 if pt.rank == "first" else R - 1
     mats = _draws(R, sh, pt.draws, pt.seed, pt.routing)
     cap = default_private_capacity(sh.tokens, sh.topk, sh.num_experts, R)
     spec = RemoteSpec(rank=me, world=R, node_size=G, num_experts=sh.num_experts, topk=sh.topk, hidden=sh.hidden,
@@ -121,7 +124,7 @@ def run_point(pt: Point) -> dict:
     eng = NullTransport(me, R)
     px = Proxy(eng, node_size=G, num_local_experts=spec.num_local_experts, row_bytes=spec.row_bytes,
                comb_row_bytes=spec.comb_row_bytes, private_capacity=cap, overflow_capacity=ovcap,
-               max_send_rows=spec.max_send_rows, timeout_s=10, spin_us=50, sleep_us=20)
+               max_send_rows=spec.max_send_rows, timeout_s=10, spin_us=50, sleep_us=20, trace=pt.trace)
     try:
         cfg = SimConfig(me, R, G, cap, px.hdr_bytes, px.keys["hdr_send"], px.keys["hdr_recv"], pt.draws,
                         int(pt.arrival == "spread"), pt.gap_ns, 10_000_000_000, 1_000_000_000, 0)
@@ -136,36 +139,37 @@ def run_point(pt: Point) -> dict:
             px.check_error()
             raise RuntimeError(f"R={R}: simulated run failed ({rc})")
         recs = [r for r in px.phase_records() if r[1] > pt.warmup]
-        trace = px.trace()
         stats = eng.stats()
     finally:
         px.close()
         eng.close()
-    return _row(pt, mats, cap, recs, trace, stats, n)
+    return _row(pt, mats, cap, recs, stats, n, me)
 
 
-def _row(pt: Point, mats, cap: int, recs, trace, stats: dict, n: int) -> dict:
-    """The reported row, after checking posts (all epochs) and doorbells (epochs in the trace)."""
+def _row(pt: Point, mats, cap: int, recs, stats: dict, n: int, me: int) -> dict:
+    """The reported row, after checking posts (all epochs) and each op's posts and doorbells
+    (the phase records) against the count matrices."""
     G = min(pt.node_size, pt.R)
-    want = [expected(mats[e % pt.draws], 0, G, cap) for e in range(1, n + 1)]
+    want = [expected(mats[e % pt.draws], me, G, cap) for e in range(1, n + 1)]
     for k in ("D0", "D1", "D2", "C"):
         if stats[k] != sum(w[k] for w in want):
             raise AssertionError(f"R={pt.R}: {k} writes posted {stats[k]}, the count matrices say "
                                  f"{sum(w[k] for w in want)}")
-    bells = {"dispatch": {}, "combine": {}}
-    for _, kind, _, e in trace:
-        op = "dispatch" if kind in ("hdr_bell", "rows_bell") else "combine" if kind == "comb_bell" else None
-        if op and e > pt.warmup:
-            bells[op][e] = bells[op].get(e, 0) + 1
+    for op, e, *_, posts, bells in recs:
+        w = want[e - 1]
+        wp = w["D0"] + w["D1"] + w["D2"] if op == "dispatch" else w["C"]
+        if (posts, bells) != (wp, w[op + "_bells"]):
+            raise AssertionError(f"R={pt.R} {op} epoch {e}: {posts} posts and {bells} bells, the count matrix "
+                                 f"says {wp} and {w[op + '_bells']}")
     row = dict(ranks=pt.R, peers=pt.R - 1, shape=pt.shape.name, arrival=pt.arrival, routing=pt.routing,
-               private_capacity=cap, epochs=pt.epochs, gap_ns=pt.gap_ns)
+               private_capacity=cap, epochs=pt.epochs, gap_ns=pt.gap_ns, rank=me, trace=pt.trace)
     for op, ph in (("dispatch", ("D0", "D1", "D2")), ("combine", ("C",))):
         cpu = [r[5] for r in recs if r[0] == op]
         wall = [r[4] - r[2] for r in recs if r[0] == op]
         row[op] = dict(cpu_p50_us=_pct(cpu, 50), cpu_p99_us=_pct(cpu, 99), wall_p50_us=_pct(wall, 50),
                        wall_p99_us=_pct(wall, 99),
                        posts_per_op=sum(stats[k] for k in ph) / n,
-                       bells_per_op=float(np.median(list(bells[op].values()))) if bells[op] else float("nan"),
+                       bells_per_op=float(np.median([r[7] for r in recs if r[0] == op])) if recs else float("nan"),
                        bells_expected=float(np.mean([w[op + "_bells"] for w in want])))
     return row
 
@@ -272,11 +276,15 @@ def main(argv=None) -> int:
     ap.add_argument("--draws", type=int, default=4, help="count matrices, used in turn")
     ap.add_argument("--gap-ns", type=int, default=0, help="spread: between two injected immediates")
     ap.add_argument("--repeat", type=int, default=1, help="runs per point; the best CPU p50 is kept")
+    ap.add_argument("--rank", choices=["first", "last"], default="first",
+                    help="the real proxy's rank: 0, or R-1 (the longest offset sums)")
+    ap.add_argument("--trace", choices=["off", "phases", "peers"], default="phases",
+                    help="the proxy's trace level (EPBuffer's default: phases)")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--plot", metavar="PNG", help="CPU p50 vs R")
     a = ap.parse_args(argv)
     rows = sweep(a.ranks, a.shapes, a.arrivals, a.repeat, epochs=a.epochs, warmup=a.warmup, draws=a.draws,
-                 gap_ns=a.gap_ns, routing=a.routing)
+                 gap_ns=a.gap_ns, routing=a.routing, rank=a.rank, trace=a.trace)
     fits = fit(rows)
     meta = _meta(argv)
     meta["command"] = "python -m moe_ep.bench.proxy_scale " + " ".join(argv)

@@ -218,7 +218,7 @@ CPU_IDLE_SLEEP_US = 500.0  # an idle proxy's poll interval on CPU ranks (GPU ran
 def start_proxy(group: EPGroup, *, num_local_experts: int, row_bytes: int, comb_row_bytes: int,
                 private_capacity: int, overflow_capacity: int, max_send_rows: int, timeout_s: float = 30.0,
                 streams: int = 4, bind_host: Optional[str] = None, transport: Optional[str] = None,
-                regions: Optional[dict] = None, mailbox=None) -> Proxy:
+                regions: Optional[dict] = None, mailbox=None, trace: Optional[str] = None) -> Proxy:
     """Creates this rank's engine (``transport``, default ``MOE_EP_TRANSPORT``: see
     ``select_transport``) and §10 proxy, exchanges endpoints over ``group`` (collective:
     every rank calls it with the same sizes), connects, and starts the proxy thread.
@@ -228,7 +228,8 @@ def start_proxy(group: EPGroup, *, num_local_experts: int, row_bytes: int, comb_
     memory to use (``Proxy``'s arguments; default: numpy arrays it allocates); ``regions`` may be
     a function of the engine, called once it exists (to choose what it can register). The engine gets
     this session's ``JobIdentity`` (drawn by rank 0); tcp takes ``MOE_EP_TCP_HELLO_TIMEOUT`` and
-    ``MOE_EP_TCP_MAX_PENDING`` (``TcpTransport``).
+    ``MOE_EP_TCP_MAX_PENDING`` (``TcpTransport``). ``trace``: the proxy's trace level (``Proxy``'s
+    ``trace``; default ``MOE_EP_PROXY_TRACE``, else ``"phases"``).
     """
     kind, nic = _agreed_transport(group, transport)
     identity = agree_identity(group)
@@ -242,7 +243,8 @@ def start_proxy(group: EPGroup, *, num_local_experts: int, row_bytes: int, comb_
     proxy = Proxy(engine, node_size=group.node_size, num_local_experts=num_local_experts, row_bytes=row_bytes,
                   comb_row_bytes=comb_row_bytes, private_capacity=private_capacity,
                   overflow_capacity=overflow_capacity, max_send_rows=max_send_rows, timeout_s=timeout_s,
-                  sleep_us=sleep_us, regions=regions, mailbox=mailbox)
+                  sleep_us=sleep_us, trace=trace or os.environ.get("MOE_EP_PROXY_TRACE") or "phases",
+                  regions=regions, mailbox=mailbox)
     engine.connect(group.all_gather_object(engine.endpoint), timeout_s)
     proxy.start()
     return proxy

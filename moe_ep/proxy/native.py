@@ -47,7 +47,7 @@ class PeerLostError(NativeError):
     """A peer's connection was lost (cut, closed, dead); ``peer`` names it (-1 if unknown)."""
 
 
-ABI_VERSION = 12  # moe_ep_abi_version() of the library this module drives (csrc/proxy/capi.cc)
+ABI_VERSION = 13  # moe_ep_abi_version() of the library this module drives (csrc/proxy/capi.cc)
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 _SRC_DIR = os.path.normpath(os.path.join(_PKG_DIR, "..", "..", "csrc", "proxy"))
 _lib = None
@@ -821,12 +821,17 @@ class ProxyConfig(ctypes.Structure):
     """csrc/proxy/proxy.h ProxyConfig (all int64)."""
     _fields_ = [(n, ctypes.c_int64) for n in (
         "rank", "world_size", "node_size", "num_local_experts", "row_bytes", "comb_row_bytes", "private_capacity",
-        "overflow_capacity", "max_send_rows", "timeout_ns", "spin_ns", "sleep_ns")]
+        "overflow_capacity", "max_send_rows", "timeout_ns", "spin_ns", "sleep_ns", "trace_level")]
+
+
+# ProxyConfig.trace_level by name (csrc/proxy/proxy.h kTrace*): what the proxy's trace records.
+TRACE_LEVELS = {"off": 0, "phases": 1, "peers": 2}
 
 
 class PhaseRecord(ctypes.Structure):
     """csrc/proxy/proxy.h PhaseRecord: one served phase (steady-clock ns)."""
-    _fields_ = [(n, ctypes.c_int64) for n in ("kind", "epoch", "seen_ns", "mid_ns", "ready_ns", "cpu_ns")]
+    _fields_ = [(n, ctypes.c_int64) for n in ("kind", "epoch", "seen_ns", "mid_ns", "ready_ns", "cpu_ns", "posts",
+                                              "bells")]
 
 
 class TraceEvent(ctypes.Structure):
@@ -845,7 +850,7 @@ def proxy_region_bytes(world_size: int, *, node_size: int, num_local_experts: in
     """The minimum byte size of each region (``REGION_NAMES``) of a ``Proxy`` with these arguments
     (the native ``moe_ep_proxy_region_bytes``), for a caller that passes its own ``regions``."""
     cfg = ProxyConfig(0, world_size, node_size, num_local_experts, row_bytes, comb_row_bytes, private_capacity,
-                      overflow_capacity, max_send_rows, 0, 0, 0)
+                      overflow_capacity, max_send_rows, 0, 0, 0, 0)
     need = (ctypes.c_uint64 * len(REGION_NAMES))()
     lib().moe_ep_proxy_region_bytes(ctypes.byref(cfg), need)
     return dict(zip(REGION_NAMES, (int(n) for n in need)))
@@ -897,17 +902,19 @@ class Proxy(_Closable):
 
     def __init__(self, engine: Engine, *, node_size: int, num_local_experts: int, row_bytes: int,
                  comb_row_bytes: int, private_capacity: int, overflow_capacity: int, max_send_rows: int,
-                 timeout_s: float = 30.0, spin_us: float = 50.0, sleep_us: float = 20.0,
+                 timeout_s: float = 30.0, spin_us: float = 50.0, sleep_us: float = 20.0, trace: str = "phases",
                  regions: dict | None = None, mailbox=None):
         import numpy as np
 
+        if trace not in TRACE_LEVELS:
+            raise ValueError(f"trace must be one of {sorted(TRACE_LEVELS)}, got {trace!r}")
         self._lib = lib()
         self.engine = engine
         self.rank, self.world = engine.rank, engine.world
         self.node_size, self.timeout_s = node_size, timeout_s
         self.cfg = ProxyConfig(self.rank, self.world, node_size, num_local_experts, row_bytes, comb_row_bytes,
                                private_capacity, overflow_capacity, max_send_rows, _ns(timeout_s),
-                               int(spin_us * 1e3), int(sleep_us * 1e3))
+                               int(spin_us * 1e3), int(sleep_us * 1e3), TRACE_LEVELS[trace])
         self.hdr_bytes = hdr_bytes(self.world, num_local_experts)
         self.row_bytes, self.comb_row_bytes = row_bytes, comb_row_bytes
         self.private_capacity, self.overflow_capacity = private_capacity, overflow_capacity
@@ -1000,19 +1007,20 @@ class Proxy(_Closable):
     def phases_done(self) -> int:
         return self._lib.moe_ep_proxy_phases_done(self._h)
 
-    def phase_records(self, max_n: int = 8192) -> list[tuple[str, int, int, int, int, int]]:
+    def phase_records(self, max_n: int = 8192) -> list[tuple[str, int, int, int, int, int, int, int]]:
         """The most recent served phases, oldest first: (``"dispatch"``/``"combine"``, epoch,
         bell seen, every header in (dispatch; = ready for combine), ready written: steady-clock
-        ns; the proxy thread's CPU ns in the phase)."""
+        ns; the proxy thread's CPU ns in the phase; writes it posted; doorbells it saw)."""
         buf = (PhaseRecord * max(1, max_n))()
         n = self._lib.moe_ep_proxy_phase_records(self._h, buf, max(1, max_n))
-        return [("dispatch" if r.kind == 0 else "combine", r.epoch, r.seen_ns, r.mid_ns, r.ready_ns, r.cpu_ns)
-                for r in buf[:n]]
+        return [("dispatch" if r.kind == 0 else "combine", r.epoch, r.seen_ns, r.mid_ns, r.ready_ns, r.cpu_ns,
+                 r.posts, r.bells) for r in buf[:n]]
 
     def trace(self, max_n: int = 1 << 16) -> list[tuple[int, str, int, int]]:
         """The most recent trace events, oldest first: (steady-clock ns, kind (``TRACE_KINDS``),
-        peer (-1: none), epoch). Every bell seen, write posted, immediate counted and ready word
-        raised is one (the last 65536 kept)."""
+        peer (-1: none), epoch); the last 65536 kept. ``trace="phases"`` (the default) records the
+        header bell, hdr_ready and the ready words; ``"peers"`` also every bell seen, write posted
+        and immediate counted, per peer; ``"off"`` nothing."""
         buf = (TraceEvent * max(1, max_n))()
         n = self._lib.moe_ep_proxy_trace(self._h, buf, max(1, max_n))
         return [(e.ns, TRACE_KINDS[e.kind], e.peer, e.epoch) for e in buf[:n]]
