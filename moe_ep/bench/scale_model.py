@@ -5,7 +5,7 @@
 
 Nothing here runs a kernel or a proxy. A prediction is arithmetic on three kinds of input:
 
-1. Costs measured on moe_ep itself (docs/PERFORMANCE.md, /work/shared design numbers): the R=1
+1. Costs measured on moe_ep itself (docs/PERFORMANCE.md: "Today", "Conventions", "Copy floor"): the R=1
    kernel times, the Triton peer-store bandwidth over NVLink, the GPU flag round trip, the launch
    inside a CUDA graph, the per-SM copy bandwidth, and the proxy thread's CPU per op against
    simulated peers to EP128 (null transport).
@@ -55,10 +55,10 @@ DATE = "2026-12-05"
 # (bf16 dispatch uses the fp8 line: at T=4096 and 32 programs they differ by 4%, PERFORMANCE.md
 # "Prefill, R=1: T=4096, packed".)
 KERNEL_US = {"dispatch": ((128, 7.4), (4096, 102.2)), "combine": ((128, 4.8), (4096, 135.2))}
-FLAG_RTT_US = 3.3           # GPU->GPU flag round trip over NVLink, release/acquire .sys (2x H200, design §6);
+FLAG_RTT_US = 3.3           # GPU->GPU flag round trip over NVLink, release/acquire .sys (2x H200; PERFORMANCE.md "Conventions", Floor);
                             # also stands in for GPU<->host bells through pinned memory (not measured natively)
-LAUNCH_IN_GRAPH_US = 0.7    # one launch inside a CUDA graph (2x H200, design §6)
-COPY_GBS = 3880.0           # HBM copy, read + write counted, 132 programs, four rows in flight (1x H200, design §6)
+LAUNCH_IN_GRAPH_US = 0.7    # one launch inside a CUDA graph (2x H200; PERFORMANCE.md "Conventions", Floor)
+COPY_GBS = 3892.0           # HBM row copy, read + written bytes, 132 programs, inflight-4 (1x H200; PERFORMANCE.md "Copy floor")
 FP8_BLOCK = 128             # channels per float32 fp8 scale (moe_ep.fp8)
 
 # The proxy thread's CPU per decode op against R-1 simulated peers, null transport, 8 ranks per
@@ -83,7 +83,7 @@ class Gpu:
 
 
 GPUS = {
-    # 368 GB/s: Triton peer stores of 16 KB blocks, 132 programs, measured on 2x H200 NV18 (design §6);
+    # 368 GB/s: Triton peer stores of 16 KB blocks, 132 programs, measured on 2x H200 NV18 (PERFORMANCE.md "Conventions");
     # physical 18 links x 26.56 GB/s = 478 GB/s per direction (NVIDIA: NVLink 4, 900 GB/s bidirectional).
     "h200": Gpu("h200", 368.0, "measured, 2x H200 NV18 (Triton peer stores); NVIDIA spec 900 GB/s bidirectional"),
     # H100 SXM has the same 18 NVLink-4 links (NVIDIA H100 datasheet: 900 GB/s); the H200 figure is used.
