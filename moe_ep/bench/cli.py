@@ -9,6 +9,8 @@ Run one process per GPU with torchrun (one node or many):
     moe-ep-bench table decode.json                                           # the table again
     moe-ep-bench merge a.json b.json --output ab.json                        # one document
     moe-ep-bench proxy --ranks 8 16 32 64 128 --json scale.json --plot scale.png   # proxy cost vs R (null transport)
+    moe-ep-bench model --ep 8,16,32,64,128,256 --nic cx7 --tokens 128               # predicted latency per phase (no GPU)
+    moe-ep-bench model --check                                                      # the model vs published numbers
 
 Without a GPU the same runs on CPU ranks (gloo, Triton interpreter; times are meaningless):
     torchrun --nproc-per-node=2 -m moe_ep.bench --device cpu --tokens 4,8 --hidden 128 --num-experts 4 --topk 2 --iters 2
@@ -337,6 +339,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .proxy_scale import main as proxy_main
 
         return proxy_main(list(argv[1:]))
+    if argv and argv[0] == "model":  # predicted latency and bytes per phase to EP256, no hardware: moe_ep/bench/scale_model.py
+        from .scale_model import main as model_main
+
+        return model_main(list(argv[1:]))
     if argv and argv[0] in ("plot", "table", "merge"):
         return files_main(argv[0], argv[1:])
     return run(parse_run_args(argv))
