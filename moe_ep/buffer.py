@@ -98,6 +98,10 @@ class EPBuffer:
     ``ValueError`` naming the argument and each rank's value); a rank whose arguments are refused
     makes every rank raise (naming it), and one that does not arrive within ``timeout_s`` gives
     ``CommTimeoutError`` (``moe_ep.agreement``).
+
+    Memory: every allocation is sized by ``moe_ep.sizing.BufferShape`` (the buffer's ``sizes``);
+    ``moe_ep.memory_plan`` gives its bytes per region before construction, ``memory()`` from the
+    live tensors after, and rank 0's log line (logger ``moe_ep``, INFO) states the total.
     """
 
     @collective_init("EPBuffer")
