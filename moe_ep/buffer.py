@@ -19,7 +19,7 @@ from .kernels.interpret import interpreting, speed_up
 from .kernels.launch import compile_options, register_budget
 from .layout import COMBINE_STEP_TOKENS, OWN_TILE_TOKENS, pow2
 from .memory import SymmetricWorkspace, check_device_memory
-from .sizing import DEVICE, GIB, BufferShape, MemoryPlan, allocate, where_of
+from .sizing import DEVICE, BufferShape, MemoryPlan, allocate, size_text, where_of
 
 _PHASES = {0: "dispatch", 1: "combine"}
 _WARPS = ("1", "2", "4", "8", "16", "32")  # the warps a Triton program may have, as a variable spells them
@@ -296,10 +296,10 @@ class EPBuffer:
         self._agreement.done(self.timeout_s)
         if self.rank == 0:
             mem = self.memory()
-            _log.info("moe_ep buffer: %d ranks, nodes of %d, node memory %s (%s), %d programs; %.2f GiB a rank "
-                      "(device %.2f GiB, host %.2f GiB; moe_ep.memory_plan gives it per region)", R, G,
-                      self.workspace.backend, self.workspace.why, self.num_programs, mem.total_bytes / GIB,
-                      mem.device_bytes / GIB, mem.host_bytes / GIB)
+            _log.info("moe_ep buffer: %d ranks, nodes of %d, node memory %s (%s), %d programs; %s a rank (device "
+                      "%s, host %s; per region: buffer.memory())", R, G, self.workspace.backend, self.workspace.why,
+                      self.num_programs, size_text(mem.total_bytes), size_text(mem.device_bytes),
+                      size_text(mem.host_bytes))
 
     # ------------------------------------------------------------------ public API
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,

@@ -52,6 +52,14 @@ def allocate(a: Alloc, device: torch.device, fill: Optional[float] = 0) -> torch
     return torch.full(a.shape, fill, **kw) if fill else torch.zeros(a.shape, **kw)
 
 
+def size_text(nbytes: int) -> str:
+    """``nbytes`` for a log line: GiB with 2 decimals; below a GiB MiB, below a MiB KiB, with 1."""
+    for unit, scale in (("GiB", GIB), ("MiB", 1 << 20)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.{2 if unit == 'GiB' else 1}f} {unit}"
+    return f"{nbytes / 1024:.1f} KiB"
+
+
 def where_of(t: torch.Tensor) -> str:
     """Where tensor ``t``'s memory lives: ``"device"`` (a GPU), ``"pinned host"`` or ``"host"``."""
     if t.device.type != "cpu":
