@@ -1,7 +1,8 @@
 """moe_ep: expert-parallel dispatch and combine for Mixture-of-Experts layers.
 
-Public API: ``EPGroup``, ``EPBuffer`` (``dispatch`` / ``combine``), ``DispatchResult``,
-``CommTimeoutError``; the pure-torch oracle is ``moe_ep.reference``. ``MoELayer`` is a drop-in
+Public API: ``EPGroup``, ``EPBuffer`` (``dispatch`` / ``combine``, ``memory()``), ``DispatchResult``,
+``CommTimeoutError``; ``memory_plan`` (a ``MemoryPlan``: a buffer's memory per region before
+anything is allocated); the pure-torch oracle is ``moe_ep.reference``. ``MoELayer`` is a drop-in
 expert-parallel MoE block; ``moe_ep.integrations.hf`` puts it into HF transformers models.
 
 The classes are imported on first use (PEP 562), so ``python -m moe_ep.doctor --no-torch`` and
@@ -18,11 +19,14 @@ if TYPE_CHECKING:
     from .buffer import DispatchResult, EPBuffer
     from .group import EPGroup
     from .layer import MoELayer
+    from .sizing import MemoryPlan, memory_plan
 
-__all__ = ["EPGroup", "EPBuffer", "DispatchResult", "CommTimeoutError", "CapacityError", "BufferBrokenError", "MoELayer"]
+__all__ = ["EPGroup", "EPBuffer", "DispatchResult", "CommTimeoutError", "CapacityError", "BufferBrokenError", "MoELayer",
+           "memory_plan", "MemoryPlan"]
 __version__ = "0.1.0"
 
-_LAZY = {"EPBuffer": ".buffer", "DispatchResult": ".buffer", "EPGroup": ".group", "MoELayer": ".layer"}
+_LAZY = {"EPBuffer": ".buffer", "DispatchResult": ".buffer", "EPGroup": ".group", "MoELayer": ".layer",
+         "memory_plan": ".sizing", "MemoryPlan": ".sizing"}
 
 
 def __getattr__(name: str):

@@ -13,13 +13,13 @@ from . import dispatch as _dispatch
 from .agreement import collective_init
 from .calls import CallState
 from .errors import BufferBrokenError, CapacityError, CommTimeoutError
-from .fp8 import num_scale_blocks
 from .group import EPGroup
 from .handle import DispatchResult
 from .kernels.interpret import interpreting, speed_up
 from .kernels.launch import compile_options, register_budget
-from .layout import COMBINE_STEP_TOKENS, OWN_TILE_TOKENS, WorkspaceLayout, pow2
+from .layout import COMBINE_STEP_TOKENS, OWN_TILE_TOKENS, pow2
 from .memory import SymmetricWorkspace, check_device_memory
+from .sizing import DEVICE, BufferShape, MemoryPlan, allocate, size_text, where_of
 
 _PHASES = {0: "dispatch", 1: "combine"}
 _WARPS = ("1", "2", "4", "8", "16", "32")  # the warps a Triton program may have, as a variable spells them
@@ -98,6 +98,10 @@ class EPBuffer:
     ``ValueError`` naming the argument and each rank's value); a rank whose arguments are refused
     makes every rank raise (naming it), and one that does not arrive within ``timeout_s`` gives
     ``CommTimeoutError`` (``moe_ep.agreement``).
+
+    Memory: every allocation is sized by ``moe_ep.sizing.BufferShape`` (the buffer's ``sizes``);
+    ``moe_ep.memory_plan`` gives its bytes per region before construction, ``memory()`` from the
+    live tensors after, and rank 0's log line (logger ``moe_ep``, INFO) states the total.
     """
 
     @collective_init("EPBuffer")
@@ -109,48 +113,26 @@ class EPBuffer:
                  column_major_scales: bool = False, proxy_memory: str = "auto"):
         if not isinstance(group, EPGroup):
             raise TypeError(f"group: expected moe_ep.EPGroup, got {type(group).__name__}")
-        R = group.world_size
-        for name, v in (("num_experts", num_experts), ("hidden", hidden), ("max_tokens", max_tokens),
-                        ("topk", topk), ("expert_alignment", expert_alignment)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name}: expected a positive int, got {v!r}")
-        if num_experts % R != 0:
-            raise ValueError(f"num_experts: expected a multiple of world_size={R}, got {num_experts}")
-        if hidden % 16 != 0:
-            raise ValueError(f"hidden: expected a multiple of 16, got {hidden}")
-        if dispatch_dtype not in (torch.bfloat16, torch.float8_e4m3fn):
-            raise TypeError(f"dispatch_dtype: expected torch.bfloat16 or torch.float8_e4m3fn, got {dispatch_dtype}")
-        if combine_dtype != torch.bfloat16:
-            raise TypeError(f"combine_dtype: expected torch.bfloat16, got {combine_dtype}")
-        if layout not in ("masked", "packed", "rows"):
-            raise ValueError(f"layout: expected 'masked', 'packed' or 'rows', got {layout!r}")
-        if layout == "rows" and expert_alignment != 1:
-            raise ValueError(f"expert_alignment: expected 1 with layout='rows' (rows are not grouped by expert; "
-                             f"aligning them is the caller's business), got {expert_alignment}")
+        R, G = group.world_size, group.node_size
+        sms = (torch.cuda.get_device_properties(group.device).multi_processor_count
+               if group.device.type == "cuda" else 2)
+        if num_programs is None:
+            # Ranks sharing a GPU split its SMs: under MPS their programs run at once, and a launch
+            # whose programs wait for a peer's can finish only if every rank's programs are resident
+            # together; with time slicing this costs nothing (each rank has the GPU in its slice).
+            num_programs = max(1, sms // group.ranks_per_device)
+        # The arguments that size memory, checked; every allocation below is sized by it (moe_ep.sizing).
+        self.sizes = BufferShape(world_size=R, node_size=G, num_experts=num_experts, hidden=hidden,
+                                 max_tokens=max_tokens, topk=topk, num_programs=num_programs,
+                                 dispatch_dtype=dispatch_dtype, combine_dtype=combine_dtype, layout=layout,
+                                 expert_alignment=expert_alignment, expert_capacity=expert_capacity,
+                                 column_major_scales=column_major_scales, private_capacity=private_capacity,
+                                 overflow_capacity=overflow_capacity, proxy_memory=proxy_memory,
+                                 device_type=group.device.type)
         if not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool) and math.isfinite(timeout_s)
                 and 0 < timeout_s <= MAX_TIMEOUT_S):
             raise ValueError(f"timeout_s: expected a finite number of seconds in (0, {MAX_TIMEOUT_S:g}] (every wait "
                              f"has a deadline), got {timeout_s!r}")
-        if expert_capacity is not None:
-            if layout != "masked":
-                raise ValueError(f"expert_capacity: only with layout='masked' (got layout={layout!r}, whose capacity "
-                                 f"holds every row)")
-            if not isinstance(expert_capacity, int) or isinstance(expert_capacity, bool) or \
-                    not 1 <= expert_capacity <= R * max_tokens:
-                raise ValueError(f"expert_capacity: expected None or an int in [1, world_size * max_tokens = "
-                                 f"{R * max_tokens}], got {expert_capacity!r}")
-        if not isinstance(column_major_scales, bool):
-            raise TypeError(f"column_major_scales: expected a bool, got {type(column_major_scales).__name__}")
-        if column_major_scales and (layout != "masked" or dispatch_dtype != torch.float8_e4m3fn):
-            raise ValueError(f"column_major_scales: only with layout='masked' and dispatch_dtype=torch.float8_e4m3fn "
-                             f"(got layout={layout!r}, dispatch_dtype={dispatch_dtype})")
-        G = group.node_size
-        from .internode.path import PROXY_MEMORY
-        if proxy_memory not in PROXY_MEMORY:
-            raise ValueError(f"proxy_memory: expected one of {', '.join(PROXY_MEMORY)}, got {proxy_memory!r}")
-        for name, v in (("private_capacity", private_capacity), ("overflow_capacity", overflow_capacity)):
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-                raise ValueError(f"{name}: expected None or an int >= 0, got {v!r}")
         self.group = group
         self.rank, self.world_size = group.rank, R
         self.device = group.device
@@ -166,15 +148,6 @@ class EPBuffer:
         if self.device.type == "cpu" and not self.interp:
             raise RuntimeError("moe_ep on CPU runs its Triton kernels in the interpreter: set TRITON_INTERPRET=1 "
                                "before importing triton")
-        sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
-               if self.device.type == "cuda" else 2)
-        if num_programs is None:
-            # Ranks sharing a GPU split its SMs: under MPS their programs run at once, and a launch
-            # whose programs wait for a peer's can finish only if every rank's programs are resident
-            # together; with time slicing this costs nothing (each rank has the GPU in its slice).
-            num_programs = max(1, sms // group.ranks_per_device)
-        if not isinstance(num_programs, int) or isinstance(num_programs, bool) or num_programs < 1:
-            raise ValueError(f"num_programs: expected a positive int, got {num_programs!r}")
         self.num_programs = num_programs
         # One launch per dispatch / combine on a GPU when every program can be resident at once
         # (its programs wait for their peers' counterparts); else, and under the interpreter, the
@@ -241,27 +214,25 @@ class EPBuffer:
         # p, p+P, ... on every rank, so num_programs too).
         self._agreement.agree(self._signature(private_capacity, overflow_capacity, expert_capacity), self.timeout_s)
 
-        # N: the ranks of this node (reached by stores); the other R - N through the proxy.
-        dev, EL, N, M = self.device, self.num_local_experts, G, max_tokens
+        # node_size: the ranks of this node (reached by stores); the other R - node_size through the proxy.
+        dev = self.device
         self.node_size, self.node0 = G, self.rank - self.rank % G
-        self.num_scale_blocks = num_scale_blocks(hidden) if self.fp8 else 0
-        esize = 1 if self.fp8 else 2
+        self.num_scale_blocks = self.sizes.num_scale_blocks
         rows = layout == "rows"
-        self.ws_layout = WorkspaceLayout(N=N, M=M, K=topk, EL=EL, H=hidden,
-                                         payload_bytes=hidden * esize + 4 * self.num_scale_blocks, rows=rows,
-                                         programs=num_programs)
+        self.ws_layout = self.sizes.workspace
         self.off = self.ws_layout.offsets()
-        lead_rows = {"masked": EL * (expert_capacity or R * M), "packed": R * M * topk + EL * (expert_alignment - 1), "rows": R * M}
-        check_device_memory(group, self._device_bytes(lead_rows=lead_rows[layout]))
-        self.workspace = SymmetricWorkspace(group, self.off["total"])
-        if self.rank == 0:
-            _log.info("moe_ep buffer: %d ranks, nodes of %d, node memory %s (%s), %d programs", R, G,
-                      self.workspace.backend, self.workspace.why, self.num_programs)
+        # Every allocation of this buffer, by attribute path (moe_ep.sizing): checked against the
+        # GPU's free memory first. The proxy's row regions count there only with proxy_memory="gpu":
+        # with "auto" they may go to pinned host memory (tcp), decided once the engine exists.
+        self._allocs = allocs = self.sizes.allocations()
+        check_device_memory(group, sum(a.nbytes for k, a in allocs.items() if a.where == DEVICE and not (
+            proxy_memory == "auto" and k.startswith("remote.regions."))))
+        self.workspace = SymmetricWorkspace(group, allocs["workspace.local"].nbytes)
         # Local state: [0, p] / [1, p] the dispatch / combine epoch program p has completed. Each
         # program keeps its own copy, so no launch needs a cross-program step to advance it.
-        self.state = torch.zeros(2, self.num_programs, dtype=torch.int64, device=dev)
+        self.state = allocate(allocs["state"], dev)
         # Error record read by the host without a device sync: pinned host memory on GPU.
-        self.err = torch.zeros(8, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        self.err = allocate(allocs["err"], dev)
         self._err_host = self.err.numpy()  # same memory: reading it costs no tensor op
         self.chunks = self.ws_layout.CMAX
         self.block_t = pow2(-(-max_tokens // self.chunks))  # the largest chunk of any source
@@ -290,52 +261,45 @@ class EPBuffer:
         self.prefetch = int(pf) if pf else None
         # Rows layout: N more rows, the tokens of each chunk with a selection on each node peer;
         # with other nodes, after N such rows, R more, the same per rank (route_hist_kernel's RANKS).
-        self.hist = torch.zeros(num_experts + (N if rows or G < R else 0) + (R if G < R else 0), self.chunks,
-                                dtype=torch.int32, device=dev)
-        self.recv_pos = torch.zeros(N, M, topk, dtype=torch.int32, device=dev)
+        self.hist = allocate(allocs["hist"], dev)
+        self.recv_pos = allocate(allocs["recv_pos"], dev)
         # This rank's expert ids of the latest dispatch (written by its send half, -1 where none or
         # out of range): combine reads these, not the caller's topk_idx, which may be reused.
-        self.route_idx = torch.full((M, topk), -1, dtype=torch.int32, device=dev)
-        self.block_el = max(2, 1 << (EL - 1).bit_length())
-        self.scratch = torch.zeros(self.num_programs, self.block_el, dtype=torch.int32, device=dev)
-        if layout == "masked":
-            self.capacity = expert_capacity or R * M  # rows per expert
-            lead = (EL, self.capacity)
-        elif rows:
-            self.capacity = R * M  # rows in all: one per (source rank, source token)
-            lead = (self.capacity,)
-        else:
-            self.capacity = R * M * topk + EL * (expert_alignment - 1)  # total rows: never overflows
-            lead = (self.capacity,)
-        self.expert_x = torch.empty(*lead, hidden, dtype=dispatch_dtype, device=dev)
+        self.route_idx = allocate(allocs["route_idx"], dev, fill=-1)
+        self.block_el = self.sizes.block_el
+        self.scratch = allocate(allocs["scratch"], dev)
+        # Masked: rows per expert; packed: rows in all (never overflows); rows: one per (source rank, token).
+        self.capacity = self.sizes.capacity
+        self.expert_x = allocate(allocs["expert_x"], dev, fill=None)
         self.expert_x_words = self.expert_x.view(torch.uint8).view(torch.int32)  # row copies move 4-byte words
+        self.expert_scales = allocate(allocs["expert_scales"], dev, fill=None) if "expert_scales" in allocs else None
         if column_major_scales:  # [EL, NB, capacity] in memory (moe_ep.kernels.common.scale_ptr)
-            self.expert_scales = torch.empty(EL, self.num_scale_blocks, self.capacity, dtype=torch.float32,
-                                             device=dev).transpose(1, 2)
-        else:
-            self.expert_scales = (torch.empty(*lead, self.num_scale_blocks, dtype=torch.float32, device=dev)
-                                  if self.fp8 else None)
+            self.expert_scales = self.expert_scales.transpose(1, 2)
         # Rows of a column-major block of expert_scales (the kernels' CM_ROWS), 0: row-major.
         self.scale_column_rows = self.capacity if column_major_scales else 0
-        self.expert_counts = torch.zeros(EL, dtype=torch.int32, device=dev)
-        self.expert_offsets = torch.zeros(EL + 1, dtype=torch.int32, device=dev) if layout == "packed" else None
+        self.expert_counts = allocate(allocs["expert_counts"], dev)
+        self.expert_offsets = allocate(allocs["expert_offsets"], dev) if layout == "packed" else None
         # Rows layout: per received row its local ids, weights and source; the count of rows.
-        self.recv_topk_idx = torch.zeros(R * M, topk, dtype=torch.int32, device=dev) if rows else None
-        self.recv_topk_weights = torch.zeros(R * M, topk, dtype=torch.float32, device=dev) if rows else None
-        self.recv_src = torch.zeros(R * M, dtype=torch.int32, device=dev) if rows else None
-        self.num_recv = torch.zeros(1, dtype=torch.int32, device=dev) if rows else None
+        for name in ("recv_topk_idx", "recv_topk_weights", "recv_src", "num_recv"):
+            setattr(self, name, allocate(allocs[name], dev) if rows else None)
         # The fields every DispatchResult of this buffer shares (DispatchResult.issued; not the
         # buffer itself: no reference cycle, so a deleted buffer frees its memory at once).
         result_fields = dict(expert_x=self.expert_x, expert_scales=self.expert_scales,
                              expert_counts=self.expert_counts, expert_offsets=self.expert_offsets,
                              recv_topk_idx=self.recv_topk_idx, recv_topk_weights=self.recv_topk_weights,
                              recv_src=self.recv_src, num_recv=self.num_recv)
-        self.remote = self._start_remote(private_capacity, overflow_capacity, proxy_memory) if G < R else None
+        self.remote = self._start_remote() if G < R else None
         # What dispatch and combine keep from call to call: launch plans, replays, serial, epochs,
         # a pending receive hook, whether the buffer is usable (moe_ep.calls).
         self.calls = CallState(dev, self.err, self.workspace.local, self.timeout_s, result_fields,
                                self.remote.proxy_error_address() if self.remote is not None else None)
         self._agreement.done(self.timeout_s)
+        if self.rank == 0:
+            mem = self.memory()
+            _log.info("moe_ep buffer: %d ranks, nodes of %d, node memory %s (%s), %d programs; %s a rank (device "
+                      "%s, host %s; per region: buffer.memory())", R, G, self.workspace.backend, self.workspace.why,
+                      self.num_programs, size_text(mem.total_bytes), size_text(mem.device_bytes),
+                      size_text(mem.host_bytes))
 
     # ------------------------------------------------------------------ public API
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -443,6 +407,20 @@ class EPBuffer:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def memory(self) -> MemoryPlan:
+        """What this rank's buffer holds, per region (the regions of ``moe_ep.memory_plan``): each
+        allocation's live tensor, its storage's bytes and where it lives (``"device"``: the GPU;
+        ``"pinned host"``; ``"host"``: CPU ranks' memory, numpy arrays). ``RuntimeError`` once closed."""
+        if self.calls.closed:
+            raise RuntimeError("EPBuffer is closed")
+        entries = {}
+        for key, a in self._allocs.items():
+            t = self
+            for part in key.split("."):  # an attribute path: "hist", "workspace.local", "remote.regions.round1"
+                t = t[part] if isinstance(t, dict) else getattr(t, part)
+            entries[key] = (a.region, t.untyped_storage().nbytes(), where_of(t))
+        return MemoryPlan.of(entries)
+
     def launch_options(self, kernel: str) -> dict:
         """The compile options of this buffer's ``kernel`` launch ("dispatch" or "combine"):
         ``num_warps``, and ``maxnreg`` where it has a register budget (not under the interpreter)."""
@@ -466,21 +444,10 @@ class EPBuffer:
                     private_capacity=private_capacity, overflow_capacity=overflow_capacity,
                     expert_capacity=expert_capacity, transport=os.environ.get("MOE_EP_TRANSPORT", "auto") if remote else None)
 
-    def _device_bytes(self, lead_rows: int) -> int:
-        """Device memory this buffer will take: the workspace and the rank-local tensors (the
-        expert layout with ``lead_rows`` rows in all, routing state)."""
-        H, EL, N, M, K = self.hidden, self.num_local_experts, self.node_size, self.max_tokens, self.topk
-        esize = 1 if self.fp8 else 2
-        layout_rows = lead_rows * (H * esize + 4 * self.num_scale_blocks)
-        local = 4 * (self.num_experts * self.ws_layout.CMAX + (N + 1) * M * K + self.num_programs * 64 + 2 * EL + 2)
-        if self.layout == "rows":  # the node peers' rows of the histogram; per received row ids, weights, source
-            local += 4 * (N * self.ws_layout.CMAX + self.world_size * M * (2 * K + 1) + 1)
-        return self.off["total"] + layout_rows + local + 16 * self.num_programs
-
-    def _start_remote(self, private_capacity: Optional[int], overflow_capacity: Optional[int], proxy_memory: str):
+    def _start_remote(self):
         from .internode.path import RemotePath
 
-        rp = RemotePath(self, private_capacity, overflow_capacity, proxy_memory)
+        rp = RemotePath(self)
         if self.device.type == "cuda":
             mib = sum(int(r.numel()) for r in rp.regions.values()) / 2**20
             _log.log(logging.INFO if self.rank == 0 else logging.DEBUG,

@@ -11,6 +11,7 @@ Run one process per GPU with torchrun (one node or many):
     moe-ep-bench proxy --ranks 8 16 32 64 128 --json scale.json --plot scale.png   # proxy cost vs R (null transport)
     moe-ep-bench model --ep 8,16,32,64,128,256 --nic cx7 --tokens 128               # predicted latency per phase (no GPU)
     moe-ep-bench model --check                                                      # the model vs published numbers
+    moe-ep-bench memory --ep 8,16,32,64,128 --tokens 128,4096 --layout packed,rows  # memory per rank (computed)
 
 Without a GPU the same runs on CPU ranks (gloo, Triton interpreter; times are meaningless):
     torchrun --nproc-per-node=2 -m moe_ep.bench --device cpu --tokens 4,8 --hidden 128 --num-experts 4 --topk 2 --iters 2
@@ -64,7 +65,8 @@ def run_parser() -> argparse.ArgumentParser:
         prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter,
         description=__doc__.split("\n")[0],
         epilog="Subcommands on result files (no torchrun): `plot JSON... --output PNG`, `table JSON...`, "
-               "`merge JSON... --output JSON`. Full usage: the module docstring of moe_ep/bench/cli.py and README.md "
+               "`merge JSON... --output JSON`; without a GPU: `proxy` (the proxy's CPU cost), `memory` (memory "
+               "per rank, computed). Full usage: the module docstring of moe_ep/bench/cli.py and README.md "
                "(Benchmarks).")
     w = p.add_argument_group("workload (a preset, then a model shape, then single flags override)")
     w.add_argument("--preset", choices=sorted(PRESETS), default="decode",
@@ -343,6 +345,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .scale_model import main as model_main
 
         return model_main(list(argv[1:]))
+    if argv and argv[0] == "memory":  # memory_plan per EP size and layout (no torchrun): moe_ep/bench/memory.py
+        from .memory import main as memory_main
+
+        return memory_main(list(argv[1:]))
     if argv and argv[0] in ("plot", "table", "merge"):
         return files_main(argv[0], argv[1:])
     return run(parse_run_args(argv))

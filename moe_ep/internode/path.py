@@ -29,19 +29,18 @@ import torch
 from ..errors import CommTimeoutError
 from ..layout import pow2
 from ..proxy.native import MAILBOX, NativeError, mailbox_words
-from .session import default_private_capacity, start_proxy
-from .spec import REGIONS, ROW_REGIONS, RemoteSpec, RemoteState
-
-PROXY_MEMORY = ("auto", "gpu", "host")
+from .session import start_proxy
+from .spec import PROXY_MEMORY, REGIONS, ROW_REGIONS, RemoteState  # noqa: F401  (PROXY_MEMORY: importable here too)
 
 
 def row_region_memory(engine, sizes: dict, device: torch.device, want: str) -> tuple[dict, str, str]:
-    """The five row regions of a GPU rank (``sizes``: bytes by name) for ``engine``: GPU memory
+    """The five row regions of a GPU rank (``sizes``: bytes to allocate by name, as
+    ``RemoteSpec.region_sizes`` gives them) for ``engine``: GPU memory
     on ``device`` where ``engine.try_register`` takes it and ``want`` is ``"auto"`` or ``"gpu"``,
     else pinned host memory. Returns ``(regions, "gpu" | "host", how or why)``; ``want="gpu"``
     where the engine cannot raises ``NativeError`` saying why."""
     if want != "host":
-        rows = {n: torch.zeros(max(16, sizes[n]), dtype=torch.uint8, device=device) for n in ROW_REGIONS}
+        rows = {n: torch.zeros(sizes[n], dtype=torch.uint8, device=device) for n in ROW_REGIONS}
         ok, how = engine.try_register(rows["round1"])
         if ok:
             return rows, "gpu", how
@@ -52,37 +51,27 @@ def row_region_memory(engine, sizes: dict, device: torch.device, want: str) -> t
         why = how
     else:
         why = "proxy_memory='host'"
-    return {n: torch.zeros(max(16, sizes[n]), dtype=torch.uint8, pin_memory=True) for n in ROW_REGIONS}, "host", why
+    return {n: torch.zeros(sizes[n], dtype=torch.uint8, pin_memory=True) for n in ROW_REGIONS}, "host", why
 
 
 class RemotePath:
     """One rank's proxy, regions and device state for its peers on other nodes (``buf.remote``)."""
 
-    def __init__(self, buf, private_capacity: Optional[int], overflow_capacity: Optional[int],
-                 proxy_memory: str = "auto"):
-        g, M, R, G = buf.group, buf.max_tokens, buf.world_size, buf.node_size
-        if private_capacity is None:
-            private_capacity = default_private_capacity(M, buf.topk, buf.num_experts, R)
-        private_capacity = min(private_capacity, M)
-        if overflow_capacity is None:
-            overflow_capacity = (R - G) * (M - private_capacity)
-        self.spec = RemoteSpec(rank=buf.rank, world=R, node_size=G, num_experts=buf.num_experts, topk=buf.topk,
-                               hidden=buf.hidden, max_tokens=M, fp8=buf.fp8, private_capacity=private_capacity,
-                               overflow_capacity=overflow_capacity, layout=buf.layout,
-                               expert_alignment=buf.expert_alignment,
-                               masked_capacity=buf.capacity if buf.layout == "masked" else None)
+    def __init__(self, buf):
+        g, R = buf.group, buf.world_size
+        self.spec = buf.sizes.remote_spec(buf.rank)  # capacities as moe_ep.sizing sizes them
         self.state = RemoteState(self.spec, buf.device, buf.num_programs)
         kw = {k: v for k, v in self.spec.proxy_kwargs().items() if k != "node_size"}
         self.gpu = buf.device.type == "cuda"
         regions = mailbox = None
         self.memory, self.memory_why = "host", "CPU ranks"  # where the row regions are, and why
         if self.gpu:  # the proxy and the kernels share these; the headers: host memory the GPU addresses
-            sizes = self.spec.region_bytes()
-            headers = {n: torch.zeros(max(16, sizes[n]), dtype=torch.uint8, pin_memory=True)
+            sizes = self.spec.region_sizes()
+            headers = {n: torch.zeros(sizes[n], dtype=torch.uint8, pin_memory=True)
                        for n in REGIONS if n not in ROW_REGIONS}
 
             def regions(engine):  # once the engine exists: what it can register
-                rows, self.memory, self.memory_why = row_region_memory(engine, sizes, buf.device, proxy_memory)
+                rows, self.memory, self.memory_why = row_region_memory(engine, sizes, buf.device, buf.sizes.proxy_memory)
                 return {**rows, **headers}
             self.mailbox = torch.zeros(mailbox_words(R), dtype=torch.int64, pin_memory=True)
             mailbox = self.mailbox.numpy()

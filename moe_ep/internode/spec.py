@@ -10,11 +10,13 @@ import torch
 
 from ..fp8 import num_scale_blocks
 from ..layout import max_chunks
+from .session import default_private_capacity
 
 # The proxy's registration order: five regions of rows (GPU memory where the transport can
 # register it), then the headers (host memory: the proxy reads the counts).
 REGIONS = ("disp_send", "round1", "overflow", "comb_send", "comb_recv", "hdr_send", "hdr_recv")
 ROW_REGIONS = REGIONS[:5]
+PROXY_MEMORY = ("auto", "gpu", "host")  # EPBuffer's proxy_memory: where the row regions go on a GPU
 
 
 def _align(n: int, a: int) -> int:
@@ -47,6 +49,19 @@ class RemoteSpec:
     layout: str = "masked"
     expert_alignment: int = 1
     masked_capacity: Optional[int] = None  # masked: rows per expert when not R * M (EPBuffer's expert_capacity)
+
+    @classmethod
+    def with_defaults(cls, *, private_capacity: Optional[int], overflow_capacity: Optional[int], **kw) -> "RemoteSpec":
+        """``RemoteSpec(**kw)`` with ``EPBuffer``'s capacities: ``private_capacity`` (None:
+        ``default_private_capacity``) at most M; ``overflow_capacity`` (None: every row that could
+        come in round 2, ``(R - G) * (M - private_capacity)``)."""
+        M, R = kw["max_tokens"], kw["world"]
+        if private_capacity is None:
+            private_capacity = default_private_capacity(M, kw["topk"], kw["num_experts"], R)
+        private_capacity = min(private_capacity, M)
+        if overflow_capacity is None:
+            overflow_capacity = (R - kw["node_size"]) * (M - private_capacity)
+        return cls(private_capacity=private_capacity, overflow_capacity=overflow_capacity, **kw)
 
     def __post_init__(self):
         if self.world % self.node_size or self.num_experts % self.world or self.hidden % 16:
@@ -130,6 +145,18 @@ class RemoteSpec:
                 "hdr_send": R * hdr,
                 "hdr_recv": 2 * R * hdr}
 
+    def region_sizes(self) -> dict:
+        """Bytes allocated for each region: ``region_bytes``, at least 16 (a region is never empty)."""
+        return {n: max(16, b) for n, b in self.region_bytes().items()}
+
+    def state_shapes(self, programs: int) -> dict:
+        """``{name: (shape, dtype)}`` of the ``RemoteState`` tensors for ``programs`` programs a launch."""
+        R, EL, K, M, i32 = self.world, self.num_local_experts, self.topk, self.max_tokens, torch.int32
+        rows = max(1, self.recv_rows)
+        return {"own": ((EL + 1,), i32), "comb_row": ((M, K), i32), "arrive": ((2 * R + 1,), i32),
+                "sel": ((programs, R, EL), i32), "rows_from": ((programs, R), i32), "rpos": ((rows, K), i32),
+                "rw": ((rows, K), torch.float32), "recv_rows": ((R,), i32)}
+
     def proxy_kwargs(self) -> dict:
         """The ``moe_ep.proxy.Proxy`` arguments that must agree with these kernels."""
         return dict(node_size=self.node_size, num_local_experts=self.num_local_experts, row_bytes=self.row_bytes,
@@ -157,12 +184,6 @@ class RemoteState:
     """
 
     def __init__(self, spec: RemoteSpec, device: torch.device | str = "cpu", programs: int = 1):
-        R, EL, K, M = spec.world, spec.num_local_experts, spec.topk, spec.max_tokens
-        z = lambda *s, dt=torch.int32: torch.zeros(*s, dtype=dt, device=device)  # noqa: E731
         self.spec = spec
-        self.own = z(EL + 1)
-        self.comb_row = z(M, K)
-        self.arrive = z(2 * R + 1)
-        self.sel, self.rows_from = z(programs, R, EL), z(programs, R)
-        self.rpos, self.rw = z(max(1, spec.recv_rows), K), z(max(1, spec.recv_rows), K, dt=torch.float32)
-        self.recv_rows = z(R)
+        for name, (shape, dtype) in spec.state_shapes(programs).items():  # zeros, as RemoteSpec.state_shapes sizes them
+            setattr(self, name, torch.zeros(shape, dtype=dtype, device=device))

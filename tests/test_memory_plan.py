@@ -1,0 +1,144 @@
+"""moe_ep.memory_plan against live buffers, and the per-rank memory it gives at DeepSeek-V3 shapes.
+
+(a) On CPU ranks (one node of 2; 2 nodes of 1 and of 2, the proxy over TCP), for masked, packed and
+rows: the plan equals ``EPBuffer.memory()`` region by region (bytes and where), and both equal the
+bytes of every tensor the buffer actually holds (found by walking it, not through the plan).
+(b) The issue's table (H 7168, K 8, E 256, fp8, 8 ranks a node, 4096 tokens a rank) at EP8 and
+EP64, region by region: today's baseline, which later memory work is measured against.
+(c) ``moe-ep-bench memory`` prints the table and writes the JSON.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import dist_util
+
+GIB = float(1 << 30)
+SLACK = 16  # bytes: one small allocation (CallState keeps a 2-byte bf16 scalar of its own)
+
+# (layout, dispatch dtype, expert_alignment, expert_capacity, column_major_scales)
+CONFIGS = [("masked", "bf16", 1, None, False), ("masked", "fp8", 1, 5, True), ("packed", "fp8", 16, None, False),
+           ("packed", "bf16", 1, None, False), ("rows", "fp8", 1, None, False)]
+DT = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+
+
+def _held_bytes(buf) -> int:
+    """Bytes of every distinct storage the buffer's objects hold (the node peers' mappings left out)."""
+    objs = [buf, buf.workspace, buf.calls]
+    if buf.remote is not None:
+        objs += [buf.remote, buf.remote.state]
+    seen, total = set(), 0
+    for obj in objs:
+        values = []
+        for name, v in vars(obj).items():
+            if name == "_views":  # the workspace's mappings of every node rank's memory (its own: local)
+                continue
+            values += list(v.values()) if isinstance(v, dict) else list(v) if isinstance(v, (list, tuple)) else [v]
+        for t in values:
+            if isinstance(t, torch.Tensor):
+                s = t.untyped_storage()
+                if s.data_ptr() not in seen:
+                    seen.add(s.data_ptr())
+                    total += s.nbytes()
+    return total
+
+
+def _plan_worker(rank, world_size, node_size, private_capacity):
+    import moe_ep
+
+    group = moe_ep.EPGroup(node_size=node_size)
+    out = []
+    for layout, dt, align, cap, cm in CONFIGS:
+        kw = dict(num_experts=2 * world_size, hidden=256, max_tokens=6, topk=3, dispatch_dtype=DT[dt], layout=layout,
+                  expert_alignment=align, expert_capacity=cap, column_major_scales=cm)
+        plan = moe_ep.memory_plan(world_size=world_size, node_size=node_size, private_capacity=private_capacity,
+                                  device="cpu", **kw)
+        with moe_ep.EPBuffer(group, timeout_s=60.0, private_capacity=private_capacity, **kw) as buf:
+            assert (buf.remote is not None) == (node_size < world_size)
+            live = buf.memory()
+            held = _held_bytes(buf)
+        out.append((layout, dt, plan, live, held))
+    return out
+
+
+@pytest.mark.parametrize("R,G,pc", [(2, 2, None), (2, 1, None), (4, 2, 1)], ids=["node-2", "2x1", "2x2-pc1"])
+def test_plan_equals_live_buffer(R, G, pc):
+    for rank, results in enumerate(dist_util.run(R, _plan_worker, G, pc, timeout=600)):
+        for layout, dt, plan, live, held in results:
+            what = f"rank {rank} {layout} {dt} R={R} G={G}"
+            assert [(r.name, r.where) for r in plan.regions] == [(r.name, r.where) for r in live.regions], what
+            for p, q in zip(plan.regions, live.regions):
+                assert abs(p.bytes - q.bytes) <= SLACK, f"{what}: {p.name} planned {p.bytes}, holds {q.bytes}"
+            assert abs(held - plan.total_bytes) <= SLACK, f"{what}: holds {held} bytes, planned {plan.total_bytes}"
+            assert plan.device_bytes == 0 and plan.host_bytes == plan.total_bytes  # CPU ranks: host memory only
+            if G < R:
+                assert plan["overflow"] > 0 and plan["remote_state"] > 0
+            assert plan["workspace"] > 0 and plan["expert_x"] > 0
+
+
+# The issue's numbers (GiB): DeepSeek-V3, fp8 dispatch, 8 ranks a node, 4096 tokens a rank. round1
+# is 2 R private_capacity row_bytes = 2 * 64 * 623 * 7504 B = 0.557 GiB (the issue says 0.57).
+DSV3 = dict(num_experts=256, hidden=7168, max_tokens=4096, topk=8, dispatch_dtype=torch.float8_e4m3fn)
+ISSUE = {  # (EP, layout): {region or sum: GiB}
+    (8, "packed"): {"workspace": 1.33, "expert": 1.80, "proxy": 0.0, "total": 3.14},
+    (64, "packed"): {"workspace": 1.33, "expert": 14.44, "proxy": 7.44, "overflow": 2.72, "comb_send": 3.06,
+                     "round1": 0.557, "comb_recv": 0.875, "disp_send": 0.229, "total": 23.23},
+    (8, "rows"): {"expert": 0.23},
+    (64, "rows"): {"expert": 1.80},
+}
+PROXY = ("disp_send", "round1", "overflow", "comb_send", "comb_recv")
+
+
+@pytest.mark.parametrize("ep,layout", list(ISSUE))
+def test_issue_table_at_deepseek_v3_shapes(ep, layout):
+    import moe_ep
+
+    plan = moe_ep.memory_plan(world_size=ep, node_size=8, layout=layout, **DSV3)
+    got = {"expert": plan["expert_x"] + plan["expert_scales"], "proxy": sum(plan[n] for n in PROXY),
+           "total": plan.total_bytes, **{r.name: r.bytes for r in plan.regions}}
+    for name, want in ISSUE[(ep, layout)].items():
+        assert got[name] / GIB == pytest.approx(want, rel=0.01, abs=0.005), f"EP{ep} {layout} {name}"
+    assert (plan["overflow"] > 0) == (ep > 8)
+    if ep > 8:  # the proxy's rows in GPU memory (proxy_memory="auto"); headers and mailbox pinned host
+        assert {r.where for r in plan.regions if r.name in PROXY} == {"device"}
+        assert plan.host_bytes == plan.pinned_bytes > 0
+        host = moe_ep.memory_plan(world_size=ep, node_size=8, layout=layout, proxy_memory="host", **DSV3)
+        assert host.total_bytes == plan.total_bytes and host.pinned_bytes == plan.pinned_bytes + got["proxy"]
+    text = plan.format()
+    assert f"{plan.total_bytes / GIB:.2f}" in text and "expert_x" in text
+
+
+def test_plan_refuses_what_the_buffer_refuses():
+    import moe_ep
+
+    with pytest.raises(ValueError, match="^num_experts: expected a multiple of world_size=3, got 256"):
+        moe_ep.memory_plan(world_size=3, node_size=3, **DSV3)
+    with pytest.raises(ValueError, match="^expert_capacity: only with layout='masked'"):
+        moe_ep.memory_plan(world_size=8, node_size=8, layout="rows", expert_capacity=4, **DSV3)
+    with pytest.raises(ValueError, match="^proxy_memory: expected one of auto, gpu, host, got 'disk'"):
+        moe_ep.memory_plan(world_size=16, node_size=8, proxy_memory="disk", **DSV3)
+
+
+def test_cli_prints_and_writes_json(tmp_path, capsys):
+    import moe_ep
+    from moe_ep.bench.cli import main
+
+    out = tmp_path / "memory.json"
+    assert main(["memory", "--ep", "8,64", "--gpus-per-node", "8", "--tokens", "4096", "--hidden", "7168", "--topk",
+                 "8", "--experts", "256", "--dtype", "fp8", "--layout", "packed,rows", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    rows = [ln.split() for ln in text.splitlines() if ln.split()[:1] == ["4096"]]
+    assert [(r[1], r[3]) for r in rows] == [("8", "packed"), ("8", "rows"), ("64", "packed"), ("64", "rows")]
+    doc = json.loads(out.read_text())
+    assert doc["config"]["num_experts"] == 256 and len(doc["entries"]) == 4
+    for r, e in zip(rows, doc["entries"]):
+        plan = moe_ep.memory_plan(world_size=e["ep"], node_size=8, layout=e["layout"], **DSV3)
+        assert e["total_bytes"] == plan.total_bytes and e["regions"] == plan.as_dict()["regions"]
+        assert float(r[6]) == round(plan.total_bytes / GIB, 2)
+    assert "comb_send 3.06" in text  # EP64's largest proxy region
+    with pytest.raises(SystemExit) as e:
+        main(["memory", "--ep", "3", "--experts", "256"])
+    assert e.value.code == 2 and "num_experts: expected a multiple of world_size=3" in capsys.readouterr().err
