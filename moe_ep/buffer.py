@@ -183,7 +183,7 @@ class EPBuffer:
         # Bytes a program moves per loop step scale with these (payload tiles): ``tile`` for
         # dispatch's loops, ``combine_tile`` for combine's send half (the owner's pre-reduction for
         # a peer), ``combine_recv_tile`` for its receive half (the sum of the owners' rows, and this
-        # rank's own pre-reduction). Measured on H200 at prefill, R=1, fp8 (docs/PERFORMANCE.md,
+        # rank's own pre-reduction). Measured on H200 at prefill, R=1, fp8 (docs/performance-log/gpu.md,
         # "Payload tile sweep"): dispatch 272 / 317 us at tile 2 / 1 with 32 programs and 111 / 123
         # us with 132; the receive-half pre-reduction 249 / 283 us at tile 1 / 2 (32 programs);
         # the send-half pre-reduction 404 / 478 us at tile 2 / 1 (32 programs, earlier kernels).

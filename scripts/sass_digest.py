@@ -14,7 +14,7 @@ stand for a GPU buffer's defaults, ``MOE_EP_NUM_WARPS`` replaces them).
                                                  # (line "...-N2": its send half, R >= 2)
 
 Why the loop lines: the prefill loops' times followed how many of a step's loads are issued before
-the math starts (ptxas may sink loads to save registers), not their shape (PERFORMANCE.md,
+the math starts (ptxas may sink loads to save registers), not their shape (docs/performance-log/gpu.md,
 "Thirteenth pass"). Why SASS_NODE: the launches are recorded on one CPU rank, whose combine has
 no send half; the N2 line compiles the same launch with the node size set to 2 (its workspace
 offsets stay the one-rank buffer's: right for registers, spills and loop schedules, which is

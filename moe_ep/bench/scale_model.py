@@ -5,7 +5,7 @@
 
 Nothing here runs a kernel or a proxy. A prediction is arithmetic on three kinds of input:
 
-1. Costs measured on moe_ep itself (docs/PERFORMANCE.md: "Today", "Conventions", "Copy floor"): the R=1
+1. Costs measured on moe_ep itself (docs/PERFORMANCE.md: "Today", "Conventions"; docs/performance-log/gpu.md: "Copy floor"): the R=1
    kernel times, the Triton peer-store bandwidth over NVLink, the GPU flag round trip, the launch
    inside a CUDA graph, the per-SM copy bandwidth, and the proxy thread's CPU per op against
    simulated peers to EP128 (null transport).
@@ -58,16 +58,16 @@ KERNEL_US = {"dispatch": ((128, 7.4), (4096, 102.2)), "combine": ((128, 4.8), (4
 FLAG_RTT_US = 3.3           # GPU->GPU flag round trip over NVLink, release/acquire .sys (2x H200; PERFORMANCE.md "Conventions", Floor);
                             # also stands in for GPU<->host bells through pinned memory (not measured natively)
 LAUNCH_IN_GRAPH_US = 0.7    # one launch inside a CUDA graph (2x H200; PERFORMANCE.md "Conventions", Floor)
-COPY_GBS = 3892.0           # HBM row copy, read + written bytes, 132 programs, inflight-4 (1x H200; PERFORMANCE.md "Copy floor")
+COPY_GBS = 3892.0           # HBM row copy, read + written bytes, 132 programs, inflight-4 (1x H200; docs/performance-log/gpu.md "Copy floor")
 FP8_BLOCK = 128             # channels per float32 fp8 scale (moe_ep.fp8)
 
 # The proxy thread's CPU per decode op against R-1 simulated peers, null transport, 8 ranks per
-# node, p50 (docs/PERFORMANCE.md "Proxy cost to EP128, null transport", commit 4bbe35e): linear
+# node, p50 (docs/performance-log/proxy.md "Proxy cost to EP128, null transport", commit 4bbe35e): linear
 # between the measured R, beyond R=128 the fitted slope per peer (233 / 96 ns).
 PROXY_US = {"dispatch": {8: 1.6, 16: 3.3, 32: 6.9, 64: 14.1, 128: 29.6},
             "combine": {8: 0.0, 16: 1.7, 32: 3.2, 64: 6.3, 128: 12.4}}
 PROXY_SLOPE_US = {"dispatch": 0.233, "combine": 0.096}
-POST_US = 0.25              # one post_write, back to back: 0.1-0.4 us (PERFORMANCE.md "Proxy cost (CPU, TCP loopback)")
+POST_US = 0.25              # one post_write, back to back: 0.1-0.4 us (docs/performance-log/proxy.md "Proxy cost (CPU, TCP loopback)")
 MIN_SHARD = 16384           # bytes: a write is split over k NICs only in shards of at least this (ARCHITECTURE §9)
 
 

@@ -73,7 +73,7 @@ def ring_copy_kernel(src_desc, dst_desc, idx_ptr, rows, GATHER: gl.constexpr, K:
     expansion by top-k: a row loaded once, stored K times). Rows i = pid, pid + programs, ...;
     descriptors over [rows, CHUNKS, COLS] views with one-row boxes (module docstring), idx int32.
     Of the STAGES ring slots, BEHIND (>= 1, this step's included) hold rows whose stores may still
-    be reading them and the rest rows being loaded. (Measured on an H200, docs/PERFORMANCE.md
+    be reading them and the rest rows being loaded. (Measured on an H200, docs/performance-log/gpu.md
     "Ninth pass": neither STAGES nor BEHIND changes the rate; a gather moves ~0.47 us a row per
     program at 32 programs, for 7168- and 14336-byte rows alike.)"""
     pid = gl.program_id(0)
