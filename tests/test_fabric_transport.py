@@ -360,6 +360,7 @@ def test_fabric_goodbye_carries_the_cause(prov):
     try:
         for e in es:
             e.register(np.zeros(4096, np.uint8))
+            e.set_op_timeout(5.0)  # the keepalive window: a silent peer is lost within about that
         _connect_all(es)
         goodbye_names_the_cause(N, es, f"libfabric {prov}")
         msg = wait_lost(es[0], 2, 15.0)
@@ -403,6 +404,7 @@ def test_fabric_two_processes_then_killed_peer(prov, k):
     PeerLostError naming it long before the wait's deadline (the keepalive fails on tcp, goes
     unanswered on udp), and a later write to it completes as lost at once."""
     a = _engine(0, 2, prov, endpoints=k)
+    a.set_op_timeout(5.0)  # the keepalive window: a silent peer is lost within about that
     # keys: 1 the source; 2 and 3 written by nobody; 4 where the child writes (_CHILD)
     src, dst, dst2 = (np.zeros(REGION, np.uint8) for _ in range(3))
     assert [a.register(src), a.register(dst), a.register(np.zeros(8, np.uint8)), a.register(dst2)] == [1, 2, 3, 4]
@@ -436,6 +438,63 @@ def test_fabric_two_processes_then_killed_peer(prov, k):
         if child.poll() is None:
             child.kill()
         a.close()
+
+
+_SILENT_CHILD = """
+    import sys
+    from test_verbs_transport import light_import
+    N = light_import()
+    e = N.FabricTransport(2, 3, sys.argv[1], "lo", force_mr_mode=int(sys.argv[2]))
+    print(e.endpoint, flush=True)
+    e.connect(sys.stdin.readline().split(), 30)
+    print("connected", flush=True)
+    sys.stdin.readline()  # until stopped, then killed
+"""
+
+
+@pytest.mark.parametrize("prov", [p for p in provider_params() if p.values[0] == "udp;ofi_rxd"])
+def test_fabric_liveness_is_the_op_timeout(prov):
+    """Rank 2 in its own process goes silent (SIGSTOP: alive, but nothing of it runs, so rxd
+    acknowledges none of the keepalives sent to it): rank 0, with an op timeout of 1.5 s, loses it
+    within about 1.5 s, saying so; rank 1, with 7 s, still has it after 5.5 s (the fixed window
+    of before was 5 s) and loses it within about 7 s. Ranks 0 and 1 keep each other."""
+    a, b = _engine(0, 3, prov), _engine(1, 3, prov)
+    a.set_op_timeout(1.5)
+    b.set_op_timeout(7.0)
+    child = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {HERE!r})\n" +
+                              textwrap.dedent(_SILENT_CHILD), prov, str(FORCED[prov])], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(HERE))
+    try:
+        eps = [a.endpoint, b.endpoint, child.stdout.readline().strip()]
+        assert eps[2].startswith("fabric1;rank=2"), eps[2]
+        child.stdin.write(" ".join(eps) + "\n")
+        child.stdin.flush()
+        errs: list = []
+        ts = [threading.Thread(target=catch, args=(lambda e=e: e.connect(eps, 30), errs)) for e in (a, b)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(60)
+        assert not errs, errs
+        assert child.stdout.readline().strip() == "connected"
+        time.sleep(0.5)  # keepalives delivered both ways
+        assert a.peer_error(2) == b.peer_error(2) == ""
+        os.kill(child.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        msg = wait_lost(a, 2, 10.0)
+        dt = time.monotonic() - t0
+        assert "no keepalive message reached it for 1.5 s, the op timeout" in msg and dt < 3.5, (dt, msg)
+        time.sleep(max(0.0, 5.5 - (time.monotonic() - t0)))
+        assert b.peer_error(2) == "", b.peer_error(2)
+        msg = wait_lost(b, 2, 10.0)
+        dt = time.monotonic() - t0
+        assert "no keepalive message reached it for 7 s, the op timeout" in msg and dt < 9.0, (dt, msg)
+        assert a.peer_error(1) == b.peer_error(0) == ""
+    finally:
+        child.kill()
+        child.wait(10)
+        a.close()
+        b.close()
 
 
 # ---------------------------------------------------------------- the §10 proxy over libfabric

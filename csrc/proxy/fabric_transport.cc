@@ -9,6 +9,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -38,8 +39,7 @@ constexpr size_t kSlot = 128;  // a receive's buffer (a hello, a goodbye or a ke
 constexpr uint32_t kMagicPing = 0x4950454d;  // "MEPI": a keepalive message (its receiver ignores it)
 // Keepalive (§9): a message to every peer from each endpoint's completion thread once per
 // kKeepaliveNs (transport_common.h); one that fails loses the peer, and so does none delivered for
-// kLivenessNs (see keepalive()).
-constexpr int64_t kLivenessNs = 5'000'000'000;
+// the op timeout (see keepalive()).
 constexpr int64_t kSpinNs = 100'000;  // a completion thread's spin after its last completion or post
 constexpr int64_t kSleepNs = 20'000;  // then its sleep between reads
 
@@ -703,16 +703,23 @@ class FabricTransport final : public Transport {
   }
 
   // Keepalives of endpoint i (kKeepaliveNs): to each connected peer not lost, one at a time. A
-  // peer none was delivered to for kLivenessNs is lost: rxd and efa complete one only once the
-  // peer acknowledged it; rxm answers -FI_EAGAIN for good once the peer's socket is gone.
+  // peer none was delivered to for the op timeout is lost (rxd and efa complete one only once the
+  // peer acknowledged it; rxm answers -FI_EAGAIN for good once the peer's socket is gone): the
+  // rule a write is held to, so a peer slow enough to miss keepalives for a while but not lost by
+  // its writes is not lost by them either, and one silent since before a wait as long as the op
+  // timeout (the proxy's phase deadline: 30 s by default, as the op timeout) is lost, named as
+  // such, by the time that wait would end. docs/ARCHITECTURE.md §9, "Lost peers".
   void keepalive(int i, int64_t now) {
     Lane& l = *lanes_[size_t(i)];
+    const int64_t window = op_timeout_ns_.load();
     for (int p = 0; p < world_; ++p) {
       Peer& pr = *peers_[size_t(p)];
       if (p == rank_ || !pr.up || pr.lost) continue;
       Link& ln = *pr.link[size_t(i)];
-      if (now - ln.alive_ns.load() > kLivenessNs) {
-        lose_peer(p, "no keepalive message reached it for " + std::to_string(kLivenessNs / 1'000'000'000) + " s (" +
+      if (now - ln.alive_ns.load() > window) {
+        char s[32];
+        std::snprintf(s, sizeof(s), "%g", double(window) / 1e9);
+        lose_peer(p, std::string("no keepalive message reached it for ") + s + " s, the op timeout (" +
                          (ln.probing ? "one is still not acknowledged" : "posting one answers -FI_EAGAIN") +
                          "; its process or node is gone)", kCqPeerLost, i);
         continue;

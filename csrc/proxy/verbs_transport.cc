@@ -251,7 +251,8 @@ constexpr uint64_t kProbeTag = 1ull << 59;  // keepalive write wr_id: kProbeTag 
 // peer nothing was written to for kKeepaliveNs (transport_common.h) gets a zero-byte write from
 // each NIC's completion thread (C9-88: it touches no memory); failing, it loses the peer within
 // the retry time (timeout x retry_cnt), where a wait for that peer's immediates would run to its
-// deadline.
+// deadline. It needs no liveness window of its own (libfabric's is the op timeout): the NIC
+// completes every write, a keepalive as any other, with an error once its retries are spent.
 constexpr uint32_t kPsnMask = 0xFFFFFF;
 constexpr int kMaxNics = kMaxLanes;
 constexpr uint64_t kShardAlign = 64;  // shards start at multiples of a cache line
