@@ -20,8 +20,9 @@ import time
 import numpy as np
 import pytest
 
-from test_verbs_transport import (REGION, SRC, _catch, _check_received, _connect_all, _exchange, _plan, _rows,
-                                  _send, light_import)
+from engine_cases import (CLEAN_GOODBYE, GroupStandIn, assert_compiles, catch, connect_all as _connect_all,
+                          goodbye_names_the_cause, proxy_two_nodes, registered_pair, wait_lost)
+from test_verbs_transport import REGION, SRC, _check_received, _exchange, _plan, _send, light_import
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 N = light_import()
@@ -46,14 +47,7 @@ def _engine(rank, world, prov, force=True, **kw):
 
 
 def _pair(prov, connect=True, force=True, **kw):
-    a, b = _engine(0, 2, prov, force, **kw), _engine(1, 2, prov, force, **kw)
-    bufs = {}
-    for e in (a, b):
-        src, dst = np.zeros(REGION, np.uint8), np.zeros(REGION, np.uint8)
-        bufs[e.rank] = (src, dst, e.register(src), e.register(dst))
-    if connect:
-        _connect_all([a, b])
-    return a, b, bufs
+    return registered_pair(_engine(0, 2, prov, force, **kw), _engine(1, 2, prov, force, **kw), REGION, connect)
 
 
 def _fields(ep: str) -> dict:
@@ -130,11 +124,7 @@ static_assert(FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_VERSION) >= FI_VERSION(1, 10
 @pytest.mark.skipif(not os.path.exists("/usr/include/rdma/fabric.h"),
                     reason="libfabric's headers (/usr/include/rdma/fabric.h, libfabric-dev) are not installed")
 def test_abi_declarations_match_system_header(tmp_path):
-    src = tmp_path / "fabric_abi_check.cc"
-    src.write_text(_ABI_CHECK)
-    r = subprocess.run([os.environ.get("CXX", "c++"), "-std=c++17", "-fsyntax-only", f"-I{SRC}", str(src)],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
+    assert_compiles(tmp_path, "fabric_abi_check.cc", _ABI_CHECK, SRC)
 
 
 def test_library_does_not_link_libfabric():
@@ -261,15 +251,11 @@ def test_fabric_endpoints_over_several_domains(prov):
     (another fabric) when there is one. Writes shard over all of them; a count that is not a
     multiple, or a domain that does not fit, is refused naming it."""
     doms = ["lo", _second_domain(prov)]
-    a, b = N.FabricTransport(0, 2, prov, doms), N.FabricTransport(1, 2, prov, ",".join(doms))
+    a, b, bufs = registered_pair(N.FabricTransport(0, 2, prov, doms), N.FabricTransport(1, 2, prov, ",".join(doms)),
+                                 REGION)
     try:
         d = a.describe()
         assert d["domains"] == doms and d["domain"] == ",".join(doms) and d["endpoints"] == a.imm_per_write == 2
-        bufs = {}
-        for e in (a, b):
-            src, dst = np.zeros(REGION, np.uint8), np.zeros(REGION, np.uint8)
-            bufs[e.rank] = (src, dst, e.register(src), e.register(dst))
-        _connect_all([a, b])
         for e in (a, b):
             e.set_min_shard_bytes(1)
         _exchange(a, b, bufs, {0: _plan(41, 60), 1: _plan(42, 60)})
@@ -325,7 +311,7 @@ def test_fabric_strangers_refused_not_lost(prov):
         for s in strangers.values():
             s.register(np.zeros(4096, np.uint8))
         errs: list = []
-        ts = [threading.Thread(target=_catch, args=(lambda s=s: s.connect([a.endpoint, s.endpoint], 3.0), errs))
+        ts = [threading.Thread(target=catch, args=(lambda s=s: s.connect([a.endpoint, s.endpoint], 3.0), errs))
               for s in strangers.values()]
         for t in ts:
             t.start()
@@ -365,13 +351,6 @@ def test_fabric_peer_never_connects(prov):
         b.close()
 
 
-def _wait_lost(e, peer: int, timeout_s: float) -> str:
-    deadline = time.monotonic() + timeout_s
-    while not e.peer_error(peer) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return e.peer_error(peer)
-
-
 @pytest.mark.parametrize("prov", provider_params())
 def test_fabric_goodbye_carries_the_cause(prov):
     """Rank 1 closes after an error naming rank 2: both others lose it at once, by its goodbye,
@@ -381,17 +360,11 @@ def test_fabric_goodbye_carries_the_cause(prov):
     try:
         for e in es:
             e.register(np.zeros(4096, np.uint8))
+            e.set_op_timeout(5.0)  # the keepalive window: a silent peer is lost within about that
         _connect_all(es)
-        es[1].close(N.CommTimeoutError(1, 2, "combine", 6, 3.0))
-        said = "rank 1 closed after its own error naming peer 2 (combine epoch 6)"
-        for r in (0, 2):
-            assert _wait_lost(es[r], 1, 5.0).endswith(said), es[r].peer_error(1)
-            assert f"rank {r}: connection with peer 1 lost (libfabric {prov}" in es[r].peer_error(1)
-        es[2].close()
-        time.sleep(0.3)
-        assert es[0].peer_error(2) == ""  # a clean goodbye alone loses no peer
-        msg = _wait_lost(es[0], 2, 15.0)
-        assert msg.endswith("; its goodbye said: rank 2 closed without an error of its own (a clean close)"), msg
+        goodbye_names_the_cause(N, es, f"libfabric {prov}")
+        msg = wait_lost(es[0], 2, 15.0)
+        assert msg.endswith(CLEAN_GOODBYE), msg
     finally:
         for e in es:
             e.close()
@@ -431,6 +404,7 @@ def test_fabric_two_processes_then_killed_peer(prov, k):
     PeerLostError naming it long before the wait's deadline (the keepalive fails on tcp, goes
     unanswered on udp), and a later write to it completes as lost at once."""
     a = _engine(0, 2, prov, endpoints=k)
+    a.set_op_timeout(5.0)  # the keepalive window: a silent peer is lost within about that
     # keys: 1 the source; 2 and 3 written by nobody; 4 where the child writes (_CHILD)
     src, dst, dst2 = (np.zeros(REGION, np.uint8) for _ in range(3))
     assert [a.register(src), a.register(dst), a.register(np.zeros(8, np.uint8)), a.register(dst2)] == [1, 2, 3, 4]
@@ -466,6 +440,63 @@ def test_fabric_two_processes_then_killed_peer(prov, k):
         a.close()
 
 
+_SILENT_CHILD = """
+    import sys
+    from test_verbs_transport import light_import
+    N = light_import()
+    e = N.FabricTransport(2, 3, sys.argv[1], "lo", force_mr_mode=int(sys.argv[2]))
+    print(e.endpoint, flush=True)
+    e.connect(sys.stdin.readline().split(), 30)
+    print("connected", flush=True)
+    sys.stdin.readline()  # until stopped, then killed
+"""
+
+
+@pytest.mark.parametrize("prov", [p for p in provider_params() if p.values[0] == "udp;ofi_rxd"])
+def test_fabric_liveness_is_the_op_timeout(prov):
+    """Rank 2 in its own process goes silent (SIGSTOP: alive, but nothing of it runs, so rxd
+    acknowledges none of the keepalives sent to it): rank 0, with an op timeout of 1.5 s, loses it
+    within about 1.5 s, saying so; rank 1, with 7 s, still has it after 5.5 s (the fixed window
+    of before was 5 s) and loses it within about 7 s. Ranks 0 and 1 keep each other."""
+    a, b = _engine(0, 3, prov), _engine(1, 3, prov)
+    a.set_op_timeout(1.5)
+    b.set_op_timeout(7.0)
+    child = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {HERE!r})\n" +
+                              textwrap.dedent(_SILENT_CHILD), prov, str(FORCED[prov])], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(HERE))
+    try:
+        eps = [a.endpoint, b.endpoint, child.stdout.readline().strip()]
+        assert eps[2].startswith("fabric1;rank=2"), eps[2]
+        child.stdin.write(" ".join(eps) + "\n")
+        child.stdin.flush()
+        errs: list = []
+        ts = [threading.Thread(target=catch, args=(lambda e=e: e.connect(eps, 30), errs)) for e in (a, b)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(60)
+        assert not errs, errs
+        assert child.stdout.readline().strip() == "connected"
+        time.sleep(0.5)  # keepalives delivered both ways
+        assert a.peer_error(2) == b.peer_error(2) == ""
+        os.kill(child.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        msg = wait_lost(a, 2, 10.0)
+        dt = time.monotonic() - t0
+        assert "no keepalive message reached it for 1.5 s, the op timeout" in msg and dt < 3.5, (dt, msg)
+        time.sleep(max(0.0, 5.5 - (time.monotonic() - t0)))
+        assert b.peer_error(2) == "", b.peer_error(2)
+        msg = wait_lost(b, 2, 10.0)
+        dt = time.monotonic() - t0
+        assert "no keepalive message reached it for 7 s, the op timeout" in msg and dt < 9.0, (dt, msg)
+        assert a.peer_error(1) == b.peer_error(0) == ""
+    finally:
+        child.kill()
+        child.wait(10)
+        a.close()
+        b.close()
+
+
 # ---------------------------------------------------------------- the §10 proxy over libfabric
 
 @pytest.mark.parametrize("cap,eps", [(2, 1), (0, 2)], ids=["cap2", "cap0-2eps"])
@@ -474,54 +505,10 @@ def test_fabric_proxy_dispatch_combine_two_nodes(prov, cap, eps):
     """Two ranks as two nodes in one process, each with its §10 proxy on a libfabric engine:
     three epochs of dispatch (round 1, and round 2 for rows over the private capacity) and
     combine, every header and row checked where §10 puts it."""
-    R, RB, CRB, EL = 2, 32, 16, 2
-    engines = [_engine(r, R, prov, endpoints=eps) for r in range(R)]
+    engines = [_engine(r, 2, prov, endpoints=eps) for r in range(2)]
     for e in engines:
         e.set_min_shard_bytes(1)
-    pxs = [N.Proxy(e, node_size=1, num_local_experts=EL, row_bytes=RB, comb_row_bytes=CRB, private_capacity=cap,
-                   overflow_capacity=R * 8, max_send_rows=R * 8, timeout_s=60) for e in engines]
-    try:
-        _connect_all(engines)
-        for px in pxs:
-            px.start()
-        rng = np.random.default_rng(3)
-        for e in range(1, 4):
-            C = rng.integers(0, 6, size=(R, R))
-            np.fill_diagonal(C, 0)
-            for r, px in enumerate(pxs):
-                for p in range(R):
-                    hdr = px.header(p)
-                    hdr[:R], hdr[R:R + EL] = C[r], e
-                for p, off in px.disp_offsets(C[r]).items():
-                    n = int(C[r, p])
-                    px.disp_send[off:off + n * RB] = _rows(e, r, p, n).reshape(-1)
-                px.ring("dispatch", e)
-            for px in pxs:
-                px.wait_ready("dispatch", e, 60)
-            for r, px in enumerate(pxs):
-                s = 1 - r
-                base = px.round1_offset(e, s)
-                hdr = px.received_header(e, s)
-                assert hdr[:R].tolist() == C[s].tolist() and hdr[R:R + EL].tolist() == [e] * EL
-                c = int(C[s, r])
-                n1 = min(c, cap)
-                o = px.overflow_offset(e)
-                rows = np.concatenate([px.round1[base:base + n1 * RB].reshape(n1, RB),
-                                       px.overflow[o:o + (c - n1) * RB].reshape(c - n1, RB)])
-                assert np.array_equal(rows, _rows(e, s, r, c)), (e, s, r)
-                px.comb_send[:c * CRB] = rows[:, :CRB].reshape(-1)
-                px.ring("combine", e)
-            for r, px in enumerate(pxs):
-                px.wait_ready("combine", e, 60)
-                c, o = int(C[r, 1 - r]), px.comb_recv_offset(e)
-                got = px.comb_recv[o:o + c * CRB].reshape(c, CRB)
-                assert np.array_equal(got, _rows(e, r, 1 - r, c)[:, :CRB]), (e, r)
-        assert [px.phases_done for px in pxs] == [6, 6]
-    finally:
-        for px in pxs:
-            px.close()
-        for e in engines:
-            e.close()
+    proxy_two_nodes(N, engines, cap)
 
 
 def test_select_transport_libfabric():
@@ -541,20 +528,6 @@ def test_select_transport_libfabric():
 
 def _p(ok, what):
     return lambda: (ok, what)
-
-
-class _Group:
-    """A stand-in EPGroup whose other ranks answer every all_gather_object from a queue."""
-
-    def __init__(self, rank, answers):
-        self.rank, self.device = rank, None
-        self._answers = list(answers)  # per gather: the other ranks' objects
-        self.world_size = len(self._answers[0]) + 1
-
-    def all_gather_object(self, obj):
-        out = list(self._answers.pop(0))
-        out.insert(self.rank, obj)
-        return out
 
 
 def test_auto_selection_rules():
@@ -615,24 +588,24 @@ def test_ranks_agree_on_efa_and_its_endpoints(monkeypatch, caplog):
         monkeypatch.delenv(k, raising=False)
     ok = ("efa", "auto: efa (libfabric) provider efa domains ...")
     with caplog.at_level("INFO", logger=S.__name__):
-        kind, c = S._agreed_transport(_Group(0, [[ok], [4]]), None)
+        kind, c = S._agreed_transport(GroupStandIn(0, [[ok], [4]]), None)
     assert kind == "efa" and c.devices == four.devices
     msg = caplog.records[-1].getMessage()
     assert msg.startswith("moe_ep proxy transport: efa (auto: efa (libfabric) provider efa domains rdmap10-rdm,") and "; NIC " in msg
-    kind, c = S._agreed_transport(_Group(1, [[ok], [2]]), None)
+    kind, c = S._agreed_transport(GroupStandIn(1, [[ok], [2]]), None)
     assert kind == "efa" and c.devices == ["rdmap10", "rdmap11"] and c.nics == 2 and "a rank found only 2" in c.reason
-    kind, c = S._agreed_transport(_Group(0, [[("verbs", "auto: verbs device mlx5_0 port 1")]]), None)
+    kind, c = S._agreed_transport(GroupStandIn(0, [[("verbs", "auto: verbs device mlx5_0 port 1")]]), None)
     assert kind == "tcp" and c is None  # one rank has only a verbs device: no common RDMA transport
     with pytest.raises(RuntimeError, match="rank 1 cannot start its transport: MOE_EP_TRANSPORT=efa, but"):
-        S._agreed_transport(_Group(0, [[("", "MOE_EP_TRANSPORT=efa, but no EFA device is usable: x")]]), "efa")
+        S._agreed_transport(GroupStandIn(0, [[("", "MOE_EP_TRANSPORT=efa, but no EFA device is usable: x")]]), "efa")
     monkeypatch.setattr(S, "efa_probe", lambda domain=None: (False, "libfabric has no provider 'efa'"))
     with pytest.raises(RuntimeError, match="MOE_EP_TRANSPORT=efa, but no EFA device .* libfabric has no provider"):
-        S._agreed_transport(_Group(1, [[("efa", "ok")]]), "efa")
+        S._agreed_transport(GroupStandIn(1, [[("efa", "ok")]]), "efa")
     made = []
     monkeypatch.setattr(S, "FabricTransport", lambda *a, **kw: made.append((a, kw)) or "engine")
-    assert S.make_engine(_Group(0, [[None]]), "efa", four, None) == "engine"
+    assert S.make_engine(GroupStandIn(0, [[None]]), "efa", four, None) == "engine"
     assert made[-1] == ((0, 2), {"provider": "efa", "domain": "rdmap10-rdm,rdmap11-rdm,rdmap12-rdm,rdmap13-rdm",
                                  "endpoints": 0, "identity": None})
     monkeypatch.setenv("MOE_EP_FI_ENDPOINTS", "8")
-    S.make_engine(_Group(0, [[None]]), "efa", four, None)
+    S.make_engine(GroupStandIn(0, [[None]]), "efa", four, None)
     assert made[-1][1]["endpoints"] == 8

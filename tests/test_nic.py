@@ -11,6 +11,7 @@ import os
 
 import pytest
 
+from engine_cases import GroupStandIn
 from test_verbs_transport import light_import
 
 nic = light_import("proxy.nic")
@@ -219,20 +220,6 @@ def test_several_nics_from_env(sysfs):
     assert nic.nic_count({"MOE_EP_IB_DEVICE": "a,b", "MOE_EP_IB_NICS": "4"}) == 4
 
 
-class _Group:
-    """A stand-in EPGroup whose other ranks answer every all_gather_object from a queue."""
-
-    def __init__(self, rank, answers):
-        self.rank, self.device = rank, None
-        self._answers = list(answers)  # per gather: the other ranks' objects
-        self.world_size = len(self._answers[0]) + 1
-
-    def all_gather_object(self, obj):
-        out = list(self._answers.pop(0))
-        out.insert(self.rank, obj)
-        return out
-
-
 def test_ranks_must_open_as_many_nics(monkeypatch):
     S = light_import("internode.session")
     monkeypatch.setattr(S, "efa_probe", lambda device=None: (False, "no EFA device"))
@@ -240,10 +227,10 @@ def test_ranks_must_open_as_many_nics(monkeypatch):
     monkeypatch.setattr(S, "choose_nics", lambda gpu_index=None: {
         "efa": nic.NicChoice(None, None, "none"),
         "verbs": nic.NicChoice("rxe0,rxe0", 1, "MOE_EP_IB_DEVICE", (1, 1), 2)})
-    kind, c = S._agreed_transport(_Group(0, [[("verbs", "auto: verbs")], [2]]), "verbs")
+    kind, c = S._agreed_transport(GroupStandIn(0, [[("verbs", "auto: verbs")], [2]]), "verbs")
     assert kind == "verbs" and c.nics == 2 and c.spec == "rxe0:1,rxe0:1"
     with pytest.raises(RuntimeError, match=r"rank 1: ranks open different numbers of NICs \(rank 0: 1, rank 1: 2\)"):
-        S._agreed_transport(_Group(1, [[("verbs", "auto: verbs")], [1]]), "verbs")
+        S._agreed_transport(GroupStandIn(1, [[("verbs", "auto: verbs")], [1]]), "verbs")
 
 
 def _efa(name: str, switch: str, numa: int = 0) -> "nic.RdmaDevice":

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import proxy_wire as W
+from engine_cases import catch, wait_lost
 from moe_ep import CommTimeoutError
 from moe_ep.proxy import native
 from moe_ep.proxy import (CQ_OK, CQ_PEER_LOST, CQ_REMOTE_ACCESS, CQ_TIMEOUT, Engine, ImmCounter, JobIdentity,
@@ -226,7 +227,7 @@ def test_tcp_integrity_in_process(streams, fault, min_shard):
                                                        plans[e.rank][0], 20.0, "reorder" in fault)) for e in (a, b)]
         errs = []
         for t in ths:
-            t.run = (lambda f: (lambda: _catch(f, errs)))(t.run)
+            t.run = (lambda f: (lambda: catch(f, errs)))(t.run)
             t.start()
         _recv_all(b, bufs[1][1], *plans[0])
         _recv_all(a, bufs[0][1], *plans[1])
@@ -237,13 +238,6 @@ def test_tcp_integrity_in_process(streams, fault, min_shard):
     finally:
         a.close()
         b.close()
-
-
-def _catch(f, errs):
-    try:
-        f()
-    except BaseException as e:  # noqa: BLE001 - reported by the test
-        errs.append(e)
 
 
 def test_tcp_zero_byte_writes_and_remote_errors():
@@ -408,7 +402,7 @@ def test_tcp_dead_peer_process():
         a.connect([a.endpoint, ep1], timeout_s=10)
         assert conn.recv() == "connected"
         errs = []
-        w = threading.Thread(target=_catch, args=(lambda: a.imm.wait(3, 1, 20), errs))
+        w = threading.Thread(target=catch, args=(lambda: a.imm.wait(3, 1, 20), errs))
         w.start()
         time.sleep(0.1)
         t0 = time.monotonic()
@@ -491,7 +485,7 @@ def test_goodbye_names_the_cause(case):
         assert (exc.rank, exc.peer, exc.phase, exc.epoch) == (0, named, "dispatch", 1), str(exc)
         assert text in str(exc), str(exc)
         assert es[0].peer_error(1).endswith(text) and es[0].peer_error(2) == ""
-        assert _wait_lost(es[2], 1).endswith(text)  # rank 2 heard it too
+        assert wait_lost(es[2], 1, 3.0).endswith(text)  # rank 2 heard it too
     finally:
         px.close()
         for e in es:
@@ -518,13 +512,6 @@ ID = JobIdentity(bytes(range(40, 56)), 1_700_000_000_000_000_777)
 
 def _goodbye(cause=2, secret=ID.secret, src=1, world=3):
     return GOODBYE.pack(MAGIC_GOODBYE, src, 0, world, 1, cause, native.PHASE_D1, 0, 4, ID.session, secret)
-
-
-def _wait_lost(e, peer, timeout_s=3.0):
-    deadline = time.monotonic() + timeout_s
-    while not e.peer_error(peer) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return e.peer_error(peer)
 
 
 def _fake_rank1(e, stream):
@@ -565,7 +552,7 @@ def test_goodbye_on_the_wire(stream, case):
         time.sleep(0.05)
         assert e.peer_error(1) == ""
         s.sendall(data[10:])
-        assert _wait_lost(e, 1) == f"rank 0: connection with peer 1 lost: {says}"
+        assert wait_lost(e, 1, 3.0) == f"rank 0: connection with peer 1 lost: {says}"
         with pytest.raises(PeerLostError, match="peer 1 lost"):
             e.imm.wait(5, 1, 5)
         assert e.peer_error(2) == ""

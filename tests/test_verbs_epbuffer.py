@@ -25,7 +25,8 @@ import traceback
 import numpy as np
 import pytest
 
-from test_verbs_transport import _connect_all, _dev, light_import, rdma_test
+from engine_cases import CLEAN_GOODBYE, connect_all as _connect_all, goodbye_names_the_cause
+from test_verbs_transport import _dev, light_import, rdma_test
 
 DEADLINE_S = 900.0  # the whole run; under emulation each rank's `import torch` alone takes ~50 s
 TIMEOUT_S = 300.0   # the buffers' deadline: an emulated rank can lag its peer by a minute (first launches)
@@ -141,13 +142,6 @@ def test_rank_killed_over_verbs():
         assert res["after"] == "BufferBrokenError", res
 
 
-def _wait_lost(e, peer: int, timeout_s: float = 30.0) -> str:
-    deadline = time.monotonic() + timeout_s
-    while not e.peer_error(peer) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return e.peer_error(peer)
-
-
 @rdma_test
 @pytest.mark.parametrize("nics", [1, 2])
 def test_verbs_goodbye(nics):
@@ -162,19 +156,12 @@ def test_verbs_goodbye(nics):
     try:
         keys = [e.register(m) for e, m in zip(es, mem)]
         _connect_all(es)
-        es[1].close(N.CommTimeoutError(1, 2, "combine", 6, 3.0))
-        said = "rank 1 closed after its own error naming peer 2 (combine epoch 6)"
-        for r in (0, 2):
-            assert _wait_lost(es[r], 1, 5.0).endswith(said), es[r].peer_error(1)
-            assert f"rank {r}: connection with peer 1 lost (verbs device" in es[r].peer_error(1)
-        es[2].close()
-        time.sleep(0.5)
-        assert es[0].peer_error(2) == ""  # a clean goodbye alone loses no peer
+        goodbye_names_the_cause(N, es, "verbs device")
         es[0].post_write(2, keys[0], 0, keys[2], 0, 64, imm=7)
         (c,) = es[0].wait_completions(1, 60, check=False)
         msg = es[0].peer_error(2)
         assert c.status == N.CQ_PEER_LOST and "failed: " in msg, msg
-        assert msg.endswith("; its goodbye said: rank 2 closed without an error of its own (a clean close)"), msg
+        assert msg.endswith(CLEAN_GOODBYE), msg
     finally:
         for e in es:
             e.close()

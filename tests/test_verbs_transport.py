@@ -23,6 +23,7 @@ import types
 import numpy as np
 import pytest
 
+from engine_cases import assert_compiles, catch, connect_all as _connect_all, proxy_two_nodes, registered_pair
 from stand_in_cuda import fake_cuda_lib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -91,28 +92,6 @@ def _check_received(eng, dst, plan, payload, timeout_s=60.0):
     assert not dst[end:].any()
 
 
-def _connect_all(engines, timeout_s=30.0, delays=None):
-    """Connects every engine from its own thread (connect waits for the peers' hellos)."""
-    eps = [e.endpoint for e in engines]
-    errs: list = []
-
-    def run(i, e):
-        try:
-            if delays:
-                time.sleep(delays[i])
-            e.connect(eps, timeout_s)
-        except BaseException as ex:  # noqa: BLE001 - reported below
-            errs.append(ex)
-
-    ts = [threading.Thread(target=run, args=(i, e)) for i, e in enumerate(engines)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(timeout_s + 30)
-    assert not errs, errs
-    assert not any(t.is_alive() for t in ts)
-
-
 def _exchange(a, b, bufs, plans, timeout_s=60.0):
     """Both engines send their plan to each other at once; each receiver checks bytes and counts."""
     for r in (0, 1):
@@ -137,14 +116,7 @@ def _exchange(a, b, bufs, plans, timeout_s=60.0):
 
 
 def _pair(connect=True, **kw):
-    a, b = N.VerbsTransport(0, 2, **kw), N.VerbsTransport(1, 2, **kw)
-    bufs = {}
-    for e in (a, b):
-        src, dst = np.zeros(REGION, np.uint8), np.zeros(REGION, np.uint8)
-        bufs[e.rank] = (src, dst, e.register(src), e.register(dst))
-    if connect:
-        _connect_all([a, b])
-    return a, b, bufs
+    return registered_pair(N.VerbsTransport(0, 2, **kw), N.VerbsTransport(1, 2, **kw), REGION, connect)
 
 
 def _run_py(code: str, **env) -> subprocess.CompletedProcess:
@@ -482,11 +454,7 @@ def _system_header():
 @pytest.mark.rdma
 @pytest.mark.skipif(not _system_header(), reason="infiniband/verbs.h (rdma-core headers) not installed")
 def test_abi_declarations_match_system_header(tmp_path):
-    src = tmp_path / "abi_check.cc"
-    src.write_text(_ABI_CHECK)
-    r = subprocess.run([os.environ.get("CXX", "c++"), "-std=c++17", "-fsyntax-only", f"-I{SRC}", str(src)],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
+    assert_compiles(tmp_path, "abi_check.cc", _ABI_CHECK, SRC)
 
 
 # ---------------------------------------------------------------- on a verbs device
@@ -544,7 +512,7 @@ def test_verbs_destroyed_peer_qp_errors_within_deadline(how):
         _send(a, 1, bufs[0][2], bufs[1][3], [(0, 1000, 5)])
         b.imm.wait(5, 1, 30)
         errs: list = []
-        w = threading.Thread(target=lambda: _catch(lambda: a.imm.wait(6, 1, 60), errs))
+        w = threading.Thread(target=lambda: catch(lambda: a.imm.wait(6, 1, 60), errs))
         w.start()
         getattr(b, how)(*((0,) if how == "destroy_qp" else ()))
         t0 = time.monotonic()
@@ -586,13 +554,6 @@ def test_verbs_silent_dead_peer_lost_by_keepalive():
     finally:
         a.close()
         b.close()
-
-
-def _catch(f, errs):
-    try:
-        f()
-    except BaseException as e:  # noqa: BLE001
-        errs.append(e)
 
 
 @rdma_test
@@ -652,7 +613,7 @@ def test_verbs_hello_of_another_job_refused():
         for e in (a, b):
             e.register(np.zeros(4096, np.uint8))
         eps, errs = [a.endpoint, b.endpoint], []
-        ts = [threading.Thread(target=_catch, args=(lambda e=e: e.connect(eps, 3.0), errs)) for e in (a, b)]
+        ts = [threading.Thread(target=catch, args=(lambda e=e: e.connect(eps, 3.0), errs)) for e in (a, b)]
         for t in ts:
             t.start()
         for t in ts:
@@ -869,7 +830,7 @@ def test_verbs_interop_with_pyverbs_peer():
             qp.post_recv(RecvWR(wr_id=1, num_sge=1, sg=[SGE(mr.buf + size - 64, 64, mr.lkey)]))  # pyverbs wants an SGE
         qp.to_rts(attr)
         errs: list = []
-        t = threading.Thread(target=lambda: _catch(lambda: e.connect([e.endpoint, theirs], 60), errs))
+        t = threading.Thread(target=lambda: catch(lambda: e.connect([e.endpoint, theirs], 60), errs))
         t.start()
         time.sleep(0.3)  # our queue pair reaches RTR first (else this hello is retried)
         hello_at = size - 256  # its hellos, 48 bytes each, sent from its MR
@@ -930,11 +891,6 @@ def test_verbs_interop_with_pyverbs_peer():
 
 # ---------------------------------------------------------------- the §10 proxy over verbs
 
-def _rows(e, s, p, n, rb=32):
-    v = (np.arange(n * rb, dtype=np.int64) * 7 + 1000 * e + 100 * s + 10 * p) % 251
-    return v.astype(np.uint8).reshape(n, rb)
-
-
 @rdma_test
 @pytest.mark.parametrize("cap,nics,min_shard", [(2, 1, None), (0, 1, None), (2, 2, None), (0, 3, 1)],
                          ids=["cap2", "cap0", "cap2-2nics", "cap0-3nics-sharded"])
@@ -944,57 +900,12 @@ def test_verbs_proxy_dispatch_combine_two_nodes(cap, nics, min_shard):
     every header and row checked where §10 puts it. With k NICs (the device opened k times)
     every write is k shards (with a 1-byte minimum, rows really split over the NICs; with the
     16 KiB default, one shard and k - 1 empty ones) and each phase waits for k per source."""
-    R, RB, CRB, EL = 2, 32, 16, 2
-    engines = [N.VerbsTransport(r, R, device=",".join([_dev()] * nics)) for r in range(R)]
+    engines = [N.VerbsTransport(r, 2, device=",".join([_dev()] * nics)) for r in range(2)]
     for e in engines:
         assert e.imm_per_write == nics
         if min_shard:
             e.set_min_shard_bytes(min_shard)
-    pxs = [N.Proxy(e, node_size=1, num_local_experts=EL, row_bytes=RB, comb_row_bytes=CRB, private_capacity=cap,
-                   overflow_capacity=R * 8, max_send_rows=R * 8, timeout_s=60) for e in engines]
-    try:
-        _connect_all(engines)
-        for px in pxs:
-            px.start()
-        rng = np.random.default_rng(3)
-        for e in range(1, 4):
-            C = rng.integers(0, 6, size=(R, R))
-            np.fill_diagonal(C, 0)
-            for r, px in enumerate(pxs):
-                for p in range(R):
-                    hdr = px.header(p)
-                    hdr[:R], hdr[R:R + EL] = C[r], e
-                for p, off in px.disp_offsets(C[r]).items():
-                    n = int(C[r, p])
-                    px.disp_send[off:off + n * RB] = _rows(e, r, p, n).reshape(-1)
-                px.ring("dispatch", e)
-            for px in pxs:
-                px.wait_ready("dispatch", e, 60)
-            for r, px in enumerate(pxs):
-                s = 1 - r
-                base = px.round1_offset(e, s)
-                hdr = px.received_header(e, s)
-                assert hdr[:R].tolist() == C[s].tolist() and hdr[R:R + EL].tolist() == [e] * EL
-                c = int(C[s, r])
-                n1 = min(c, cap)
-                o = px.overflow_offset(e)  # the only remote source: overflow rows from offset 0
-                rows = np.concatenate([px.round1[base:base + n1 * RB].reshape(n1, RB),
-                                       px.overflow[o:o + (c - n1) * RB].reshape(c - n1, RB)])
-                assert np.array_equal(rows, _rows(e, s, r, c)), (e, s, r)
-                px.comb_send[:c * CRB] = rows[:, :CRB].reshape(-1)
-                px.ring("combine", e)
-            for r, px in enumerate(pxs):
-                px.wait_ready("combine", e, 60)
-                c, o = int(C[r, 1 - r]), px.comb_recv_offset(e)
-                got = px.comb_recv[o:o + c * CRB].reshape(c, CRB)
-                assert np.array_equal(got, _rows(e, r, 1 - r, c)[:, :CRB]), (e, r)
-        # The proxy counts a phase before it writes the ready word: seen ready, counted.
-        assert [px.phases_done for px in pxs] == [6, 6]
-    finally:
-        for px in pxs:
-            px.close()
-        for e in engines:
-            e.close()
+    proxy_two_nodes(N, engines, cap)
 
 
 @rdma_test

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -32,14 +33,13 @@
 namespace moe_ep {
 namespace {
 
-constexpr int kMaxEndpoints = 16;
+constexpr int kMaxEndpoints = kMaxLanes;
 constexpr uint64_t kShardAlign = 64;
 constexpr size_t kSlot = 128;  // a receive's buffer (a hello, a goodbye or a keepalive lands there)
 constexpr uint32_t kMagicPing = 0x4950454d;  // "MEPI": a keepalive message (its receiver ignores it)
-// Keepalive (§9): a message to every peer from each endpoint's completion thread once a second;
-// one that fails loses the peer, and so does none delivered for kLivenessNs (see keepalive()).
-constexpr int64_t kKeepaliveNs = 1'000'000'000;
-constexpr int64_t kLivenessNs = 5'000'000'000;
+// Keepalive (§9): a message to every peer from each endpoint's completion thread once per
+// kKeepaliveNs (transport_common.h); one that fails loses the peer, and so does none delivered for
+// the op timeout (see keepalive()).
 constexpr int64_t kSpinNs = 100'000;  // a completion thread's spin after its last completion or post
 constexpr int64_t kSleepNs = 20'000;  // then its sleep between reads
 
@@ -54,34 +54,6 @@ struct Op {
   uint32_t attempt = 0;
   uint64_t wr = 0;
 };
-
-std::string hex(const uint8_t* p, size_t n) {
-  static const char* d = "0123456789abcdef";
-  std::string s;
-  for (size_t i = 0; i < n; ++i) s += d[p[i] >> 4], s += d[p[i] & 15];
-  return s;
-}
-
-bool unhex(const std::string& s, std::vector<uint8_t>* out) {
-  if (s.size() % 2) return false;
-  out->clear();
-  for (size_t i = 0; i < s.size(); i += 2) {
-    char* end = nullptr;
-    const std::string b = s.substr(i, 2);
-    const long v = std::strtol(b.c_str(), &end, 16);
-    if (!end || *end) return false;
-    out->push_back(uint8_t(v));
-  }
-  return true;
-}
-
-std::vector<std::string> split(const std::string& s, char sep) {
-  std::vector<std::string> out;
-  std::string cur;
-  std::istringstream is(s);
-  while (std::getline(is, cur, sep)) out.push_back(cur);
-  return out;
-}
 
 // One endpoint of an engine: its domain, completion queue, address vector, endpoint, receive
 // slots (then a send slot per peer for the hello, the goodbye and the keepalive) and thread.
@@ -414,43 +386,37 @@ class FabricTransport final : public Transport {
     Region r;
     if (int rc = check_post(rank_, world_, connected_, regions_, peer, local_key, local_off, len, &r); rc != kOk) return rc;
     const int k = int(lanes_.size());
-    uint64_t b[kMaxEndpoints + 1];
-    shard_bounds(len, k, min_shard_.load(), kShardAlign, b);
+    const WriteShards sh(len, k, min_shard_.load(), kShardAlign, has_imm);
     const std::string pre = prefix() + "post_write to peer " + std::to_string(peer);
-    if (max_msg_ > 0 && b[1] > max_msg_)
-      return set_error(kErrInvalid, pre + ": a shard of " + std::to_string(b[1]) + " bytes is more than " + prov_ +
+    if (max_msg_ > 0 && sh.bytes(0) > max_msg_)
+      return set_error(kErrInvalid, pre + ": a shard of " + std::to_string(sh.bytes(0)) + " bytes is more than " + prov_ +
                                         " carries in one write (" + std::to_string(max_msg_) + ")");
     Peer& pr = *peers_[size_t(peer)];
     const uint64_t wr = next_wr_++;
     *wr_id = wr;
     const int64_t n = pr.writes_posted++;
-    if (cut_peer_.load() == peer && n >= cut_after_.load())
-      lose_peer(peer, "connection cut by fault injection after " + std::to_string(n) + " writes");
-    const auto& mrs = pr.mr;
-    if (remote_key == 0 || remote_key > mrs.size() || remote_off > mrs[remote_key - 1].len ||
-        len > mrs[remote_key - 1].len - remote_off) {
+    if (std::string why = cut_.cuts(peer, n); !why.empty()) lose_peer(peer, why);
+    const RemoteRegion* rr = remote_region(pr.mr, remote_key, remote_off, len);
+    if (!rr) {
       cq_.push(wr, peer, pr.lost ? int32_t(kCqPeerLost) : int32_t(kCqRemoteAccess));
       return kOk;
     }
-    const RemoteRegion& rr = mrs[remote_key - 1];
-    int posts = 0;
-    for (int s = 0; s < k; ++s) posts += has_imm || b[s + 1] > b[s] || (s == 0 && len == 0);
     const int64_t deadline = steady_now_ns() + op_timeout_ns_.load();
-    const int added = cq_.add(wr, peer, uint32_t(posts), pr.lost, 1024, deadline);
+    const int added = cq_.add(wr, peer, uint32_t(sh.posts()), pr.lost, 1024, deadline);
     if (added == 0) return kOk;
     if (added < 0) return set_error(kErrTimeout, pre + ": 1024 writes still pending after the op timeout");
     static char zero[1];
     for (int s = 0; s < k; ++s) {
-      const uint64_t off = b[s], bytes = b[s + 1] - b[s];
-      if (!has_imm && bytes == 0 && !(s == 0 && len == 0)) continue;
+      if (!sh.posted(s)) continue;
+      const uint64_t off = sh.at(s), bytes = sh.bytes(s);
       const int i = int((uint64_t(s) + uint64_t(n)) % uint64_t(k));
       Lane& l = *lanes_[size_t(i)];
       Op* op = new_op(OpKind::Write, peer);
       op->wr = wr;
       char* src = r.len ? r.ptr + local_off + off : zero;
       void* desc = (mode_ & fi::MR_LOCAL) && !r.mr.empty() ? r.mr[size_t(i)].desc : nullptr;
-      const uint64_t addr = rr.base + remote_off + off;
-      const uint64_t key = rr.key[size_t(i)];
+      const uint64_t addr = rr->base + remote_off + off;
+      const uint64_t key = rr->key[size_t(i)];
       ssize_t rc;
       for (;;) {
         rc = has_imm ? l.ep->rma->writedata(l.ep, src, bytes, desc, imm, l.peer_addr[size_t(peer)], addr, key, op)
@@ -482,55 +448,22 @@ class FabricTransport final : public Transport {
   }
 
   // Only the cut is implemented (delay and reorder belong to the tcp transport's streams).
-  void set_fault(const FaultConfig& f) override {
-    cut_after_ = f.cut_after;
-    cut_peer_ = f.cut_peer;
-  }
+  void set_fault(const FaultConfig& f) override { cut_.set(f); }
   void set_op_timeout(int64_t ns) override { op_timeout_ns_ = ns; }
   void set_min_shard_bytes(uint64_t n) override { min_shard_ = std::max<uint64_t>(n, 1); }
   std::vector<std::string> refused(int64_t* total) const override { return refusals_.lines(total); }
 
-  int64_t cpu_ns() override {
-    int64_t sum = 0;
-    for (auto& l : lanes_) {
-      const int64_t c = thread_cpu_ns(l->thr);
-      if (c < 0) return -1;
-      sum += c;
-    }
-    return sum;
-  }
-
-  std::string peer_error(int peer) override {
-    if (peer < 0 || peer >= world_) return "";
-    std::lock_guard<std::mutex> lk(peers_[size_t(peer)]->mu);
-    return peers_[size_t(peer)]->err;
-  }
+  int64_t cpu_ns() override { return threads_cpu_ns(lanes_); }
+  std::string peer_error(int peer) override { return loss_of(peers_, peer); }
 
   // The goodbye to every peer that is up and not gone, on every endpoint, then a wait until each
   // was delivered or its peer went.
   void say_goodbye(const Goodbye& g) override {
     if (bye_said_.exchange(true) || !connected_) return;
-    const int64_t deadline = steady_now_ns() + kGoodbyeTimeoutNs;
-    for (int p = 0; p < world_; ++p)
-      if (p != rank_ && peers_[size_t(p)]->up && !peer_gone(*peers_[size_t(p)]))
-        for (int i = 0; i < int(lanes_.size()); ++i) send_goodbye(p, i, g, deadline);
-    std::unique_lock<std::mutex> lk(conn_mu_);
-    auto out = [this] {
-      for (auto& pr : peers_)
-        for (auto& ln : pr->link)
-          if (ln->bye_status == -1 && !peer_gone(*pr)) return false;
-      return true;
-    };
-    while (!out() && steady_now_ns() < deadline) conn_cv_.wait_for(lk, std::chrono::milliseconds(10));
+    goodbye_every_link(peers_, rank_, conn_mu_, conn_cv_, [&](int p, int i, int64_t deadline) { send_goodbye(p, i, g, deadline); });
   }
 
-  bool peer_goodbye(int peer, Goodbye* out) override {
-    if (peer < 0 || peer >= world_) return false;
-    Peer& pr = *peers_[size_t(peer)];
-    std::lock_guard<std::mutex> lk(pr.mu);
-    if (pr.said_bye) *out = pr.bye;
-    return pr.said_bye;
-  }
+  bool peer_goodbye(int peer, Goodbye* out) override { return said_goodbye(peers_, peer, out); }
 
   // {"provider", "domain" (','-joined), "domains" (endpoint i on domains[i % n]), "mr_mode" (in
   // use), "provider_mr_mode", "forced_mr_mode", "endpoints", "max_msg_size"} as JSON.
@@ -656,7 +589,9 @@ class FabricTransport final : public Transport {
     return kOk;
   }
 
+  // The goodbye to peer p (if it is up) on endpoint i: a message from its slot of the buffer.
   void send_goodbye(int p, int i, const Goodbye& g, int64_t deadline) {
+    if (!peers_[size_t(p)]->up) return;
     Link& ln = *peers_[size_t(p)]->link[size_t(i)];
     char* at = bye_slot(*lanes_[size_t(i)], p);
     const WireGoodbye w = make_goodbye(id_, rank_, p, world_, g);
@@ -671,14 +606,8 @@ class FabricTransport final : public Transport {
 
   int parse(int p, const std::string& ep, std::vector<std::vector<uint8_t>>* addrs) {
     const std::string bad = prefix() + "connect: bad libfabric endpoint of peer " + std::to_string(p) + " '" + ep + "'";
-    auto fields = split(ep, ';');
-    if (fields.empty() || fields[0] != "fabric1") return set_error(kErrInvalid, bad + " (not a fabric1 endpoint)");
     std::unordered_map<std::string, std::string> kv;
-    for (size_t i = 1; i < fields.size(); ++i) {
-      const auto eq = fields[i].find('=');
-      if (eq == std::string::npos) return set_error(kErrInvalid, bad);
-      kv[fields[i].substr(0, eq)] = fields[i].substr(eq + 1);
-    }
+    if (int rc = endpoint_fields(ep, "fabric1", bad, &kv); rc != kOk) return rc;
     const size_t k = lanes_.size();
     if (kv["prov"] != wire_prov())
       return set_error(kErrInvalid, prefix() + "connect: peer " + std::to_string(p) + " opened libfabric provider '" +
@@ -720,14 +649,10 @@ class FabricTransport final : public Transport {
   // the ImmCounter fails. `lane`: the endpoint where it was noticed. `bye`: lost by its goodbye.
   void lose_peer(int p, const std::string& why, int32_t status = kCqPeerLost, int lane = 0, const Goodbye* bye = nullptr) {
     Peer& pr = *peers_[size_t(p)];
-    std::string msg = prefix() + "connection with peer " + std::to_string(p) + " lost (" + lanes_[size_t(lane)]->where + "): " + why;
+    std::string msg = loss_text(rank_, p, lanes_[size_t(lane)]->where, why);
     {
       std::lock_guard<std::mutex> lk(pr.mu);
-      if (pr.lost) return;
-      if (bye) pr.bye = *bye, pr.said_bye = true;
-      else if (pr.said_bye) msg += "; its goodbye said: " + pr.bye_text;
-      pr.err = msg;
-      pr.lost = true;
+      if (!mark_lost(pr, &msg, bye)) return;
     }
     cq_.fail_peer(p, status);
     conn_cv_.notify_all();
@@ -748,14 +673,12 @@ class FabricTransport final : public Transport {
 #endif
     Lane& l = *lanes_[size_t(i)];
     fi::cq_data_entry e[32];
-    int64_t idle_since = steady_now_ns(), next_keepalive = idle_since + kKeepaliveNs / 8;
+    int64_t idle_since = steady_now_ns();
+    KeepaliveClock keepalive_clock(idle_since);
     while (!stop_) {
       const ssize_t n = l.cq->ops->read(l.cq, e, 32);
       const int64_t now = steady_now_ns();
-      if (connected_ && now >= next_keepalive) {
-        keepalive(i, now);
-        next_keepalive = now + kKeepaliveNs / 8;
-      }
+      if (connected_ && keepalive_clock.due(now)) keepalive(i, now);
       if (n > 0) {
         for (ssize_t j = 0; j < n; ++j) handle(i, e[j]);
         idle_since = now;
@@ -780,16 +703,23 @@ class FabricTransport final : public Transport {
   }
 
   // Keepalives of endpoint i (kKeepaliveNs): to each connected peer not lost, one at a time. A
-  // peer none was delivered to for kLivenessNs is lost: rxd and efa complete one only once the
-  // peer acknowledged it; rxm answers -FI_EAGAIN for good once the peer's socket is gone.
+  // peer none was delivered to for the op timeout is lost (rxd and efa complete one only once the
+  // peer acknowledged it; rxm answers -FI_EAGAIN for good once the peer's socket is gone): the
+  // rule a write is held to, so a peer slow enough to miss keepalives for a while but not lost by
+  // its writes is not lost by them either, and one silent since before a wait as long as the op
+  // timeout (the proxy's phase deadline: 30 s by default, as the op timeout) is lost, named as
+  // such, by the time that wait would end. docs/ARCHITECTURE.md §9, "Lost peers".
   void keepalive(int i, int64_t now) {
     Lane& l = *lanes_[size_t(i)];
+    const int64_t window = op_timeout_ns_.load();
     for (int p = 0; p < world_; ++p) {
       Peer& pr = *peers_[size_t(p)];
       if (p == rank_ || !pr.up || pr.lost) continue;
       Link& ln = *pr.link[size_t(i)];
-      if (now - ln.alive_ns.load() > kLivenessNs) {
-        lose_peer(p, "no keepalive message reached it for " + std::to_string(kLivenessNs / 1'000'000'000) + " s (" +
+      if (now - ln.alive_ns.load() > window) {
+        char s[32];
+        std::snprintf(s, sizeof(s), "%g", double(window) / 1e9);
+        lose_peer(p, std::string("no keepalive message reached it for ") + s + " s, the op timeout (" +
                          (ln.probing ? "one is still not acknowledged" : "posting one answers -FI_EAGAIN") +
                          "; its process or node is gone)", kCqPeerLost, i);
         continue;
@@ -936,10 +866,8 @@ class FabricTransport final : public Transport {
       refusals_.record(prefix() + "refused a goodbye on " + lanes_[size_t(i)]->where + ": " + why);
       return;
     }
-    std::string text;
-    const Goodbye bye = trusted_goodbye(g, world_, &text);
-    if (!bye.error) return remember_goodbye(*peers_[size_t(src)], bye, text);
-    lose_peer(src, text, kCqPeerLost, i, &bye);
+    take_goodbye(g, world_, *peers_[size_t(src)],
+                 [&](const std::string& text, const Goodbye& bye) { lose_peer(src, text, kCqPeerLost, i, &bye); });
   }
 
   const int rank_, world_;
@@ -968,8 +896,7 @@ class FabricTransport final : public Transport {
   std::unordered_set<Op*> ops_;  // operations posted and not completed (freed by the destructor)
   std::atomic<uint64_t> next_wr_{1};
   std::atomic<uint64_t> min_shard_{kDefaultMinShardBytes};
-  std::atomic<int> cut_peer_{-1};
-  std::atomic<int64_t> cut_after_{0};
+  CutFault cut_;
   std::atomic<int64_t> op_timeout_ns_{30'000'000'000LL};
   std::atomic<bool> stop_{false};
   std::atomic<bool> connected_{false};
@@ -1031,14 +958,7 @@ Transport* create_fabric_transport(int rank, int world, const std::string& provi
   if (!api) return set_error(kErrInvalid, pre + "libfabric transport not available: " + why), nullptr;
   const std::vector<fi::info*> infos = choose_infos(*api, prov, doms, &why);
   if (infos.empty()) return set_error(kErrInvalid, pre + "libfabric transport not available: " + why), nullptr;
-  auto* t = new FabricTransport(rank, world, *api, id, force_mr_mode);
-  if (t->start(infos, endpoints) != kOk) {
-    const std::string msg = thread_error();
-    delete t;
-    thread_error() = msg;
-    return nullptr;
-  }
-  return t;
+  return started(new FabricTransport(rank, world, *api, id, force_mr_mode), infos, endpoints);
 }
 
 bool fabric_probe(const std::string& provider, const std::string& domain, std::string* what) {

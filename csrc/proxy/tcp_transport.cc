@@ -310,9 +310,7 @@ class TcpTransport final : public Transport {
     const uint64_t wr = next_wr_++;
     *wr_id = wr;
 
-    const int64_t n = pr.writes_posted++;
-    if (cut_peer_.load() == peer && n >= cut_after_.load())
-      lose_peer(peer, "connection cut by fault injection after " + std::to_string(n) + " writes");
+    if (std::string why = cut_.cuts(peer, pr.writes_posted++); !why.empty()) lose_peer(peer, why);
 
     // Shards of at least min_shard_bytes (a small write is one message on one stream; successive
     // writes still go to different streams, so they stay unordered).
@@ -347,8 +345,7 @@ class TcpTransport final : public Transport {
   void set_fault(const FaultConfig& f) override {
     delay_us_ = std::max<int64_t>(f.delay_us, 0);
     reorder_ = f.reorder;
-    cut_after_ = f.cut_after;
-    cut_peer_ = f.cut_peer;
+    cut_.set(f);
   }
 
   void set_op_timeout(int64_t ns) override { op_timeout_ns_ = ns; }
@@ -359,11 +356,7 @@ class TcpTransport final : public Transport {
 
   int64_t cpu_ns() override { return thread_cpu_ns(io_thread_); }
 
-  std::string peer_error(int peer) override {
-    if (peer < 0 || peer >= world_) return "";
-    std::lock_guard<std::mutex> lk(peers_[peer]->mu);
-    return peers_[peer]->err;
-  }
+  std::string peer_error(int peer) override { return loss_of(peers_, peer); }
 
   // The I/O thread queues the goodbye on every connection of every peer not lost and reports when
   // the kernel has sent all of it (queue_goodbyes, goodbyes_gone); this waits for that.
@@ -377,13 +370,7 @@ class TcpTransport final : public Transport {
     bye_cv_.wait_for(lk, std::chrono::nanoseconds(kGoodbyeTimeoutNs), [this] { return bye_gone_; });
   }
 
-  bool peer_goodbye(int peer, Goodbye* out) override {
-    if (peer < 0 || peer >= world_) return false;
-    Peer& pr = *peers_[peer];
-    std::lock_guard<std::mutex> lk(pr.mu);
-    if (pr.said_bye) *out = pr.bye;
-    return pr.said_bye;
-  }
+  bool peer_goodbye(int peer, Goodbye* out) override { return said_goodbye(peers_, peer, out); }
 
  private:
   std::string prefix() const { return "rank " + std::to_string(rank_) + ": "; }
@@ -516,14 +503,10 @@ class TcpTransport final : public Transport {
   // writes and the ImmCounter's waiters. `bye`: lost by its goodbye (`why` says what it said).
   void lose_peer(int p, const std::string& why, int32_t status = kCqPeerLost, const Goodbye* bye = nullptr) {
     Peer& pr = *peers_[p];
-    std::string msg = prefix() + "connection with peer " + std::to_string(p) + " lost: " + why;
+    std::string msg = loss_text(rank_, p, "", why);
     {
       std::lock_guard<std::mutex> lk(pr.mu);
-      if (pr.lost) return;
-      if (bye) pr.bye = *bye, pr.said_bye = true;
-      else if (pr.said_bye) msg += "; its goodbye said: " + pr.bye_text;
-      pr.err = msg;
-      pr.lost = true;
+      if (!mark_lost(pr, &msg, bye)) return;
       for (int fd : pr.in_fds) shutdown(fd, SHUT_RDWR);
       for (auto& c : pr.out)
         if (c->fd >= 0) shutdown(c->fd, SHUT_RDWR);
@@ -889,10 +872,10 @@ class TcpTransport final : public Transport {
   bool on_goodbye(Conn* c, const WireGoodbye& g) {
     if (std::string why = goodbye_mismatch(g, sizeof(g), c->peer, rank_, world_, id_); !why.empty())
       return fail(c, "protocol error: " + why), false;
-    std::string text;
-    const Goodbye bye = trusted_goodbye(g, world_, &text);
-    if (!bye.error) return remember_goodbye(*peers_[c->peer], bye, text), true;
-    if (!stop_) lose_peer(c->peer, text, kCqPeerLost, &bye);
+    if (take_goodbye(g, world_, *peers_[c->peer], [&](const std::string& text, const Goodbye& bye) {
+          if (!stop_) lose_peer(c->peer, text, kCqPeerLost, &bye);
+        }))
+      return true;
     drop(c);
     return false;
   }
@@ -992,8 +975,7 @@ class TcpTransport final : public Transport {
   std::atomic<uint64_t> next_wr_{1};
   std::atomic<int64_t> delay_us_{0};
   std::atomic<bool> reorder_{false};
-  std::atomic<int> cut_peer_{-1};
-  std::atomic<int64_t> cut_after_{0};
+  CutFault cut_;
   std::atomic<int64_t> op_timeout_ns_{30'000'000'000LL};
   std::atomic<uint64_t> min_shard_{kDefaultMinShardBytes};
   std::atomic<int64_t> hello_timeout_ns_{10'000'000'000LL};
@@ -1019,12 +1001,7 @@ Transport* create_tcp_transport(int rank, int world, int streams, const std::str
   if (bad_rank(rank, world)) return nullptr;
   if (streams < 1 || streams > 256)
     return set_error(kErrInvalid, "rank " + std::to_string(rank) + ": streams must be 1..256, got " + std::to_string(streams)), nullptr;
-  auto* t = new TcpTransport(rank, world, streams, id);
-  if (t->start(bind_host) != kOk) {
-    delete t;
-    return nullptr;
-  }
-  return t;
+  return started(new TcpTransport(rank, world, streams, id), bind_host);
 }
 
 }  // namespace moe_ep

@@ -1,12 +1,14 @@
 // Pieces every transport shares: the table of registered regions (keys in registration order),
 // the completion queue of posted writes (pending writes, op timeouts, poll), a thread's CPU
-// clock, the messages of local argument errors.
+// clock, the messages of local argument errors, endpoint strings, the goodbye, the record of a lost
+// peer, the checks of a post, the fault-injection cut and the keepalive clock.
 #pragma once
 
 #include <pthread.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -14,7 +16,9 @@
 #include <cstring>
 #include <ctime>
 #include <deque>
+#include <memory>
 #include <mutex>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -36,6 +40,74 @@ inline int64_t thread_cpu_ns(std::thread& t) {
   timespec ts{};
   if (!t.joinable() || pthread_getcpuclockid(t.native_handle(), &cid) != 0 || clock_gettime(cid, &ts) != 0) return -1;
   return int64_t(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
+}
+
+// CPU ns the threads of `owners` (each a unique_ptr to something with a `thr`: a NIC, an
+// endpoint) have used, summed (-1 when it cannot tell for one of them).
+template <class Owner>
+int64_t threads_cpu_ns(const std::vector<std::unique_ptr<Owner>>& owners) {
+  int64_t sum = 0;
+  for (auto& o : owners) {
+    const int64_t c = thread_cpu_ns(o->thr);
+    if (c < 0) return -1;
+    sum += c;
+  }
+  return sum;
+}
+
+// `t` once its start(args...) returned kOk; else null, `t` deleted, the thread's error what start
+// said (not what the destructor may say after it).
+template <class Engine, class... Args>
+Transport* started(Engine* t, Args&&... args) {
+  if (t->start(std::forward<Args>(args)...) == kOk) return t;
+  const std::string msg = thread_error();
+  delete t;
+  thread_error() = msg;
+  return nullptr;
+}
+
+// ---- Endpoint strings: "KIND;key=value;..." (verbs1, fabric1), values in hex or '/'-, ','-joined ----
+
+inline std::string hex(const uint8_t* p, size_t n) {
+  static const char* d = "0123456789abcdef";
+  std::string s;
+  for (size_t i = 0; i < n; ++i) s += d[p[i] >> 4], s += d[p[i] & 15];
+  return s;
+}
+
+// The bytes of hex digits `s` (either case); false when it is not an even number of them.
+inline bool unhex(const std::string& s, std::vector<uint8_t>* out) {
+  if (s.size() % 2) return false;
+  auto nib = [](char c) { return std::isdigit(c) ? c - '0' : std::isxdigit(c) ? std::tolower(c) - 'a' + 10 : -1; };
+  out->clear();
+  for (size_t i = 0; i < s.size(); i += 2) {
+    const int hi = nib(s[i]), lo = nib(s[i + 1]);
+    if (hi < 0 || lo < 0) return false;
+    out->push_back(uint8_t(hi * 16 + lo));
+  }
+  return true;
+}
+
+inline std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  std::string cur;
+  std::istringstream is(s);
+  while (std::getline(is, cur, sep)) out.push_back(cur);
+  return out;
+}
+
+// The key=value fields of endpoint `ep` into *kv: kOk, or kErrInvalid with the thread's error set
+// to `bad` (+ why) when it is not a `kind` endpoint or a field has no '='.
+inline int endpoint_fields(const std::string& ep, const std::string& kind, const std::string& bad,
+                           std::unordered_map<std::string, std::string>* kv) {
+  const auto fields = split(ep, ';');
+  if (fields.empty() || fields[0] != kind) return set_error(kErrInvalid, bad + " (not a " + kind + " endpoint)");
+  for (size_t i = 1; i < fields.size(); ++i) {
+    const auto eq = fields[i].find('=');
+    if (eq == std::string::npos) return set_error(kErrInvalid, bad);
+    (*kv)[fields[i].substr(0, eq)] = fields[i].substr(eq + 1);
+  }
+  return kOk;
 }
 
 // Byte sharding of one write over k NICs (verbs): shard i is [out[i], out[i + 1]), contiguous and
@@ -216,6 +288,79 @@ inline Goodbye trusted_goodbye(const WireGoodbye& g, int world, std::string* tex
   return out;
 }
 
+// A checked goodbye (goodbye_mismatch passed) from the peer `pr`: a clean one is remembered for
+// the loss that follows (true); after an error, lose(text, bye) loses the peer at once, by what
+// it said (false).
+template <class PeerT, class Lose>
+bool take_goodbye(const WireGoodbye& g, int world, PeerT& pr, Lose&& lose) {
+  std::string text;
+  const Goodbye bye = trusted_goodbye(g, world, &text);
+  if (!bye.error) return remember_goodbye(pr, bye, text), true;
+  lose(text, bye);
+  return false;
+}
+
+// say_goodbye of an engine whose peers' links keep bye_status (-2 not sent, -1 pending, else
+// done: verbs, libfabric): send(p, i, deadline) on link i of every peer p not gone, then a wait
+// (at most kGoodbyeTimeoutNs; `cv` under `mu` is notified as they complete) until each one left
+// or its peer went.
+template <class PeerT, class Send>
+void goodbye_every_link(std::vector<std::unique_ptr<PeerT>>& peers, int rank, std::mutex& mu,
+                        std::condition_variable& cv, Send&& send) {
+  const int64_t deadline = steady_now_ns() + kGoodbyeTimeoutNs;
+  for (int p = 0; p < int(peers.size()); ++p)
+    if (p != rank && !peer_gone(*peers[size_t(p)]))
+      for (int i = 0; i < int(peers[size_t(p)]->link.size()); ++i) send(p, i, deadline);
+  std::unique_lock<std::mutex> lk(mu);
+  auto out = [&] {
+    for (auto& pr : peers)
+      for (auto& l : pr->link)
+        if (l->bye_status == -1 && !peer_gone(*pr)) return false;
+    return true;
+  };
+  while (!out() && steady_now_ns() < deadline) cv.wait_for(lk, std::chrono::milliseconds(10));
+}
+
+// peer_goodbye of every engine: true when `peer` said goodbye before it was lost (*out: what).
+template <class PeerT>
+bool said_goodbye(const std::vector<std::unique_ptr<PeerT>>& peers, int peer, Goodbye* out) {
+  if (peer < 0 || size_t(peer) >= peers.size()) return false;
+  PeerT& pr = *peers[size_t(peer)];
+  std::lock_guard<std::mutex> lk(pr.mu);
+  if (pr.said_bye) *out = pr.bye;
+  return pr.said_bye;
+}
+
+// ---- A lost peer (PeerT: a transport's peer, with mu, lost, err and the goodbye fields) ----
+
+// What the loss of `peer` reads: "rank R: connection with peer P lost (WHERE): WHY" ("" where:
+// no parentheses).
+inline std::string loss_text(int rank, int peer, const std::string& where, const std::string& why) {
+  return "rank " + std::to_string(rank) + ": connection with peer " + std::to_string(peer) + " lost" +
+         (where.empty() ? "" : " (" + where + ")") + ": " + why;
+}
+
+// Marks `pr` lost with *msg (loss_text), under pr.mu, which the caller holds; false when it was
+// lost already (the first reason wins). `bye`: lost by its goodbye; else a clean goodbye it said
+// before is appended to *msg.
+template <class PeerT>
+bool mark_lost(PeerT& pr, std::string* msg, const Goodbye* bye) {
+  if (pr.lost) return false;
+  if (bye) pr.bye = *bye, pr.said_bye = true;
+  else if (pr.said_bye) *msg += "; its goodbye said: " + pr.bye_text;
+  pr.err = *msg;
+  pr.lost = true;
+  return true;
+}
+
+// peer_error of every engine: "" while `peer` is healthy, else why it was lost.
+template <class PeerT>
+std::string loss_of(const std::vector<std::unique_ptr<PeerT>>& peers, int peer) {
+  if (peer < 0 || size_t(peer) >= peers.size()) return "";
+  std::lock_guard<std::mutex> lk(peers[size_t(peer)]->mu);
+  return peers[size_t(peer)]->err;
+}
+
 constexpr size_t kRefusalRecords = 64;
 
 // The refused connections and hellos of one engine: each is one line on stderr ("moe_ep: rank R:
@@ -317,6 +462,79 @@ int check_post(int rank, int world, bool connected, const RegionTable<Region>& r
                                       " is not inside a registered region");
   return kOk;
 }
+
+// The region `key` (1, 2, ...) among a peer's advertised ones (R: with its len) when
+// [off, off + len) lies inside it; else null (the write fails as a remote access error).
+template <class R>
+const R* remote_region(const std::vector<R>& mrs, uint32_t key, uint64_t off, uint64_t len) {
+  if (key == 0 || key > mrs.size() || off > mrs[key - 1].len || len > mrs[key - 1].len - off) return nullptr;
+  return &mrs[key - 1];
+}
+
+constexpr int kMaxLanes = 16;  // the most NICs (verbs) or endpoints (libfabric) a write is cut over
+
+// One write of `len` bytes cut over k lanes (NICs, endpoints; at most kMaxLanes) by shard_bounds:
+// shard s is `bytes(s)` bytes from `at(s)`. posted(s): whether shard s is posted at all (every
+// shard of a write with an immediate, which the receiver counts once per shard, empty ones
+// included; else those with bytes, and shard 0 of a zero-byte write); posts(): how many are.
+class WriteShards {
+ public:
+  WriteShards(uint64_t len, int k, uint64_t min_shard, uint64_t align, bool has_imm)
+      : len_(len), k_(k), has_imm_(has_imm) {
+    shard_bounds(len, k, min_shard, align, b_);
+  }
+  uint64_t at(int s) const { return b_[s]; }
+  uint64_t bytes(int s) const { return b_[s + 1] - b_[s]; }
+  bool posted(int s) const { return has_imm_ || bytes(s) > 0 || (s == 0 && len_ == 0); }
+  int posts() const {
+    int n = 0;
+    for (int s = 0; s < k_; ++s) n += posted(s);
+    return n;
+  }
+
+ private:
+  uint64_t b_[kMaxLanes + 1];
+  uint64_t len_;
+  int k_;
+  bool has_imm_;
+};
+
+// The fault-injection cut (FaultConfig::cut_peer, cut_after), changed at run time by set_fault.
+class CutFault {
+ public:
+  void set(const FaultConfig& f) {
+    after_ = f.cut_after;
+    peer_ = f.cut_peer;
+  }
+  // Why a write to `peer` posted after n others to it cuts the peer; "" when it does not.
+  std::string cuts(int peer, int64_t n) const {
+    if (peer_.load() != peer || n < after_.load()) return "";
+    return "connection cut by fault injection after " + std::to_string(n) + " writes";
+  }
+
+ private:
+  std::atomic<int> peer_{-1};
+  std::atomic<int64_t> after_{0};
+};
+
+// verbs and libfabric: a peer gets a keepalive once per kKeepaliveNs (verbs: one nothing was
+// posted to for that long), from each completion thread, which looks every kKeepaliveNs / 8.
+constexpr int64_t kKeepaliveNs = 1'000'000'000;
+
+// When a completion thread next looks at its peers' keepalives (every kKeepaliveNs / 8).
+class KeepaliveClock {
+ public:
+  explicit KeepaliveClock(int64_t now) : next_(now + kKeepaliveNs / 8) {}
+  // True once the time has come at `now` (the next look is then set from it).
+  bool due(int64_t now) {
+    if (now < next_) return false;
+    next_ = now + kKeepaliveNs / 8;
+    return true;
+  }
+
+ private:
+  int64_t next_;
+};
 
 // Posted writes until their completion, and the completions poll() hands out. A write may have
 // several parts (shards); it completes when all have, with the first error status of any.

@@ -110,32 +110,6 @@ int env_int(const char* name, int dflt) {
   return (end && *end == 0) ? int(x) : dflt;
 }
 
-std::string hex(const uint8_t* p, size_t n) {
-  static const char* d = "0123456789abcdef";
-  std::string s;
-  for (size_t i = 0; i < n; ++i) s += d[p[i] >> 4], s += d[p[i] & 15];
-  return s;
-}
-
-bool unhex(const std::string& s, uint8_t* out, size_t n) {
-  if (s.size() != 2 * n) return false;
-  auto nib = [](char c) { return std::isdigit(c) ? c - '0' : std::isxdigit(c) ? std::tolower(c) - 'a' + 10 : -1; };
-  for (size_t i = 0; i < n; ++i) {
-    const int hi = nib(s[2 * i]), lo = nib(s[2 * i + 1]);
-    if (hi < 0 || lo < 0) return false;
-    out[i] = uint8_t(hi * 16 + lo);
-  }
-  return true;
-}
-
-std::vector<std::string> split(const std::string& s, char sep) {
-  std::vector<std::string> out;
-  std::string cur;
-  std::istringstream is(s);
-  while (std::getline(is, cur, sep)) out.push_back(cur);
-  return out;
-}
-
 std::string read_line(const std::string& path) {
   std::ifstream f(path);
   std::string s;
@@ -274,12 +248,13 @@ constexpr uint64_t kHelloTag = 1ull << 61;  // hello send wr_id: kHelloTag | att
 constexpr uint64_t kByeTag = 1ull << 60;    // goodbye send wr_id: kByeTag | peer (the NIC: the CQ it is on)
 constexpr uint64_t kProbeTag = 1ull << 59;  // keepalive write wr_id: kProbeTag | peer (the NIC: the CQ it is on)
 // RC has no keepalive: a peer whose process or node died is noticed only by a write to it. So a
-// peer nothing was written to for this long gets a zero-byte write from each NIC's completion
-// thread (C9-88: it touches no memory); failing, it loses the peer within the retry time
-// (timeout x retry_cnt), where a wait for that peer's immediates would run to its deadline.
-constexpr int64_t kKeepaliveNs = 1'000'000'000;
+// peer nothing was written to for kKeepaliveNs (transport_common.h) gets a zero-byte write from
+// each NIC's completion thread (C9-88: it touches no memory); failing, it loses the peer within
+// the retry time (timeout x retry_cnt), where a wait for that peer's immediates would run to its
+// deadline. It needs no liveness window of its own (libfabric's is the op timeout): the NIC
+// completes every write, a keepalive as any other, with an error once its retries are spent.
 constexpr uint32_t kPsnMask = 0xFFFFFF;
-constexpr int kMaxNics = 16;
+constexpr int kMaxNics = kMaxLanes;
 constexpr uint64_t kShardAlign = 64;  // shards start at multiples of a cache line
 // Per NIC and peer, kHelloSlot bytes of the NIC's hello buffer: [0, 64) where the peer's hello
 // or goodbye lands (every receive of that queue pair points there), [64, 64 + sizeof(WireHello))
@@ -722,30 +697,24 @@ class VerbsTransport final : public Transport {
     Region r;
     if (int rc = check_post(rank_, world_, connected_, regions_, peer, local_key, local_off, len, &r); rc != kOk) return rc;
     const int k = int(nics_.size());
-    uint64_t b[kMaxNics + 1];
-    shard_bounds(len, k, min_shard_.load(), kShardAlign, b);
-    if (b[1] > 0xFFFFFFFFull)
+    const WriteShards sh(len, k, min_shard_.load(), kShardAlign, has_imm);
+    if (sh.bytes(0) > 0xFFFFFFFFull)
       return set_error(kErrInvalid, prefix() + "post_write to peer " + std::to_string(peer) + ": a shard of " +
-                                        std::to_string(b[1]) + " bytes is more than one verbs write carries (4 GiB)");
+                                        std::to_string(sh.bytes(0)) + " bytes is more than one verbs write carries (4 GiB)");
     Peer& pr = *peers_[size_t(peer)];
     const uint64_t wr = next_wr_++;
     *wr_id = wr;
     const int64_t n = pr.writes_posted++;
     pr.last_post_ns.store(now_ns(), std::memory_order_relaxed);
-    if (cut_peer_.load() == peer && n >= cut_after_.load())
-      lose_peer(peer, "connection cut by fault injection after " + std::to_string(n) + " writes");
+    if (std::string why = cut_.cuts(peer, n); !why.empty()) lose_peer(peer, why);
     // The peer's advertised regions: a bad key or range fails the write here, as a remote access
     // error, instead of sending it (a real one would break the queue pair).
-    const auto& mrs = pr.remote.mr;
-    if (remote_key == 0 || remote_key > mrs.size() || remote_off > mrs[remote_key - 1].len ||
-        len > mrs[remote_key - 1].len - remote_off)
-      return complete_now(wr, peer, kCqRemoteAccess);
-    const RemoteRegion& rr = mrs[remote_key - 1];
-    int posts = 0;
-    for (int s = 0; s < k; ++s) posts += has_imm || b[s + 1] > b[s] || (s == 0 && len == 0);
+    const RemoteRegion* rr = remote_region(pr.remote.mr, remote_key, remote_off, len);
+    if (!rr) return complete_now(wr, peer, kCqRemoteAccess);
     // A full send queue (depth_ writes pending to this peer) waits for completions, up to the op
     // timeout. A write takes at most one entry of each of the peer's queue pairs.
-    const int added = cq_.add(wr, peer, uint32_t(posts), pr.lost, depth_, now_ns() + op_timeout_ns_.load());
+    const int added = cq_.add(wr, peer, uint32_t(sh.posts()), pr.lost, depth_,
+                              now_ns() + op_timeout_ns_.load());
     if (added == 0) return kOk;  // lost: completed as such
     if (added < 0)
       return set_error(kErrTimeout, prefix() + "post_write to peer " + std::to_string(peer) + ": send queue (" +
@@ -753,8 +722,8 @@ class VerbsTransport final : public Transport {
     // Shard s goes to NIC (s + n) % k: a write smaller than the minimum shard (one shard with
     // bytes) goes to a different NIC than the peer's previous one.
     for (int s = 0; s < k; ++s) {
-      const uint64_t off = b[s], bytes = b[s + 1] - b[s];
-      if (!has_imm && bytes == 0 && !(s == 0 && len == 0)) continue;
+      if (!sh.posted(s)) continue;
+      const uint64_t off = sh.at(s), bytes = sh.bytes(s);
       const int i = int((uint64_t(s) + uint64_t(n)) % uint64_t(k));
       ibv::sge sg{reinterpret_cast<uint64_t>(r.ptr + local_off + off), uint32_t(bytes),
                   r.mr.empty() ? 0 : r.mr[size_t(i)]->lkey};
@@ -765,8 +734,8 @@ class VerbsTransport final : public Transport {
       w.opcode = has_imm ? ibv::WR_RDMA_WRITE_WITH_IMM : ibv::WR_RDMA_WRITE;
       w.send_flags = ibv::SEND_SIGNALED;
       w.imm_data = htonl(imm);
-      w.wr.rdma.remote_addr = rr.addr + remote_off + off;
-      w.wr.rdma.rkey = rr.rkey[size_t(i)];
+      w.wr.rdma.remote_addr = rr->addr + remote_off + off;
+      w.wr.rdma.rkey = rr->rkey[size_t(i)];
       ibv::send_wr* bad = nullptr;
       if (int rc = post_send(peer, i, &w, &bad); rc != 0) {
         cq_.remove(wr);  // shards already posted flush; their completions find nothing pending
@@ -784,56 +753,23 @@ class VerbsTransport final : public Transport {
   }
 
   // Only the cut is implemented; delay and reorder have no meaning on a NIC's queue pair.
-  void set_fault(const FaultConfig& f) override {
-    cut_after_ = f.cut_after;
-    cut_peer_ = f.cut_peer;
-  }
+  void set_fault(const FaultConfig& f) override { cut_.set(f); }
   void set_op_timeout(int64_t ns) override { op_timeout_ns_ = ns; }
   std::vector<std::string> refused(int64_t* total) const override { return refusals_.lines(total); }
   void set_min_shard_bytes(uint64_t n) override { min_shard_ = std::max<uint64_t>(n, 1); }
 
-  int64_t cpu_ns() override {
-    int64_t sum = 0;
-    for (auto& n : nics_) {
-      const int64_t c = thread_cpu_ns(n->thr);
-      if (c < 0) return -1;
-      sum += c;
-    }
-    return sum;
-  }
-
-  std::string peer_error(int peer) override {
-    if (peer < 0 || peer >= world_) return "";
-    std::lock_guard<std::mutex> lk(peers_[size_t(peer)]->mu);
-    return peers_[size_t(peer)]->err;
-  }
+  int64_t cpu_ns() override { return threads_cpu_ns(nics_); }
+  std::string peer_error(int peer) override { return loss_of(peers_, peer); }
 
   // A SEND of the goodbye on every queue pair of every peer not gone (RC delivers it before any
   // failure of a later write to this rank; with several NICs each completion thread sees its
   // own), then waits until each completed (the peer's NIC has it) or the peer went.
   void say_goodbye(const Goodbye& g) override {
     if (bye_said_.exchange(true) || !connected_) return;
-    const int64_t deadline = now_ns() + kGoodbyeTimeoutNs;
-    for (int p = 0; p < world_; ++p)
-      if (p != rank_ && !peer_gone(*peers_[size_t(p)]))
-        for (int i = 0; i < int(nics_.size()); ++i) send_goodbye(p, i, g);
-    std::unique_lock<std::mutex> lk(conn_mu_);
-    auto out = [this] {
-      for (int p = 0; p < world_; ++p)
-        for (auto& l : peers_[size_t(p)]->link)
-          if (l->bye_status == -1 && !peer_gone(*peers_[size_t(p)])) return false;
-      return true;
-    };
-    while (!out() && now_ns() < deadline) conn_cv_.wait_for(lk, std::chrono::milliseconds(10));
+    goodbye_every_link(peers_, rank_, conn_mu_, conn_cv_, [&](int p, int i, int64_t) { send_goodbye(p, i, g); });
   }
 
-  bool peer_goodbye(int peer, Goodbye* out) override {
-    if (peer < 0 || peer >= world_) return false;
-    Peer& pr = *peers_[size_t(peer)];
-    std::lock_guard<std::mutex> lk(pr.mu);
-    if (pr.said_bye) *out = pr.bye;
-    return pr.said_bye;
-  }
+  bool peer_goodbye(int peer, Goodbye* out) override { return said_goodbye(peers_, peer, out); }
 
   // Test hook: destroys the queue pairs to `peer` as a crashed process would (its peer then
   // sees its writes fail); this side marks the peer lost.
@@ -866,14 +802,8 @@ class VerbsTransport final : public Transport {
 
   int parse(int p, const std::string& ep, Remote* out) {
     const std::string bad = prefix() + "connect: bad verbs endpoint of peer " + std::to_string(p) + " '" + ep + "'";
-    auto fields = split(ep, ';');
-    if (fields.empty() || fields[0] != "verbs1") return set_error(kErrInvalid, bad + " (not a verbs1 endpoint)");
     std::unordered_map<std::string, std::string> kv;
-    for (size_t i = 1; i < fields.size(); ++i) {
-      const auto eq = fields[i].find('=');
-      if (eq == std::string::npos) return set_error(kErrInvalid, bad);
-      kv[fields[i].substr(0, eq)] = fields[i].substr(eq + 1);
-    }
+    if (int rc = endpoint_fields(ep, "verbs1", bad, &kv); rc != kOk) return rc;
     const size_t k = nics_.size();
     const auto devs = split(kv["dev"], '/');
     size_t theirs = devs.size();
@@ -906,7 +836,9 @@ class VerbsTransport final : public Transport {
         n.port = std::stoi(ports[i]);
         n.lid = uint16_t(std::stoul(lids[i]));
         n.mtu = std::stoi(mtus[i]);
-        if (!unhex(gids[i], n.gid.raw, 16)) return set_error(kErrInvalid, bad + " (bad gid)");
+        std::vector<uint8_t> gid;
+        if (!unhex(gids[i], &gid) || gid.size() != sizeof(n.gid.raw)) return set_error(kErrInvalid, bad + " (bad gid)");
+        std::memcpy(n.gid.raw, gid.data(), gid.size());
       }
       out->qpn.clear();
       for (const auto& q : split(kv["qpn"], ',')) {
@@ -1096,10 +1028,8 @@ class VerbsTransport final : public Transport {
       return;
     }
     if (!why.empty()) return lose_peer(p, "protocol error: " + why, kCqPeerLost, i);
-    std::string text;
-    const Goodbye bye = trusted_goodbye(g, world_, &text);
-    if (!bye.error) return remember_goodbye(*peers_[size_t(p)], bye, text);
-    lose_peer(p, text, kCqPeerLost, i, &bye);
+    take_goodbye(g, world_, *peers_[size_t(p)],
+                 [&](const std::string& text, const Goodbye& bye) { lose_peer(p, text, kCqPeerLost, i, &bye); });
   }
 
   // Marks the peer lost (first reason wins): its QPs (every NIC's) go to the error state
@@ -1108,14 +1038,10 @@ class VerbsTransport final : public Transport {
   void lose_peer(int p, const std::string& why, int32_t status = kCqPeerLost, int nic = 0,
                  const Goodbye* bye = nullptr) {
     Peer& pr = *peers_[size_t(p)];
-    std::string msg = prefix() + "connection with peer " + std::to_string(p) + " lost (" + peer_where(p, nic) + "): " + why;
+    std::string msg = loss_text(rank_, p, peer_where(p, nic), why);
     {
       std::lock_guard<std::mutex> lk(pr.mu);
-      if (pr.lost) return;
-      if (bye) pr.bye = *bye, pr.said_bye = true;
-      else if (pr.said_bye) msg += "; its goodbye said: " + pr.bye_text;
-      pr.err = msg;
-      pr.lost = true;
+      if (!mark_lost(pr, &msg, bye)) return;
     }
     {
       std::unique_lock<std::shared_mutex> lk(qp_mu_);
@@ -1163,12 +1089,10 @@ class VerbsTransport final : public Transport {
     Nic& nic = *nics_[size_t(i)];
     ibv::cq* cq = nic.cq;
     ibv::wc wc[32];
-    int64_t idle_since = now_ns(), next_keepalive = idle_since + kKeepaliveNs / 8;
+    int64_t idle_since = now_ns();
+    KeepaliveClock keepalive_clock(idle_since);
     while (!stop_) {
-      if (connected_ && idle_since >= next_keepalive) {  // (idle_since: the latest time read)
-        keepalive(i, idle_since);
-        next_keepalive = idle_since + kKeepaliveNs / 8;
-      }
+      if (connected_ && keepalive_clock.due(idle_since)) keepalive(i, idle_since);  // (idle_since: the latest time read)
       const int n = cq->ctx->ops.poll_cq(cq, 32, wc);
       if (n > 0) {
         for (int j = 0; j < n; ++j) handle(i, wc[j]);
@@ -1313,8 +1237,7 @@ class VerbsTransport final : public Transport {
   std::condition_variable conn_cv_;
   std::atomic<uint64_t> next_wr_{1};
   std::atomic<uint64_t> min_shard_{kDefaultMinShardBytes};
-  std::atomic<int> cut_peer_{-1};
-  std::atomic<int64_t> cut_after_{0};
+  CutFault cut_;
   std::atomic<int64_t> op_timeout_ns_{30'000'000'000LL};
   std::atomic<bool> stop_{false};
   std::atomic<bool> connected_{false};
@@ -1334,14 +1257,7 @@ Transport* create_verbs_transport(int rank, int world, const std::string& device
   std::vector<Selection> sels;
   if (!open_nics(*v, device, port, gid_index, nics, &sels, &why))
     return set_error(kErrInvalid, pre + "verbs: " + why), nullptr;
-  auto* t = new VerbsTransport(rank, world, *v, id);
-  if (t->start(sels) != kOk) {
-    const std::string msg = thread_error();
-    delete t;
-    thread_error() = msg;
-    return nullptr;
-  }
-  return t;
+  return started(new VerbsTransport(rank, world, *v, id), sels);
 }
 
 std::string verbs_region_how(Transport* t, uint32_t key) {
