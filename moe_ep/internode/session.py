@@ -234,6 +234,9 @@ def start_proxy(group: EPGroup, *, num_local_experts: int, row_bytes: int, comb_
     kind, nic = _agreed_transport(group, transport)
     identity = agree_identity(group)
     engine = make_engine(group, kind, nic, identity, streams=streams, bind_host=bind_host)
+    # A write not acknowledged within the phase deadline fails the phase anyway; libfabric's
+    # liveness window is the op timeout too, so a silent peer is lost within timeout_s.
+    engine.set_op_timeout(timeout_s)
     # CPU ranks (kernels in the interpreter, milliseconds each) poll their idle proxy every
     # CPU_IDLE_SLEEP_US: at the GPU's 20 us, each idle proxy woke 50,000 times a second, and a
     # few ranks' proxies on a 2-core machine took the cores from the ranks themselves.
