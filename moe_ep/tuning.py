@@ -46,7 +46,8 @@ def _valid(kind: str, v) -> bool:
     """Whether ``v`` (not None) is a value of a field of ``kind``."""
     if kind == "flag":
         return isinstance(v, bool)
-    if kind == "maxnreg":
+    if kind == "maxnreg":  # a spec as register_budget reads it, or a count as an int
+        v = str(v) if isinstance(v, int) and not isinstance(v, bool) else v
         return isinstance(v, str) and (v in ("none", "full") or (v.isdigit() and 16 <= int(v) <= 255))
     if not isinstance(v, int) or isinstance(v, bool):
         return False
@@ -149,12 +150,12 @@ class Tuning:
     max_chunks: Optional[int] = None
 
     def __post_init__(self):
-        if isinstance(self.maxnreg, int) and not isinstance(self.maxnreg, bool):
-            object.__setattr__(self, "maxnreg", str(self.maxnreg))  # one spelling: Tuning(maxnreg=64) == "64"
         for name, (_, kind) in ENV.items():
             v = getattr(self, name)
             if v is not None and not _valid(kind, v):
                 raise ValueError(f"{name}: expected {_EXPECTED[kind]}, got {v!r}")
+        if isinstance(self.maxnreg, int):
+            object.__setattr__(self, "maxnreg", str(self.maxnreg))  # one spelling: Tuning(maxnreg=64) == "64"
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "Tuning":
