@@ -42,7 +42,7 @@ def record(path: str) -> None:
 
     import moe_ep
     import moe_ep.layout
-    from moe_ep.buffer import combine_shape
+    from moe_ep.tuning import combine_shape
     from moe_ep.kernels.aot import signature
 
     moe_ep.layout.interpreting = lambda: False  # the chunking a GPU gets
