@@ -1,9 +1,10 @@
 """moe_ep: expert-parallel dispatch and combine for Mixture-of-Experts layers.
 
 Public API: ``EPGroup``, ``EPBuffer`` (``dispatch`` / ``combine``, ``memory()``), ``DispatchResult``,
-``CommTimeoutError``; ``memory_plan`` (a ``MemoryPlan``: a buffer's memory per region before
-anything is allocated); the pure-torch oracle is ``moe_ep.reference``. ``MoELayer`` is a drop-in
-expert-parallel MoE block; ``moe_ep.integrations.hf`` puts it into HF transformers models.
+``CommTimeoutError``; ``Tuning`` (how a buffer launches its kernels: warps, tiles, chunks, ...);
+``memory_plan`` (a ``MemoryPlan``: a buffer's memory per region before anything is allocated);
+the pure-torch oracle is ``moe_ep.reference``. ``MoELayer`` is a drop-in expert-parallel MoE block;
+``moe_ep.integrations.hf`` puts it into HF transformers models.
 
 The classes are imported on first use (PEP 562), so ``python -m moe_ep.doctor --no-torch`` and
 the torch-free tools load without torch (about 50 s on an emulated machine, 2-3 s natively).
@@ -20,13 +21,14 @@ if TYPE_CHECKING:
     from .group import EPGroup
     from .layer import MoELayer
     from .sizing import MemoryPlan, memory_plan
+    from .tuning import Tuning
 
 __all__ = ["EPGroup", "EPBuffer", "DispatchResult", "CommTimeoutError", "CapacityError", "BufferBrokenError", "MoELayer",
-           "memory_plan", "MemoryPlan"]
+           "memory_plan", "MemoryPlan", "Tuning"]
 __version__ = "0.1.0"
 
 _LAZY = {"EPBuffer": ".buffer", "DispatchResult": ".buffer", "EPGroup": ".group", "MoELayer": ".layer",
-         "memory_plan": ".sizing", "MemoryPlan": ".sizing"}
+         "memory_plan": ".sizing", "MemoryPlan": ".sizing", "Tuning": ".tuning"}
 
 
 def __getattr__(name: str):

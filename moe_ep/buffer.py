@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
@@ -16,36 +16,12 @@ from .errors import BufferBrokenError, CapacityError, CommTimeoutError
 from .group import EPGroup
 from .handle import DispatchResult
 from .kernels.interpret import interpreting, speed_up
-from .kernels.launch import compile_options, register_budget
-from .layout import COMBINE_STEP_TOKENS, OWN_TILE_TOKENS, pow2
+from .kernels.launch import compile_options
 from .memory import SymmetricWorkspace, check_device_memory
 from .sizing import DEVICE, BufferShape, MemoryPlan, allocate, size_text, where_of
+from .tuning import CombineShape, Tuning, combine_shape  # noqa: F401 (CombineShape, combine_shape: their old home)
 
 _PHASES = {0: "dispatch", 1: "combine"}
-_WARPS = ("1", "2", "4", "8", "16", "32")  # the warps a Triton program may have, as a variable spells them
-
-
-class CombineShape(NamedTuple):
-    """How the combine kernel is launched where it differs from the dispatch kernel."""
-    warps: Optional[int]   # warps a program (None: the dispatch's num_warps)
-    tokens: Optional[int]  # tokens per step of the receive half (None: the layout's rule, in EPBuffer)
-    maxnreg: str           # register budget, as kernels.launch.register_budget reads it ("": ptxas's choice)
-
-
-def combine_shape(layout: str, programs: int, selections: int, gpu: bool) -> CombineShape:
-    """The combine kernel's default shape for a buffer of ``layout`` on ``programs`` programs whose
-    calls hold up to ``selections`` = max_tokens * topk (token, expert) pairs, on a GPU or not.
-
-    Packed prefill on few SMs: 32 warps, steps of 4 tokens (pieces of 4 KB a row) and the whole
-    register file (64 a thread). One H200, R=1, T=4096, 32 programs, kernel p50 of 50 graph
-    replays: 198.9-199.4 us against 216.2 for 16 warps in steps of 8 (fp8 and bf16 dispatch
-    alike); without the budget ptxas keeps 4 of a step's 8 loads ahead of its first add, not 8,
-    and the same shape takes 265 us. At 132 programs it equals the default (133.2 against 133.5),
-    the rows layout is slower with it (59.0 against 42.4) and so is masked decode (5.9 against
-    4.8), so those keep the dispatch's shape. A budget of 56 spills in the send half (R >= 2)."""
-    if gpu and layout == "packed" and programs <= 64 and selections > 2048:
-        return CombineShape(32, 4, "full")
-    return CombineShape(None, None, "")
 
 
 _log = logging.getLogger("moe_ep")
@@ -92,6 +68,10 @@ class EPBuffer:
             ``NativeError`` saying why not; ``"host"``: pinned host memory. The headers and the
             mailbox are pinned host memory either way. ``buffer.remote.memory`` says which was
             taken (per rank: ranks may differ), the log line why.
+        tuning: how the kernels are launched (warps, tiles, chunks, ...: ``moe_ep.Tuning``; its
+            ``None`` fields take the measured rules). Default ``Tuning.from_env()``: the
+            ``MOE_EP_*`` tuning variables, kept for one release. ``buffer.tuning`` holds the values
+            taken (a ``moe_ep.tuning.ResolvedTuning``).
 
     All calls on one buffer must be issued on one CUDA stream (the current one), in the same
     order on every rank. Construction is collective: every rank passes the same arguments (checked,
@@ -110,9 +90,13 @@ class EPBuffer:
                  layout: str = "masked", expert_alignment: int = 1, timeout_s: float = 30.0,
                  num_programs: Optional[int] = None, private_capacity: Optional[int] = None,
                  overflow_capacity: Optional[int] = None, expert_capacity: Optional[int] = None,
-                 column_major_scales: bool = False, proxy_memory: str = "auto"):
+                 column_major_scales: bool = False, proxy_memory: str = "auto", tuning: Optional[Tuning] = None):
         if not isinstance(group, EPGroup):
             raise TypeError(f"group: expected moe_ep.EPGroup, got {type(group).__name__}")
+        if tuning is None:
+            tuning = Tuning.from_env()  # (checked here, before any memory)
+        elif not isinstance(tuning, Tuning):
+            raise TypeError(f"tuning: expected moe_ep.Tuning or None, got {type(tuning).__name__}")
         R, G = group.world_size, group.node_size
         sms = (torch.cuda.get_device_properties(group.device).multi_processor_count
                if group.device.type == "cuda" else 2)
@@ -128,7 +112,7 @@ class EPBuffer:
                                  expert_alignment=expert_alignment, expert_capacity=expert_capacity,
                                  column_major_scales=column_major_scales, private_capacity=private_capacity,
                                  overflow_capacity=overflow_capacity, proxy_memory=proxy_memory,
-                                 device_type=group.device.type)
+                                 device_type=group.device.type, max_chunks=tuning.max_chunks)
         if not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool) and math.isfinite(timeout_s)
                 and 0 < timeout_s <= MAX_TIMEOUT_S):
             raise ValueError(f"timeout_s: expected a finite number of seconds in (0, {MAX_TIMEOUT_S:g}] (every wait "
@@ -149,66 +133,13 @@ class EPBuffer:
             raise RuntimeError("moe_ep on CPU runs its Triton kernels in the interpreter: set TRITON_INTERPRET=1 "
                                "before importing triton")
         self.num_programs = num_programs
-        # One launch per dispatch / combine on a GPU when every program can be resident at once
-        # (its programs wait for their peers' counterparts); else, and under the interpreter, the
-        # send and receive halves go as two launches. MOE_EP_SPLIT=1 forces two launches.
-        self.fused = (self.device.type == "cuda" and num_programs <= sms
-                      and os.environ.get("MOE_EP_SPLIT", "0") in ("", "0"))
-        # Warps per program: few programs, or few tokens each, need more warps each to keep enough
-        # bytes in flight (measured on H200: 32 programs at prefill, 16 warps 523/524 us vs 8 warps
-        # 663/774 us for dispatch/combine; 132 programs at decode, 12.0/7.3 us vs 12.6/8.3 us).
-        # Many programs with many tokens each (prefill at 132 programs, one H200, T=4096, 50 graph
-        # replays, kernel p50 dispatch/combine): 16 warps for packed (fp8 101.2/135.7 against 104.3/137.7
-        # us at 8, bf16 159.5/135.0 against 163.3/137.9) and rows (fp8 34.9/35.4 against 37.9/40.3),
-        # 8 for masked (105.6/138.3 against 111.6/150.0 at 16). MOE_EP_NUM_WARPS overrides, for tuning.
-        few = self.num_programs <= 64 or max_tokens * topk <= 2048
-        warps = (16 if few or layout != "masked" else 8) if self.device.type == "cuda" else 4
-        if layout == "rows" and self.device.type == "cuda" and self.num_programs <= 64:
-            # The rows layout's large chunks at few programs: 32 warps (one H200, T=4096, 32
-            # programs, fp8: dispatch 60.4 -> 56.6 us, combine 50.8 -> 47.5 us against 16 warps).
-            warps = 32
-        self.num_warps = int(os.environ.get("MOE_EP_NUM_WARPS", warps))
-        # The combine kernel's shape where it differs from the dispatch's (``combine_shape``): its
-        # warps (None: num_warps), and below its tokens per receive step. MOE_EP_COMBINE_WARPS
-        # overrides, for tuning (validated with the other tuning variables below).
-        shape = combine_shape(layout, num_programs, max_tokens * topk, self.device.type == "cuda")
-        cw = os.environ.get("MOE_EP_COMBINE_WARPS", "")
-        self.combine_warps = int(cw) if cw in _WARPS else shape.warps
-        # The registers a thread of the dispatch and of the combine kernel may use (specs as
-        # ``register_budget`` reads them; "": ptxas's own choice): the dispatch none, the combine
-        # its shape's. MOE_EP_MAXNREG sets both, for tuning (checked here, before any memory).
-        maxnreg = os.environ.get("MOE_EP_MAXNREG", "")
-        register_budget(maxnreg, 1, "MOE_EP_MAXNREG")
-        self.dispatch_maxnreg, self.combine_maxnreg = maxnreg, maxnreg or shape.maxnreg
-        # Bytes a program moves per loop step scale with these (payload tiles): ``tile`` for
-        # dispatch's loops, ``combine_tile`` for combine's send half (the owner's pre-reduction for
-        # a peer), ``combine_recv_tile`` for its receive half (the sum of the owners' rows, and this
-        # rank's own pre-reduction). Measured on H200 at prefill, R=1, fp8 (docs/performance-log/gpu.md,
-        # "Payload tile sweep"): dispatch 272 / 317 us at tile 2 / 1 with 32 programs and 111 / 123
-        # us with 132; the receive-half pre-reduction 249 / 283 us at tile 1 / 2 (32 programs);
-        # the send-half pre-reduction 404 / 478 us at tile 2 / 1 (32 programs, earlier kernels).
-        # Tiles of 4 spill registers. MOE_EP_TILE sets all three, for tuning.
-        gpu = self.device.type == "cuda"
-        few_sms = self.num_programs <= 64 and gpu
-        forced = os.environ.get("MOE_EP_TILE")
-        self.tile = int(forced or (2 if gpu else 1))
-        self.combine_tile = int(forced or (2 if few_sms else 1))
-        # (rows layout: the receive half reads one own row per token, no pre-reduction: the send
-        # half's tile, measured 69 us at tile 2 against 90 us at tile 1, T=4096, 32 programs; and
-        # at <= 64 programs, with 32 warps and 128-token chunks, tile 4: 42.0 us against 47.5 us)
-        rows_recv = 4 if (few_sms and self.num_warps >= 32) else self.combine_tile
-        self.combine_recv_tile = int(forced or (rows_recv if layout == "rows" else 1))
-        # Software-pipeline depth of the payload loops (Triton's loop pipeliner: asynchronous copies
-        # into shared memory, STAGES tiles in flight); 1 = plain loops. MOE_EP_STAGES overrides.
-        self.stages = int(os.environ.get("MOE_EP_STAGES", 1)) if self.device.type == "cuda" else 1
-
-        # (tuning variables used once the chunk size is known, below)
-        ct, ot = os.environ.get("MOE_EP_COMBINE_TOKENS", ""), os.environ.get("MOE_EP_OWN_TOKENS", "")
-        for name, v in (("MOE_EP_COMBINE_TOKENS", ct), ("MOE_EP_OWN_TOKENS", ot)):
-            if v and (not v.isdigit() or int(v) < 1):
-                raise ValueError(f"{name}: expected a positive integer, got {v!r}")
-        if cw and cw not in _WARPS:
-            raise ValueError(f"MOE_EP_COMBINE_WARPS: expected a power of two from 1 to 32, got {cw!r}")
+        # The launch shape: each knob the tuning sets, else its measured rule (moe_ep.tuning).
+        self.tuning = t = tuning.resolve(self.sizes, sms)
+        self.fused, self.num_warps, self.combine_warps, self.stages = t.fused, t.num_warps, t.combine_warps, t.stages
+        self.dispatch_maxnreg, self.combine_maxnreg = t.dispatch_maxnreg, t.combine_maxnreg
+        self.tile, self.combine_tile, self.combine_recv_tile = t.tile, t.combine_tile, t.combine_recv_tile
+        self.block_ts, self.combine_recv_tokens = t.block_ts, t.combine_recv_tokens
+        self.hist_warps, self.prefetch = t.hist_warps, t.prefetch
 
         # Every rank's arguments must agree before any memory is touched (program p serves chunks
         # p, p+P, ... on every rank, so num_programs too).
@@ -234,31 +165,7 @@ class EPBuffer:
         # Error record read by the host without a device sync: pinned host memory on GPU.
         self.err = allocate(allocs["err"], dev)
         self._err_host = self.err.numpy()  # same memory: reading it costs no tensor op
-        self.chunks = self.ws_layout.CMAX
-        self.block_t = pow2(-(-max_tokens // self.chunks))  # the largest chunk of any source
-        # Tokens per tile of the loops that move a chunk's own rows (OWN_TILE_TOKENS at most: the
-        # rows layout's chunks are larger, and go through those loops in sub-blocks; every layout's
-        # do in sub-blocks of MOE_EP_OWN_TOKENS, a power of two, for tuning).
-        self.block_ts = min(self.block_t, pow2(int(ot)) if ot else OWN_TILE_TOKENS)
-        # Tokens per step of combine's receive half: at most COMBINE_STEP_TOKENS of a chunk (packed;
-        # masked at <= 64 programs), the chunk then going in sub-blocks whose channel steps hold as
-        # many elements in longer pieces of each row. One H200, R=1, T=4096 (16-token chunks), 50
-        # graph replays, kernel p50, fp8: packed 214.4 us in steps of 8 tokens by 1024 channels
-        # against 235.0 for whole chunks by 512 at 32 programs, 134.9 against 136.0 at 132 (steps
-        # of 4 and 2 tokens slower: 260.3, 251.9); masked 224.6 against 251.4 at 32 programs, but
-        # 159.7 against 150.2 at 132 (8 warps there). The rows layout keeps whole chunks (43.8 us
-        # against 46.6 in steps of 32 at 32 programs). MOE_EP_COMBINE_TOKENS overrides, for tuning.
-        steps = layout == "packed" or (layout == "masked" and self.num_programs <= 64)
-        step = shape.tokens or (COMBINE_STEP_TOKENS if steps else self.block_t)
-        self.combine_recv_tokens = min(self.block_t, pow2(int(ct) if ct else step))
-        # Warps of the routing-histogram launch (one program per chunk): 16 for chunks of 128
-        # tokens or more (one H200, rows fp8 at 32 programs: 55.9 against 56.9 us with 4; at 132
-        # programs, 32-token chunks, 4 stays: 35.6 against 36.4). MOE_EP_HIST_WARPS overrides.
-        self.hist_warps = int(os.environ.get("MOE_EP_HIST_WARPS", 16 if self.block_t >= 128 else 4))
-        # Rows layout: sub-blocks of own tokens asked of the L2 ahead of the dispatch's own-row loop
-        # (prefetch_l2); None: the dispatch's rule (own_prefetch_depth). MOE_EP_PREFETCH overrides.
-        pf = os.environ.get("MOE_EP_PREFETCH", "")
-        self.prefetch = int(pf) if pf else None
+        self.chunks, self.block_t = self.ws_layout.CMAX, self.sizes.block_t  # the largest chunk of any source
         # Rows layout: N more rows, the tokens of each chunk with a selection on each node peer;
         # with other nodes, after N such rows, R more, the same per rank (route_hist_kernel's RANKS).
         self.hist = allocate(allocs["hist"], dev)

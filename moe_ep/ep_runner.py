@@ -19,6 +19,7 @@ from .buffer import EPBuffer
 from .experts import RowGroups, gated_mlp_rows, use_grouped_mm
 from .rows import (SENTINEL, bits_float, decode_digits, delivered, encode_digits, float_bits, flat_rows,
                    num_digits, row_groups, to_layout)
+from .tuning import Tuning
 
 FP8 = torch.float8_e4m3fn
 TAG_COLS = 16          # forward side channel: [SENTINEL, tag digits (base 16)], one partial fp8 block
@@ -35,12 +36,12 @@ class ExpertParallelRunner:
 
     def __init__(self, group, num_experts: int, hidden: int, max_tokens: int, topk: int,
                  dispatch_dtype: torch.dtype, layout: str, expert_alignment: int, timeout_s: float, act,
-                 grouped_mm: Optional[bool] = None):
+                 grouped_mm: Optional[bool] = None, tuning: Optional[Tuning] = None):
         self.group, self.E, self.H, self.M, self.K = group, num_experts, hidden, max_tokens, topk
         self.R, self.rank = group.world_size, group.rank
         self.EL = num_experts // self.R
         self.dispatch_dtype, self.layout, self.alignment = dispatch_dtype, layout, expert_alignment
-        self.timeout_s, self.act, self.grouped_mm = timeout_s, act, grouped_mm
+        self.timeout_s, self.act, self.grouped_mm, self.tuning = timeout_s, act, grouped_mm, tuning
         self.fp8 = dispatch_dtype == FP8
         # Training forward: x padded to whole 128-channel blocks for fp8, then the tag block.
         self.h_main = -(-hidden // 128) * 128 if self.fp8 else hidden
@@ -61,7 +62,7 @@ class ExpertParallelRunner:
                              "train": (self.h_main + TAG_COLS, self.dispatch_dtype),
                              "bwd": (self.h_bwd, torch.bfloat16)}[kind]
             buf = EPBuffer(self.group, self.E, hidden, self.M, self.K, dispatch_dtype=dtype, layout=self.layout,
-                           expert_alignment=self.alignment, timeout_s=self.timeout_s)
+                           expert_alignment=self.alignment, timeout_s=self.timeout_s, tuning=self.tuning)
             self._buffers[kind] = buf
         return buf
 

@@ -11,6 +11,7 @@ from .ep_runner import ExpertParallelRunner
 from .experts import LocalExperts, SharedExperts, check_activation
 from .group import EPGroup
 from .router import Router
+from .tuning import Tuning
 
 FP8 = torch.float8_e4m3fn
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp8": FP8, "float8_e4m3fn": FP8}
@@ -70,6 +71,8 @@ class MoELayer(nn.Module):
         grouped_mm: True / False forces ``torch.nn.functional.grouped_mm`` / the per-expert loop;
             None: grouped_mm on CUDA with bf16 weights, the loop elsewhere.
         device, dtype: of the parameters (default ``group.device`` and torch's default dtype).
+        tuning: the ``moe_ep.Tuning`` of the layer's buffers (default: ``Tuning.from_env()``, as
+            ``EPBuffer`` takes it).
 
     Weights use the names and dense layout of HF transformers: ``gate.weight [E, H]``
     (``gate.e_score_correction_bias [E]`` for sigmoid), ``experts.gate_up_proj [E, 2F, H]``,
@@ -85,7 +88,7 @@ class MoELayer(nn.Module):
                  shared_ffn_hidden: Optional[int] = None, dispatch_dtype=torch.bfloat16, layout: str = "packed",
                  max_tokens: int = 1024, expert_alignment: int = 1, timeout_s: float = 30.0,
                  sync_chunks: bool = True, grouped_mm: Optional[bool] = None, device=None,
-                 dtype: Optional[torch.dtype] = None):
+                 dtype: Optional[torch.dtype] = None, tuning: Optional[Tuning] = None):
         super().__init__()
         for name, v in (("hidden", hidden), ("ffn_hidden", ffn_hidden), ("num_experts", num_experts),
                         ("topk", topk), ("max_tokens", max_tokens), ("expert_alignment", expert_alignment)):
@@ -101,6 +104,8 @@ class MoELayer(nn.Module):
                              f"got {layout!r}")
         if grouped_mm not in (None, True, False):
             raise TypeError(f"grouped_mm: expected None, True or False, got {grouped_mm!r}")
+        if tuning is not None and not isinstance(tuning, Tuning):  # (the buffers come at first use)
+            raise TypeError(f"tuning: expected moe_ep.Tuning or None, got {type(tuning).__name__}")
         act = check_activation(activation)
         self.group = _as_group(group)
         R = self.group.world_size
@@ -121,7 +126,7 @@ class MoELayer(nn.Module):
         else:
             self.shared_experts = None
         self.runner = ExpertParallelRunner(self.group, num_experts, hidden, max_tokens, topk, self.dispatch_dtype,
-                                           layout, expert_alignment, timeout_s, act, grouped_mm)
+                                           layout, expert_alignment, timeout_s, act, grouped_mm, tuning)
 
     @classmethod
     def from_dense(cls, state_dict: Mapping[str, torch.Tensor], *args, **kwargs) -> "MoELayer":

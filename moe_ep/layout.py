@@ -16,8 +16,8 @@ Regions, each 256-byte aligned; ``par`` = epoch & 1 double-buffers everything pe
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+from typing import Optional
 
 from .kernels.interpret import interpreting
 
@@ -37,7 +37,7 @@ OWN_TILE_TOKENS = 16     # tokens per tile of the payload loops (a rows chunk's 
 COMBINE_STEP_TOKENS = 8  # tokens per step of combine's receive half (packed; masked at <= 64 programs; buffer.py says why)
 
 
-def max_chunks(max_tokens: int, programs: int = 0) -> int:
+def max_chunks(max_tokens: int, programs: int = 0, forced: Optional[int] = None) -> int:
     """CMAX, the most chunks a source's tokens are cut into: one token per chunk at decode sizes
     (many programs share few tokens), at most 16 tokens per chunk at prefill sizes. Under Triton's
     interpreter (CPU ranks) at most ``INTERP_MAX_CHUNKS``: its programs run one after another, so
@@ -50,12 +50,11 @@ def max_chunks(max_tokens: int, programs: int = 0) -> int:
     H200 whatever its size), so fewer, larger chunks pay it fewer times: the rows fp8 dispatch at
     T=4096 and 32 programs went from 75.1 us at 16 tokens per chunk to 59.5 at 128 (one H200;
     the kernels take such chunks' own rows in sub-blocks of ``OWN_TILE_TOKENS``).
-    ``MOE_EP_MAX_CHUNKS`` overrides that rule, for tuning."""
+    ``forced`` (``Tuning.max_chunks``) replaces that rule's chunks per program, for tuning."""
     most = 256 if not interpreting() else INTERP_MAX_CHUNKS
     if programs > 0:
-        forced = os.environ.get("MOE_EP_MAX_CHUNKS")
-        # one chunk per program (the largest power of two <= programs), or what the variable says
-        fit = pow2(int(forced)) if forced else min(most, 1 << (programs.bit_length() - 1))
+        # one chunk per program (the largest power of two <= programs), or what the tuning says
+        fit = pow2(forced) if forced else min(most, 1 << (programs.bit_length() - 1))
         return max(pow2(-(-max_tokens // ROWS_CHUNK_TOKENS)), min(pow2(max_tokens), fit))
     return max(pow2(-(-max_tokens // 16)), min(pow2(max_tokens), most))
 
@@ -78,10 +77,11 @@ class WorkspaceLayout:
     payload_bytes: int   # H * element size, plus 4 * ceil(H/128) scale bytes for fp8
     rows: bool = False   # the rows layout (EPBuffer(layout="rows")): comb_w is sized
     programs: int = 0    # the rows layout: programs per launch, which set its chunks (max_chunks)
+    max_chunks: Optional[int] = None  # the rows layout: Tuning.max_chunks (None: the rule)
 
     @property
     def CMAX(self) -> int:
-        return max_chunks(self.M, self.programs if self.rows else 0)
+        return max_chunks(self.M, self.programs if self.rows else 0, self.max_chunks)
 
     @property
     def HDR(self) -> int:

@@ -18,8 +18,9 @@ import torch
 
 from .fp8 import num_scale_blocks
 from .internode.spec import PROXY_MEMORY, ROW_REGIONS, RemoteSpec
-from .layout import WorkspaceLayout
+from .layout import WorkspaceLayout, pow2
 from .proxy.native import mailbox_words
+from .tuning import Tuning
 
 DEVICE, PINNED, HOST = "device", "pinned host", "host"  # where an allocation lives
 PLAN_PROGRAMS = 132  # programs a launch memory_plan takes on GPUs: EPBuffer's default on an H100 SXM or H200 (SMs)
@@ -98,6 +99,7 @@ class BufferShape:
     overflow_capacity: Optional[int] = None
     proxy_memory: str = "auto"
     device_type: str = "cuda"
+    max_chunks: Optional[int] = None  # rows layout: the most chunks of a source (Tuning.max_chunks; None: the rule)
 
     def __post_init__(self):
         R, layout = self.world_size, self.layout
@@ -162,7 +164,12 @@ class BufferShape:
         """The node workspace's layout (``moe_ep.layout``): uint8 ``[workspace.offsets()["total"]]`` a rank."""
         return WorkspaceLayout(N=self.node_size, M=self.max_tokens, K=self.topk, EL=self.num_local_experts,
                                H=self.hidden, payload_bytes=self.hidden * (1 if self.fp8 else 2) + 4 * self.num_scale_blocks,
-                               rows=self.layout == "rows", programs=self.num_programs)
+                               rows=self.layout == "rows", programs=self.num_programs, max_chunks=self.max_chunks)
+
+    @property
+    def block_t(self) -> int:
+        """Tokens of a source's largest chunk, a power of two (the kernels' chunk block)."""
+        return pow2(-(-self.max_tokens // self.workspace.CMAX))
 
     @property
     def capacity(self) -> int:
@@ -328,7 +335,7 @@ def memory_plan(*, world_size: int, node_size: int, num_experts: int, hidden: in
                 layout: str = "masked", expert_alignment: int = 1, num_programs: Optional[int] = None,
                 private_capacity: Optional[int] = None, overflow_capacity: Optional[int] = None,
                 expert_capacity: Optional[int] = None, column_major_scales: bool = False,
-                proxy_memory: str = "auto", device: str = "cuda") -> MemoryPlan:
+                proxy_memory: str = "auto", device: str = "cuda", tuning: Optional[Tuning] = None) -> MemoryPlan:
     """The memory one rank's ``EPBuffer`` of these arguments will hold, per region, before anything
     is allocated: the sizes the buffer allocates by (``BufferShape.allocations``), for ``world_size``
     ranks in nodes of ``node_size``. No process group, no GPU; nothing is started.
@@ -337,7 +344,11 @@ def memory_plan(*, world_size: int, node_size: int, num_experts: int, hidden: in
     ``PLAN_PROGRAMS`` (132) on GPUs and 2 on CPU ranks, as ``EPBuffer`` takes it there. ``device``:
     ``"cuda"`` (the GPU's memory is ``"device"``; error record, mailbox, headers in pinned host
     memory; the proxy's row regions per ``proxy_memory``) or ``"cpu"`` (CPU ranks: all ``"host"``).
+    ``tuning``: the buffer's ``Tuning`` (default ``Tuning.from_env()``, as ``EPBuffer``'s); its
+    ``max_chunks`` sizes the rows layout's chunk flags and histograms.
     """
+    if tuning is None:
+        tuning = Tuning.from_env()
     if num_programs is None:
         num_programs = PLAN_PROGRAMS if device == "cuda" else 2
     return BufferShape(world_size=world_size, node_size=node_size, num_experts=num_experts, hidden=hidden,
@@ -345,4 +356,4 @@ def memory_plan(*, world_size: int, node_size: int, num_experts: int, hidden: in
                        combine_dtype=combine_dtype, layout=layout, expert_alignment=expert_alignment,
                        expert_capacity=expert_capacity, column_major_scales=column_major_scales,
                        private_capacity=private_capacity, overflow_capacity=overflow_capacity,
-                       proxy_memory=proxy_memory, device_type=device).plan()
+                       proxy_memory=proxy_memory, device_type=device, max_chunks=tuning.max_chunks).plan()

@@ -4,8 +4,9 @@ Records the launches of a dispatch and a combine (without running them) at four 
 compiles each for sm_90 in a process without TRITON_INTERPRET and prints a digest of its SASS:
 run it on two trees (before and after a change) to show which kernels the change leaves as they
 were, instruction for instruction, or with a tuning variable set to see what it does to a
-kernel's registers (``MOE_EP_COMBINE_WARPS=32 python scripts/sass_digest.py``; the configs' warps
-stand for a GPU buffer's defaults, ``MOE_EP_NUM_WARPS`` replaces them).
+kernel's registers (``MOE_EP_COMBINE_WARPS=32 python scripts/sass_digest.py``, read as every buffer
+reads them, by ``moe_ep.Tuning.from_env``; the configs' warps stand for a GPU buffer's defaults,
+``MOE_EP_NUM_WARPS`` replaces them).
 
     python scripts/sass_digest.py   # a line per launch: config, kernel, digest, SASS lines, registers, stack
     SASS_LOOPS=1 python scripts/sass_digest.py   # and under each, its loops that store: how many of a
@@ -41,12 +42,13 @@ def record(path: str) -> None:
 
     import moe_ep
     import moe_ep.layout
-    from moe_ep.buffer import combine_shape
+    from moe_ep.tuning import combine_shape
     from moe_ep.kernels.aot import signature
 
     moe_ep.layout.interpreting = lambda: False  # the chunking a GPU gets
     rec = []
     g = moe_ep.EPGroup()
+    asked = moe_ep.Tuning.from_env()  # the tuning variables set, if any (each buffer takes them too)
     for T, H, dt, layout, P, warps in CONFIGS:
         name = f"{layout}-{dt}-T{T}-p{P}"
 
@@ -56,13 +58,13 @@ def record(path: str) -> None:
 
         dtype = torch.float8_e4m3fn if dt == "fp8" else torch.bfloat16
         buf = moe_ep.EPBuffer(g, 256, H, T, 8, dispatch_dtype=dtype, layout=layout, num_programs=P)
-        buf.num_warps = int(os.environ.get("MOE_EP_NUM_WARPS", warps))  # (a CPU buffer's default is 4)
+        buf.num_warps = asked.num_warps or warps  # (a CPU buffer's default is 4)
         shape = combine_shape(layout, P, T * 8, gpu=True)  # (a CPU buffer's combine takes the dispatch's)
-        if not os.environ.get("MOE_EP_COMBINE_WARPS"):
+        if asked.combine_warps is None:
             buf.combine_warps = shape.warps
-        if not os.environ.get("MOE_EP_MAXNREG"):
+        if asked.maxnreg is None:
             buf.combine_maxnreg = shape.maxnreg
-        if not os.environ.get("MOE_EP_COMBINE_TOKENS") and shape.tokens:
+        if asked.combine_tokens is None and shape.tokens:
             buf.combine_recv_tokens = min(buf.block_t, shape.tokens)
         buf.fused, buf.interp, buf.calls.launch = True, False, spy
         h = buf.dispatch(torch.zeros(T, H, dtype=torch.bfloat16), torch.zeros(T, 8, dtype=torch.int64),

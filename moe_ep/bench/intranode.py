@@ -47,6 +47,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from ..tuning import Tuning
+
 PRESETS = {
     # tokens per rank, hidden, topk, experts
     "decode": dict(num_tokens=128, hidden=7168, topk=8, num_experts=256),
@@ -375,7 +377,8 @@ def stats(name: str, mode: str, times_us: list[float], device, nbytes: Optional[
     return row
 
 
-def run_bench(args: argparse.Namespace) -> dict:
+def run_bench(args: argparse.Namespace, tuning: Optional[Tuning] = None) -> dict:
+    """The bench of ``args``; ``tuning``: the buffer's (default: ``Tuning.from_env()``, as EPBuffer's)."""
     import moe_ep
 
     group = moe_ep.EPGroup()
@@ -408,7 +411,7 @@ def run_bench(args: argparse.Namespace) -> dict:
 
     kwargs = dict(dispatch_dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16,
                   combine_dtype=torch.bfloat16, layout=args.layout,
-                  expert_alignment=args.expert_alignment)
+                  expert_alignment=args.expert_alignment, tuning=tuning)
     if args.num_programs is not None:
         kwargs["num_programs"] = args.num_programs
     results: list[dict] = []

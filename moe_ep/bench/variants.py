@@ -1,12 +1,12 @@
-"""Tuning sweep in one process: ``moe_ep.bench.intranode`` at several settings of the buffer's
-tuning variables (``MOE_EP_TILE``, ``MOE_EP_NUM_WARPS``, ``MOE_EP_MAX_CHUNKS``, ...), one buffer
+"""Tuning sweep in one process: ``moe_ep.bench.intranode`` at several ``moe_ep.Tuning``s, written as
+the tuning variables (``MOE_EP_TILE``, ``MOE_EP_NUM_WARPS``, ``MOE_EP_MAX_CHUNKS``, ...), one buffer
 each, without a new process (and CUDA context, and torch import) per point; one table last.
 
     torchrun --standalone --nproc-per-node=1 -m moe_ep.bench.variants --preset prefill \\
         --num-programs 32 --iters 50 --point "fp8 rows" --point "fp8 rows MOE_EP_NUM_WARPS=16"
 
-A point is ``DTYPE LAYOUT [NAME=VALUE ...]``: the variables are set while that point's buffer is
-made and run, then restored. Kernel p50 (torch.profiler, graph replays) and the closed-form check
+A point is ``DTYPE LAYOUT [NAME=VALUE ...]``: its buffer takes ``Tuning.from_env`` of the process's
+variables with the point's on top (the environment itself is left alone). Kernel p50 (torch.profiler, graph replays) and the closed-form check
 of each point; a point that fails prints its error and the sweep goes on.
 """
 from __future__ import annotations
@@ -15,27 +15,30 @@ import argparse
 import os
 import sys
 import traceback
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
+from ..tuning import ENV, Tuning
 from .intranode import checks_ok, parse_args, run_bench
 
 
-def parse_point(text: str) -> tuple[str, str, dict]:
-    """``"fp8 rows MOE_EP_TILE=2"`` -> ``("fp8", "rows", {"MOE_EP_TILE": "2"})``; ValueError naming
-    the point otherwise."""
+def parse_point(text: str, env: Optional[Mapping[str, str]] = None) -> tuple[str, str, Tuning]:
+    """``"fp8 rows MOE_EP_TILE=2"`` -> ``("fp8", "rows", Tuning(tile=2))``, on top of the tuning
+    variables of ``env`` (default ``os.environ``); ValueError naming the point (or the variable
+    and its bad value) otherwise."""
     words = text.split()
     if len(words) < 2 or words[0] not in ("fp8", "bf16") or words[1] not in ("masked", "packed", "rows"):
         raise ValueError(f"--point: expected 'DTYPE LAYOUT [NAME=VALUE ...]', got {text!r}")
-    env = {}
+    names = [var for var, _ in ENV.values()]
+    point = {}
     for w in words[2:]:
         name, eq, value = w.partition("=")
-        if not eq or not name.startswith("MOE_EP_"):
-            raise ValueError(f"--point {text!r}: expected MOE_EP_NAME=VALUE, got {w!r}")
-        env[name] = value
-    return words[0], words[1], env
+        if not eq or name not in names:
+            raise ValueError(f"--point {text!r}: expected NAME=VALUE with NAME one of {', '.join(names)}, got {w!r}")
+        point[name] = value
+    return words[0], words[1], Tuning.from_env({**(os.environ if env is None else env), **point})
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -47,24 +50,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     dist.init_process_group("nccl")
     rows, failed = [], 0
     try:
-        for text, (dtype, layout, env) in zip(known.point, points):
+        for text, (dtype, layout, tuning) in zip(known.point, points):
             args = parse_args(rest + ["--dispatch-dtype", dtype, "--layout", layout, "--no-baseline"])
-            saved = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
             try:
-                res = run_bench(args)
+                res = run_bench(args, tuning)
                 v = {(r["op"], r["mode"]): r["p50_us"] for r in res["results"]}
                 rows.append((text, v.get(("dispatch", "kernel")), v.get(("combine", "kernel")),
                              max(res["checks_rel_err"].values()), checks_ok(res)))
             except Exception:  # noqa: BLE001 - one bad point must not end the sweep
                 traceback.print_exc()
                 rows.append((text, None, None, None, False))
-            finally:
-                for k, old in saved.items():
-                    if old is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = old
             failed += not rows[-1][4]
         if dist.get_rank() == 0:
             fmt = lambda x: f"{x:9.1f}" if x is not None else "   failed"  # noqa: E731

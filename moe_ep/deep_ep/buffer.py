@@ -18,6 +18,7 @@ from ..buffer import EPBuffer
 from ..kernels.interpret import interpreting
 from ..group import EPGroup
 from ..layout import WorkspaceLayout, pow2
+from ..tuning import Tuning
 from . import forks as _forks
 from . import low_latency as _ll
 from . import normal as _normal
@@ -53,6 +54,9 @@ class Buffer:
         comm: an ``mpi4py`` communicator instead of ``group``: not implemented (raises).
         timeout_s: moe_ep's deadline for every wait on a peer (``CommTimeoutError`` instead of a
             hang); not a DeepEP argument.
+        tuning: the ``moe_ep.Tuning`` of every EPBuffer this Buffer makes (default
+            ``Tuning.from_env()``); not a DeepEP argument (DeepEP's ``Config`` objects stay tuning
+            of DeepEP's own kernels, accepted and unused).
 
     Calls are issued on a communication stream of the Buffer (as DeepEP's): it waits for the
     current stream (or ``previous_event``); unless ``async_finish``, the current stream then waits
@@ -66,7 +70,7 @@ class Buffer:
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None,
-                 timeout_s: float = 30.0) -> None:
+                 timeout_s: float = 30.0, tuning: Optional[Tuning] = None) -> None:
         if comm is not None:
             _refuse("comm", comm, "pass the torch ProcessGroup as group")
         if group is None:
@@ -77,6 +81,8 @@ class Buffer:
                         ("num_qps_per_rank", num_qps_per_rank)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name}: expected an int >= 0, got {v!r}")
+        if tuning is not None and not isinstance(tuning, Tuning):  # (the EPBuffers come at first use)
+            raise TypeError(f"tuning: expected moe_ep.Tuning or None, got {type(tuning).__name__}")
         self.group = group
         self.ep_group = EPGroup(group)
         self.rank, self.group_size = self.ep_group.rank, self.ep_group.world_size
@@ -86,7 +92,7 @@ class Buffer:
         self.num_qps_per_rank = num_qps_per_rank
         self.allow_nvlink_for_low_latency_mode, self.allow_mnnvl = allow_nvlink_for_low_latency_mode, allow_mnnvl
         self.explicitly_destroy, self.enable_shrink = explicitly_destroy, enable_shrink
-        self.timeout_s = timeout_s
+        self.timeout_s, self.tuning = timeout_s, tuning
         self._rows: Dict[tuple, List[_normal.RowsSlot]] = {}
         self._ll: Dict[tuple, List[_ll.LowLatencySlot]] = {}
         self._ll_turn: Dict[tuple, int] = {}
@@ -437,7 +443,7 @@ class Buffer:
                   expert_capacity: Optional[int] = None, column_major_scales: bool = False) -> EPBuffer:
         return EPBuffer(self.ep_group, num_experts, hidden, M, K, dispatch_dtype=dtype, layout=layout,
                         timeout_s=self.timeout_s, expert_capacity=expert_capacity,
-                        column_major_scales=column_major_scales)
+                        column_major_scales=column_major_scales, tuning=self.tuning)
 
     def _dispatch(self, x, x_scales, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                   topk_weights, expert_alignment, num_worst_tokens, previous_event, async_finish):

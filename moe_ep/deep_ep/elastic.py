@@ -24,6 +24,7 @@ from typing import Any, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from ..tuning import Tuning
 from . import normal as _normal
 from .buffer import Buffer, FP8
 from .event import EventHandle, EventOverlap, stream_wait
@@ -85,6 +86,8 @@ class ElasticBuffer:
         num_gpu_timeout_secs: moe_ep's deadline for every wait on a peer (``CommTimeoutError``).
         num_cpu_timeout_secs: kept (the host waits on nothing longer than the device waits).
         explicitly_destroy: as DeepEP: ``destroy()`` is allowed only when set.
+        tuning: the ``moe_ep.Tuning`` of the EPBuffers underneath (default ``Tuning.from_env()``);
+            not a DeepEP argument.
     """
 
     def __init__(self, group: dist.ProcessGroup, num_bytes: Optional[int] = None, num_cpu_bytes: int = 0,
@@ -92,7 +95,7 @@ class ElasticBuffer:
                  use_fp8_dispatch: bool = False, deterministic: bool = False, allow_hybrid_mode: bool = True,
                  allow_multiple_reduction: bool = True, prefer_overlap_with_compute: bool = True, sl_idx: int = 3,
                  num_allocated_qps: int = 0, num_cpu_timeout_secs: int = 300, num_gpu_timeout_secs: int = 100,
-                 explicitly_destroy: bool = False) -> None:
+                 explicitly_destroy: bool = False, tuning: Optional[Tuning] = None) -> None:
         if num_cpu_bytes:
             raise NotImplementedError(f"num_cpu_bytes={num_cpu_bytes!r}: not implemented by moe_ep.deep_ep (Engram's "
                                       f"host storage)")
@@ -104,7 +107,7 @@ class ElasticBuffer:
         if not isinstance(num_gpu_timeout_secs, (int, float)) or num_gpu_timeout_secs <= 0:
             raise ValueError(f"num_gpu_timeout_secs: expected a positive number of seconds, got "
                              f"{num_gpu_timeout_secs!r}")
-        self._v1 = Buffer(group, explicitly_destroy=True, timeout_s=float(num_gpu_timeout_secs))
+        self._v1 = Buffer(group, explicitly_destroy=True, timeout_s=float(num_gpu_timeout_secs), tuning=tuning)
         self.group, self.ep_group = group, self._v1.ep_group
         self.rank_idx, self.num_ranks = self._v1.rank, self._v1.group_size
         self.device = self._v1.device
