@@ -48,7 +48,7 @@ int copy_str(const std::string& s, char* buf, size_t len) {
 #pragma GCC visibility push(default)
 extern "C" {
 
-int moe_ep_abi_version() { return 13; }  // 13: ProxyConfig.trace_level, PhaseRecord.posts / bells; 12: the null transport and peer simulator (null_transport.cc); 11: moe_ep_engine_try_register (GPU memory regions); 10: the efadv engine retired (EFA through libfabric); per-endpoint domains
+int moe_ep_abi_version() { return 13; }  // 13: ProxyConfig.trace_level, PhaseRecord.posts / bells, moe_ep_sim_floor; 12: the null transport and peer simulator (null_transport.cc); 11: moe_ep_engine_try_register (GPU memory regions); 10: the efadv engine retired (EFA through libfabric); per-endpoint domains
 
 // How this library was built, for bug reports (python -m moe_ep.doctor): the compiler, the C++
 // standard and the builder's flags, which setup.py and the in-tree build of

@@ -39,13 +39,6 @@ std::string seconds(int64_t ns) {
   std::snprintf(b, sizeof b, "%g", double(ns) / 1e9);
   return b;
 }
-// Whether some row[p] is negative or above cap (as unsigned, a negative count is above any cap):
-// one pass over R counts, vectorized (the proxy does it for every row of the count matrix).
-__attribute__((optimize("tree-vectorize"))) bool row_exceeds(const int32_t* row, int n, uint32_t cap) {
-  uint32_t any = 0;
-  for (int p = 0; p < n; ++p) any |= uint32_t(uint32_t(row[p]) > cap);
-  return any != 0;
-}
 // Sum of row[a..b) (0 when b <= a): vectorized, as the combine sums a row prefix per source.
 __attribute__((optimize("tree-vectorize"))) int64_t sum_range(const int32_t* row, int a, int b) {
   int64_t s = 0;

@@ -110,6 +110,14 @@ static_assert(sizeof(ProxyConfig) == 13 * 8, "ProxyConfig is part of the C ABI")
 // unless asked for peers (tests, diagnosis).
 enum : int64_t { kTraceOff = 0, kTracePhases = 1, kTracePeers = 2 };
 
+// Whether some row[p] is negative or above cap (as unsigned, a negative count is above any cap):
+// one pass over n counts, vectorized (the proxy does it for every row of the count matrix).
+__attribute__((optimize("tree-vectorize"))) inline bool row_exceeds(const int32_t* row, int n, uint32_t cap) {
+  uint32_t any = 0;
+  for (int p = 0; p < n; ++p) any |= uint32_t(uint32_t(row[p]) > cap);
+  return any != 0;
+}
+
 inline int64_t proxy_hdr_bytes(int64_t world, int64_t el) { return (4 * (world + el) + 15) / 16 * 16; }
 // Minimum byte size of each region for a config (kReg* order).
 void proxy_region_bytes(const ProxyConfig& c, uint64_t out[kNumRegions]);

@@ -174,6 +174,19 @@ def _row(pt: Point, mats, cap: int, recs, stats: dict, n: int, me: int) -> dict:
     return row
 
 
+def floor(R: int, node_size: int = 8, iters: int = 2000, reps: int = 5) -> dict:
+    """The floor of one decode dispatch at R ranks (``moe_ep_sim_floor``): the posts and their
+    completions, the immediates taken, the headers copied and scanned, each timed alone on one
+    thread (µs per dispatch, best of ``reps``), and their sum."""
+    from moe_ep.proxy.native import lib
+
+    out = (ctypes.c_int64 * 3)()
+    if lib().moe_ep_sim_floor(R, min(node_size, R), iters, reps, out) != 0:
+        raise RuntimeError(f"R={R}: moe_ep_sim_floor failed")
+    parts = dict(posts_us=out[0] / 1e3, immediates_us=out[1] / 1e3, headers_us=out[2] / 1e3)
+    return dict(ranks=R, **parts, sum_us=sum(parts.values()))
+
+
 def fit(rows: list[dict]) -> list[dict]:
     """Least squares ``cpu_p50 = a + b * R`` per (shape, arrival, op): ``b`` in ns per peer."""
     out = []
@@ -280,6 +293,8 @@ def main(argv=None) -> int:
                     help="the real proxy's rank: 0, or R-1 (the longest offset sums)")
     ap.add_argument("--trace", choices=["off", "phases", "peers"], default="phases",
                     help="the proxy's trace level (EPBuffer's default: phases)")
+    ap.add_argument("--floor", action="store_true",
+                    help="also the floor per R: a dispatch's posts, immediates and headers timed alone")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--plot", metavar="PNG", help="CPU p50 vs R")
     a = ap.parse_args(argv)
@@ -290,7 +305,12 @@ def main(argv=None) -> int:
     meta["command"] = "python -m moe_ep.bench.proxy_scale " + " ".join(argv)
     doc = dict(meta=meta, shapes={k: asdict(v) for k, v in SHAPES.items()}, rows=rows, fits=fits,
                targets={arr: targets(rows, fits, arr) for arr in a.arrivals})
+    if a.floor:
+        doc["floor"] = [floor(R) for R in a.ranks]
     print(table(rows))
+    for f in doc.get("floor", []):
+        print(f"floor R={f['ranks']}: posts {f['posts_us']:.2f} + immediates {f['immediates_us']:.2f} + headers "
+              f"{f['headers_us']:.2f} = {f['sum_us']:.2f} us per dispatch")
     for f in fits:
         print(f"fit {f['shape']} {f['arrival']} {f['op']}: {f['slope_ns_per_peer']:.1f} ns/peer, "
               f"intercept {f['intercept_us']:.2f} us")

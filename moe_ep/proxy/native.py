@@ -175,6 +175,7 @@ def lib() -> ctypes.CDLL:
             _c(L, "moe_ep_null_stats", i32, vp, ctypes.POINTER(i64))
             _c(L, "moe_ep_sim_drive", i32, vp, ctypes.POINTER(i64), ctypes.POINTER(SimConfig), ctypes.POINTER(ctypes.c_int32),
                i64, i64, ctypes.POINTER(i64))
+            _c(L, "moe_ep_sim_floor", i32, i64, i64, i64, i64, ctypes.POINTER(i64))
             _c(L, "moe_ep_bench_drive", i32, ctypes.POINTER(i64), i64, i64, i64, i32, i64, i64, i64, ctypes.POINTER(i64))
             _c(L, "moe_ep_launch_plan_create", i32, u64, u32, u32, u32, i32, ctypes.POINTER(u32),
                ctypes.POINTER(u64), i32, ctypes.POINTER(i32))
