@@ -142,7 +142,7 @@ def test_measured_costs_are_reproduced_at_their_points():
     with the fitted slope per peer beyond EP128."""
     assert sm._kernel_us("dispatch", 128) == pytest.approx(7.4)
     assert sm._kernel_us("combine", 4096) == pytest.approx(135.2)
-    assert sm._proxy_us("dispatch", 64) == pytest.approx(14.1)
-    assert sm._proxy_us("combine", 128) == pytest.approx(12.4)
-    assert sm._proxy_us("dispatch", 256) == pytest.approx(29.6 + 128 * 0.233)
-    assert sm._proxy_us("dispatch", 48) == pytest.approx((6.9 + 14.1) / 2)
+    assert sm._proxy_us("dispatch", 64) == pytest.approx(6.2)
+    assert sm._proxy_us("combine", 128) == pytest.approx(3.7)
+    assert sm._proxy_us("dispatch", 256) == pytest.approx(12.9 + 128 * 0.095)
+    assert sm._proxy_us("dispatch", 48) == pytest.approx((2.9 + 6.2) / 2)

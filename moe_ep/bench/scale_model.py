@@ -62,11 +62,12 @@ COPY_GBS = 3892.0           # HBM row copy, read + written bytes, 132 programs, 
 FP8_BLOCK = 128             # channels per float32 fp8 scale (moe_ep.fp8)
 
 # The proxy thread's CPU per decode op against R-1 simulated peers, null transport, 8 ranks per
-# node, p50 (docs/performance-log/proxy.md "Proxy cost to EP128, null transport", commit 4bbe35e): linear
-# between the measured R, beyond R=128 the fitted slope per peer (233 / 96 ns).
-PROXY_US = {"dispatch": {8: 1.6, 16: 3.3, 32: 6.9, 64: 14.1, 128: 29.6},
-            "combine": {8: 0.0, 16: 1.7, 32: 3.2, 64: 6.3, 128: 12.4}}
-PROXY_SLOPE_US = {"dispatch": 0.233, "combine": 0.096}
+# node, p50, in quiet minutes of this 2-core machine (docs/performance-log/proxy.md "Proxy cost to
+# EP128, second pass": R = 64, 128 at commit b67112e; R = 8, 16, 32 from that pass's first build,
+# within 8 % of it): linear between the measured R, beyond R=128 the slope per peer (95 / 27 ns).
+PROXY_US = {"dispatch": {8: 1.2, 16: 1.5, 32: 2.9, 64: 6.2, 128: 12.9},
+            "combine": {8: 0.0, 16: 0.7, 32: 1.2, 64: 2.1, 128: 3.7}}
+PROXY_SLOPE_US = {"dispatch": 0.095, "combine": 0.027}
 POST_US = 0.25              # one post_write, back to back: 0.1-0.4 us (docs/performance-log/proxy.md "Proxy cost (CPU, TCP loopback)")
 MIN_SHARD = 16384           # bytes: a write is split over k NICs only in shards of at least this (ARCHITECTURE §9)
 
