@@ -331,6 +331,44 @@ def test_imm_names_source_and_epoch():
         b.close()
 
 
+@pytest.mark.parametrize("spin_us", [10.0, 1e6], ids=["asleep", "spinning"])
+def test_rows_before_their_header(spin_us):
+    """Writes are unordered: a source's round-1 rows may land before its header. Here they land,
+    then the header a while later, while the proxy (rank 1; its own bells rung, so only headers are
+    left) sleeps in one wait for the headers (asleep) or still looks pass by pass (spinning): once
+    the header says the rows are expected, the rows already counted complete round 1 at once (they
+    are not waited for until the deadline)."""
+    a, b = TcpTransport(0, 2, streams=1), TcpTransport(1, 2, streams=1)
+    try:
+        pb = Proxy(b, node_size=1, num_local_experts=1, row_bytes=RB, comb_row_bytes=CRB, private_capacity=1,
+                   overflow_capacity=2, max_send_rows=4, timeout_s=2.0, spin_us=spin_us)
+        regs = {n: np.zeros(max(int(nb), 16), np.uint8) for n, nb in pb.region_bytes.items()}
+        keys = dict(zip(native.REGION_NAMES, (a.register(regs[n]) for n in native.REGION_NAMES)))
+        a.connect([a.endpoint, b.endpoint], 10)
+        b.connect([a.endpoint, b.endpoint], 10)
+        pb.start()
+        regs["hdr_send"][:12].view(np.int32)[:] = [0, 1, 1]  # rank 0's counts: one row for rank 1 (its expert)
+        regs["disp_send"][:RB] = 7
+        pb.ring("dispatch", 1)
+        # round-1 rows first, into rank 0's slot of copy 1
+        a.post_write(1, keys["disp_send"], 0, keys["round1"], (1 * 2 + 0) * pb.slot_bytes, RB,
+                     imm=make_imm(native.PHASE_D1, 1, src=0))
+        time.sleep(0.3)  # the proxy has taken everything else and sleeps until a header lands
+        assert pb.mailbox[MAILBOX["hdr_ready"]] == 0 and pb.error_record()[0] == 0
+        a.post_write(1, keys["hdr_send"], 0, keys["hdr_recv"], (1 * 2 + 0) * pb.hdr_bytes, pb.hdr_bytes,
+                     imm=make_imm(native.PHASE_D0, 1, src=0))
+        t0 = time.monotonic()
+        pb.wait_ready("dispatch", 1, 5)
+        assert time.monotonic() - t0 < 1.0  # not at the 2 s deadline
+        assert pb.mailbox[native.mailbox_word("ready1", 2, 0)] == 1
+        assert bytes(pb.round1[(1 * 2 + 0) * pb.slot_bytes:][:RB]) == bytes([7]) * RB
+        assert b.imm.value(make_imm(native.PHASE_D1, 1, src=0)) == 0  # taken once
+        pb.close()
+    finally:
+        a.close()
+        b.close()
+
+
 def test_world_beyond_the_immediate_is_refused():
     n = native.IMM_MAX_RANKS + 1
     e = TcpTransport(0, n, streams=1)

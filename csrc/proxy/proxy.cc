@@ -698,6 +698,7 @@ bool Proxy::run_dispatch(int64_t epoch) {
       if (await_all(kPhaseD0, epoch, rest, std::min(kBlockNs, deadline - mono_ns()))) {
         for (int s : rest)
           if (!on_header(s)) return false;
+        seen_gen = ~uint64_t(0);  // rows that came before these headers are wanted now: look again
         last_work = mono_ns();
         continue;
       }  // (else a time slice passed, or the counter failed: the next pass's takes tell which)
