@@ -26,13 +26,11 @@ import subprocess
 import sys
 from typing import Optional
 
+from . import settings
 from .proxy import nic as _nic
 
-ENV_VARS = ("MOE_EP_TRANSPORT", "MOE_EP_IB_DEVICE", "MOE_EP_IB_NICS", "MOE_EP_IB_PORT", "MOE_EP_IB_GID_INDEX",
-            "MOE_EP_IB_TIMEOUT", "MOE_EP_IB_RETRY_CNT", "MOE_EP_IBVERBS_LIB", "MOE_EP_LIBFABRIC_LIB", "MOE_EP_FI_PROVIDER",
-            "MOE_EP_FI_DOMAIN", "MOE_EP_FI_ENDPOINTS", "FI_PROVIDER", "MOE_EP_CUDA_LIB", "MOE_EP_SYSFS_ROOT", "MOE_EP_TCP_HOST",
-            "MOE_EP_NATIVE_LIB", "MOE_EP_NODE_SIZE", "MOE_EP_NODE_MEMORY", "MOE_EP_DEVICE", "MOE_EP_LAUNCH",
-            "CUDA_VISIBLE_DEVICES")
+# The variables the report shows when set: every one moe_ep reads (moe_ep.settings), and the GPUs visible.
+ENV_VARS = settings.NAMES + ("CUDA_VISIBLE_DEVICES",)
 
 
 def _err(e: BaseException) -> str:
@@ -269,8 +267,8 @@ def dmabuf(root: Optional[str] = None) -> dict:
     when the nvidia-peermem module is loaded. (Whether the GPU's driver really exports dma-bufs
     shows only when registering.)"""
     root = _nic.sysfs_root(root)
-    ok_v, why_v = _exports(os.environ.get("MOE_EP_IBVERBS_LIB") or "libibverbs.so.1", "ibv_reg_dmabuf_mr")
-    ok_c, why_c = _exports(os.environ.get("MOE_EP_CUDA_LIB") or "libcuda.so.1", "cuMemGetHandleForAddressRange")
+    ok_v, why_v = _exports(settings.ibverbs_lib(), "ibv_reg_dmabuf_mr")
+    ok_c, why_c = _exports(settings.cuda_lib(), "cuMemGetHandleForAddressRange")
     peermem = os.path.isdir(os.path.join(root, "module", "nvidia_peermem"))
     via = ("dma-buf" if ok_v and ok_c else "GPU address (nvidia-peermem)" if peermem
            else "none (host memory only)")
@@ -304,7 +302,7 @@ def transport(native_ok: bool) -> dict:
 
     kind, why = select_transport("auto")
     out["auto"] = {"kind": kind, "why": why}
-    env = os.environ.get("MOE_EP_TRANSPORT")
+    env = settings.value("MOE_EP_TRANSPORT")  # as set: a bad value is reported, not raised
     if env and env.strip().lower() != "auto":
         try:
             k, w = select_transport(env)
@@ -337,7 +335,7 @@ def node_memory(num_gpus: int, use_torch: bool = True) -> dict:
 
         symm = symm_available()
     ipc = ipc_binding()
-    forced = os.environ.get("MOE_EP_NODE_MEMORY") or None
+    forced = settings.value("MOE_EP_NODE_MEMORY") or None  # as set, unchecked
     own = "symm" if symm else "ipc"
     return {"symm_available": symm, "ipc_binding": ipc, "forced": forced,
             "a_gpu_per_rank": forced or (own if num_gpus else None), "ranks_share_gpus": forced or "ipc",
@@ -392,7 +390,7 @@ def report(root: Optional[str] = None, use_torch: bool = True, use_pyverbs: bool
         "nic": nic_choices(devs, g["devices"], root),
         "transport": transport("native_error" not in r),
         "node_memory": node_memory(len(g["devices"]), use_torch),
-        "env": {k: os.environ[k] for k in ENV_VARS if k in os.environ},
+        "env": settings.environment(ENV_VARS),
         "deep_ep": deep_ep_alias(),
     }
 

@@ -9,6 +9,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from . import settings
+
 
 class EPGroup:
     """Wraps a ``torch.distributed`` process group for expert parallelism.
@@ -48,8 +50,9 @@ class EPGroup:
             self.rank, self.world_size = dist.get_rank(pg), dist.get_world_size(pg)
             backend = str(dist.get_backend(pg)).lower()
         self.backend = backend
-        if device is None and os.environ.get("MOE_EP_DEVICE"):
-            device = env_device(os.environ["MOE_EP_DEVICE"], "MOE_EP_DEVICE")
+        named = settings.device() if device is None else ""
+        if named:
+            device = env_device(named, "MOE_EP_DEVICE")
         if device is not None:
             self.device = torch.device(device)
             if self.device.type == "cuda":
@@ -71,8 +74,8 @@ class EPGroup:
                                  if self.device.type == "cuda" else 1)
 
     def _node_size(self, node_size: Optional[int]) -> int:
-        if node_size is None and os.environ.get("MOE_EP_NODE_SIZE"):
-            node_size = int(os.environ["MOE_EP_NODE_SIZE"])
+        if node_size is None:
+            node_size = settings.node_size()
         if node_size is None:
             if self.pg is None:
                 node_size = 1
@@ -211,7 +214,7 @@ def init_distributed(device: str = "auto", timeout_s: float = 600.0) -> str:
         torch.cuda.set_device(local)
         dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", local))
         return f"{world} rank{'s' * (world > 1)}, one GPU each"
-    os.environ["MOE_EP_DEVICE"] = "cuda"
+    settings.set_device("cuda")
     torch.cuda.set_device(local % gpus)
     dist.init_process_group("gloo", timeout=timeout)
     return (f"{world} ranks on {gpus} GPU{'s' * (gpus > 1)} per host ({local_world} local ranks share them: "

@@ -23,10 +23,11 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from . import settings
 from .group import EPGroup
 
 _log = logging.getLogger(__name__)
-BACKENDS = ("symm", "ipc")  # what MOE_EP_NODE_MEMORY may force
+BACKENDS = settings.NODE_MEMORY  # what MOE_EP_NODE_MEMORY may force
 
 
 class SymmetricWorkspace:
@@ -119,9 +120,7 @@ def select_node_memory(group: EPGroup) -> Tuple[str, str]:
         return "shm", "CPU ranks"
     if group.node_size == 1:
         return "local", "no node peers"
-    forced = os.environ.get("MOE_EP_NODE_MEMORY", "").strip().lower() or None
-    if forced is not None and forced not in BACKENDS:
-        raise ValueError(f"MOE_EP_NODE_MEMORY: expected one of {', '.join(BACKENDS)}, got {forced!r}")
+    forced = settings.node_memory()
     views = group.all_gather_object((forced, symm_available()))
     if len({v[0] for v in views}) != 1:
         raise ValueError(f"MOE_EP_NODE_MEMORY: expected the same value on every rank, got "

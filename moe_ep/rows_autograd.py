@@ -24,6 +24,7 @@ import torch.distributed as dist
 from .buffer import EPBuffer
 from .group import EPGroup
 from .rows import delivered
+from .tuning import Tuning
 
 FP8 = torch.float8_e4m3fn
 
@@ -45,14 +46,18 @@ class RowsExchange:
             ``min_tokens``), agreed with a host all-gather per ``plan``; an int: fixed, no
             agreement (a batch over it raises ``ValueError`` naming ``max_tokens``).
         timeout_s: the buffers' deadline.
+        tuning: how the buffers launch their kernels (``moe_ep.Tuning``); ``None``: each buffer takes
+            ``Tuning.from_env()`` when it is made, as ``EPBuffer`` does.
     """
 
     def __init__(self, group: EPGroup, max_tokens: Optional[int] = None, timeout_s: float = 30.0,
-                 min_tokens: int = 16):
+                 min_tokens: int = 16, tuning: Optional[Tuning] = None):
         if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
                                        or max_tokens < 1):
             raise ValueError(f"max_tokens: expected None (grow as needed) or a positive int, got {max_tokens!r}")
-        self.group, self.timeout_s = group, timeout_s
+        if tuning is not None and not isinstance(tuning, Tuning):
+            raise TypeError(f"tuning: expected moe_ep.Tuning or None, got {type(tuning).__name__}")
+        self.group, self.timeout_s, self.tuning = group, timeout_s, tuning
         self.fixed = max_tokens is not None
         self.max_tokens = max_tokens if self.fixed else 0
         self.min_tokens = min_tokens
@@ -112,7 +117,7 @@ class RowsExchange:
         buf = self._buffers.get(key)
         if buf is None:
             buf = EPBuffer(self.group, num_experts, hidden, self.max_tokens, topk, dispatch_dtype=dtype,
-                           layout="rows", timeout_s=self.timeout_s)
+                           layout="rows", timeout_s=self.timeout_s, tuning=self.tuning)
             self._buffers[key] = buf
         return buf
 

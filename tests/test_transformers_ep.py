@@ -317,6 +317,29 @@ def test_rows_moe_one_rank_against_dense():
     ex.close()
 
 
+def test_rows_exchange_tuning(monkeypatch):
+    """``RowsExchange(tuning=...)`` (and ``register(tuning=...)``'s exchanges) make their buffers with
+    that ``Tuning``; ``None``: the tuning variables when a buffer is made, as ``EPBuffer`` does."""
+    import moe_ep
+    import moe_ep.integrations.transformers as mt
+    from moe_ep.rows_autograd import RowsExchange
+
+    tuned = moe_ep.Tuning(tile=1, num_warps=2)
+    ex = mt._exchange(None, 8, 30.0, tuned)
+    assert ex.tuning is tuned and ex is mt._exchange(None, 8, 30.0, tuned) is not mt._exchange(None, 8, 30.0)
+    buf = ex.buffer(4, 2, 32, torch.bfloat16)
+    assert buf.tuning.asked == tuned and buf.tuning.num_warps == 2
+    mt.close_all()
+    monkeypatch.setenv("MOE_EP_NUM_WARPS", "8")
+    ex = RowsExchange(moe_ep.EPGroup(), max_tokens=8)
+    assert ex.buffer(4, 2, 32, torch.bfloat16).tuning.num_warps == 8
+    ex.close()
+    with pytest.raises(TypeError, match="tuning: expected moe_ep.Tuning or None, got dict"):
+        RowsExchange(moe_ep.EPGroup(), tuning={"tile": 1})
+    with pytest.raises(TypeError, match="tuning: expected moe_ep.Tuning or None, got dict"):
+        mt.register("moe_ep_tuned", tuning={"tile": 1})
+
+
 # GPU: bf16 models (experts through grouped_mm), ranks sharing the GPUs there are; tolerances of bf16
 # arithmetic in every path (not measured yet: no GPU run so far).
 GPU_RTOL = 5e-2

@@ -47,6 +47,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from .. import settings
 from ..tuning import Tuning
 
 PRESETS = {
@@ -526,7 +527,7 @@ def environment(device: torch.device) -> dict:
     except OSError:
         commit = None
     # A copy of the tree (e.g. shipped to a GPU box, maybe with a stale .git) names its commit by environment.
-    commit = os.environ.get("MOE_EP_COMMIT") or commit or None  # an explicit name wins
+    commit = settings.commit() or commit or None  # an explicit name wins
     return dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         host=socket.gethostname(), commit=commit, torch=torch.__version__, triton=triton.__version__,

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import os
 import pstats
 import statistics
 import time
@@ -29,6 +28,7 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
+from .. import settings
 from .intranode import PRESETS
 
 
@@ -214,7 +214,7 @@ def main(argv=None) -> None:
     if rank == 0:
         nodes = f" nodes of {group.node_size}" if group.node_size < R else ""
         print(f"== profile_ops {args.preset} R={R}{nodes} T={T} H={H} K={K} E={E} {args.dispatch_dtype} {layout} "
-              f"[{torch.cuda.get_device_name(dev)}; {how}; MOE_EP_LAUNCH={os.environ.get('MOE_EP_LAUNCH', '')}]")
+              f"[{torch.cuda.get_device_name(dev)}; {how}; MOE_EP_LAUNCH={settings.value('MOE_EP_LAUNCH')}]")
         print("\n".join(lines))
     dist.destroy_process_group()
 

@@ -40,6 +40,8 @@ import time
 
 import numpy as np
 
+from .. import settings
+
 SIZES = [0, 4096, 65536, 1 << 20]
 POST_N = {0: 20000, 4096: 20000, 65536: 4000, 1 << 20: 300}
 SERIAL_N = {0: 2000, 4096: 2000, 65536: 1000, 1 << 20: 100}
@@ -54,7 +56,7 @@ def _meta(argv) -> dict:
                 cpu = line.split(":", 1)[1].strip()
     except OSError:
         pass
-    commit = os.environ.get("MOE_EP_COMMIT")
+    commit = settings.commit()
     if not commit:
         try:
             commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,

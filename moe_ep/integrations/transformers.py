@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from ..group import EPGroup
 from ..rows_autograd import RowsExchange, rows_moe
+from ..tuning import Tuning
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, torch.bfloat16: torch.bfloat16,
            "fp8": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn,
@@ -40,14 +41,14 @@ _EXCHANGES: Dict[Tuple, RowsExchange] = {}
 _GROUPS: Dict[object, EPGroup] = {}
 
 
-def _exchange(pg, max_tokens: Optional[int], timeout_s: float) -> RowsExchange:
-    key = (pg, max_tokens, timeout_s)
+def _exchange(pg, max_tokens: Optional[int], timeout_s: float, tuning: Optional[Tuning] = None) -> RowsExchange:
+    key = (pg, max_tokens, timeout_s, tuning)
     ex = _EXCHANGES.get(key)
     if ex is None:
         group = _GROUPS.get(pg)
         if group is None:
             group = _GROUPS[pg] = EPGroup(pg)  # collective once (every rank reaches its first layer)
-        ex = _EXCHANGES[key] = RowsExchange(group, max_tokens=max_tokens, timeout_s=timeout_s)
+        ex = _EXCHANGES[key] = RowsExchange(group, max_tokens=max_tokens, timeout_s=timeout_s, tuning=tuning)
     return ex
 
 
@@ -95,7 +96,8 @@ def _ep_module():
     return expert_parallel
 
 
-def _make_class(name: str, dispatch_dtype: torch.dtype, max_tokens: Optional[int], timeout_s: float) -> Type:
+def _make_class(name: str, dispatch_dtype: torch.dtype, max_tokens: Optional[int], timeout_s: float,
+                tuning: Optional[Tuning] = None) -> Type:
     EPImplementation = _ep_module().EPImplementation  # noqa: N806
 
     class MoeEpImplementation(EPImplementation):
@@ -111,7 +113,7 @@ def _make_class(name: str, dispatch_dtype: torch.dtype, max_tokens: Optional[int
             self.ep_size = ep_mesh.size()
             self.num_experts = self.num_local_experts * self.ep_size
             self.dispatch_dtype = dispatch_dtype
-            self.options = (max_tokens, timeout_s)
+            self.options = (max_tokens, timeout_s, tuning)
 
         def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                      top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -131,7 +133,7 @@ def _make_class(name: str, dispatch_dtype: torch.dtype, max_tokens: Optional[int
 
 
 def register(name: str = "moe_ep", dispatch_dtype="bf16", max_tokens: Optional[int] = None,
-             timeout_s: float = 30.0) -> Type:
+             timeout_s: float = 30.0, tuning: Optional[Tuning] = None) -> Type:
     """Registers an ``EPImplementation`` under ``name`` for ``DistributedConfig(ep_implementation=name)``.
 
     Args:
@@ -141,6 +143,8 @@ def register(name: str = "moe_ep", dispatch_dtype="bf16", max_tokens: Optional[i
             each call, one host all-gather); an int: fixed, no agreement (for CUDA graphs), and a
             larger batch raises ``ValueError`` naming ``max_tokens`` on that rank.
         timeout_s: deadline of every wait for a peer (``moe_ep.CommTimeoutError``).
+        tuning: how the buffers launch their kernels (``moe_ep.Tuning``); ``None``: the ``MOE_EP_*``
+            tuning variables when a buffer is made (``Tuning.from_env()``).
     Returns:
         the registered class.
     """
@@ -149,7 +153,9 @@ def register(name: str = "moe_ep", dispatch_dtype="bf16", max_tokens: Optional[i
         raise ValueError(f"dispatch_dtype: expected 'bf16' or 'fp8', got {dispatch_dtype!r}")
     if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
         raise ValueError(f"max_tokens: expected None or a positive int, got {max_tokens!r}")
-    cls = _make_class(name, _DTYPES[dispatch_dtype], max_tokens, float(timeout_s))
+    if tuning is not None and not isinstance(tuning, Tuning):
+        raise TypeError(f"tuning: expected moe_ep.Tuning or None, got {type(tuning).__name__}")
+    cls = _make_class(name, _DTYPES[dispatch_dtype], max_tokens, float(timeout_s), tuning)
     EPImplementationInterface.register(name, cls)
     return cls
 

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import socket
 from typing import TYPE_CHECKING, Callable, Optional
 
+from .. import settings
 from ..proxy import nic as _nic
 from ..proxy.identity import agree_identity
 from ..proxy.native import (Engine, FabricTransport, NativeError, Proxy, TcpTransport, VerbsTransport, fabric_probe,
@@ -35,7 +35,7 @@ from ..proxy.native import (Engine, FabricTransport, NativeError, Proxy, TcpTran
 if TYPE_CHECKING:  # not at run time: moe_ep.doctor uses this module without torch
     from ..group import EPGroup
 
-TRANSPORTS = ("auto", "verbs", "tcp", "efa", "libfabric")
+TRANSPORTS = settings.TRANSPORTS
 _log = logging.getLogger(__name__)
 Probe = Callable[[], "tuple[bool, str]"]
 
@@ -53,8 +53,9 @@ def default_private_capacity(max_tokens: int, topk: int, num_experts: int, world
 
 
 def _bind_host(group: EPGroup) -> str:
-    if os.environ.get("MOE_EP_TCP_HOST"):
-        return os.environ["MOE_EP_TCP_HOST"]
+    host = settings.tcp_host()
+    if host:
+        return host
     hosts = group.all_gather_object(socket.gethostname())
     if len(set(hosts)) == 1:
         return "127.0.0.1"  # one host: stay on loopback
@@ -77,9 +78,7 @@ def select_transport(name: Optional[str] = None, *, probes: Optional[dict[str, P
     ``() -> (ok, what)``) replace ``efa_probe`` / ``verbs_probe`` / ``fabric_probe``: the devices a
     rank will use (``nic_probes``), or fakes in tests.
     """
-    want = (name or os.environ.get("MOE_EP_TRANSPORT") or "auto").strip().lower()
-    if want not in TRANSPORTS:
-        raise ValueError(f"MOE_EP_TRANSPORT={want!r}: expected one of {', '.join(TRANSPORTS)}")
+    want = settings.transport(name)
     if want == "tcp":
         return "tcp", "MOE_EP_TRANSPORT=tcp"
     probe = {"efa": efa_probe, "verbs": verbs_probe, "libfabric": fabric_probe, **(probes or {})}
@@ -116,7 +115,7 @@ def efa_domains(nic: Optional[_nic.NicChoice]) -> Optional[str]:
     """The libfabric domains of the EFA devices ``nic`` chose (``"rdmap16s27-rdm,..."``), or None
     (the native default: ``MOE_EP_FI_DOMAIN``, else the efa provider's first) when
     ``MOE_EP_FI_DOMAIN`` is set or sysfs offered no EFA device."""
-    if os.environ.get("MOE_EP_FI_DOMAIN") or nic is None or not nic.devices:
+    if settings.fi_domain() or nic is None or not nic.devices:
         return None
     return ",".join(_nic.efa_domain(d) for d in nic.devices)
 
@@ -156,7 +155,7 @@ def _agreed_transport(group: EPGroup, name: Optional[str]) -> tuple[str, Optiona
             bad = next(r for r, n in enumerate(counts) if n != counts[0])
             raise NativeError(f"rank {group.rank}: ranks open different numbers of NICs (rank 0: {counts[0]}, "
                               f"rank {bad}: {counts[bad]}); set MOE_EP_IB_NICS (or MOE_EP_IB_DEVICE) alike on every rank")
-    if kind == "efa" and not os.environ.get("MOE_EP_FI_ENDPOINTS"):  # one endpoint per EFA device
+    if kind == "efa" and settings.fi_endpoints() is None:  # one endpoint per EFA device
         counts = group.all_gather_object(max(1, len(nic.devices)))
         least = min(counts)
         if least < counts[group.rank] and nic.devices:  # every rank opens the smallest number
@@ -175,20 +174,15 @@ def _agreed_transport(group: EPGroup, name: Optional[str]) -> tuple[str, Optiona
 
 def fabric_endpoints() -> int:
     """The libfabric endpoints per rank: ``MOE_EP_FI_ENDPOINTS`` (a positive integer), else 1."""
-    text = os.environ.get("MOE_EP_FI_ENDPOINTS", "").strip()
-    if not text:
-        return 1
-    if not text.isdigit() or int(text) < 1:
-        raise ValueError(f"MOE_EP_FI_ENDPOINTS={text!r}: expected a positive integer")
-    return int(text)
+    return settings.fi_endpoints() or 1
 
 
 def _fabric_domain(group: EPGroup) -> Optional[str]:
     """``"lo"`` for a tcp or udp provider when every rank shares this host (and neither
     ``MOE_EP_FI_DOMAIN`` nor ``MOE_EP_TCP_HOST`` says otherwise); else None (the native default)."""
-    if os.environ.get("MOE_EP_FI_DOMAIN") or os.environ.get("MOE_EP_TCP_HOST"):
+    if settings.fi_domain() or settings.tcp_host():
         return None
-    prov = os.environ.get("MOE_EP_FI_PROVIDER") or os.environ.get("FI_PROVIDER") or ""
+    prov = settings.fi_provider()
     one_host = len(set(group.all_gather_object(socket.gethostname()))) == 1
     return "lo" if one_host and prov.split(";")[0] in ("tcp", "udp") else None
 
@@ -202,7 +196,7 @@ def make_engine(group: EPGroup, kind: str, nic: Optional[_nic.NicChoice], identi
         return VerbsTransport(group.rank, group.world_size, device=nic.spec, port=nic.port or 0, nics=nic.nics,
                               identity=identity)
     if kind == "efa":
-        endpoints = fabric_endpoints() if os.environ.get("MOE_EP_FI_ENDPOINTS") else 0
+        endpoints = settings.fi_endpoints() or 0
         return FabricTransport(group.rank, group.world_size, provider="efa", domain=efa_domains(nic),
                                endpoints=endpoints, identity=identity)
     if kind == "libfabric":
@@ -246,7 +240,7 @@ def start_proxy(group: EPGroup, *, num_local_experts: int, row_bytes: int, comb_
     proxy = Proxy(engine, node_size=group.node_size, num_local_experts=num_local_experts, row_bytes=row_bytes,
                   comb_row_bytes=comb_row_bytes, private_capacity=private_capacity,
                   overflow_capacity=overflow_capacity, max_send_rows=max_send_rows, timeout_s=timeout_s,
-                  sleep_us=sleep_us, trace=trace or os.environ.get("MOE_EP_PROXY_TRACE") or "phases",
+                  sleep_us=sleep_us, trace=trace or settings.proxy_trace(),
                   regions=regions, mailbox=mailbox)
     engine.connect(group.all_gather_object(engine.endpoint), timeout_s)
     proxy.start()

@@ -26,7 +26,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import inspect
-import os
 import struct
 from typing import Hashable, Optional, Sequence
 
@@ -34,9 +33,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import settings
 from .interpret import interpreting
 
-LAUNCH_PATHS = ("native", "triton")
+LAUNCH_PATHS = settings.LAUNCH_PATHS
 # Triton releases whose launcher (backends/nvidia/driver.py: make_launcher) the native packing was
 # checked against: tests/test_launch.py compares param_sizes with it. Others take TritonPlan.
 NATIVE_TRITON = ((3, 6),)
@@ -45,10 +45,7 @@ NATIVE_TRITON = ((3, 6),)
 def launch_path() -> str:
     """``MOE_EP_LAUNCH``: ``native`` (default) or ``triton`` (Triton's C launcher for every cached
     launch). Raises ValueError naming the variable for any other value."""
-    v = os.environ.get("MOE_EP_LAUNCH", "") or "native"
-    if v not in LAUNCH_PATHS:
-        raise ValueError(f"MOE_EP_LAUNCH: expected one of {', '.join(LAUNCH_PATHS)}, got {v!r}")
-    return v
+    return settings.launch_path()
 
 
 REGISTERS_PER_SM = 65536  # 32-bit registers of an SM's register file (sm_80, sm_90): one program's at most

@@ -26,6 +26,7 @@ import sysconfig
 import threading
 from typing import NamedTuple, Sequence
 
+from .. import settings
 from ..errors import CapacityError, CommTimeoutError
 from .identity import JobIdentity
 
@@ -85,9 +86,9 @@ def _build_from_source() -> str:
 
 
 def _find_library() -> str:
-    env = os.environ.get("MOE_EP_NATIVE_LIB")
-    if env:
-        return env
+    named = settings.native_lib()
+    if named:
+        return named
     built = sorted(glob.glob(os.path.join(_PKG_DIR, "_native*.so")))
     srcs = _sources()
     if built:
@@ -530,7 +531,7 @@ def goodbye_cause(error: BaseException | None) -> tuple[int, int, int, int]:
     return 1, -1, -1, 0
 
 
-HELLO_TIMEOUT_S, MAX_PENDING = 10.0, 256  # the tcp defaults (csrc/proxy/tcp_transport.cc)
+HELLO_TIMEOUT_S, MAX_PENDING = settings.TCP_HELLO_TIMEOUT_S, settings.TCP_MAX_PENDING  # the tcp defaults
 
 
 def _positive(value, kind: type, what: str):
@@ -543,18 +544,10 @@ def _positive(value, kind: type, what: str):
     return kind(value)
 
 
-def _setting(value, what: str, env: str, default, kind: type):
-    """The argument ``value`` (named ``what``), else the environment variable ``env``, else
-    ``default``; a positive ``kind`` either way."""
-    if value is not None:
-        return _positive(value, kind, what)
-    text = os.environ.get(env, "").strip()
-    if not text:
-        return default
-    try:
-        return _positive(kind(text), kind, f"{env}={text!r}")
-    except ValueError:
-        raise ValueError(f"{env}={text!r}: expected a positive {'number' if kind is float else 'integer'}") from None
+def _setting(value, what: str, kind: type, from_env):
+    """The argument ``value`` (named ``what``) as a positive ``kind``, else ``from_env()`` (its
+    variable's value, or the default: ``moe_ep.settings``)."""
+    return from_env() if value is None else _positive(value, kind, what)
 
 
 class TcpTransport(Engine):
@@ -570,8 +563,8 @@ class TcpTransport(Engine):
     def __init__(self, rank: int, world: int, streams: int = 4, bind_host: str = "127.0.0.1", *,
                  identity: JobIdentity | None = None, hello_timeout_s: float | None = None,
                  max_pending: int | None = None):
-        hello_timeout_s = _setting(hello_timeout_s, "hello_timeout_s", "MOE_EP_TCP_HELLO_TIMEOUT", HELLO_TIMEOUT_S, float)
-        max_pending = _setting(max_pending, "max_pending", "MOE_EP_TCP_MAX_PENDING", MAX_PENDING, int)
+        hello_timeout_s = _setting(hello_timeout_s, "hello_timeout_s", float, settings.tcp_hello_timeout)
+        max_pending = _setting(max_pending, "max_pending", int, settings.tcp_max_pending)
         super().__init__(rank, world, streams, bind_host, transport="tcp", identity=identity)
         self.set_hello_timeout(hello_timeout_s)
         self.set_max_pending(max_pending)

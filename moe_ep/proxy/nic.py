@@ -21,12 +21,15 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Optional, Sequence
 
+from .. import settings
+
 _BDF = re.compile(r"^[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$")
 NVIDIA_VENDOR = "0x10de"
 
 
 def sysfs_root(root: Optional[str] = None) -> str:
-    return root or os.environ.get("MOE_EP_SYSFS_ROOT") or "/sys"
+    """``root``, else ``MOE_EP_SYSFS_ROOT``, else ``/sys``."""
+    return root or settings.sysfs_root()
 
 
 def _read(path: str, default: str = "") -> str:
@@ -327,10 +330,10 @@ def efa_domain(device: str) -> str:
 
 def efa_count(devices: Sequence[RdmaDevice], gpu: Optional[GpuPci] = None, env: Optional[dict] = None) -> int:
     """How many EFA devices a rank opens (one libfabric endpoint each): ``MOE_EP_IB_NICS`` or a
-    list in ``MOE_EP_IB_DEVICE`` when set (``nic_count``); else, for a GPU rank, every EFA device
-    with an active port behind the same PCIe switch as the GPU (p5: 4), at least 1; else 1."""
-    env = os.environ if env is None else env
-    if _int(env.get("MOE_EP_IB_NICS", ""), 0) > 0 or env.get("MOE_EP_IB_DEVICE"):
+    list in ``MOE_EP_IB_DEVICE`` when set in ``env`` (default ``os.environ``; ``nic_count``); else,
+    for a GPU rank, every EFA device with an active port behind the same PCIe switch as the GPU
+    (p5: 4), at least 1; else 1."""
+    if settings.ib_nics(env) > 0 or settings.ib_devices(env):
         return nic_count(env)
     if gpu is None or not gpu.pci_path:
         return 1
@@ -341,13 +344,11 @@ def efa_count(devices: Sequence[RdmaDevice], gpu: Optional[GpuPci] = None, env: 
 
 def nic_count(env: Optional[dict] = None) -> int:
     """How many NICs a rank opens: ``MOE_EP_IB_NICS``, else as many as ``MOE_EP_IB_DEVICE``
-    lists, else 1 (the native engine's rule)."""
-    env = os.environ if env is None else env
-    n = _int(env.get("MOE_EP_IB_NICS", ""), 0)
+    lists, else 1 (the native engine's rule); in ``env``, default ``os.environ``."""
+    n = settings.ib_nics(env)
     if n > 0:
         return n
-    listed = [e for e in env.get("MOE_EP_IB_DEVICE", "").split(",") if e]
-    return len(listed) or 1
+    return len(settings.ib_devices(env)) or 1
 
 
 def choose_nic(devices: Sequence[RdmaDevice], kind: str = "verbs", gpu: Optional[GpuPci] = None,
@@ -364,15 +365,15 @@ def choose_nic(devices: Sequence[RdmaDevice], kind: str = "verbs", gpu: Optional
     nearest in that order. A CPU rank takes the first ``count``. Fewer usable devices than asked
     for: all of them, and the reason says so (the engine then refuses to start).
     """
-    env = os.environ if env is None else env
     count = count if count and count > 0 else nic_count(env)
-    if env.get("MOE_EP_IB_DEVICE"):
-        entries = [e for e in env["MOE_EP_IB_DEVICE"].split(",") if e][:count]
+    listed = settings.ib_devices(env)
+    if listed:
+        entries = listed[:count]
         names, ports = [], []
         for e in entries:
             name, _, p = e.partition(":")
             dev = next((d for d in devices if d.name == name), None)
-            port = _int(p, 0) or _int(env.get("MOE_EP_IB_PORT", ""), 0) or ((dev.active_port() or Port(1, "")).num if dev else 1)
+            port = _int(p, 0) or settings.ib_port(env) or ((dev.active_port() or Port(1, "")).num if dev else 1)
             names.append(name)
             ports.append(port)
         why = "MOE_EP_IB_DEVICE"
