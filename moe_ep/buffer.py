@@ -49,7 +49,7 @@ class EPBuffer:
             every rank.
         private_capacity: with other nodes (``group.node_size < world_size``): rows each remote
             source may send into this rank's private slot in round 1 (default: a uniform batch plus
-            headroom, ``moe_ep.internode.session.default_private_capacity``); the rest goes in round 2.
+            headroom, ``moe_ep.internode.spec.default_private_capacity``); the rest goes in round 2.
         overflow_capacity: with other nodes: round-2 rows this rank can take from all remote
             sources in one dispatch (default: all that could come, ``(R - node_size) * (M -
             private_capacity)``); a batch needing more raises ``CapacityError`` on every rank.

@@ -17,12 +17,9 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping, NamedTuple, Optional, Union
+from typing import Mapping, NamedTuple, Optional, Union
 
 from .layout import COMBINE_STEP_TOKENS, OWN_TILE_TOKENS, pow2
-
-if TYPE_CHECKING:
-    from .sizing import BufferShape
 
 WARPS = (1, 2, 4, 8, 16, 32)  # the warps a Triton program may have
 

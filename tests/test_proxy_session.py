@@ -118,7 +118,7 @@ def test_each_session_has_its_own_identity():
 
 
 def test_default_private_capacity():
-    from moe_ep.internode.session import default_private_capacity
+    from moe_ep.internode.spec import default_private_capacity
 
     # decode at EP16: a token touches a given rank with probability ~0.41 -> ~1.25 * 128 * 0.41 + 8
     assert 60 <= default_private_capacity(128, 8, 256, 16) <= 80

@@ -107,7 +107,7 @@ def _pct(v, q) -> float:
 
 def run_point(pt: Point) -> dict:
     """Runs one point and returns its row (µs, counts per op); raises on a proxy error or a count mismatch."""
-    from moe_ep.internode.session import default_private_capacity
+    from moe_ep.internode.spec import default_private_capacity
     from moe_ep.internode.spec import RemoteSpec
     from moe_ep.proxy.native import NullTransport, Proxy, SimConfig, lib
 

@@ -284,7 +284,7 @@ def _shards(nbytes: int, k: int) -> int:
 
 def _spec(R: int, G: int, shape: Shape):
     """moe_ep's row format and capacities for this shape (the ones ``EPBuffer`` would set)."""
-    from moe_ep.internode.session import default_private_capacity
+    from moe_ep.internode.spec import default_private_capacity
     from moe_ep.internode.spec import RemoteSpec
 
     cap = default_private_capacity(shape.tokens, shape.topk, shape.experts, R)

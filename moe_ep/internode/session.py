@@ -22,7 +22,6 @@ it in every hello, so only this session's ranks get in (docs/ARCHITECTURE.md §9
 from __future__ import annotations
 
 import logging
-import math
 import socket
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -38,18 +37,6 @@ if TYPE_CHECKING:  # not at run time: moe_ep.doctor uses this module without tor
 TRANSPORTS = settings.TRANSPORTS
 _log = logging.getLogger(__name__)
 Probe = Callable[[], "tuple[bool, str]"]
-
-
-def default_private_capacity(max_tokens: int, topk: int, num_experts: int, world_size: int) -> int:
-    """Round-1 rows per (source, remote peer): the rows a peer gets from one source under uniform
-    routing (a token touches a rank with probability 1 - C(E - E/R, K) / C(E, K)), plus 25% and 8
-    rows of headroom, at most ``max_tokens``. Larger batches spill into round 2, not into errors."""
-    el = num_experts // world_size
-    k = min(topk, num_experts)
-    miss = 1.0
-    for i in range(k):  # C(E - EL, K) / C(E, K) as a product, exact for integer K
-        miss *= max(0.0, (num_experts - el - i) / (num_experts - i))
-    return min(max_tokens, int(math.ceil(1.25 * max_tokens * (1.0 - miss))) + 8)
 
 
 def _bind_host(group: EPGroup) -> str:

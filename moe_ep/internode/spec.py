@@ -3,6 +3,7 @@ format"): ``RemoteSpec`` (row format, header, region sizes; what the proxy must 
 ``RemoteState`` (the device tensors the kernels keep from dispatch to combine)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -10,13 +11,25 @@ import torch
 
 from ..fp8 import num_scale_blocks
 from ..layout import max_chunks
-from .session import default_private_capacity
 
 # The proxy's registration order: five regions of rows (GPU memory where the transport can
 # register it), then the headers (host memory: the proxy reads the counts).
 REGIONS = ("disp_send", "round1", "overflow", "comb_send", "comb_recv", "hdr_send", "hdr_recv")
 ROW_REGIONS = REGIONS[:5]
 PROXY_MEMORY = ("auto", "gpu", "host")  # EPBuffer's proxy_memory: where the row regions go on a GPU
+
+
+def default_private_capacity(max_tokens: int, topk: int, num_experts: int, world_size: int) -> int:
+    """Round-1 rows per (source, remote peer): the rows a peer gets from one source under uniform
+    routing (a token touches a rank with probability 1 - C(E - E/R, K) / C(E, K)), plus 25% and 8
+    rows of headroom, at most ``max_tokens``. Larger batches spill into round 2, not into errors."""
+    el = num_experts // world_size
+    k = min(topk, num_experts)
+    miss = 1.0
+    for i in range(k):  # C(E - EL, K) / C(E, K) as a product, exact for integer K
+        miss *= max(0.0, (num_experts - el - i) / (num_experts - i))
+    return min(max_tokens, int(math.ceil(1.25 * max_tokens * (1.0 - miss))) + 8)
+
 
 
 def _align(n: int, a: int) -> int:
