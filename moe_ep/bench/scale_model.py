@@ -284,8 +284,7 @@ def _shards(nbytes: int, k: int) -> int:
 
 def _spec(R: int, G: int, shape: Shape):
     """moe_ep's row format and capacities for this shape (the ones ``EPBuffer`` would set)."""
-    from moe_ep.internode.spec import default_private_capacity
-    from moe_ep.internode.spec import RemoteSpec
+    from moe_ep.internode.spec import RemoteSpec, default_private_capacity
 
     cap = default_private_capacity(shape.tokens, shape.topk, shape.experts, R)
     return RemoteSpec(rank=0, world=R, node_size=G, num_experts=shape.experts, topk=shape.topk,
@@ -312,24 +311,41 @@ def _critical(phases: dict, single_node: bool) -> tuple[float, list[str], str]:
     return total, path, max(path, key=lambda k: p[k])
 
 
+def _remote(R: int, G: int) -> np.ndarray:
+    """bool [R, R]: ranks s and p on different nodes (G ranks per node)."""
+    node = np.arange(R) // G
+    return node[:, None] != node[None, :]
+
+
+def _nvlink(ph: dict, C: np.ndarray, G: int, row_bytes: int, gpu: Gpu, sent_axis: int) -> dict:
+    """The NVLink term into ``ph``: max over ranks of max(bytes sent, bytes received) to / from node
+    peers / NVLink + the flag round trip; rows C[s, p] are sent along ``sent_axis`` (1: by s, 0: by
+    p). Returns the NVLink bytes (per rank, in all)."""
+    R = C.shape[0]
+    local_peer = ~_remote(R, G) & ~np.eye(R, dtype=bool)
+    nv_out, nv_in = (C * local_peer).sum(axis=sent_axis) * row_bytes, (C * local_peer).sum(axis=1 - sent_axis) * row_bytes
+    nv_max = int(max(nv_out.max(), nv_in.max())) if R > 1 else 0
+    ph["nvlink"] = (nv_max / (gpu.nvlink_gbs * 1e3) + FLAG_RTT_US) if nv_max else 0.0
+    return dict(nvlink_per_rank=float(nv_out.mean()), nvlink_total=int(nv_out.sum()))
+
+
+def _one_node(ph: dict, bytes_: dict) -> dict:
+    """One node holds every rank: no proxy, no NIC."""
+    for k in ("pack", "bells", "proxy", "nic", "slowest_source", "unpack"):
+        ph[k] = 0.0
+    bytes_.update(nic_per_rank=0.0, nic_total=0, round2_total=0, headers_total=0)
+    return _finish(ph, bytes_, True, dict(writes_per_rank=0.0, round2_writes=0))
+
+
 def _dispatch(C: np.ndarray, G: int, shape: Shape, gpu: Gpu, nic: Nic) -> dict:
     R = C.shape[0]
-    node = np.arange(R) // G
-    remote = node[:, None] != node[None, :]
-    local_peer = ~remote & ~np.eye(R, dtype=bool)
+    remote = _remote(R, G)
     pay = payload_bytes(shape.hidden, shape.dtype)
     # kernel = the R=1 kernel line at T tokens
     ph = dict(kernel=_kernel_us("dispatch", shape.tokens))
-    # nvlink = max over ranks of max(bytes sent, bytes received) to/from node peers / NVLink + flag RTT
-    nv_out, nv_in = (C * local_peer).sum(axis=1) * pay, (C * local_peer).sum(axis=0) * pay
-    nv_max = int(max(nv_out.max(), nv_in.max())) if R > 1 else 0
-    ph["nvlink"] = (nv_max / (gpu.nvlink_gbs * 1e3) + FLAG_RTT_US) if nv_max else 0.0
-    bytes_ = dict(nvlink_per_rank=float(nv_out.mean()), nvlink_total=int(nv_out.sum()))
+    bytes_ = _nvlink(ph, C, G, pay, gpu, sent_axis=1)  # source s sends C[s, p] rows to node peer p
     if R <= G:
-        for k in ("pack", "bells", "proxy", "nic", "slowest_source", "unpack"):
-            ph[k] = 0.0
-        bytes_.update(nic_per_rank=0.0, nic_total=0, round2_total=0, headers_total=0)
-        return _finish(ph, bytes_, True, dict(writes_per_rank=0.0, round2_writes=0))
+        return _one_node(ph, bytes_)
     spec = _spec(R, G, shape)
     rb, cap, hdr = spec.row_bytes, spec.private_capacity, spec.hdr_bytes
     # round 1: a header to each of the R-1 other ranks; rows min(c, cap) to each remote peer.
@@ -364,22 +380,12 @@ def _dispatch(C: np.ndarray, G: int, shape: Shape, gpu: Gpu, nic: Nic) -> dict:
 
 def _combine(C: np.ndarray, G: int, shape: Shape, gpu: Gpu, nic: Nic) -> dict:
     R = C.shape[0]
-    node = np.arange(R) // G
-    remote = node[:, None] != node[None, :]
-    local_peer = ~remote & ~np.eye(R, dtype=bool)
+    remote = _remote(R, G)
     row = 2 * shape.hidden                                                  # one bf16 row per (token, owner)
     ph = dict(kernel=_kernel_us("combine", shape.tokens))
-    # owners send back what they received: owner p -> source s carries C[s, p] rows
-    nv_out, nv_in = (C * local_peer).sum(axis=0) * row, (C * local_peer).sum(axis=1) * row
-    nv_max = int(max(nv_out.max(), nv_in.max())) if R > 1 else 0
-    # nvlink = max over ranks of node bytes / NVLink + flag RTT
-    ph["nvlink"] = (nv_max / (gpu.nvlink_gbs * 1e3) + FLAG_RTT_US) if nv_max else 0.0
-    bytes_ = dict(nvlink_per_rank=float(nv_out.mean()), nvlink_total=int(nv_out.sum()))
+    bytes_ = _nvlink(ph, C, G, row, gpu, sent_axis=0)  # owner p sends back C[s, p] rows to node peer s
     if R <= G:
-        for k in ("pack", "bells", "proxy", "nic", "slowest_source", "unpack"):
-            ph[k] = 0.0
-        bytes_.update(nic_per_rank=0.0, nic_total=0, round2_total=0, headers_total=0)
-        return _finish(ph, bytes_, True, dict(writes_per_rank=0.0, round2_writes=0))
+        return _one_node(ph, bytes_)
     Cr = np.where(remote, C, 0)
     out = Cr.sum(axis=0) * row                                             # per owner
     inn = Cr.sum(axis=1) * row                                             # per source
