@@ -182,6 +182,86 @@ def test_elastic_buffer(R):
     assert not fails, "\n".join(fails[:20])
 
 
+def _elastic_graph_worker(rank, R):
+    """GPU ranks: an ElasticBuffer dispatch (``do_cpu_sync=False``, rows and expanded) and its
+    combine captured in one CUDA graph, replayed with new routing copied into the captured inputs;
+    each replay's combine against the oracle of ``_elastic_worker``."""
+    import torch.distributed as dist
+
+    import moe_ep.deep_ep as deep_ep
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    E, EL = 2 * R, 2
+    buf = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=M, hidden=H, num_topk=K,
+                                explicitly_destroy=True, num_gpu_timeout_secs=60)
+    fails = []
+    for expand in (False, True):
+        xs = torch.zeros(M, H, dtype=torch.bfloat16, device=dev)
+        ids = torch.full((M, K), -1, dtype=torch.int64, device=dev)
+        ws = torch.zeros(M, K, device=dev)
+
+        def step():
+            rx, ri, rw, h, _ = buf.dispatch(xs, topk_idx=ids, topk_weights=ws, num_experts=E, do_expand=expand,
+                                            do_cpu_sync=False)
+            if expand:  # expert e's rows times 2^e, from the handle's prefix sums (no host read)
+                ends = h.psum_num_recv_tokens_per_expert
+                pos = torch.arange(rx.shape[0], device=dev)
+                e = torch.searchsorted(ends, pos, right=True).clamp(max=EL - 1)
+                y = (rx.float() * (2.0 ** e.float())[:, None]).to(torch.bfloat16)
+            else:
+                y = (rx.float() * 2.0 ** rank).to(torch.bfloat16)
+            return buf.combine(y, h, topk_weights=rw)[:2]
+
+        def load(call):
+            x, idx, w = _inputs(rank, R, call + 10)
+            x, idx, w = torch.cat([x, torch.zeros(M - x.shape[0], H, dtype=x.dtype)]), \
+                torch.cat([idx, torch.full((M - idx.shape[0], K), -1)]), torch.cat([w, torch.zeros(M - w.shape[0], K)])
+            xs.copy_(x), ids.copy_(idx), ws.copy_(w)
+            return x, idx, w
+
+        load(0)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()  # warm-up: buffers made, kernels compiled, outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with _no_host_reads(), torch.cuda.graph(graph):
+            out, cw = step()
+        for call in range(3):
+            x, idx, w = load(call)
+            graph.replay()
+            torch.cuda.synchronize()
+            exp32 = torch.zeros(M, H)
+            for r in range(R):
+                own = (idx >= r * EL) & (idx < (r + 1) * EL)
+                if expand:
+                    f = torch.where(own, 2.0 ** (idx - r * EL).clamp(min=0).float(), 0.0).sum(1)
+                    row = (x.float() * f[:, None]).to(torch.bfloat16)
+                else:
+                    row = (x.float() * 2.0 ** r).to(torch.bfloat16) * own.any(1)[:, None]
+                exp32 += row.float()
+            where = f"[R{R} rank {rank} expand={expand} replay {call}]"
+            if not torch.equal(out.cpu(), exp32.to(torch.bfloat16)):
+                fails.append(f"{where} combined_x differs (max {float((out.cpu().float() - exp32).abs().max())})")
+            if not torch.equal(cw.cpu(), torch.where(idx >= 0, w, 0.0)):
+                fails.append(f"{where} combined_topk_weights differ")
+    buf.destroy()
+    return fails
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R", [2])
+def test_elastic_buffer_cuda_graph_gpu(R):
+    """V2 dispatch + combine with ``do_cpu_sync=False`` captured in a CUDA graph on GPU ranks (ranks
+    share the GPU when there are fewer GPUs than ranks), replayed with new routing."""
+    dist_util.need_gpu()
+    fails = [f for r in dist_util.run(R, _elastic_graph_worker, backend=dist_util.gpu_backend(R), timeout=300)
+             for f in r]
+    assert not fails, "\n".join(fails[:20])
+
+
 # ---------------------------------------------------------------------------- branch / fork options
 def _forks_worker(rank, R):
     import torch.distributed as dist
