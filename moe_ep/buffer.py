@@ -12,7 +12,7 @@ from . import combine as _combine
 from . import dispatch as _dispatch
 from .agreement import collective_init
 from .calls import CallState
-from .errors import BufferBrokenError, CapacityError, CommTimeoutError
+from .errors import BufferBrokenError, CapacityError, CommTimeoutError, ErrorCode, Phase
 from .group import EPGroup
 from .handle import DispatchResult
 from .kernels.interpret import interpreting, speed_up
@@ -20,9 +20,6 @@ from .kernels.launch import compile_options
 from .memory import SymmetricWorkspace, check_device_memory
 from .sizing import DEVICE, BufferShape, MemoryPlan, allocate, size_text, where_of
 from .tuning import CombineShape, Tuning, combine_shape  # noqa: F401 (CombineShape, combine_shape: their old home)
-
-_PHASES = {0: "dispatch", 1: "combine"}
-
 
 _log = logging.getLogger("moe_ep")
 MAX_TIMEOUT_S = 1e6  # the longest deadline accepted (about 11.6 days); there is no "no deadline"
@@ -365,19 +362,19 @@ class EPBuffer:
 
     def _error_from_record(self) -> BaseException:
         code, peer, phase, epoch, detail = (int(v) for v in self._err_host[:5])
-        phase_name = _PHASES.get(phase, str(phase))
-        if code == 1:
+        phase_name = Phase.text_of(phase)
+        if code == ErrorCode.TIMEOUT:
             return CommTimeoutError(self.rank, peer, phase_name, epoch, self.timeout_s)
-        if code == 2:
+        if code == ErrorCode.BAD_EXPERT:
             return ValueError(f"topk_idx: {detail} expert ids outside [-1, {self.num_experts}) in {phase_name} "
                               f"epoch {epoch} (treated as -1; nothing was written out of bounds)")
-        if code == 3:  # peer: the rank that overflowed (this one, or a node peer); detail: expert << 32 | rows
+        if code == ErrorCode.CAPACITY:  # peer: the rank that overflowed (this one, or a node peer); detail: expert << 32 | rows
             where = "this rank" if peer == self.rank else f"rank {peer}"
             return CapacityError(f"rank {self.rank}: expert {detail >> 32} on {where} received {detail & 0xFFFFFFFF} "
                                  f"rows in {phase_name} epoch {epoch}, more than the masked layout holds "
                                  f"({self.capacity} per expert); with the default capacity only possible when tokens "
                                  f"list an expert more than once. Use layout='packed' or a larger expert_capacity.")
-        if code == 4 and self.remote is not None:  # the wait kernel saw the proxy's error record
+        if code == ErrorCode.PROXY and self.remote is not None:  # the wait kernel saw the proxy's error record
             try:
                 self.remote.proxy.check_error()
             except Exception as exc:  # noqa: BLE001
