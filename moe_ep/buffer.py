@@ -23,6 +23,8 @@ from .tuning import CombineShape, Tuning, combine_shape  # noqa: F401 (CombineSh
 
 _log = logging.getLogger("moe_ep")
 MAX_TIMEOUT_S = 1e6  # the longest deadline accepted (about 11.6 days); there is no "no deadline"
+# The Tuning fields every rank must agree on (the rest shape only a rank's own launches).
+LAYOUT_KNOBS = ("max_chunks", "split")
 
 
 class EPBuffer:
@@ -140,7 +142,8 @@ class EPBuffer:
 
         # Every rank's arguments must agree before any memory is touched (program p serves chunks
         # p, p+P, ... on every rank, so num_programs too).
-        self._agreement.agree(self._signature(private_capacity, overflow_capacity, expert_capacity), self.timeout_s)
+        self._agreement.agree(self._signature(private_capacity, overflow_capacity, expert_capacity, tuning),
+                              self.timeout_s)
 
         # node_size: the ranks of this node (reached by stores); the other R - node_size through the proxy.
         dev = self.device
@@ -338,15 +341,19 @@ class EPBuffer:
 
     # ------------------------------------------------------------------ internals
     def _signature(self, private_capacity: Optional[int], overflow_capacity: Optional[int],
-                   expert_capacity: Optional[int]) -> dict:
-        """What every rank must agree on, by argument name (``moe_ep.agreement``)."""
+                   expert_capacity: Optional[int], tuning: Tuning) -> dict:
+        """What every rank must agree on, by argument name (``moe_ep.agreement``): the arguments,
+        and the ``tuning`` knobs that change what peers read (``tuning.<field>``): ``max_chunks``
+        sizes the workspace's chunk flags and the chunking a receiver reads a source's header by;
+        ``split`` whether a call is one launch or two halves."""
         remote = self.group.node_size < self.world_size
         return dict(num_experts=self.num_experts, hidden=self.hidden, max_tokens=self.max_tokens, topk=self.topk,
                     dispatch_dtype=str(self.dispatch_dtype), combine_dtype=str(self.combine_dtype),
                     layout=self.layout, expert_alignment=self.expert_alignment, num_programs=self.num_programs,
                     node_size=self.group.node_size, device_type=self.device.type,
                     private_capacity=private_capacity, overflow_capacity=overflow_capacity,
-                    expert_capacity=expert_capacity, transport=os.environ.get("MOE_EP_TRANSPORT", "auto") if remote else None)
+                    expert_capacity=expert_capacity, transport=os.environ.get("MOE_EP_TRANSPORT", "auto") if remote else None,
+                    **{f"tuning.{name}": getattr(tuning, name) for name in LAYOUT_KNOBS})
 
     def _start_remote(self):
         from .internode.path import RemotePath

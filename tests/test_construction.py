@@ -70,6 +70,45 @@ def test_differing_arguments_raise_naming_them():
         assert ok, f"rank {rank}: a correct buffer after the refused ones gave a wrong answer"
 
 
+def _differing_tuning_worker(rank, world_size, knobs):
+    import moe_ep
+
+    group = moe_ep.EPGroup()
+    res = []
+    for name, v0, v1 in knobs:
+        tuning = moe_ep.Tuning(**{name: (v0, v1)[rank]})
+        res.append(_outcome(lambda: moe_ep.EPBuffer(group, **BASE, timeout_s=60, tuning=tuning).close()))
+    return res
+
+
+# (Tuning field, rank 0's value, rank 1's value): the knobs that change what peers read
+DIFFERING_TUNING = [("max_chunks", 2, 4), ("split", False, True), ("max_chunks", None, 2)]
+
+
+def test_differing_layout_tuning_raises_naming_the_knob():
+    """Ranks whose Tuning differs in a knob that changes the workspace or the launches peers wait
+    for (max_chunks, split) are refused on every rank, the knob named; other knobs may differ."""
+    for rank, res in enumerate(dist_util.run(2, _differing_tuning_worker, DIFFERING_TUNING, timeout=300)):
+        for (name, v0, v1), (typ, msg, secs) in zip(DIFFERING_TUNING, res):
+            assert typ == "ValueError", (rank, name, typ, msg)
+            assert msg.startswith(f"tuning.{name}: expected the same value on every rank"), (rank, msg)
+            assert f"{v0} on rank 0" in msg and f"{v1} on rank 1" in msg, msg
+            assert secs < 30, (rank, name, secs)
+
+
+def _tuning_may_differ_worker(rank, world_size):
+    import moe_ep
+
+    tuning = moe_ep.Tuning(num_warps=(2, 4)[rank], tile=(1, 2)[rank])
+    with moe_ep.EPBuffer(moe_ep.EPGroup(), **BASE, timeout_s=60, tuning=tuning) as buf:
+        return buf.tuning.num_warps
+
+
+def test_launch_tuning_may_differ_across_ranks():
+    """Knobs that shape only a rank's own launches (warps, tiles) may differ."""
+    assert dist_util.run(2, _tuning_may_differ_worker, timeout=300) == [2, 4]
+
+
 def _node_size_worker(rank, world_size):
     import moe_ep
 
