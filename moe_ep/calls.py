@@ -3,12 +3,56 @@ buffer's memory and launch shapes are ``EPBuffer``'s, ``moe_ep/buffer.py``)."""
 from __future__ import annotations
 
 import ctypes
-from typing import Callable, NoReturn, Optional
+from enum import Enum
+from typing import Callable, Iterator, NoReturn, Optional
 
 import torch
 
 from .kernels.launch import Launcher
 from .replay import Replay
+
+
+class Weights(Enum):
+    """The combine-time weights a combine call takes: none, pushed to the owners (masked and packed:
+    ``[T, K]``) or the rows layout's per received row (``[R*max_tokens, K]``)."""
+
+    NONE = "none"
+    PUSHED = "pushed"
+    ROWS = "rows"
+
+
+class Replays:
+    """The ``Replay`` of each set of inputs one buffer's calls take (``moe_ep.replay``), by name;
+    each set's tensors in this order, the token count's dimension in brackets (``Replay.token_dims``).
+    Attributes, not a lookup: the eager fast paths read them on every call."""
+
+    __slots__ = ("dispatch", "dispatch_scales", "combine", "combine_out", "pushed", "pushed_out", "rows_weights",
+                 "rows_weights_out")
+
+    def __init__(self):
+        self.dispatch = Replay((0, 0, 0))             # x [T, H], topk_idx [T, K], topk_weights [T, K]
+        self.dispatch_scales = Replay((0, 0, 0, 0))   # the same and x_scales [T, NB]
+        self.combine = Replay((None,))                # expert_y (the buffer's shape)
+        self.combine_out = Replay((None, 0))          # expert_y, out [T, H]
+        self.pushed = Replay((None, 0))               # expert_y, pushed weights [T, K]
+        self.pushed_out = Replay((None, 0, 0))        # expert_y, pushed weights, out
+        self.rows_weights = Replay((None, None))      # expert_y, the rows layout's weights [R*M, K]
+        self.rows_weights_out = Replay((None, None, 0))  # expert_y, the rows layout's weights, out
+
+    def of_dispatch(self, scales: bool) -> Replay:
+        """The dispatch's, without or with ``x_scales``."""
+        return self.dispatch_scales if scales else self.dispatch
+
+    def of_combine(self, weights: Weights, out: bool) -> Replay:
+        """The combine's with ``weights``, without or with the caller's ``out``."""
+        if weights is Weights.NONE:
+            return self.combine_out if out else self.combine
+        if weights is Weights.PUSHED:
+            return self.pushed_out if out else self.pushed
+        return self.rows_weights_out if out else self.rows_weights
+
+    def __iter__(self) -> Iterator[Replay]:
+        return (getattr(self, name) for name in self.__slots__)
 
 
 class CallState:
@@ -18,12 +62,11 @@ class CallState:
 
     Attributes:
         launch: the buffer's ``Launcher`` (its launch plans by key).
-        replays: the ``Replay`` of each set of inputs (``moe_ep.replay``): dispatch without and with
-            ``x_scales`` (every input ``[T, ...]``); combine of ``expert_y`` (the buffer's shape)
-            without and with ``out`` (``[T, H]``); the same two with pushed weights (``[T, K]``,
-            before ``out``); the same two with the rows layout's weights (``[R*max_tokens, K]``).
-        hooked: the same eight for calls with ``return_recv_hook`` (their entries' ``later`` steps:
-            the receive half the hook launches).
+        replays: the ``Replay`` of each set of inputs (``Replays``: dispatch without and with
+            ``x_scales``; combine without and with ``out``, each without weights, with pushed
+            weights or with the rows layout's).
+        hooked: the same for calls with ``return_recv_hook`` (their entries' ``later`` steps: the
+            receive half the hook launches).
         token_shapes: ``moe_ep.dispatch.token_shape`` per token count (at most ``max_tokens + 1``).
         out_one, out_like: one bfloat16 element on the device and its ``[T, H]`` views per T
             (``moe_ep.combine.new_output``).
@@ -45,8 +88,8 @@ class CallState:
         ``workspace``: this rank's workspace bytes; ``proxy_err``: with peers on other nodes, the
         address of the proxy's error code (its mailbox word, host memory), else None."""
         self.launch = Launcher(device)
-        self.replays = self._replays()
-        self.hooked = self._replays()
+        self.replays = Replays()
+        self.hooked = Replays()
         self.token_shapes: dict = {}
         self.out_one = torch.empty(1, 1, dtype=torch.bfloat16, device=device)
         self.out_like: dict = {}
@@ -62,11 +105,6 @@ class CallState:
         # The proxy's error code, or the record's again (what ready() reads, ~50 ns each)
         self._proxy_code = ctypes.c_int64.from_address(proxy_err if proxy_err is not None else err.data_ptr())
         self._err_code = ctypes.c_int64.from_address(err.data_ptr())  # the record's word 0 (~50 ns a read)
-
-    @staticmethod
-    def _replays() -> tuple:
-        return (Replay((0, 0, 0)), Replay((0, 0, 0, 0)), Replay((None,)), Replay((None, 0)),
-                Replay((None, 0)), Replay((None, 0, 0)), Replay((None, None)), Replay((None, None, 0)))
 
     def error_code(self) -> int:
         """The error code a kernel recorded (0: none), read without a device sync."""

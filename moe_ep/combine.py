@@ -12,6 +12,7 @@ from .layout import pow2
 from .kernels.combine import combine_kernel
 from .internode.combine_kernels import internode_combine_recv_kernel, internode_combine_send_kernel
 from .kernels.launch import arg_positions, runtime_args
+from .calls import Replays, Weights
 from .handle import DispatchResult
 
 # The arguments that may change between calls of one launch key (the caller's; the rest is the
@@ -47,7 +48,7 @@ def replayed(buf, expert_y, handle, out, topk_weights=None, hooked: bool = False
             return None
         out, last, inputs = got
     elif out is None:
-        last = replays[2].last
+        last = replays.combine.last
         if last is None or not last.guard.check(expert_y):
             return None
         p = expert_y.data_ptr()
@@ -57,7 +58,7 @@ def replayed(buf, expert_y, handle, out, topk_weights=None, hooked: bool = False
         inputs = (p, out.data_ptr(), T)
         last.run(calls.launch.stream(), inputs)
     else:
-        last = replays[3].last
+        last = replays.combine_out.last
         if last is None:
             return None
         if not (last.exact.check(expert_y, out) and T == last.scalars[0]) and \
@@ -84,14 +85,14 @@ def replayed(buf, expert_y, handle, out, topk_weights=None, hooked: bool = False
     return out
 
 
-def _replayed_weighted(buf, replays: tuple, expert_y, topk_weights, out, T: int):
+def _replayed_weighted(buf, replays: Replays, expert_y, topk_weights, out, T: int):
     """``replayed`` with combine-time weights from ``replays`` (the buffer's, or its hooked ones):
     masked and packed layouts push them to the owners (``[T, K]``); the rows layout's are per
     received row (``[R*max_tokens, K]``) and their sums come back in a new ``[T, K]`` tensor.
     Launches and returns ``(result, entry, inputs)``, or None."""
     rows = buf.layout == "rows"
     tensors = (expert_y, topk_weights) if out is None else (expert_y, topk_weights, out)
-    last = replays[(6 if rows else 4) + (out is not None)].last
+    last = replays.of_combine(Weights.ROWS if rows else Weights.PUSHED, out is not None).last
     if last is None:
         return None
     if not (last.exact.check(*tensors) and T == last.scalars[0]) and \
@@ -163,16 +164,16 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
     # handle, is a scalar (_SCALARS). The rows layout's weight sums come back in a new tensor,
     # allocated per call like the output, whose pointer the replay patches too.
     given_out = out is not None
-    weights = 0 if topk_weights is None else 1 if push else 2
-    tensors = (expert_y,) + ((topk_weights,) if weights else ()) + ((out,) if given_out else ())
-    replay = (calls.hooked if return_recv_hook else calls.replays)[2 + given_out + 2 * weights]
+    weights = Weights.NONE if topk_weights is None else Weights.PUSHED if push else Weights.ROWS
+    tensors = (expert_y,) + ((topk_weights,) if topk_weights is not None else ()) + ((out,) if given_out else ())
+    replay = (calls.hooked if return_recv_hook else calls.replays).of_combine(weights, given_out)
     hit, sig, ptrs = replay.find(tensors, None, latest_tried)
     out_f32 = out is not None and out.dtype == torch.float32
     if out is None:
         out = new_output(buf, T)
     wout = new_weight_sums(buf, T) if rows and topk_weights is not None else None
     if hit is not None:
-        inputs = _inputs(buf, ptrs[0], out.data_ptr(), ptrs[1] if weights else None, wout) + (T,)
+        inputs = _inputs(buf, ptrs[0], out.data_ptr(), ptrs[1] if topk_weights is not None else None, wout) + (T,)
         if rp is not None:
             rp.claim_combine(handle.serial)
         hit.run(calls.launch.stream(), inputs)
@@ -200,7 +201,7 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
         rp.claim_combine(handle.serial)
         spans = (expert_y.nbytes, buf.hidden * out.element_size()) if given_out else None
         recv = _combine_across_nodes(buf, rp, replay, sig, tensors, _inputs(buf, ptrs[0], out.data_ptr(),
-                                     ptrs[1] if weights else None, wout), spans, T, key, named, consts,
+                                     ptrs[1] if topk_weights is not None else None, wout), spans, T, key, named, consts,
                                      topk_weights is not None, epoch, return_recv_hook)
         return _combined(buf, (out, wout) if wout is not None else out, recv)
     args = runtime_args(combine_kernel, **named)
@@ -219,7 +220,7 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
         launches += launch_halves(buf, key, combine_kernel, args, dyn, consts,
                                   lambda: host_wait.wait_combine(buf, epoch, T))
         if recorded:
-            replay.record(sig, tensors, launches, _inputs(buf, ptrs[0], out.data_ptr(), ptrs[1] if weights else None,
+            replay.record(sig, tensors, launches, _inputs(buf, ptrs[0], out.data_ptr(), ptrs[1] if topk_weights is not None else None,
                                                           wout), spans, _SCALARS, (T,))
         recv = None
     else:
@@ -228,7 +229,7 @@ def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False,
         later = planned_half(buf, key, False, True)
         if recorded and later is not None:
             replay.record(sig, tensors, launches + [(send, args)],
-                          _inputs(buf, ptrs[0], out.data_ptr(), ptrs[1] if weights else None, wout), spans,
+                          _inputs(buf, ptrs[0], out.data_ptr(), ptrs[1] if topk_weights is not None else None, wout), spans,
                           _SCALARS, (T,), later=[(later, args)])
 
         def recv():

@@ -132,7 +132,8 @@ def replayed(buf, x, topk_idx, topk_weights, x_scales=None, hooked: bool = False
     on a CPU and more on a slow host, and this is the whole host time of an eager decode dispatch
     but the launch (issue "Eager calls at the speed of a graph")."""
     calls = buf.calls
-    last = (calls.hooked if hooked else calls.replays)[0 if x_scales is None else 1].last
+    replays = calls.hooked if hooked else calls.replays
+    last = (replays.dispatch if x_scales is None else replays.dispatch_scales).last
     if last is None or not calls.ready():
         return None
     tensors = (x, topk_idx, topk_weights) if x_scales is None else (x, topk_idx, topk_weights, x_scales)
@@ -199,11 +200,8 @@ def dispatch(buf, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = 
     direct = launch_structure is None  # decode sizes: the send half counts earlier selections itself
     # Replays (moe_ep.replay), one per set of inputs (with and without x_scales), for calls
     # without and with a receive hook.
-    replays = calls.hooked if return_recv_hook else calls.replays
-    if x_scales is None:
-        replay, tensors = replays[0], (x, topk_idx, topk_weights)
-    else:
-        replay, tensors = replays[1], (x, topk_idx, topk_weights, x_scales)
+    replay = (calls.hooked if return_recv_hook else calls.replays).of_dispatch(x_scales is not None)
+    tensors = (x, topk_idx, topk_weights) if x_scales is None else (x, topk_idx, topk_weights, x_scales)
     hit, sig, ptrs = replay.find(tensors, launch_structure, latest_tried)
     # The dispatch kernel's input pointers (its arguments 0-3), the replayed ones.
     inputs = (ptrs[0], ptrs[3] if x_scales is not None else calls.err_ptr, ptrs[1], ptrs[2]) if ptrs else ()
