@@ -1,15 +1,24 @@
-"""CallState: what one EPBuffer's dispatch and combine calls keep from one call to the next (the
-buffer's memory and launch shapes are ``EPBuffer``'s, ``moe_ep/buffer.py``)."""
+"""What one EPBuffer's dispatch and combine share: the buffer as they read it (``Parts``), what they
+keep from one call to the next (``CallState``, its ``Replays``), and the machinery of a call: input
+checks, the launch halves, receive hooks, the host-side error check. ``moe_ep.dispatch`` and
+``moe_ep.combine`` hold what is each op's own (its validation, arguments and constexprs)."""
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from enum import Enum
-from typing import Callable, Iterator, NoReturn, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, NoReturn, Optional
 
 import torch
 
-from .kernels.launch import Launcher
+from .errors import BufferBrokenError, CapacityError, CommTimeoutError, ErrorCode, Phase
+from .kernels.launch import Launcher, compile_options
 from .replay import Replay
+
+if TYPE_CHECKING:
+    from .buffer_memory import BufferMemory
+    from .sizing import BufferShape
+    from .tuning import ResolvedTuning
 
 
 class Weights(Enum):
@@ -57,7 +66,7 @@ class Replays:
 
 class CallState:
     """The state ``moe_ep.dispatch`` and ``moe_ep.combine`` read and advance on every call of one
-    buffer (``EPBuffer.calls``); host-side only, nothing here is read by a kernel but the
+    buffer (``Parts.calls``); host-side only, nothing here is read by a kernel but the
     addresses and the deadline passed as launch arguments.
 
     Attributes:
@@ -146,3 +155,169 @@ class CallState:
         """Marks the buffer unusable by ``exc``, and raises it."""
         self.broken = exc
         raise exc
+
+
+@dataclass(eq=False)
+class Parts:
+    """One ``EPBuffer`` as its dispatch and combine read it (``EPBuffer.parts``). No reference back
+    to the ``EPBuffer``: a deleted buffer frees its memory at once, without the garbage collector.
+
+    Attributes:
+        shape: the arguments that size memory, checked (``moe_ep.sizing.BufferShape``).
+        tuning: the launch shape (``moe_ep.tuning.ResolvedTuning``).
+        memory: every tensor, and across nodes the proxy (``moe_ep.buffer_memory.BufferMemory``).
+        calls: what the calls keep from one to the next (``CallState``).
+        rank: this rank (global).
+        timeout_s: the deadline of every wait for a peer, in seconds.
+        interp: the kernels run in Triton's interpreter (CPU ranks): a call's send and receive
+            halves are two launches with the host's wait for the peers' flags between them.
+    """
+
+    shape: "BufferShape"
+    tuning: "ResolvedTuning"
+    memory: "BufferMemory"
+    calls: CallState
+    rank: int
+    timeout_s: float
+    interp: bool
+
+    @property
+    def node0(self) -> int:
+        """The first rank of this rank's node."""
+        return self.rank - self.rank % self.shape.node_size
+
+    def launch_options(self, kernel: str) -> dict:
+        """The compile options of the ``kernel`` launch ("dispatch" or "combine"): ``num_warps``, and
+        ``maxnreg`` where it has a register budget (not under the interpreter)."""
+        t = self.tuning
+        if kernel == "dispatch":
+            warps, maxnreg = t.num_warps, t.dispatch_maxnreg
+        elif kernel == "combine":
+            warps, maxnreg = t.combine_warps or t.num_warps, t.combine_maxnreg
+        else:
+            raise ValueError(f"kernel: expected 'dispatch' or 'combine', got {kernel!r}")
+        return compile_options(warps, "" if self.interp else maxnreg)
+
+    def check_usable(self) -> None:
+        """Raises where the buffer can take no call: closed (``RuntimeError``), broken by an earlier
+        error (``BufferBrokenError``), or with an error a kernel or the proxy recorded since
+        (``recorded_error``), which then breaks it. Host memory only: no device sync."""
+        calls, remote = self.calls, self.memory.remote
+        if calls.closed:
+            raise RuntimeError("EPBuffer is closed")
+        if calls.broken is not None:
+            raise BufferBrokenError(f"this buffer is unusable after an earlier error: {calls.broken}")
+        if calls.error_code() != ErrorCode.NONE:
+            calls.broken = self.recorded_error()
+            raise calls.broken
+        if remote is not None:
+            try:
+                remote.check()  # the proxy's record and the remote kernels' (host memory, no sync)
+            except Exception as exc:  # noqa: BLE001
+                calls.fail(exc)
+
+    def recorded_error(self) -> BaseException:
+        """The error the kernels recorded (``BufferMemory.error_record``), as the host raises it:
+        ``CommTimeoutError`` naming rank, peer, phase and epoch; ``ValueError`` for expert ids out
+        of range; ``CapacityError`` naming the expert and the rank it overflowed on; the proxy's own
+        error."""
+        code, peer, phase, epoch, detail = self.memory.error_record()
+        phase_name = Phase.text_of(phase)
+        if code == ErrorCode.TIMEOUT:
+            return CommTimeoutError(self.rank, peer, phase_name, epoch, self.timeout_s)
+        if code == ErrorCode.BAD_EXPERT:
+            return ValueError(f"topk_idx: {detail} expert ids outside [-1, {self.shape.num_experts}) in {phase_name} "
+                              f"epoch {epoch} (treated as -1; nothing was written out of bounds)")
+        if code == ErrorCode.CAPACITY:  # peer: the rank that overflowed (this one, or a node peer); detail: expert << 32 | rows
+            where = "this rank" if peer == self.rank else f"rank {peer}"
+            return CapacityError(f"rank {self.rank}: expert {detail >> 32} on {where} received {detail & 0xFFFFFFFF} "
+                                 f"rows in {phase_name} epoch {epoch}, more than the masked layout holds "
+                                 f"({self.shape.capacity} per expert); with the default capacity only possible when "
+                                 f"tokens list an expert more than once. Use layout='packed' or a larger expert_capacity.")
+        if code == ErrorCode.PROXY and self.memory.remote is not None:  # the wait kernel saw the proxy's record
+            try:
+                self.memory.remote.check()
+            except Exception as exc:  # noqa: BLE001
+                return exc
+        return RuntimeError(f"moe_ep kernel error code {code}")
+
+
+# ----------------------------------------------------------------------------- input checks
+
+def on_device(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether tensor ``t`` is on ``device``: cheaper than comparing torch.device objects (this
+    runs on every eager call)."""
+    return t.is_cuda and t.get_device() == device.index if device.type == "cuda" else t.device == device
+
+
+def check_tensor(name: str, t, dtypes: tuple, shape: tuple, device: torch.device) -> None:
+    """``TypeError`` / ``ValueError`` naming input ``name`` unless ``t`` is a contiguous tensor of
+    one of ``dtypes`` on ``device`` with ``shape`` (None: any size there)."""
+    if (isinstance(t, torch.Tensor) and t.dtype in dtypes and len(t.shape) == len(shape)
+            and all(s is None or a == s for a, s in zip(t.shape, shape)) and on_device(t, device) and t.is_contiguous()):
+        return  # the common case, checked cheaply; below, the same checks one by one for the message
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name}: expected dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    if t.dim() != len(shape) or any(s is not None and a != s for a, s in zip(t.shape, shape)):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
+    if not on_device(t, device):
+        raise ValueError(f"{name}: expected a tensor on {device}, got {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor")
+
+
+def aligned(t: torch.Tensor) -> bool:
+    """Whether ``t``'s data starts at a multiple of 16 bytes (a launch key: vector loads)."""
+    return (t.data_ptr() & 15) == 0
+
+
+# ----------------------------------------------------------------------------- launches and hooks
+
+def launch_halves(parts: Parts, key: tuple, kernel, args: tuple, dynamic: tuple, consts, host_wait) -> list:
+    """One launch doing both halves (``SEND`` and ``RECV``) where ``tuning.fused``; else the send
+    half, ``host_wait()`` under the interpreter (which cannot spin in a kernel), then the receive
+    half. ``consts()`` gives the constexprs without SEND/RECV; ``key`` names what can change them;
+    ``dynamic``: positions in ``args`` that may differ between calls (the rest is the buffer's).
+    Returns ``(plan, args)`` of each launch (``moe_ep.replay``)."""
+    if parts.tuning.fused:
+        return [(launch_half(parts, key, kernel, args, dynamic, consts, True, True), args)]
+    first = launch_half(parts, key, kernel, args, dynamic, consts, True, False)
+    if parts.interp:
+        host_wait()
+    return [(first, args), (launch_half(parts, key, kernel, args, dynamic, consts, False, True), args)]
+
+
+def launch_half(parts: Parts, key: tuple, kernel, args: tuple, dynamic: tuple, consts, send: bool, recv: bool):
+    """One half's launch on ``shape.num_programs`` programs; returns its plan (``Launcher``)."""
+    return parts.calls.launch(key + (send, recv), kernel, parts.shape.num_programs, args,
+                              lambda: dict(consts(), SEND=send, RECV=recv), dynamic)
+
+
+def planned_half(parts: Parts, key: tuple, send: bool, recv: bool):
+    """The plan of a half ``launch_half`` launched before with these arguments, or None."""
+    return parts.calls.launch.planned(key + (send, recv))
+
+
+def replayed_recv(parts: Parts, entry, inputs: tuple, wait, *wait_args) -> Callable[[], None]:
+    """The receive half of a replayed call with a hook: ``entry``'s later launches with the call's
+    ``inputs``, on the stream current when the hook runs (under the interpreter after
+    ``wait(parts, *wait_args)``, the host's wait for the peers' flags)."""
+    def recv() -> None:
+        if parts.interp:
+            wait(parts, *wait_args)
+        entry.run_later(parts.calls.launch.stream(), inputs)
+    return recv
+
+
+def finish(parts: Parts, op: str, result, recv: Optional[Callable[[], None]]):
+    """The end of an ``op`` just issued (its epoch counted): ``(result, hook)`` where ``recv`` is
+    its receive half (a call with a hook), else ``result``, checked first under the interpreter
+    (whose host waits may have seen a peer's error)."""
+    if recv is not None:
+        return result, parts.calls.make_hook(op, recv, parts.check_usable, parts.interp)
+    if parts.interp:
+        parts.check_usable()
+    return result
