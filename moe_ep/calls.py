@@ -32,8 +32,8 @@ class Weights(Enum):
 
 class Replays:
     """The ``Replay`` of each set of inputs one buffer's calls take (``moe_ep.replay``), by name;
-    each set's tensors in this order, the token count's dimension in brackets (``Replay.token_dims``).
-    Attributes, not a lookup: the eager fast paths read them on every call."""
+    each set's tensors in the order written beside it, ``T`` the token count's dimension
+    (``Replay.token_dims``). Attributes, not a lookup: the eager fast paths read them on every call."""
 
     __slots__ = ("dispatch", "dispatch_scales", "combine", "combine_out", "pushed", "pushed_out", "rows_weights",
                  "rows_weights_out")
