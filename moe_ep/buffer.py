@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from operator import attrgetter
 from typing import Optional
 
 import torch
@@ -25,26 +26,11 @@ MAX_TIMEOUT_S = 1e6  # the longest deadline accepted (about 11.6 days); there is
 LAYOUT_KNOBS = ("max_chunks", "split")
 
 
-class _Part:
+def _part(path: str) -> property:
     """A read-only ``EPBuffer`` attribute that is one of its parts' (``EPBuffer.parts``):
-    ``_Part("shape", "hidden")`` reads ``buffer.parts.shape.hidden``."""
-
-    def __init__(self, *path: str):
-        self.path = path
-
-    def __set_name__(self, owner, name: str) -> None:
-        self.name = name
-
-    def __get__(self, buffer, owner=None):
-        if buffer is None:
-            return self
-        v = buffer.parts
-        for name in self.path:
-            v = getattr(v, name)
-        return v
-
-    def __set__(self, buffer, value) -> None:
-        raise AttributeError(f"EPBuffer.{self.name} is read-only (it is buffer.parts.{'.'.join(self.path)})")
+    ``_part("shape.hidden")`` reads ``buffer.parts.shape.hidden`` (a C getter: as cheap as a plain
+    attribute read, which the per-call wrappers of ``moe_ep.deep_ep`` rely on)."""
+    return property(attrgetter("parts." + path), doc=f"``parts.{path}`` (read-only)")
 
 
 class EPBuffer:
@@ -113,26 +99,26 @@ class EPBuffer:
 
     group: EPGroup
     parts: Parts
-    sizes = _Part("shape")
-    rank = _Part("rank")
-    timeout_s = _Part("timeout_s")
-    tuning = _Part("tuning")
-    calls = _Part("calls")
-    device = _Part("memory", "device")
-    workspace = _Part("memory", "workspace")
-    remote = _Part("memory", "remote")
-    world_size = _Part("shape", "world_size")
-    node_size = _Part("shape", "node_size")
-    num_experts = _Part("shape", "num_experts")
-    num_local_experts = _Part("shape", "num_local_experts")
-    hidden = _Part("shape", "hidden")
-    max_tokens = _Part("shape", "max_tokens")
-    topk = _Part("shape", "topk")
-    dispatch_dtype = _Part("shape", "dispatch_dtype")
-    combine_dtype = _Part("shape", "combine_dtype")
-    layout = _Part("shape", "layout")
-    expert_alignment = _Part("shape", "expert_alignment")
-    num_programs = _Part("shape", "num_programs")
+    sizes = _part("shape")
+    rank = _part("rank")
+    timeout_s = _part("timeout_s")
+    tuning = _part("tuning")
+    calls = _part("calls")
+    device = _part("memory.device")
+    workspace = _part("memory.workspace")
+    remote = _part("memory.remote")
+    world_size = _part("shape.world_size")
+    node_size = _part("shape.node_size")
+    num_experts = _part("shape.num_experts")
+    num_local_experts = _part("shape.num_local_experts")
+    hidden = _part("shape.hidden")
+    max_tokens = _part("shape.max_tokens")
+    topk = _part("shape.topk")
+    dispatch_dtype = _part("shape.dispatch_dtype")
+    combine_dtype = _part("shape.combine_dtype")
+    layout = _part("shape.layout")
+    expert_alignment = _part("shape.expert_alignment")
+    num_programs = _part("shape.num_programs")
 
     @collective_init("EPBuffer")
     def __init__(self, group: EPGroup, num_experts: int, hidden: int, max_tokens: int, topk: int,

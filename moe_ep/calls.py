@@ -207,7 +207,7 @@ class Parts:
             raise RuntimeError("EPBuffer is closed")
         if calls.broken is not None:
             raise BufferBrokenError(f"this buffer is unusable after an earlier error: {calls.broken}")
-        if calls.error_code() != ErrorCode.NONE:
+        if calls.error_code():
             calls.broken = self.recorded_error()
             raise calls.broken
         if remote is not None:

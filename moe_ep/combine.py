@@ -94,7 +94,10 @@ def _replayed_weighted(parts: Parts, replays: Replays, expert_y, topk_weights, o
     Launches and returns ``(result, entry, inputs)``, or None."""
     rows = parts.shape.layout == "rows"
     tensors = (expert_y, topk_weights) if out is None else (expert_y, topk_weights, out)
-    last = replays.of_combine(Weights.ROWS if rows else Weights.PUSHED, out is not None).last
+    if rows:  # (Replays.of_combine, written out: this runs on every call)
+        last = (replays.rows_weights if out is None else replays.rows_weights_out).last
+    else:
+        last = (replays.pushed if out is None else replays.pushed_out).last
     if last is None:
         return None
     if not (last.exact.check(*tensors) and T == last.scalars[0]) and \

@@ -85,7 +85,7 @@ def _deep_ep_buffer():
 
     def init(self, *args, **kwargs):
         made(self, *args, **kwargs)
-        self.fused, self.interp, self.calls.launch = True, False, _Launcher()
+        self.parts.tuning, self.parts.interp, self.calls.launch = self.tuning.replace(fused=True), False, _Launcher()
     moe_ep.buffer.EPBuffer.__init__ = init
     return deep_ep.Buffer(dist.group.WORLD, 0, 1 << 20, low_latency_mode=True, num_qps_per_rank=256)
 

@@ -168,7 +168,7 @@ def combine(handle: LowLatencyHandle, x: torch.Tensor, topk_idx: torch.Tensor, t
     slot, d = handle.slot, handle.result
     buf = slot.epbuf
     T, K = handle.num_tokens, slot.K
-    shape = (*buf.sizes.lead, buf.hidden)
+    shape = tuple(d.expert_x.shape)  # (the buffer's expert layout, which the dispatch's result views)
     if zero_copy:
         if slot.combine_in is None:
             raise ValueError("zero_copy: no combine buffer was taken; fill get_next_low_latency_combine_buffer(handle) "
