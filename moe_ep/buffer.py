@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from operator import attrgetter
 from typing import Optional
 
 import torch
@@ -11,21 +12,25 @@ import torch
 from . import combine as _combine
 from . import dispatch as _dispatch
 from .agreement import collective_init
-from .calls import CallState
-from .errors import BufferBrokenError, CapacityError, CommTimeoutError
+from .buffer_memory import BufferMemory
+from .calls import CallState, Parts
 from .group import EPGroup
 from .handle import DispatchResult
 from .kernels.interpret import interpreting, speed_up
-from .kernels.launch import compile_options
-from .memory import SymmetricWorkspace, check_device_memory
-from .sizing import DEVICE, BufferShape, MemoryPlan, allocate, size_text, where_of
+from .sizing import BufferShape, MemoryPlan, size_text
 from .tuning import CombineShape, Tuning, combine_shape  # noqa: F401 (CombineShape, combine_shape: their old home)
-
-_PHASES = {0: "dispatch", 1: "combine"}
-
 
 _log = logging.getLogger("moe_ep")
 MAX_TIMEOUT_S = 1e6  # the longest deadline accepted (about 11.6 days); there is no "no deadline"
+# The Tuning fields every rank must agree on (the rest shape only a rank's own launches).
+LAYOUT_KNOBS = ("max_chunks", "split")
+
+
+def _part(path: str) -> property:
+    """A read-only ``EPBuffer`` attribute that is one of its parts' (``EPBuffer.parts``):
+    ``_part("shape.hidden")`` reads ``buffer.parts.shape.hidden`` (a C getter: as cheap as a plain
+    attribute read, which the per-call wrappers of ``moe_ep.deep_ep`` rely on)."""
+    return property(attrgetter("parts." + path), doc=f"``parts.{path}`` (read-only)")
 
 
 class EPBuffer:
@@ -82,7 +87,38 @@ class EPBuffer:
     Memory: every allocation is sized by ``moe_ep.sizing.BufferShape`` (the buffer's ``sizes``);
     ``moe_ep.memory_plan`` gives its bytes per region before construction, ``memory()`` from the
     live tensors after, and rank 0's log line (logger ``moe_ep``, INFO) states the total.
+
+    Attributes: ``group``; the arguments as taken (``num_experts``, ``hidden``, ``max_tokens``,
+    ``topk``, ``dispatch_dtype``, ``combine_dtype``, ``layout``, ``expert_alignment``,
+    ``num_programs``, ``timeout_s``) and ``rank``, ``world_size``, ``node_size``, ``device``,
+    ``num_local_experts``; ``sizes`` (the ``BufferShape``), ``tuning`` (the ``ResolvedTuning``),
+    ``workspace`` (the node memory), ``remote`` (the inter-node path, or None) and ``calls``
+    (``moe_ep.calls.CallState``). They are read from ``parts`` (``moe_ep.calls.Parts``: shape,
+    launch shape, memory, call state), which ``moe_ep.dispatch`` and ``moe_ep.combine`` take.
     """
+
+    group: EPGroup
+    parts: Parts
+    sizes = _part("shape")
+    rank = _part("rank")
+    timeout_s = _part("timeout_s")
+    tuning = _part("tuning")
+    calls = _part("calls")
+    device = _part("memory.device")
+    workspace = _part("memory.workspace")
+    remote = _part("memory.remote")
+    world_size = _part("shape.world_size")
+    node_size = _part("shape.node_size")
+    num_experts = _part("shape.num_experts")
+    num_local_experts = _part("shape.num_local_experts")
+    hidden = _part("shape.hidden")
+    max_tokens = _part("shape.max_tokens")
+    topk = _part("shape.topk")
+    dispatch_dtype = _part("shape.dispatch_dtype")
+    combine_dtype = _part("shape.combine_dtype")
+    layout = _part("shape.layout")
+    expert_alignment = _part("shape.expert_alignment")
+    num_programs = _part("shape.num_programs")
 
     @collective_init("EPBuffer")
     def __init__(self, group: EPGroup, num_experts: int, hidden: int, max_tokens: int, topk: int,
@@ -105,107 +141,46 @@ class EPBuffer:
             # whose programs wait for a peer's can finish only if every rank's programs are resident
             # together; with time slicing this costs nothing (each rank has the GPU in its slice).
             num_programs = max(1, sms // group.ranks_per_device)
-        # The arguments that size memory, checked; every allocation below is sized by it (moe_ep.sizing).
-        self.sizes = BufferShape(world_size=R, node_size=G, num_experts=num_experts, hidden=hidden,
-                                 max_tokens=max_tokens, topk=topk, num_programs=num_programs,
-                                 dispatch_dtype=dispatch_dtype, combine_dtype=combine_dtype, layout=layout,
-                                 expert_alignment=expert_alignment, expert_capacity=expert_capacity,
-                                 column_major_scales=column_major_scales, private_capacity=private_capacity,
-                                 overflow_capacity=overflow_capacity, proxy_memory=proxy_memory,
-                                 device_type=group.device.type, max_chunks=tuning.max_chunks)
+        # The arguments that size memory, checked; every allocation is sized by it (moe_ep.sizing).
+        shape = BufferShape(world_size=R, node_size=G, num_experts=num_experts, hidden=hidden,
+                            max_tokens=max_tokens, topk=topk, num_programs=num_programs,
+                            dispatch_dtype=dispatch_dtype, combine_dtype=combine_dtype, layout=layout,
+                            expert_alignment=expert_alignment, expert_capacity=expert_capacity,
+                            column_major_scales=column_major_scales, private_capacity=private_capacity,
+                            overflow_capacity=overflow_capacity, proxy_memory=proxy_memory,
+                            device_type=group.device.type, max_chunks=tuning.max_chunks)
         if not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool) and math.isfinite(timeout_s)
                 and 0 < timeout_s <= MAX_TIMEOUT_S):
             raise ValueError(f"timeout_s: expected a finite number of seconds in (0, {MAX_TIMEOUT_S:g}] (every wait "
                              f"has a deadline), got {timeout_s!r}")
-        self.group = group
-        self.rank, self.world_size = group.rank, R
-        self.device = group.device
-        self.num_experts, self.hidden, self.max_tokens, self.topk = num_experts, hidden, max_tokens, topk
-        self.num_local_experts = num_experts // R
-        self.dispatch_dtype, self.combine_dtype = dispatch_dtype, combine_dtype
-        self.layout, self.expert_alignment = layout, expert_alignment
-        self.timeout_s = float(timeout_s)
-        self.fp8 = dispatch_dtype == torch.float8_e4m3fn
-        self.interp = interpreting()
-        if self.interp:
+        timeout_s = float(timeout_s)
+        interp = interpreting()
+        if interp:
             speed_up()
-        if self.device.type == "cpu" and not self.interp:
+        if group.device.type == "cpu" and not interp:
             raise RuntimeError("moe_ep on CPU runs its Triton kernels in the interpreter: set TRITON_INTERPRET=1 "
                                "before importing triton")
-        self.num_programs = num_programs
         # The launch shape: each knob the tuning sets, else its measured rule (moe_ep.tuning).
-        self.tuning = t = tuning.resolve(self.sizes, sms)
-        self.fused, self.num_warps, self.combine_warps, self.stages = t.fused, t.num_warps, t.combine_warps, t.stages
-        self.dispatch_maxnreg, self.combine_maxnreg = t.dispatch_maxnreg, t.combine_maxnreg
-        self.tile, self.combine_tile, self.combine_recv_tile = t.tile, t.combine_tile, t.combine_recv_tile
-        self.block_ts, self.combine_recv_tokens = t.block_ts, t.combine_recv_tokens
-        self.hist_warps, self.prefetch = t.hist_warps, t.prefetch
-
+        launch_shape = tuning.resolve(shape, sms)
         # Every rank's arguments must agree before any memory is touched (program p serves chunks
         # p, p+P, ... on every rank, so num_programs too).
-        self._agreement.agree(self._signature(private_capacity, overflow_capacity, expert_capacity), self.timeout_s)
-
-        # node_size: the ranks of this node (reached by stores); the other R - node_size through the proxy.
-        dev = self.device
-        self.node_size, self.node0 = G, self.rank - self.rank % G
-        self.num_scale_blocks = self.sizes.num_scale_blocks
-        rows = layout == "rows"
-        self.ws_layout = self.sizes.workspace
-        self.off = self.ws_layout.offsets()
-        # Every allocation of this buffer, by attribute path (moe_ep.sizing): checked against the
-        # GPU's free memory first. The proxy's row regions count there only with proxy_memory="gpu":
-        # with "auto" they may go to pinned host memory (tcp), decided once the engine exists.
-        self._allocs = allocs = self.sizes.allocations()
-        check_device_memory(group, sum(a.nbytes for k, a in allocs.items() if a.where == DEVICE and not (
-            proxy_memory == "auto" and k.startswith("remote.regions."))))
-        self.workspace = SymmetricWorkspace(group, allocs["workspace.local"].nbytes)
-        # Local state: [0, p] / [1, p] the dispatch / combine epoch program p has completed. Each
-        # program keeps its own copy, so no launch needs a cross-program step to advance it.
-        self.state = allocate(allocs["state"], dev)
-        # Error record read by the host without a device sync: pinned host memory on GPU.
-        self.err = allocate(allocs["err"], dev)
-        self._err_host = self.err.numpy()  # same memory: reading it costs no tensor op
-        self.chunks, self.block_t = self.ws_layout.CMAX, self.sizes.block_t  # the largest chunk of any source
-        # Rows layout: N more rows, the tokens of each chunk with a selection on each node peer;
-        # with other nodes, after N such rows, R more, the same per rank (route_hist_kernel's RANKS).
-        self.hist = allocate(allocs["hist"], dev)
-        self.recv_pos = allocate(allocs["recv_pos"], dev)
-        # This rank's expert ids of the latest dispatch (written by its send half, -1 where none or
-        # out of range): combine reads these, not the caller's topk_idx, which may be reused.
-        self.route_idx = allocate(allocs["route_idx"], dev, fill=-1)
-        self.block_el = self.sizes.block_el
-        self.scratch = allocate(allocs["scratch"], dev)
-        # Masked: rows per expert; packed: rows in all (never overflows); rows: one per (source rank, token).
-        self.capacity = self.sizes.capacity
-        self.expert_x = allocate(allocs["expert_x"], dev, fill=None)
-        self.expert_x_words = self.expert_x.view(torch.uint8).view(torch.int32)  # row copies move 4-byte words
-        self.expert_scales = allocate(allocs["expert_scales"], dev, fill=None) if "expert_scales" in allocs else None
-        if column_major_scales:  # [EL, NB, capacity] in memory (moe_ep.kernels.common.scale_ptr)
-            self.expert_scales = self.expert_scales.transpose(1, 2)
-        # Rows of a column-major block of expert_scales (the kernels' CM_ROWS), 0: row-major.
-        self.scale_column_rows = self.capacity if column_major_scales else 0
-        self.expert_counts = allocate(allocs["expert_counts"], dev)
-        self.expert_offsets = allocate(allocs["expert_offsets"], dev) if layout == "packed" else None
-        # Rows layout: per received row its local ids, weights and source; the count of rows.
-        for name in ("recv_topk_idx", "recv_topk_weights", "recv_src", "num_recv"):
-            setattr(self, name, allocate(allocs[name], dev) if rows else None)
-        # The fields every DispatchResult of this buffer shares (DispatchResult.issued; not the
-        # buffer itself: no reference cycle, so a deleted buffer frees its memory at once).
-        result_fields = dict(expert_x=self.expert_x, expert_scales=self.expert_scales,
-                             expert_counts=self.expert_counts, expert_offsets=self.expert_offsets,
-                             recv_topk_idx=self.recv_topk_idx, recv_topk_weights=self.recv_topk_weights,
-                             recv_src=self.recv_src, num_recv=self.num_recv)
-        self.remote = self._start_remote() if G < R else None
+        self._agreement.agree(self._signature(shape, tuning), timeout_s)
+        self.group = group
+        memory = BufferMemory(group, shape, timeout_s)
         # What dispatch and combine keep from call to call: launch plans, replays, serial, epochs,
-        # a pending receive hook, whether the buffer is usable (moe_ep.calls).
-        self.calls = CallState(dev, self.err, self.workspace.local, self.timeout_s, result_fields,
-                               self.remote.proxy_error_address() if self.remote is not None else None)
-        self._agreement.done(self.timeout_s)
+        # a pending receive hook, whether the buffer is usable (moe_ep.calls). The fields every
+        # DispatchResult of this buffer shares are its memory's (DispatchResult.issued; not the
+        # buffer itself: no reference cycle, so a deleted buffer frees its memory at once).
+        calls = CallState(group.device, memory.err, memory.workspace.local, timeout_s, memory.result_fields(),
+                          memory.remote.proxy_error_address() if memory.remote is not None else None)
+        self.parts = Parts(shape=shape, tuning=launch_shape, memory=memory, calls=calls,
+                           rank=group.rank, timeout_s=timeout_s, interp=interp)
+        self._agreement.done(timeout_s)
         if self.rank == 0:
             mem = self.memory()
             _log.info("moe_ep buffer: %d ranks, nodes of %d, node memory %s (%s), %d programs; %s a rank (device "
-                      "%s, host %s; per region: buffer.memory())", R, G, self.workspace.backend, self.workspace.why,
-                      self.num_programs, size_text(mem.total_bytes), size_text(mem.device_bytes),
+                      "%s, host %s; per region: buffer.memory())", R, G, memory.workspace.backend, memory.workspace.why,
+                      num_programs, size_text(mem.total_bytes), size_text(mem.device_bytes),
                       size_text(mem.host_bytes))
 
     # ------------------------------------------------------------------ public API
@@ -228,11 +203,12 @@ class EPBuffer:
             ``(DispatchResult, hook)`` with ``return_recv_hook``.
         """
         # the eager fast path: a call like the latest replayed one of its kind (dispatch.replayed)
-        result = _dispatch.replayed(self, x, topk_idx, topk_weights, x_scales, return_recv_hook)
+        parts = self.parts
+        result = _dispatch.replayed(parts, self, x, topk_idx, topk_weights, x_scales, return_recv_hook)
         if result is not None:
             return result
-        self.check_usable()
-        return _dispatch.dispatch(self, x, topk_idx, topk_weights, x_scales, return_recv_hook, True)
+        parts.check_usable()
+        return _dispatch.dispatch(parts, self, x, topk_idx, topk_weights, x_scales, return_recv_hook, True)
 
     def combine(self, expert_y: torch.Tensor, handle: DispatchResult, return_recv_hook: bool = False, *,
                 topk_weights: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None):
@@ -265,11 +241,12 @@ class EPBuffer:
             sum over ranks of the rows' ``topk_weights``. With ``return_recv_hook``: ``(that, hook)``.
         """
         # the eager fast path: a call like the latest replayed one of its kind (combine.replayed)
-        result = _combine.replayed(self, expert_y, handle, out, topk_weights, return_recv_hook)
+        parts = self.parts
+        result = _combine.replayed(parts, self, expert_y, handle, out, topk_weights, return_recv_hook)
         if result is not None:
             return result
-        self.check_usable()
-        return _combine.combine(self, expert_y, handle, return_recv_hook, topk_weights, out, True)
+        parts.check_usable()
+        return _combine.combine(parts, self, expert_y, handle, return_recv_hook, topk_weights, out, True)
 
     def synchronize(self) -> None:
         """Waits for this buffer's work on the device, then raises any error a kernel recorded."""
@@ -283,30 +260,17 @@ class EPBuffer:
         since (``CommTimeoutError`` naming rank, peer and phase, ``CapacityError``, ``ValueError``
         for expert ids out of range), which then breaks it. Reads host memory only: no device sync,
         so an error of work still queued shows at a later call or at ``synchronize()``."""
-        calls = self.calls
-        if calls.closed:
-            raise RuntimeError("EPBuffer is closed")
-        if calls.broken is not None:
-            raise BufferBrokenError(f"this buffer is unusable after an earlier error: {calls.broken}")
-        if calls.error_code() != 0:
-            calls.broken = self._error_from_record()
-            raise calls.broken
-        if self.remote is not None:
-            try:
-                self.remote.check()  # the proxy's record and the remote kernels' (host memory, no sync)
-            except Exception as exc:  # noqa: BLE001
-                calls.fail(exc)
+        self.parts.check_usable()
 
     def close(self) -> None:
         """Releases the workspace and the proxy (after the device is done with them)."""
-        if self.calls.closed:
+        calls = self.parts.calls
+        if calls.closed:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        if self.remote is not None:
-            self.remote.close(self.calls.broken)  # the peers learn this rank's error, if any
-        self.workspace.close()
-        self.calls.closed = True
+        self.parts.memory.close(calls.broken)  # the peers learn this rank's error, if any
+        calls.closed = True
 
     def __enter__(self) -> "EPBuffer":
         return self
@@ -318,68 +282,28 @@ class EPBuffer:
         """What this rank's buffer holds, per region (the regions of ``moe_ep.memory_plan``): each
         allocation's live tensor, its storage's bytes and where it lives (``"device"``: the GPU;
         ``"pinned host"``; ``"host"``: CPU ranks' memory, numpy arrays). ``RuntimeError`` once closed."""
-        if self.calls.closed:
+        if self.parts.calls.closed:
             raise RuntimeError("EPBuffer is closed")
-        entries = {}
-        for key, a in self._allocs.items():
-            t = self
-            for part in key.split("."):  # an attribute path: "hist", "workspace.local", "remote.regions.round1"
-                t = t[part] if isinstance(t, dict) else getattr(t, part)
-            entries[key] = (a.region, t.untyped_storage().nbytes(), where_of(t))
-        return MemoryPlan.of(entries)
+        return self.parts.memory.plan()
 
     def launch_options(self, kernel: str) -> dict:
         """The compile options of this buffer's ``kernel`` launch ("dispatch" or "combine"):
         ``num_warps``, and ``maxnreg`` where it has a register budget (not under the interpreter)."""
-        if kernel == "dispatch":
-            warps, maxnreg = self.num_warps, self.dispatch_maxnreg
-        elif kernel == "combine":
-            warps, maxnreg = self.combine_warps or self.num_warps, self.combine_maxnreg
-        else:
-            raise ValueError(f"kernel: expected 'dispatch' or 'combine', got {kernel!r}")
-        return compile_options(warps, "" if self.interp else maxnreg)
+        return self.parts.launch_options(kernel)
 
     # ------------------------------------------------------------------ internals
-    def _signature(self, private_capacity: Optional[int], overflow_capacity: Optional[int],
-                   expert_capacity: Optional[int]) -> dict:
-        """What every rank must agree on, by argument name (``moe_ep.agreement``)."""
-        remote = self.group.node_size < self.world_size
-        return dict(num_experts=self.num_experts, hidden=self.hidden, max_tokens=self.max_tokens, topk=self.topk,
-                    dispatch_dtype=str(self.dispatch_dtype), combine_dtype=str(self.combine_dtype),
-                    layout=self.layout, expert_alignment=self.expert_alignment, num_programs=self.num_programs,
-                    node_size=self.group.node_size, device_type=self.device.type,
-                    private_capacity=private_capacity, overflow_capacity=overflow_capacity,
-                    expert_capacity=expert_capacity, transport=os.environ.get("MOE_EP_TRANSPORT", "auto") if remote else None)
-
-    def _start_remote(self):
-        from .internode.path import RemotePath
-
-        rp = RemotePath(self)
-        if self.device.type == "cuda":
-            mib = sum(int(r.numel()) for r in rp.regions.values()) / 2**20
-            _log.log(logging.INFO if self.rank == 0 else logging.DEBUG,
-                     "moe_ep rank %d proxy regions (%.1f MiB, %s transport): rows in %s memory (%s); headers and "
-                     "mailbox in pinned host memory", self.rank, mib, rp.proxy.engine.transport,
-                     "GPU" if rp.memory == "gpu" else "pinned host", rp.memory_why)
-        return rp
-
-    def _error_from_record(self) -> BaseException:
-        code, peer, phase, epoch, detail = (int(v) for v in self._err_host[:5])
-        phase_name = _PHASES.get(phase, str(phase))
-        if code == 1:
-            return CommTimeoutError(self.rank, peer, phase_name, epoch, self.timeout_s)
-        if code == 2:
-            return ValueError(f"topk_idx: {detail} expert ids outside [-1, {self.num_experts}) in {phase_name} "
-                              f"epoch {epoch} (treated as -1; nothing was written out of bounds)")
-        if code == 3:  # peer: the rank that overflowed (this one, or a node peer); detail: expert << 32 | rows
-            where = "this rank" if peer == self.rank else f"rank {peer}"
-            return CapacityError(f"rank {self.rank}: expert {detail >> 32} on {where} received {detail & 0xFFFFFFFF} "
-                                 f"rows in {phase_name} epoch {epoch}, more than the masked layout holds "
-                                 f"({self.capacity} per expert); with the default capacity only possible when tokens "
-                                 f"list an expert more than once. Use layout='packed' or a larger expert_capacity.")
-        if code == 4 and self.remote is not None:  # the wait kernel saw the proxy's error record
-            try:
-                self.remote.proxy.check_error()
-            except Exception as exc:  # noqa: BLE001
-                return exc
-        return RuntimeError(f"moe_ep kernel error code {code}")
+    @staticmethod
+    def _signature(shape: BufferShape, tuning: Tuning) -> dict:
+        """What every rank must agree on, by argument name (``moe_ep.agreement``): the arguments as
+        given (``num_programs`` resolved), and the ``tuning`` knobs that change what peers read
+        (``tuning.<field>``): ``max_chunks`` sizes the workspace's chunk flags and the chunking a
+        receiver reads a source's header by; ``split`` whether a call is one launch or two halves."""
+        remote = shape.node_size < shape.world_size
+        return dict(num_experts=shape.num_experts, hidden=shape.hidden, max_tokens=shape.max_tokens, topk=shape.topk,
+                    dispatch_dtype=str(shape.dispatch_dtype), combine_dtype=str(shape.combine_dtype),
+                    layout=shape.layout, expert_alignment=shape.expert_alignment, num_programs=shape.num_programs,
+                    node_size=shape.node_size, device_type=shape.device_type,
+                    private_capacity=shape.private_capacity, overflow_capacity=shape.overflow_capacity,
+                    expert_capacity=shape.expert_capacity,
+                    transport=os.environ.get("MOE_EP_TRANSPORT", "auto") if remote else None,
+                    **{f"tuning.{name}": getattr(tuning, name) for name in LAYOUT_KNOBS})

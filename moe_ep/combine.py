@@ -7,12 +7,14 @@ from typing import Optional
 import torch
 
 from . import host_wait
-from .dispatch import _aligned, _check_tensor, launch_half, launch_halves, pipelined_width, planned_half, replayed_recv
+from .calls import (Parts, Replays, Weights, aligned, check_tensor, finish, launch_half, launch_halves, planned_half,
+                    replayed_recv)
 from .layout import pow2
 from .kernels.combine import combine_kernel
 from .internode.combine_kernels import internode_combine_recv_kernel, internode_combine_send_kernel
 from .kernels.launch import arg_positions, runtime_args
 from .handle import DispatchResult
+from .tuning import pipelined_width
 
 # The arguments that may change between calls of one launch key (the caller's; the rest is the
 # buffer's): with combine-time weights also the weights' (and their sums') pointers.
@@ -29,35 +31,36 @@ _RECV_WEIGHTED = _RECV_DYNAMIC + arg_positions(internode_combine_recv_kernel, "w
 _SCALARS = {"T": 0}
 
 
-def replayed(buf, expert_y, handle, out, topk_weights=None, hooked: bool = False):
+def replayed(parts: Parts, buffer, expert_y, handle, out, topk_weights=None, hooked: bool = False):
     """The eager fast path of a combine (with a receive hook or without, as ``hooked``): as
     ``dispatch.replayed`` (the latest replayed combine of its kind with or without ``out``, with
-    or without combine-time weights, for the latest dispatch's handle, any token count; its
-    ``Replay.latest`` and ``_combined`` written out); returns the output (``hooked``: and the
-    hook), or None where the path does not apply (then ``combine`` decides, with every check)."""
-    calls = buf.calls
-    if (type(handle) is not DispatchResult or handle.buffer is not buf or handle.serial != calls.serial
-            or not calls.ready() or (calls.remote and buf.remote.combined == handle.serial)):
+    or without combine-time weights, for the latest dispatch's handle of ``buffer``, the
+    ``EPBuffer`` of ``parts``, any token count; its ``Replay.latest`` and ``_combined`` written
+    out); returns the output (``hooked``: and the hook), or None where the path does not apply
+    (then ``combine`` decides, with every check)."""
+    calls = parts.calls
+    if (type(handle) is not DispatchResult or handle.buffer is not buffer or handle.serial != calls.serial
+            or not calls.ready() or (calls.remote and parts.memory.remote.combined == handle.serial)):
         return None  # (combine raises the error)
     T = handle.num_tokens
     replays = calls.hooked if hooked else calls.replays
     if topk_weights is not None:
-        got = _replayed_weighted(buf, replays, expert_y, topk_weights, out, T)
+        got = _replayed_weighted(parts, replays, expert_y, topk_weights, out, T)
         if got is None:
             return None
         out, last, inputs = got
     elif out is None:
-        last = replays[2].last
+        last = replays.combine.last
         if last is None or not last.guard.check(expert_y):
             return None
         p = expert_y.data_ptr()
         if p & 15:  # (the guard was kept only for an entry whose pointers were all aligned)
             return None
-        out = new_output(buf, T)
+        out = new_output(parts, T)
         inputs = (p, out.data_ptr(), T)
         last.run(calls.launch.stream(), inputs)
     else:
-        last = replays[3].last
+        last = replays.combine_out.last
         if last is None:
             return None
         if not (last.exact.check(expert_y, out) and T == last.scalars[0]) and \
@@ -70,28 +73,31 @@ def replayed(buf, expert_y, handle, out, topk_weights=None, hooked: bool = False
         inputs = (p, q, T)
         last.run(calls.launch.stream(), inputs)
     if calls.remote:
-        buf.remote.claim_combine(handle.serial)
+        parts.memory.remote.claim_combine(handle.serial)
         if not hooked:  # across nodes: the receive half now (under the interpreter, after the host waits)
-            if buf.interp:
-                host_wait.wait_combine(buf, calls.epochs[1] + 1, T)
+            if parts.interp:
+                host_wait.wait_combine(parts, calls.epochs[1] + 1, T)
             last.run_later(calls.launch.stream(), inputs)
     calls.epochs[1] += 1
     if hooked:
-        return out, calls.make_hook("combine", replayed_recv(buf, last, inputs, host_wait.wait_combine,
-                                                             calls.epochs[1], T), buf.check_usable, buf.interp)
-    if buf.interp:
-        buf.check_usable()
+        return out, calls.make_hook("combine", replayed_recv(parts, last, inputs, host_wait.wait_combine,
+                                                             calls.epochs[1], T), parts.check_usable, parts.interp)
+    if parts.interp:
+        parts.check_usable()
     return out
 
 
-def _replayed_weighted(buf, replays: tuple, expert_y, topk_weights, out, T: int):
+def _replayed_weighted(parts: Parts, replays: Replays, expert_y, topk_weights, out, T: int):
     """``replayed`` with combine-time weights from ``replays`` (the buffer's, or its hooked ones):
     masked and packed layouts push them to the owners (``[T, K]``); the rows layout's are per
     received row (``[R*max_tokens, K]``) and their sums come back in a new ``[T, K]`` tensor.
     Launches and returns ``(result, entry, inputs)``, or None."""
-    rows = buf.layout == "rows"
+    rows = parts.shape.layout == "rows"
     tensors = (expert_y, topk_weights) if out is None else (expert_y, topk_weights, out)
-    last = replays[(6 if rows else 4) + (out is not None)].last
+    if rows:  # (Replays.of_combine, written out: this runs on every call)
+        last = (replays.rows_weights if out is None else replays.rows_weights_out).last
+    else:
+        last = (replays.pushed if out is None else replays.pushed_out).last
     if last is None:
         return None
     if not (last.exact.check(*tensors) and T == last.scalars[0]) and \
@@ -102,15 +108,15 @@ def _replayed_weighted(buf, replays: tuple, expert_y, topk_weights, out, T: int)
     if (p | w | q) & 15:  # (the guard was kept only for an entry whose pointers were all aligned)
         return None
     if out is None:
-        out = new_output(buf, T)
+        out = new_output(parts, T)
         q = out.data_ptr()
     else:
         y_bytes, row_bytes = last.value
         if _spans_meet(p, q, y_bytes, T * row_bytes):
             return None  # (an out over expert_y: combine raises the error)
-    calls = buf.calls
+    calls = parts.calls
     if rows:
-        wout = new_weight_sums(buf, T)
+        wout = new_weight_sums(parts, T)
         inputs = (p, q, w, wout.data_ptr(), calls.err_ptr, T)
         result = out, wout
     else:
@@ -124,121 +130,126 @@ def _spans_meet(p: int, q: int, p_bytes: int, q_bytes: int) -> bool:
     return p < q + q_bytes and q < p + p_bytes
 
 
-def combine(buf, expert_y: torch.Tensor, handle, return_recv_hook: bool = False, topk_weights=None, out=None,
-            latest_tried: bool = False):
-    """The full path (``latest_tried``: ``replayed`` looked the call up just before and missed)."""
-    calls = buf.calls
+def combine(parts: Parts, buffer, expert_y: torch.Tensor, handle, return_recv_hook: bool = False, topk_weights=None,
+            out=None, latest_tried: bool = False):
+    """The full path of ``EPBuffer.combine`` on ``parts`` (``handle`` must be the latest result of
+    ``buffer``, the ``EPBuffer``; ``latest_tried``: ``replayed`` looked the call up just before and
+    missed)."""
+    calls, shape, mem = parts.calls, parts.shape, parts.memory
+    dev = mem.device
     if calls.pending is not None:
         calls.check_no_pending("combine")
-    if not isinstance(handle, DispatchResult) or handle.buffer is not buf:
+    if not isinstance(handle, DispatchResult) or handle.buffer is not buffer:
         raise TypeError("handle: expected the DispatchResult returned by this buffer's dispatch")
     if handle.serial != calls.serial:
         raise ValueError("handle: stale; a later dispatch on this buffer replaced its routing "
                          "(combine the latest dispatch, or use one buffer per in-flight layer)")
-    rows = buf.layout == "rows"
+    rows = shape.layout == "rows"
     T = handle.num_tokens
     if isinstance(out, torch.Tensor) and isinstance(expert_y, torch.Tensor) and \
             _spans_meet(expert_y.data_ptr(), out.data_ptr(), expert_y.nbytes, out.nbytes):
         # (checked before any launch, replayed or not: the kernel would read rows it has overwritten)
         raise ValueError("out: overlaps expert_y in memory (combine reads expert_y while it writes out); "
                          "pass a separate tensor")
-    _check_tensor("expert_y", expert_y, (torch.bfloat16,), tuple(buf.expert_x.shape), buf.device)
+    check_tensor("expert_y", expert_y, (torch.bfloat16,), tuple(mem.expert_x.shape), dev)
     if out is not None:
-        _check_tensor("out", out, (torch.bfloat16, torch.float32), (T, buf.hidden), buf.device)
-    rp = buf.remote
+        check_tensor("out", out, (torch.bfloat16, torch.float32), (T, shape.hidden), dev)
+    rp = mem.remote
     if rp is not None and rp.combined == handle.serial:
         rp.claim_combine(handle.serial)  # (raises: the proxy serves one combine per dispatch)
     # masked/packed: weights at combine, per source token, pushed to the owners over the dispatch's
     push = topk_weights is not None and not rows
     if topk_weights is not None:
         if rows:
-            _check_tensor("topk_weights", topk_weights, (torch.float32,), (buf.capacity, buf.topk), buf.device)
+            check_tensor("topk_weights", topk_weights, (torch.float32,), (shape.capacity, shape.topk), dev)
         else:
-            _check_tensor("topk_weights", topk_weights, (torch.float32,), (T, buf.topk), buf.device)
+            check_tensor("topk_weights", topk_weights, (torch.float32,), (T, shape.topk), dev)
             if rp is not None:
                 raise ValueError(f"topk_weights: combine-time weights reach node peers only; with other nodes "
-                                 f"(node_size={buf.node_size} < world_size={buf.world_size}) pass them to dispatch")
+                                 f"(node_size={shape.node_size} < world_size={shape.world_size}) pass them to "
+                                 f"dispatch")
     # Replays (moe_ep.replay), without and with a receive hook. One Replay per set of inputs:
     # expert_y, then the weights (pushed, or the rows layout's), then out if given; T, from the
     # handle, is a scalar (_SCALARS). The rows layout's weight sums come back in a new tensor,
     # allocated per call like the output, whose pointer the replay patches too.
     given_out = out is not None
-    weights = 0 if topk_weights is None else 1 if push else 2
-    tensors = (expert_y,) + ((topk_weights,) if weights else ()) + ((out,) if given_out else ())
-    replay = (calls.hooked if return_recv_hook else calls.replays)[2 + given_out + 2 * weights]
+    weights = Weights.NONE if topk_weights is None else Weights.PUSHED if push else Weights.ROWS
+    tensors = (expert_y,) + ((topk_weights,) if topk_weights is not None else ()) + ((out,) if given_out else ())
+    replay = (calls.hooked if return_recv_hook else calls.replays).of_combine(weights, given_out)
     hit, sig, ptrs = replay.find(tensors, None, latest_tried)
     out_f32 = out is not None and out.dtype == torch.float32
     if out is None:
-        out = new_output(buf, T)
-    wout = new_weight_sums(buf, T) if rows and topk_weights is not None else None
+        out = new_output(parts, T)
+    wout = new_weight_sums(parts, T) if rows and topk_weights is not None else None
+    result = (out, wout) if wout is not None else out
+
+    def pointers() -> tuple:  # the call's pointers, as its replays take them (_inputs)
+        return _inputs(parts, ptrs[0], out.data_ptr(), ptrs[1] if topk_weights is not None else None, wout)
     if hit is not None:
-        inputs = _inputs(buf, ptrs[0], out.data_ptr(), ptrs[1] if weights else None, wout) + (T,)
+        inputs = pointers() + (T,)
         if rp is not None:
             rp.claim_combine(handle.serial)
         hit.run(calls.launch.stream(), inputs)
-        recv = replayed_recv(buf, hit, inputs, host_wait.wait_combine, calls.epochs[1] + 1, T) if hit.later else None
+        recv = replayed_recv(parts, hit, inputs, host_wait.wait_combine, calls.epochs[1] + 1, T) if hit.later else None
         if recv is not None and not return_recv_hook:  # across nodes: the receive half now
             recv()
             recv = None
-        return _combined(buf, (out, wout) if wout is not None else out, recv)
+        return _combined(parts, result, recv)
     # This rank's own tokens' rows are read from expert_y by the receive half (rows layout: as they
     # are; masked/packed: pre-reduced there), not across a hook (the caller may reuse expert_y).
     own_y = not return_recv_hook
     # The dispatch's expert ids, kept by the buffer (rows [0, T)): the caller's topk_idx may be reused.
-    named = dict(y_ptr=expert_y, topk_ptr=buf.route_idx, out_ptr=out, ws=calls.ws_ptr,
-                 peer_ptr=buf.workspace.peer_ptrs, state_ptr=buf.state, err_ptr=buf.err, recv_pos_ptr=buf.recv_pos,
-                 timeout_ns=calls.timeout_ns, T=T, wy_ptr=topk_weights if wout is not None else buf.err,
-                 wout_ptr=wout if wout is not None else buf.err, cw_ptr=topk_weights if push else buf.err,
-                 xrows_ptr=buf.err, xrecv_ptr=buf.err)
-    key = ("combine", _aligned(expert_y), _aligned(out), own_y, wout is not None, push, out_f32)
+    # (where an argument has no tensor in this call, the error record: a placeholder never touched)
+    named = dict(y_ptr=expert_y, topk_ptr=mem.route_idx, out_ptr=out, ws=calls.ws_ptr,
+                 peer_ptr=mem.workspace.peer_ptrs, state_ptr=mem.state, err_ptr=mem.err, recv_pos_ptr=mem.recv_pos,
+                 timeout_ns=calls.timeout_ns, T=T, wy_ptr=topk_weights if wout is not None else mem.err,
+                 wout_ptr=wout if wout is not None else mem.err, cw_ptr=topk_weights if push else mem.err,
+                 xrows_ptr=mem.err, xrecv_ptr=mem.err)
+    key = ("combine", aligned(expert_y), aligned(out), own_y, wout is not None, push, out_f32)
     epoch = calls.epochs[1] + 1
     # A fused launch pushes the weights itself; else the push is a launch of its own, before the
     # send half (which waits for every peer's push). A float32 ``out`` takes the sum itself.
-    consts = lambda: dict(_combine_consts(buf, own_y, wout is not None), WEIGHTS=push,  # noqa: E731
-                          PUSH=push and buf.fused, BASE_F32=out_f32)
+    consts = lambda: dict(_combine_consts(parts, own_y, wout is not None), WEIGHTS=push,  # noqa: E731
+                          PUSH=push and parts.tuning.fused, BASE_F32=out_f32)
+    # (value: with the caller's out, the bytes of expert_y and of a row of out, which the
+    # entry's guard fixes: the fast path checks that they do not overlap)
+    spans = (expert_y.nbytes, shape.hidden * out.element_size()) if given_out else None
     if rp is not None:
         rp.claim_combine(handle.serial)
-        spans = (expert_y.nbytes, buf.hidden * out.element_size()) if given_out else None
-        recv = _combine_across_nodes(buf, rp, replay, sig, tensors, _inputs(buf, ptrs[0], out.data_ptr(),
-                                     ptrs[1] if weights else None, wout), spans, T, key, named, consts,
+        recv = _combine_across_nodes(parts, rp, replay, sig, tensors, pointers(), spans, T, key, named, consts,
                                      topk_weights is not None, epoch, return_recv_hook)
-        return _combined(buf, (out, wout) if wout is not None else out, recv)
+        return _combined(parts, result, recv)
     args = runtime_args(combine_kernel, **named)
     dyn = _WEIGHTED_DYNAMIC if topk_weights is not None else _DYNAMIC
     launches = []
-    if push and not buf.fused:
-        launches.append((calls.launch(key + ("push",), combine_kernel, buf.num_programs, args,
+    if push and not parts.tuning.fused:
+        launches.append((calls.launch(key + ("push",), combine_kernel, shape.num_programs, args,
                                       lambda: dict(consts(), PUSH=True, SEND=False, RECV=False), dyn), args))
-        if buf.interp:
-            host_wait.wait_weights(buf, epoch)
-    # (value: with the caller's out, the bytes of expert_y and of a row of out, which the
-    # entry's guard fixes: the fast path checks that they do not overlap)
-    spans = (expert_y.nbytes, buf.hidden * out.element_size()) if given_out else None
+        if parts.interp:
+            host_wait.wait_weights(parts, epoch)
     recorded = sig is not None
     if not return_recv_hook:
-        launches += launch_halves(buf, key, combine_kernel, args, dyn, consts,
-                                  lambda: host_wait.wait_combine(buf, epoch, T))
+        launches += launch_halves(parts, key, combine_kernel, args, dyn, consts,
+                                  lambda: host_wait.wait_combine(parts, epoch, T))
         if recorded:
-            replay.record(sig, tensors, launches, _inputs(buf, ptrs[0], out.data_ptr(), ptrs[1] if weights else None,
-                                                          wout), spans, _SCALARS, (T,))
+            replay.record(sig, tensors, launches, pointers(), spans, _SCALARS, (T,))
         recv = None
     else:
-        send = launch_half(buf, key, combine_kernel, args, dyn, consts, True, False)
+        send = launch_half(parts, key, combine_kernel, args, dyn, consts, True, False)
         # recorded once the receive half has a plan (a hook of an earlier call launched it)
-        later = planned_half(buf, key, False, True)
+        later = planned_half(parts, key, False, True)
         if recorded and later is not None:
-            replay.record(sig, tensors, launches + [(send, args)],
-                          _inputs(buf, ptrs[0], out.data_ptr(), ptrs[1] if weights else None, wout), spans,
-                          _SCALARS, (T,), later=[(later, args)])
+            replay.record(sig, tensors, launches + [(send, args)], pointers(), spans, _SCALARS, (T,),
+                          later=[(later, args)])
 
         def recv():
-            if buf.interp:
-                host_wait.wait_combine(buf, epoch, T)
-            launch_half(buf, key, combine_kernel, args, dyn, consts, False, True)
-    return _combined(buf, (out, wout) if wout is not None else out, recv)
+            if parts.interp:
+                host_wait.wait_combine(parts, epoch, T)
+            launch_half(parts, key, combine_kernel, args, dyn, consts, False, True)
+    return _combined(parts, result, recv)
 
 
-def _combine_across_nodes(buf, rp, replay, sig, tensors, inputs: tuple, spans, T: int, key: tuple, named: dict,
+def _combine_across_nodes(parts: Parts, rp, replay, sig, tensors, inputs: tuple, spans, T: int, key: tuple, named: dict,
                           consts, weighted: bool, epoch: int, hooked: bool):
     """The combine's two launches with peers on other nodes (``moe_ep.internode``): the send half
     (each remote source's rows pre-reduced, its bell as soon as they are, then the node stores),
@@ -250,13 +261,13 @@ def _combine_across_nodes(buf, rp, replay, sig, tensors, inputs: tuple, spans, T
     remote_consts = lambda: dict(consts(), **rp.combine_consts())  # noqa: E731
     key = key + ("across nodes",)
     dyn_s, dyn_r = (_SEND_WEIGHTED if weighted else _SEND_DYNAMIC), (_RECV_WEIGHTED if weighted else _RECV_DYNAMIC)
-    send = launch_half(buf, key, internode_combine_send_kernel, sargs, dyn_s, remote_consts, True, False)
+    send = launch_half(parts, key, internode_combine_send_kernel, sargs, dyn_s, remote_consts, True, False)
 
     def recv():
-        if buf.interp:
-            host_wait.wait_combine(buf, epoch, T)
-        return launch_half(buf, key, internode_combine_recv_kernel, rargs, dyn_r, remote_consts, False, True)
-    later = planned_half(buf, key, False, True) if hooked else recv()
+        if parts.interp:
+            host_wait.wait_combine(parts, epoch, T)
+        return launch_half(parts, key, internode_combine_recv_kernel, rargs, dyn_r, remote_consts, False, True)
+    later = planned_half(parts, key, False, True) if hooked else recv()
     if sig is not None and later is not None:
         replay.record(sig, tensors, [(send, sargs)], inputs, spans, _SCALARS, (T,), later=[(later, rargs)])
     return recv if hooked else None
@@ -265,7 +276,7 @@ def _combine_across_nodes(buf, rp, replay, sig, tensors, inputs: tuple, spans, T
 _SHAPES = 64  # output shapes kept per buffer (views of one element, a few hundred bytes each)
 
 
-def _inputs(buf, y: int, out: int, weights, wout=None) -> tuple:
+def _inputs(parts: Parts, y: int, out: int, weights, wout=None) -> tuple:
     """The pointers a replayed combine patches, in its entries' order: ``expert_y`` and the
     output; with pushed weights then the weights and the buffer's error record (the kernel's
     placeholder for the rows layout's weight arguments); with the rows layout's weights then
@@ -274,64 +285,57 @@ def _inputs(buf, y: int, out: int, weights, wout=None) -> tuple:
     if weights is None:
         return y, out
     if wout is None:
-        return y, out, weights, buf.calls.err_ptr
-    return y, out, weights, wout.data_ptr(), buf.calls.err_ptr
+        return y, out, weights, parts.calls.err_ptr
+    return y, out, weights, wout.data_ptr(), parts.calls.err_ptr
 
 
-def new_output(buf, T: int) -> torch.Tensor:
+def new_output(parts: Parts, T: int) -> torch.Tensor:
     """A new contiguous ``[T, hidden]`` bfloat16 tensor on the buffer's device. ``empty_like`` of
     a kept view of that shape (one element, expanded) skips the argument parsing of
     ``torch.empty(T, H, dtype=, device=)``: 2.0 against 2.4 us of host time per call on the
     H200 host (``profile_ops``, with a contiguous tensor as the model). No ``memory_format``
     argument (0.15 us of parsing on a CPU, ~0.4 on the slowest H200 host): a view with stride 0
     is not dense, so torch's preserved format is the contiguous one."""
-    calls = buf.calls
+    calls = parts.calls
     like = calls.out_like.get(T)
     if like is None:
         if len(calls.out_like) >= _SHAPES:
             calls.out_like.clear()
-        like = calls.out_like[T] = calls.out_one.expand(T, buf.hidden)
+        like = calls.out_like[T] = calls.out_one.expand(T, parts.shape.hidden)
     return torch.empty_like(like)
 
 
-def new_weight_sums(buf, T: int) -> torch.Tensor:
+def new_weight_sums(parts: Parts, T: int) -> torch.Tensor:
     """A new float32 ``[T, topk]`` tensor on the buffer's device: where a rows-layout combine with
     weights returns their sums (full path and replay alike)."""
-    return torch.empty(T, buf.topk, dtype=torch.float32, device=buf.device)
+    return torch.empty(T, parts.shape.topk, dtype=torch.float32, device=parts.memory.device)
 
 
-def _combined(buf, result, recv):
+def _combined(parts: Parts, result, recv):
     """The end of a combine just issued, returning ``result`` (``recv``: its receive half, for a hook)."""
-    calls = buf.calls
-    calls.epochs[1] += 1
-    if recv is not None:
-        return result, calls.make_hook("combine", recv, buf.check_usable, buf.interp)
-    if buf.interp:
-        buf.check_usable()
-    return result
+    parts.calls.epochs[1] += 1
+    return finish(parts, "combine", result, recv)
 
 
-def _combine_consts(buf, own_y: bool, wts: bool) -> dict:
+def _combine_consts(parts: Parts, own_y: bool, wts: bool) -> dict:
     """The combine kernel's constexprs (all fixed by the buffer, except OWN_Y and, with weights, WIN/WOUT)."""
-    off, H, BLOCK_T = buf.off, buf.hidden, buf.block_t
+    s, t = parts.shape, parts.tuning
+    off, H, BLOCK_T = s.offsets, s.hidden, s.block_t
     return dict(off_cflag=off["comb_flag"], off_wflag=off["wgt_flag"], off_hdr=off["hdr"], off_meta_w=off["meta_w"],
-                off_comb=off["comb"],
-                RANK=buf.rank - buf.node0, NODE0=buf.node0, N=buf.node_size, M=buf.max_tokens, K=buf.topk,
-                E=buf.num_experts,
-                EL=buf.num_local_experts, H=H, HDR=buf.ws_layout.HDR, CMAX=buf.chunks, BLOCK_T=BLOCK_T,
-                BLOCK_K=pow2(buf.topk, 2),
-                BLOCK_H=_channel_tile(buf, buf.combine_tile),
-                BLOCK_HR=_channel_tile(buf, buf.combine_recv_tile, buf.combine_recv_tokens),
-                BLOCK_TR=buf.combine_recv_tokens,
-                STAGES=buf.stages, INTERP=buf.interp, ROWS=buf.layout == "rows", OWN_Y=own_y, WIN=wts, WOUT=wts,
-                off_comb_w=off["comb_w"], **buf.launch_options("combine"))
+                off_comb=off["comb"], RANK=parts.rank - parts.node0, NODE0=parts.node0, N=s.node_size, M=s.max_tokens,
+                K=s.topk, E=s.num_experts, EL=s.num_local_experts, H=H, HDR=s.workspace.HDR, CMAX=s.chunks,
+                BLOCK_T=BLOCK_T, BLOCK_K=pow2(s.topk, 2), BLOCK_H=_channel_tile(parts, t.combine_tile),
+                BLOCK_HR=_channel_tile(parts, t.combine_recv_tile, t.combine_recv_tokens),
+                BLOCK_TR=t.combine_recv_tokens, STAGES=t.stages, INTERP=parts.interp, ROWS=s.layout == "rows",
+                OWN_Y=own_y, WIN=wts, WOUT=wts, off_comb_w=off["comb_w"], **parts.launch_options("combine"))
 
 
-def _channel_tile(buf, tile: int, tokens: Optional[int] = None) -> int:
+def _channel_tile(parts: Parts, tile: int, tokens: Optional[int] = None) -> int:
     """Channels per combine loop step at payload tile scale ``tile`` for steps of ``tokens`` tokens
     (default a whole chunk, ``block_t``): 8192 * tile elements a step, and for a whole chunk at
     most 2048 * tile channels; K gathered rows of that many tokens must fit the pipelining budget
     when the loops are pipelined."""
-    t = tokens or buf.block_t
-    width = 8192 * tile // t if t < buf.block_t else min(2048 * tile, 8192 * tile // t)
-    return pipelined_width(max(16, min(pow2(buf.hidden), width)), buf.stages, buf.topk * t * 2)
+    s = parts.shape
+    t = tokens or s.block_t
+    width = 8192 * tile // t if t < s.block_t else min(2048 * tile, 8192 * tile // t)
+    return pipelined_width(max(16, min(pow2(s.hidden), width)), parts.tuning.stages, s.topk * t * 2)

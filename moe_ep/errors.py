@@ -1,7 +1,35 @@
-"""Exceptions raised by moe_ep."""
+"""Exceptions raised by moe_ep, and the codes of the kernels' error record that the host turns into them."""
 from __future__ import annotations
 
+from enum import IntEnum
 from typing import Optional
+
+
+class ErrorCode(IntEnum):
+    """Word 0 of an ``EPBuffer``'s error record (int64 ``[8]``: code, peer, phase, epoch, detail, ...),
+    as the kernels write it (``moe_ep.kernels.common.record_error``, its ``ERR_*`` constants)."""
+
+    NONE = 0
+    TIMEOUT = 1     # a wait for ``peer`` passed its deadline
+    BAD_EXPERT = 2  # ``detail`` expert ids outside [-1, E) (treated as -1)
+    CAPACITY = 3    # a masked expert block overflowed: ``peer`` the rank, ``detail`` expert << 32 | rows
+    PROXY = 4       # the proxy recorded an error (its mailbox has the details)
+
+
+class Phase(IntEnum):
+    """Word 2 of the error record: the op whose wait or check failed (the kernels' ``PHASE_*``)."""
+
+    DISPATCH = 0
+    COMBINE = 1
+
+    @classmethod
+    def text_of(cls, value: int) -> str:
+        """The phase of record value ``value`` as errors name it (``"dispatch"``, ``"combine"``), or
+        its digits for a value that is no phase."""
+        try:
+            return cls(value).name.lower()
+        except ValueError:
+            return str(value)
 
 
 class CommTimeoutError(RuntimeError):

@@ -166,6 +166,16 @@ class BufferShape:
                                H=self.hidden, payload_bytes=self.hidden * (1 if self.fp8 else 2) + 4 * self.num_scale_blocks,
                                rows=self.layout == "rows", programs=self.num_programs, max_chunks=self.max_chunks)
 
+    @cached_property
+    def offsets(self) -> dict:
+        """Byte offsets of the workspace's regions by name (``WorkspaceLayout.offsets``; ``"total"``: its size)."""
+        return self.workspace.offsets()
+
+    @property
+    def chunks(self) -> int:
+        """CMAX, the most chunks a source's tokens are cut into (``moe_ep.layout.max_chunks``)."""
+        return self.workspace.CMAX
+
     @property
     def block_t(self) -> int:
         """Tokens of a source's largest chunk, a power of two (the kernels' chunk block)."""
@@ -181,6 +191,12 @@ class BufferShape:
         if self.layout == "rows":
             return R * M
         return R * M * self.topk + self.num_local_experts * (self.expert_alignment - 1)
+
+    @property
+    def scale_column_rows(self) -> int:
+        """Rows of a column-major block of ``expert_scales`` (the kernels' ``CM_ROWS``: the capacity
+        with ``column_major_scales``), 0 for row-major scales."""
+        return self.capacity if self.column_major_scales else 0
 
     @property
     def lead(self) -> tuple:

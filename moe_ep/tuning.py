@@ -22,6 +22,7 @@ from typing import Mapping, NamedTuple, Optional, Union
 from .layout import COMBINE_STEP_TOKENS, OWN_TILE_TOKENS, pow2
 
 WARPS = (1, 2, 4, 8, 16, 32)  # the warps a Triton program may have
+SMEM_BUDGET = 160 * 1024  # bytes of shared memory the pipelined loops' stages may take (H100/H200: 227 KB)
 
 # field -> (its variable, what the field accepts: "warps", "positive", "count", "maxnreg" or "flag")
 ENV = {"num_warps": ("MOE_EP_NUM_WARPS", "warps"),
@@ -62,6 +63,15 @@ def _parse(name: str, kind: str, text: str):
     if value is None or not _valid(kind, value):
         raise ValueError(f"{name}: expected {_EXPECTED[kind]}, got {text!r}")
     return value
+
+
+def pipelined_width(width: int, stages: int, row_bytes: int) -> int:
+    """``width`` (a power of two), halved until ``stages`` tiles of ``row_bytes`` per column fit
+    in ``SMEM_BUDGET``; unchanged for plain loops (stages 1). The payload tiles' rule, read by the
+    dispatch's and the combine's constexprs."""
+    while stages > 1 and width > 16 and stages * width * row_bytes > SMEM_BUDGET:
+        width //= 2
+    return width
 
 
 class CombineShape(NamedTuple):
@@ -105,6 +115,10 @@ class ResolvedTuning:
     combine_recv_tokens: int    # tokens per step of combine's receive half
     hist_warps: int             # warps of the routing-histogram launch
     prefetch: Optional[int]     # rows layout: own sub-blocks asked of the L2 ahead (None: dispatch's rule)
+
+    def replace(self, **changes) -> "ResolvedTuning":
+        """This launch shape with ``changes`` (``dataclasses.replace``; no rule is applied again)."""
+        return dataclasses.replace(self, **changes)
 
 
 @dataclass(frozen=True)

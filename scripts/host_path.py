@@ -85,7 +85,7 @@ def _deep_ep_buffer():
 
     def init(self, *args, **kwargs):
         made(self, *args, **kwargs)
-        self.fused, self.interp, self.calls.launch = True, False, _Launcher()
+        self.parts.tuning, self.parts.interp, self.calls.launch = self.tuning.replace(fused=True), False, _Launcher()
     moe_ep.buffer.EPBuffer.__init__ = init
     return deep_ep.Buffer(dist.group.WORLD, 0, 1 << 20, low_latency_mode=True, num_qps_per_rank=256)
 
@@ -100,7 +100,7 @@ def _internode_rank(rank: int, init: str, out: str) -> None:
     T, H = 128, 7168
     buf = moe_ep.EPBuffer(moe_ep.EPGroup(node_size=1), 256, H, T, 8, dispatch_dtype=torch.float8_e4m3fn,
                           layout="masked")
-    buf.interp, buf.calls.launch = False, _Launcher()
+    buf.parts.interp, buf.calls.launch = False, _Launcher()
     x = torch.randn(T, H, dtype=torch.bfloat16)
     idx, w = torch.randint(0, 256, (T, 8)), torch.rand(T, 8)
     h = buf.dispatch(x, idx, w)  # recorded here, replayed below
@@ -158,7 +158,7 @@ def main() -> None:
     T, H = 128, 7168
     buf = moe_ep.EPBuffer(moe_ep.EPGroup(), 256, H, T, 8, dispatch_dtype=torch.float8_e4m3fn, layout="masked")
     # As on a GPU: one fused launch per call, no interpreter, the launches native.
-    buf.fused, buf.interp, buf.calls.launch = True, False, _Launcher()
+    buf.parts.tuning, buf.parts.interp, buf.calls.launch = buf.tuning.replace(fused=True), False, _Launcher()
     x = torch.randn(T, H, dtype=torch.bfloat16)
     idx, w = torch.randint(0, 256, (T, 8)), torch.rand(T, 8)
     h = buf.dispatch(x, idx, w)  # recorded here, replayed below
@@ -195,9 +195,9 @@ def main() -> None:
         hooked_combine()
     # The rows layout (DeepEP's normal-mode combine): weights per received row, their sums returned.
     rbuf = moe_ep.EPBuffer(moe_ep.EPGroup(), 256, H, T, 8, dispatch_dtype=torch.float8_e4m3fn, layout="rows")
-    rbuf.fused, rbuf.interp, rbuf.calls.launch = True, False, _Launcher()
+    rbuf.parts.tuning, rbuf.parts.interp, rbuf.calls.launch = rbuf.tuning.replace(fused=True), False, _Launcher()
     rh = rbuf.dispatch(x, idx, w)
-    ry, rw, out32 = torch.zeros(rh.expert_x.shape, dtype=torch.bfloat16), torch.rand(rbuf.capacity, 8), out.float()
+    ry, rw, out32 = torch.zeros(rh.expert_x.shape, dtype=torch.bfloat16), torch.rand(rbuf.sizes.capacity, 8), out.float()
     rbuf.combine(ry, rh, topk_weights=rw, out=out32)
     # DeepEP's low-latency pair through moe_ep.deep_ep (fp8, receive hooks): the same buffers
     # (their launches into the stand-in too) plus the wrapper's own Python.

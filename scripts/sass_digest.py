@@ -58,15 +58,15 @@ def record(path: str) -> None:
 
         dtype = torch.float8_e4m3fn if dt == "fp8" else torch.bfloat16
         buf = moe_ep.EPBuffer(g, 256, H, T, 8, dispatch_dtype=dtype, layout=layout, num_programs=P)
-        buf.num_warps = asked.num_warps or warps  # (a CPU buffer's default is 4)
+        gpu = dict(num_warps=asked.num_warps or warps, fused=True)  # (a CPU buffer's default is 4 warps)
         shape = combine_shape(layout, P, T * 8, gpu=True)  # (a CPU buffer's combine takes the dispatch's)
         if asked.combine_warps is None:
-            buf.combine_warps = shape.warps
+            gpu["combine_warps"] = shape.warps
         if asked.maxnreg is None:
-            buf.combine_maxnreg = shape.maxnreg
+            gpu["combine_maxnreg"] = shape.maxnreg
         if asked.combine_tokens is None and shape.tokens:
-            buf.combine_recv_tokens = min(buf.block_t, shape.tokens)
-        buf.fused, buf.interp, buf.calls.launch = True, False, spy
+            gpu["combine_recv_tokens"] = min(buf.sizes.block_t, shape.tokens)
+        buf.parts.tuning, buf.parts.interp, buf.calls.launch = buf.tuning.replace(**gpu), False, spy
         h = buf.dispatch(torch.zeros(T, H, dtype=torch.bfloat16), torch.zeros(T, 8, dtype=torch.int64),
                          torch.zeros(T, 8))
         buf.combine(torch.empty(h.expert_x.shape, dtype=torch.bfloat16), h)

@@ -87,11 +87,10 @@ def _record(monkeypatch, configs, **buffer_kwargs):
     g = moe_ep.EPGroup()
     for T, H, dt, layout, fused in configs:
         buf = moe_ep.EPBuffer(g, 256, H, T, 8, dispatch_dtype=dt, layout=layout, num_programs=132, **buffer_kwargs)
-        buf.num_warps = 8
         # What a GPU launches: both halves in one kernel; or, with more programs than SMs, the two
         # halves as two kernels (then the receive half spins on the GPU).
-        buf.fused = fused
-        buf.interp = False
+        buf.parts.tuning = buf.tuning.replace(num_warps=8, fused=fused)
+        buf.parts.interp = False
         buf.calls.launch = spy
         x = torch.zeros(T, H, dtype=torch.bfloat16)
         h = buf.dispatch(x, torch.zeros(T, 8, dtype=torch.int64), torch.zeros(T, 8))
@@ -161,11 +160,11 @@ def _record_remote_worker(rank, world_size, configs):
         group = moe_ep.EPGroup(node_size=1)
         for T, H, dt, layout, kwargs in configs:
             buf = moe_ep.EPBuffer(group, 256, H, T, 8, dispatch_dtype=dt, layout=layout, num_programs=132, **kwargs)
-            buf.num_warps, buf.fused, buf.interp = 8, False, False
+            buf.parts.tuning, buf.parts.interp = buf.tuning.replace(num_warps=8, fused=False), False
             buf.calls.launch = spy
             h = buf.dispatch(torch.zeros(T, H, dtype=torch.bfloat16), torch.zeros(T, 8, dtype=torch.int64),
                              torch.zeros(T, 8))
-            wts = torch.zeros(buf.capacity, 8) if layout == "rows" else None
+            wts = torch.zeros(buf.sizes.capacity, 8) if layout == "rows" else None
             buf.combine(torch.zeros(h.expert_x.shape, dtype=torch.bfloat16), h, topk_weights=wts)
             buf.close()
     finally:
@@ -231,7 +230,7 @@ def test_rows_kernels_compile_for_sm90(monkeypatch, tmp_path):
                                 (128, 7168, torch.float8_e4m3fn, "rows", False)])
     g = moe_ep.EPGroup()
     buf = moe_ep.EPBuffer(g, 256, 7168, 256, 8, layout="rows", num_programs=132)
-    buf.interp, buf.fused = False, True
+    buf.parts.interp, buf.parts.tuning = False, buf.tuning.replace(fused=True)
     buf.calls.launch = lambda key, fn, grid, args, consts, dynamic=None: rec.append(
         (fn.fn.__module__, fn.fn.__name__, signature(fn.arg_names, args, consts() if callable(consts) else consts)))
     h = buf.dispatch(torch.zeros(256, 7168, dtype=torch.bfloat16), torch.zeros(256, 8, dtype=torch.int64),

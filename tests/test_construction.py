@@ -70,6 +70,45 @@ def test_differing_arguments_raise_naming_them():
         assert ok, f"rank {rank}: a correct buffer after the refused ones gave a wrong answer"
 
 
+def _differing_tuning_worker(rank, world_size, knobs):
+    import moe_ep
+
+    group = moe_ep.EPGroup()
+    res = []
+    for name, v0, v1 in knobs:
+        tuning = moe_ep.Tuning(**{name: (v0, v1)[rank]})
+        res.append(_outcome(lambda: moe_ep.EPBuffer(group, **BASE, timeout_s=60, tuning=tuning).close()))
+    return res
+
+
+# (Tuning field, rank 0's value, rank 1's value): the knobs that change what peers read
+DIFFERING_TUNING = [("max_chunks", 2, 4), ("split", False, True), ("max_chunks", None, 2)]
+
+
+def test_differing_layout_tuning_raises_naming_the_knob():
+    """Ranks whose Tuning differs in a knob that changes the workspace or the launches peers wait
+    for (max_chunks, split) are refused on every rank, the knob named; other knobs may differ."""
+    for rank, res in enumerate(dist_util.run(2, _differing_tuning_worker, DIFFERING_TUNING, timeout=300)):
+        for (name, v0, v1), (typ, msg, secs) in zip(DIFFERING_TUNING, res):
+            assert typ == "ValueError", (rank, name, typ, msg)
+            assert msg.startswith(f"tuning.{name}: expected the same value on every rank"), (rank, msg)
+            assert f"{v0} on rank 0" in msg and f"{v1} on rank 1" in msg, msg
+            assert secs < 30, (rank, name, secs)
+
+
+def _tuning_may_differ_worker(rank, world_size):
+    import moe_ep
+
+    tuning = moe_ep.Tuning(num_warps=(2, 4)[rank], tile=(1, 2)[rank])
+    with moe_ep.EPBuffer(moe_ep.EPGroup(), **BASE, timeout_s=60, tuning=tuning) as buf:
+        return buf.tuning.num_warps
+
+
+def test_launch_tuning_may_differ_across_ranks():
+    """Knobs that shape only a rank's own launches (warps, tiles) may differ."""
+    assert dist_util.run(2, _tuning_may_differ_worker, timeout=300) == [2, 4]
+
+
 def _node_size_worker(rank, world_size):
     import moe_ep
 
@@ -130,11 +169,12 @@ def test_rank_that_does_not_arrive_is_named_within_the_deadline():
 def test_timeout_s_is_checked_before_memory(bad, monkeypatch):
     import moe_ep
     import moe_ep.buffer as B
+    import moe_ep.buffer_memory as BM
 
     def no_memory(*a, **k):
         raise AssertionError("memory was allocated before timeout_s was checked")
 
-    monkeypatch.setattr(B, "SymmetricWorkspace", no_memory)
+    monkeypatch.setattr(BM, "SymmetricWorkspace", no_memory)
     with pytest.raises(ValueError, match=r"^timeout_s: expected a finite number of seconds") as e:
         moe_ep.EPBuffer(moe_ep.EPGroup(), **BASE, timeout_s=bad)
     assert repr(bad) in str(e.value)
@@ -151,12 +191,12 @@ def test_column_major_scales_is_checked_before_memory(kw, error, match, monkeypa
     """``column_major_scales`` takes a bool, and True only for a masked fp8 buffer; refused,
     naming it, before any memory is touched."""
     import moe_ep
-    import moe_ep.buffer as B
+    import moe_ep.buffer_memory as BM
 
     def no_memory(*a, **k):
         raise AssertionError("memory was allocated before column_major_scales was checked")
 
-    monkeypatch.setattr(B, "SymmetricWorkspace", no_memory)
+    monkeypatch.setattr(BM, "SymmetricWorkspace", no_memory)
     with pytest.raises(error, match="^" + re.escape(match)):
         moe_ep.EPBuffer(moe_ep.EPGroup(), **BASE, **kw)
 
@@ -167,12 +207,12 @@ def test_column_major_scales_is_checked_before_memory(kw, error, match, monkeypa
 def test_tuning_variables_are_checked_before_memory(var, bad, monkeypatch):
     """A bad tuning variable is refused, naming it, before any memory is touched."""
     import moe_ep
-    import moe_ep.buffer as B
+    import moe_ep.buffer_memory as BM
 
     def no_memory(*a, **k):
         raise AssertionError(f"memory was allocated before {var} was checked")
 
-    monkeypatch.setattr(B, "SymmetricWorkspace", no_memory)
+    monkeypatch.setattr(BM, "SymmetricWorkspace", no_memory)
     monkeypatch.setenv(var, bad)
     with pytest.raises(ValueError, match=f"^{var}: expected .*got '{bad}'"):
         moe_ep.EPBuffer(moe_ep.EPGroup(), **BASE)
@@ -196,8 +236,8 @@ def test_combine_warps_apply_to_combine_only(monkeypatch):
         x = torch.randn(4, 128, dtype=torch.bfloat16)
         h = buf.dispatch(x, torch.tensor([[0, 1]] * 4), torch.ones(4, 2))
         buf.combine(torch.zeros(h.expert_x.shape, dtype=torch.bfloat16), h)
-        assert buf.combine_warps == 8 != buf.num_warps
-    assert warps == {"dispatch_kernel": {buf.num_warps}, "combine_kernel": {8}}, warps
+        assert buf.tuning.combine_warps == 8 != buf.tuning.num_warps
+    assert warps == {"dispatch_kernel": {buf.tuning.num_warps}, "combine_kernel": {8}}, warps
 
 
 def test_combine_shape_by_default():
@@ -233,9 +273,9 @@ def test_maxnreg_reaches_the_compiled_launches(monkeypatch):
             c = consts() if callable(consts) else consts
             seen[fn.fn.__name__] = (c["num_warps"], c.get("maxnreg"))
 
-        buf.fused, buf.interp, buf.calls.launch = True, False, spy
+        buf.parts.tuning, buf.parts.interp, buf.calls.launch = buf.tuning.replace(fused=True), False, spy
         h = buf.dispatch(torch.zeros(4, 128, dtype=torch.bfloat16), torch.tensor([[0, 1]] * 4), torch.ones(4, 2))
         buf.combine(torch.zeros(h.expert_x.shape, dtype=torch.bfloat16), h)
-        buf.interp = True  # (so that close() takes the CPU path it was built for)
-    W = buf.num_warps
+        buf.parts.interp = True  # (so that close() takes the CPU path it was built for)
+    W = buf.tuning.num_warps
     assert seen == {"dispatch_kernel": (W, min(65536 // (32 * W), 255)), "combine_kernel": (8, 255)}, seen

@@ -664,7 +664,8 @@ def test_combine_time_weights_compile_for_sm90(monkeypatch, tmp_path):
     T, H, K = 128, 7168, 8
     for fused in (True, False):
         buf = moe_ep.EPBuffer(g, 256, H, T, K, layout="masked", num_programs=132)
-        buf.num_warps, buf.fused, buf.interp, buf.calls.launch = 8, fused, False, spy
+        buf.parts.tuning, buf.parts.interp = buf.tuning.replace(num_warps=8, fused=fused), False
+        buf.calls.launch = spy
         h = buf.dispatch(torch.zeros(T, H, dtype=torch.bfloat16), torch.zeros(T, K, dtype=torch.int64),
                          torch.zeros(T, K))
         buf.combine(torch.empty(h.expert_x.shape, dtype=torch.bfloat16), h, topk_weights=torch.ones(T, K))

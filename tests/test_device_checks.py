@@ -30,7 +30,7 @@ def test_bad_expert_ids_reported_by_kernels(monkeypatch, T):
         buf.dispatch(x, idx, w)
     # The bad selections were dropped, the rest delivered: counts are those of the valid ids.
     valid = idx[(idx >= 0) & (idx < E)]
-    assert buf.expert_counts.tolist() == torch.bincount(valid, minlength=E).tolist()
+    assert buf.parts.memory.expert_counts.tolist() == torch.bincount(valid, minlength=E).tolist()
     with pytest.raises(moe_ep.BufferBrokenError):
         buf.dispatch(x, idx, w)
     buf.close()

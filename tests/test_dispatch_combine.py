@@ -80,7 +80,7 @@ def _one_launch_worker(rank, world_size, cases):
             # Both halves in one launch, as on a GPU. The interpreter runs its programs one after
             # another, which a one-rank launch survives: every wait there is for a chunk the
             # waiting program sent itself or for the header program 0 wrote first.
-            buf.fused = True
+            buf.parts.tuning = buf.tuning.replace(fused=True)
             fails += run_calls(group, buf, case)
     return fails
 
@@ -105,7 +105,7 @@ def _combine_step(buf) -> int:
     return shape.tokens or COMBINE_STEP_TOKENS
 
 
-# The tuning variables that cut a chunk into sub-blocks: the buffer attribute each sets, and its
+# The tuning variables that cut a chunk into sub-blocks: the launch shape's field each sets, and its
 # default on a buffer (None: the whole chunk).
 _KNOBS = {"MOE_EP_COMBINE_TOKENS": ("combine_recv_tokens", _combine_step),
           "MOE_EP_OWN_TOKENS": ("block_ts", None)}
@@ -135,10 +135,10 @@ def _sub_block_worker(rank, world_size, cases, fused, var, tokens):
                 os.environ[var] = str(tokens)
             with make_buffer(group, case) as buf:
                 step = tokens or default(buf)
-                if not getattr(buf, attr) == step < buf.block_t:
-                    fails.append(f"{case.name}: {attr} {getattr(buf, attr)} of chunks of {buf.block_t}, "
+                if not getattr(buf.tuning, attr) == step < buf.sizes.block_t:
+                    fails.append(f"{case.name}: {attr} {getattr(buf.tuning, attr)} of chunks of {buf.sizes.block_t}, "
                                  f"expected {step}")
-                buf.fused = fused
+                buf.parts.tuning = buf.tuning.replace(fused=fused)
                 fails += run_calls(group, buf, case)
             os.environ.pop(var, None)
     finally:
@@ -179,13 +179,13 @@ def _column_major_worker(rank, world_size, cases):
     fails = []
     for case in cases:
         with make_buffer(group, case) as buf:
-            s = buf.expert_scales
-            cap, nb = buf.capacity, buf.num_scale_blocks
+            s = buf.parts.memory.expert_scales
+            cap, nb = buf.sizes.capacity, buf.sizes.num_scale_blocks
             if tuple(s.shape) != (case.E // case.R, cap, nb) or s.stride() != (nb * cap, 1, cap):
                 fails.append(f"[{case.name}] expert_scales {list(s.shape)} strides {s.stride()}, expected "
                              f"[{case.E // case.R}, {cap}, {nb}] strides ({nb * cap}, 1, {cap})")
             fails += run_calls(group, buf, case)
-            if buf.expert_scales.data_ptr() != s.data_ptr():
+            if buf.parts.memory.expert_scales.data_ptr() != s.data_ptr():
                 fails.append(f"[{case.name}] expert_scales moved")
     return fails
 
@@ -212,8 +212,9 @@ def _mixed_scales_worker(rank, world_size, case):
     group = moe_ep.EPGroup()
     mine = dataclasses.replace(case, cm_scales=rank == 0)  # rank 0 column-major, rank 1 row-major
     with make_buffer(group, mine) as buf:
-        if (buf.expert_scales.stride(1) == 1) != (rank == 0):
-            return [f"rank {rank}: expert_scales strides {buf.expert_scales.stride()}"]
+        s = buf.parts.memory.expert_scales
+        if (s.stride(1) == 1) != (rank == 0):
+            return [f"rank {rank}: expert_scales strides {s.stride()}"]
         return run_calls(group, buf, mine)
 
 

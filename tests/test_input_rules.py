@@ -172,7 +172,7 @@ def _nonfinite_rows_worker(rank, world_size, sub_blocks=False):
     with moe_ep.EPBuffer(group, E, H, M, K, dispatch_dtype=FP8, layout="rows", timeout_s=30,
                          **({"num_programs": programs} if programs else {})) as buf:
         if sub_blocks:
-            assert buf.block_ts < buf.block_t, "no sub-blocks in this buffer"
+            assert buf.tuning.block_ts < buf.sizes.block_t, "no sub-blocks in this buffer"
         h = buf.dispatch(x.to(dev), idx.to(dev), w.to(dev))
         n = int(h.num_recv[0])
         got_q = h.expert_x[:n].cpu().view(torch.uint8)
@@ -268,7 +268,7 @@ def _expert_capacity_worker(rank, world_size):
         except ValueError as exc:
             out[str(bad)] = "expert_capacity" in str(exc)
     with moe_ep.EPBuffer(group, E, H, M, K, layout="masked", expert_capacity=3, timeout_s=60.0) as buf:
-        out["shape"] = tuple(buf.expert_x.shape)
+        out["shape"] = tuple(buf.parts.memory.expert_x.shape)
         x = torch.stack([torch.full((H,), float(10 * rank + t + 1)) for t in range(2)]).to(torch.bfloat16).to(dev)
         w = torch.tensor([[0.5, 0.25]] * 2, device=dev)
         idx = torch.tensor([[0, 1], [2, 3]], dtype=torch.int64, device=dev)  # every expert: one row per rank

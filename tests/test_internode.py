@@ -370,13 +370,13 @@ def _overlap_worker(rank, world_size, signal, late):
             threading.Thread(target=relay, daemon=True).start()
         seen = []
         if rank == 0:
-            buf.expert_x.fill_(float("nan"))
+            buf.parts.memory.expert_x.fill_(float("nan"))
             ready_late = mailbox_word("ready1", R, late)
 
             def watch():  # which sources' rows are in the layout, while rank 2's are not yet landed
                 while not stop.is_set():
                     if int(rp.mailbox[ready_late]) < 1:
-                        v = buf.expert_x.float()
+                        v = buf.parts.memory.expert_x.float()
                         src = set(int(s) for s in (v[~v.isnan()] // 10 - 1).unique().tolist())
                         seen.append(src)
                         if 3 - late in src:

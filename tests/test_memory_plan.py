@@ -27,7 +27,7 @@ DT = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 def _held_bytes(buf) -> int:
     """Bytes of every distinct storage the buffer's objects hold (the node peers' mappings left out)."""
-    objs = [buf, buf.workspace, buf.calls]
+    objs = [buf.parts.memory, buf.workspace, buf.calls]
     if buf.remote is not None:
         objs += [buf.remote, buf.remote.state]
     seen, total = set(), 0

@@ -244,7 +244,7 @@ def _errors_worker(rank, world_size):
         }
         for what, args in bad_dispatch.items():
             try:
-                validate(buf, *args, None)
+                validate(buf.parts, *args, None)
                 log.append(f"{what}: validation accepts it (test bug)")
                 continue
             except (TypeError, ValueError) as e:
@@ -417,7 +417,7 @@ def _fast_path_checks_worker(rank, world_size):
     over = yy.view(-1)[:T * H].view(T, H)  # an out like the last one, but over the rows of yy
     refused("combine into an out over expert_y", lambda: buf.combine(yy, h, out=over), ValueError, "overlaps expert_y")
     buf.check_usable()  # nothing recorded: no error
-    buf.err[:5] = torch.tensor([1, 0, 0, 7, 0])  # as a kernel records a timeout waiting for rank 0
+    buf.parts.memory.err[:5] = torch.tensor([1, 0, 0, 7, 0])  # as a kernel records a timeout waiting for rank 0
     if buf.calls.ready():
         log.append("the fast path is ready after a kernel's error")
     refused("dispatch after a kernel's error", lambda: buf.dispatch(x, idx, w), moe_ep.CommTimeoutError, "rank 0")
@@ -582,11 +582,11 @@ def test_new_output_is_a_fresh_tensor():
 
     from moe_ep.combine import _SHAPES, new_output
 
-    buf = SimpleNamespace(hidden=24, calls=SimpleNamespace(out_one=torch.empty(1, 1, dtype=torch.bfloat16),
-                                                           out_like={}))
+    parts = SimpleNamespace(shape=SimpleNamespace(hidden=24),
+                            calls=SimpleNamespace(out_one=torch.empty(1, 1, dtype=torch.bfloat16), out_like={}))
     seen = []
     for T in (5, 5, 0, 1, 7, 5):
-        out = new_output(buf, T)
+        out = new_output(parts, T)
         assert out.shape == (T, 24) and out.dtype == torch.bfloat16 and out.is_contiguous(), out
         assert out.untyped_storage().nbytes() >= T * 24 * 2
         out.fill_(T + len(seen))
@@ -594,8 +594,8 @@ def test_new_output_is_a_fresh_tensor():
     for i, out in enumerate(seen):  # no call's tensor was written by a later one
         assert bool((out == out.shape[0] + i).all()), i
     for T in range(2 * _SHAPES):  # the kept shapes stay bounded
-        new_output(buf, T)
-    assert len(buf.calls.out_like) <= _SHAPES
+        new_output(parts, T)
+    assert len(parts.calls.out_like) <= _SHAPES
 
 
 def test_deleted_buffer_is_freed_without_the_collector():

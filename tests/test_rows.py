@@ -249,7 +249,7 @@ def test_own_prefetch_depth(monkeypatch):
     def depth(dtype, programs, fp8_in=False):
         buf = moe_ep.EPBuffer(g, 8, 128, 16, 2, dispatch_dtype=dtype, layout="rows", num_programs=programs)
         try:
-            return own_prefetch_depth(buf, fp8_in)
+            return own_prefetch_depth(buf.parts, fp8_in)
         finally:
             buf.close()
 

@@ -154,7 +154,7 @@ def test_epbuffer_takes_a_tuning_as_it_takes_the_variables(monkeypatch):
     tuning = Tuning(num_warps=2, combine_warps=8, hist_warps=2)
     with moe_ep.EPBuffer(moe_ep.EPGroup(), **BASE, tuning=tuning) as buf:
         assert buf.tuning.asked is tuning
-        assert (buf.num_warps, buf.combine_warps, buf.hist_warps) == (2, 8, 2)
+        assert (buf.tuning.num_warps, buf.tuning.combine_warps, buf.tuning.hist_warps) == (2, 8, 2)
         assert buf.launch_options("dispatch") == {"num_warps": 2}
         assert _launched_warps(buf) == {"dispatch_kernel": {2}, "combine_kernel": {8}}
         given = buf.tuning
@@ -164,7 +164,7 @@ def test_epbuffer_takes_a_tuning_as_it_takes_the_variables(monkeypatch):
     with moe_ep.EPBuffer(moe_ep.EPGroup(), **BASE) as buf:
         assert buf.tuning == given
     with moe_ep.EPBuffer(moe_ep.EPGroup(), **BASE, tuning=Tuning()) as buf:  # a Tuning given: the variables unread
-        assert (buf.num_warps, buf.combine_warps, buf.tuning.asked) == (4, None, Tuning())
+        assert (buf.tuning.num_warps, buf.tuning.combine_warps, buf.tuning.asked) == (4, None, Tuning())
     with pytest.raises(TypeError, match="^tuning: expected moe_ep.Tuning or None, got dict"):
         moe_ep.EPBuffer(moe_ep.EPGroup(), **BASE, tuning={"num_warps": 2})
 
@@ -177,7 +177,7 @@ def test_layer_passes_its_tuning_to_its_buffers():
     layer = moe_ep.MoELayer(128, 64, 4, 2, max_tokens=4, tuning=tuning)
     try:
         buf = layer.runner.buffer("fwd")
-        assert buf.tuning.asked is tuning and buf.num_warps == 2
+        assert buf.tuning.asked is tuning and buf.tuning.num_warps == 2
     finally:
         layer.runner.close()
     with pytest.raises(TypeError, match="^tuning: expected moe_ep.Tuning"):
@@ -193,7 +193,7 @@ def _deep_ep_worker(rank, R):
     tuning, fails = Tuning(num_warps=2), []
     b = deep_ep.Buffer(dist.group.WORLD, tuning=tuning)
     with b._epbuffer(2 * R, 128, 4, 2, torch.bfloat16, "masked") as buf:
-        if buf.tuning.asked is not tuning or buf.num_warps != 2:
+        if buf.tuning.asked is not tuning or buf.tuning.num_warps != 2:
             fails.append(f"Buffer: {buf.tuning}")
     e = deep_ep.ElasticBuffer(dist.group.WORLD, tuning=tuning)
     if e._v1.tuning is not tuning:

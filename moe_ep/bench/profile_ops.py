@@ -168,7 +168,7 @@ def main(argv=None) -> None:
         s = io.StringIO()
         pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(14)
         lines.append(f"host per dispatch+combine pair (no sync): {hd:.1f} us   "
-                     f"[programs={buf.num_programs} fused={buf.fused} warps={buf.num_warps}]")
+                     f"[programs={buf.num_programs} fused={buf.tuning.fused} warps={buf.tuning.num_warps}]")
         lines.append("cProfile, by own time (" + str(args.calls) + " pairs):")
         lines += ["    " + ln for ln in s.getvalue().splitlines()[6:26] if ln.strip()]
         a = torch.zeros(16, device=dev)
@@ -192,7 +192,7 @@ def main(argv=None) -> None:
         a1 = _host_us(lambda: torch.empty(T, H, dtype=torch.bfloat16, device=dev), 1000)
         a2 = _host_us(lambda: out.new_empty((T, H)), 1000)
         a3 = _host_us(lambda: torch.empty_like(out), 1000)
-        a4 = _host_us(lambda: new_output(buf, T), 1000)
+        a4 = _host_us(lambda: new_output(buf.parts, T), 1000)
         lines.append(f"a [T, H] bf16 output: torch.empty {a1:.2f} us, new_empty {a2:.2f} us, empty_like {a3:.2f} us, "
                      f"moe_ep.combine.new_output {a4:.2f} us")
         from torch.profiler import ProfilerActivity, profile

@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 
 from ..buffer import EPBuffer
-from ..dispatch import on_device
+from ..calls import on_device
 from ..handle import DispatchResult
 
 
@@ -41,7 +41,7 @@ class LowLatencySlot:
 
     def __init__(self, epbuf: EPBuffer, M: int, K: int, scales: Optional[str] = None, expand: int = 1):
         self.epbuf, self.scales, self.M, self.K, self.expand = epbuf, scales, M, K, expand
-        EL, H, rows = epbuf.num_local_experts, epbuf.hidden, epbuf.expert_x.shape[1]
+        EL, H, rows = epbuf.num_local_experts, epbuf.hidden, epbuf.sizes.capacity
         dev = epbuf.device
         if expand == 1:  # the weights come at combine: the dispatch sends zeros in their place
             self.weights = torch.zeros(M, K, dtype=torch.float32, device=dev)
@@ -55,7 +55,7 @@ class LowLatencySlot:
         self.scales_cm = None
         self.q = None
         if scales == "float":
-            if epbuf.scale_column_rows != rows:
+            if not epbuf.sizes.column_major_scales:
                 raise ValueError("LowLatencySlot: the float scale format needs a buffer made with "
                                  "column_major_scales=True")
         elif scales in ("pow2", "ue8m0"):
@@ -76,7 +76,7 @@ class LowLatencySlot:
     def next_combine_buffer(self) -> torch.Tensor:
         """bf16 ``[E_local, R*M, H]``: what a ``zero_copy`` combine of this slot reads."""
         if self.combine_in is None:
-            self.combine_in = torch.zeros(self.epbuf.expert_x.shape, dtype=torch.bfloat16, device=self.epbuf.device)
+            self.combine_in = torch.zeros((*self.epbuf.sizes.lead, self.epbuf.hidden), dtype=torch.bfloat16, device=self.epbuf.device)
         return self.combine_in
 
 
@@ -168,7 +168,7 @@ def combine(handle: LowLatencyHandle, x: torch.Tensor, topk_idx: torch.Tensor, t
     slot, d = handle.slot, handle.result
     buf = slot.epbuf
     T, K = handle.num_tokens, slot.K
-    shape = tuple(buf.expert_x.shape)
+    shape = tuple(d.expert_x.shape)  # (the buffer's expert layout, which the dispatch's result views)
     if zero_copy:
         if slot.combine_in is None:
             raise ValueError("zero_copy: no combine buffer was taken; fill get_next_low_latency_combine_buffer(handle) "

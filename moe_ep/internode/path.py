@@ -22,7 +22,7 @@ between the halves; the receive half waits for each source's rows itself.
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Callable, NoReturn, Optional
 
 import torch
 
@@ -30,7 +30,10 @@ from ..errors import CommTimeoutError
 from ..layout import pow2
 from ..proxy.native import MAILBOX, NativeError, mailbox_words
 from .session import start_proxy
-from .spec import PROXY_MEMORY, REGIONS, ROW_REGIONS, RemoteState  # noqa: F401  (PROXY_MEMORY: importable here too)
+from .spec import PROXY_MEMORY, REGIONS, ROW_REGIONS, RemoteSpec, RemoteState  # noqa: F401  (PROXY_MEMORY: importable here too)
+
+if TYPE_CHECKING:
+    from ..group import EPGroup
 
 
 def row_region_memory(engine, sizes: dict, device: torch.device, want: str) -> tuple[dict, str, str]:
@@ -55,14 +58,19 @@ def row_region_memory(engine, sizes: dict, device: torch.device, want: str) -> t
 
 
 class RemotePath:
-    """One rank's proxy, regions and device state for its peers on other nodes (``buf.remote``)."""
+    """One rank's proxy, regions and device state for its peers on other nodes (``BufferMemory.remote``)."""
 
-    def __init__(self, buf):
-        g, R = buf.group, buf.world_size
-        self.spec = buf.sizes.remote_spec(buf.rank)  # capacities as moe_ep.sizing sizes them
-        self.state = RemoteState(self.spec, buf.device, buf.num_programs)
+    def __init__(self, group: "EPGroup", spec: RemoteSpec, programs: int, proxy_memory: str, timeout_s: float):
+        """For ``group``'s rank of an ``EPBuffer`` whose peers on other nodes ``spec`` sizes (its
+        capacities as ``BufferShape.remote_spec`` gives them), launched on ``programs`` programs;
+        ``proxy_memory``: where the row regions go (``PROXY_MEMORY``); ``timeout_s``: the
+        buffer's deadline, the proxy's too. Collective: the proxy's endpoint exchange."""
+        R, dev = group.world_size, group.device
+        self.rank = group.rank
+        self.spec = spec
+        self.state = RemoteState(spec, dev, programs)
         kw = {k: v for k, v in self.spec.proxy_kwargs().items() if k != "node_size"}
-        self.gpu = buf.device.type == "cuda"
+        self.gpu = dev.type == "cuda"
         regions = mailbox = None
         self.memory, self.memory_why = "host", "CPU ranks"  # where the row regions are, and why
         if self.gpu:  # the proxy and the kernels share these; the headers: host memory the GPU addresses
@@ -71,21 +79,21 @@ class RemotePath:
                        for n in REGIONS if n not in ROW_REGIONS}
 
             def regions(engine):  # once the engine exists: what it can register
-                rows, self.memory, self.memory_why = row_region_memory(engine, sizes, buf.device, buf.sizes.proxy_memory)
+                rows, self.memory, self.memory_why = row_region_memory(engine, sizes, dev, proxy_memory)
                 return {**rows, **headers}
             self.mailbox = torch.zeros(mailbox_words(R), dtype=torch.int64, pin_memory=True)
             mailbox = self.mailbox.numpy()
-        self.proxy = start_proxy(g, timeout_s=buf.timeout_s, regions=regions, mailbox=mailbox, **kw)
+        self.proxy = start_proxy(group, timeout_s=timeout_s, regions=regions, mailbox=mailbox, **kw)
         regions = {n: getattr(self.proxy, n) for n in REGIONS}
         if not self.gpu:  # the proxy allocated numpy arrays; the kernels see the same memory as tensors
             regions = {n: torch.from_numpy(r) for n, r in regions.items()}
             self.mailbox = torch.from_numpy(self.proxy.mailbox)
         self.regions = regions
-        self.timeout_s = buf.timeout_s
+        self.timeout_s = timeout_s
         # The kernels' waits for the proxy end at its deadline plus 5 s (its own, which names the
         # peer, runs out first); the interpreter has no clock and bounds its looks instead (each
         # costs far more than the microsecond assumed here).
-        self.rtimeout_ns = int((buf.timeout_s + 5.0) * 1e9)
+        self.rtimeout_ns = int((timeout_s + 5.0) * 1e9)
         self.spins = self.rtimeout_ns // 1000
         self.combined = -1  # serial of the last dispatch combined (the proxy serves one combine each)
 
@@ -137,10 +145,11 @@ class RemotePath:
                              "(dispatch again for another combine)")
         self.combined = serial
 
-    def host_wait(self, buf, phase: str, epoch: int) -> None:
+    def host_wait(self, fail: Callable[[BaseException], NoReturn], phase: str, epoch: int) -> None:
         """Interpreter only, between the halves: the proxy's ``hdr_ready`` (dispatch) or
-        ``comb_ready`` (combine) reaching ``epoch``. The proxy's errors break the buffer at once;
-        past the deadline (the proxy's own runs out first) a ``CommTimeoutError``."""
+        ``comb_ready`` (combine) reaching ``epoch``. The proxy's errors break the buffer at once
+        (``fail(error)``: ``CallState.fail``); past the deadline (the proxy's own runs out first) a
+        ``CommTimeoutError``."""
         word = MAILBOX["hdr_ready" if phase == "dispatch" else "comb_ready"]
         mb = self.proxy.mailbox
         deadline = time.monotonic() + self.timeout_s + 5.0
@@ -149,9 +158,9 @@ class RemotePath:
             try:
                 self.proxy.check_error()
             except Exception as exc:  # noqa: BLE001
-                buf.calls.fail(exc)
+                fail(exc)
             if time.monotonic() > deadline:
-                buf.calls.fail(CommTimeoutError(buf.rank, -1, phase, epoch, self.timeout_s))
+                fail(CommTimeoutError(self.rank, -1, phase, epoch, self.timeout_s))
             time.sleep(delay)
             delay = min(delay * 2, 5e-3)
 

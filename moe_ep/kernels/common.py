@@ -6,20 +6,23 @@ the form that is right in each place.
 import triton
 import triton.language as tl
 
-# Error record (int64[8], host-visible): [code, peer, phase, epoch, detail, ...].
-ERR_NONE = tl.constexpr(0)
-ERR_TIMEOUT = tl.constexpr(1)
-ERR_BAD_EXPERT = tl.constexpr(2)
-ERR_CAPACITY = tl.constexpr(3)
-ERR_PROXY = tl.constexpr(4)  # the proxy recorded an error (its mailbox has the details)
+from ..errors import ErrorCode, Phase
+
+# Error record (int64[8], host-visible): [code, peer, phase, epoch, detail, ...]; the codes and
+# phases are moe_ep.errors' (the host decodes the record by the same names).
+ERR_NONE = tl.constexpr(int(ErrorCode.NONE))
+ERR_TIMEOUT = tl.constexpr(int(ErrorCode.TIMEOUT))
+ERR_BAD_EXPERT = tl.constexpr(int(ErrorCode.BAD_EXPERT))
+ERR_CAPACITY = tl.constexpr(int(ErrorCode.CAPACITY))
+ERR_PROXY = tl.constexpr(int(ErrorCode.PROXY))  # the proxy recorded an error (its mailbox has the details)
 
 ABORT_FLAG = tl.constexpr(1 << 62)  # a comb_flag value above every epoch: the owner overflowed (abort_combines)
 NAN_SCALE_BITS = tl.constexpr(0x7FC00000)  # moe_ep.fp8: a block with a non-finite value
 NAN_BYTE = tl.constexpr(0x7F)
 RECIP_448 = tl.constexpr(0.0022321429569274187)  # float32 0x3B124925, RN(1 / 448): exact as a float32 literal
 
-PHASE_DISPATCH = tl.constexpr(0)
-PHASE_COMBINE = tl.constexpr(1)
+PHASE_DISPATCH = tl.constexpr(int(Phase.DISPATCH))
+PHASE_COMBINE = tl.constexpr(int(Phase.COMBINE))
 # The most bytes one prefetch_l2 asks for: the instruction's size field holds 16-bit counts of 16 bytes.
 PREFETCH_MAX = tl.constexpr(0xFFFF * 16)
 # store_own_rows unrolls its channel loop when a row has at most this many tiles.
