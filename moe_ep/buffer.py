@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from operator import attrgetter
 from typing import Optional
 
 import torch
 
 from . import combine as _combine
+from . import settings
 from . import dispatch as _dispatch
 from .agreement import collective_init
 from .buffer_memory import BufferMemory
@@ -305,5 +305,5 @@ class EPBuffer:
                     node_size=shape.node_size, device_type=shape.device_type,
                     private_capacity=shape.private_capacity, overflow_capacity=shape.overflow_capacity,
                     expert_capacity=shape.expert_capacity,
-                    transport=os.environ.get("MOE_EP_TRANSPORT", "auto") if remote else None,
+                    transport=(settings.value("MOE_EP_TRANSPORT") or "auto") if remote else None,
                     **{f"tuning.{name}": getattr(tuning, name) for name in LAYOUT_KNOBS})

@@ -22,9 +22,8 @@ NAME = re.compile(r"\bMOE_EP_[A-Z0-9_]*[A-Z0-9]\b")
 NOT_VARIABLES = {"MOE_EP_BUILD_FLAGS", "MOE_EP_COMPILER", "MOE_EP_STR", "MOE_EP_STR2",  # C macros (capi.cc, -D)
                  "MOE_EP_NAME"}  # a placeholder in moe_ep.bench.variants' --point help
 READERS = {"settings.py", "tuning.py"}  # the modules that read MOE_EP_* variables
-# Reads left outside them, as (file under moe_ep/, variable). buffer.py's agreement signature still
-# reads MOE_EP_TRANSPORT itself (that module is being restructured apart from this one).
-KNOWN_READS = {("buffer.py", "MOE_EP_TRANSPORT")}
+# Reads left outside them, as (file under moe_ep/, variable): none.
+KNOWN_READS: set = set()
 
 
 def _files(top: str, exts: tuple) -> list:
