@@ -52,6 +52,22 @@ def _oracle_rows(xs, idxs, ws, rank: int, EL: int):
     return torch.stack(rx), torch.stack(ri), torch.stack(rw), src
 
 
+def _combined_oracle(x, idx, R: int, EL: int, expand: bool) -> torch.Tensor:
+    """float32 [T, H]: the combine of rows that rank r's experts scaled (rows: by 2^r; expanded: each
+    selection of local expert e by 2^e, summed per rank and rounded): per receiving rank its row
+    rounded to bf16, summed over ranks in float32 (round the result once to compare)."""
+    exp32 = torch.zeros(x.shape[0], H)
+    for r in range(R):
+        own = (idx >= r * EL) & (idx < (r + 1) * EL)
+        if expand:
+            f = torch.where(own, 2.0 ** (idx - r * EL).clamp(min=0).float(), 0.0).sum(1)
+            row = (x.float() * f[:, None]).to(torch.bfloat16)
+        else:
+            row = (x.float() * 2.0 ** r).to(torch.bfloat16) * own.any(1)[:, None]
+        exp32 += row.float()
+    return exp32
+
+
 def _elastic_worker(rank, R):
     import torch.distributed as dist
 
@@ -132,19 +148,7 @@ def _elastic_worker(rank, R):
             y = (q.float() * fac[:, None]).to(torch.bfloat16)
             with (contextlib.nullcontext() if sync else _no_host_reads()):
                 out, cw, _ = buf.combine(y, h, topk_weights=rw)
-        # Oracle of the combine: per receiving rank its row (expanded: its selections' sum, rounded),
-        # summed over ranks in float32, rounded once; weights summed back per (token, k).
-        T = x.shape[0]
-        xb = x.to(FP8).to(torch.bfloat16) if fp8 else x
-        exp32 = torch.zeros(T, H)
-        for r in range(R):
-            own = (idx >= r * EL) & (idx < (r + 1) * EL)
-            if expand:
-                f = torch.where(own, 2.0 ** (idx - r * EL).clamp(min=0).float(), 0.0).sum(1)
-                row = (xb.float() * f[:, None]).to(torch.bfloat16)
-            else:
-                row = (xb.float() * 2.0 ** r).to(torch.bfloat16) * own.any(1)[:, None]
-            exp32 += row.float()
+        exp32 = _combined_oracle(x.to(FP8).to(torch.bfloat16) if fp8 else x, idx, R, EL, expand)
         if not torch.equal(out, exp32.to(torch.bfloat16)):
             fails.append(f"{where} combined_x differs from the oracle (max {float((out.float() - exp32).abs().max())})")
         if not torch.equal(cw, torch.where(idx >= 0, w, 0.0)):
@@ -233,15 +237,7 @@ def _elastic_graph_worker(rank, R):
             x, idx, w = load(call)
             graph.replay()
             torch.cuda.synchronize()
-            exp32 = torch.zeros(M, H)
-            for r in range(R):
-                own = (idx >= r * EL) & (idx < (r + 1) * EL)
-                if expand:
-                    f = torch.where(own, 2.0 ** (idx - r * EL).clamp(min=0).float(), 0.0).sum(1)
-                    row = (x.float() * f[:, None]).to(torch.bfloat16)
-                else:
-                    row = (x.float() * 2.0 ** r).to(torch.bfloat16) * own.any(1)[:, None]
-                exp32 += row.float()
+            exp32 = _combined_oracle(x, idx, R, EL, expand)
             where = f"[R{R} rank {rank} expand={expand} replay {call}]"
             if not torch.equal(out.cpu(), exp32.to(torch.bfloat16)):
                 fails.append(f"{where} combined_x differs (max {float((out.cpu().float() - exp32).abs().max())})")

@@ -596,25 +596,17 @@ bool Proxy::run_dispatch(int64_t epoch) {
     bool work = false;
     Lost lost;
     // Own rows: each remote peer's as soon as the kernels packed them.
-    if (!todo_.empty()) {
-      size_t keep = 0;
-      for (int p : todo_) {
-        if (load(mb_disp_bell(R, p)) < epoch) {
-          todo_[keep++] = p;
-          continue;
-        }
-        ++phase_bells_;
-        trace_peer(kTrRowsBell, p, epoch);
-        const int64_t n1 = std::min(c_to(me, p), cap);
-        if (n1 > 0) {
-          if (!post(kPhaseD1, epoch, p, kRegDispSend, off_[p], kRegRound1, my_slot, uint64_t(n1 * RB))) return false;
-          trace_peer(kTrPostD1, p, epoch);
-        }
-        rows_sent_[p] = 1;
-        work = true;
+    const int rung = serve_bells(mb_disp_bell, epoch, kTrRowsBell, [&](int p) {
+      const int64_t n1 = std::min(c_to(me, p), cap);
+      if (n1 > 0) {
+        if (!post(kPhaseD1, epoch, p, kRegDispSend, off_[p], kRegRound1, my_slot, uint64_t(n1 * RB))) return false;
+        trace_peer(kTrPostD1, p, epoch);
       }
-      todo_.resize(keep);
-    }
+      rows_sent_[p] = 1;
+      return true;
+    });
+    if (rung < 0) return false;
+    work |= rung > 0;
     // Arrivals (only when the counter moved since the last look).
     const uint64_t gen = t_->imm_counter().generation();
     if (gen != seen_gen) {
@@ -758,28 +750,20 @@ bool Proxy::run_combine(int64_t epoch) {
     if (stop_) return fail(kProxyTimeout, -1, kPhaseC, epoch, "proxy stopped while waiting");
     bool work = false;
     Lost lost;
-    if (!todo_.empty()) {
-      size_t keep = 0;
-      for (int s : todo_) {
-        if (load(mb_comb_bell(R, s)) < epoch) {
-          todo_[keep++] = s;
-          continue;
-        }
-        ++phase_bells_;
-        trace_peer(kTrCombBell, s, epoch);
-        // In s's combine receive region: sum of c_{s,p'} over p' < me outside s's node.
-        const int32_t* row = &C[size_t(s) * R];
-        const int slo = s / G * G;
-        const int64_t roff = sum_range(row, 0, me) - sum_range(row, slo, std::min(slo + G, me));
-        if (!post(kPhaseC, epoch, s, kRegCombSend, off_[s], kRegCombRecv, cr_base + uint64_t(roff * CRB),
-                  uint64_t(row[me] * CRB)))
-          return false;
-        trace_peer(kTrPostC, s, epoch);
-        sent[s] = 1;
-        work = true;
-      }
-      todo_.resize(keep);
-    }
+    const int rung = serve_bells(mb_comb_bell, epoch, kTrCombBell, [&](int s) {
+      // In s's combine receive region: sum of c_{s,p'} over p' < me outside s's node.
+      const int32_t* row = &C[size_t(s) * R];
+      const int slo = s / G * G;
+      const int64_t roff = sum_range(row, 0, me) - sum_range(row, slo, std::min(slo + G, me));
+      if (!post(kPhaseC, epoch, s, kRegCombSend, off_[s], kRegCombRecv, cr_base + uint64_t(roff * CRB),
+                uint64_t(row[me] * CRB)))
+        return false;
+      trace_peer(kTrPostC, s, epoch);
+      sent[s] = 1;
+      return true;
+    });
+    if (rung < 0) return false;
+    work |= rung > 0;
     const uint64_t gen = t_->imm_counter().generation();
     if (gen != seen_gen) {
       seen_gen = gen;

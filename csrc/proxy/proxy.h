@@ -215,6 +215,27 @@ class Proxy {
   void trace_peer(int32_t kind, int peer, int64_t epoch) {
     if (cfg_.trace_level >= kTracePeers) trace_event(kind, peer, epoch);
   }
+  // The peers in todo_ whose bell (mailbox array `word`) rang for `epoch`: each counted, traced
+  // (`kind`) and handed to `serve`, and dropped from todo_; the rest kept, in order. Returns how
+  // many rang, or -1 when `serve` failed (error recorded).
+  template <class F>
+  int serve_bells(int (*word)(int64_t, int), int64_t epoch, int32_t kind, F serve) {
+    size_t keep = 0;
+    int rung = 0;
+    for (size_t i = 0; i < todo_.size(); ++i) {
+      const int p = todo_[i];
+      if (load(word(cfg_.world_size, p)) < epoch) {
+        todo_[keep++] = p;
+        continue;
+      }
+      ++phase_bells_;
+      ++rung;
+      trace_peer(kind, p, epoch);
+      if (!serve(p)) return -1;
+    }
+    todo_.resize(keep);
+    return rung;
+  }
   // The immediates of `epoch` that landed and that `want(phase, source)` waits for, taken from
   // the counter's arrival log into arrived_ (the rest stay counted, for later or never: a stray
   // write is not consumed); kErrPeer once the counter failed.
