@@ -31,7 +31,6 @@ from typing import Dict, List
 import ep_harness  # first: makes `import deep_ep` load moe_ep; the ranks; the dense check
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 import deep_ep  # noqa: E402  (DeepEP's API; here moe_ep's)
 
@@ -107,12 +106,7 @@ def expanded_experts(recv_x: torch.Tensor, recv_weights: torch.Tensor, handle: "
 
 
 def main() -> bool:
-    group = dist.group.WORLD
-    rank, R = dist.get_rank(), dist.get_world_size()
-    dev = ep_harness.device()
-    E = EXPERTS_PER_RANK * R
-    w1, w2 = ep_harness.expert_weights(E, HIDDEN, INTER)
-    mine = slice(rank * EXPERTS_PER_RANK, (rank + 1) * EXPERTS_PER_RANK)
+    group, rank, R, dev, E, w1, w2, mine = ep_harness.world(EXPERTS_PER_RANK, HIDDEN, INTER)
     buffer = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=MAX_TOKENS_PER_RANK, hidden=HIDDEN,
                                    num_topk=TOPK, explicitly_destroy=True)
     gen = torch.Generator().manual_seed(300 + rank)
@@ -153,19 +147,8 @@ def main() -> bool:
         expected: List[Dict[str, torch.Tensor]] = [{} for _ in everyone]
         for step in ("train", "decode"):
             s = "." + step
-            sizes = [d["x" + s].shape[0] for d in everyone]
-            xs = torch.cat([d["x" + s] for d in everyone]).float().requires_grad_()
-            ws = torch.cat([d["w" + s] for d in everyone]).requires_grad_()
-            W1, W2 = w1.clone().requires_grad_(), w2.clone().requires_grad_()
-            out = ep_harness.dense_moe(xs, torch.cat([d["ids" + s] for d in everyone]), ws, W1, W2)
-            for r, o in enumerate(out.detach().split(sizes)):
-                expected[r]["out" + s] = o
-            if step == "train":
-                (out * torch.cat([d["probe" + s] for d in everyone])).sum().backward()
-                for r, (gx, gw) in enumerate(zip(xs.grad.split(sizes), ws.grad.split(sizes))):
-                    rs = slice(r * EXPERTS_PER_RANK, (r + 1) * EXPERTS_PER_RANK)
-                    expected[r].update({"x_grad" + s: gx, "topk_weights_grad" + s: gw,
-                                        "w1_grad" + s: W1.grad[rs], "w2_grad" + s: W2.grad[rs]})
+            for r, e in enumerate(ep_harness.dense_step(everyone, s, w1, w2, EXPERTS_PER_RANK, step == "train")):
+                expected[r].update(e)
         return expected
 
     return ep_harness.check_on_rank0("ElasticBuffer (training step with backward, expanded decode step)",

@@ -27,7 +27,7 @@ import shutil
 import socket
 import sys
 import tempfile
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -81,6 +81,29 @@ def expert_weights(num_experts: int, hidden: int, inter: int, seed: int = 0) -> 
     return w1, w2
 
 
+class World(NamedTuple):
+    """This rank's place in an example: the group, its rank, the ranks R, its device, the experts
+    E, every expert's weights (`expert_weights`: float32 on the CPU) and its own experts' slice."""
+
+    group: dist.ProcessGroup
+    rank: int
+    R: int
+    dev: torch.device
+    E: int
+    w1: Tensor
+    w2: Tensor
+    mine: slice
+
+
+def world(experts_per_rank: int, hidden: int, inter: int) -> World:
+    """The ``World`` of this rank: the default group, ``experts_per_rank`` experts a rank."""
+    rank, R = dist.get_rank(), dist.get_world_size()
+    E = experts_per_rank * R
+    w1, w2 = expert_weights(E, hidden, inter)
+    return World(dist.group.WORLD, rank, R, device(), E, w1, w2,
+                 slice(rank * experts_per_rank, (rank + 1) * experts_per_rank))
+
+
 def expert_mlp(x: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
     """One expert on rows ``x`` (float32 ``[n, H]``): ``silu(x @ gate) * (x @ up) @ w2``."""
     gate, up = (x @ w1).chunk(2, dim=-1)
@@ -98,6 +121,27 @@ def dense_moe(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w1: Tensor, w2:
             y = expert_mlp(x[rows], w1[e], w2[e]) * topk_weights[rows, k].unsqueeze(1)
             out = out.index_add(0, rows, y)
     return out
+
+
+def dense_step(everyone: List[Dict[str, Tensor]], s: str, w1: Tensor, w2: Tensor, experts_per_rank: int,
+               backward: bool) -> List[Dict[str, Tensor]]:
+    """The dense layer's answer for one step (key suffix ``s``) of every rank: all ranks' tokens
+    (``x``, ``ids``, ``w``) through ``dense_moe`` in one process; per rank its ``out`` and, with
+    ``backward`` (loss = sum(out * probe)), the gradients of its x, its topk weights and its
+    experts' w1 / w2."""
+    sizes = [d["x" + s].shape[0] for d in everyone]
+    xs = torch.cat([d["x" + s] for d in everyone]).float().requires_grad_()
+    ws = torch.cat([d["w" + s] for d in everyone]).requires_grad_()
+    W1, W2 = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    out = dense_moe(xs, torch.cat([d["ids" + s] for d in everyone]), ws, W1, W2)
+    expected: List[Dict[str, Tensor]] = [{"out" + s: o} for o in out.detach().split(sizes)]
+    if backward:
+        (out * torch.cat([d["probe" + s] for d in everyone])).sum().backward()
+        for r, (gx, gw) in enumerate(zip(xs.grad.split(sizes), ws.grad.split(sizes))):
+            rs = slice(r * experts_per_rank, (r + 1) * experts_per_rank)
+            expected[r].update({"x_grad" + s: gx, "topk_weights_grad" + s: gw,
+                                "w1_grad" + s: W1.grad[rs], "w2_grad" + s: W2.grad[rs]})
+    return expected
 
 
 def route(num_tokens: int, num_experts: int, num_topk: int, gen: torch.Generator) -> Tuple[Tensor, Tensor]:

@@ -155,12 +155,7 @@ def moe_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tenso
 
 
 def main() -> bool:
-    group = dist.group.WORLD
-    rank, R = dist.get_rank(), dist.get_world_size()
-    dev = ep_harness.device()
-    E = EXPERTS_PER_RANK * R
-    w1, w2 = ep_harness.expert_weights(E, HIDDEN, INTER)
-    mine = slice(rank * EXPERTS_PER_RANK, (rank + 1) * EXPERTS_PER_RANK)
+    group, rank, R, dev, E, w1, w2, mine = ep_harness.world(EXPERTS_PER_RANK, HIDDEN, INTER)
     gen = torch.Generator().manual_seed(200 + rank)
     results: Dict[str, torch.Tensor] = {}
     for step in range(STEPS):
@@ -183,16 +178,8 @@ def main() -> bool:
         expected: List[Dict[str, torch.Tensor]] = [{} for _ in everyone]
         for step in range(STEPS):
             s = f".{step}"
-            sizes = [d["x" + s].shape[0] for d in everyone]
-            xs = torch.cat([d["x" + s] for d in everyone]).float().requires_grad_()
-            ws = torch.cat([d["w" + s] for d in everyone]).requires_grad_()
-            W1, W2 = w1.clone().requires_grad_(), w2.clone().requires_grad_()
-            out = ep_harness.dense_moe(xs, torch.cat([d["ids" + s] for d in everyone]), ws, W1, W2)
-            (out * torch.cat([d["probe" + s] for d in everyone])).sum().backward()
-            for r, (o, gx, gw) in enumerate(zip(out.detach().split(sizes), xs.grad.split(sizes), ws.grad.split(sizes))):
-                rs = slice(r * EXPERTS_PER_RANK, (r + 1) * EXPERTS_PER_RANK)
-                expected[r].update({"out" + s: o, "x_grad" + s: gx, "topk_weights_grad" + s: gw,
-                                    "w1_grad" + s: W1.grad[rs], "w2_grad" + s: W2.grad[rs]})
+            for r, e in enumerate(ep_harness.dense_step(everyone, s, w1, w2, EXPERTS_PER_RANK, backward=True)):
+                expected[r].update(e)
         return expected
 
     return ep_harness.check_on_rank0("Megatron-style fused all-to-all (forward, backward, cached dispatch)",

@@ -29,7 +29,6 @@ from typing import Callable, Dict, List, Tuple
 import ep_harness  # first: makes `import deep_ep` load moe_ep; the ranks; the dense check
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 import deep_ep  # noqa: E402  (DeepEP's API; here moe_ep's)
 
@@ -110,12 +109,7 @@ def fp8_rounded(x: torch.Tensor) -> torch.Tensor:
 
 
 def main() -> bool:
-    group = dist.group.WORLD
-    rank, R = dist.get_rank(), dist.get_world_size()
-    dev = ep_harness.device()
-    E = EXPERTS_PER_RANK * R
-    w1, w2 = ep_harness.expert_weights(E, HIDDEN, INTER)
-    mine = slice(rank * EXPERTS_PER_RANK, (rank + 1) * EXPERTS_PER_RANK)
+    group, rank, R, dev, E, w1, w2, mine = ep_harness.world(EXPERTS_PER_RANK, HIDDEN, INTER)
     w1_local, w2_local = w1[mine].to(dev), w2[mine].to(dev)  # this rank's experts
 
     num_rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS_PER_RANK, HIDDEN, R, E)
