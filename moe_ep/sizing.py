@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from .fp8 import num_scale_blocks
-from .internode.spec import PROXY_MEMORY, ROW_REGIONS, RemoteSpec
+from .internode.spec import PROXY_MEMORY, ROW_REGIONS, RemoteSpec, layout_capacity
 from .layout import WorkspaceLayout, pow2
 from .proxy.native import mailbox_words
 from .tuning import Tuning
@@ -185,12 +185,8 @@ class BufferShape:
     def capacity(self) -> int:
         """Masked: rows of each local expert's block (``expert_capacity`` or R*M); packed: rows in all
         (R*M*K, each expert's block padded to ``expert_alignment``); rows: R*M (one per source token)."""
-        R, M = self.world_size, self.max_tokens
-        if self.layout == "masked":
-            return self.expert_capacity or R * M
-        if self.layout == "rows":
-            return R * M
-        return R * M * self.topk + self.num_local_experts * (self.expert_alignment - 1)
+        return layout_capacity(self.layout, self.world_size, self.max_tokens, self.topk, self.num_local_experts,
+                               self.expert_alignment, self.expert_capacity)
 
     @property
     def scale_column_rows(self) -> int:

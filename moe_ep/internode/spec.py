@@ -19,6 +19,19 @@ ROW_REGIONS = REGIONS[:5]
 PROXY_MEMORY = ("auto", "gpu", "host")  # EPBuffer's proxy_memory: where the row regions go on a GPU
 
 
+def layout_capacity(layout: str, world: int, max_tokens: int, topk: int, num_local_experts: int,
+                    alignment: int, masked_capacity: Optional[int] = None) -> int:
+    """Rows of the expert layout: masked, rows of each local expert's block (``masked_capacity``,
+    else R*M); packed, rows in all (R*M*K, each expert's block padded to ``alignment``); rows, R*M
+    (one per source token)."""
+    R, M = world, max_tokens
+    if layout == "masked":
+        return masked_capacity or R * M
+    if layout == "rows":
+        return R * M
+    return R * M * topk + num_local_experts * (alignment - 1)
+
+
 def default_private_capacity(max_tokens: int, topk: int, num_experts: int, world_size: int) -> int:
     """Round-1 rows per (source, remote peer): the rows a peer gets from one source under uniform
     routing (a token touches a rank with probability 1 - C(E - E/R, K) / C(E, K)), plus 25% and 8
@@ -138,14 +151,9 @@ class RemoteSpec:
 
     @property
     def expert_capacity(self) -> int:
-        """Masked: rows per expert (``R * M``, or ``masked_capacity``); packed: rows in all
-        (``R*M*K + EL*(alignment-1)``); rows: rows in all (``R * M``)."""
-        R, M = self.world, self.max_tokens
-        if self.layout == "masked":
-            return self.masked_capacity or R * M
-        if self.layout == "rows":
-            return R * M
-        return R * M * self.topk + self.num_local_experts * (self.expert_alignment - 1)
+        """The expert layout's rows (``layout_capacity``)."""
+        return layout_capacity(self.layout, self.world, self.max_tokens, self.topk, self.num_local_experts,
+                               self.expert_alignment, self.masked_capacity)
 
     def region_bytes(self) -> dict:
         """Minimum byte size of each proxy region (``moe_ep_proxy_region_bytes``, in ``REGIONS`` order)."""
