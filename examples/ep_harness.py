@@ -214,10 +214,11 @@ def launch(main: Callable[[], bool], doc: str) -> None:
     """Runs ``main`` (True: its check passed) on every rank, under torchrun or on ``--ranks`` CPU
     processes of its own; exits with status 1 when a rank's check failed or a rank raised."""
     if "WORLD_SIZE" in os.environ:  # under torchrun
-        gpu = device().type == "cuda"
-        if gpu:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if gpu else "gloo")
+        # NCCL with a GPU per local rank; gloo with ranks sharing a GPU (more local ranks than
+        # GPUs), or CPU ranks: moe_ep's launcher helper picks, as the package's own jobs do.
+        from moe_ep.group import init_distributed
+
+        init_distributed("auto" if device().type == "cuda" else "cpu")
         try:
             ok = main()
         finally:
