@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -108,22 +107,19 @@ def _spawned(rank: int, world_size: int, port: int) -> None:
     except BaseException:
         dist.destroy_process_group()
         raise
-    # After a run that passed: a last barrier, then leave at once. The gloo group's teardown at
-    # exit aborts a spawned rank now and then ("terminate called without an active exception")
-    # after every check has passed (as moe_ep.demo, ARCHITECTURE §14).
-    dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # After a run that passed: a last barrier, then leave without the gloo teardown that aborts a
+    # spawned rank now and then after every check has passed (ARCHITECTURE §14).
+    from moe_ep.group import exit_rank
+
+    exit_rank(0)
 
 
 if __name__ == "__main__":
     if "WORLD_SIZE" in os.environ:  # under torchrun
-        backend = "nccl" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") \
-            else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
+        from moe_ep.group import init_distributed  # NCCL, or gloo where ranks share a GPU
+
+        gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+        init_distributed("auto" if gpu else "cpu")
         try:
             main()
         finally:

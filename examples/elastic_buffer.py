@@ -143,14 +143,7 @@ def main() -> bool:
     results.update({"x.decode": x_cpu, "ids.decode": idx_cpu, "w.decode": w_cpu, "out.decode": out})
     buffer.destroy()
 
-    def dense(everyone: List[Dict[str, torch.Tensor]]) -> List[Dict[str, torch.Tensor]]:
-        expected: List[Dict[str, torch.Tensor]] = [{} for _ in everyone]
-        for step in ("train", "decode"):
-            s = "." + step
-            for r, e in enumerate(ep_harness.dense_step(everyone, s, w1, w2, EXPERTS_PER_RANK, step == "train")):
-                expected[r].update(e)
-        return expected
-
+    dense = ep_harness.dense_steps({".train": True, ".decode": False}, w1, w2, EXPERTS_PER_RANK)
     return ep_harness.check_on_rank0("ElasticBuffer (training step with backward, expanded decode step)",
                                      results, dense, TOL)
 

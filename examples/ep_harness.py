@@ -144,6 +144,19 @@ def dense_step(everyone: List[Dict[str, Tensor]], s: str, w1: Tensor, w2: Tensor
     return expected
 
 
+
+def dense_steps(steps: Dict[str, bool], w1: Tensor, w2: Tensor, experts_per_rank: int
+                ) -> Callable[[List[Dict[str, Tensor]]], List[Dict[str, Tensor]]]:
+    """The check's ``dense`` for several steps: ``steps`` maps each step's key suffix to whether it
+    had a backward; the returned function gives every rank's expected dict over all steps."""
+    def dense(everyone: List[Dict[str, Tensor]]) -> List[Dict[str, Tensor]]:
+        expected: List[Dict[str, Tensor]] = [{} for _ in everyone]
+        for s, backward in steps.items():
+            for r, e in enumerate(dense_step(everyone, s, w1, w2, experts_per_rank, backward)):
+                expected[r].update(e)
+        return expected
+    return dense
+
 def route(num_tokens: int, num_experts: int, num_topk: int, gen: torch.Generator) -> Tuple[Tensor, Tensor]:
     """A router's output: ``(topk_idx int64 [T, K], topk_weights float32 [T, K])``, K distinct
     experts per token, softmax weights."""
@@ -202,12 +215,11 @@ def _spawned(rank: int, world_size: int, port: int, main: Callable[[], bool]) ->
     except BaseException:
         dist.destroy_process_group()
         raise
-    # A last barrier, then leave at once: the gloo group's teardown at exit aborts a spawned rank
-    # now and then after every check has passed (as in examples/deep_ep_user.py).
-    dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0 if ok else 1)
+    # Every rank has the same verdict: a last barrier, then leave without the teardown that
+    # aborts a spawned gloo rank now and then (moe_ep.group.exit_rank).
+    from moe_ep.group import exit_rank
+
+    exit_rank(0 if ok else 1)
 
 
 def launch(main: Callable[[], bool], doc: str) -> None:

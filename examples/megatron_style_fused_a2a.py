@@ -26,7 +26,7 @@ dense layer run on all ranks' tokens with torch autograd, in one process.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import ep_harness  # first: makes `import deep_ep` load moe_ep; the ranks; the dense check
 
@@ -174,14 +174,7 @@ def main() -> bool:
                         "out" + s: out, "x_grad" + s: x.grad, "topk_weights_grad" + s: topk_weights.grad,
                         "w1_grad" + s: w1_local.grad, "w2_grad" + s: w2_local.grad})
 
-    def dense(everyone: List[Dict[str, torch.Tensor]]) -> List[Dict[str, torch.Tensor]]:
-        expected: List[Dict[str, torch.Tensor]] = [{} for _ in everyone]
-        for step in range(STEPS):
-            s = f".{step}"
-            for r, e in enumerate(ep_harness.dense_step(everyone, s, w1, w2, EXPERTS_PER_RANK, backward=True)):
-                expected[r].update(e)
-        return expected
-
+    dense = ep_harness.dense_steps({f".{step}": True for step in range(STEPS)}, w1, w2, EXPERTS_PER_RANK)
     return ep_harness.check_on_rank0("Megatron-style fused all-to-all (forward, backward, cached dispatch)",
                                      results, dense, TOL)
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 import torch
@@ -123,20 +122,15 @@ def main(argv=None) -> None:
 
 
 def _finish(ok: bool) -> None:
-    """The end of a rank. After a failure the group is torn down (no barrier: the peers may be
-    stuck in another collective, and tearing down is what stops them). After a run that passed,
-    every rank gets past a last barrier and the process leaves at once (``os._exit(0)``), without
-    the group's teardown and the interpreter's: that teardown aborted one gloo rank now and then
-    after every check had passed ("terminate called without an active exception", twice in CI,
-    once after a barrier had been added before it). Nothing is left behind: the buffers are
-    closed and their shared memory was unlinked when it was mapped."""
+    """The end of a rank: after a failure the group is torn down (no barrier: the peers may be
+    stuck in another collective, and tearing down is what stops them); after a run that passed,
+    ``exit_rank`` (a last barrier, then leave without the teardown that aborted gloo ranks)."""
     if not ok:
         dist.destroy_process_group()
         return
-    dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    from moe_ep.group import exit_rank
+
+    exit_rank(0)
 
 
 def _spawned(rank: int, world_size: int, port: int) -> None:

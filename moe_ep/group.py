@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import warnings
-from typing import Optional, Sequence
+from typing import NoReturn, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -219,6 +220,21 @@ def init_distributed(device: str = "auto", timeout_s: float = 600.0) -> str:
     dist.init_process_group("gloo", timeout=timeout)
     return (f"{world} ranks on {gpus} GPU{'s' * (gpus > 1)} per host ({local_world} local ranks share them: "
             f"gloo group, CUDA IPC node memory; timings are not NVLink timings)")
+
+
+def exit_rank(code: int = 0) -> NoReturn:
+    """Ends a rank process once every rank of the default group got here: a last barrier, then
+    ``os._exit(code)`` without the group's teardown and the interpreter's. That teardown aborted a
+    spawned gloo rank now and then after every check had passed ("terminate called without an
+    active exception", twice in CI, once after a barrier had been added before it). Call it only
+    where every rank will (a check whose verdict all ranks share); after a failure that not every
+    rank saw, tear the group down instead (``dist.destroy_process_group()``): peers may wait in
+    another collective. Buffers should be closed first (their shared memory is unlinked once
+    mapped, so nothing is left behind)."""
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def p2p_node_size(node_size: int, can_access: Sequence[Sequence[Optional[bool]]]) -> tuple:
