@@ -90,6 +90,27 @@ def _deep_ep_buffer():
     return deep_ep.Buffer(dist.group.WORLD, 0, 1 << 20, low_latency_mode=True, num_qps_per_rank=256)
 
 
+def _decode_buffer(group, fused: bool) -> tuple:
+    """A decode buffer (T=128, H=7168, E=256, K=8, fp8 dispatch, masked) whose launches go into the
+    stand-in driver (``fused``: one launch per call, as on a GPU), with a dispatch, a combine and
+    a dispatch + ``combine(out=)`` recorded (each combine after its own dispatch, as across nodes
+    it must be): ``(buf, x, idx, w, y, out, last handle)``."""
+    T, H = 128, 7168
+    buf = moe_ep.EPBuffer(group, 256, H, T, 8, dispatch_dtype=torch.float8_e4m3fn, layout="masked")
+    if fused:
+        buf.parts.tuning = buf.tuning.replace(fused=True)
+    buf.parts.interp, buf.calls.launch = False, _Launcher()
+    x = torch.randn(T, H, dtype=torch.bfloat16)
+    idx, w = torch.randint(0, 256, (T, 8)), torch.rand(T, 8)
+    h = buf.dispatch(x, idx, w)  # recorded here, replayed by the caller
+    y = torch.zeros(h.expert_x.shape, dtype=torch.bfloat16)
+    out = torch.empty(T, H, dtype=torch.bfloat16)
+    buf.combine(y, h)
+    h = buf.dispatch(x, idx, w)
+    buf.combine(y, h, out=out)
+    return buf, x, idx, w, y, out, h
+
+
 def _internode_rank(rank: int, init: str, out: str) -> None:
     """One of 2 ranks on 2 nodes of 1 (gloo, TCP proxies over loopback): a decode buffer across
     nodes whose launches go into the stand-in driver (nothing runs, so no bell rings and nothing
@@ -97,17 +118,7 @@ def _internode_rank(rank: int, init: str, out: str) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
-    T, H = 128, 7168
-    buf = moe_ep.EPBuffer(moe_ep.EPGroup(node_size=1), 256, H, T, 8, dispatch_dtype=torch.float8_e4m3fn,
-                          layout="masked")
-    buf.parts.interp, buf.calls.launch = False, _Launcher()
-    x = torch.randn(T, H, dtype=torch.bfloat16)
-    idx, w = torch.randint(0, 256, (T, 8)), torch.rand(T, 8)
-    h = buf.dispatch(x, idx, w)  # recorded here, replayed below
-    y = torch.zeros(h.expert_x.shape, dtype=torch.bfloat16)
-    o = torch.empty(T, H, dtype=torch.bfloat16)
-    buf.combine(y, h)
-    buf.combine(y, buf.dispatch(x, idx, w), out=o)
+    buf, x, idx, w, y, o, _ = _decode_buffer(moe_ep.EPGroup(node_size=1), fused=False)
 
     def pair(with_out: bool):
         def one():
@@ -155,17 +166,9 @@ def _median_us(fn, n: int = 3000) -> float:
 
 
 def main() -> None:
-    T, H = 128, 7168
-    buf = moe_ep.EPBuffer(moe_ep.EPGroup(), 256, H, T, 8, dispatch_dtype=torch.float8_e4m3fn, layout="masked")
     # As on a GPU: one fused launch per call, no interpreter, the launches native.
-    buf.parts.tuning, buf.parts.interp, buf.calls.launch = buf.tuning.replace(fused=True), False, _Launcher()
-    x = torch.randn(T, H, dtype=torch.bfloat16)
-    idx, w = torch.randint(0, 256, (T, 8)), torch.rand(T, 8)
-    h = buf.dispatch(x, idx, w)  # recorded here, replayed below
-    y = torch.zeros(h.expert_x.shape, dtype=torch.bfloat16)
-    out = torch.empty(T, H, dtype=torch.bfloat16)
-    buf.combine(y, h)
-    buf.combine(y, h, out=out)
+    buf, x, idx, w, y, out, h = _decode_buffer(moe_ep.EPGroup(), fused=True)
+    T, H = x.shape
     buf.combine(y, h, topk_weights=w, out=out)  # DeepEP's low-latency combine: the weights at combine
     # An eager decode whose batch changes every call: T cycles through 1..128.
     per_T = [(torch.randn(t, H, dtype=torch.bfloat16), torch.randint(0, 256, (t, 8)), torch.rand(t, 8))

@@ -25,6 +25,7 @@ import faulthandler
 import os
 import pickle
 import queue
+import re
 import socket
 import time
 import traceback
@@ -296,3 +297,18 @@ def cuda_device_count() -> int:
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
     except Exception:  # noqa: BLE001
         return 0
+
+
+def expect_error(log: List[str], what: str, fn, words, types=(ValueError, TypeError)) -> None:
+    """Appends to ``log`` unless ``fn()`` raises one of ``types`` whose message names one of
+    ``words`` (each a whole word or phrase): what a rank's refusal checks collect and return."""
+    try:
+        fn()
+    except types as exc:
+        if not any(re.search(rf"(?<![A-Za-z0-9_]){re.escape(w)}(?![A-Za-z0-9_])", str(exc)) for w in words):
+            log.append(f"{what}: {type(exc).__name__} does not name {' or '.join(words)}: {exc}")
+    except Exception as exc:  # noqa: BLE001
+        names = "/".join(t.__name__ for t in types)
+        log.append(f"{what}: raised {type(exc).__name__} (expected {names}): {exc}")
+    else:
+        log.append(f"{what}: did not raise")

@@ -133,12 +133,7 @@ def _errors_worker(rank, world_size):
     log = []
 
     def expect(what, fn, word, types=(ValueError, TypeError)):
-        try:
-            fn()
-            log.append(f"{what}: did not raise")
-        except types as exc:
-            if word not in str(exc):
-                log.append(f"{what}: {type(exc).__name__} does not name {word}: {exc}")
+        dist_util.expect_error(log, what, fn, [word], types)
 
     expect("rows with expert_alignment 16",
            lambda: moe_ep.EPBuffer(group, E, H, M, K, layout="rows", expert_alignment=16), "expert_alignment")
