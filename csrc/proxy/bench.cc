@@ -63,14 +63,14 @@ int moe_ep_bench_post(void* engine, int peer, uint32_t lkey, uint64_t loff, uint
   uint64_t wr = 0;
   const int64_t t0 = now_ns();
   for (int64_t i = 0; i < n; ++i)
-    if (const int rc = t->post_write(peer, lkey, loff, rkey, roff, len, true, imm, &wr); rc != moe_ep::kOk) return rc;
+    if (const int rc = t->post_write({peer, lkey, loff, rkey, roff, len, true, imm}, &wr); rc != moe_ep::kOk) return rc;
   const int64_t t1 = now_ns();
   if (const int rc = drain(t, n, deadline, &bad); rc != moe_ep::kOk) return rc;
   const int64_t t2 = now_ns();
   std::vector<int64_t> post, lat;
   for (int64_t i = 0; i < n_serial; ++i) {
     const int64_t a = now_ns();
-    if (const int rc = t->post_write(peer, lkey, loff, rkey, roff, len, true, imm, &wr); rc != moe_ep::kOk) return rc;
+    if (const int rc = t->post_write({peer, lkey, loff, rkey, roff, len, true, imm}, &wr); rc != moe_ep::kOk) return rc;
     const int64_t b = now_ns();
     if (const int rc = drain(t, 1, deadline, &bad); rc != moe_ep::kOk) return rc;
     post.push_back(b - a);

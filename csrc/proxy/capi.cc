@@ -301,8 +301,8 @@ int moe_ep_connect(void* e, const char** endpoints, int n, int64_t timeout_ns) {
 int moe_ep_post_write(void* e, int peer, uint32_t local_key, uint64_t local_off, uint32_t remote_key, uint64_t remote_off,
                       uint64_t len, int has_imm, uint32_t imm, uint64_t* wr_id) {
   return guarded([&] {
-    return static_cast<Transport*>(e)->post_write(peer, local_key, local_off, remote_key, remote_off, len, has_imm != 0,
-                                                  imm, wr_id);
+    return static_cast<Transport*>(e)->post_write(
+        {peer, local_key, local_off, remote_key, remote_off, len, has_imm != 0, imm}, wr_id);
   });
 }
 

@@ -381,28 +381,27 @@ class FabricTransport final : public Transport {
   // with the write's immediate as remote CQ data (fi_writedata; fi_write without one), as the
   // verbs transport cuts them over its NICs. -FI_EAGAIN (rxm connects lazily, queues are full)
   // is retried while the completion threads progress, until the op timeout.
-  int post_write(int peer, uint32_t local_key, uint64_t local_off, uint32_t remote_key, uint64_t remote_off,
-                 uint64_t len, bool has_imm, uint32_t imm, uint64_t* wr_id) override {
+  int post_write(const WriteOp& w, uint64_t* wr_id) override {
     Region r;
-    if (int rc = check_post(rank_, world_, connected_, regions_, peer, local_key, local_off, len, &r); rc != kOk) return rc;
+    if (int rc = check_post(rank_, world_, connected_, regions_, w, &r); rc != kOk) return rc;
     const int k = int(lanes_.size());
-    const WriteShards sh(len, k, min_shard_.load(), kShardAlign, has_imm);
-    const std::string pre = prefix() + "post_write to peer " + std::to_string(peer);
+    const WriteShards sh(w.len, k, min_shard_.load(), kShardAlign, w.has_imm);
+    const std::string pre = prefix() + "post_write to peer " + std::to_string(w.peer);
     if (max_msg_ > 0 && sh.bytes(0) > max_msg_)
       return set_error(kErrInvalid, pre + ": a shard of " + std::to_string(sh.bytes(0)) + " bytes is more than " + prov_ +
                                         " carries in one write (" + std::to_string(max_msg_) + ")");
-    Peer& pr = *peers_[size_t(peer)];
+    Peer& pr = *peers_[size_t(w.peer)];
     const uint64_t wr = next_wr_++;
     *wr_id = wr;
     const int64_t n = pr.writes_posted++;
-    if (std::string why = cut_.cuts(peer, n); !why.empty()) lose_peer(peer, why);
-    const RemoteRegion* rr = remote_region(pr.mr, remote_key, remote_off, len);
+    if (std::string why = cut_.cuts(w.peer, n); !why.empty()) lose_peer(w.peer, why);
+    const RemoteRegion* rr = remote_region(pr.mr, w.remote_key, w.remote_off, w.len);
     if (!rr) {
-      cq_.push(wr, peer, pr.lost ? int32_t(kCqPeerLost) : int32_t(kCqRemoteAccess));
+      cq_.push(wr, w.peer, pr.lost ? int32_t(kCqPeerLost) : int32_t(kCqRemoteAccess));
       return kOk;
     }
     const int64_t deadline = steady_now_ns() + op_timeout_ns_.load();
-    const int added = cq_.add(wr, peer, uint32_t(sh.posts()), pr.lost, 1024, deadline);
+    const int added = cq_.add(wr, w.peer, uint32_t(sh.posts()), pr.lost, 1024, deadline);
     if (added == 0) return kOk;
     if (added < 0) return set_error(kErrTimeout, pre + ": 1024 writes still pending after the op timeout");
     static char zero[1];
@@ -411,16 +410,16 @@ class FabricTransport final : public Transport {
       const uint64_t off = sh.at(s), bytes = sh.bytes(s);
       const int i = int((uint64_t(s) + uint64_t(n)) % uint64_t(k));
       Lane& l = *lanes_[size_t(i)];
-      Op* op = new_op(OpKind::Write, peer);
+      Op* op = new_op(OpKind::Write, w.peer);
       op->wr = wr;
-      char* src = r.len ? r.ptr + local_off + off : zero;
+      char* src = r.len ? r.ptr + w.local_off + off : zero;
       void* desc = (mode_ & fi::MR_LOCAL) && !r.mr.empty() ? r.mr[size_t(i)].desc : nullptr;
-      const uint64_t addr = rr->base + remote_off + off;
+      const uint64_t addr = rr->base + w.remote_off + off;
       const uint64_t key = rr->key[size_t(i)];
       ssize_t rc;
       for (;;) {
-        rc = has_imm ? l.ep->rma->writedata(l.ep, src, bytes, desc, imm, l.peer_addr[size_t(peer)], addr, key, op)
-                     : l.ep->rma->write(l.ep, src, bytes, desc, l.peer_addr[size_t(peer)], addr, key, op);
+        rc = w.has_imm ? l.ep->rma->writedata(l.ep, src, bytes, desc, w.imm, l.peer_addr[size_t(w.peer)], addr, key, op)
+                     : l.ep->rma->write(l.ep, src, bytes, desc, l.peer_addr[size_t(w.peer)], addr, key, op);
         if (rc != -fi::EAGAIN_ || pr.lost || steady_now_ns() >= deadline) break;
         std::this_thread::sleep_for(std::chrono::microseconds(5));
       }
@@ -432,9 +431,9 @@ class FabricTransport final : public Transport {
       if (rc != 0) {
         free_op(op);
         cq_.remove(wr);
-        const std::string why = std::string(has_imm ? "fi_writedata" : "fi_write") + " failed: " +
+        const std::string why = std::string(w.has_imm ? "fi_writedata" : "fi_write") + " failed: " +
                                 (rc == -fi::EAGAIN_ && !pr.lost ? "still -FI_EAGAIN at the op timeout" : api_.strerror(int(-rc)));
-        lose_peer(peer, why, kCqPeerLost, i);
+        lose_peer(w.peer, why, kCqPeerLost, i);
         return set_error(kErrPeer, pre + " (" + l.where + "): " + why);
       }
     }

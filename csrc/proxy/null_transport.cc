@@ -53,16 +53,15 @@ class NullTransport final : public Transport {
   bool try_register(void*, uint64_t, std::string* how) override { return *how = "host", true; }
   std::string endpoint() const override { return "null"; }
   int connect(const std::vector<std::string>&, int64_t) override { return kOk; }
-  int post_write(int peer, uint32_t lkey, uint64_t loff, uint32_t rkey, uint64_t roff, uint64_t len, bool has_imm,
-                 uint32_t imm, uint64_t* wr_id) override {
-    if (peer < 0 || peer >= world_ || peer == rank_ || !in_bounds(lkey, loff, len) || rkey == 0 ||
-        rkey > regions_.size())
+  int post_write(const WriteOp& w, uint64_t* wr_id) override {
+    if (w.peer < 0 || w.peer >= world_ || w.peer == rank_ || !in_bounds(w.local_key, w.local_off, w.len) ||
+        w.remote_key == 0 || w.remote_key > regions_.size())
       return set_error(kErrInvalid, "rank " + std::to_string(rank_) + ": null transport: bad post_write");
     *wr_id = ++next_wr_;
-    cq_.push_back(Completion{*wr_id, peer, kCqOk});
-    ++posts_[has_imm ? imm >> 30 : 4];
-    bytes_ += int64_t(len);
-    (void)roff;
+    cq_.push_back(Completion{*wr_id, w.peer, kCqOk});
+    ++posts_[w.has_imm ? w.imm >> 30 : 4];
+    bytes_ += int64_t(w.len);
+    (void)w.remote_off;
     return kOk;
   }
   int poll(Completion* out, int max, int64_t) override {
@@ -296,7 +295,7 @@ int moe_ep_sim_floor(int64_t R, int64_t G, int64_t iters, int64_t reps, int64_t*
     Completion cq[64];
     uint64_t wr = 0;
     for (int i = 0; i < n_posts; ++i)
-      t.post_write(1 + i % int(R - 1), key, 0, key, 0, 64, true, make_imm(kPhaseD0, 0, e), &wr);
+      t.post_write({1 + i % int(R - 1), key, 0, key, 0, 64, true, make_imm(kPhaseD0, 0, e)}, &wr);
     for (int left = n_posts; left > 0;) left -= t.poll(cq, 64, 0);
     return now_ns() - t0;
   });

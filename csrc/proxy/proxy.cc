@@ -326,8 +326,8 @@ void Proxy::loop() {
 
 bool Proxy::post(int phase, int64_t epoch, int peer, int lreg, uint64_t loff, int rreg, uint64_t roff, uint64_t len) {
   uint64_t wr = 0;
-  const int rc = t_->post_write(peer, keys_[lreg], loff, keys_[rreg], roff, len, true,
-                                make_imm(phase, int(cfg_.rank), epoch), &wr);
+  const WriteOp w{peer, keys_[lreg], loff, keys_[rreg], roff, len, true, make_imm(phase, int(cfg_.rank), epoch)};
+  const int rc = t_->post_write(w, &wr);
   if (rc == kOk) {
     ++n_posted_;
     ++phase_posts_;

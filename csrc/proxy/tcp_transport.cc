@@ -301,31 +301,32 @@ class TcpTransport final : public Transport {
     return kOk;
   }
 
-  int post_write(int peer, uint32_t local_key, uint64_t local_off, uint32_t remote_key, uint64_t remote_off,
-                 uint64_t len, bool has_imm, uint32_t imm, uint64_t* wr_id) override {
+  int post_write(const WriteOp& w, uint64_t* wr_id) override {
     Region r;
-    if (int rc = check_post(rank_, world_, connected_, regions_, peer, local_key, local_off, len, &r); rc != kOk) return rc;
-    const char* src = r.ptr + local_off;
-    Peer& pr = *peers_[peer];
+    if (int rc = check_post(rank_, world_, connected_, regions_, w, &r); rc != kOk) return rc;
+    const char* src = r.ptr + w.local_off;
+    Peer& pr = *peers_[w.peer];
     const uint64_t wr = next_wr_++;
     *wr_id = wr;
 
-    if (std::string why = cut_.cuts(peer, pr.writes_posted++); !why.empty()) lose_peer(peer, why);
+    if (std::string why = cut_.cuts(w.peer, pr.writes_posted++); !why.empty()) lose_peer(w.peer, why);
 
     // Shards of at least min_shard_bytes (a small write is one message on one stream; successive
     // writes still go to different streams, so they stay unordered).
     const uint64_t ms = std::max<uint64_t>(min_shard_.load(), 1);
-    const uint32_t nshards = uint32_t(std::min<uint64_t>(uint64_t(nstreams_), std::max<uint64_t>((len + ms - 1) / ms, 1)));
-    if (cq_.add(wr, peer, nshards, pr.lost) == 0) return kOk;  // lost: completed as such
+    const uint32_t nshards =
+        uint32_t(std::min<uint64_t>(uint64_t(nstreams_), std::max<uint64_t>((w.len + ms - 1) / ms, 1)));
+    if (cq_.add(wr, w.peer, nshards, pr.lost) == 0) return kOk;  // lost: completed as such
     static thread_local std::mt19937_64 rng{std::random_device{}()};
     const bool reorder = reorder_.load();
     const uint32_t start = pr.next_stream.fetch_add(nshards);
-    const uint64_t base = len / nshards, extra = len % nshards;
+    const uint64_t base = w.len / nshards, extra = w.len % nshards;
     uint64_t off = 0;
     for (uint32_t i = 0; i < nshards; ++i) {
       const uint64_t slen = base + (i < extra ? 1 : 0);
       Shard sh;
-      sh.h = WireHeader{kMagicWrite, has_imm ? kFlagImm : 0u, wr, remote_key, imm, remote_off + off, slen, i, nshards};
+      sh.h = WireHeader{kMagicWrite, w.has_imm ? kFlagImm : 0u, wr, w.remote_key, w.imm, w.remote_off + off, slen, i,
+                        nshards};
       sh.src = src + off;
       off += slen;
       const uint32_t si = reorder ? uint32_t(rng() % uint64_t(nstreams_)) : (start + i) % uint32_t(nstreams_);

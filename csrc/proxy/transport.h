@@ -78,6 +78,19 @@ struct Goodbye {
   int64_t epoch = 0;   // the epoch of that error
 };
 
+// One write: `len` bytes from offset `local_off` of this rank's region `local_key` to offset
+// `remote_off` of `peer`'s region `remote_key`, carrying the 32-bit immediate `imm` when `has_imm`.
+struct WriteOp {
+  int peer;
+  uint32_t local_key;
+  uint64_t local_off;
+  uint32_t remote_key;
+  uint64_t remote_off;
+  uint64_t len;
+  bool has_imm;
+  uint32_t imm;
+};
+
 class Transport {
  public:
   virtual ~Transport() = default;
@@ -89,9 +102,8 @@ class Transport {
   virtual bool try_register(void* ptr, uint64_t len, std::string* how) = 0;
   virtual std::string endpoint() const = 0;
   virtual int connect(const std::vector<std::string>& endpoints, int64_t timeout_ns) = 0;
-  virtual int post_write(int peer, uint32_t local_key, uint64_t local_off, uint32_t remote_key,
-                         uint64_t remote_off, uint64_t len, bool has_imm, uint32_t imm,
-                         uint64_t* wr_id) = 0;
+  // Posts one write (WriteOp); *wr_id names its completion.
+  virtual int post_write(const WriteOp& w, uint64_t* wr_id) = 0;
   // Returns the number of completions written to out (0..max), waiting up to timeout_ns for the
   // first one (0: do not wait); negative on error.
   virtual int poll(Completion* out, int max, int64_t timeout_ns) = 0;

@@ -451,15 +451,16 @@ inline int check_connect(int rank, int world, bool connected, size_t n_endpoints
 // The checks every post_write() starts with: a peer other than this rank, connected, the local
 // range inside a registered region (returned in *out).
 template <class Region>
-int check_post(int rank, int world, bool connected, const RegionTable<Region>& regions, int peer, uint32_t key,
-               uint64_t off, uint64_t len, Region* out) {
+int check_post(int rank, int world, bool connected, const RegionTable<Region>& regions, const WriteOp& w,
+               Region* out) {
   const std::string pre = "rank " + std::to_string(rank) + ": post_write";
-  if (peer < 0 || peer >= world || peer == rank) return set_error(kErrInvalid, pre + ": bad peer " + std::to_string(peer));
+  if (w.peer < 0 || w.peer >= world || w.peer == rank)
+    return set_error(kErrInvalid, pre + ": bad peer " + std::to_string(w.peer));
   if (!connected) return set_error(kErrInvalid, pre + ": not connected");
-  if (!regions.lookup(key, off, len, out))
-    return set_error(kErrInvalid, pre + " to peer " + std::to_string(peer) + ": local key " + std::to_string(key) +
-                                      " offset " + std::to_string(off) + " length " + std::to_string(len) +
-                                      " is not inside a registered region");
+  if (!regions.lookup(w.local_key, w.local_off, w.len, out))
+    return set_error(kErrInvalid, pre + " to peer " + std::to_string(w.peer) + ": local key " +
+                                      std::to_string(w.local_key) + " offset " + std::to_string(w.local_off) +
+                                      " length " + std::to_string(w.len) + " is not inside a registered region");
   return kOk;
 }
 

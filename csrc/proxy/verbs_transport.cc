@@ -692,32 +692,31 @@ class VerbsTransport final : public Transport {
   // immediate posts every shard, empty ones included (0 bytes, the immediate only), so the
   // receiver counts exactly imm_per_write() immediates per write; one without posts only the
   // shards with bytes (at least one). The write completes when all its posts have.
-  int post_write(int peer, uint32_t local_key, uint64_t local_off, uint32_t remote_key, uint64_t remote_off,
-                 uint64_t len, bool has_imm, uint32_t imm, uint64_t* wr_id) override {
+  int post_write(const WriteOp& w, uint64_t* wr_id) override {
     Region r;
-    if (int rc = check_post(rank_, world_, connected_, regions_, peer, local_key, local_off, len, &r); rc != kOk) return rc;
+    if (int rc = check_post(rank_, world_, connected_, regions_, w, &r); rc != kOk) return rc;
     const int k = int(nics_.size());
-    const WriteShards sh(len, k, min_shard_.load(), kShardAlign, has_imm);
+    const WriteShards sh(w.len, k, min_shard_.load(), kShardAlign, w.has_imm);
     if (sh.bytes(0) > 0xFFFFFFFFull)
-      return set_error(kErrInvalid, prefix() + "post_write to peer " + std::to_string(peer) + ": a shard of " +
+      return set_error(kErrInvalid, prefix() + "post_write to peer " + std::to_string(w.peer) + ": a shard of " +
                                         std::to_string(sh.bytes(0)) + " bytes is more than one verbs write carries (4 GiB)");
-    Peer& pr = *peers_[size_t(peer)];
+    Peer& pr = *peers_[size_t(w.peer)];
     const uint64_t wr = next_wr_++;
     *wr_id = wr;
     const int64_t n = pr.writes_posted++;
     pr.last_post_ns.store(now_ns(), std::memory_order_relaxed);
-    if (std::string why = cut_.cuts(peer, n); !why.empty()) lose_peer(peer, why);
+    if (std::string why = cut_.cuts(w.peer, n); !why.empty()) lose_peer(w.peer, why);
     // The peer's advertised regions: a bad key or range fails the write here, as a remote access
     // error, instead of sending it (a real one would break the queue pair).
-    const RemoteRegion* rr = remote_region(pr.remote.mr, remote_key, remote_off, len);
-    if (!rr) return complete_now(wr, peer, kCqRemoteAccess);
+    const RemoteRegion* rr = remote_region(pr.remote.mr, w.remote_key, w.remote_off, w.len);
+    if (!rr) return complete_now(wr, w.peer, kCqRemoteAccess);
     // A full send queue (depth_ writes pending to this peer) waits for completions, up to the op
     // timeout. A write takes at most one entry of each of the peer's queue pairs.
-    const int added = cq_.add(wr, peer, uint32_t(sh.posts()), pr.lost, depth_,
+    const int added = cq_.add(wr, w.peer, uint32_t(sh.posts()), pr.lost, depth_,
                               now_ns() + op_timeout_ns_.load());
     if (added == 0) return kOk;  // lost: completed as such
     if (added < 0)
-      return set_error(kErrTimeout, prefix() + "post_write to peer " + std::to_string(peer) + ": send queue (" +
+      return set_error(kErrTimeout, prefix() + "post_write to peer " + std::to_string(w.peer) + ": send queue (" +
                                         std::to_string(depth_) + " writes) still full after the op timeout");
     // Shard s goes to NIC (s + n) % k: a write smaller than the minimum shard (one shard with
     // bytes) goes to a different NIC than the peer's previous one.
@@ -725,23 +724,23 @@ class VerbsTransport final : public Transport {
       if (!sh.posted(s)) continue;
       const uint64_t off = sh.at(s), bytes = sh.bytes(s);
       const int i = int((uint64_t(s) + uint64_t(n)) % uint64_t(k));
-      ibv::sge sg{reinterpret_cast<uint64_t>(r.ptr + local_off + off), uint32_t(bytes),
+      ibv::sge sg{reinterpret_cast<uint64_t>(r.ptr + w.local_off + off), uint32_t(bytes),
                   r.mr.empty() ? 0 : r.mr[size_t(i)]->lkey};
-      ibv::send_wr w{};
-      w.wr_id = wr;
-      w.sg_list = &sg;
-      w.num_sge = bytes > 0 ? 1 : 0;
-      w.opcode = has_imm ? ibv::WR_RDMA_WRITE_WITH_IMM : ibv::WR_RDMA_WRITE;
-      w.send_flags = ibv::SEND_SIGNALED;
-      w.imm_data = htonl(imm);
-      w.wr.rdma.remote_addr = rr->addr + remote_off + off;
-      w.wr.rdma.rkey = rr->rkey[size_t(i)];
+      ibv::send_wr sw{};
+      sw.wr_id = wr;
+      sw.sg_list = &sg;
+      sw.num_sge = bytes > 0 ? 1 : 0;
+      sw.opcode = w.has_imm ? ibv::WR_RDMA_WRITE_WITH_IMM : ibv::WR_RDMA_WRITE;
+      sw.send_flags = ibv::SEND_SIGNALED;
+      sw.imm_data = htonl(w.imm);
+      sw.wr.rdma.remote_addr = rr->addr + w.remote_off + off;
+      sw.wr.rdma.rkey = rr->rkey[size_t(i)];
       ibv::send_wr* bad = nullptr;
-      if (int rc = post_send(peer, i, &w, &bad); rc != 0) {
+      if (int rc = post_send(w.peer, i, &sw, &bad); rc != 0) {
         cq_.remove(wr);  // shards already posted flush; their completions find nothing pending
         const std::string why = "ibv_post_send failed: " + std::string(strerror(rc));
-        lose_peer(peer, why, kCqPeerLost, i);
-        return set_error(kErrPeer, prefix() + "post_write to peer " + std::to_string(peer) + " (" +
+        lose_peer(w.peer, why, kCqPeerLost, i);
+        return set_error(kErrPeer, prefix() + "post_write to peer " + std::to_string(w.peer) + " (" +
                                        nics_[size_t(i)]->where + "): " + why);
       }
     }
