@@ -363,13 +363,10 @@ class FabricTransport final : public Transport {
       if (now >= deadline) {
         Link& ln = *peers_[size_t(wp)]->link[size_t(wi)];
         const int hs = ln.hello_status.load();
-        return set_error(kErrTimeout, prefix() + "connect: peer " + std::to_string(wp) + " never connected within " +
-                                          std::to_string(double(timeout_ns) / 1e9) + " s (" + lanes_[size_t(wi)]->where +
-                                          "; own hello: " +
-                                          (hs < 0 ? "not delivered yet" : hs == 0 ? "delivered" : api_.strerror(hs)) +
-                                          " (attempt " + std::to_string(ln.hello_attempt.load()) + "); the peer's hello: " +
-                                          (ln.hello_recv ? "received" : "not received") + ")" +
-                                          (last_refused_.empty() ? "" : "; a hello was refused: " + last_refused_));
+        return connect_timed_out(prefix(), wp, timeout_ns, lanes_[size_t(wi)]->where,
+                                 hs < 0 ? "not delivered yet" : hs == 0 ? "delivered" : api_.strerror(hs),
+                                 ln.hello_attempt.load(), ln.hello_recv ? "received" : "not received",
+                                 last_refused_.empty() ? "" : "; a hello was refused: " + last_refused_);
       }
       conn_cv_.wait_for(lk, std::chrono::nanoseconds(std::min<int64_t>(deadline - now, 20'000'000)));
     }

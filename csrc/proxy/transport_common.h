@@ -448,6 +448,17 @@ inline int check_connect(int rank, int world, bool connected, size_t n_endpoints
   return kOk;
 }
 
+// What connect() returns when its deadline passed before `peer` came up on lane `where`: how far
+// each side's hello got, in the transport's words (`own_hello`, `peer_hello`), and `more`.
+inline int connect_timed_out(const std::string& prefix, int peer, int64_t timeout_ns, const std::string& where,
+                             const std::string& own_hello, int attempt, const std::string& peer_hello,
+                             const std::string& more = "") {
+  return set_error(kErrTimeout, prefix + "connect: peer " + std::to_string(peer) + " never connected within " +
+                                    std::to_string(double(timeout_ns) / 1e9) + " s (" + where + "; own hello: " +
+                                    own_hello + " (attempt " + std::to_string(attempt) + "); the peer's hello: " +
+                                    peer_hello + ")" + more);
+}
+
 // The checks every post_write() starts with: a peer other than this rank, connected, the local
 // range inside a registered region (returned in *out).
 template <class Region>

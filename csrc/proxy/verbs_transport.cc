@@ -670,16 +670,12 @@ class VerbsTransport final : public Transport {
       if (now >= deadline) {
         Link& l = *peers_[size_t(wp)]->link[size_t(wi)];
         const int hs = l.hello_status.load();
-        return set_error(kErrTimeout,
-                         prefix() + "connect: peer " + std::to_string(wp) + " never connected within " +
-                             std::to_string(double(timeout_ns) / 1e9) + " s (" + nics_[size_t(wi)]->where +
-                             "; own hello: " +
-                             (hs < 0 ? "not acknowledged yet" : hs == 0 ? "acknowledged" : v_.wc_status_str(hs)) +
-                             " (attempt " + std::to_string(l.hello_attempt.load()) + "); the peer's hello: " +
-                             (l.hello_recv                  ? "received"
-                              : l.hello_refused.empty() ? "not received"
-                                                        : "refused: " + l.hello_refused) +
-                             ")");
+        return connect_timed_out(prefix(), wp, timeout_ns, nics_[size_t(wi)]->where,
+                                 hs < 0 ? "not acknowledged yet" : hs == 0 ? "acknowledged" : v_.wc_status_str(hs),
+                                 l.hello_attempt.load(),
+                                 l.hello_recv                ? "received"
+                                 : l.hello_refused.empty() ? "not received"
+                                                           : "refused: " + l.hello_refused);
       }
       conn_cv_.wait_for(lk, std::chrono::nanoseconds(std::min<int64_t>(deadline - now, 20'000'000)));
     }
