@@ -114,7 +114,7 @@ def test_ring_matches_torch(inp, device, programs):
 
 _RING_COMPILE = r"""
 import json, re
-from moe_ep.kernels import tma_ring
+from moe_ep.bench import tma_ring
 from moe_ep.kernels.aot import compile_gluon_for, descriptor_type
 from moe_ep.layout import pow2
 
@@ -155,7 +155,7 @@ def test_ring_kernel_compiles_for_sm90():
     import subprocess
     import sys
 
-    from moe_ep.kernels import tma_ring
+    from moe_ep.bench import tma_ring
 
     assert tma_ring.row_box(1792) == (7, 8, 256) and tma_ring.row_box(576) == (9, 16, 64)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

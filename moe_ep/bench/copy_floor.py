@@ -39,7 +39,7 @@ bytes / (floor GB/s). Variants:
   seen as [chunks, C] int32 words and moved B chunks per box; "not available: <reason>" where
   tensor descriptors are not.
 - ``ring-S-bB`` and ``ring-expand-K-sS-bB``: the gather and the expansion by Gluon kernels
-  (``moe_ep.kernels.tma_ring``, sm_90+): each program keeps S whole rows in a shared-memory ring,
+  (``moe_ep.bench.tma_ring``, sm_90+): each program keeps S whole rows in a shared-memory ring,
   loaded by TMA S - B rows ahead and stored from shared memory by TMA (K times for the
   expansion), the stores of B rows in flight; S = 0 in ``--ring-stages`` means as many as fit.
   GPU only ("not available" in the interpreter).
@@ -349,7 +349,7 @@ def ring_unavailable(device: torch.device) -> Optional[str]:
     if major < 9:
         return f"TMA needs sm90 or newer, this GPU is sm{major}{minor}"
     try:
-        from moe_ep.kernels import tma_ring  # noqa: F401
+        from moe_ep.bench import tma_ring  # noqa: F401
     except ImportError as e:
         return f"triton {triton.__version__} has no Gluon TMA ({e})"
     return None
@@ -362,7 +362,7 @@ def ring_variant(inp: Inputs, out: torch.Tensor, *, expand: bool, stages: int, b
     made: dict = {}
 
     def launch(programs: int) -> None:
-        from moe_ep.kernels import tma_ring
+        from moe_ep.bench import tma_ring
 
         if not made:
             W = inp.src.shape[1]
@@ -402,7 +402,7 @@ def ring_fp8_variant(x: torch.Tensor, dest: torch.Tensor, out: torch.Tensor, *, 
     """The launch of the Gluon fp8 expansion of ``x`` into ``out`` at rows ``dest`` (``qbufs``
     staging buffers, as many ring slots as fit beside them)."""
     def launch(programs: int) -> None:
-        from moe_ep.kernels import tma_ring
+        from moe_ep.bench import tma_ring
 
         tma_ring.ring_fp8_expand(x, out, dest, qbufs=qbufs, programs=programs, num_warps=num_warps)
     return launch

@@ -1,6 +1,6 @@
 """Gluon kernels (sm_90+, GPU only): whole rows moved through a shared-memory ring by TMA.
 
-Unlike the Triton kernels beside it (registers hold the bytes in flight, a few rows per SM), a
+Unlike the Triton kernels of moe_ep.kernels (registers hold the bytes in flight, a few rows per SM), a
 program here keeps up to STAGES rows in shared memory (~200 KB per SM) with their loads in flight,
 issued by one thread as bulk tensor copies (``cp.async.bulk.tensor``) that complete on an
 mbarrier; each row is then stored to its K destinations by bulk copies straight from shared
