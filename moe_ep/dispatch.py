@@ -7,7 +7,8 @@ from typing import Optional
 import torch
 
 from . import host_wait
-from .calls import Parts, aligned, check_tensor, finish, launch_half, launch_halves, planned_half, replayed_recv
+from .calls import (Parts, aligned, check_tensor, finish, launch_half, launch_halves, node_dims, planned_half,
+                    replayed_recv)
 from .kernels.args import DispatchModes, DispatchTiles, Dims, Offsets, constexprs
 from .kernels.dispatch import node_dispatch_kernel
 from .handle import DispatchResult
@@ -283,9 +284,8 @@ def _dispatch_consts(parts: Parts, fp8_in: bool, direct: bool, own_x: bool) -> d
     its groups (``OFF``, ``DIM``, ``MODE``, ``TILE``: ``moe_ep.kernels.args``) and one by one, as
     the inter-node kernels take them (each launch picks the names its kernel declares)."""
     s, t = parts.shape, parts.tuning
-    off, lay, H, BLOCK_T = s.offsets, s.workspace, s.hidden, s.block_t
-    W = H * (1 if s.fp8 else 2) // 4
-    nb = max(1, s.num_scale_blocks)
+    dims = node_dims(parts)
+    off, H, W, nb, BLOCK_T = s.offsets, s.hidden, dims["W"], dims["NB"], s.block_t
     S = t.stages
     # fp8 tiles hold whole 128-channel scale blocks, whatever the pipelining budget says
     def channels(tokens):  # channels per payload tile of ``tokens`` rows
@@ -294,12 +294,9 @@ def _dispatch_consts(parts: Parts, fp8_in: bool, direct: bool, own_x: bool) -> d
     block_h = channels(BLOCK_T)
     block_w = pipelined_width(max(16, min(pow2(W), 2048 * t.tile, 4096 * t.tile // BLOCK_T)), S, BLOCK_T * 4)
     flat = dict(off_hflag=off["hdr_flag"], off_dflag=off["disp_flag"], off_hdr=off["hdr"], off_meta_i=off["meta_i"],
-                off_meta_w=off["meta_w"], off_rows=off["rows"], off_cflag=off["comb_flag"],
-                RANK=parts.rank - parts.node0, NODE0=parts.node0, R=s.world_size, N=s.node_size, M=s.max_tokens,
-                GLOBAL=parts.memory.remote is not None, K=s.topk, E=s.num_experts, EL=s.num_local_experts, H=H, W=W,
-                NB=nb, RB=lay.RB, HDR=lay.HDR, CMAX=s.chunks, ALIGN=s.expert_alignment, CAP=s.capacity, FP8=s.fp8,
-                PREQ=fp8_in, DIRECT=direct, PACKED=s.layout == "packed", BLOCK_T=BLOCK_T, BLOCK_K=pow2(s.topk, 2),
-                BLOCK_C=min(s.chunks, 64), BLOCK_H=block_h, BLOCK_TS=t.block_ts, BLOCK_HS=channels(t.block_ts),
+                off_meta_w=off["meta_w"], off_rows=off["rows"], off_cflag=off["comb_flag"], **dims,
+                GLOBAL=parts.memory.remote is not None, FP8=s.fp8, PREQ=fp8_in, DIRECT=direct,
+                PACKED=s.layout == "packed", BLOCK_T=BLOCK_T, BLOCK_K=pow2(s.topk, 2), BLOCK_C=min(s.chunks, 64), BLOCK_H=block_h, BLOCK_TS=t.block_ts, BLOCK_HS=channels(t.block_ts),
                 BLOCK_EL=s.block_el, BLOCK_W=block_w, BLOCK_NB=pow2(nb, 2), STAGES=S, INTERP=parts.interp,
                 ROWS=s.layout == "rows", OWN_X=own_x, PREFETCH=own_prefetch_depth(parts, fp8_in),
                 CM_ROWS=s.scale_column_rows, **parts.launch_options("dispatch"))
