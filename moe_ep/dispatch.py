@@ -296,7 +296,8 @@ def _dispatch_consts(parts: Parts, fp8_in: bool, direct: bool, own_x: bool) -> d
     flat = dict(off_hflag=off["hdr_flag"], off_dflag=off["disp_flag"], off_hdr=off["hdr"], off_meta_i=off["meta_i"],
                 off_meta_w=off["meta_w"], off_rows=off["rows"], off_cflag=off["comb_flag"], **dims,
                 GLOBAL=parts.memory.remote is not None, FP8=s.fp8, PREQ=fp8_in, DIRECT=direct,
-                PACKED=s.layout == "packed", BLOCK_T=BLOCK_T, BLOCK_K=pow2(s.topk, 2), BLOCK_C=min(s.chunks, 64), BLOCK_H=block_h, BLOCK_TS=t.block_ts, BLOCK_HS=channels(t.block_ts),
+                PACKED=s.layout == "packed", BLOCK_T=BLOCK_T, BLOCK_K=pow2(s.topk, 2), BLOCK_C=min(s.chunks, 64),
+                BLOCK_H=block_h, BLOCK_TS=t.block_ts, BLOCK_HS=channels(t.block_ts),
                 BLOCK_EL=s.block_el, BLOCK_W=block_w, BLOCK_NB=pow2(nb, 2), STAGES=S, INTERP=parts.interp,
                 ROWS=s.layout == "rows", OWN_X=own_x, PREFETCH=own_prefetch_depth(parts, fp8_in),
                 CM_ROWS=s.scale_column_rows, **parts.launch_options("dispatch"))

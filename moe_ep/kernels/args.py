@@ -6,8 +6,9 @@ one the same arguments passed one by one give (``scripts/sass_digest.py`` shows 
 kernel). Why these forms (Triton 3.6): a ``tl.constexpr`` parameter may hold a named tuple, but a
 field read from it is a plain Python value, which ``tl.static_range`` refuses, so the host wraps
 every field in ``tl.constexpr`` (``constexprs``; not for the interpreter, which runs the kernel as
-Python); a named tuple built inside a kernel keeps each field as it was (constexpr or tensor). Runtime pointers stay separate parameters of the launched
-kernel, so a launch plan binds and patches them by position as before (``kernels/launch.py``).
+Python); a named tuple built inside a kernel keeps each field as it was (constexpr or tensor).
+Runtime pointers stay separate parameters of the launched kernel, so a launch plan binds and
+patches them by position as before (``kernels/launch.py``).
 """
 from __future__ import annotations
 

@@ -101,24 +101,25 @@ def node_combine_kernel(
             for c in range(pid, tl.maximum(NC, 1), P):
                 ok = tl.full([], 1, tl.int32)
                 if MODE.WEIGHTS:  # the source's combine-time weights of this chunk are in place
-                    ok = wait_flag(ptr_at(ws, OFF.wgt_flag, tl.int64) + s * DIM.CMAX + c, epoch, t0_ns, timeout_ns, err_ptr,
-                                   DIM.NODE0 + s, PHASE_COMBINE, MODE.INTERP)
+                    ok = wait_flag(ptr_at(ws, OFF.wgt_flag, tl.int64) + s * DIM.CMAX + c, epoch, t0_ns, timeout_ns,
+                                   err_ptr, DIM.NODE0 + s, PHASE_COMBINE, MODE.INTERP)
                 t = c * BT + rr
                 tm = (rr < BT) & (t < ts) & (ok != 0)  # no weights in time: nothing sent, no flag
                 m2 = tm[:, None] & km[None, :]
                 r = tl.load(recv_pos_ptr + (s * DIM.M + t)[:, None] * DIM.K + kk[None, :], mask=m2, other=-1)
-                w = tl.load(meta_w + ((dpar * DIM.N + s) * DIM.M + t)[:, None] * DIM.K + kk[None, :], mask=m2 & (r >= 0),
-                            other=0.0)
+                w = tl.load(meta_w + ((dpar * DIM.N + s) * DIM.M + t)[:, None] * DIM.K + kk[None, :],
+                            mask=m2 & (r >= 0), other=0.0)
                 go = tl.max((r >= 0).to(tl.int32), axis=1) > 0
                 out = dst + ((par * DIM.N + DIM.RANK) * DIM.M + t).to(tl.int64) * DIM.H
                 if MODE.OWN_Y and (s == DIM.RANK):
                     pass  # this rank's own tokens: its receive half reads expert_y itself
                 elif MODE.ROWS:
                     _send_rows(y_ptr, wy_ptr, r, kk, out, ptr_at(base, OFF.comb_w, tl.float32) +
-                               ((par * DIM.N + DIM.RANK) * DIM.M + t).to(tl.int64) * DIM.K, DIM.K, DIM.H, MODE.WIN, TILE.BLOCK_H, TILE.STAGES)
+                               ((par * DIM.N + DIM.RANK) * DIM.M + t).to(tl.int64) * DIM.K, DIM.K, DIM.H, MODE.WIN,
+                               TILE.BLOCK_H, TILE.STAGES)
                 else:
-                    pre_reduce(y_ptr=y_ptr, r=r, w=w, kk=kk, go=go, out=out, K=DIM.K, H=DIM.H, BLOCK_T=TILE.BLOCK_T, BLOCK_H=TILE.BLOCK_H,
-                               STAGES=TILE.STAGES, INTERP=MODE.INTERP)
+                    pre_reduce(y_ptr=y_ptr, r=r, w=w, kk=kk, go=go, out=out, K=DIM.K, H=DIM.H, BLOCK_T=TILE.BLOCK_T,
+                               BLOCK_H=TILE.BLOCK_H, STAGES=TILE.STAGES, INTERP=MODE.INTERP)
                 tl.debug_barrier()  # every thread's stores happen before the flag's release
                 if ok != 0:  # (else the source times out too, naming this rank: never a stale weight)
                     if SELF_SYNC:
@@ -138,7 +139,8 @@ def node_combine_kernel(
                         ok = ok & wait_flag(flag, epoch, t0_ns, timeout_ns, err_ptr, DIM.NODE0 + owner, PHASE_COMBINE,
                                             MODE.INTERP)
                 else:
-                    ok = ok & wait_flag(flag, epoch, t0_ns, timeout_ns, err_ptr, DIM.NODE0 + owner, PHASE_COMBINE, MODE.INTERP)
+                    ok = ok & wait_flag(flag, epoch, t0_ns, timeout_ns, err_ptr, DIM.NODE0 + owner, PHASE_COMBINE,
+                                        MODE.INTERP)
                 v = tl.load(flag)  # (an own-dispatch overflow is still seen: abort_combines wrote it)
                 if v >= ABORT_FLAG:  # the owner overflowed its masked layout in the dispatch combined here
                     record_error(err_ptr, ERR_CAPACITY, DIM.NODE0 + owner, PHASE_DISPATCH, tl.load(state_ptr + pid),
@@ -153,21 +155,23 @@ def node_combine_kernel(
                                   other=-1).to(tl.int32)
                     dst = tl.where((ids >= 0) & (ids < DIM.E), ids // DIM.EL - DIM.NODE0, -1)  # node peer, if any
                     if MODE.XROWS:  # owners on other nodes: their rows' place in xrecv (bytes, -1: none)
-                        xr = tl.load(xrows_ptr + t[:, None] * DIM.K + kk[None, :], mask=tm[:, None] & km[None, :], other=-1)
+                        xr = tl.load(xrows_ptr + t[:, None] * DIM.K + kk[None, :], mask=tm[:, None] & km[None, :],
+                                     other=-1)
                         xoff = tl.where(xr >= 0, (dpar * XMAX + xr).to(tl.int64) * XCRB, -1)
                     if MODE.OWN_Y:  # this rank's rows of its own tokens, read from expert_y where dispatch put them
                         if MODE.ROWS:  # one row per token
                             own = tl.load(recv_pos_ptr + (DIM.RANK * DIM.M + t) * DIM.K, mask=tm, other=-1).to(tl.int64)
                         else:  # every selection's row, and its weight, for the pre-reduction here
                             m2 = tm[:, None] & km[None, :]
-                            own_r = tl.load(recv_pos_ptr + (DIM.RANK * DIM.M + t)[:, None] * DIM.K + kk[None, :], mask=m2, other=-1)
+                            own_r = tl.load(recv_pos_ptr + (DIM.RANK * DIM.M + t)[:, None] * DIM.K + kk[None, :],
+                                            mask=m2, other=-1)
                             if MODE.WEIGHTS:
                                 own_w = tl.load(cw_ptr + t[:, None] * DIM.K + kk[None, :], mask=m2 & (own_r >= 0),
                                                 other=0.0)
                             else:
                                 own_w = tl.load(ptr_at(ws, OFF.meta_w, tl.float32)
-                                                + ((dpar * DIM.N + DIM.RANK) * DIM.M + t)[:, None] * DIM.K + kk[None, :],
-                                                mask=m2 & (own_r >= 0), other=0.0)
+                                                + ((dpar * DIM.N + DIM.RANK) * DIM.M + t)[:, None] * DIM.K
+                                                + kk[None, :], mask=m2 & (own_r >= 0), other=0.0)
                     if MODE.WOUT:  # the rows' combine weights, summed over owners like the rows
                         wacc = tl.zeros((TILE.BLOCK_TR, TILE.BLOCK_K), tl.float32)
                         for d in tl.static_range(DIM.N):
@@ -177,7 +181,8 @@ def node_combine_kernel(
                                 if MODE.WIN:
                                     wacc += tl.load(wy_ptr + own[:, None] * DIM.K + kk[None, :], mask=m2, other=0.0)
                             else:
-                                wsrc = ptr_at(ws, OFF.comb_w, tl.float32) + ((par * DIM.N + d) * DIM.M + t).to(tl.int64) * DIM.K
+                                wsrc = ptr_at(ws, OFF.comb_w, tl.float32) + \
+                                    ((par * DIM.N + d) * DIM.M + t).to(tl.int64) * DIM.K
                                 wacc += tl.load(wsrc[:, None] + kk[None, :], mask=m2, other=0.0)
                         if MODE.XROWS:  # each row's K weights follow its 2H bytes of payload
                             for k in tl.static_range(DIM.K):
@@ -189,8 +194,8 @@ def node_combine_kernel(
                     if MODE.OWN_Y and MODE.ROWS:  # this rank's own rows: the first tile's loads, ahead of the loop
                         own_m = tm & (tl.max((dst == DIM.RANK).to(tl.int32), axis=1) > 0)
                         hh = tl.arange(0, TILE.BLOCK_HR)
-                        nxt = tl.load(y_ptr + own[:, None] * DIM.H + hh[None, :], mask=own_m[:, None] & (hh[None, :] < DIM.H),
-                                      other=0.0)
+                        nxt = tl.load(y_ptr + own[:, None] * DIM.H + hh[None, :],
+                                      mask=own_m[:, None] & (hh[None, :] < DIM.H), other=0.0)
                     for h0 in range(0, DIM.H, TILE.BLOCK_HR):  # (its own channel tile: K loads per step with OWN_Y)
                         hh = h0 + tl.arange(0, TILE.BLOCK_HR)
                         hm = tm[:, None] & (hh[None, :] < DIM.H)
@@ -207,8 +212,8 @@ def node_combine_kernel(
                             if MODE.OWN_Y and (d == DIM.RANK) and (not MODE.ROWS):
                                 # The owner's pre-reduction of this rank's own tokens, done here and
                                 # rounded to bf16 as the owner's row would be: same bits, no round trip.
-                                part = pre_reduce_tile(y_ptr, own_r, own_w, kk, hh, hm & go[:, None], DIM.K, DIM.H, TILE.BLOCK_TR,
-                                                       TILE.BLOCK_HR)
+                                part = pre_reduce_tile(y_ptr, own_r, own_w, kk, hh, hm & go[:, None], DIM.K, DIM.H,
+                                                       TILE.BLOCK_TR, TILE.BLOCK_HR)
                                 acc += to_bf16(part, MODE.INTERP).to(tl.float32)
                             elif MODE.OWN_Y and (d == DIM.RANK):
                                 acc += cur.to(tl.float32)

@@ -533,11 +533,11 @@ def landed_chunk(s, c, hdr, io, at, OFF: tl.constexpr, DIM: tl.constexpr, MODE: 
         if SELF_SYNC:  # one launch: this program itself wrote its own chunk (no flag, no wait)
             ok = tl.full([], 1, tl.int32)
             if s != DIM.RANK:
-                ok = wait_flag(ptr_at(io.ws, OFF.disp_flag, tl.int64) + s * DIM.CMAX + c, at.epoch, at.t0_ns, at.timeout_ns,
-                           io.err_ptr, DIM.NODE0 + s, PHASE_DISPATCH, MODE.INTERP)
+                ok = wait_flag(ptr_at(io.ws, OFF.disp_flag, tl.int64) + s * DIM.CMAX + c, at.epoch, at.t0_ns,
+                               at.timeout_ns, io.err_ptr, DIM.NODE0 + s, PHASE_DISPATCH, MODE.INTERP)
         else:
-            ok = wait_flag(ptr_at(io.ws, OFF.disp_flag, tl.int64) + s * DIM.CMAX + c, at.epoch, at.t0_ns, at.timeout_ns, io.err_ptr,
-                           DIM.NODE0 + s, PHASE_DISPATCH, MODE.INTERP)
+            ok = wait_flag(ptr_at(io.ws, OFF.disp_flag, tl.int64) + s * DIM.CMAX + c, at.epoch, at.t0_ns, at.timeout_ns,
+                           io.err_ptr, DIM.NODE0 + s, PHASE_DISPATCH, MODE.INTERP)
     rr = tl.arange(0, TILE.BLOCK_T)
     t = c * BT + rr
     tm = (rr < BT) & (t < ts)

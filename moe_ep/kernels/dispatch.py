@@ -104,8 +104,9 @@ def _send_chunk(c, io, at, OFF: tl.constexpr, DIM: tl.constexpr, MODE: tl.conste
         tl.store(mi, lid, mask=m2)
         if MODE.ROWS:  # the token's row among this rank's rows for d: earlier chunks + earlier in the chunk
             on = on_peer(ids, d, DIM.NODE0, DIM.EL)
-            pos = tokens_before(topk_ptr=io.topk_ptr, hist_ptr=io.hist_ptr, c=c, BT=io.BT, T=io.T, d=d, NODE0=DIM.NODE0, E=DIM.E, EL=DIM.EL,
-                                K=DIM.K, CMAX=DIM.CMAX, DIRECT=MODE.DIRECT, BLOCK_K=TILE.BLOCK_K) + \
+            pos = tokens_before(topk_ptr=io.topk_ptr, hist_ptr=io.hist_ptr, c=c, BT=io.BT, T=io.T, d=d,
+                                NODE0=DIM.NODE0, E=DIM.E, EL=DIM.EL, K=DIM.K, CMAX=DIM.CMAX, DIRECT=MODE.DIRECT,
+                                BLOCK_K=TILE.BLOCK_K) + \
                 tl.cumsum(on, 0) - on
             tl.store(mi + DIM.K, tl.broadcast_to(pos[:, None], (TILE.BLOCK_T, TILE.BLOCK_K)), mask=m2)
         else:
@@ -118,8 +119,9 @@ def _send_chunk(c, io, at, OFF: tl.constexpr, DIM: tl.constexpr, MODE: tl.conste
             tm = tm & (tl.max(((dst >= 0) & (dst < DIM.N) & (dst != DIM.RANK)).to(tl.int32), axis=1) > 0)
         for h0 in tl.range(0, DIM.H, TILE.BLOCK_H, num_stages=TILE.STAGES):
             hh, hm, bb, bm = payload_cols(h0, tm, DIM.H, DIM.NB, MODE.FP8, TILE.BLOCK_H)
-            q, sc = payload_tile(x_ptr=io.x_ptr, xs_ptr=io.xs_ptr, t=t, hh=hh, hm=hm, bb=bb, bm=bm, H=DIM.H, NB=DIM.NB, FP8=MODE.FP8,
-                                 PREQ=MODE.PREQ, BLOCK_T=TILE.BLOCK_T, BLOCK_H=TILE.BLOCK_H, INTERP=MODE.INTERP)
+            q, sc = payload_tile(x_ptr=io.x_ptr, xs_ptr=io.xs_ptr, t=t, hh=hh, hm=hm, bb=bb, bm=bm, H=DIM.H, NB=DIM.NB,
+                                 FP8=MODE.FP8, PREQ=MODE.PREQ, BLOCK_T=TILE.BLOCK_T, BLOCK_H=TILE.BLOCK_H,
+                                 INTERP=MODE.INTERP)
             for d in tl.static_range(DIM.N):
                 if not (MODE.OWN_X and d == DIM.RANK):
                     go = tl.max((dst == d).to(tl.int32), axis=1) > 0
@@ -127,8 +129,8 @@ def _send_chunk(c, io, at, OFF: tl.constexpr, DIM: tl.constexpr, MODE: tl.conste
                     if MODE.FP8:
                         tl.store(ptr_at(base, OFF.rows, tl.uint8) + slot[:, None] * DIM.RB + hh[None, :], q,
                                  mask=hm & go[:, None])
-                        tl.store(ptr_at(base, OFF.rows, tl.float32) + slot[:, None] * (DIM.RB // 4) + DIM.H // 4 + bb[None, :],
-                                 sc, mask=bm & go[:, None])
+                        tl.store(ptr_at(base, OFF.rows, tl.float32) + slot[:, None] * (DIM.RB // 4) + DIM.H // 4
+                                 + bb[None, :], sc, mask=bm & go[:, None])
                     else:
                         tl.store(ptr_at(base, OFF.rows, tl.bfloat16) + slot[:, None] * (DIM.RB // 2) + hh[None, :], q,
                                  mask=hm & go[:, None])
@@ -199,15 +201,16 @@ def _expand_rows(src, r, tm, kk, io, DIM: tl.constexpr, MODE: tl.constexpr, TILE
         v = tl.load(src[:, None] + ww[None, :], mask=wm)
         for k in tl.static_range(DIM.K):
             rk = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1)
-            tl.store(io.out_x_ptr + rk[:, None] * DIM.W + ww[None, :], v, mask=wm & (rk[:, None] >= 0), cache_modifier=".cs")
+            tl.store(io.out_x_ptr + rk[:, None] * DIM.W + ww[None, :], v, mask=wm & (rk[:, None] >= 0),
+                     cache_modifier=".cs")
     if MODE.FP8:
         bb = tl.arange(0, TILE.BLOCK_NB)
         bm = tm[:, None] & (bb[None, :] < DIM.NB)
         sv = tl.load(src[:, None].to(tl.pointer_type(tl.float32)) + DIM.H // 4 + bb[None, :], mask=bm)
         for k in tl.static_range(DIM.K):
             rk = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1)
-            tl.store(scale_ptr(io.out_s_ptr, rk[:, None], bb[None, :], DIM.NB, TILE.CM_ROWS), sv, mask=bm & (rk[:, None] >= 0),
-                     cache_modifier=".cs")
+            tl.store(scale_ptr(io.out_s_ptr, rk[:, None], bb[None, :], DIM.NB, TILE.CM_ROWS), sv,
+                     mask=bm & (rk[:, None] >= 0), cache_modifier=".cs")
 
 
 @triton.jit(do_not_specialize=['T', 'BT', 'NC', 'ws', 'timeout_ns'])
@@ -253,9 +256,9 @@ def node_dispatch_kernel(
     hdr = ptr_at(ws, OFF.hdr, tl.int32) + par * DIM.N * DIM.HDR
     # what the helpers take (named tuples: no code of their own)
     at = Clock(epoch, par, t0_ns, timeout_ns)
-    io = DispatchIO(x_ptr=x_ptr, xs_ptr=xs_ptr, topk_ptr=topk_ptr, w_ptr=w_ptr, hist_ptr=hist_ptr, peer_ptr=peer_ptr, ws=ws,
-                    err_ptr=err_ptr, out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr, recv_pos_ptr=recv_pos_ptr, sel_ptr=sel_ptr,
-                    route_ptr=route_ptr, rows_from_ptr=rows_from_ptr, recv_ids_ptr=recv_ids_ptr,
+    io = DispatchIO(x_ptr=x_ptr, xs_ptr=xs_ptr, topk_ptr=topk_ptr, w_ptr=w_ptr, hist_ptr=hist_ptr, peer_ptr=peer_ptr,
+                    ws=ws, err_ptr=err_ptr, out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr, recv_pos_ptr=recv_pos_ptr,
+                    sel_ptr=sel_ptr, route_ptr=route_ptr, rows_from_ptr=rows_from_ptr, recv_ids_ptr=recv_ids_ptr,
                     recv_wts_ptr=recv_wts_ptr, recv_src_ptr=recv_src_ptr, T=T, BT=BT)
     if MODE.OWN_X and RECV and TILE.PREFETCH > 0 and TILE.BLOCK_TS < TILE.BLOCK_T and pid < NC:
         # This program's first own chunk, asked of the L2 while the metadata below is made.
@@ -264,8 +267,8 @@ def node_dispatch_kernel(
     if SEND:
         # Headers first (program d writes the one for rank d) and the first chunk, before any wait.
         for d in range(pid, DIM.N, P):
-            cnt = local_counts(topk_ptr=topk_ptr, hist_ptr=hist_ptr, T=T, NC=NC, d=DIM.NODE0 + d, E=DIM.E, EL=DIM.EL, K=DIM.K,
-                                CMAX=DIM.CMAX, DIRECT=MODE.DIRECT, BLOCK_EL=TILE.BLOCK_EL, BLOCK_C=TILE.BLOCK_C)
+            cnt = local_counts(topk_ptr=topk_ptr, hist_ptr=hist_ptr, T=T, NC=NC, d=DIM.NODE0 + d, E=DIM.E, EL=DIM.EL,
+                               K=DIM.K, CMAX=DIM.CMAX, DIRECT=MODE.DIRECT, BLOCK_EL=TILE.BLOCK_EL, BLOCK_C=TILE.BLOCK_C)
             base = tl.load(peer_ptr + d)
             ph = ptr_at(base, OFF.hdr, tl.int32) + (par * DIM.N + DIM.RANK) * DIM.HDR
             tl.store(ph, T)
@@ -273,8 +276,8 @@ def node_dispatch_kernel(
             tl.store(ph + 1 + ee, cnt, mask=ee < DIM.EL)
             if MODE.ROWS:  # this rank's rows for d: where d places the rows of the sources above this one
                 tl.store(ph + 1 + DIM.EL, tokens_before(topk_ptr=topk_ptr, hist_ptr=hist_ptr, c=NC, BT=BT, T=T, d=d,
-                                                    NODE0=DIM.NODE0, E=DIM.E, EL=DIM.EL, K=DIM.K, CMAX=DIM.CMAX, DIRECT=MODE.DIRECT,
-                                                    BLOCK_K=TILE.BLOCK_K))
+                                                        NODE0=DIM.NODE0, E=DIM.E, EL=DIM.EL, K=DIM.K, CMAX=DIM.CMAX,
+                                                        DIRECT=MODE.DIRECT, BLOCK_K=TILE.BLOCK_K))
             tl.debug_barrier()
             raise_flag(ptr_at(base, OFF.hdr_flag, tl.int64) + DIM.RANK, epoch)
         if pid < NC:
@@ -283,8 +286,8 @@ def node_dispatch_kernel(
     nrecv = 0
     if RECV:
         for s in range(DIM.N):
-            ok = ok & wait_flag(ptr_at(ws, OFF.hdr_flag, tl.int64) + s, epoch, t0_ns, timeout_ns, err_ptr, DIM.NODE0 + s,
-                                PHASE_DISPATCH, MODE.INTERP)
+            ok = ok & wait_flag(ptr_at(ws, OFF.hdr_flag, tl.int64) + s, epoch, t0_ns, timeout_ns, err_ptr,
+                                DIM.NODE0 + s, PHASE_DISPATCH, MODE.INTERP)
         if ok != 0:
             ee = tl.arange(0, TILE.BLOCK_EL)
             em = ee < DIM.EL
@@ -334,8 +337,8 @@ def node_dispatch_kernel(
     for i in range(pid + LAG, end, P):
         if MODE.OWN_X and RECV:  # own chunk i - LAG: its first tile's loads go out before the send work
             tt = tl.arange(0, TILE.BLOCK_TS)
-            v, vs = first_own_tile(x_ptr, xs_ptr, (i - LAG) * BT + tt, (tt < BT) & ((i - LAG) * BT + tt < T), DIM.H, DIM.NB,
-                                   MODE.FP8, MODE.PREQ, TILE.BLOCK_HS)
+            v, vs = first_own_tile(x_ptr, xs_ptr, (i - LAG) * BT + tt, (tt < BT) & ((i - LAG) * BT + tt < T), DIM.H,
+                                   DIM.NB, MODE.FP8, MODE.PREQ, TILE.BLOCK_HS)
         else:
             v, vs = 0, 0
         if SEND:
