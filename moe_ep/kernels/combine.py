@@ -256,20 +256,10 @@ def _send_rows(y_ptr, wy_ptr, r, kk, out, wout, K: tl.constexpr, H: tl.constexpr
 
 @triton.jit
 def combine_kernel(
-    y_ptr,             # bf16 [rows, H]: expert outputs in the layout of expert_x
-    topk_ptr,          # int32 [T, K]: the dispatch's expert ids (the buffer's copy, -1 where none)
-    out_ptr,           # bf16 [T, H]; float32 when BASE_F32 (the sum, not rounded)
-    ws,                # int: address of this rank's workspace
-    peer_ptr,          # int64 [N]: workspace base of each node peer
-    state_ptr,         # int64 [2, P]: [0, p] dispatch epoch, [1, p] combine epoch completed by program p
-    err_ptr,           # int64 [8] error record
-    recv_pos_ptr,      # int32 [N, M, K] from the dispatch kernel
-    timeout_ns, T,
-    wy_ptr,            # ROWS and WIN: float32 [rows, K] combine weights of each received row
-    wout_ptr,          # ROWS and WOUT: float32 [T, K] out: their sum over owners
-    cw_ptr,            # WEIGHTS: float32 [T, K] combine-time weights of this rank's tokens (masked/packed)
-    xrows_ptr,         # XROWS: int32 [M, K] row in xrecv of each token's partial row from an owner on another node, or -1
-    xrecv_ptr,         # XROWS: uint8, where those rows landed: [2][XMAX][XCRB], copy dispatch epoch & 1
+    # node_combine_kernel's runtime arguments, in its order
+    y_ptr, topk_ptr, out_ptr, ws, peer_ptr, state_ptr, err_ptr, recv_pos_ptr, timeout_ns, T, wy_ptr, wout_ptr,
+    cw_ptr, xrows_ptr, xrecv_ptr,
+    # its constexprs, one by one
     off_cflag: tl.constexpr, off_wflag: tl.constexpr, off_hdr: tl.constexpr, off_meta_w: tl.constexpr,
     off_comb: tl.constexpr,
     RANK: tl.constexpr, NODE0: tl.constexpr, N: tl.constexpr, M: tl.constexpr, K: tl.constexpr, E: tl.constexpr,
@@ -285,9 +275,9 @@ def combine_kernel(
     kernels (``moe_ep.internode``) call for the node peers' part; it builds the groups (the sizes
     a combine does not read as 0) and goes once they pass them."""
     node_combine_kernel(
-        y_ptr=y_ptr, topk_ptr=topk_ptr, out_ptr=out_ptr, ws=ws, peer_ptr=peer_ptr, state_ptr=state_ptr,
-        err_ptr=err_ptr, recv_pos_ptr=recv_pos_ptr, timeout_ns=timeout_ns, T=T, wy_ptr=wy_ptr, wout_ptr=wout_ptr,
-        cw_ptr=cw_ptr, xrows_ptr=xrows_ptr, xrecv_ptr=xrecv_ptr, SEND=SEND, RECV=RECV, PUSH=PUSH,
+        y_ptr, topk_ptr, out_ptr, ws, peer_ptr, state_ptr, err_ptr, recv_pos_ptr, timeout_ns, T, wy_ptr, wout_ptr,
+        cw_ptr, xrows_ptr, xrecv_ptr,
+        SEND=SEND, RECV=RECV, PUSH=PUSH,
         OFF=Offsets(comb_flag=off_cflag, wgt_flag=off_wflag, hdr=off_hdr, meta_w=off_meta_w, comb=off_comb,
                     comb_w=off_comb_w),
         DIM=Dims(RANK=RANK, NODE0=NODE0, R=0, N=N, M=M, K=K, E=E, EL=EL, H=H, W=0, NB=0, RB=0, HDR=HDR, CMAX=CMAX,

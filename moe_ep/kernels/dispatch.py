@@ -358,30 +358,11 @@ def node_dispatch_kernel(
 
 @triton.jit
 def dispatch_kernel(
-    x_ptr,             # [T, H] bf16, or uint8 (fp8 bytes) when PREQ
-    xs_ptr,            # [T, NB] float32 scales when PREQ (else unused)
-    topk_ptr,          # [T, K] int32/int64
-    w_ptr,             # [T, K] float32
-    hist_ptr,          # int32 [E, CMAX] from route_hist_kernel (unused when DIRECT)
-    peer_ptr,          # int64 [N]: workspace base of each node peer
-    ws,                # int: address of this rank's workspace
-    state_ptr,         # int64 [2, P]: [0, p] dispatch epoch completed by program p
-    err_ptr,           # int64 [8] error record
-    out_x_ptr,         # int32 view of expert_x: [rows, W]
-    out_s_ptr,         # float32 [rows, NB] expert_scales (FP8 only)
-    counts_ptr,        # int32 [EL]
-    offsets_ptr,       # int32 [EL + 1] (PACKED only)
-    recv_pos_ptr,      # int32 [N, M, K]: row of each (source, slot, k) in the expert layout, or -1
-    scratch_ptr,       # int32 [P, BLOCK_EL]: this program's copy of the packed expert offsets
-    sel_ptr,           # int32 [R, EL] count matrix (GLOBAL only): selections per source and local expert
-    route_ptr,         # int32 [M, K]: this rank's expert ids (-1 where none or out of range), read by combine
-    T, BT, NC,         # tokens, tokens per chunk, chunks (of this rank)
-    timeout_ns,
-    rows_from_ptr,     # ROWS and GLOBAL: int32 [R], rows each source sends this rank (the count matrix's)
-    recv_ids_ptr,      # ROWS: int32 [CAP, K] local expert ids of each received row (-1: another rank's)
-    recv_wts_ptr,      # ROWS: float32 [CAP, K] their weights (0 where the id is -1)
-    recv_src_ptr,      # ROWS: int32 [CAP] source rank * M + source token of each received row
-    num_recv_ptr,      # ROWS: int32 [1] received rows
+    # node_dispatch_kernel's runtime arguments, in its order
+    x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, peer_ptr, ws, state_ptr, err_ptr, out_x_ptr, out_s_ptr, counts_ptr,
+    offsets_ptr, recv_pos_ptr, scratch_ptr, sel_ptr, route_ptr, T, BT, NC, timeout_ns, rows_from_ptr, recv_ids_ptr,
+    recv_wts_ptr, recv_src_ptr, num_recv_ptr,
+    # its constexprs, one by one
     off_hflag: tl.constexpr, off_dflag: tl.constexpr, off_hdr: tl.constexpr, off_meta_i: tl.constexpr,
     off_meta_w: tl.constexpr, off_rows: tl.constexpr, off_cflag: tl.constexpr,
     RANK: tl.constexpr, NODE0: tl.constexpr, R: tl.constexpr, N: tl.constexpr, M: tl.constexpr,
@@ -393,18 +374,16 @@ def dispatch_kernel(
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_EL: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_NB: tl.constexpr, STAGES: tl.constexpr,
     INTERP: tl.constexpr, ROWS: tl.constexpr, OWN_X: tl.constexpr, BLOCK_TS: tl.constexpr, BLOCK_HS: tl.constexpr,
-    PREFETCH: tl.constexpr,  # own sub-blocks asked of the L2 ahead (prefetch_l2), 0 for none
-    CM_ROWS: tl.constexpr,   # fp8 scales column-major in blocks of this many rows (scale_ptr), 0: row-major
+    PREFETCH: tl.constexpr,
+    CM_ROWS: tl.constexpr,
 ):
     """``node_dispatch_kernel`` with every constexpr a parameter of its own: the form the inter-node
     kernels (``moe_ep.internode``) call for the node peers' part; it builds the groups and goes
     once they pass them."""
     node_dispatch_kernel(
-        x_ptr=x_ptr, xs_ptr=xs_ptr, topk_ptr=topk_ptr, w_ptr=w_ptr, hist_ptr=hist_ptr, peer_ptr=peer_ptr, ws=ws,
-        state_ptr=state_ptr, err_ptr=err_ptr, out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr, counts_ptr=counts_ptr,
-        offsets_ptr=offsets_ptr, recv_pos_ptr=recv_pos_ptr, scratch_ptr=scratch_ptr, sel_ptr=sel_ptr,
-        route_ptr=route_ptr, T=T, BT=BT, NC=NC, timeout_ns=timeout_ns, rows_from_ptr=rows_from_ptr,
-        recv_ids_ptr=recv_ids_ptr, recv_wts_ptr=recv_wts_ptr, recv_src_ptr=recv_src_ptr, num_recv_ptr=num_recv_ptr,
+        x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, peer_ptr, ws, state_ptr, err_ptr, out_x_ptr, out_s_ptr,
+        counts_ptr, offsets_ptr, recv_pos_ptr, scratch_ptr, sel_ptr, route_ptr, T, BT, NC, timeout_ns,
+        rows_from_ptr, recv_ids_ptr, recv_wts_ptr, recv_src_ptr, num_recv_ptr,
         SEND=SEND, RECV=RECV,
         OFF=Offsets(hdr_flag=off_hflag, disp_flag=off_dflag, comb_flag=off_cflag, hdr=off_hdr, meta_i=off_meta_i,
                     meta_w=off_meta_w, rows=off_rows),
