@@ -276,6 +276,16 @@ def aligned(t: torch.Tensor) -> bool:
 
 # ----------------------------------------------------------------------------- launches and hooks
 
+def node_dims(parts: Parts) -> dict:
+    """The buffer's sizes as the node kernels name them: the fields of ``moe_ep.kernels.args.Dims``
+    (the dispatch and combine kernels' ``DIM``), by name."""
+    s = parts.shape
+    return dict(RANK=parts.rank - parts.node0, NODE0=parts.node0, R=s.world_size, N=s.node_size, M=s.max_tokens,
+                K=s.topk, E=s.num_experts, EL=s.num_local_experts, H=s.hidden, W=s.hidden * (1 if s.fp8 else 2) // 4,
+                NB=max(1, s.num_scale_blocks), RB=s.workspace.RB, HDR=s.workspace.HDR, CMAX=s.chunks,
+                ALIGN=s.expert_alignment, CAP=s.capacity)
+
+
 def launch_halves(parts: Parts, key: tuple, kernel, args: tuple, dynamic: tuple, consts, host_wait) -> list:
     """One launch doing both halves (``SEND`` and ``RECV``) where ``tuning.fused``; else the send
     half, ``host_wait()`` under the interpreter (which cannot spin in a kernel), then the receive

@@ -7,10 +7,11 @@ from typing import Optional
 import torch
 
 from . import host_wait
-from .calls import (Parts, Replays, Weights, aligned, check_tensor, finish, launch_half, launch_halves, planned_half,
-                    replayed_recv)
+from .calls import (Parts, Replays, Weights, aligned, check_tensor, finish, launch_half, launch_halves, node_dims,
+                    planned_half, replayed_recv)
 from .layout import pow2
-from .kernels.combine import combine_kernel
+from .kernels.args import CombineModes, CombineTiles, Dims, Offsets, constexprs
+from .kernels.combine import node_combine_kernel
 from .internode.combine_kernels import internode_combine_recv_kernel, internode_combine_send_kernel
 from .kernels.launch import arg_positions, runtime_args
 from .handle import DispatchResult
@@ -18,8 +19,8 @@ from .tuning import pipelined_width
 
 # The arguments that may change between calls of one launch key (the caller's; the rest is the
 # buffer's): with combine-time weights also the weights' (and their sums') pointers.
-_DYNAMIC = arg_positions(combine_kernel, "y_ptr", "out_ptr", "T")
-_WEIGHTED_DYNAMIC = _DYNAMIC + arg_positions(combine_kernel, "wy_ptr", "wout_ptr", "cw_ptr")
+_DYNAMIC = arg_positions(node_combine_kernel, "y_ptr", "out_ptr", "T")
+_WEIGHTED_DYNAMIC = _DYNAMIC + arg_positions(node_combine_kernel, "wy_ptr", "wout_ptr", "cw_ptr")
 # The same of the inter-node halves (moe_ep.internode)
 _SEND_DYNAMIC = arg_positions(internode_combine_send_kernel, "y_ptr", "out_ptr", "T")
 _SEND_WEIGHTED = _SEND_DYNAMIC + arg_positions(internode_combine_send_kernel, "wy_ptr", "wout_ptr", "cw_ptr")
@@ -209,8 +210,7 @@ def combine(parts: Parts, buffer, expert_y: torch.Tensor, handle, return_recv_ho
     epoch = calls.epochs[1] + 1
     # A fused launch pushes the weights itself; else the push is a launch of its own, before the
     # send half (which waits for every peer's push). A float32 ``out`` takes the sum itself.
-    consts = lambda: dict(_combine_consts(parts, own_y, wout is not None), WEIGHTS=push,  # noqa: E731
-                          PUSH=push and parts.tuning.fused, BASE_F32=out_f32)
+    consts = lambda: _combine_consts(parts, own_y, wout is not None, push, out_f32)  # noqa: E731
     # (value: with the caller's out, the bytes of expert_y and of a row of out, which the
     # entry's guard fixes: the fast path checks that they do not overlap)
     spans = (expert_y.nbytes, shape.hidden * out.element_size()) if given_out else None
@@ -219,23 +219,23 @@ def combine(parts: Parts, buffer, expert_y: torch.Tensor, handle, return_recv_ho
         recv = _combine_across_nodes(parts, rp, replay, sig, tensors, pointers(), spans, T, key, named, consts,
                                      topk_weights is not None, epoch, return_recv_hook)
         return _combined(parts, result, recv)
-    args = runtime_args(combine_kernel, **named)
+    args = runtime_args(node_combine_kernel, **named)
     dyn = _WEIGHTED_DYNAMIC if topk_weights is not None else _DYNAMIC
     launches = []
     if push and not parts.tuning.fused:
-        launches.append((calls.launch(key + ("push",), combine_kernel, shape.num_programs, args,
+        launches.append((calls.launch(key + ("push",), node_combine_kernel, shape.num_programs, args,
                                       lambda: dict(consts(), PUSH=True, SEND=False, RECV=False), dyn), args))
         if parts.interp:
             host_wait.wait_weights(parts, epoch)
     recorded = sig is not None
     if not return_recv_hook:
-        launches += launch_halves(parts, key, combine_kernel, args, dyn, consts,
+        launches += launch_halves(parts, key, node_combine_kernel, args, dyn, consts,
                                   lambda: host_wait.wait_combine(parts, epoch, T))
         if recorded:
             replay.record(sig, tensors, launches, pointers(), spans, _SCALARS, (T,))
         recv = None
     else:
-        send = launch_half(parts, key, combine_kernel, args, dyn, consts, True, False)
+        send = launch_half(parts, key, node_combine_kernel, args, dyn, consts, True, False)
         # recorded once the receive half has a plan (a hook of an earlier call launched it)
         later = planned_half(parts, key, False, True)
         if recorded and later is not None:
@@ -245,7 +245,7 @@ def combine(parts: Parts, buffer, expert_y: torch.Tensor, handle, return_recv_ho
         def recv():
             if parts.interp:
                 host_wait.wait_combine(parts, epoch, T)
-            launch_half(parts, key, combine_kernel, args, dyn, consts, False, True)
+            launch_half(parts, key, node_combine_kernel, args, dyn, consts, False, True)
     return _combined(parts, result, recv)
 
 
@@ -317,17 +317,24 @@ def _combined(parts: Parts, result, recv):
     return finish(parts, "combine", result, recv)
 
 
-def _combine_consts(parts: Parts, own_y: bool, wts: bool) -> dict:
-    """The combine kernel's constexprs (all fixed by the buffer, except OWN_Y and, with weights, WIN/WOUT)."""
+def _combine_consts(parts: Parts, own_y: bool, wts: bool, push: bool, out_f32: bool) -> dict:
+    """The combine kernel's constexprs (all fixed by the buffer, except OWN_Y, with weights WIN/WOUT
+    or WEIGHTS/PUSH, and BASE_F32): in its groups (``OFF``, ``DIM``, ``MODE``, ``TILE``:
+    ``moe_ep.kernels.args``) and one by one, as the inter-node kernels take them (each launch
+    picks the names its kernel declares). ``push``: combine-time weights pushed to the owners (a
+    fused launch pushes them itself: ``PUSH``)."""
     s, t = parts.shape, parts.tuning
-    off, H, BLOCK_T = s.offsets, s.hidden, s.block_t
-    return dict(off_cflag=off["comb_flag"], off_wflag=off["wgt_flag"], off_hdr=off["hdr"], off_meta_w=off["meta_w"],
-                off_comb=off["comb"], RANK=parts.rank - parts.node0, NODE0=parts.node0, N=s.node_size, M=s.max_tokens,
-                K=s.topk, E=s.num_experts, EL=s.num_local_experts, H=H, HDR=s.workspace.HDR, CMAX=s.chunks,
-                BLOCK_T=BLOCK_T, BLOCK_K=pow2(s.topk, 2), BLOCK_H=_channel_tile(parts, t.combine_tile),
+    off = s.offsets
+    flat = dict(off_cflag=off["comb_flag"], off_wflag=off["wgt_flag"], off_hdr=off["hdr"], off_meta_w=off["meta_w"],
+                off_comb=off["comb"], **node_dims(parts), BLOCK_T=s.block_t, BLOCK_K=pow2(s.topk, 2),
+                BLOCK_H=_channel_tile(parts, t.combine_tile),
                 BLOCK_HR=_channel_tile(parts, t.combine_recv_tile, t.combine_recv_tokens),
                 BLOCK_TR=t.combine_recv_tokens, STAGES=t.stages, INTERP=parts.interp, ROWS=s.layout == "rows",
-                OWN_Y=own_y, WIN=wts, WOUT=wts, off_comb_w=off["comb_w"], **parts.launch_options("combine"))
+                OWN_Y=own_y, WIN=wts, WOUT=wts, off_comb_w=off["comb_w"], WEIGHTS=push, PUSH=push and t.fused,
+                BASE_F32=out_f32, **parts.launch_options("combine"))
+    c = not parts.interp
+    return dict(flat, OFF=constexprs(Offsets, off, c), DIM=constexprs(Dims, flat, c),
+                MODE=constexprs(CombineModes, flat, c), TILE=constexprs(CombineTiles, flat, c))
 
 
 def _channel_tile(parts: Parts, tile: int, tokens: Optional[int] = None) -> int:

@@ -7,8 +7,10 @@ from typing import Optional
 import torch
 
 from . import host_wait
-from .calls import Parts, aligned, check_tensor, finish, launch_half, launch_halves, planned_half, replayed_recv
-from .kernels.dispatch import dispatch_kernel
+from .calls import (Parts, aligned, check_tensor, finish, launch_half, launch_halves, node_dims, planned_half,
+                    replayed_recv)
+from .kernels.args import DispatchModes, DispatchTiles, Dims, Offsets, constexprs
+from .kernels.dispatch import node_dispatch_kernel
 from .handle import DispatchResult
 from .layout import chunking, pow2
 from .tuning import pipelined_width
@@ -183,14 +185,14 @@ def dispatch(parts: Parts, buffer, x, topk_idx, topk_weights, x_scales: Optional
         recv = _dispatch_across_nodes(parts, rp, replay, sig, tensors, launches, inputs, scalars, key, named, consts,
                                       epoch, return_recv_hook)
         return _dispatched(parts, buffer, T, recv)
-    args = runtime_args(dispatch_kernel, **named)
+    args = runtime_args(node_dispatch_kernel, **named)
     if not return_recv_hook:
-        launches += launch_halves(parts, key, dispatch_kernel, args, _DISPATCH_DYNAMIC, consts,
+        launches += launch_halves(parts, key, node_dispatch_kernel, args, _DISPATCH_DYNAMIC, consts,
                                   lambda: host_wait.wait_dispatch(parts, epoch))
         replay.record(sig, tensors, launches, inputs, None, _SCALARS, scalars)
         recv = None
     else:
-        send = launch_half(parts, key, dispatch_kernel, args, _DISPATCH_DYNAMIC, consts, True, False)
+        send = launch_half(parts, key, node_dispatch_kernel, args, _DISPATCH_DYNAMIC, consts, True, False)
         # recorded once the receive half has a plan (a hook of an earlier call launched it)
         later = planned_half(parts, key, False, True)
         if later is not None:
@@ -200,7 +202,7 @@ def dispatch(parts: Parts, buffer, x, topk_idx, topk_weights, x_scales: Optional
         def recv():
             if parts.interp:
                 host_wait.wait_dispatch(parts, epoch)
-            launch_half(parts, key, dispatch_kernel, args, _DISPATCH_DYNAMIC, consts, False, True)
+            launch_half(parts, key, node_dispatch_kernel, args, _DISPATCH_DYNAMIC, consts, False, True)
     return _dispatched(parts, buffer, T, recv)
 
 
@@ -240,7 +242,7 @@ def _dispatched(parts: Parts, buffer, T: int, recv):
 
 
 # The arguments that may change between calls of one launch key (the caller's; the rest is the buffer's).
-_DISPATCH_DYNAMIC = arg_positions(dispatch_kernel, "x_ptr", "xs_ptr", "topk_ptr", "w_ptr", "T", "BT", "NC")
+_DISPATCH_DYNAMIC = arg_positions(node_dispatch_kernel, "x_ptr", "xs_ptr", "topk_ptr", "w_ptr", "T", "BT", "NC")
 _SEND_DYNAMIC = arg_positions(internode_dispatch_send_kernel, "x_ptr", "xs_ptr", "topk_ptr", "w_ptr", "T", "BT", "NC")
 _RECV_DYNAMIC = arg_positions(internode_dispatch_recv_kernel, "x_ptr", "xs_ptr", "topk_ptr", "w_ptr", "T", "BT", "NC")
 _HIST_DYNAMIC = arg_positions(route_hist_kernel, "topk_ptr", "T", "BT")
@@ -278,11 +280,12 @@ def _hist_consts(parts: Parts, BT: int) -> dict:
 
 
 def _dispatch_consts(parts: Parts, fp8_in: bool, direct: bool, own_x: bool) -> dict:
-    """The dispatch kernel's constexprs (all fixed by the buffer, except PREQ, DIRECT and OWN_X)."""
+    """The dispatch kernel's constexprs (all fixed by the buffer, except PREQ, DIRECT and OWN_X): in
+    its groups (``OFF``, ``DIM``, ``MODE``, ``TILE``: ``moe_ep.kernels.args``) and one by one, as
+    the inter-node kernels take them (each launch picks the names its kernel declares)."""
     s, t = parts.shape, parts.tuning
-    off, lay, H, BLOCK_T = s.offsets, s.workspace, s.hidden, s.block_t
-    W = H * (1 if s.fp8 else 2) // 4
-    nb = max(1, s.num_scale_blocks)
+    dims = node_dims(parts)
+    off, H, W, nb, BLOCK_T = s.offsets, s.hidden, dims["W"], dims["NB"], s.block_t
     S = t.stages
     # fp8 tiles hold whole 128-channel scale blocks, whatever the pipelining budget says
     def channels(tokens):  # channels per payload tile of ``tokens`` rows
@@ -290,13 +293,14 @@ def _dispatch_consts(parts: Parts, fp8_in: bool, direct: bool, own_x: bool) -> d
                                                          tokens * (1 if fp8_in else 2)))
     block_h = channels(BLOCK_T)
     block_w = pipelined_width(max(16, min(pow2(W), 2048 * t.tile, 4096 * t.tile // BLOCK_T)), S, BLOCK_T * 4)
-    return dict(off_hflag=off["hdr_flag"], off_dflag=off["disp_flag"], off_hdr=off["hdr"], off_meta_i=off["meta_i"],
-                off_meta_w=off["meta_w"], off_rows=off["rows"], off_cflag=off["comb_flag"],
-                RANK=parts.rank - parts.node0, NODE0=parts.node0, R=s.world_size, N=s.node_size, M=s.max_tokens,
-                GLOBAL=parts.memory.remote is not None, K=s.topk, E=s.num_experts, EL=s.num_local_experts, H=H, W=W,
-                NB=nb, RB=lay.RB, HDR=lay.HDR, CMAX=s.chunks, ALIGN=s.expert_alignment, CAP=s.capacity, FP8=s.fp8,
-                PREQ=fp8_in, DIRECT=direct, PACKED=s.layout == "packed", BLOCK_T=BLOCK_T, BLOCK_K=pow2(s.topk, 2),
-                BLOCK_C=min(s.chunks, 64), BLOCK_H=block_h, BLOCK_TS=t.block_ts, BLOCK_HS=channels(t.block_ts),
+    flat = dict(off_hflag=off["hdr_flag"], off_dflag=off["disp_flag"], off_hdr=off["hdr"], off_meta_i=off["meta_i"],
+                off_meta_w=off["meta_w"], off_rows=off["rows"], off_cflag=off["comb_flag"], **dims,
+                GLOBAL=parts.memory.remote is not None, FP8=s.fp8, PREQ=fp8_in, DIRECT=direct,
+                PACKED=s.layout == "packed", BLOCK_T=BLOCK_T, BLOCK_K=pow2(s.topk, 2), BLOCK_C=min(s.chunks, 64),
+                BLOCK_H=block_h, BLOCK_TS=t.block_ts, BLOCK_HS=channels(t.block_ts),
                 BLOCK_EL=s.block_el, BLOCK_W=block_w, BLOCK_NB=pow2(nb, 2), STAGES=S, INTERP=parts.interp,
                 ROWS=s.layout == "rows", OWN_X=own_x, PREFETCH=own_prefetch_depth(parts, fp8_in),
                 CM_ROWS=s.scale_column_rows, **parts.launch_options("dispatch"))
+    c = not parts.interp
+    return dict(flat, OFF=constexprs(Offsets, off, c), DIM=constexprs(Dims, flat, c),
+                MODE=constexprs(DispatchModes, flat, c), TILE=constexprs(DispatchTiles, flat, c))

@@ -85,9 +85,10 @@ def digest(path: str) -> None:
     for name, mod, kernel, spec in pickle.load(open(path, "rb")):
         launches.append((name, mod, kernel, spec))
         node = int(os.environ.get("SASS_NODE") or 1)
-        if kernel == "combine_kernel" and node > 1:
-            launches.append((f"{name}-N{node}", mod, kernel,
-                             {**spec, "consts": {**spec["consts"], "N": node, "RANK": 0, "NODE0": 0}}))
+        if kernel == "node_combine_kernel" and node > 1:  # (its sizes in DIM: moe_ep.kernels.args)
+            dim = spec["consts"]["DIM"]._replace(**{f: triton.language.constexpr(v) for f, v in
+                                                    (("N", node), ("RANK", 0), ("NODE0", 0))})
+            launches.append((f"{name}-N{node}", mod, kernel, {**spec, "consts": {**spec["consts"], "DIM": dim}}))
     for name, mod, kernel, spec in launches:
         k = compile_for(getattr(importlib.import_module(mod), kernel), spec)
         cubin = path + ".cubin"

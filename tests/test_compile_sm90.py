@@ -129,7 +129,7 @@ def test_kernels_compile_for_sm90(monkeypatch, tmp_path):
     fp8_cvt = 0
     for (_, _, spec), (name, vec_stores, byte_stores, timers, cvts) in zip(rec, results):
         # Peer stores must be 8- or 16-byte vectors: one NVLink transaction per byte is 10-100x slower.
-        if name in ("dispatch_kernel", "combine_kernel"):
+        if name in ("node_dispatch_kernel", "node_combine_kernel"):
             c = spec["consts"]
             # Alone in its node, a send half stores no payload at all: its own rows go from x /
             # expert_y to their places in the receive half, not through the workspace.
@@ -214,10 +214,10 @@ def test_column_major_scales_compile_for_sm90(monkeypatch, tmp_path):
     pytest.importorskip("triton.backends.nvidia")
     rec = _record(monkeypatch, [(128, 7168, torch.float8_e4m3fn, "masked", True),
                                 (128, 7168, torch.float8_e4m3fn, "masked", False)], column_major_scales=True)
-    cm = [spec["consts"]["CM_ROWS"] for _, name, spec in rec if name == "dispatch_kernel"]
+    cm = [spec["consts"]["CM_ROWS"] for _, name, spec in rec if name == "node_dispatch_kernel"]
     assert cm and all(c > 0 for c in cm), cm
     results = _compile(rec, tmp_path)
-    assert sum(cvts for name, _, _, _, cvts in results if name == "dispatch_kernel") > 0
+    assert sum(cvts for name, _, _, _, cvts in results if name == "node_dispatch_kernel") > 0
 
 
 def test_rows_kernels_compile_for_sm90(monkeypatch, tmp_path):
@@ -241,7 +241,7 @@ def test_rows_kernels_compile_for_sm90(monkeypatch, tmp_path):
     assert names.count("route_hist_kernel") == 1, names
     results, loops = _compile(rec, tmp_path, loops=True)
     assert all(byte_stores == 0 for _, _, byte_stores, _, _ in results), results
-    own = [(r[2]["consts"], loop) for r, loop in zip(rec, loops) if r[1] == "dispatch_kernel"]
+    own = [(r[2]["consts"], loop) for r, loop in zip(rec, loops) if r[1] == "node_dispatch_kernel"]
     own = [loop for c, loop in own if c["FP8"] and c["RECV"] and c["OWN_X"] and c["H"] > c["BLOCK_H"]]
     # The own-row loop at T=4096 (7 tiles of 1024 channels; at R=1 it writes every row): its first
     # tile is loaded before the loop (each step then loads the next one before working on this one:
@@ -256,6 +256,6 @@ def test_rows_kernels_compile_for_sm90(monkeypatch, tmp_path):
         own[0]["l2_prefetches"] == 2, own
     # Every dispatch / combine launch stores rows as vectors, except the two send halves of the
     # unfused R = 1 buffer: its own rows skip the workspace, so they store no payload at all.
-    node = [v for name, v, _, _, _ in results if name in ("dispatch_kernel", "combine_kernel")]
+    node = [v for name, v, _, _, _ in results if name in ("node_dispatch_kernel", "node_combine_kernel")]
     assert len(node) == 10 and sum(v == 0 for v in node) == 2, results
-    assert any(cvts for name, _, _, _, cvts in results if name == "dispatch_kernel"), "no hardware fp8 conversion"
+    assert any(cvts for name, _, _, _, cvts in results if name == "node_dispatch_kernel"), "no hardware fp8 conversion"

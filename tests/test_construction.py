@@ -237,7 +237,7 @@ def test_combine_warps_apply_to_combine_only(monkeypatch):
         h = buf.dispatch(x, torch.tensor([[0, 1]] * 4), torch.ones(4, 2))
         buf.combine(torch.zeros(h.expert_x.shape, dtype=torch.bfloat16), h)
         assert buf.tuning.combine_warps == 8 != buf.tuning.num_warps
-    assert warps == {"dispatch_kernel": {buf.tuning.num_warps}, "combine_kernel": {8}}, warps
+    assert warps == {"node_dispatch_kernel": {buf.tuning.num_warps}, "node_combine_kernel": {8}}, warps
 
 
 def test_combine_shape_by_default():
@@ -278,4 +278,4 @@ def test_maxnreg_reaches_the_compiled_launches(monkeypatch):
         buf.combine(torch.zeros(h.expert_x.shape, dtype=torch.bfloat16), h)
         buf.parts.interp = True  # (so that close() takes the CPU path it was built for)
     W = buf.tuning.num_warps
-    assert seen == {"dispatch_kernel": (W, min(65536 // (32 * W), 255)), "combine_kernel": (8, 255)}, seen
+    assert seen == {"node_dispatch_kernel": (W, min(65536 // (32 * W), 255)), "node_combine_kernel": (8, 255)}, seen

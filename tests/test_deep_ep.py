@@ -657,7 +657,7 @@ def test_combine_time_weights_compile_for_sm90(monkeypatch, tmp_path):
 
     def spy(key, fn, grid, args, consts, dynamic=None):
         consts = consts() if callable(consts) else consts
-        if fn.fn.__name__ == "combine_kernel":
+        if fn.fn.__name__ == "node_combine_kernel":
             rec.append((fn.fn.__module__, fn.fn.__name__, signature(fn.arg_names, args, consts)))
 
     g = moe_ep.EPGroup()

@@ -319,9 +319,9 @@ def test_launches_per_op(R, node_size):
     sizes the dispatch launches the routing histogram first (with its rank rows), on both paths."""
     across = node_size < R
     send, recv = ("internode_dispatch_send_kernel", "internode_dispatch_recv_kernel") if across else \
-        ("dispatch_kernel", "dispatch_kernel")
+        ("node_dispatch_kernel", "node_dispatch_kernel")
     csend, crecv = ("internode_combine_send_kernel", "internode_combine_recv_kernel") if across else \
-        ("combine_kernel", "combine_kernel")
+        ("node_combine_kernel", "node_combine_kernel")
     for direct_max, hist in ((2048, []), (0, ["route_hist_kernel"])):
         for disp, comb in dist_util.run(R, _launches_worker, node_size, direct_max, timeout=300):
             assert disp == hist + [send, recv], disp

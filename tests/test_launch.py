@@ -257,6 +257,43 @@ def test_native_plan_packs_every_parameter_and_patches_the_dynamic_ones():
     assert plan.bind((x, y, 78, 1, 0.75, True), [0]) is not bound
 
 
+@triton.jit
+def _k_grouped(a_ptr, b_ptr, n, G: tl.constexpr):
+    pass
+
+
+def test_a_constexpr_group_is_compiled_in_not_packed(fake_gpu):
+    """A constexpr parameter holding a group (``moe_ep.kernels.args``, what the node kernels take)
+    is one constexpr to the launch path: Triton's signature names it ``constexpr`` as it does any
+    ``tl.constexpr`` parameter, so a native plan packs the runtime arguments alone, as for the
+    kernel without it, and Triton's launcher gets the group itself as that parameter's value."""
+    from moe_ep.kernels.args import CombineTiles, constexprs
+    grp = constexprs(CombineTiles, dict(BLOCK_T=16, BLOCK_K=8, BLOCK_H=512, BLOCK_HR=512, BLOCK_TR=16, STAGES=2))
+    assert all(isinstance(v, tl.constexpr) for v in grp) and grp.BLOCK_H == 512
+    x, y = torch.zeros(8, dtype=torch.bfloat16), torch.zeros(8, dtype=torch.int32)
+    sig = {"a_ptr": "*bf16", "b_ptr": "*i32", "n": "i32", "G": "constexpr"}
+    plan = L.NativePlan(_fake_compiled(sig), 3, (x, y, 5), dict(G=grp), (0, 2), _k_grouped.arg_names)
+    assert plan._all.packed([x.data_ptr(), 6]) == struct.pack("@QQixxxxQQ", x.data_ptr(), y.data_ptr(), 6, 0, 0)
+    compiled, fn = fake_gpu
+    fn.arg_names, fn.fn = _k_grouped.arg_names, _k_grouped.fn
+    la = L.Launcher(torch.device("cuda", 0))
+    la(("g",), fn, 3, (x, y, 5), dict(G=grp, OTHER=1))
+    assert compiled[0][2] == dict(G=grp)
+    la(("g",), fn, 3, (x, y, 7), dict(G=grp))
+    assert compiled[0][3].calls[-1][9:] == (x.data_ptr(), y.data_ptr(), 7, grp)
+
+
+def test_constexprs_names_a_missing_field():
+    """``constexprs`` refuses a group with a field neither given nor defaulted, by name, and gives
+    plain values for the interpreter."""
+    from moe_ep.kernels.args import CombineModes, constexprs
+    given = dict(BASE_F32=False, WEIGHTS=True, ROWS=False, OWN_Y=True, WIN=False, WOUT=False)
+    with pytest.raises(KeyError, match="INTERP"):
+        constexprs(CombineModes, given)
+    plain = constexprs(CombineModes, dict(given, INTERP=True), compiled=False)
+    assert plain.WEIGHTS is True and plain.XROWS is False and not isinstance(plain.INTERP, tl.constexpr)
+
+
 def test_native_launch_hands_the_driver_the_packed_plan(tmp_path, monkeypatch):
     """A native plan's launch through a stand-in CUDA driver: cuLaunchKernel gets the plan's
     function, grid, block, shared memory and the stream, and parameter bytes equal to what

@@ -156,7 +156,7 @@ def test_epbuffer_takes_a_tuning_as_it_takes_the_variables(monkeypatch):
         assert buf.tuning.asked is tuning
         assert (buf.tuning.num_warps, buf.tuning.combine_warps, buf.tuning.hist_warps) == (2, 8, 2)
         assert buf.launch_options("dispatch") == {"num_warps": 2}
-        assert _launched_warps(buf) == {"dispatch_kernel": {2}, "combine_kernel": {8}}
+        assert _launched_warps(buf) == {"node_dispatch_kernel": {2}, "node_combine_kernel": {8}}
         given = buf.tuning
     monkeypatch.setenv("MOE_EP_NUM_WARPS", "2")
     monkeypatch.setenv("MOE_EP_COMBINE_WARPS", "8")

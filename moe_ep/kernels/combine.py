@@ -33,12 +33,13 @@ the output rounded once.
 import triton
 import triton.language as tl
 
+from .args import CombineModes, CombineTiles, Dims, Offsets
 from .common import (ABORT_FLAG, ERR_CAPACITY, PHASE_COMBINE, PHASE_DISPATCH, chunking, deadline_start, pre_reduce,
                      pre_reduce_tile, ptr_at, raise_flag, record_error, to_bf16, wait_flag)
 
 
 @triton.jit(do_not_specialize=['ws', 'timeout_ns', 'T'])
-def combine_kernel(
+def node_combine_kernel(
     y_ptr,             # bf16 [rows, H]: expert outputs in the layout of expert_x
     topk_ptr,          # int32 [T, K]: the dispatch's expert ids (the buffer's copy, -1 where none)
     out_ptr,           # bf16 [T, H]; float32 when BASE_F32 (the sum, not rounded)
@@ -53,181 +54,183 @@ def combine_kernel(
     cw_ptr,            # WEIGHTS: float32 [T, K] combine-time weights of this rank's tokens (masked/packed)
     xrows_ptr,         # XROWS: int32 [M, K] row in xrecv of each token's partial row from an owner on another node, or -1
     xrecv_ptr,         # XROWS: uint8, where those rows landed: [2][XMAX][XCRB], copy dispatch epoch & 1
-    off_cflag: tl.constexpr, off_wflag: tl.constexpr, off_hdr: tl.constexpr, off_meta_w: tl.constexpr,
-    off_comb: tl.constexpr,
-    RANK: tl.constexpr, NODE0: tl.constexpr, N: tl.constexpr, M: tl.constexpr, K: tl.constexpr, E: tl.constexpr,
-    EL: tl.constexpr, H: tl.constexpr, HDR: tl.constexpr, CMAX: tl.constexpr, BASE_F32: tl.constexpr,
-    WEIGHTS: tl.constexpr, PUSH: tl.constexpr, SEND: tl.constexpr, RECV: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HR: tl.constexpr,
-    BLOCK_TR: tl.constexpr,
-    STAGES: tl.constexpr, INTERP: tl.constexpr, ROWS: tl.constexpr, OWN_Y: tl.constexpr, WIN: tl.constexpr,
-    WOUT: tl.constexpr, off_comb_w: tl.constexpr,
-    XROWS: tl.constexpr = False, XCRB: tl.constexpr = 0, XMAX: tl.constexpr = 0,
+    SEND: tl.constexpr, RECV: tl.constexpr,  # the halves this launch does
+    PUSH: tl.constexpr,  # WEIGHTS: this launch pushes the combine-time weights (a launch of its own unless fused)
+    OFF: tl.constexpr,   # Offsets: the workspace regions
+    DIM: tl.constexpr,   # Dims: the buffer's sizes
+    MODE: tl.constexpr,  # CombineModes
+    TILE: tl.constexpr,  # CombineTiles
+    XCRB: tl.constexpr = 0, XMAX: tl.constexpr = 0,  # XROWS: bytes of an xrecv row, rows of a copy of xrecv
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
-    t0_ns = deadline_start(INTERP)
+    t0_ns = deadline_start(MODE.INTERP)
     # Both halves in one launch with OWN_Y: this rank's own tokens need no flag (nothing of theirs
     # goes through the workspace; a system-scope release would wait for every store before it).
-    SELF_SYNC: tl.constexpr = SEND and RECV and OWN_Y
+    SELF_SYNC: tl.constexpr = SEND and RECV and MODE.OWN_Y
     dpar = tl.load(state_ptr + pid) & 1
     epoch = tl.load(state_ptr + P + pid) + 1
     par = epoch & 1
-    rr = tl.arange(0, BLOCK_T)
-    rt = tl.arange(0, BLOCK_TR)  # the receive half's tokens per step (BLOCK_TR <= BLOCK_T)
-    kk = tl.arange(0, BLOCK_K)
-    km = kk < K
+    rr = tl.arange(0, TILE.BLOCK_T)
+    rt = tl.arange(0, TILE.BLOCK_TR)  # the receive half's tokens per step (BLOCK_TR <= BLOCK_T)
+    kk = tl.arange(0, TILE.BLOCK_K)
+    km = kk < DIM.K
     if PUSH:
-        BT, NC = chunking(T, CMAX)
+        BT, NC = chunking(T, DIM.CMAX)
         for c in range(pid, tl.maximum(NC, 1), P):
             t = c * BT + rr
             m2 = ((rr < BT) & (t < T))[:, None] & km[None, :]
-            w = tl.load(cw_ptr + t[:, None] * K + kk[None, :], mask=m2, other=0.0)
-            slot = ((dpar * N + RANK) * M + t).to(tl.int64)
-            for d in tl.static_range(N):
+            w = tl.load(cw_ptr + t[:, None] * DIM.K + kk[None, :], mask=m2, other=0.0)
+            slot = ((dpar * DIM.N + DIM.RANK) * DIM.M + t).to(tl.int64)
+            for d in tl.static_range(DIM.N):
                 # Every peer gets the chunk's weights, as at dispatch: the owner reads only its own
                 # experts' (recv_pos says which), and the flag then means the same on every peer.
                 base = tl.load(peer_ptr + d)
-                tl.store(ptr_at(base, off_meta_w, tl.float32) + slot[:, None] * K + kk[None, :], w, mask=m2)
+                tl.store(ptr_at(base, OFF.meta_w, tl.float32) + slot[:, None] * DIM.K + kk[None, :], w, mask=m2)
             tl.debug_barrier()  # every thread's stores happen before the flag's release
-            for d in tl.static_range(N):
-                raise_flag(ptr_at(tl.load(peer_ptr + d), off_wflag, tl.int64) + RANK * CMAX + c, epoch)
+            for d in tl.static_range(DIM.N):
+                raise_flag(ptr_at(tl.load(peer_ptr + d), OFF.wgt_flag, tl.int64) + DIM.RANK * DIM.CMAX + c, epoch)
     if SEND:
-        hdr = ptr_at(ws, off_hdr, tl.int32) + dpar * N * HDR
-        meta_w = ptr_at(ws, off_meta_w, tl.float32)
-        for s in range(N):
-            ts = tl.load(hdr + s * HDR)
-            BT, NC = chunking(ts, CMAX)
+        hdr = ptr_at(ws, OFF.hdr, tl.int32) + dpar * DIM.N * DIM.HDR
+        meta_w = ptr_at(ws, OFF.meta_w, tl.float32)
+        for s in range(DIM.N):
+            ts = tl.load(hdr + s * DIM.HDR)
+            BT, NC = chunking(ts, DIM.CMAX)
             base = tl.load(peer_ptr + s)
-            dst = ptr_at(base, off_comb, tl.bfloat16)
+            dst = ptr_at(base, OFF.comb, tl.bfloat16)
             for c in range(pid, tl.maximum(NC, 1), P):
                 ok = tl.full([], 1, tl.int32)
-                if WEIGHTS:  # the source's combine-time weights of this chunk are in place
-                    ok = wait_flag(ptr_at(ws, off_wflag, tl.int64) + s * CMAX + c, epoch, t0_ns, timeout_ns, err_ptr,
-                                   NODE0 + s, PHASE_COMBINE, INTERP)
+                if MODE.WEIGHTS:  # the source's combine-time weights of this chunk are in place
+                    ok = wait_flag(ptr_at(ws, OFF.wgt_flag, tl.int64) + s * DIM.CMAX + c, epoch, t0_ns, timeout_ns,
+                                   err_ptr, DIM.NODE0 + s, PHASE_COMBINE, MODE.INTERP)
                 t = c * BT + rr
                 tm = (rr < BT) & (t < ts) & (ok != 0)  # no weights in time: nothing sent, no flag
                 m2 = tm[:, None] & km[None, :]
-                r = tl.load(recv_pos_ptr + (s * M + t)[:, None] * K + kk[None, :], mask=m2, other=-1)
-                w = tl.load(meta_w + ((dpar * N + s) * M + t)[:, None] * K + kk[None, :], mask=m2 & (r >= 0),
-                            other=0.0)
+                r = tl.load(recv_pos_ptr + (s * DIM.M + t)[:, None] * DIM.K + kk[None, :], mask=m2, other=-1)
+                w = tl.load(meta_w + ((dpar * DIM.N + s) * DIM.M + t)[:, None] * DIM.K + kk[None, :],
+                            mask=m2 & (r >= 0), other=0.0)
                 go = tl.max((r >= 0).to(tl.int32), axis=1) > 0
-                out = dst + ((par * N + RANK) * M + t).to(tl.int64) * H
-                if OWN_Y and (s == RANK):
+                out = dst + ((par * DIM.N + DIM.RANK) * DIM.M + t).to(tl.int64) * DIM.H
+                if MODE.OWN_Y and (s == DIM.RANK):
                     pass  # this rank's own tokens: its receive half reads expert_y itself
-                elif ROWS:
-                    _send_rows(y_ptr, wy_ptr, r, kk, out, ptr_at(base, off_comb_w, tl.float32) +
-                               ((par * N + RANK) * M + t).to(tl.int64) * K, K, H, WIN, BLOCK_H, STAGES)
+                elif MODE.ROWS:
+                    _send_rows(y_ptr, wy_ptr, r, kk, out, ptr_at(base, OFF.comb_w, tl.float32) +
+                               ((par * DIM.N + DIM.RANK) * DIM.M + t).to(tl.int64) * DIM.K, DIM.K, DIM.H, MODE.WIN,
+                               TILE.BLOCK_H, TILE.STAGES)
                 else:
-                    pre_reduce(y_ptr=y_ptr, r=r, w=w, kk=kk, go=go, out=out, K=K, H=H, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H,
-                               STAGES=STAGES, INTERP=INTERP)
+                    pre_reduce(y_ptr=y_ptr, r=r, w=w, kk=kk, go=go, out=out, K=DIM.K, H=DIM.H, BLOCK_T=TILE.BLOCK_T,
+                               BLOCK_H=TILE.BLOCK_H, STAGES=TILE.STAGES, INTERP=MODE.INTERP)
                 tl.debug_barrier()  # every thread's stores happen before the flag's release
                 if ok != 0:  # (else the source times out too, naming this rank: never a stale weight)
                     if SELF_SYNC:
-                        if s != RANK:
-                            raise_flag(ptr_at(base, off_cflag, tl.int64) + RANK * CMAX + c, epoch)
+                        if s != DIM.RANK:
+                            raise_flag(ptr_at(base, OFF.comb_flag, tl.int64) + DIM.RANK * DIM.CMAX + c, epoch)
                     else:
-                        raise_flag(ptr_at(base, off_cflag, tl.int64) + RANK * CMAX + c, epoch)
+                        raise_flag(ptr_at(base, OFF.comb_flag, tl.int64) + DIM.RANK * DIM.CMAX + c, epoch)
     if RECV:
-        BT, NC = chunking(T, CMAX)
-        comb = ptr_at(ws, off_comb, tl.bfloat16)
+        BT, NC = chunking(T, DIM.CMAX)
+        comb = ptr_at(ws, OFF.comb, tl.bfloat16)
         for c in range(pid, tl.maximum(NC, 1), P):
             ok = tl.full([], 1, tl.int32)
-            for owner in range(N):
-                flag = ptr_at(ws, off_cflag, tl.int64) + owner * CMAX + c
+            for owner in range(DIM.N):
+                flag = ptr_at(ws, OFF.comb_flag, tl.int64) + owner * DIM.CMAX + c
                 if SELF_SYNC:
-                    if owner != RANK:
-                        ok = ok & wait_flag(flag, epoch, t0_ns, timeout_ns, err_ptr, NODE0 + owner, PHASE_COMBINE,
-                                            INTERP)
+                    if owner != DIM.RANK:
+                        ok = ok & wait_flag(flag, epoch, t0_ns, timeout_ns, err_ptr, DIM.NODE0 + owner, PHASE_COMBINE,
+                                            MODE.INTERP)
                 else:
-                    ok = ok & wait_flag(flag, epoch, t0_ns, timeout_ns, err_ptr, NODE0 + owner, PHASE_COMBINE, INTERP)
+                    ok = ok & wait_flag(flag, epoch, t0_ns, timeout_ns, err_ptr, DIM.NODE0 + owner, PHASE_COMBINE,
+                                        MODE.INTERP)
                 v = tl.load(flag)  # (an own-dispatch overflow is still seen: abort_combines wrote it)
                 if v >= ABORT_FLAG:  # the owner overflowed its masked layout in the dispatch combined here
-                    record_error(err_ptr, ERR_CAPACITY, NODE0 + owner, PHASE_DISPATCH, tl.load(state_ptr + pid),
+                    record_error(err_ptr, ERR_CAPACITY, DIM.NODE0 + owner, PHASE_DISPATCH, tl.load(state_ptr + pid),
                                  v - ABORT_FLAG)
             # The chunk in sub-blocks of BLOCK_TR tokens: one when BLOCK_TR == BLOCK_T (the code as
             # without the loop); more give a channel step as many elements in longer pieces of each row.
-            for sb in tl.static_range(BLOCK_T // BLOCK_TR):
+            for sb in tl.static_range(TILE.BLOCK_T // TILE.BLOCK_TR):
                 if ok != 0:
-                    t = c * BT + sb * BLOCK_TR + rt
-                    tm = (sb * BLOCK_TR + rt < BT) & (t < T)
-                    ids = tl.load(topk_ptr + t[:, None] * K + kk[None, :], mask=tm[:, None] & km[None, :],
+                    t = c * BT + sb * TILE.BLOCK_TR + rt
+                    tm = (sb * TILE.BLOCK_TR + rt < BT) & (t < T)
+                    ids = tl.load(topk_ptr + t[:, None] * DIM.K + kk[None, :], mask=tm[:, None] & km[None, :],
                                   other=-1).to(tl.int32)
-                    dst = tl.where((ids >= 0) & (ids < E), ids // EL - NODE0, -1)  # node peer, if any
-                    if XROWS:  # owners on other nodes: their rows' place in xrecv (bytes, -1: none)
-                        xr = tl.load(xrows_ptr + t[:, None] * K + kk[None, :], mask=tm[:, None] & km[None, :], other=-1)
+                    dst = tl.where((ids >= 0) & (ids < DIM.E), ids // DIM.EL - DIM.NODE0, -1)  # node peer, if any
+                    if MODE.XROWS:  # owners on other nodes: their rows' place in xrecv (bytes, -1: none)
+                        xr = tl.load(xrows_ptr + t[:, None] * DIM.K + kk[None, :], mask=tm[:, None] & km[None, :],
+                                     other=-1)
                         xoff = tl.where(xr >= 0, (dpar * XMAX + xr).to(tl.int64) * XCRB, -1)
-                    if OWN_Y:  # this rank's rows of its own tokens, read from expert_y where dispatch put them
-                        if ROWS:  # one row per token
-                            own = tl.load(recv_pos_ptr + (RANK * M + t) * K, mask=tm, other=-1).to(tl.int64)
+                    if MODE.OWN_Y:  # this rank's rows of its own tokens, read from expert_y where dispatch put them
+                        if MODE.ROWS:  # one row per token
+                            own = tl.load(recv_pos_ptr + (DIM.RANK * DIM.M + t) * DIM.K, mask=tm, other=-1).to(tl.int64)
                         else:  # every selection's row, and its weight, for the pre-reduction here
                             m2 = tm[:, None] & km[None, :]
-                            own_r = tl.load(recv_pos_ptr + (RANK * M + t)[:, None] * K + kk[None, :], mask=m2, other=-1)
-                            if WEIGHTS:
-                                own_w = tl.load(cw_ptr + t[:, None] * K + kk[None, :], mask=m2 & (own_r >= 0),
+                            own_r = tl.load(recv_pos_ptr + (DIM.RANK * DIM.M + t)[:, None] * DIM.K + kk[None, :],
+                                            mask=m2, other=-1)
+                            if MODE.WEIGHTS:
+                                own_w = tl.load(cw_ptr + t[:, None] * DIM.K + kk[None, :], mask=m2 & (own_r >= 0),
                                                 other=0.0)
                             else:
-                                own_w = tl.load(ptr_at(ws, off_meta_w, tl.float32)
-                                                + ((dpar * N + RANK) * M + t)[:, None] * K + kk[None, :],
-                                                mask=m2 & (own_r >= 0), other=0.0)
-                    if WOUT:  # the rows' combine weights, summed over owners like the rows
-                        wacc = tl.zeros((BLOCK_TR, BLOCK_K), tl.float32)
-                        for d in tl.static_range(N):
+                                own_w = tl.load(ptr_at(ws, OFF.meta_w, tl.float32)
+                                                + ((dpar * DIM.N + DIM.RANK) * DIM.M + t)[:, None] * DIM.K
+                                                + kk[None, :], mask=m2 & (own_r >= 0), other=0.0)
+                    if MODE.WOUT:  # the rows' combine weights, summed over owners like the rows
+                        wacc = tl.zeros((TILE.BLOCK_TR, TILE.BLOCK_K), tl.float32)
+                        for d in tl.static_range(DIM.N):
                             go = tl.max((dst == d).to(tl.int32), axis=1) > 0
                             m2 = go[:, None] & km[None, :]
-                            if OWN_Y and d == RANK:
-                                if WIN:
-                                    wacc += tl.load(wy_ptr + own[:, None] * K + kk[None, :], mask=m2, other=0.0)
+                            if MODE.OWN_Y and d == DIM.RANK:
+                                if MODE.WIN:
+                                    wacc += tl.load(wy_ptr + own[:, None] * DIM.K + kk[None, :], mask=m2, other=0.0)
                             else:
-                                wsrc = ptr_at(ws, off_comb_w, tl.float32) + ((par * N + d) * M + t).to(tl.int64) * K
+                                wsrc = ptr_at(ws, OFF.comb_w, tl.float32) + \
+                                    ((par * DIM.N + d) * DIM.M + t).to(tl.int64) * DIM.K
                                 wacc += tl.load(wsrc[:, None] + kk[None, :], mask=m2, other=0.0)
-                        if XROWS:  # each row's K weights follow its 2H bytes of payload
-                            for k in tl.static_range(K):
+                        if MODE.XROWS:  # each row's K weights follow its 2H bytes of payload
+                            for k in tl.static_range(DIM.K):
                                 xk = tl.sum(tl.where(kk[None, :] == k, xoff, 0), axis=1)
-                                wrow = (xrecv_ptr + xk + 2 * H).to(tl.pointer_type(tl.float32))
+                                wrow = (xrecv_ptr + xk + 2 * DIM.H).to(tl.pointer_type(tl.float32))
                                 wacc += tl.load(wrow[:, None] + kk[None, :], mask=(xk >= 0)[:, None] & km[None, :],
                                                 other=0.0)
-                        tl.store(wout_ptr + t[:, None] * K + kk[None, :], wacc, mask=tm[:, None] & km[None, :])
-                    if OWN_Y and ROWS:  # this rank's own rows: the first tile's loads, ahead of the loop
-                        own_m = tm & (tl.max((dst == RANK).to(tl.int32), axis=1) > 0)
-                        hh = tl.arange(0, BLOCK_HR)
-                        nxt = tl.load(y_ptr + own[:, None] * H + hh[None, :], mask=own_m[:, None] & (hh[None, :] < H),
-                                      other=0.0)
-                    for h0 in range(0, H, BLOCK_HR):  # (its own channel tile: K loads per step with OWN_Y)
-                        hh = h0 + tl.arange(0, BLOCK_HR)
-                        hm = tm[:, None] & (hh[None, :] < H)
-                        if OWN_Y and ROWS:
+                        tl.store(wout_ptr + t[:, None] * DIM.K + kk[None, :], wacc, mask=tm[:, None] & km[None, :])
+                    if MODE.OWN_Y and MODE.ROWS:  # this rank's own rows: the first tile's loads, ahead of the loop
+                        own_m = tm & (tl.max((dst == DIM.RANK).to(tl.int32), axis=1) > 0)
+                        hh = tl.arange(0, TILE.BLOCK_HR)
+                        nxt = tl.load(y_ptr + own[:, None] * DIM.H + hh[None, :],
+                                      mask=own_m[:, None] & (hh[None, :] < DIM.H), other=0.0)
+                    for h0 in range(0, DIM.H, TILE.BLOCK_HR):  # (its own channel tile: K loads per step with OWN_Y)
+                        hh = h0 + tl.arange(0, TILE.BLOCK_HR)
+                        hm = tm[:, None] & (hh[None, :] < DIM.H)
+                        if MODE.OWN_Y and MODE.ROWS:
                             # The next tile's loads go out before this one is summed and stored (a
                             # register double buffer, as in dispatch's store_own_rows).
                             cur = nxt
-                            hn = hh + BLOCK_HR
-                            nxt = tl.load(y_ptr + own[:, None] * H + hn[None, :],
-                                          mask=own_m[:, None] & (hn[None, :] < H), other=0.0)
-                        acc = tl.zeros((BLOCK_TR, BLOCK_HR), tl.float32)
-                        for d in tl.static_range(N):
+                            hn = hh + TILE.BLOCK_HR
+                            nxt = tl.load(y_ptr + own[:, None] * DIM.H + hn[None, :],
+                                          mask=own_m[:, None] & (hn[None, :] < DIM.H), other=0.0)
+                        acc = tl.zeros((TILE.BLOCK_TR, TILE.BLOCK_HR), tl.float32)
+                        for d in tl.static_range(DIM.N):
                             go = tl.max((dst == d).to(tl.int32), axis=1) > 0
-                            if OWN_Y and (d == RANK) and (not ROWS):
+                            if MODE.OWN_Y and (d == DIM.RANK) and (not MODE.ROWS):
                                 # The owner's pre-reduction of this rank's own tokens, done here and
                                 # rounded to bf16 as the owner's row would be: same bits, no round trip.
-                                part = pre_reduce_tile(y_ptr, own_r, own_w, kk, hh, hm & go[:, None], K, H, BLOCK_TR,
-                                                       BLOCK_HR)
-                                acc += to_bf16(part, INTERP).to(tl.float32)
-                            elif OWN_Y and (d == RANK):
+                                part = pre_reduce_tile(y_ptr, own_r, own_w, kk, hh, hm & go[:, None], DIM.K, DIM.H,
+                                                       TILE.BLOCK_TR, TILE.BLOCK_HR)
+                                acc += to_bf16(part, MODE.INTERP).to(tl.float32)
+                            elif MODE.OWN_Y and (d == DIM.RANK):
                                 acc += cur.to(tl.float32)
                             else:
-                                src = comb + ((par * N + d) * M + t).to(tl.int64) * H
+                                src = comb + ((par * DIM.N + d) * DIM.M + t).to(tl.int64) * DIM.H
                                 acc += tl.load(src[:, None] + hh[None, :], mask=hm & go[:, None],
                                                other=0.0).to(tl.float32)
-                        if XROWS:
-                            for k in tl.static_range(K):
+                        if MODE.XROWS:
+                            for k in tl.static_range(DIM.K):
                                 xk = tl.sum(tl.where(kk[None, :] == k, xoff, 0), axis=1)
                                 src = (xrecv_ptr + xk).to(tl.pointer_type(tl.bfloat16))
                                 acc += tl.load(src[:, None] + hh[None, :], mask=hm & (xk >= 0)[:, None],
                                                other=0.0).to(tl.float32)
-                        if BASE_F32:  # a float32 out: the sum itself, not rounded
-                            tl.store(out_ptr + t[:, None] * H + hh[None, :], acc, mask=hm)
+                        if MODE.BASE_F32:  # a float32 out: the sum itself, not rounded
+                            tl.store(out_ptr + t[:, None] * DIM.H + hh[None, :], acc, mask=hm)
                         else:
-                            tl.store(out_ptr + t[:, None] * H + hh[None, :], to_bf16(acc, INTERP), mask=hm)
+                            tl.store(out_ptr + t[:, None] * DIM.H + hh[None, :], to_bf16(acc, MODE.INTERP), mask=hm)
         tl.store(state_ptr + P + pid, epoch)  # each program keeps its own epoch: no cross-program step
 
 
@@ -250,3 +253,37 @@ def _send_rows(y_ptr, wy_ptr, r, kk, out, wout, K: tl.constexpr, H: tl.constexpr
         hm = go[:, None] & (hh[None, :] < H)
         tl.store(out[:, None] + hh[None, :], tl.load(y_ptr + rk[:, None] * H + hh[None, :], mask=hm), mask=hm)
 
+
+@triton.jit
+def combine_kernel(
+    # node_combine_kernel's runtime arguments, in its order
+    y_ptr, topk_ptr, out_ptr, ws, peer_ptr, state_ptr, err_ptr, recv_pos_ptr, timeout_ns, T, wy_ptr, wout_ptr,
+    cw_ptr, xrows_ptr, xrecv_ptr,
+    # its constexprs, one by one
+    off_cflag: tl.constexpr, off_wflag: tl.constexpr, off_hdr: tl.constexpr, off_meta_w: tl.constexpr,
+    off_comb: tl.constexpr,
+    RANK: tl.constexpr, NODE0: tl.constexpr, N: tl.constexpr, M: tl.constexpr, K: tl.constexpr, E: tl.constexpr,
+    EL: tl.constexpr, H: tl.constexpr, HDR: tl.constexpr, CMAX: tl.constexpr, BASE_F32: tl.constexpr,
+    WEIGHTS: tl.constexpr, PUSH: tl.constexpr, SEND: tl.constexpr, RECV: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HR: tl.constexpr,
+    BLOCK_TR: tl.constexpr,
+    STAGES: tl.constexpr, INTERP: tl.constexpr, ROWS: tl.constexpr, OWN_Y: tl.constexpr, WIN: tl.constexpr,
+    WOUT: tl.constexpr, off_comb_w: tl.constexpr,
+    XROWS: tl.constexpr = False, XCRB: tl.constexpr = 0, XMAX: tl.constexpr = 0,
+):
+    """``node_combine_kernel`` with every constexpr a parameter of its own: the form the inter-node
+    kernels (``moe_ep.internode``) call for the node peers' part; it builds the groups (the sizes
+    a combine does not read as 0) and goes once they pass them."""
+    node_combine_kernel(
+        y_ptr, topk_ptr, out_ptr, ws, peer_ptr, state_ptr, err_ptr, recv_pos_ptr, timeout_ns, T, wy_ptr, wout_ptr,
+        cw_ptr, xrows_ptr, xrecv_ptr,
+        SEND=SEND, RECV=RECV, PUSH=PUSH,
+        OFF=Offsets(comb_flag=off_cflag, wgt_flag=off_wflag, hdr=off_hdr, meta_w=off_meta_w, comb=off_comb,
+                    comb_w=off_comb_w),
+        DIM=Dims(RANK=RANK, NODE0=NODE0, R=0, N=N, M=M, K=K, E=E, EL=EL, H=H, W=0, NB=0, RB=0, HDR=HDR, CMAX=CMAX,
+                 ALIGN=0, CAP=0),
+        MODE=CombineModes(BASE_F32=BASE_F32, WEIGHTS=WEIGHTS, ROWS=ROWS, OWN_Y=OWN_Y, WIN=WIN, WOUT=WOUT,
+                          INTERP=INTERP, XROWS=XROWS),
+        TILE=CombineTiles(BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, BLOCK_H=BLOCK_H, BLOCK_HR=BLOCK_HR, BLOCK_TR=BLOCK_TR,
+                          STAGES=STAGES),
+        XCRB=XCRB, XMAX=XMAX)

@@ -353,10 +353,8 @@ def _own_rows_step(v, vs, nt, nm, x_ptr, xs_ptr, t, tm, r, kk, out_x_ptr, out_s_
 
 
 @triton.jit
-def own_rows_in_blocks(v, vs, s, c, hdr, recv_pos_ptr, x_ptr, xs_ptr, kk, out_x_ptr, out_s_ptr, M: tl.constexpr,
-                       K: tl.constexpr, KS: tl.constexpr, H: tl.constexpr, NB: tl.constexpr, HDR: tl.constexpr,
-                       CMAX: tl.constexpr, FP8: tl.constexpr, PREQ: tl.constexpr, BLOCK_TS: tl.constexpr,
-                       BLOCK_HS: tl.constexpr, INTERP: tl.constexpr, PREFETCH: tl.constexpr, CM_ROWS: tl.constexpr):
+def own_rows_in_blocks(v, vs, s, c, hdr, kk, io, DIM: tl.constexpr, MODE: tl.constexpr, TILE: tl.constexpr,
+                       KS: tl.constexpr, CM_ROWS: tl.constexpr):
     """Chunk ``c`` of this rank's own rows (source ``s``), ``store_own_rows`` in sub-blocks of
     ``BLOCK_TS`` tokens (tiles of ``BLOCK_HS`` channels), each token stored as ``KS`` rows: 1 (rows
     layout: ``recv_pos[s, t, 0]``) or K (masked, packed: ``recv_pos[s, t, :K]``). A large chunk
@@ -368,28 +366,29 @@ def own_rows_in_blocks(v, vs, s, c, hdr, recv_pos_ptr, x_ptr, xs_ptr, kk, out_x_
     asked for the first ones of a program's first chunk), so the loop's loads hit the L2: more
     bytes in flight than its registers hold."""
     tl.debug_barrier()  # every thread's recv_pos stores of this chunk before they are read back
-    ts = tl.load(hdr + s * HDR)
-    BT = chunking(ts, CMAX)[0]
-    ar = tl.arange(0, BLOCK_TS)
-    rpos = recv_pos_ptr + (s * M + c * BT).to(tl.int64) * K
-    row = _sub_block_rows(rpos, ar, (ar < BT) & (c * BT + ar < ts), kk, K, KS)
+    ts = tl.load(hdr + s * DIM.HDR)
+    BT = chunking(ts, DIM.CMAX)[0]
+    ar = tl.arange(0, TILE.BLOCK_TS)
+    rpos = io.recv_pos_ptr + (s * DIM.M + c * BT).to(tl.int64) * DIM.K
+    row = _sub_block_rows(rpos, ar, (ar < BT) & (c * BT + ar < ts), kk, DIM.K, KS)
     end = tl.minimum(BT, ts - c * BT)
-    for b in range(0, BT, BLOCK_TS):
-        if PREFETCH > 0:
-            ahead = b + PREFETCH * BLOCK_TS
-            own_prefetch(x_ptr, c * BT + ahead, tl.minimum(BLOCK_TS, end - ahead), H, INTERP)
+    for b in range(0, BT, TILE.BLOCK_TS):
+        if TILE.PREFETCH > 0:
+            ahead = b + TILE.PREFETCH * TILE.BLOCK_TS
+            own_prefetch(io.x_ptr, c * BT + ahead, tl.minimum(TILE.BLOCK_TS, end - ahead), DIM.H, MODE.INTERP)
         tb = c * BT + b + ar
-        nxt = b + BLOCK_TS + ar
+        nxt = b + TILE.BLOCK_TS + ar
         nm = (nxt < BT) & (c * BT + nxt < ts)
-        row_n = _sub_block_rows(rpos, nxt, nm, kk, K, KS)  # the next sub-block's rows, in flight meanwhile
+        row_n = _sub_block_rows(rpos, nxt, nm, kk, DIM.K, KS)  # the next sub-block's rows, in flight meanwhile
         r = row.to(tl.int64)
         if KS == 1:
             r, has = tl.where(kk[None, :] == 0, r[:, None], -1), r >= 0
         else:
             has = tl.max(r, axis=1) >= 0
-        v, vs = store_own_rows(v=v, vs=vs, nt=c * BT + nxt, nm=nm, x_ptr=x_ptr, xs_ptr=xs_ptr, t=tb, tm=has, r=r, kk=kk,
-                               out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr, KS=KS, H=H, NB=NB, FP8=FP8, PREQ=PREQ,
-                               BLOCK_T=BLOCK_TS, BLOCK_H=BLOCK_HS, INTERP=INTERP, CM_ROWS=CM_ROWS)
+        v, vs = store_own_rows(v=v, vs=vs, nt=c * BT + nxt, nm=nm, x_ptr=io.x_ptr, xs_ptr=io.xs_ptr, t=tb, tm=has, r=r,
+                               kk=kk, out_x_ptr=io.out_x_ptr, out_s_ptr=io.out_s_ptr, KS=KS, H=DIM.H, NB=DIM.NB,
+                               FP8=MODE.FP8, PREQ=MODE.PREQ, BLOCK_T=TILE.BLOCK_TS, BLOCK_H=TILE.BLOCK_HS,
+                               INTERP=MODE.INTERP, CM_ROWS=CM_ROWS)
         row = row_n
 
 
@@ -519,28 +518,27 @@ def payload_cols(h0, tm, H: tl.constexpr, NB: tl.constexpr, FP8: tl.constexpr, B
 
 
 @triton.jit
-def landed_chunk(ws, hdr, s, c, err_ptr, epoch, par, t0_ns, timeout_ns, off_dflag: tl.constexpr,
-                 RANK: tl.constexpr, NODE0: tl.constexpr, N: tl.constexpr, M: tl.constexpr, HDR: tl.constexpr,
-                 CMAX: tl.constexpr, BLOCK_T: tl.constexpr, SELF_SYNC: tl.constexpr, INTERP: tl.constexpr):
+def landed_chunk(s, c, hdr, io, at, OFF: tl.constexpr, DIM: tl.constexpr, MODE: tl.constexpr, TILE: tl.constexpr,
+                 SELF_SYNC: tl.constexpr):
     """Dispatch receive side: waits for chunk ``c`` of node source ``s`` (if the source has that
     chunk, from its header ``hdr``); returns ``(ok, t, tm, slot)``: whether it landed (0 also for
     no such chunk), the chunk's token indices, their mask, their workspace slots (int64).
     ``SELF_SYNC`` (both halves in one launch): chunk ``c`` of this rank itself was sent by this
     very program an iteration earlier, and a CTA barrier since orders its writes before these
     reads, so it is not waited for (its flag is not raised either)."""
-    ts = tl.load(hdr + s * HDR)
-    BT, NC = chunking(ts, CMAX)
+    ts = tl.load(hdr + s * DIM.HDR)
+    BT, NC = chunking(ts, DIM.CMAX)
     ok = tl.full([], 0, tl.int32)
     if c < NC:
         if SELF_SYNC:  # one launch: this program itself wrote its own chunk (no flag, no wait)
             ok = tl.full([], 1, tl.int32)
-            if s != RANK:
-                ok = wait_flag(ptr_at(ws, off_dflag, tl.int64) + s * CMAX + c, epoch, t0_ns, timeout_ns, err_ptr,
-                               NODE0 + s, PHASE_DISPATCH, INTERP)
+            if s != DIM.RANK:
+                ok = wait_flag(ptr_at(io.ws, OFF.disp_flag, tl.int64) + s * DIM.CMAX + c, at.epoch, at.t0_ns,
+                               at.timeout_ns, io.err_ptr, DIM.NODE0 + s, PHASE_DISPATCH, MODE.INTERP)
         else:
-            ok = wait_flag(ptr_at(ws, off_dflag, tl.int64) + s * CMAX + c, epoch, t0_ns, timeout_ns, err_ptr,
-                           NODE0 + s, PHASE_DISPATCH, INTERP)
-    rr = tl.arange(0, BLOCK_T)
+            ok = wait_flag(ptr_at(io.ws, OFF.disp_flag, tl.int64) + s * DIM.CMAX + c, at.epoch, at.t0_ns, at.timeout_ns,
+                           io.err_ptr, DIM.NODE0 + s, PHASE_DISPATCH, MODE.INTERP)
+    rr = tl.arange(0, TILE.BLOCK_T)
     t = c * BT + rr
     tm = (rr < BT) & (t < ts)
-    return ok, t, tm, (s * M + t).to(tl.int64) + par * (N * M)
+    return ok, t, tm, (s * DIM.M + t).to(tl.int64) + at.par * (DIM.N * DIM.M)

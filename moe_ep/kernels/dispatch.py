@@ -24,6 +24,7 @@ import triton.language as tl
 from .common import (ERR_BAD_EXPERT, ERR_CAPACITY, PHASE_DISPATCH, abort_combines, chunking, deadline_start,
                      first_own_tile, landed_chunk, own_prefetch, own_rows_in_blocks, payload_cols, payload_tile,
                      ptr_at, raise_flag, record_error, scale_ptr, store_own_rows, wait_flag)
+from .args import Clock, DispatchIO, DispatchModes, DispatchTiles, Dims, Offsets
 from .rows import on_peer, recv_rows_chunk, tokens_before
 
 
@@ -48,190 +49,172 @@ def local_counts(topk_ptr, hist_ptr, T, NC, d, E: tl.constexpr, EL: tl.constexpr
 
 
 @triton.jit
-def _send_chunk(c, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, err_ptr, peer_ptr, route_ptr, T, BT, epoch, par,
-                off_dflag: tl.constexpr, off_meta_i: tl.constexpr, off_meta_w: tl.constexpr, off_rows: tl.constexpr,
-                RANK: tl.constexpr, NODE0: tl.constexpr, N: tl.constexpr, M: tl.constexpr, K: tl.constexpr,
-                E: tl.constexpr, EL: tl.constexpr, H: tl.constexpr, NB: tl.constexpr, RB: tl.constexpr,
-                CMAX: tl.constexpr, FP8: tl.constexpr, PREQ: tl.constexpr, DIRECT: tl.constexpr, BLOCK_T: tl.constexpr,
-                BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr,
-                INTERP: tl.constexpr, ROWS: tl.constexpr, OWN_X: tl.constexpr, SELF_SYNC: tl.constexpr):
+def _send_chunk(c, io, at, OFF: tl.constexpr, DIM: tl.constexpr, MODE: tl.constexpr, TILE: tl.constexpr,
+                SELF_SYNC: tl.constexpr):
     """Chunk ``c`` (tokens [c*BT, (c+1)*BT)): the buffer's copy of its expert ids (what combine
     reads, so the caller may reuse ``topk_idx``), metadata to every peer, the payload once per
     destination rank, then the chunk's flag in every peer. ``ROWS``: the metadata's ``j`` columns
     carry the token's row among this rank's rows for the peer (``kernels/rows.py``); ``OWN_X``:
     no payload for this rank itself (its receive half reads ``x``); ``SELF_SYNC``: no flag for
     this rank itself (``landed_chunk``)."""
-    S: tl.constexpr = BLOCK_T * BLOCK_K
-    tt = tl.arange(0, BLOCK_T)
-    kk = tl.arange(0, BLOCK_K)
+    S: tl.constexpr = TILE.BLOCK_T * TILE.BLOCK_K
+    tt = tl.arange(0, TILE.BLOCK_T)
+    kk = tl.arange(0, TILE.BLOCK_K)
     ff = tl.arange(0, S)
-    cc = tl.arange(0, BLOCK_C)
-    t = c * BT + tt
-    tm = (tt < BT) & (t < T)
-    m2 = tm[:, None] & (kk[None, :] < K)
-    ids = tl.load(topk_ptr + t[:, None] * K + kk[None, :], mask=m2, other=-1).to(tl.int32)
-    valid = m2 & (ids >= 0) & (ids < E)
-    if DIRECT:  # no routing-histogram launch checked the ids: out-of-range ones count as -1, reported
-        bad = tl.sum((m2 & ((ids < -1) | (ids >= E))).to(tl.int32))
+    cc = tl.arange(0, TILE.BLOCK_C)
+    t = c * io.BT + tt
+    tm = (tt < io.BT) & (t < io.T)
+    m2 = tm[:, None] & (kk[None, :] < DIM.K)
+    ids = tl.load(io.topk_ptr + t[:, None] * DIM.K + kk[None, :], mask=m2, other=-1).to(tl.int32)
+    valid = m2 & (ids >= 0) & (ids < DIM.E)
+    if MODE.DIRECT:  # no routing-histogram launch checked the ids: out-of-range ones count as -1, reported
+        bad = tl.sum((m2 & ((ids < -1) | (ids >= DIM.E))).to(tl.int32))
         if bad > 0:
-            record_error(err_ptr, ERR_BAD_EXPERT, -1, PHASE_DISPATCH, epoch, bad)
+            record_error(io.err_ptr, ERR_BAD_EXPERT, -1, PHASE_DISPATCH, at.epoch, bad)
     ids = tl.where(valid, ids, -1)
-    tl.store(route_ptr + t[:, None] * K + kk[None, :], ids, mask=m2)
-    w = tl.load(w_ptr + t[:, None] * K + kk[None, :], mask=m2, other=0.0)
+    tl.store(io.route_ptr + t[:, None] * DIM.K + kk[None, :], ids, mask=m2)
+    w = tl.load(io.w_ptr + t[:, None] * DIM.K + kk[None, :], mask=m2, other=0.0)
     idf = tl.reshape(ids, (S,))
     vf = idf >= 0
     # Position j of each selection among this rank's selections of its expert, which fixes the
     # order (source rank, token, k): earlier chunks + earlier in this chunk.
     pre = tl.zeros((S,), tl.int32)
-    if ROWS:
+    if MODE.ROWS:
         pass  # no per-expert positions: the rows layout places whole tokens
-    elif DIRECT:
-        for f0 in range(0, c * BT * K, 256):
+    elif MODE.DIRECT:
+        for f0 in range(0, c * io.BT * DIM.K, 256):
             ff2 = f0 + tl.arange(0, 256)
-            prev = tl.load(topk_ptr + ff2, mask=ff2 < c * BT * K, other=-1).to(tl.int32)
+            prev = tl.load(io.topk_ptr + ff2, mask=ff2 < c * io.BT * DIM.K, other=-1).to(tl.int32)
             pre += tl.sum((idf[:, None] == prev[None, :]).to(tl.int32), axis=1)
     else:
-        for c1 in range(0, c, BLOCK_C):
-            pre += tl.sum(tl.load(hist_ptr + idf[:, None] * CMAX + c1 + cc[None, :],
+        for c1 in range(0, c, TILE.BLOCK_C):
+            pre += tl.sum(tl.load(io.hist_ptr + idf[:, None] * DIM.CMAX + c1 + cc[None, :],
                                   mask=vf[:, None] & (c1 + cc[None, :] < c), other=0), axis=1)
     within = tl.sum(((idf[:, None] == idf[None, :]) & (ff[None, :] < ff[:, None])).to(tl.int32), axis=1)
-    j = tl.reshape(pre + within, (BLOCK_T, BLOCK_K))
+    j = tl.reshape(pre + within, (TILE.BLOCK_T, TILE.BLOCK_K))
     # Node peer of each selection (global rank - NODE0); one outside [0, N) is on another node.
-    dst = tl.where(valid, ids // EL - NODE0, -1)
-    slot = (RANK * M + t).to(tl.int64) + par * (N * M)
-    for d in tl.static_range(N):
-        base = tl.load(peer_ptr + d)
+    dst = tl.where(valid, ids // DIM.EL - DIM.NODE0, -1)
+    slot = (DIM.RANK * DIM.M + t).to(tl.int64) + at.par * (DIM.N * DIM.M)
+    for d in tl.static_range(DIM.N):
+        base = tl.load(io.peer_ptr + d)
         # Metadata goes to every peer (ids -1 where the token is not for it): it is how the
         # receiver tells this epoch's rows from stale ones without any reset.
-        lid = tl.where(dst == d, ids - (NODE0 + d) * EL, -1)
-        mi = ptr_at(base, off_meta_i, tl.int32) + slot[:, None] * (2 * K) + kk[None, :]
+        lid = tl.where(dst == d, ids - (DIM.NODE0 + d) * DIM.EL, -1)
+        mi = ptr_at(base, OFF.meta_i, tl.int32) + slot[:, None] * (2 * DIM.K) + kk[None, :]
         tl.store(mi, lid, mask=m2)
-        if ROWS:  # the token's row among this rank's rows for d: earlier chunks + earlier in the chunk
-            on = on_peer(ids, d, NODE0, EL)
-            pos = tokens_before(topk_ptr=topk_ptr, hist_ptr=hist_ptr, c=c, BT=BT, T=T, d=d, NODE0=NODE0, E=E, EL=EL,
-                                K=K, CMAX=CMAX, DIRECT=DIRECT, BLOCK_K=BLOCK_K) + \
+        if MODE.ROWS:  # the token's row among this rank's rows for d: earlier chunks + earlier in the chunk
+            on = on_peer(ids, d, DIM.NODE0, DIM.EL)
+            pos = tokens_before(topk_ptr=io.topk_ptr, hist_ptr=io.hist_ptr, c=c, BT=io.BT, T=io.T, d=d,
+                                NODE0=DIM.NODE0, E=DIM.E, EL=DIM.EL, K=DIM.K, CMAX=DIM.CMAX, DIRECT=MODE.DIRECT,
+                                BLOCK_K=TILE.BLOCK_K) + \
                 tl.cumsum(on, 0) - on
-            tl.store(mi + K, tl.broadcast_to(pos[:, None], (BLOCK_T, BLOCK_K)), mask=m2)
+            tl.store(mi + DIM.K, tl.broadcast_to(pos[:, None], (TILE.BLOCK_T, TILE.BLOCK_K)), mask=m2)
         else:
-            tl.store(mi + K, j, mask=m2)
-        mw = ptr_at(base, off_meta_w, tl.float32) + slot[:, None] * K + kk[None, :]
+            tl.store(mi + DIM.K, j, mask=m2)
+        mw = ptr_at(base, OFF.meta_w, tl.float32) + slot[:, None] * DIM.K + kk[None, :]
         tl.store(mw, w, mask=m2)
     # Payload: read (and quantize) each tile once, store it to every destination rank.
-    if not (OWN_X and N == 1):  # OWN_X alone in its node: no payload goes through the workspace
-        if OWN_X:  # only tokens bound for another node peer are read here
-            tm = tm & (tl.max(((dst >= 0) & (dst < N) & (dst != RANK)).to(tl.int32), axis=1) > 0)
-        for h0 in tl.range(0, H, BLOCK_H, num_stages=STAGES):
-            hh, hm, bb, bm = payload_cols(h0, tm, H, NB, FP8, BLOCK_H)
-            q, sc = payload_tile(x_ptr=x_ptr, xs_ptr=xs_ptr, t=t, hh=hh, hm=hm, bb=bb, bm=bm, H=H, NB=NB, FP8=FP8,
-                                 PREQ=PREQ, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, INTERP=INTERP)
-            for d in tl.static_range(N):
-                if not (OWN_X and d == RANK):
+    if not (MODE.OWN_X and DIM.N == 1):  # OWN_X alone in its node: no payload goes through the workspace
+        if MODE.OWN_X:  # only tokens bound for another node peer are read here
+            tm = tm & (tl.max(((dst >= 0) & (dst < DIM.N) & (dst != DIM.RANK)).to(tl.int32), axis=1) > 0)
+        for h0 in tl.range(0, DIM.H, TILE.BLOCK_H, num_stages=TILE.STAGES):
+            hh, hm, bb, bm = payload_cols(h0, tm, DIM.H, DIM.NB, MODE.FP8, TILE.BLOCK_H)
+            q, sc = payload_tile(x_ptr=io.x_ptr, xs_ptr=io.xs_ptr, t=t, hh=hh, hm=hm, bb=bb, bm=bm, H=DIM.H, NB=DIM.NB,
+                                 FP8=MODE.FP8, PREQ=MODE.PREQ, BLOCK_T=TILE.BLOCK_T, BLOCK_H=TILE.BLOCK_H,
+                                 INTERP=MODE.INTERP)
+            for d in tl.static_range(DIM.N):
+                if not (MODE.OWN_X and d == DIM.RANK):
                     go = tl.max((dst == d).to(tl.int32), axis=1) > 0
-                    base = tl.load(peer_ptr + d)
-                    if FP8:
-                        tl.store(ptr_at(base, off_rows, tl.uint8) + slot[:, None] * RB + hh[None, :], q,
+                    base = tl.load(io.peer_ptr + d)
+                    if MODE.FP8:
+                        tl.store(ptr_at(base, OFF.rows, tl.uint8) + slot[:, None] * DIM.RB + hh[None, :], q,
                                  mask=hm & go[:, None])
-                        tl.store(ptr_at(base, off_rows, tl.float32) + slot[:, None] * (RB // 4) + H // 4 + bb[None, :],
-                                 sc, mask=bm & go[:, None])
+                        tl.store(ptr_at(base, OFF.rows, tl.float32) + slot[:, None] * (DIM.RB // 4) + DIM.H // 4
+                                 + bb[None, :], sc, mask=bm & go[:, None])
                     else:
-                        tl.store(ptr_at(base, off_rows, tl.bfloat16) + slot[:, None] * (RB // 2) + hh[None, :], q,
+                        tl.store(ptr_at(base, OFF.rows, tl.bfloat16) + slot[:, None] * (DIM.RB // 2) + hh[None, :], q,
                                  mask=hm & go[:, None])
     tl.debug_barrier()  # every thread's stores happen before the flag's release
-    for d in tl.static_range(N):
+    for d in tl.static_range(DIM.N):
         # (A system-scope release waits for every store of the program before it: skipping the
         # one this rank does not need keeps them in flight at R = 1.)
-        if not (SELF_SYNC and d == RANK):
-            raise_flag(ptr_at(tl.load(peer_ptr + d), off_dflag, tl.int64) + RANK * CMAX + c, epoch)
+        if not (SELF_SYNC and d == DIM.RANK):
+            raise_flag(ptr_at(tl.load(io.peer_ptr + d), OFF.disp_flag, tl.int64) + DIM.RANK * DIM.CMAX + c, at.epoch)
 
 
 @triton.jit
-def _recv_chunk(v, vs, s, c, ws, hdr, sel_ptr, scratch_ptr, x_ptr, xs_ptr, out_x_ptr, out_s_ptr, recv_pos_ptr,
-                err_ptr, epoch, par, t0_ns, timeout_ns, off_dflag: tl.constexpr, off_meta_i: tl.constexpr,
-                off_rows: tl.constexpr, RANK: tl.constexpr, NODE0: tl.constexpr, EL: tl.constexpr,
-                GLOBAL: tl.constexpr, N: tl.constexpr, M: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
-                H: tl.constexpr, NB: tl.constexpr, RB: tl.constexpr, HDR: tl.constexpr, CMAX: tl.constexpr,
-                CAP: tl.constexpr, PACKED: tl.constexpr, FP8: tl.constexpr, PREQ: tl.constexpr, OWN_X: tl.constexpr,
-                BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr,
-                BLOCK_TS: tl.constexpr, BLOCK_HS: tl.constexpr, BLOCK_NB: tl.constexpr, STAGES: tl.constexpr,
-                SELF_SYNC: tl.constexpr, INTERP: tl.constexpr, PREFETCH: tl.constexpr, CM_ROWS: tl.constexpr):
+def _recv_chunk(v, vs, s, c, hdr, scratch_ptr, io, at, OFF: tl.constexpr, DIM: tl.constexpr,
+                MODE: tl.constexpr, TILE: tl.constexpr, SELF_SYNC: tl.constexpr):
     """Waits for chunk ``c`` of source ``s``, then copies each of its rows to every position its
     selections have in the expert layout and records those positions in ``recv_pos``. ``OWN_X``:
     this rank's own rows (``s == RANK``) come from ``x`` (quantized here for fp8), not the workspace,
     in sub-blocks of ``BLOCK_TS`` tokens (tiles of ``BLOCK_HS`` channels) when the chunk is larger,
     and ``v, vs`` is their first tile (``first_own_tile``, loaded by the caller)."""
-    ok, t, tm, slot = landed_chunk(ws=ws, hdr=hdr, s=s, c=c, err_ptr=err_ptr, epoch=epoch, par=par, t0_ns=t0_ns,
-                                   timeout_ns=timeout_ns, off_dflag=off_dflag, RANK=RANK, NODE0=NODE0, N=N, M=M,
-                                   HDR=HDR, CMAX=CMAX, BLOCK_T=BLOCK_T, SELF_SYNC=SELF_SYNC, INTERP=INTERP)
+    ok, t, tm, slot = landed_chunk(s, c, hdr, io, at, OFF, DIM, MODE, TILE, SELF_SYNC)
     if ok != 0:
-        kk = tl.arange(0, BLOCK_K)
-        m2 = tm[:, None] & (kk[None, :] < K)
-        meta = ptr_at(ws, off_meta_i, tl.int32)
-        lid = tl.load(meta + slot[:, None] * (2 * K) + kk[None, :], mask=m2, other=-1)
-        j = tl.load(meta + slot[:, None] * (2 * K) + K + kk[None, :], mask=m2, other=0)
+        kk = tl.arange(0, TILE.BLOCK_K)
+        m2 = tm[:, None] & (kk[None, :] < DIM.K)
+        meta = ptr_at(io.ws, OFF.meta_i, tl.int32)
+        lid = tl.load(meta + slot[:, None] * (2 * DIM.K) + kk[None, :], mask=m2, other=-1)
+        j = tl.load(meta + slot[:, None] * (2 * DIM.K) + DIM.K + kk[None, :], mask=m2, other=0)
         valid = m2 & (lid >= 0)
         # Rows of expert e from sources below s come first (deterministic order); with other
         # nodes, every global source below this one, from the count matrix.
         pos = j
-        if GLOBAL:
-            for s2 in range(NODE0 + s):
-                pos += tl.load(sel_ptr + s2 * EL + lid, mask=valid, other=0)
+        if MODE.GLOBAL:
+            for s2 in range(DIM.NODE0 + s):
+                pos += tl.load(io.sel_ptr + s2 * DIM.EL + lid, mask=valid, other=0)
         else:
             for s2 in range(s):
-                pos += tl.load(hdr + s2 * HDR + 1 + lid, mask=valid, other=0)
-        if PACKED:
+                pos += tl.load(hdr + s2 * DIM.HDR + 1 + lid, mask=valid, other=0)
+        if MODE.PACKED:
             r = tl.load(scratch_ptr + lid, mask=valid, other=0) + pos
-            valid = valid & (r < CAP)
+            valid = valid & (r < DIM.CAP)
         else:
-            valid = valid & (pos < CAP)
-            r = lid * CAP + pos
+            valid = valid & (pos < DIM.CAP)
+            r = lid * DIM.CAP + pos
         r = tl.where(valid, r, -1)
-        tl.store(recv_pos_ptr + (s * M + t)[:, None] * K + kk[None, :], r, mask=m2)
+        tl.store(io.recv_pos_ptr + (s * DIM.M + t)[:, None] * DIM.K + kk[None, :], r, mask=m2)
         r = r.to(tl.int64)
-        if OWN_X and (s == RANK):
+        if MODE.OWN_X and (s == DIM.RANK):
             # Own rows straight from x: one read (and one quantization) feeds the K stores, and
             # nothing goes through the workspace (at R = 1 that is all rows).
-            if BLOCK_TS == BLOCK_T:
-                store_own_rows(v=v, vs=vs, nt=t, nm=t < 0, x_ptr=x_ptr, xs_ptr=xs_ptr, t=t, tm=tm, r=r, kk=kk,
-                               out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr, KS=K, H=H, NB=NB, FP8=FP8, PREQ=PREQ,
-                               BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, INTERP=INTERP,
-                               CM_ROWS=CM_ROWS)  # (t < 0: no tokens after these)
+            if TILE.BLOCK_TS == TILE.BLOCK_T:
+                store_own_rows(v=v, vs=vs, nt=t, nm=t < 0, x_ptr=io.x_ptr, xs_ptr=io.xs_ptr, t=t, tm=tm, r=r, kk=kk,
+                               out_x_ptr=io.out_x_ptr, out_s_ptr=io.out_s_ptr, KS=DIM.K, H=DIM.H, NB=DIM.NB,
+                               FP8=MODE.FP8, PREQ=MODE.PREQ, BLOCK_T=TILE.BLOCK_T, BLOCK_H=TILE.BLOCK_H,
+                               INTERP=MODE.INTERP, CM_ROWS=TILE.CM_ROWS)  # (t < 0: no tokens after these)
             else:
-                own_rows_in_blocks(v=v, vs=vs, s=s, c=c, hdr=hdr, recv_pos_ptr=recv_pos_ptr, x_ptr=x_ptr, xs_ptr=xs_ptr,
-                                   kk=kk, out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr, M=M, K=K, KS=K, H=H, NB=NB, HDR=HDR,
-                                   CMAX=CMAX, FP8=FP8, PREQ=PREQ, BLOCK_TS=BLOCK_TS, BLOCK_HS=BLOCK_HS, INTERP=INTERP,
-                                   PREFETCH=PREFETCH, CM_ROWS=CM_ROWS)
+                own_rows_in_blocks(v, vs, s, c, hdr, kk, io, DIM, MODE, TILE, KS=DIM.K, CM_ROWS=TILE.CM_ROWS)
         else:
-            _expand_rows(src=ptr_at(ws, off_rows, tl.int32) + slot * (RB // 4), r=r, tm=tm, kk=kk, out_x_ptr=out_x_ptr,
-                         out_s_ptr=out_s_ptr, K=K, W=W, H=H, NB=NB, FP8=FP8, BLOCK_W=BLOCK_W, BLOCK_NB=BLOCK_NB,
-                         STAGES=STAGES, CM_ROWS=CM_ROWS)
+            _expand_rows(ptr_at(io.ws, OFF.rows, tl.int32) + slot * (DIM.RB // 4), r, tm, kk, io, DIM, MODE, TILE)
 
 
 @triton.jit
-def _expand_rows(src, r, tm, kk, out_x_ptr, out_s_ptr, K: tl.constexpr, W: tl.constexpr, H: tl.constexpr,
-                 NB: tl.constexpr, FP8: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_NB: tl.constexpr,
-                 STAGES: tl.constexpr, CM_ROWS: tl.constexpr):
+def _expand_rows(src, r, tm, kk, io, DIM: tl.constexpr, MODE: tl.constexpr, TILE: tl.constexpr):
     """Workspace rows ``src`` (int32 words) of a chunk's tokens (mask ``tm``) to the K positions
     ``r`` [tokens, BLOCK_K] (-1: none) of each: each tile read once, stored K times (the scales
     at ``scale_ptr``)."""
-    for w0 in tl.range(0, W, BLOCK_W, num_stages=STAGES):
-        ww = w0 + tl.arange(0, BLOCK_W)
-        wm = tm[:, None] & (ww[None, :] < W)
+    for w0 in tl.range(0, DIM.W, TILE.BLOCK_W, num_stages=TILE.STAGES):
+        ww = w0 + tl.arange(0, TILE.BLOCK_W)
+        wm = tm[:, None] & (ww[None, :] < DIM.W)
         v = tl.load(src[:, None] + ww[None, :], mask=wm)
-        for k in tl.static_range(K):
+        for k in tl.static_range(DIM.K):
             rk = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1)
-            tl.store(out_x_ptr + rk[:, None] * W + ww[None, :], v, mask=wm & (rk[:, None] >= 0), cache_modifier=".cs")
-    if FP8:
-        bb = tl.arange(0, BLOCK_NB)
-        bm = tm[:, None] & (bb[None, :] < NB)
-        sv = tl.load(src[:, None].to(tl.pointer_type(tl.float32)) + H // 4 + bb[None, :], mask=bm)
-        for k in tl.static_range(K):
-            rk = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1)
-            tl.store(scale_ptr(out_s_ptr, rk[:, None], bb[None, :], NB, CM_ROWS), sv, mask=bm & (rk[:, None] >= 0),
+            tl.store(io.out_x_ptr + rk[:, None] * DIM.W + ww[None, :], v, mask=wm & (rk[:, None] >= 0),
                      cache_modifier=".cs")
+    if MODE.FP8:
+        bb = tl.arange(0, TILE.BLOCK_NB)
+        bm = tm[:, None] & (bb[None, :] < DIM.NB)
+        sv = tl.load(src[:, None].to(tl.pointer_type(tl.float32)) + DIM.H // 4 + bb[None, :], mask=bm)
+        for k in tl.static_range(DIM.K):
+            rk = tl.sum(tl.where(kk[None, :] == k, r, 0), axis=1)
+            tl.store(scale_ptr(io.out_s_ptr, rk[:, None], bb[None, :], DIM.NB, TILE.CM_ROWS), sv,
+                     mask=bm & (rk[:, None] >= 0), cache_modifier=".cs")
 
 
 @triton.jit(do_not_specialize=['T', 'BT', 'NC', 'ws', 'timeout_ns'])
-def dispatch_kernel(
+def node_dispatch_kernel(
     x_ptr,             # [T, H] bf16, or uint8 (fp8 bytes) when PREQ
     xs_ptr,            # [T, NB] float32 scales when PREQ (else unused)
     topk_ptr,          # [T, K] int32/int64
@@ -256,6 +239,130 @@ def dispatch_kernel(
     recv_wts_ptr,      # ROWS: float32 [CAP, K] their weights (0 where the id is -1)
     recv_src_ptr,      # ROWS: int32 [CAP] source rank * M + source token of each received row
     num_recv_ptr,      # ROWS: int32 [1] received rows
+    SEND: tl.constexpr, RECV: tl.constexpr,  # the halves this launch does
+    OFF: tl.constexpr,   # Offsets: the workspace regions
+    DIM: tl.constexpr,   # Dims: the buffer's sizes
+    MODE: tl.constexpr,  # DispatchModes
+    TILE: tl.constexpr,  # DispatchTiles
+):
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    t0_ns = deadline_start(MODE.INTERP)
+    # Both halves in one launch: a program receives its own rank's chunks, which it sent itself
+    # (landed_chunk), without a flag.
+    SELF_SYNC: tl.constexpr = SEND and RECV
+    epoch = tl.load(state_ptr + pid) + 1
+    par = epoch & 1
+    hdr = ptr_at(ws, OFF.hdr, tl.int32) + par * DIM.N * DIM.HDR
+    # what the helpers take (named tuples: no code of their own)
+    at = Clock(epoch, par, t0_ns, timeout_ns)
+    io = DispatchIO(x_ptr=x_ptr, xs_ptr=xs_ptr, topk_ptr=topk_ptr, w_ptr=w_ptr, hist_ptr=hist_ptr, peer_ptr=peer_ptr,
+                    ws=ws, err_ptr=err_ptr, out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr, recv_pos_ptr=recv_pos_ptr,
+                    sel_ptr=sel_ptr, route_ptr=route_ptr, rows_from_ptr=rows_from_ptr, recv_ids_ptr=recv_ids_ptr,
+                    recv_wts_ptr=recv_wts_ptr, recv_src_ptr=recv_src_ptr, T=T, BT=BT)
+    if MODE.OWN_X and RECV and TILE.PREFETCH > 0 and TILE.BLOCK_TS < TILE.BLOCK_T and pid < NC:
+        # This program's first own chunk, asked of the L2 while the metadata below is made.
+        t0 = pid * BT
+        own_prefetch(x_ptr, t0, tl.minimum(tl.minimum(BT, TILE.PREFETCH * TILE.BLOCK_TS), T - t0), DIM.H, MODE.INTERP)
+    if SEND:
+        # Headers first (program d writes the one for rank d) and the first chunk, before any wait.
+        for d in range(pid, DIM.N, P):
+            cnt = local_counts(topk_ptr=topk_ptr, hist_ptr=hist_ptr, T=T, NC=NC, d=DIM.NODE0 + d, E=DIM.E, EL=DIM.EL,
+                               K=DIM.K, CMAX=DIM.CMAX, DIRECT=MODE.DIRECT, BLOCK_EL=TILE.BLOCK_EL, BLOCK_C=TILE.BLOCK_C)
+            base = tl.load(peer_ptr + d)
+            ph = ptr_at(base, OFF.hdr, tl.int32) + (par * DIM.N + DIM.RANK) * DIM.HDR
+            tl.store(ph, T)
+            ee = tl.arange(0, TILE.BLOCK_EL)
+            tl.store(ph + 1 + ee, cnt, mask=ee < DIM.EL)
+            if MODE.ROWS:  # this rank's rows for d: where d places the rows of the sources above this one
+                tl.store(ph + 1 + DIM.EL, tokens_before(topk_ptr=topk_ptr, hist_ptr=hist_ptr, c=NC, BT=BT, T=T, d=d,
+                                                        NODE0=DIM.NODE0, E=DIM.E, EL=DIM.EL, K=DIM.K, CMAX=DIM.CMAX,
+                                                        DIRECT=MODE.DIRECT, BLOCK_K=TILE.BLOCK_K))
+            tl.debug_barrier()
+            raise_flag(ptr_at(base, OFF.hdr_flag, tl.int64) + DIM.RANK, epoch)
+        if pid < NC:
+            _send_chunk(pid, io, at, OFF, DIM, MODE, TILE, SELF_SYNC)
+    ok = tl.full([], 1, tl.int32)
+    nrecv = 0
+    if RECV:
+        for s in range(DIM.N):
+            ok = ok & wait_flag(ptr_at(ws, OFF.hdr_flag, tl.int64) + s, epoch, t0_ns, timeout_ns, err_ptr,
+                                DIM.NODE0 + s, PHASE_DISPATCH, MODE.INTERP)
+        if ok != 0:
+            ee = tl.arange(0, TILE.BLOCK_EL)
+            em = ee < DIM.EL
+            tot = tl.zeros((TILE.BLOCK_EL,), tl.int32)
+            for s in range(DIM.N):
+                if not MODE.GLOBAL:
+                    tot += tl.load(hdr + s * DIM.HDR + 1 + ee, mask=em, other=0)
+                nrecv = tl.maximum(nrecv, chunking(tl.load(hdr + s * DIM.HDR), DIM.CMAX)[1])
+            if MODE.GLOBAL:  # every source of every node (the count matrix from the proxy's headers)
+                for s in range(DIM.R):
+                    tot += tl.load(sel_ptr + s * DIM.EL + ee, mask=em, other=0)
+            if MODE.ROWS:  # CAP = R * M rows: never over
+                over = tl.max(tot) < 0  # never: the rows layout holds every row
+                if pid == 0:
+                    nrows = tl.zeros([], tl.int32)
+                    if MODE.GLOBAL:
+                        for s in range(DIM.R):
+                            nrows += tl.load(rows_from_ptr + s)
+                    else:
+                        for s in range(DIM.N):
+                            nrows += tl.load(hdr + s * DIM.HDR + 1 + DIM.EL)
+                    tl.store(num_recv_ptr, nrows)
+            elif MODE.PACKED:
+                padded = (tot + DIM.ALIGN - 1) // DIM.ALIGN * DIM.ALIGN
+                incl = tl.cumsum(padded, 0)
+                total = tl.max(incl)
+                over = total > DIM.CAP
+                tl.store(scratch_ptr + pid * TILE.BLOCK_EL + ee, incl - padded)
+                if pid == 0:
+                    tl.store(offsets_ptr + ee, incl - padded, mask=em)
+                    tl.store(offsets_ptr + DIM.EL, total)
+            else:
+                over = tl.max(tot) > DIM.CAP
+            if over:  # detail: global expert << 32 | its rows; the node peers' combines learn it too
+                worst = tl.argmax(tot, axis=0)
+                info = ((DIM.NODE0 + DIM.RANK) * DIM.EL + worst).to(tl.int64) * 4294967296 + tl.max(tot)
+                record_error(err_ptr, ERR_CAPACITY, DIM.NODE0 + DIM.RANK, PHASE_DISPATCH, epoch, info)
+                if pid == 0:
+                    abort_combines(peer_ptr, info, OFF.comb_flag, DIM.RANK, DIM.N, DIM.CMAX)
+            if pid == 0:
+                tl.store(counts_ptr + ee, tot, mask=em)
+            tl.debug_barrier()
+    # Software pipeline: iteration i sends chunk i and expands chunk i - P (sent one iteration
+    # ago by the peers' program p, so it has usually landed): NVLink and local copies overlap.
+    LAG = P if SEND else 0
+    end = tl.maximum(NC if SEND else 0, (nrecv + LAG) if RECV else 0)
+    for i in range(pid + LAG, end, P):
+        if MODE.OWN_X and RECV:  # own chunk i - LAG: its first tile's loads go out before the send work
+            tt = tl.arange(0, TILE.BLOCK_TS)
+            v, vs = first_own_tile(x_ptr, xs_ptr, (i - LAG) * BT + tt, (tt < BT) & ((i - LAG) * BT + tt < T), DIM.H,
+                                   DIM.NB, MODE.FP8, MODE.PREQ, TILE.BLOCK_HS)
+        else:
+            v, vs = 0, 0
+        if SEND:
+            if i < NC:
+                _send_chunk(i, io, at, OFF, DIM, MODE, TILE, SELF_SYNC)
+        if RECV:
+            if ok != 0:
+                for s in range(DIM.N):
+                    if MODE.ROWS:
+                        recv_rows_chunk(v, vs, s, i - LAG, hdr, io, at, OFF, DIM, MODE, TILE, SELF_SYNC)
+                    else:
+                        _recv_chunk(v, vs, s, i - LAG, hdr, scratch_ptr + pid * TILE.BLOCK_EL, io, at, OFF, DIM, MODE,
+                                    TILE, SELF_SYNC)
+    if RECV:
+        tl.store(state_ptr + pid, epoch)  # each program keeps its own epoch: no cross-program step
+
+
+@triton.jit
+def dispatch_kernel(
+    # node_dispatch_kernel's runtime arguments, in its order
+    x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, peer_ptr, ws, state_ptr, err_ptr, out_x_ptr, out_s_ptr, counts_ptr,
+    offsets_ptr, recv_pos_ptr, scratch_ptr, sel_ptr, route_ptr, T, BT, NC, timeout_ns, rows_from_ptr, recv_ids_ptr,
+    recv_wts_ptr, recv_src_ptr, num_recv_ptr,
+    # its constexprs, one by one
     off_hflag: tl.constexpr, off_dflag: tl.constexpr, off_hdr: tl.constexpr, off_meta_i: tl.constexpr,
     off_meta_w: tl.constexpr, off_rows: tl.constexpr, off_cflag: tl.constexpr,
     RANK: tl.constexpr, NODE0: tl.constexpr, R: tl.constexpr, N: tl.constexpr, M: tl.constexpr,
@@ -267,136 +374,23 @@ def dispatch_kernel(
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_EL: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_NB: tl.constexpr, STAGES: tl.constexpr,
     INTERP: tl.constexpr, ROWS: tl.constexpr, OWN_X: tl.constexpr, BLOCK_TS: tl.constexpr, BLOCK_HS: tl.constexpr,
-    PREFETCH: tl.constexpr,  # own sub-blocks asked of the L2 ahead (prefetch_l2), 0 for none
-    CM_ROWS: tl.constexpr,   # fp8 scales column-major in blocks of this many rows (scale_ptr), 0: row-major
+    PREFETCH: tl.constexpr,
+    CM_ROWS: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    P = tl.num_programs(0)
-    t0_ns = deadline_start(INTERP)
-    # Both halves in one launch: a program receives its own rank's chunks, which it sent itself
-    # (landed_chunk), without a flag.
-    SELF_SYNC: tl.constexpr = SEND and RECV
-    epoch = tl.load(state_ptr + pid) + 1
-    par = epoch & 1
-    hdr = ptr_at(ws, off_hdr, tl.int32) + par * N * HDR
-    if OWN_X and RECV and PREFETCH > 0 and BLOCK_TS < BLOCK_T and pid < NC:
-        # This program's first own chunk, asked of the L2 while the metadata below is made.
-        t0 = pid * BT
-        own_prefetch(x_ptr, t0, tl.minimum(tl.minimum(BT, PREFETCH * BLOCK_TS), T - t0), H, INTERP)
-    if SEND:
-        # Headers first (program d writes the one for rank d) and the first chunk, before any wait.
-        for d in range(pid, N, P):
-            cnt = local_counts(topk_ptr=topk_ptr, hist_ptr=hist_ptr, T=T, NC=NC, d=NODE0 + d, E=E, EL=EL, K=K,
-                                CMAX=CMAX, DIRECT=DIRECT, BLOCK_EL=BLOCK_EL, BLOCK_C=BLOCK_C)
-            base = tl.load(peer_ptr + d)
-            ph = ptr_at(base, off_hdr, tl.int32) + (par * N + RANK) * HDR
-            tl.store(ph, T)
-            ee = tl.arange(0, BLOCK_EL)
-            tl.store(ph + 1 + ee, cnt, mask=ee < EL)
-            if ROWS:  # this rank's rows for d: where d places the rows of the sources above this one
-                tl.store(ph + 1 + EL, tokens_before(topk_ptr=topk_ptr, hist_ptr=hist_ptr, c=NC, BT=BT, T=T, d=d,
-                                                    NODE0=NODE0, E=E, EL=EL, K=K, CMAX=CMAX, DIRECT=DIRECT,
-                                                    BLOCK_K=BLOCK_K))
-            tl.debug_barrier()
-            raise_flag(ptr_at(base, off_hflag, tl.int64) + RANK, epoch)
-        if pid < NC:
-            _send_chunk(c=pid, x_ptr=x_ptr, xs_ptr=xs_ptr, topk_ptr=topk_ptr, w_ptr=w_ptr, hist_ptr=hist_ptr,
-                        err_ptr=err_ptr, peer_ptr=peer_ptr, route_ptr=route_ptr, T=T, BT=BT, epoch=epoch, par=par,
-                        off_dflag=off_dflag, off_meta_i=off_meta_i, off_meta_w=off_meta_w, off_rows=off_rows, RANK=RANK,
-                        NODE0=NODE0, N=N, M=M, K=K, E=E, EL=EL, H=H, NB=NB, RB=RB, CMAX=CMAX, FP8=FP8, PREQ=PREQ,
-                        DIRECT=DIRECT, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, BLOCK_C=BLOCK_C, BLOCK_H=BLOCK_H,
-                        STAGES=STAGES, INTERP=INTERP, ROWS=ROWS, OWN_X=OWN_X, SELF_SYNC=SELF_SYNC)
-    ok = tl.full([], 1, tl.int32)
-    nrecv = 0
-    if RECV:
-        for s in range(N):
-            ok = ok & wait_flag(ptr_at(ws, off_hflag, tl.int64) + s, epoch, t0_ns, timeout_ns, err_ptr, NODE0 + s,
-                                PHASE_DISPATCH, INTERP)
-        if ok != 0:
-            ee = tl.arange(0, BLOCK_EL)
-            em = ee < EL
-            tot = tl.zeros((BLOCK_EL,), tl.int32)
-            for s in range(N):
-                if not GLOBAL:
-                    tot += tl.load(hdr + s * HDR + 1 + ee, mask=em, other=0)
-                nrecv = tl.maximum(nrecv, chunking(tl.load(hdr + s * HDR), CMAX)[1])
-            if GLOBAL:  # every source of every node (the count matrix from the proxy's headers)
-                for s in range(R):
-                    tot += tl.load(sel_ptr + s * EL + ee, mask=em, other=0)
-            if ROWS:  # CAP = R * M rows: never over
-                over = tl.max(tot) < 0  # never: the rows layout holds every row
-                if pid == 0:
-                    nrows = tl.zeros([], tl.int32)
-                    if GLOBAL:
-                        for s in range(R):
-                            nrows += tl.load(rows_from_ptr + s)
-                    else:
-                        for s in range(N):
-                            nrows += tl.load(hdr + s * HDR + 1 + EL)
-                    tl.store(num_recv_ptr, nrows)
-            elif PACKED:
-                padded = (tot + ALIGN - 1) // ALIGN * ALIGN
-                incl = tl.cumsum(padded, 0)
-                total = tl.max(incl)
-                over = total > CAP
-                tl.store(scratch_ptr + pid * BLOCK_EL + ee, incl - padded)
-                if pid == 0:
-                    tl.store(offsets_ptr + ee, incl - padded, mask=em)
-                    tl.store(offsets_ptr + EL, total)
-            else:
-                over = tl.max(tot) > CAP
-            if over:  # detail: global expert << 32 | its rows; the node peers' combines learn it too
-                worst = tl.argmax(tot, axis=0)
-                info = ((NODE0 + RANK) * EL + worst).to(tl.int64) * 4294967296 + tl.max(tot)
-                record_error(err_ptr, ERR_CAPACITY, NODE0 + RANK, PHASE_DISPATCH, epoch, info)
-                if pid == 0:
-                    abort_combines(peer_ptr, info, off_cflag, RANK, N, CMAX)
-            if pid == 0:
-                tl.store(counts_ptr + ee, tot, mask=em)
-            tl.debug_barrier()
-    # Software pipeline: iteration i sends chunk i and expands chunk i - P (sent one iteration
-    # ago by the peers' program p, so it has usually landed): NVLink and local copies overlap.
-    LAG = P if SEND else 0
-    end = tl.maximum(NC if SEND else 0, (nrecv + LAG) if RECV else 0)
-    for i in range(pid + LAG, end, P):
-        if OWN_X and RECV:  # own chunk i - LAG: its first tile's loads go out before the send work
-            tt = tl.arange(0, BLOCK_TS)
-            v, vs = first_own_tile(x_ptr, xs_ptr, (i - LAG) * BT + tt, (tt < BT) & ((i - LAG) * BT + tt < T), H, NB,
-                                   FP8, PREQ, BLOCK_HS)
-        else:
-            v, vs = 0, 0
-        if SEND:
-            if i < NC:
-                _send_chunk(c=i, x_ptr=x_ptr, xs_ptr=xs_ptr, topk_ptr=topk_ptr, w_ptr=w_ptr, hist_ptr=hist_ptr,
-                            err_ptr=err_ptr, peer_ptr=peer_ptr, route_ptr=route_ptr, T=T, BT=BT, epoch=epoch, par=par,
-                            off_dflag=off_dflag, off_meta_i=off_meta_i, off_meta_w=off_meta_w, off_rows=off_rows,
-                            RANK=RANK, NODE0=NODE0, N=N, M=M, K=K, E=E, EL=EL, H=H, NB=NB, RB=RB, CMAX=CMAX, FP8=FP8,
-                            PREQ=PREQ, DIRECT=DIRECT, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, BLOCK_C=BLOCK_C,
-                            BLOCK_H=BLOCK_H, STAGES=STAGES, INTERP=INTERP, ROWS=ROWS, OWN_X=OWN_X, SELF_SYNC=SELF_SYNC)
-        if RECV:
-            if ok != 0:
-                for s in range(N):
-                    if ROWS:
-                        recv_rows_chunk(v=v, vs=vs, s=s, c=i - LAG, ws=ws, hdr=hdr, rows_from_ptr=rows_from_ptr,
-                                        x_ptr=x_ptr, xs_ptr=xs_ptr, out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr,
-                                        ids_ptr=recv_ids_ptr, wts_ptr=recv_wts_ptr, src_ptr=recv_src_ptr,
-                                        recv_pos_ptr=recv_pos_ptr, err_ptr=err_ptr, epoch=epoch, par=par, t0_ns=t0_ns,
-                                        timeout_ns=timeout_ns, off_dflag=off_dflag, off_meta_i=off_meta_i,
-                                        off_meta_w=off_meta_w, off_rows=off_rows, RANK=RANK, NODE0=NODE0, EL=EL,
-                                        GLOBAL=GLOBAL, N=N, M=M, K=K, W=W, H=H, NB=NB, RB=RB, HDR=HDR, CMAX=CMAX,
-                                        FP8=FP8, PREQ=PREQ, OWN_X=OWN_X, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K,
-                                        BLOCK_W=BLOCK_W, BLOCK_TS=BLOCK_TS, BLOCK_HS=BLOCK_HS, BLOCK_NB=BLOCK_NB,
-                                        STAGES=STAGES, SELF_SYNC=SELF_SYNC, INTERP=INTERP, PREFETCH=PREFETCH)
-                    else:
-                        _recv_chunk(v=v, vs=vs, s=s, c=i - LAG, ws=ws, hdr=hdr, sel_ptr=sel_ptr,
-                                    scratch_ptr=scratch_ptr + pid * BLOCK_EL, x_ptr=x_ptr, xs_ptr=xs_ptr,
-                                    out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr, recv_pos_ptr=recv_pos_ptr,
-                                    err_ptr=err_ptr, epoch=epoch, par=par, t0_ns=t0_ns, timeout_ns=timeout_ns,
-                                    off_dflag=off_dflag, off_meta_i=off_meta_i, off_rows=off_rows, RANK=RANK,
-                                    NODE0=NODE0, EL=EL, GLOBAL=GLOBAL, N=N, M=M, K=K, W=W, H=H, NB=NB, RB=RB, HDR=HDR,
-                                    CMAX=CMAX, CAP=CAP, PACKED=PACKED, FP8=FP8, PREQ=PREQ, OWN_X=OWN_X, BLOCK_T=BLOCK_T,
-                                    BLOCK_K=BLOCK_K, BLOCK_W=BLOCK_W, BLOCK_H=BLOCK_H, BLOCK_TS=BLOCK_TS,
-                                    BLOCK_HS=BLOCK_HS, BLOCK_NB=BLOCK_NB, STAGES=STAGES, SELF_SYNC=SELF_SYNC,
-                                    INTERP=INTERP, PREFETCH=PREFETCH, CM_ROWS=CM_ROWS)
-    if RECV:
-        tl.store(state_ptr + pid, epoch)  # each program keeps its own epoch: no cross-program step
+    """``node_dispatch_kernel`` with every constexpr a parameter of its own: the form the inter-node
+    kernels (``moe_ep.internode``) call for the node peers' part; it builds the groups and goes
+    once they pass them."""
+    node_dispatch_kernel(
+        x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, peer_ptr, ws, state_ptr, err_ptr, out_x_ptr, out_s_ptr,
+        counts_ptr, offsets_ptr, recv_pos_ptr, scratch_ptr, sel_ptr, route_ptr, T, BT, NC, timeout_ns,
+        rows_from_ptr, recv_ids_ptr, recv_wts_ptr, recv_src_ptr, num_recv_ptr,
+        SEND=SEND, RECV=RECV,
+        OFF=Offsets(hdr_flag=off_hflag, disp_flag=off_dflag, comb_flag=off_cflag, hdr=off_hdr, meta_i=off_meta_i,
+                    meta_w=off_meta_w, rows=off_rows),
+        DIM=Dims(RANK=RANK, NODE0=NODE0, R=R, N=N, M=M, K=K, E=E, EL=EL, H=H, W=W, NB=NB, RB=RB, HDR=HDR, CMAX=CMAX,
+                 ALIGN=ALIGN, CAP=CAP),
+        MODE=DispatchModes(GLOBAL=GLOBAL, FP8=FP8, PREQ=PREQ, DIRECT=DIRECT, PACKED=PACKED, ROWS=ROWS, OWN_X=OWN_X,
+                           INTERP=INTERP),
+        TILE=DispatchTiles(BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, BLOCK_C=BLOCK_C, BLOCK_H=BLOCK_H, BLOCK_EL=BLOCK_EL,
+                           BLOCK_W=BLOCK_W, BLOCK_NB=BLOCK_NB, BLOCK_TS=BLOCK_TS, BLOCK_HS=BLOCK_HS, STAGES=STAGES,
+                           PREFETCH=PREFETCH, CM_ROWS=CM_ROWS))
