@@ -347,7 +347,11 @@ def dispatch_kernel(
                 over = tl.max(tot) > CAP
             if over:  # detail: global expert << 32 | its rows; the node peers' combines learn it too
                 worst = tl.argmax(tot, axis=0)
-                info = ((NODE0 + RANK) * EL + worst).to(tl.int64) * 4294967296 + tl.max(tot)
+                need = tl.max(tot)
+                if PACKED:  # the first expert whose block ends past the cap, and the rows the call needs
+                    worst = tl.argmax((incl > CAP).to(tl.int32), axis=0)
+                    need = total
+                info = ((NODE0 + RANK) * EL + worst).to(tl.int64) * 4294967296 + need
                 record_error(err_ptr, ERR_CAPACITY, NODE0 + RANK, PHASE_DISPATCH, epoch, info)
                 if pid == 0:
                     abort_combines(peer_ptr, info, off_cflag, RANK, N, CMAX)
