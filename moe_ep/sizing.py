@@ -69,6 +69,14 @@ def where_of(t: torch.Tensor) -> str:
     return PINNED if torch.cuda.is_available() and t.is_pinned() else HOST
 
 
+def uniform_recv_rows(max_tokens: int, topk: int, num_local_experts: int, expert_alignment: int = 1) -> int:
+    """The packed rows a rank receives, on average, when every rank dispatches ``max_tokens`` tokens
+    routed uniformly: ``M*K`` selections (R sources each sending it ``M*K/R``), plus at most
+    ``alignment - 1`` rows of padding per local expert. What a buffer sized per call holds at such
+    a batch (``moe-ep-bench memory``'s packed rows)."""
+    return max_tokens * topk + num_local_experts * (expert_alignment - 1)
+
+
 def _positive(name: str, v) -> None:
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise ValueError(f"{name}: expected a positive int, got {v!r}")
