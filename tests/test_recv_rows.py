@@ -89,6 +89,7 @@ def _over_worker(rank, world_size, node_size):
     """Every token of both ranks lists rank 1's experts 4 and 5 (K = 2): rank 1 needs 2 * 2 * 8 =
     32 rows (alignment 1) against a cap of 20; rank 0 needs none."""
     import moe_ep
+    from moe_ep.proxy.native import PeerLostError
 
     group = moe_ep.EPGroup(node_size=node_size)
     dev = group.device
@@ -104,8 +105,8 @@ def _over_worker(rank, world_size, node_size):
             buf.combine(torch.zeros(h.expert_x.shape, dtype=torch.bfloat16, device=dev), h)
             buf.synchronize()
             out["error"] = None
-        except moe_ep.CapacityError as exc:
-            out["error"] = str(exc)
+        except (moe_ep.CapacityError, PeerLostError) as exc:
+            out["error"] = f"{type(exc).__name__}: {exc}"
         # rank 1's 20 rows: expert 4's 16, then 4 of expert 5's (nothing past the cap, none dropped silently)
         out["written"] = int((buf.parts.memory.expert_x.float() == 1.0).all(dim=1).sum())
         try:
@@ -113,13 +114,14 @@ def _over_worker(rank, world_size, node_size):
             out["after"] = "no error"
         except moe_ep.BufferBrokenError:
             out["after"] = "BufferBrokenError"
+    group.barrier()
     return out
 
 
 def test_cap_exceeded_raises_on_every_rank():
     r0, r1 = dist_util.run(2, _over_worker, 2, timeout=300)
     for rank, out in enumerate((r0, r1)):
-        assert out["error"] is not None, (rank, out)
+        assert out["error"] is not None and out["error"].startswith("CapacityError: "), (rank, out)
         assert "expert 5" in out["error"] and "needs 32 rows" in out["error"] and "max_recv_rows=20" in out["error"], \
             (rank, out["error"])
         assert out["after"] == "BufferBrokenError", (rank, out)
@@ -139,3 +141,14 @@ def test_max_recv_rows_refused_before_memory():
         moe_ep.memory_plan(layout="packed", max_recv_rows=8, recv_rows=4, **base)
     with pytest.raises(ValueError, match=r"^recv_rows: expected an int in \[0, 32\]"):
         moe_ep.memory_plan(layout="packed", recv_rows=33, **base)
+
+
+def test_cap_exceeded_across_nodes():
+    """Across nodes the rank over its cap raises the same ``CapacityError``; a source on another
+    node learns it as the loss of that rank when it closes (``PeerLostError`` naming it: its
+    goodbye carries no capacity code), never a deadline or a wrong result."""
+    r0, r1 = dist_util.run(2, _over_worker, 1, timeout=300)
+    assert r1["error"].startswith("CapacityError: rank 1: expert 5 on this rank") and "needs 32 rows" in r1["error"] \
+        and "max_recv_rows=20" in r1["error"], r1
+    assert r0["error"].startswith("PeerLostError: ") and "peer 1" in r0["error"], r0
+    assert r1["written"] == 20 and r0["written"] == 0, (r0["written"], r1["written"])
