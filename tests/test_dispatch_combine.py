@@ -402,6 +402,10 @@ def _graph_worker(rank, world_size, case_kw, node_size=None):
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             h, out_w = step()
+        if case.layout == "packed" and buf.sizes.recv_rows_mode == "per_call":  # no host read in a graph
+            if h.expert_x.shape[0] != buf.sizes.worst_rows:
+                fails.append(f"[graph {case.name} rank {rank}] captured packed expert_x has {h.expert_x.shape[0]} "
+                             f"rows, expected the worst case {buf.sizes.worst_rows}")
         for c in range(len(calls)):
             x, idx, w, sc = pad[c]
             sx.copy_(x.to(dev)); sidx.copy_(idx.to(dev)); sw.copy_(w.to(dev))
