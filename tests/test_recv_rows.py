@@ -152,3 +152,61 @@ def test_cap_exceeded_across_nodes():
         and "max_recv_rows=20" in r1["error"], r1
     assert r0["error"].startswith("PeerLostError: ") and "peer 1" in r0["error"], r0
     assert r1["written"] == 20 and r0["written"] == 0, (r0["written"], r1["written"])
+
+
+# ---------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["per_call", 40, "worst"])
+def test_modes_gpu(mode):
+    """The same on GPU ranks (the counting kernel's wait and the stream sync for real)."""
+    dist_util.need_gpu()
+    for rank, (fails, rows, needs, plan, live) in enumerate(dist_util.run(
+            2, _calls_worker, 2, mode, "fp8", False, timeout=600, backend=dist_util.gpu_backend(2))):
+        assert not fails, "\n".join(fails)
+        if mode == "per_call":
+            assert rows == needs, (rank, rows, needs)
+
+
+@pytest.mark.gpu
+def test_cap_exceeded_gpu():
+    dist_util.need_gpu()
+    r0, r1 = dist_util.run(2, _over_worker, 2, timeout=300, backend=dist_util.gpu_backend(2))
+    assert r0["error"].startswith("CapacityError: ") and r1["error"].startswith("CapacityError: "), (r0, r1)
+    assert r1["written"] == 20 and r0["written"] == 0, (r0["written"], r1["written"])
+
+
+def _time_worker(rank, world_size, T):
+    """Host-side p50 (us) of an eager packed dispatch of T tokens, sized per call and ``"worst"``."""
+    import time
+
+    import moe_ep
+
+    group = moe_ep.EPGroup()
+    dev = group.device
+    E, H, K = 32 * world_size, 2048, 8
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(dev)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(dev)
+    w = torch.rand(T, K, generator=g).to(dev)
+    out = {}
+    for mode in (None, "worst"):
+        with moe_ep.EPBuffer(group, E, H, T, K, layout="packed", max_recv_rows=mode) as buf:
+            times = []
+            for i in range(30):
+                group.barrier()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                buf.dispatch(x, idx, w)
+                torch.cuda.synchronize()
+                times.append((time.perf_counter() - t0) * 1e6)
+            out[str(mode)] = sorted(times[5:])[len(times[5:]) // 2]
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [128, 4096])
+def test_per_call_cost_gpu(T):
+    """Prints what sizing per call costs an eager dispatch (synchronized wall time, p50), against
+    ``"worst"``; no bound asserted (a measurement for docs/ARCHITECTURE.md §2)."""
+    dist_util.need_gpu()
+    print(f"T={T}:", dist_util.run(2, _time_worker, T, timeout=600, backend=dist_util.gpu_backend(2)))
