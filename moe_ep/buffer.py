@@ -73,6 +73,17 @@ class EPBuffer:
             ``NativeError`` saying why not; ``"host"``: pinned host memory. The headers and the
             mailbox are pinned host memory either way. ``buffer.remote.memory`` says which was
             taken (per rank: ranks may differ), the log line why.
+        max_recv_rows: packed only: how ``expert_x`` (and fp8 ``expert_scales``) is sized.
+            ``None`` (default): per call, to exactly the rows the dispatch brings (``offsets[-1]``),
+            read on the host between its send and receive halves (one host sync a dispatch, as
+            DeepEP's normal mode without ``num_worst_tokens``; a cached tensor grown when a call
+            needs more); under CUDA graph capture, where no host read may happen, the worst case
+            instead. An int: a cap, allocated once, no host sync (CUDA-graph safe); a dispatch
+            needing more rows writes none past it and raises ``CapacityError`` naming the rank,
+            the expert and the rows needed (the buffer is then broken, like any kernel error).
+            ``"worst"``: allocated once for every row that can come, ``R*max_tokens*topk +
+            E_local*(expert_alignment - 1)`` (a token may list one expert several times), no
+            sync, never over.
         tuning: how the kernels are launched (warps, tiles, chunks, ...: ``moe_ep.Tuning``; its
             ``None`` fields take the measured rules). Default ``Tuning.from_env()``: the
             ``MOE_EP_*`` tuning variables, kept for one release. ``buffer.tuning`` holds the values
@@ -126,7 +137,8 @@ class EPBuffer:
                  layout: str = "masked", expert_alignment: int = 1, timeout_s: float = 30.0,
                  num_programs: Optional[int] = None, private_capacity: Optional[int] = None,
                  overflow_capacity: Optional[int] = None, expert_capacity: Optional[int] = None,
-                 column_major_scales: bool = False, proxy_memory: str = "auto", tuning: Optional[Tuning] = None):
+                 column_major_scales: bool = False, proxy_memory: str = "auto", tuning: Optional[Tuning] = None,
+                 max_recv_rows=None):
         if not isinstance(group, EPGroup):
             raise TypeError(f"group: expected moe_ep.EPGroup, got {type(group).__name__}")
         if tuning is None:
@@ -148,7 +160,8 @@ class EPBuffer:
                             expert_alignment=expert_alignment, expert_capacity=expert_capacity,
                             column_major_scales=column_major_scales, private_capacity=private_capacity,
                             overflow_capacity=overflow_capacity, proxy_memory=proxy_memory,
-                            device_type=group.device.type, max_chunks=tuning.max_chunks)
+                            device_type=group.device.type, max_chunks=tuning.max_chunks,
+                            max_recv_rows=max_recv_rows)
         if not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool) and math.isfinite(timeout_s)
                 and 0 < timeout_s <= MAX_TIMEOUT_S):
             raise ValueError(f"timeout_s: expected a finite number of seconds in (0, {MAX_TIMEOUT_S:g}] (every wait "
@@ -304,6 +317,6 @@ class EPBuffer:
                     layout=shape.layout, expert_alignment=shape.expert_alignment, num_programs=shape.num_programs,
                     node_size=shape.node_size, device_type=shape.device_type,
                     private_capacity=shape.private_capacity, overflow_capacity=shape.overflow_capacity,
-                    expert_capacity=shape.expert_capacity,
+                    expert_capacity=shape.expert_capacity, max_recv_rows=shape.max_recv_rows,
                     transport=(settings.value("MOE_EP_TRANSPORT") or "auto") if remote else None,
                     **{f"tuning.{name}": getattr(tuning, name) for name in LAYOUT_KNOBS})

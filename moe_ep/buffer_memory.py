@@ -33,7 +33,12 @@ class BufferMemory:
             latest dispatch (-1 where none or out of range), which combine reads, not the caller's
             ``topk_idx``; scratch: int32 ``[P, block_el]``.
         expert_x: the expert layout (``DispatchResult.expert_x``), dispatch dtype; expert_x_words:
-            the same bytes as int32 (row copies move 4-byte words).
+            the same bytes as int32 (row copies move 4-byte words). Packed sized per call: at least
+            the rows of the latest dispatch (``fit_rows``), of which ``rows`` are its result.
+        recv_need: packed sized per call only: int64 ``[1]``, pinned host memory on GPU: the rows the
+            dispatch being received brings (``moe_ep.kernels.recv_total``), else None.
+        rows: packed sized per call (``per_call``): the rows of the latest dispatch, which its
+            ``DispatchResult`` shows.
         expert_scales: fp8 only: float32 ``[..., NB]`` (column-major in its last two dims with
             ``column_major_scales``), else None.
         expert_counts: int32 ``[EL]``; expert_offsets: packed only, int32 ``[EL + 1]``, else None.
@@ -62,6 +67,9 @@ class BufferMemory:
         self.expert_x = allocate(allocs["expert_x"], dev, fill=None)
         self.expert_x_words = self.expert_x.view(torch.uint8).view(torch.int32)
         self.expert_scales = allocate(allocs["expert_scales"], dev, fill=None) if "expert_scales" in allocs else None
+        self.rows = shape.allocated_rows
+        self.per_call = shape.recv_rows_mode == "per_call"
+        self.recv_need = allocate(allocs["recv_need"], dev) if "recv_need" in allocs else None
         if shape.column_major_scales:  # [EL, NB, capacity] in memory (moe_ep.kernels.common.scale_ptr)
             self.expert_scales = self.expert_scales.transpose(1, 2)
         self.expert_counts = allocate(allocs["expert_counts"], dev)
@@ -83,9 +91,29 @@ class BufferMemory:
                      "GPU" if rp.memory == "gpu" else "pinned host", rp.memory_why)
         return rp
 
+    def fit_rows(self, rows: int) -> None:
+        """Packed sized per call: ``expert_x`` (and fp8 ``expert_scales``) hold at least ``rows`` rows,
+        reallocated with exactly that many (uninitialised) when they hold fewer (the previous
+        dispatch's result, valid until this dispatch, is released); ``self.rows = rows``."""
+        if rows > self.expert_x.shape[0]:
+            a = self._allocs["expert_x"]
+            self.expert_x = torch.empty((rows, *a.shape[1:]), dtype=a.dtype, device=self.device)
+            self.expert_x_words = self.expert_x.view(torch.uint8).view(torch.int32)
+            if self.expert_scales is not None:
+                s = self._allocs["expert_scales"]
+                self.expert_scales = torch.empty((rows, *s.shape[1:]), dtype=s.dtype, device=self.device)
+        self.rows = rows
+
     def result_fields(self) -> dict:
         """The fields every ``DispatchResult`` of this memory shares (``DispatchResult.issued``): the
-        expert layout's tensors, by field name."""
+        expert layout's tensors, by field name (packed sized per call: the latest dispatch's ``rows``)."""
+        if self.per_call and self.rows != self.expert_x.shape[0]:
+            x = self.expert_x[:self.rows]
+            return dict(self._result_fields(), expert_x=x, expert_scales=(
+                None if self.expert_scales is None else self.expert_scales[:self.rows]))
+        return self._result_fields()
+
+    def _result_fields(self) -> dict:
         return dict(expert_x=self.expert_x, expert_scales=self.expert_scales, expert_counts=self.expert_counts,
                     expert_offsets=self.expert_offsets, recv_topk_idx=self.recv_topk_idx,
                     recv_topk_weights=self.recv_topk_weights, recv_src=self.recv_src, num_recv=self.num_recv)

@@ -230,6 +230,11 @@ class Parts:
                               f"epoch {epoch} (treated as -1; nothing was written out of bounds)")
         if code == ErrorCode.CAPACITY:  # peer: the rank that overflowed (this one, or a node peer); detail: expert << 32 | rows
             where = "this rank" if peer == self.rank else f"rank {peer}"
+            if self.shape.layout == "packed":  # detail: the first expert past the cap << 32 | the rows needed
+                return CapacityError(f"rank {self.rank}: expert {detail >> 32} on {where} is past the packed layout's "
+                                     f"cap: {where} needs {detail & 0xFFFFFFFF} rows in {phase_name} epoch {epoch}, "
+                                     f"more than max_recv_rows={self.shape.capacity} (nothing was written past it). "
+                                     f"Pass a larger max_recv_rows, or None to size expert_x per call.")
             return CapacityError(f"rank {self.rank}: expert {detail >> 32} on {where} received {detail & 0xFFFFFFFF} "
                                  f"rows in {phase_name} epoch {epoch}, more than the masked layout holds "
                                  f"({self.shape.capacity} per expert); with the default capacity only possible when "

@@ -152,7 +152,7 @@ def combine(parts: Parts, buffer, expert_y: torch.Tensor, handle, return_recv_ho
         # (checked before any launch, replayed or not: the kernel would read rows it has overwritten)
         raise ValueError("out: overlaps expert_y in memory (combine reads expert_y while it writes out); "
                          "pass a separate tensor")
-    check_tensor("expert_y", expert_y, (torch.bfloat16,), tuple(mem.expert_x.shape), dev)
+    check_tensor("expert_y", expert_y, (torch.bfloat16,), tuple(handle.expert_x.shape), dev)
     if out is not None:
         check_tensor("out", out, (torch.bfloat16, torch.float32), (T, shape.hidden), dev)
     rp = mem.remote

@@ -15,6 +15,7 @@ from .handle import DispatchResult
 from .layout import chunking, pow2
 from .tuning import pipelined_width
 from .kernels.launch import arg_positions, runtime_args
+from .kernels.recv_total import recv_total_kernel
 from .kernels.route import route_hist_kernel
 from .internode.dispatch_kernels import internode_dispatch_recv_kernel, internode_dispatch_send_kernel
 
@@ -143,6 +144,14 @@ def dispatch(parts: Parts, buffer, x, topk_idx, topk_weights, x_scales: Optional
     # Replays (moe_ep.replay), one per set of inputs (with and without x_scales), for calls
     # without and with a receive hook.
     replay = (calls.hooked if return_recv_hook else calls.replays).of_dispatch(x_scales is not None)
+    sized = mem.per_call
+    if sized:
+        # Packed sized per call: no replays (each call reads its rows on the host); under CUDA graph
+        # capture (no host read there) the worst case, allocated once, as with max_recv_rows="worst".
+        replay = NO_REPLAY
+        if mem.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            _fit(parts, shape.worst_rows)
+            sized = False
     tensors = (x, topk_idx, topk_weights) if x_scales is None else (x, topk_idx, topk_weights, x_scales)
     hit, sig, ptrs = replay.find(tensors, launch_structure, latest_tried)
     # The dispatch kernel's input pointers (its arguments 0-3), the replayed ones.
@@ -181,6 +190,8 @@ def dispatch(parts: Parts, buffer, x, topk_idx, topk_weights, x_scales: Optional
            aligned(topk_weights))
     epoch = calls.epochs[0] + 1
     consts = lambda: _dispatch_consts(parts, fp8_in, direct, own_x)  # noqa: E731
+    if sized:
+        return _dispatch_sized(parts, buffer, T, launches, key, named, consts, epoch, return_recv_hook)
     if rp is not None:
         recv = _dispatch_across_nodes(parts, rp, replay, sig, tensors, launches, inputs, scalars, key, named, consts,
                                       epoch, return_recv_hook)
@@ -230,6 +241,106 @@ def _dispatch_across_nodes(parts: Parts, rp, replay, sig, tensors, launches: lis
         replay.record(sig, tensors, launches + [(send, sargs)], inputs, None, _SCALARS, scalars,
                       later=[(later, rargs)])
     return recv if hooked else None
+
+
+class _NoReplay:
+    """The ``Replay`` of a packed buffer sized per call: it finds and records nothing (each call
+    reads its rows on the host between its halves, which a replayed launch would skip)."""
+
+    def find(self, tensors, structure, latest_tried):
+        return None, None, ()
+
+    def record(self, *args, **kw) -> None:
+        pass
+
+
+NO_REPLAY = _NoReplay()
+
+
+def _fit(parts: Parts, rows: int) -> None:
+    """The expert layout holds ``rows`` rows (``BufferMemory.fit_rows``), which every
+    ``DispatchResult`` from now on shows."""
+    parts.memory.fit_rows(rows)
+    parts.calls.result_fields.update(parts.memory.result_fields())
+
+
+def recv_rows(parts: Parts, epoch: int) -> int:
+    """Packed sized per call, between a dispatch's send and receive halves: the rows it brings this
+    rank in dispatch ``epoch`` (``offsets[-1]``: each local expert's selections from every source, padded to
+    ``expert_alignment``), from the headers. One launch of ``recv_total_kernel`` (it waits for the
+    headers), then one host read: on a GPU after a stream sync, the cost of DeepEP's normal-mode
+    dispatch without ``num_worst_tokens``; under the interpreter after the host's wait. Raises the
+    recorded error where a header did not come."""
+    mem, calls = parts.memory, parts.calls
+    rp = mem.remote
+    if rp is None:
+        remote = dict(hdr_recv_ptr=mem.err, own_ptr=mem.scratch, sel_ptr=mem.scratch, rows_from_ptr=mem.scratch,
+                      mb_ptr=mem.err, rtimeout_ns=0, spins=0)
+    else:
+        st = rp.state
+        remote = dict(hdr_recv_ptr=rp.regions["hdr_recv"], own_ptr=st.own, sel_ptr=st.sel, rows_from_ptr=st.rows_from,
+                      mb_ptr=rp.mailbox, rtimeout_ns=rp.rtimeout_ns, spins=rp.spins)
+    args = runtime_args(recv_total_kernel, ws=calls.ws_ptr, state_ptr=mem.state, err_ptr=mem.err,
+                        need_ptr=mem.recv_need, timeout_ns=calls.timeout_ns, **remote)
+    calls.launch(("recv_total",), recv_total_kernel, 1, args, lambda: _recv_total_consts(parts), ())
+    if mem.device.type == "cuda":
+        torch.cuda.current_stream(mem.device).synchronize()
+    need = int(mem.recv_need[0])
+    if need < 0:
+        parts.check_usable()  # (raises what the kernel recorded)
+        raise RuntimeError(f"rank {parts.rank}: dispatch epoch {epoch}: the headers did not come and "
+                           f"no error was recorded")
+    return need
+
+
+def _recv_total_consts(parts: Parts) -> dict:
+    """``recv_total_kernel``'s constexprs."""
+    s, rp = parts.shape, parts.memory.remote
+    return dict(off_hflag=s.offsets["hdr_flag"], off_hdr=s.offsets["hdr"], NODE0=parts.node0, ME=parts.rank,
+                N=s.node_size, R=s.world_size, EL=s.num_local_experts, HDR=s.workspace.HDR,
+                REM_HDR=rp.spec.hdr_bytes if rp is not None else 16, ALIGN=s.expert_alignment, GLOBAL=rp is not None,
+                BLOCK_R=pow2(s.world_size, 2), BLOCK_EL=s.block_el, INTERP=parts.interp, num_warps=1)
+
+
+def _dispatch_sized(parts: Parts, buffer, T: int, launches: list, key: tuple, named: dict, consts, epoch: int,
+                    hooked: bool):
+    """A packed dispatch sized per call: the send half, then (at once, or in the hook) the rows it
+    brings read on the host (``recv_rows``), ``expert_x`` fitted to them, and the receive half
+    writing into it. ``launches``: the routing histogram's, issued already."""
+    rp = parts.memory.remote
+    if rp is None:
+        kernels = (node_dispatch_kernel, node_dispatch_kernel)
+        extra = ({}, {})
+        dynamic = (_DISPATCH_DYNAMIC, _DISPATCH_DYNAMIC)
+        all_consts = consts
+    else:
+        kernels = (internode_dispatch_send_kernel, internode_dispatch_recv_kernel)
+        extra = (rp.dispatch_args(send=True), rp.dispatch_args(send=False))
+        dynamic = (_SEND_DYNAMIC, _RECV_DYNAMIC)
+        all_consts = lambda: dict(consts(), **rp.dispatch_consts(parts.shape.block_t))  # noqa: E731
+        key = key + ("across nodes",)
+    launch_half(parts, key, kernels[0], runtime_args(kernels[0], **{**named, **extra[0]}), dynamic[0], all_consts,
+                True, False)
+    result = []
+
+    def recv():
+        if parts.interp:
+            host_wait.wait_dispatch(parts, epoch)
+        _fit(parts, recv_rows(parts, epoch))
+        mem = parts.memory
+        out = dict(named, out_x_ptr=mem.expert_x_words, out_s_ptr=mem.expert_scales if parts.shape.fp8 else mem.err)
+        # (the receive half's plan keeps the layout's address: one plan per allocation)
+        launch_half(parts, key + ("rows at", mem.expert_x.data_ptr()), kernels[1],
+                    runtime_args(kernels[1], **{**out, **extra[1]}), dynamic[1], all_consts, False, True)
+        if result:  # a hook's: the result issued with the send half shows the rows now
+            result[0].__dict__.update(expert_x=parts.calls.result_fields["expert_x"],
+                                      expert_scales=parts.calls.result_fields["expert_scales"])
+    if not hooked:
+        recv()
+        return _dispatched(parts, buffer, T, None)
+    out = _dispatched(parts, buffer, T, recv)
+    result.append(out[0])
+    return out
 
 
 def _dispatched(parts: Parts, buffer, T: int, recv):

@@ -86,7 +86,9 @@ class ExpertParallelRunner:
         host = dev.type == "cpu" or not gmm
         num_rows = None
         if self.layout == "packed" and not _capturing(dev):
-            num_rows = int(d.expert_offsets[-1])
+            # sized per call, the layout holds exactly offsets[-1] rows (no second host read)
+            per_call = d.buffer.sizes.recv_rows_mode == "per_call"
+            num_rows = d.expert_x.shape[0] if per_call else int(d.expert_offsets[-1])
         return row_groups(d, self.layout, num_rows=num_rows, host=host)
 
     def experts(self, x: torch.Tensor, g: RowGroups, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

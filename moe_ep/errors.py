@@ -12,7 +12,8 @@ class ErrorCode(IntEnum):
     NONE = 0
     TIMEOUT = 1     # a wait for ``peer`` passed its deadline
     BAD_EXPERT = 2  # ``detail`` expert ids outside [-1, E) (treated as -1)
-    CAPACITY = 3    # a masked expert block overflowed: ``peer`` the rank, ``detail`` expert << 32 | rows
+    CAPACITY = 3    # a masked expert block overflowed (packed: the rows passed max_recv_rows): ``peer`` the rank,
+                    # ``detail`` expert << 32 | rows (packed: the first expert past the cap, the rows needed)
     PROXY = 4       # the proxy recorded an error (its mailbox has the details)
 
 

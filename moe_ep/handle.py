@@ -14,7 +14,9 @@ class DispatchResult:
 
     Attributes:
         expert_x: masked ``[E_local, expert_capacity (default R*max_tokens), H]``; packed
-            ``[capacity, H]``; rows ``[R*max_tokens, H]``
+            ``[rows, H]``: sized per call (``EPBuffer(max_recv_rows=None)``), exactly this
+            dispatch's ``expert_offsets[-1]`` rows; else ``max_recv_rows`` or the worst case
+            ``R*max_tokens*K + E_local*(expert_alignment - 1)``; rows ``[R*max_tokens, H]``
             (row i: the i-th (source rank, source token) that selected an expert of this rank, in
             ascending order; rows ``< num_recv`` defined); dispatch dtype.
         expert_scales: fp8 only: float32 ``[..., ceil(H/128)]`` with expert_x's leading dims (a

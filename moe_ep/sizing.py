@@ -23,6 +23,7 @@ from .proxy.native import mailbox_words
 from .tuning import Tuning
 
 DEVICE, PINNED, HOST = "device", "pinned host", "host"  # where an allocation lives
+WORST = "worst"  # max_recv_rows: the packed expert_x allocated once for every row that can come
 PLAN_PROGRAMS = 132  # programs a launch memory_plan takes on GPUs: EPBuffer's default on an H100 SXM or H200 (SMs)
 GIB = 1 << 30
 # The regions of a plan, in table order (those a buffer does not allocate are left out).
@@ -68,6 +69,14 @@ def where_of(t: torch.Tensor) -> str:
     return PINNED if torch.cuda.is_available() and t.is_pinned() else HOST
 
 
+def uniform_recv_rows(max_tokens: int, topk: int, num_local_experts: int, expert_alignment: int = 1) -> int:
+    """The packed rows a rank receives, on average, when every rank dispatches ``max_tokens`` tokens
+    routed uniformly: ``M*K`` selections (R sources each sending it ``M*K/R``), plus at most
+    ``alignment - 1`` rows of padding per local expert. What a buffer sized per call holds at such
+    a batch (``moe-ep-bench memory``'s packed rows)."""
+    return max_tokens * topk + num_local_experts * (expert_alignment - 1)
+
+
 def _positive(name: str, v) -> None:
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise ValueError(f"{name}: expected a positive int, got {v!r}")
@@ -100,6 +109,7 @@ class BufferShape:
     proxy_memory: str = "auto"
     device_type: str = "cuda"
     max_chunks: Optional[int] = None  # rows layout: the most chunks of a source (Tuning.max_chunks; None: the rule)
+    max_recv_rows: object = None  # packed: None (sized per call), "worst" or a cap in rows (recv_rows_mode)
 
     def __post_init__(self):
         R, layout = self.world_size, self.layout
@@ -139,6 +149,16 @@ class BufferShape:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise ValueError(f"{name}: expected None or an int >= 0, got {v!r}")
+        cap = self.max_recv_rows
+        if cap is not None:
+            if layout != "packed":
+                raise ValueError(f"max_recv_rows: only with layout='packed' (got layout={layout!r}, whose expert_x "
+                                 f"is allocated once at its capacity)")
+            worst = self.worst_rows
+            if cap != WORST and (not isinstance(cap, int) or isinstance(cap, bool) or not 1 <= cap <= worst):
+                raise ValueError(f"max_recv_rows: expected None (sized per call), {WORST!r} or an int in [1, "
+                                 f"{worst}] (world_size * max_tokens * topk + num_local_experts * "
+                                 f"(expert_alignment - 1)), got {cap!r}")
         n = self.num_programs
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"num_programs: expected a positive int, got {n!r}")
@@ -182,11 +202,42 @@ class BufferShape:
         return pow2(-(-self.max_tokens // self.workspace.CMAX))
 
     @property
-    def capacity(self) -> int:
-        """Masked: rows of each local expert's block (``expert_capacity`` or R*M); packed: rows in all
-        (R*M*K, each expert's block padded to ``expert_alignment``); rows: R*M (one per source token)."""
+    def worst_rows(self) -> int:
+        """The rows every layout block may need at worst (``layout_capacity``): masked, per local
+        expert (``expert_capacity`` or R*M); packed, in all (R*M*K, each expert's block padded to
+        ``expert_alignment``: a token may list one expert several times, and each selection is a
+        row, so ``min(K, EL)`` rows per source token is no bound); rows: R*M."""
         return layout_capacity(self.layout, self.world_size, self.max_tokens, self.topk, self.num_local_experts,
                                self.expert_alignment, self.expert_capacity)
+
+    @property
+    def recv_rows_mode(self) -> str:
+        """How the packed ``expert_x`` is sized: ``"per_call"`` (``max_recv_rows=None``: to the rows
+        each dispatch brings, read on the host between its send and receive halves; the worst case
+        under CUDA graph capture), ``"worst"`` (allocated once at ``worst_rows``) or ``"cap"``
+        (allocated once at ``max_recv_rows``; a dispatch needing more raises ``CapacityError``).
+        Masked and rows layouts: ``"worst"`` (their capacity)."""
+        if self.layout != "packed" or self.max_recv_rows == WORST:
+            return "worst"
+        return "per_call" if self.max_recv_rows is None else "cap"
+
+    @property
+    def capacity(self) -> int:
+        """The rows the kernels may address (their ``CAP``): masked, of each local expert's block;
+        packed, in all: ``max_recv_rows`` as a cap, else ``worst_rows`` (per call the allocation
+        is exactly what arrives, never more than this); rows: R*M."""
+        return self.max_recv_rows if self.recv_rows_mode == "cap" else self.worst_rows
+
+    @property
+    def allocated_rows(self) -> int:
+        """Rows of ``expert_x`` a buffer allocates when built: its capacity, or 1 when sized per call
+        (it grows to each call's rows: ``BufferMemory.fit_rows``)."""
+        return 1 if self.recv_rows_mode == "per_call" else self.capacity
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes one row of the expert layout takes: ``expert_x`` and, fp8, its scales."""
+        return self.hidden * self.dispatch_dtype.itemsize + 4 * self.num_scale_blocks
 
     @property
     def scale_column_rows(self) -> int:
@@ -196,8 +247,9 @@ class BufferShape:
 
     @property
     def lead(self) -> tuple:
-        """The leading dims of ``expert_x``: ``(EL, capacity)`` masked, else ``(capacity,)``."""
-        return (self.num_local_experts, self.capacity) if self.layout == "masked" else (self.capacity,)
+        """The leading dims of ``expert_x`` as allocated: ``(EL, capacity)`` masked, else
+        ``(allocated_rows,)``."""
+        return (self.num_local_experts, self.capacity) if self.layout == "masked" else (self.allocated_rows,)
 
     @property
     def block_el(self) -> int:
@@ -244,6 +296,8 @@ class BufferShape:
         out["expert_counts"] = Alloc("routing", (EL,), i32, dev)
         if self.layout == "packed":
             out["expert_offsets"] = Alloc("routing", (EL + 1,), i32, dev)
+        if self.recv_rows_mode == "per_call":  # the rows a call brings, written by a kernel, read by the host
+            out["recv_need"] = Alloc("host_words", (1,), i64, pinned)
         if rows:  # per received row its local ids, weights and source; the count of rows
             out.update({"recv_topk_idx": Alloc("rows_meta", (R * M, K), i32, dev),
                         "recv_topk_weights": Alloc("rows_meta", (R * M, K), f32, dev),
@@ -259,9 +313,22 @@ class BufferShape:
             out["remote.mailbox"] = Alloc("host_words", (mailbox_words(R),), i64, pinned)
         return out
 
-    def plan(self) -> "MemoryPlan":
-        """The per-region sums of ``allocations()``."""
-        return MemoryPlan.of({k: (a.region, a.nbytes, a.where) for k, a in self.allocations().items()})
+    def plan(self, recv_rows: Optional[int] = None) -> "MemoryPlan":
+        """The per-region sums of ``allocations()``; sized per call, ``recv_rows`` is the rows the
+        packed ``expert_x`` (and its scales) holds after a dispatch that brought that many (None: as
+        built). ``ValueError`` for ``recv_rows`` outside ``[0, worst_rows]`` or with another mode."""
+        allocs = self.allocations()
+        if recv_rows is not None:
+            if self.recv_rows_mode != "per_call":
+                raise ValueError(f"recv_rows: only for a packed buffer sized per call (max_recv_rows=None), this "
+                                 f"one's expert_x is {self.recv_rows_mode}")
+            if not isinstance(recv_rows, int) or isinstance(recv_rows, bool) or not 0 <= recv_rows <= self.worst_rows:
+                raise ValueError(f"recv_rows: expected an int in [0, {self.worst_rows}], got {recv_rows!r}")
+            for key in ("expert_x", "expert_scales"):
+                if key in allocs:
+                    a = allocs[key]
+                    allocs[key] = Alloc(a.region, (max(1, recv_rows), *a.shape[1:]), a.dtype, a.where)
+        return MemoryPlan.of({k: (a.region, a.nbytes, a.where) for k, a in allocs.items()})
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -347,7 +414,8 @@ def memory_plan(*, world_size: int, node_size: int, num_experts: int, hidden: in
                 layout: str = "masked", expert_alignment: int = 1, num_programs: Optional[int] = None,
                 private_capacity: Optional[int] = None, overflow_capacity: Optional[int] = None,
                 expert_capacity: Optional[int] = None, column_major_scales: bool = False,
-                proxy_memory: str = "auto", device: str = "cuda", tuning: Optional[Tuning] = None) -> MemoryPlan:
+                proxy_memory: str = "auto", device: str = "cuda", tuning: Optional[Tuning] = None,
+                max_recv_rows=None, recv_rows: Optional[int] = None) -> MemoryPlan:
     """The memory one rank's ``EPBuffer`` of these arguments will hold, per region, before anything
     is allocated: the sizes the buffer allocates by (``BufferShape.allocations``), for ``world_size``
     ranks in nodes of ``node_size``. No process group, no GPU; nothing is started.
@@ -357,7 +425,10 @@ def memory_plan(*, world_size: int, node_size: int, num_experts: int, hidden: in
     ``"cuda"`` (the GPU's memory is ``"device"``; error record, mailbox, headers in pinned host
     memory; the proxy's row regions per ``proxy_memory``) or ``"cpu"`` (CPU ranks: all ``"host"``).
     ``tuning``: the buffer's ``Tuning`` (default ``Tuning.from_env()``, as ``EPBuffer``'s); its
-    ``max_chunks`` sizes the rows layout's chunk flags and histograms.
+    ``max_chunks`` sizes the rows layout's chunk flags and histograms. ``max_recv_rows``: packed,
+    as ``EPBuffer`` takes it; sized per call (None), the packed ``expert_x`` a buffer holds is what
+    its largest dispatch so far brought: ``recv_rows`` plans it after a dispatch of that many rows
+    (default: as built, one row).
     """
     if tuning is None:
         tuning = Tuning.from_env()
@@ -368,4 +439,5 @@ def memory_plan(*, world_size: int, node_size: int, num_experts: int, hidden: in
                        combine_dtype=combine_dtype, layout=layout, expert_alignment=expert_alignment,
                        expert_capacity=expert_capacity, column_major_scales=column_major_scales,
                        private_capacity=private_capacity, overflow_capacity=overflow_capacity,
-                       proxy_memory=proxy_memory, device_type=device, max_chunks=tuning.max_chunks).plan()
+                       proxy_memory=proxy_memory, device_type=device, max_chunks=tuning.max_chunks,
+                       max_recv_rows=max_recv_rows).plan(recv_rows)

@@ -60,12 +60,14 @@ class Case:
     programs: Optional[int] = None  # EPBuffer(num_programs=); None: the buffer's default
     hooks: bool = False
     cm_scales: bool = False  # EPBuffer(column_major_scales=True): masked fp8 only
+    recv_rows: object = None  # EPBuffer(max_recv_rows=): packed only; None: sized per call
 
     @property
     def name(self) -> str:
         return (f"R{self.R}-E{self.E}-K{self.K}-{self.dtype}-{self.layout}-a{self.align}-H{self.H}-M{self.M}-"
                 f"{self.data}-s{self.seed}" + ("-late" if self.late_weights else "")
-                + (f"-p{self.programs}" if self.programs else "") + ("-hooks" if self.hooks else "") + ("-cm" if self.cm_scales else ""))
+                + (f"-p{self.programs}" if self.programs else "") + ("-hooks" if self.hooks else "") + ("-cm" if self.cm_scales else "")
+                + (f"-rows{self.recv_rows}" if self.recv_rows is not None else ""))
 
     def token_counts(self, call: int) -> List[int]:
         """Ragged T per rank: each call mixes max_tokens, 0 and an in-between count."""
@@ -524,7 +526,8 @@ def make_buffer(group, case: Case, timeout_s: float = 60.0):
     return moe_ep.EPBuffer(group, case.E, case.H, case.M, case.K, dispatch_dtype=DTYPES[case.dtype],
                            combine_dtype=torch.bfloat16, layout=case.layout, expert_alignment=case.align,
                            timeout_s=timeout_s, **({"num_programs": case.programs} if case.programs else {}),
-                           **({"column_major_scales": True} if case.cm_scales else {}))
+                           **({"column_major_scales": True} if case.cm_scales else {}),
+                           **({"max_recv_rows": case.recv_rows} if case.recv_rows is not None else {}))
 
 
 def _hooked(op, *args, **kwargs):

@@ -85,8 +85,9 @@ def _record(monkeypatch, configs, **buffer_kwargs):
         rec.append((fn.fn.__module__, fn.fn.__name__, signature(fn.arg_names, args, consts)))
 
     g = moe_ep.EPGroup()
-    for T, H, dt, layout, fused in configs:
-        buf = moe_ep.EPBuffer(g, 256, H, T, 8, dispatch_dtype=dt, layout=layout, num_programs=132, **buffer_kwargs)
+    for T, H, dt, layout, fused, *own in configs:  # own: that config's buffer kwargs
+        buf = moe_ep.EPBuffer(g, 256, H, T, 8, dispatch_dtype=dt, layout=layout, num_programs=132,
+                              **{**buffer_kwargs, **(own[0] if own else {})})
         # What a GPU launches: both halves in one kernel; or, with more programs than SMs, the two
         # halves as two kernels (then the receive half spins on the GPU).
         buf.parts.tuning = buf.tuning.replace(num_warps=8, fused=fused)
@@ -119,13 +120,16 @@ def _compile(rec, tmp_path, loops: bool = False):
 def test_kernels_compile_for_sm90(monkeypatch, tmp_path):
     pytest.importorskip("triton.backends.nvidia")
     rec = _record(monkeypatch, [(128, 7168, torch.float8_e4m3fn, "masked", True),
-                                (512, 7168, torch.bfloat16, "packed", True),
+                                (512, 7168, torch.bfloat16, "packed", True, dict(max_recv_rows="worst")),
                                 (512, 2048, torch.float8_e4m3fn, "packed", True),
                                 (128, 7168, torch.float8_e4m3fn, "masked", False)])
     # one launch each when fused (decode, T*K <= 2048, needs no routing-histogram launch); two
-    # halves each when not
-    assert len(rec) == 2 + 3 + 3 + 4
+    # halves each when not; a packed dispatch sized per call (the default) is the routing
+    # histogram, the send half, the count between the halves and the receive half
+    assert len(rec) == 2 + 3 + 5 + 4
+    assert [r[1] for r in rec].count("recv_total_kernel") == 1
     results = _compile(rec, tmp_path)
+    assert next(t for name, _, _, t, _ in results if name == "recv_total_kernel") > 0, "no GPU deadline"
     fp8_cvt = 0
     for (_, _, spec), (name, vec_stores, byte_stores, timers, cvts) in zip(rec, results):
         # Peer stores must be 8- or 16-byte vectors: one NVLink transaction per byte is 10-100x slower.
@@ -193,8 +197,12 @@ def test_internode_kernels_compile_for_sm90(tmp_path):
                           (128, 7168, torch.float8_e4m3fn, "rows", {})])
     names = [r[1] for r in rec]
     # two launches a dispatch and two a combine; the prefill dispatch also the routing histogram
-    assert names.count("route_hist_kernel") == 1 and len(names) == 3 * 4 + 1, names
-    assert all(n in _REMOTE_KERNELS or n == "route_hist_kernel" for n in names), names
+    # and, packed sized per call, the count between its halves (from the proxy's headers)
+    assert names.count("route_hist_kernel") == 1 and names.count("recv_total_kernel") == 1, names
+    assert len(names) == 3 * 4 + 2, names
+    assert all(n in _REMOTE_KERNELS or n in ("route_hist_kernel", "recv_total_kernel") for n in names), names
+    tot = next(spec for _, n, spec in rec if n == "recv_total_kernel")
+    assert tot["consts"]["GLOBAL"] is True, tot["consts"]
     hist = next(spec for _, n, spec in rec if n == "route_hist_kernel")
     assert hist["consts"]["RANKS"] == 2, hist["consts"]
     cm = [spec["consts"]["CM_ROWS"] for _, n, spec in rec if n.startswith("internode_dispatch")]

@@ -4,7 +4,8 @@
 rows: the plan equals ``EPBuffer.memory()`` region by region (bytes and where), and both equal the
 bytes of every tensor the buffer actually holds (found by walking it, not through the plan).
 (b) The issue's table (H 7168, K 8, E 256, fp8, 8 ranks a node, 4096 tokens a rank) at EP8 and
-EP64, region by region: today's baseline, which later memory work is measured against.
+EP64, region by region: the worst-case baseline (``max_recv_rows="worst"``), which later memory
+work is measured against; and the packed layout sized per call (the default) at a uniform batch.
 (c) ``moe-ep-bench memory`` prints the table and writes the JSON.
 """
 from __future__ import annotations
@@ -96,7 +97,8 @@ PROXY = ("disp_send", "round1", "overflow", "comb_send", "comb_recv")
 def test_issue_table_at_deepseek_v3_shapes(ep, layout):
     import moe_ep
 
-    plan = moe_ep.memory_plan(world_size=ep, node_size=8, layout=layout, **DSV3)
+    worst = dict(max_recv_rows="worst") if layout == "packed" else {}  # the baseline: every row that can come
+    plan = moe_ep.memory_plan(world_size=ep, node_size=8, layout=layout, **worst, **DSV3)
     got = {"expert": plan["expert_x"] + plan["expert_scales"], "proxy": sum(plan[n] for n in PROXY),
            "total": plan.total_bytes, **{r.name: r.bytes for r in plan.regions}}
     for name, want in ISSUE[(ep, layout)].items():
@@ -105,10 +107,28 @@ def test_issue_table_at_deepseek_v3_shapes(ep, layout):
     if ep > 8:  # the proxy's rows in GPU memory (proxy_memory="auto"); headers and mailbox pinned host
         assert {r.where for r in plan.regions if r.name in PROXY} == {"device"}
         assert plan.host_bytes == plan.pinned_bytes > 0
-        host = moe_ep.memory_plan(world_size=ep, node_size=8, layout=layout, proxy_memory="host", **DSV3)
+        host = moe_ep.memory_plan(world_size=ep, node_size=8, layout=layout, proxy_memory="host", **worst, **DSV3)
         assert host.total_bytes == plan.total_bytes and host.pinned_bytes == plan.pinned_bytes + got["proxy"]
     text = plan.format()
     assert f"{plan.total_bytes / GIB:.2f}" in text and "expert_x" in text
+
+
+@pytest.mark.parametrize("ep,total", [(8, 1.56), (64, 9.02)])
+def test_packed_sized_per_call_at_deepseek_v3_shapes(ep, total):
+    """Sized per call (the default), the packed expert layout holds what a batch brings: at a
+    uniform batch (M*K = 32768 rows of 7168 fp8 bytes + 56 scales) 0.225 GiB instead of R*M*K rows
+    (EP64: 14.44 GiB), so EP64's total goes from 23.23 to 9.02 GiB; as built, one row."""
+    import moe_ep
+    from moe_ep.sizing import uniform_recv_rows
+
+    rows = uniform_recv_rows(4096, 8, 256 // ep)
+    plan = moe_ep.memory_plan(world_size=ep, node_size=8, layout="packed", recv_rows=rows, **DSV3)
+    assert rows == 32768 and plan["expert_x"] == rows * 7168 and plan["expert_scales"] == rows * 56 * 4
+    assert plan.total_bytes / GIB == pytest.approx(total, abs=0.005)
+    built = moe_ep.memory_plan(world_size=ep, node_size=8, layout="packed", **DSV3)
+    assert built["expert_x"] == 7168 and built.total_bytes == plan.total_bytes - (rows - 1) * (7168 + 224)
+    cap = moe_ep.memory_plan(world_size=ep, node_size=8, layout="packed", max_recv_rows=65536, **DSV3)
+    assert cap["expert_x"] == 65536 * 7168
 
 
 def test_plan_refuses_what_the_buffer_refuses():
@@ -124,6 +144,7 @@ def test_plan_refuses_what_the_buffer_refuses():
 
 def test_cli_prints_and_writes_json(tmp_path, capsys):
     import moe_ep
+    from moe_ep.sizing import uniform_recv_rows
     from moe_ep.bench.cli import main
 
     out = tmp_path / "memory.json"
@@ -135,7 +156,8 @@ def test_cli_prints_and_writes_json(tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert doc["config"]["num_experts"] == 256 and len(doc["entries"]) == 4
     for r, e in zip(rows, doc["entries"]):
-        plan = moe_ep.memory_plan(world_size=e["ep"], node_size=8, layout=e["layout"], **DSV3)
+        rows = dict(recv_rows=uniform_recv_rows(4096, 8, 256 // e["ep"])) if e["layout"] == "packed" else {}
+        plan = moe_ep.memory_plan(world_size=e["ep"], node_size=8, layout=e["layout"], **rows, **DSV3)
         assert e["total_bytes"] == plan.total_bytes and e["regions"] == plan.as_dict()["regions"]
         assert float(r[6]) == round(plan.total_bytes / GIB, 2)
     assert "comb_send 3.06" in text  # EP64's largest proxy region

@@ -323,7 +323,11 @@ def node_dispatch_kernel(
                 over = tl.max(tot) > DIM.CAP
             if over:  # detail: global expert << 32 | its rows; the node peers' combines learn it too
                 worst = tl.argmax(tot, axis=0)
-                info = ((DIM.NODE0 + DIM.RANK) * DIM.EL + worst).to(tl.int64) * 4294967296 + tl.max(tot)
+                need = tl.max(tot)
+                if MODE.PACKED:  # the first expert whose block ends past the cap, and the rows the call needs
+                    worst = tl.argmax((incl > DIM.CAP).to(tl.int32), axis=0)
+                    need = total
+                info = ((DIM.NODE0 + DIM.RANK) * DIM.EL + worst).to(tl.int64) * 4294967296 + need
                 record_error(err_ptr, ERR_CAPACITY, DIM.NODE0 + DIM.RANK, PHASE_DISPATCH, epoch, info)
                 if pid == 0:
                     abort_combines(peer_ptr, info, OFF.comb_flag, DIM.RANK, DIM.N, DIM.CMAX)
