@@ -60,7 +60,7 @@ class NullTransport final : public Transport {
       return set_error(kErrInvalid, "rank " + std::to_string(rank_) + ": null transport: bad post_write");
     *wr_id = ++next_wr_;
     cq_.push_back(Completion{*wr_id, peer, kCqOk});
-    ++posts_[has_imm ? imm >> 30 : 4];
+    ++posts_[has_imm && imm_phase(imm) < 4 ? imm_phase(imm) : 4];  // (a credit counts as plain)
     bytes_ += int64_t(len);
     (void)roff;
     return kOk;

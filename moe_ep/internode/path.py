@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Callable, NoReturn, Optional
 
+import numpy as np
 import torch
 
 from ..errors import CommTimeoutError
@@ -83,6 +84,8 @@ class RemotePath:
                 return {**rows, **headers}
             self.mailbox = torch.zeros(mailbox_words(R), dtype=torch.int64, pin_memory=True)
             mailbox = self.mailbox.numpy()
+        else:  # the proxy allocates each region's minimum, save the combine send region: every row that can come
+            regions = {"comb_send": np.zeros(self.spec.region_sizes()["comb_send"], np.uint8)}
         self.proxy = start_proxy(group, timeout_s=timeout_s, regions=regions, mailbox=mailbox, **kw)
         regions = {n: getattr(self.proxy, n) for n in REGIONS}
         if not self.gpu:  # the proxy allocated numpy arrays; the kernels see the same memory as tensors
@@ -110,7 +113,8 @@ class RemotePath:
         return dict(node, round1_ptr=reg["round1"], overflow_ptr=reg["overflow"], hdr_recv_ptr=reg["hdr_recv"],
                     mb_ptr=self.mailbox,
                     own_ptr=st.own, rpos_ptr=st.rpos, rw_ptr=st.rw, recv_rows_ptr=st.recv_rows,
-                    rtimeout_ns=self.rtimeout_ns, spins=self.spins)
+                    ov_arrive_ptr=st.arrive[2 * self.spec.world + 1:], rtimeout_ns=self.rtimeout_ns,
+                    spins=self.spins)
 
     def dispatch_consts(self, block_t: int) -> dict:
         """The remote constexprs of both dispatch halves (``block_t``: tokens per payload tile)."""
