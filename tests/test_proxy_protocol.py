@@ -162,8 +162,7 @@ def _rank_main(rank, R, node_size, cap, ovcap, epochs, seed, fault, maxc, plan, 
             eng.set_fault(delay_us=200, reorder=True)
         px = Proxy(eng, node_size=node_size, num_local_experts=EL, row_bytes=RB, comb_row_bytes=CRB,
                    private_capacity=cap, overflow_capacity=ovcap, max_send_rows=R * (maxc + 5), timeout_s=timeout_s,
-                   spin_us=20, sleep_us=200,
-                   regions={"comb_send": np.zeros((R * (maxc + 5 + cap) + ovcap) * CRB, np.uint8)})  # every row that can come
+                   spin_us=20, sleep_us=200)
         assert list(px.keys.values()) == [1, 2, 3, 4, 5, 6, 7]
         conn.send(eng.endpoint)
         eng.connect(conn.recv(), timeout_s=10)
@@ -226,14 +225,29 @@ def _rank_main(rank, R, node_size, cap, ovcap, epochs, seed, fault, maxc, plan, 
             if silent:  # dispatched, but never rings the combine
                 log.append(("silent", e))
                 break
-            # ---- combine send "kernel": per remote source, one row per received row, in order
+            # ---- combine send "kernel": per remote source, one row per received row of round 1 and
+            # overflow window 0, in order; then each later window's rows from row 0, once the proxy
+            # sent the window before (comb_win_done)
+            rows = {s: _comb(rank, received[s]) for s in sorted(received)}
+            o_s = {s: max(0, len(rows[s]) - cap) for s in rows}
+            st = dict(zip(rows, np.cumsum([0] + [o_s[s] for s in rows])))
             o = 0
-            for s in sorted(received):
-                rows = _comb(rank, received[s])
-                px.comb_send[o:o + rows.nbytes] = rows.reshape(-1)
-                o += rows.nbytes
+            for s in rows:
+                c0 = len(rows[s]) - o_s[s] + min(o_s[s], max(0, ovcap - st[s]))
+                px.comb_send[o:o + c0 * CRB] = rows[s][:c0].reshape(-1)
+                o += c0 * CRB
             px.ring("combine", e)
             try:
+                n_win = -(-sum(o_s.values()) // ovcap) if ovcap else 0
+                for w in range(1, n_win):
+                    px.wait_word(MAILBOX["comb_win_done"], native.ov_window(e, w), timeout_s + 5, phase="combine",
+                                 epoch=e)
+                    for s in rows:
+                        lo, hi = max(st[s], w * ovcap), min(st[s] + o_s[s], (w + 1) * ovcap)
+                        if hi > lo:
+                            part = rows[s][cap + lo - st[s]:cap + hi - st[s]]
+                            px.comb_send[(lo - w * ovcap) * CRB:(hi - w * ovcap) * CRB] = part.reshape(-1)
+                    px.mailbox[MAILBOX["comb_win_bell"]] = native.ov_window(e, w)
                 px.wait_ready("combine", e, timeout_s + 5)
             except Exception as ex:  # noqa: BLE001
                 log.append(("error", e, type(ex).__name__, str(ex), time.monotonic() - t0, px.error_record()))
@@ -314,7 +328,7 @@ def test_mailbox_layout_and_imm():
         want = {**MAILBOX, "n_fixed": MAILBOX_WORDS,
                 **{a: native.mailbox_word(a, W, 0) for a in native.MAILBOX_ARRAYS}, "n_words": native.mailbox_words(W)}
         assert native.native_mailbox_layout(W) == want
-    assert native.mailbox_words(3) == 10 + 4 * 3 and native.mailbox_word("ready2", 3, 1) == 10 + 2 * 3 + 1
+    assert native.mailbox_words(3) == 12 + 4 * 3 and native.mailbox_word("ready2", 3, 1) == 12 + 2 * 3 + 1
     # phase in bits 31..29, source rank in bits 28..16, epoch mod 2^16 in bits 15..0
     assert make_imm(0, 5) == 5 and make_imm(1, 5) == (1 << 29) | 5 and make_imm(2, 5) == (2 << 29) | 5
     assert make_imm(2, 5, src=3) == (2 << 29) | (3 << 16) | 5

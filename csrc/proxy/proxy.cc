@@ -55,8 +55,7 @@ void proxy_region_bytes(const ProxyConfig& c, uint64_t out[kNumRegions]) {
   // The four regions peers write into hold two copies each, picked by epoch & 1 (§10).
   out[kRegRound1] = uint64_t(2 * c.world_size * c.private_capacity * c.row_bytes);
   out[kRegOverflow] = uint64_t(2 * c.overflow_capacity * c.row_bytes);
-  // (a minimum: what one overflow window brings; each dispatch's rows are checked against the
-  // region's length, which EPBuffer sizes to every row that can come, (R - G) * M)
+  // (the combine returns overflow rows in the dispatch's windows: window 0 with the round-1 rows)
   out[kRegCombSend] = uint64_t((n_remote * c.private_capacity + c.overflow_capacity) * c.comb_row_bytes);
   out[kRegCombRecv] = uint64_t(2 * c.max_send_rows * c.comb_row_bytes);
   out[kRegHdrSend] = uint64_t(c.world_size * hdr);
@@ -682,22 +681,6 @@ bool Proxy::run_dispatch(int64_t epoch) {
                       "rank " + std::to_string(p) + " would receive " + std::to_string(tot) +
                           " overflow rows, overflow_capacity is 0");
       }
-      // The combine returns every received row from the combine send region (not in windows):
-      // each p's rows from remote sources must fit it (the same lengths on every rank).
-      const int64_t comb_rows = int64_t(len_[kRegCombSend] / uint64_t(std::max<int64_t>(cfg_.comb_row_bytes, 1)));
-      comb_total_.assign(size_t(R), 0);
-      for (int s = 0; s < R; ++s) {  // column sums, a row at a time (vectorized), then less each node's own
-        const int32_t* row = &C[size_t(s) * R];
-        for (int p = 0; p < R; ++p) comb_total_[size_t(p)] += row[p];
-      }
-      for (int p = 0; p < R; ++p) {
-        int64_t tot = comb_total_[size_t(p)];
-        for (int s = p / G * G; s < p / G * G + G; ++s) tot -= c_to(s, p);
-        if (tot > comb_rows)
-          return fail(kProxyCapacity, p, kPhaseD2, epoch,
-                      "rank " + std::to_string(p) + " would receive " + std::to_string(tot) +
-                          " rows from other nodes, its combine send region holds " + std::to_string(comb_rows));
-      }
       // Where this rank's overflow to each remote p falls in p's stream (sum of o_{s'p} over
       // remote s' < me), its windows, and this rank's own stream's windows.
       for (int p : others_) {
@@ -809,47 +792,76 @@ bool Proxy::run_dispatch(int64_t epoch) {
   return true;
 }
 
-// The combine of the latest dispatch: to each remote source s with rows, as soon as its rows
-// are packed (its combine bell), one write of c_{s,me} rows into s's combine receive region at
-// sum of c_{s,p'} over remote p' < me; from each remote owner p with c_{me,p} > 0 one immediate.
+// The combine of the latest dispatch, in the windows of the dispatch's overflow (§10 "Round 2 in
+// windows"): to each remote source s, as soon as its rows are packed (its combine bell), one write
+// of its window-0 rows (its round-1 rows and its part of overflow window 0) into s's combine
+// receive region at sum of c_{s,p'} over remote p' < me; then for each later window w, once the
+// kernels packed it into the (reused) send region (comb_win_bell) after the proxy's writes of
+// window w - 1 completed (comb_win_done), one write of each source's part of it. From each remote
+// owner p: one immediate for its window-0 rows (if any) and one per later window with rows of
+// this rank.
 bool Proxy::run_combine(int64_t epoch) {
-  const int64_t deadline = mono_ns() + cfg_.timeout_ns;
+  int64_t deadline = mono_ns() + cfg_.timeout_ns;  // moved on by each window's progress
   const int R = int(cfg_.world_size), me = int(cfg_.rank), G = int(cfg_.node_size);
-  const int64_t CRB = cfg_.comb_row_bytes;
+  const int64_t CRB = cfg_.comb_row_bytes, cap = cfg_.private_capacity, B = cfg_.overflow_capacity;
   const uint64_t cr_base = uint64_t((epoch & 1) * cfg_.max_send_rows * CRB);  // parity copy of s's region
   const int32_t* const C = counts_.data();
   n_posted_ = 0;
   phase_posts_ = phase_bells_ = 0;
   std::fill(posted_to_.begin(), posted_to_.end(), 0);
-  // off_: per remote source s, in rank order: c_{s,me} rows received from s. rows_sent_ / got1_
-  // stand for sent (to source s) and got (from owner p).
+  auto ov = [&](int s, int p) -> int64_t { return std::max<int64_t>(0, int64_t(C[size_t(s) * R + p]) - cap); };
+  // Where remote source s's overflow starts in owner p's stream; s's rows of window w there.
+  auto start_in = [&](int s, int p) {
+    int64_t st = 0;
+    for (int q = 0; q < s; ++q)
+      if (q / G != p / G) st += ov(q, p);
+    return st;
+  };
+  auto part = [&](int64_t st, int64_t o, int64_t w, int64_t* lo, int64_t* hi) {
+    *lo = std::max(st, w * B), *hi = std::min(st + o, (w + 1) * B);
+    return *hi > *lo;
+  };
+  // off_: per remote source s, in rank order: its window-0 rows in the send region. ov_start_:
+  // its overflow's place in this rank's stream. rows_sent_: s's window-0 write posted (or none).
+  // credits_ (reused): per owner p, the immediates still to come from it.
   std::vector<char>& sent = rows_sent_;
-  std::vector<char>& got = got1_;
   sent.assign(size_t(R), 1);
-  got.assign(size_t(R), 1);
+  credits_.assign(size_t(R), 0);
+  ov_start_.assign(size_t(R), 0);
   todo_.clear();
-  int got_left = 0;
-  uint64_t o = 0;
+  int64_t got_left = 0, o = 0, O = 0;
   for (int s = 0; s < R; ++s) {
     if (s == me || !remote(s)) continue;
-    off_[s] = o;
-    o += uint64_t(C[size_t(s) * R + me] * CRB);
-    if (C[size_t(s) * R + me] > 0) sent[s] = 0, todo_.push_back(s);
-    if (C[size_t(me) * R + s] > 0) got[s] = 0, ++got_left;
+    const int64_t c = C[size_t(s) * R + me], n1 = std::min(c, cap), os = ov(s, me);
+    ov_start_[s] = O;
+    const int64_t c0 = n1 + (B > 0 ? std::min(os, std::max<int64_t>(0, B - O)) : os);
+    O += os;
+    off_[s] = uint64_t(o) * uint64_t(CRB);
+    o += c0;
+    if (c0 > 0) sent[s] = 0, todo_.push_back(s);
+    // from owner s (as a source of its stream): window 0 (round 1 and its part there) and each later window
+    const int64_t st = start_in(me, s), om = ov(me, s), cm = C[size_t(me) * R + s];
+    int64_t n = std::min<int64_t>(cm, cap) + (B > 0 ? std::min(om, std::max<int64_t>(0, B - st)) : om) > 0;
+    for (int64_t w = 1, lo, hi; B > 0 && w * B < st + om; ++w) n += part(st, om, w, &lo, &hi);
+    credits_[s] = n;
+    got_left += n;
   }
+  const int64_t n_win = B > 0 ? (O + B - 1) / B : 0;
+  int64_t next_win = 1, posted_win = 0;  // the next later window to post; the last one posted
   auto owners = [&]() {
     std::vector<int> v;
     for (int p : others_)
-      if (remote(p) && C[size_t(me) * R + p] > 0) v.push_back(p);
+      if (remote(p) && credits_[p] > 0) v.push_back(p);
     return v;
+  };
+  auto got = [&](int p) {
+    --credits_[p];
+    --got_left;
+    trace_peer(kTrGotC, p, epoch);
   };
   auto scan_all = [&](Lost* lost) {  // a failing counter: as run_dispatch's
     for (int p : others_)
-      if (!got[p] && take(kPhaseC, p, epoch, lost)) {
-        got[p] = 1;
-        --got_left;
-        trace_peer(kTrGotC, p, epoch);
-      }
+      if (credits_[p] > 0 && take(kPhaseC, p, epoch, lost)) got(p);
   };
   int64_t last_work = mono_ns(), reap_wait = 0;
   uint64_t seen_gen = ~uint64_t(0);
@@ -862,8 +874,10 @@ bool Proxy::run_combine(int64_t epoch) {
       const int32_t* row = &C[size_t(s) * R];
       const int slo = s / G * G;
       const int64_t roff = sum_range(row, 0, me) - sum_range(row, slo, std::min(slo + G, me));
+      const int64_t c0 = std::min<int64_t>(row[me], cap) +
+                         (B > 0 ? std::min(ov(s, me), std::max<int64_t>(0, B - ov_start_[s])) : ov(s, me));
       if (!post(kPhaseC, epoch, s, kRegCombSend, off_[s], kRegCombRecv, cr_base + uint64_t(roff * CRB),
-                uint64_t(row[me] * CRB)))
+                uint64_t(c0 * CRB)))
         return false;
       trace_peer(kTrPostC, s, epoch);
       sent[s] = 1;
@@ -871,30 +885,53 @@ bool Proxy::run_combine(int64_t epoch) {
     });
     if (rung < 0) return false;
     work |= rung > 0;
+    // Later windows: once the writes of the one before completed, the kernels may pack the next
+    // (comb_win_done); once they did (comb_win_bell), each source's part of it.
+    if (next_win < n_win && todo_.empty() && n_posted_ == 0 && load(kMbCombWinDone) < ov_window(epoch, next_win)) {
+      store(kMbCombWinDone, ov_window(epoch, next_win));
+      work = true;
+    }
+    if (next_win < n_win && posted_win < next_win && load(kMbCombWinBell) >= ov_window(epoch, next_win)) {
+      const int64_t w = next_win;
+      for (int s : others_) {
+        int64_t lo, hi;
+        if (!remote(s) || !part(ov_start_[s], ov(s, me), w, &lo, &hi)) continue;
+        const int32_t* row = &C[size_t(s) * R];
+        const int slo = s / G * G;
+        const int64_t roff = sum_range(row, 0, me) - sum_range(row, slo, std::min(slo + G, me)) + cap +
+                             (lo - ov_start_[s]);
+        if (!post(kPhaseC, epoch, s, kRegCombSend, uint64_t((lo - w * B) * CRB), kRegCombRecv,
+                  cr_base + uint64_t(roff * CRB), uint64_t((hi - lo) * CRB)))
+          return false;
+        trace_peer(kTrPostC, s, epoch);
+      }
+      posted_win = next_win++;
+      deadline = std::max(deadline, mono_ns() + cfg_.timeout_ns);
+      work = true;
+    }
     const uint64_t gen = t_->imm_counter().generation();
     if (gen != seen_gen) {
       seen_gen = gen;
       const bool failing_counter =
-          take_arrived(epoch, [&](int ph, int p) { return ph == kPhaseC && !got[p]; }) == kErrPeer;
-      for (const uint32_t imm : arrived_) {
-        const int p = imm_src(imm);
-        got[p] = 1;
-        --got_left;
+          take_arrived(epoch, [&](int ph, int p) { return ph == kPhaseC && credits_[p] > 0; }) == kErrPeer;
+      for (const uint32_t imm : arrived_) got(imm_src(imm));
+      if (!arrived_.empty()) {
+        seen_gen = ~uint64_t(0);  // an owner's next window may have been counted too: look again
+        deadline = std::max(deadline, mono_ns() + cfg_.timeout_ns);
         work = true;
-        trace_peer(kTrGotC, p, epoch);
       }
       if (failing_counter) scan_all(&lost);
     }
     if (!reap(kPhaseC, epoch, reap_wait)) return false;
     reap_wait = 0;
-    if (todo_.empty() && got_left == 0 && n_posted_ == 0) return true;
+    if (todo_.empty() && got_left == 0 && next_win >= n_win && n_posted_ == 0) return true;
     if (!lost.why.empty()) return fail_lost(lost.peer, kPhaseC, epoch, lost.why);
     if (work) {
       last_work = mono_ns();
       continue;
     }
     if (mono_ns() >= deadline) {
-      if (got_left) return fail_missing(kPhaseC, kPhaseC, epoch, owners(), [&](int p) { return !got[p]; }, "combine rows");
+      if (got_left) return fail_missing(kPhaseC, kPhaseC, epoch, owners(), [&](int p) { return credits_[p] > 0; }, "combine rows");
       if (!todo_.empty()) {
         std::vector<int> sources;
         for (int s : others_)
@@ -902,24 +939,24 @@ bool Proxy::run_combine(int64_t epoch) {
         return fail_missing(kPhaseC, -1, epoch, sources, [&](int s) { return !sent[s]; },
                             "this rank's kernels never rang the combine bell");
       }
+      if (next_win < n_win && n_posted_ == 0)
+        return fail(kProxyTimeout, -1, kPhaseC, epoch,
+                    "this rank's kernels never packed combine window " + std::to_string(next_win) + " of " +
+                        std::to_string(n_win) + " within " + seconds(cfg_.timeout_ns) + " s");
       return fail_writes(kPhaseC, epoch);
     }
-    if (todo_.empty() && got_left > 0 && mono_ns() - last_work > cfg_.spin_ns) {
-      // Only the owners' rows to wait for, and one ready word for them all: one wake-up.
-      std::vector<int> rest;
-      for (int p : others_)
-        if (!got[p]) rest.push_back(p);
+    if (todo_.empty() && next_win >= n_win && got_left > 0 && mono_ns() - last_work > cfg_.spin_ns) {
+      // Only the owners' rows to wait for, and one ready word for them all: one wake-up (one
+      // immediate from each owner still sending; the next pass takes the rest).
+      std::vector<int> rest = owners();
       if (await_all(kPhaseC, epoch, rest, std::min(kBlockNs, deadline - mono_ns()))) {
-        for (int p : rest) {
-          got[p] = 1;
-          trace_peer(kTrGotC, p, epoch);
-        }
-        got_left = 0;
+        for (int p : rest) got(p);
+        seen_gen = ~uint64_t(0);
         last_work = mono_ns();
         continue;
       }  // (else a time slice passed, or the counter failed: the next pass's takes tell which)
     }
-    reap_wait = idle(last_work, seen_gen, !todo_.empty(), got_left > 0);
+    reap_wait = idle(last_work, seen_gen, !todo_.empty() || next_win < n_win, got_left > 0);
   }
 }
 

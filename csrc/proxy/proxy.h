@@ -23,7 +23,7 @@ namespace moe_ep {
 // ---- Mailbox: int64 words, single writer each, epoch valued, never reset. ----
 // The kernel side writes the bells; the proxy writes the ready words and the error record.
 // Mirrored in moe_ep/proxy/native.py (MAILBOX) and checked against moe_ep_proxy_mailbox_layout.
-// Ten fixed words, then four arrays of one word per rank (mb_* below): 10 + 4R words in all.
+// Twelve fixed words, then four arrays of one word per rank (mb_* below): 12 + 4R words in all.
 enum : int {
   kMbHdrBell = 0,       // kernel: every peer's header (HDR_p) of dispatch epoch e is in the send buffer -> e
   kMbDispReady = 1,     // proxy: every write of dispatch e from and to this rank landed, own writes completed -> e
@@ -36,7 +36,10 @@ enum : int {
   // Overflow windows beyond the first (§10 "Round 2 in windows"), valued ov_window(e, w):
   kMbOvReady = 8,       // proxy: window w (w >= 1) of dispatch e landed -> ov_window(e, w)
   kMbOvDone = 9,        // kernel: windows 0..w-1 of dispatch e unpacked (region free again) -> ov_window(e, w)
-  kMbWords = 10,        // the fixed words
+  // The combine's return of those windows, through the combine send region:
+  kMbCombWinDone = 10,  // proxy: combine writes of windows 0..w-1 of epoch e completed (region free) -> ov_window(e, w)
+  kMbCombWinBell = 11,  // kernel: combine window w (w >= 1) of epoch e packed -> ov_window(e, w)
+  kMbWords = 12,        // the fixed words
 };
 // The value of the window words for window w of epoch e: grows with e, then w (w < 2^32).
 inline int64_t ov_window(int64_t e, int64_t w) { return (e << 32) | w; }
@@ -289,7 +292,6 @@ class Proxy {
   // Checks source s's count vector (false: a negative count) and adds its overflow to remote
   // ranks into ov_total_.
   bool add_overflow(const int32_t* row, int s);
-  std::vector<int64_t> comb_total_;  // per rank p: rows from every source (the combine region check)
   std::vector<int64_t> ov_total_;  // per rank p: overflow rows from remote sources (this dispatch's headers so far)
   std::vector<int32_t> counts_;  // [R][R] count matrix of the last dispatch
   // Per-phase scratch, sized once at create (a phase allocates nothing).

@@ -5,7 +5,8 @@ CUDA graph replays the whole exchange.
 
 Mailbox words (int64, ``moe_ep.proxy.native.MAILBOX``): 0 header bell, 1 dispatch ready, 2 header
 ready, 3 combine ready, 4 error code, 5 its peer, 6 phase, 7 epoch, 8 overflow window ready, 9
-overflow window done (both valued ``ov_window(e, w)``); then one word per rank in
+overflow window done, 10 combine window done, 11 combine window bell (all four valued
+``ov_window(e, w)``); then one word per rank in
 each of four arrays: the rows bell of each peer, the round-1 and overflow ready words of each
 source, the combine bell of each source (``MAILBOX_ARRAYS``).
 """
@@ -22,7 +23,9 @@ MB_ERR_CODE = tl.constexpr(4)
 MB_ERR_PEER = tl.constexpr(5)
 MB_OV_READY = tl.constexpr(8)   # proxy: overflow window w >= 1 landed -> ov_window(e, w)
 MB_OV_DONE = tl.constexpr(9)    # kernel: windows 0..w-1 unpacked -> ov_window(e, w)
-MB_FIXED = tl.constexpr(10)  # the fixed words; the per-rank arrays follow
+MB_COMB_WIN_DONE = tl.constexpr(10)  # proxy: combine writes of windows 0..w-1 completed -> ov_window(e, w)
+MB_COMB_WIN_BELL = tl.constexpr(11)  # kernel: combine window w >= 1 packed -> ov_window(e, w)
+MB_FIXED = tl.constexpr(12)  # the fixed words; the per-rank arrays follow
 
 
 @triton.jit

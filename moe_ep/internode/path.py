@@ -24,7 +24,6 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Callable, NoReturn, Optional
 
-import numpy as np
 import torch
 
 from ..errors import CommTimeoutError
@@ -84,8 +83,6 @@ class RemotePath:
                 return {**rows, **headers}
             self.mailbox = torch.zeros(mailbox_words(R), dtype=torch.int64, pin_memory=True)
             mailbox = self.mailbox.numpy()
-        else:  # the proxy allocates each region's minimum, save the combine send region: every row that can come
-            regions = {"comb_send": np.zeros(self.spec.region_sizes()["comb_send"], np.uint8)}
         self.proxy = start_proxy(group, timeout_s=timeout_s, regions=regions, mailbox=mailbox, **kw)
         regions = {n: getattr(self.proxy, n) for n in REGIONS}
         if not self.gpu:  # the proxy allocated numpy arrays; the kernels see the same memory as tensors
@@ -131,13 +128,15 @@ class RemotePath:
         node = dict(xrows_ptr=st.comb_row, xrecv_ptr=self.regions["comb_recv"])
         if send:
             return dict(node, comb_send_ptr=self.regions["comb_send"], mb_ptr=self.mailbox,
-                        arrive_ptr=st.arrive[R + 1:], rpos_ptr=st.rpos, rw_ptr=st.rw, recv_rows_ptr=st.recv_rows)
+                        arrive_ptr=st.arrive[R + 1:], rpos_ptr=st.rpos, rw_ptr=st.rw, recv_rows_ptr=st.recv_rows,
+                        rtimeout_ns=self.rtimeout_ns, spins=self.spins)
         return dict(node, mb_ptr=self.mailbox, rtimeout_ns=self.rtimeout_ns, spins=self.spins)
 
     def combine_consts(self) -> dict:
         """The remote constexprs of both combine halves."""
         sp = self.spec
         return dict(XROWS=True, XCRB=sp.comb_row_bytes, XMAX=sp.max_send_rows, R=sp.world, BLOCK_R=pow2(sp.world, 2),
+                    PCAP=sp.private_capacity, OVCAP=sp.overflow_capacity,
                     BLOCK_RW=16, BLOCK_RH=max(16, min(pow2(sp.hidden, 2), 512)))
 
     # ------------------------------------------------------------------ host side

@@ -159,8 +159,8 @@ class RemoteSpec:
     @property
     def recv_rows(self) -> int:
         """The most rows one dispatch delivers from remote sources, one per (source, token): ``(R -
-        G) * M`` (the combine send buffer's rows; the overflow crosses in windows, the combine's
-        return of it not yet: its region holds every row that can come)."""
+        G) * M`` (the rows of ``rpos`` / ``rw``; the combine send region holds one window's,
+        ``(R - G) * private_capacity + overflow_capacity``)."""
         return self.n_remote * self.max_tokens
 
     @property
@@ -175,7 +175,7 @@ class RemoteSpec:
         return {"disp_send": self.max_send_rows * rb,
                 "round1": 2 * R * self.slot_bytes,
                 "overflow": 2 * self.overflow_capacity * rb,
-                "comb_send": self.recv_rows * crb,
+                "comb_send": (self.n_remote * self.private_capacity + self.overflow_capacity) * crb,
                 "comb_recv": 2 * self.max_send_rows * crb,
                 "hdr_send": R * hdr,
                 "hdr_recv": 2 * R * hdr}

@@ -749,7 +749,7 @@ class FabricTransport(Engine):
 # ---------------------------------------------------------------- Proxy (§10)
 
 # Mailbox word indices (int64 words), mirrored from csrc/proxy/proxy.h (kMb*, mb_*); the kernel
-# side writes the bells, the proxy the ready words and the error record. Ten fixed words, then
+# side writes the bells, the proxy the ready words and the error record. Twelve fixed words, then
 # four arrays of one word per rank (``mailbox_words(world)`` in all): the rows bell of each peer,
 # each source's round-1 and overflow ready words, each source's combine bell.
 MAILBOX = {
@@ -763,8 +763,10 @@ MAILBOX = {
     "err_epoch": 7,
     "ov_ready": 8,  # proxy: overflow window w >= 1 of epoch e landed -> ov_window(e, w)
     "ov_done": 9,   # kernel: windows 0..w-1 of epoch e unpacked -> ov_window(e, w)
+    "comb_win_done": 10,  # proxy: combine writes of windows 0..w-1 of epoch e completed -> ov_window(e, w)
+    "comb_win_bell": 11,  # kernel: combine window w >= 1 of epoch e packed -> ov_window(e, w)
 }
-MAILBOX_WORDS = 10  # the fixed words
+MAILBOX_WORDS = 12  # the fixed words
 MAILBOX_ARRAYS = ("disp_bell", "ready1", "ready2", "comb_bell")  # after them, one word per rank each
 
 
@@ -812,8 +814,8 @@ def make_imm(phase: int, epoch: int, src: int = 0) -> int:
 def native_mailbox_layout(world: int) -> dict[str, int]:
     """The word indices as the native library defines them for ``world`` ranks: the fixed words,
     ``"n_fixed"``, the first word of each per-rank array, and ``"n_words"``."""
-    out = (ctypes.c_int64 * 16)()
-    n = lib().moe_ep_proxy_mailbox_layout(world, out, 16)
+    out = (ctypes.c_int64 * 32)()
+    n = lib().moe_ep_proxy_mailbox_layout(world, out, 32)
     return dict(zip([*MAILBOX, "n_fixed", *MAILBOX_ARRAYS, "n_words"], out[:n]))
 
 
