@@ -19,7 +19,7 @@ from ..kernels.combine import combine_kernel
 from ..kernels.common import PHASE_COMBINE, deadline_start, pre_reduce
 from ..kernels.tiles import excl, pick
 from .mailbox import (MB_COMB_READY, MB_COMB_WIN_BELL, MB_COMB_WIN_DONE, arrive_and_ring, comb_bell, ov_window,
-                      wait_value, wait_word)
+                      wait_window, wait_word, window_count)
 
 
 @triton.jit
@@ -108,14 +108,10 @@ def internode_combine_send_kernel(
                      rpos_ptr=rpos_ptr, rw_ptr=rw_ptr, wy_ptr=wy_ptr, comb_send_ptr=comb_send_ptr, K=K, H=H, CRB=XCRB,
                      ROWS=ROWS, WIN=WIN, BLOCK_RW=BLOCK_RW, BLOCK_K=BLOCK_K, BLOCK_H=BLOCK_RH, INTERP=INTERP)
         arrive_and_ring(arrive_ptr + s, mb_ptr, comb_bell(R, s), depoch)
-    OV1: tl.constexpr = OVCAP + (OVCAP == 0)
-    n_win = tl.cdiv(tl.sum(o_s), OV1)
-    if (n_win > 1) & (pid == P - 1):
-        for w in range(1, n_win):
-            up = wait_value(mb_ptr, MB_COMB_WIN_DONE, ov_window(depoch, w), depoch, err_ptr, -1, PHASE_COMBINE,
-                            deadline_start(INTERP), rtimeout_ns, spins, INTERP)
-            lo_s = tl.maximum(ovoff, w * OVCAP)
-            hi_s = tl.where(up != 0, tl.minimum(ovoff + o_s, (w + 1) * OVCAP), lo_s)
+    if (window_count(o_s, OVCAP) > 1) & (pid == P - 1):
+        for w in range(1, window_count(o_s, OVCAP)):
+            lo_s, hi_s = wait_window(mb_ptr, MB_COMB_WIN_DONE, depoch, w, ovoff, o_s, err_ptr, PHASE_COMBINE,
+                                     rtimeout_ns, spins, OVCAP, INTERP)
             for s in range(R):
                 lo = pick(lo_s, rr, s)
                 hi = pick(hi_s, rr, s)

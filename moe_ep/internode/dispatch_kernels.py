@@ -23,7 +23,7 @@ from ..kernels.dispatch import dispatch_kernel, local_counts
 from ..kernels.rows import tokens_before
 from ..kernels.tiles import chunk_sum, col, excl, first_on_rank, gather, load_routing, pick
 from .mailbox import (MB_DISP_READY, MB_ERR_CODE, MB_ERR_PEER, MB_HDR_BELL, MB_HDR_READY, MB_OV_DONE, MB_OV_READY,
-                      arrive_and_ring, ov_window, ready1, rows_bell, wait_value, wait_word)
+                      arrive_and_ring, ov_window, ready1, rows_bell, wait_window, wait_word, window_count)
 
 
 @triton.jit
@@ -471,16 +471,13 @@ def internode_dispatch_recv_kernel(
     # Overflow windows beyond the first (§10 "Round 2 in windows"): window w holds the stream's
     # rows [w * OVCAP, (w + 1) * OVCAP), each source's at its place in the stream.
     o_s = c - n1s
-    OV1: tl.constexpr = OVCAP + (OVCAP == 0)  # (no region: the proxy refused the batch, `bad` is set)
-    n_win = tl.cdiv(tl.sum(o_s), OV1)
+    n_win = window_count(o_s, OVCAP)
     if (n_win > 1) & (bad == 0):
         arrive_and_ring(ov_arrive_ptr, mb_ptr, MB_OV_DONE, ov_window(epoch, 1))
         if pid == P - 1:
             for w in range(1, n_win):
-                up = wait_value(mb_ptr, MB_OV_READY, ov_window(epoch, w), epoch, err_ptr, -1, PHASE_DISPATCH,
-                                deadline_start(INTERP), rtimeout_ns, spins, INTERP)
-                lo_s = tl.maximum(ovoff, w * OVCAP)
-                hi_s = tl.where(up != 0, tl.minimum(ovoff + o_s, (w + 1) * OVCAP), lo_s)
+                lo_s, hi_s = wait_window(mb_ptr, MB_OV_READY, epoch, w, ovoff, o_s, err_ptr, PHASE_DISPATCH,
+                                         rtimeout_ns, spins, OVCAP, INTERP)
                 for s in range(R):
                     lo = pick(lo_s, rr, s)
                     hi = pick(hi_s, rr, s)

@@ -13,7 +13,7 @@ source, the combine bell of each source (``MAILBOX_ARRAYS``).
 import triton
 import triton.language as tl
 
-from ..kernels.common import ERR_PROXY, ERR_TIMEOUT, record_error
+from ..kernels.common import ERR_PROXY, ERR_TIMEOUT, deadline_start, record_error
 
 MB_HDR_BELL = tl.constexpr(0)
 MB_DISP_READY = tl.constexpr(1)
@@ -66,6 +66,26 @@ def arrive_and_ring(count_ptr, mb_ptr, word, epoch):
     if old == tl.num_programs(0) - 1:
         tl.store(count_ptr, 0)
         tl.atomic_xchg(mb_ptr + word, epoch, sem="release", scope="sys")
+
+
+@triton.jit
+def window_count(o_s, OVCAP: tl.constexpr):
+    """Windows of ``OVCAP`` rows the overflow stream of ``sum(o_s)`` rows takes (a region of no
+    rows: one per row; the proxy refused such a batch, its error is recorded)."""
+    OV1: tl.constexpr = OVCAP + (OVCAP == 0)
+    return tl.cdiv(tl.sum(o_s), OV1)
+
+
+@triton.jit
+def wait_window(mb_ptr, word, epoch, w, ovoff, o_s, err_ptr, phase, timeout_ns, spins, OVCAP: tl.constexpr,
+                INTERP: tl.constexpr):
+    """Waits for ``mailbox[word] >= ov_window(epoch, w)`` (its own deadline from now); returns each
+    source's rows ``[lo, hi)`` of window ``w`` of the stream (each source's from ``ovoff``, ``o_s``
+    of them; empty ranges where the wait failed, its error recorded)."""
+    up = wait_value(mb_ptr, word, ov_window(epoch, w), epoch, err_ptr, -1, phase, deadline_start(INTERP), timeout_ns,
+                    spins, INTERP)
+    lo = tl.maximum(ovoff, w * OVCAP)
+    return lo, tl.where(up != 0, tl.minimum(ovoff + o_s, (w + 1) * OVCAP), lo)
 
 
 @triton.jit
