@@ -55,9 +55,14 @@ class EPBuffer:
         private_capacity: with other nodes (``group.node_size < world_size``): rows each remote
             source may send into this rank's private slot in round 1 (default: a uniform batch plus
             headroom, ``moe_ep.internode.spec.default_private_capacity``); the rest goes in round 2.
-        overflow_capacity: with other nodes: round-2 rows this rank can take from all remote
-            sources in one dispatch (default: all that could come, ``(R - node_size) * (M -
-            private_capacity)``); a batch needing more raises ``CapacityError`` on every rank.
+        overflow_capacity: with other nodes: rows of this rank's overflow region, one window of
+            the round-2 rows it takes from all remote sources; a dispatch bringing more crosses
+            in as many windows as it needs (one credit round trip each), so no batch is refused
+            (default: what ``overflow_budget_bytes`` holds; 0 refuses every overflowing batch
+            with ``CapacityError`` on every rank).
+        overflow_budget_bytes: with other nodes: bytes of the overflow region (two parity copies)
+            when ``overflow_capacity`` is not given (default 128 MiB,
+            ``moe_ep.internode.spec.DEFAULT_OVERFLOW_BUDGET``; at most what could ever overflow).
         expert_capacity: masked only: rows of each local expert's block (default ``R*max_tokens``,
             every row that can come when a token lists an expert at most once). Fewer rows take
             less memory; a dispatch that brings an expert more raises ``CapacityError`` naming the
@@ -138,7 +143,7 @@ class EPBuffer:
                  num_programs: Optional[int] = None, private_capacity: Optional[int] = None,
                  overflow_capacity: Optional[int] = None, expert_capacity: Optional[int] = None,
                  column_major_scales: bool = False, proxy_memory: str = "auto", tuning: Optional[Tuning] = None,
-                 max_recv_rows=None):
+                 max_recv_rows=None, overflow_budget_bytes: Optional[int] = None):
         if not isinstance(group, EPGroup):
             raise TypeError(f"group: expected moe_ep.EPGroup, got {type(group).__name__}")
         if tuning is None:
@@ -159,8 +164,8 @@ class EPBuffer:
                             dispatch_dtype=dispatch_dtype, combine_dtype=combine_dtype, layout=layout,
                             expert_alignment=expert_alignment, expert_capacity=expert_capacity,
                             column_major_scales=column_major_scales, private_capacity=private_capacity,
-                            overflow_capacity=overflow_capacity, proxy_memory=proxy_memory,
-                            device_type=group.device.type, max_chunks=tuning.max_chunks,
+                            overflow_capacity=overflow_capacity, overflow_budget_bytes=overflow_budget_bytes,
+                            proxy_memory=proxy_memory, device_type=group.device.type, max_chunks=tuning.max_chunks,
                             max_recv_rows=max_recv_rows)
         if not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool) and math.isfinite(timeout_s)
                 and 0 < timeout_s <= MAX_TIMEOUT_S):
@@ -317,6 +322,7 @@ class EPBuffer:
                     layout=shape.layout, expert_alignment=shape.expert_alignment, num_programs=shape.num_programs,
                     node_size=shape.node_size, device_type=shape.device_type,
                     private_capacity=shape.private_capacity, overflow_capacity=shape.overflow_capacity,
-                    expert_capacity=shape.expert_capacity, max_recv_rows=shape.max_recv_rows,
+                    overflow_budget_bytes=shape.overflow_budget_bytes, expert_capacity=shape.expert_capacity,
+                    max_recv_rows=shape.max_recv_rows,
                     transport=(settings.value("MOE_EP_TRANSPORT") or "auto") if remote else None,
                     **{f"tuning.{name}": getattr(tuning, name) for name in LAYOUT_KNOBS})

@@ -106,6 +106,7 @@ class BufferShape:
     column_major_scales: bool = False
     private_capacity: Optional[int] = None
     overflow_capacity: Optional[int] = None
+    overflow_budget_bytes: Optional[int] = None
     proxy_memory: str = "auto"
     device_type: str = "cuda"
     max_chunks: Optional[int] = None  # rows layout: the most chunks of a source (Tuning.max_chunks; None: the rule)
@@ -145,7 +146,7 @@ class BufferShape:
                              f"(got layout={layout!r}, dispatch_dtype={self.dispatch_dtype})")
         if self.proxy_memory not in PROXY_MEMORY:
             raise ValueError(f"proxy_memory: expected one of {', '.join(PROXY_MEMORY)}, got {self.proxy_memory!r}")
-        for name in ("private_capacity", "overflow_capacity"):
+        for name in ("private_capacity", "overflow_capacity", "overflow_budget_bytes"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise ValueError(f"{name}: expected None or an int >= 0, got {v!r}")
@@ -264,7 +265,8 @@ class BufferShape:
         return RemoteSpec.with_defaults(
             rank=rank, world=self.world_size, node_size=self.node_size, num_experts=self.num_experts, topk=self.topk,
             hidden=self.hidden, max_tokens=self.max_tokens, fp8=self.fp8, private_capacity=self.private_capacity,
-            overflow_capacity=self.overflow_capacity, layout=self.layout, expert_alignment=self.expert_alignment,
+            overflow_capacity=self.overflow_capacity, overflow_budget_bytes=self.overflow_budget_bytes,
+            layout=self.layout, expert_alignment=self.expert_alignment,
             masked_capacity=self.capacity if self.layout == "masked" else None)
 
     def allocations(self) -> dict[str, Alloc]:
@@ -415,7 +417,8 @@ def memory_plan(*, world_size: int, node_size: int, num_experts: int, hidden: in
                 private_capacity: Optional[int] = None, overflow_capacity: Optional[int] = None,
                 expert_capacity: Optional[int] = None, column_major_scales: bool = False,
                 proxy_memory: str = "auto", device: str = "cuda", tuning: Optional[Tuning] = None,
-                max_recv_rows=None, recv_rows: Optional[int] = None) -> MemoryPlan:
+                max_recv_rows=None, recv_rows: Optional[int] = None,
+                overflow_budget_bytes: Optional[int] = None) -> MemoryPlan:
     """The memory one rank's ``EPBuffer`` of these arguments will hold, per region, before anything
     is allocated: the sizes the buffer allocates by (``BufferShape.allocations``), for ``world_size``
     ranks in nodes of ``node_size``. No process group, no GPU; nothing is started.
@@ -439,5 +442,5 @@ def memory_plan(*, world_size: int, node_size: int, num_experts: int, hidden: in
                        combine_dtype=combine_dtype, layout=layout, expert_alignment=expert_alignment,
                        expert_capacity=expert_capacity, column_major_scales=column_major_scales,
                        private_capacity=private_capacity, overflow_capacity=overflow_capacity,
-                       proxy_memory=proxy_memory, device_type=device, max_chunks=tuning.max_chunks,
-                       max_recv_rows=max_recv_rows).plan(recv_rows)
+                       overflow_budget_bytes=overflow_budget_bytes, proxy_memory=proxy_memory, device_type=device,
+                       max_chunks=tuning.max_chunks, max_recv_rows=max_recv_rows).plan(recv_rows)

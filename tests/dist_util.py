@@ -61,6 +61,7 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, backend: str, port: int, tasks, results) -> None:
+    faulthandler.enable()  # a rank that dies of a signal prints its Python stack (the parent sees only -11)
     # The environment must be right before torch/triton (and the code under test) are imported.
     if backend == "gloo":
         os.environ["TRITON_INTERPRET"] = "1"

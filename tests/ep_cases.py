@@ -89,6 +89,7 @@ def _route(kind: str, Ts: List[int], E: int, K: int, g: torch.Generator) -> List
     out = []
     hot = int(torch.randint(0, E, (1,), generator=g))
     subset = torch.randperm(E, generator=g)[: max(1, E // 4)]
+    zipf_order = torch.randperm(E, generator=g)
     for T in Ts:
         idx = torch.full((T, K), -1, dtype=torch.int64)
         for t in range(T):
@@ -110,6 +111,13 @@ def _route(kind: str, Ts: List[int], E: int, K: int, g: torch.Generator) -> List
                     row[:] = -1  # a token with no expert at all
             elif kind == "none":
                 row = torch.full((K,), -1, dtype=torch.int64)
+            elif kind == "zipf":  # expert popularity ~ 1 / rank^1.2 (a few hot experts, a long tail)
+                pz = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** 1.2
+                row = torch.multinomial(pz[zipf_order], K, replacement=K > E, generator=g)
+            elif kind == "all_to_one":  # every token of every rank to the last rank's experts
+                EL = E // len(Ts)
+                row = (len(Ts) - 1) * EL + (torch.randperm(EL, generator=g)[:K] if K <= EL
+                                            else torch.randint(0, EL, (K,), generator=g))
             else:
                 raise ValueError(kind)
             idx[t] = row

@@ -1,10 +1,12 @@
 """§10 inter-node protocol, proxy side (csrc/proxy/proxy.cc), on CPU over TCP loopback.
 
 Every rank is a process with a TcpTransport and a Proxy; the kernels are stood in for by numpy:
-they pack the send buffers, ring the mailbox doorbells and poll the ready words. Every row is
-checked byte for byte where §10 puts it (round-1 slot, overflow offset, combine offset), with
-delay and reorder injection on, over several epochs; plus the capacity decision, a rank
-killed mid-dispatch, and silent ranks (alive, never ringing): the others' timeouts name them.
+they pack the send buffers, ring the mailbox doorbells and poll the ready words (and, where a
+receiver's overflow needs several windows of the region, unpack each and raise ``ov_done``).
+Every row is checked byte for byte where §10 puts it (round-1 slot, overflow offset in its
+window, combine offset), with delay and reorder injection on, over several epochs; plus the
+capacity decision, a rank killed mid-dispatch, silent ranks (alive, never ringing): the others'
+timeouts name them, and a receiver killed or silent in its fourth overflow window.
 """
 import multiprocessing as mp
 import os
@@ -66,13 +68,42 @@ def _combine_epochs(plan, epochs):
     return {int(x) for x in ends}
 
 
-def _check_dispatch(px, seed, e, R, maxc, cap, plan, stats=None):
+def _overflow_windows(px, e, C, cap, timeout_s, stop_at=None):
+    """Dispatch receive "kernel" for an overflow stream of several windows (§10 "Round 2 in
+    windows"): window 0 once every source's ready2 is up, then each window w >= 1 after raising
+    ``ov_done`` for w (the region is free) and seeing ``ov_ready`` for w. Returns the whole stream
+    (bytes), None when it fits one window (read from the region), or "stopped" at window
+    ``stop_at`` (before its ``ov_done``)."""
+    R, rank, B = px.world, px.rank, px.overflow_capacity
+    O = sum(max(0, int(C[s, rank]) - cap) for s in range(R) if s != rank and px.remote(s))
+    n_win = -(-O // B) if B else 0
+    if n_win <= 1:
+        return None
+    for s in range(R):
+        if s != rank and px.remote(s):
+            px.wait_word(native.mailbox_word("ready2", R, s), e, timeout_s, epoch=e)
+    base = px.overflow_offset(e)
+    parts = [px.overflow[base:base + B * RB].copy()]
+    for w in range(1, n_win):
+        if w == stop_at:
+            return "stopped"
+        px.mailbox[MAILBOX["ov_done"]] = native.ov_window(e, w)
+        px.wait_word(MAILBOX["ov_ready"], native.ov_window(e, w), timeout_s, epoch=e)
+        parts.append(px.overflow[base:base + min(B, O - w * B) * RB].copy())
+    return np.concatenate(parts)
+
+
+def _check_dispatch(px, seed, e, R, maxc, cap, plan, stats=None, stream=None):
     """Dispatch receive "kernel": every header and row of epoch e where §10 puts it (in the
-    epoch's parity copy); returns the rows received from each remote source."""
+    epoch's parity copy; the overflow from ``stream`` where it came in several windows); returns
+    the rows received from each remote source."""
     rank = px.rank
     C = _epoch_counts(seed, e, R, maxc, plan)
     received = {}
     ov_base = px.overflow_offset(e)
+    region = px.overflow if stream is None else stream
+    if stream is not None:
+        ov_base = 0
     for s in range(R):
         if s == rank:
             continue
@@ -88,7 +119,7 @@ def _check_dispatch(px, seed, e, R, maxc, cap, plan, stats=None):
         got1 = px.round1[base:base + n1 * RB].reshape(n1, RB)
         np.testing.assert_array_equal(got1, want[:n1], err_msg=f"epoch {e}: round-1 rows from {s}")
         o = ov_base + RB * sum(max(0, int(C[q, rank]) - cap) for q in range(s) if q != rank and px.remote(q))
-        got2 = px.overflow[o:o + ov * RB].reshape(ov, RB)
+        got2 = region[o:o + ov * RB].reshape(ov, RB)
         np.testing.assert_array_equal(got2, want[n1:], err_msg=f"epoch {e}: overflow rows from {s}")
         received[s] = np.concatenate([got1, got2])
         if stats is not None:
@@ -113,6 +144,9 @@ def _epoch_counts(seed, e, R, maxc, plan):
     if plan and plan.get("big_epoch") == e:
         C[:, plan["big_dst"]] = maxc + 5
         np.fill_diagonal(C, 0)
+    if plan and plan.get("all_to") is not None:  # every epoch: every rank sends maxc + 5 rows to one
+        C[:, plan["all_to"]] = maxc + 5
+        np.fill_diagonal(C, 0)
     if plan and plan.get("victim") is not None and plan.get("epoch") == e:
         # every survivor sends the victim rows, so it waits for the victim in combine too and cannot
         # finish the victim's epoch
@@ -127,7 +161,7 @@ def _rank_main(rank, R, node_size, cap, ovcap, epochs, seed, fault, maxc, plan, 
         if fault:
             eng.set_fault(delay_us=200, reorder=True)
         px = Proxy(eng, node_size=node_size, num_local_experts=EL, row_bytes=RB, comb_row_bytes=CRB,
-                   private_capacity=cap, overflow_capacity=ovcap, max_send_rows=R * maxc, timeout_s=timeout_s,
+                   private_capacity=cap, overflow_capacity=ovcap, max_send_rows=R * (maxc + 5), timeout_s=timeout_s,
                    spin_us=20, sleep_us=200)
         assert list(px.keys.values()) == [1, 2, 3, 4, 5, 6, 7]
         conn.send(eng.endpoint)
@@ -163,7 +197,15 @@ def _rank_main(rank, R, node_size, cap, ovcap, epochs, seed, fault, maxc, plan, 
             if victim:  # after the doorbell: its proxy may have posted some round-1 writes
                 conn.send(("dying", e, time.monotonic()))
                 os.kill(os.getpid(), signal.SIGKILL)
+            stop_at = plan.get("stop_window") if plan and plan.get("win_victim") == rank and plan["epoch"] == e else None
             try:
+                stream = _overflow_windows(px, e, C, cap, timeout_s + 5, stop_at)
+                if isinstance(stream, str):  # the victim of a later window: killed, or silent (alive)
+                    if plan["how"] == "kill":
+                        conn.send(("dying", e, time.monotonic()))
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    log.append(("silent", e))
+                    break
                 px.wait_ready("dispatch", e, timeout_s + 5)
             except Exception as ex:  # noqa: BLE001 - reported to the parent
                 log.append(("error", e, type(ex).__name__, str(ex), time.monotonic() - t0, px.error_record()))
@@ -175,21 +217,37 @@ def _rank_main(rank, R, node_size, cap, ovcap, epochs, seed, fault, maxc, plan, 
                 # into the other parity copy while this rank has not read epoch e yet
                 _wait_headers(px, e + 1, timeout_s)
                 stats["ran_ahead"] += 1
-            received = _check_dispatch(px, seed, e, R, maxc, cap, plan, stats)
+            received = _check_dispatch(px, seed, e, R, maxc, cap, plan, stats, stream)
+            stats["windows"] = max(stats.get("windows", 0), 0 if stream is None else -(-len(stream) // (RB * ovcap)))
             if e not in combine_at:
                 log.append(("ok", e))
                 continue
             if silent:  # dispatched, but never rings the combine
                 log.append(("silent", e))
                 break
-            # ---- combine send "kernel": per remote source, one row per received row, in order
+            # ---- combine send "kernel": per remote source, one row per received row of round 1 and
+            # overflow window 0, in order; then each later window's rows from row 0, once the proxy
+            # sent the window before (comb_win_done)
+            rows = {s: _comb(rank, received[s]) for s in sorted(received)}
+            o_s = {s: max(0, len(rows[s]) - cap) for s in rows}
+            st = dict(zip(rows, np.cumsum([0] + [o_s[s] for s in rows])))
             o = 0
-            for s in sorted(received):
-                rows = _comb(rank, received[s])
-                px.comb_send[o:o + rows.nbytes] = rows.reshape(-1)
-                o += rows.nbytes
+            for s in rows:
+                c0 = len(rows[s]) - o_s[s] + min(o_s[s], max(0, ovcap - st[s]))
+                px.comb_send[o:o + c0 * CRB] = rows[s][:c0].reshape(-1)
+                o += c0 * CRB
             px.ring("combine", e)
             try:
+                n_win = -(-sum(o_s.values()) // ovcap) if ovcap else 0
+                for w in range(1, n_win):
+                    px.wait_word(MAILBOX["comb_win_done"], native.ov_window(e, w), timeout_s + 5, phase="combine",
+                                 epoch=e)
+                    for s in rows:
+                        lo, hi = max(st[s], w * ovcap), min(st[s] + o_s[s], (w + 1) * ovcap)
+                        if hi > lo:
+                            part = rows[s][cap + lo - st[s]:cap + hi - st[s]]
+                            px.comb_send[(lo - w * ovcap) * CRB:(hi - w * ovcap) * CRB] = part.reshape(-1)
+                    px.mailbox[MAILBOX["comb_win_bell"]] = native.ov_window(e, w)
                 px.wait_ready("combine", e, timeout_s + 5)
             except Exception as ex:  # noqa: BLE001
                 log.append(("error", e, type(ex).__name__, str(ex), time.monotonic() - t0, px.error_record()))
@@ -270,12 +328,14 @@ def test_mailbox_layout_and_imm():
         want = {**MAILBOX, "n_fixed": MAILBOX_WORDS,
                 **{a: native.mailbox_word(a, W, 0) for a in native.MAILBOX_ARRAYS}, "n_words": native.mailbox_words(W)}
         assert native.native_mailbox_layout(W) == want
-    assert native.mailbox_words(3) == 8 + 4 * 3 and native.mailbox_word("ready2", 3, 1) == 8 + 2 * 3 + 1
-    # phase in bits 31..30, source rank in bits 29..16, epoch mod 2^16 in bits 15..0
-    assert make_imm(0, 5) == 5 and make_imm(1, 5) == (1 << 30) | 5 and make_imm(2, 5) == (2 << 30) | 5
-    assert make_imm(2, 5, src=3) == (2 << 30) | (3 << 16) | 5
-    assert make_imm(1, (1 << 16) + 7, src=native.IMM_MAX_RANKS - 1) == (1 << 30) | (0x3FFF << 16) | 7
-    assert native.IMM_MAX_RANKS == 1 << 14
+    assert native.mailbox_words(3) == 12 + 4 * 3 and native.mailbox_word("ready2", 3, 1) == 12 + 2 * 3 + 1
+    # phase in bits 31..29, source rank in bits 28..16, epoch mod 2^16 in bits 15..0
+    assert make_imm(0, 5) == 5 and make_imm(1, 5) == (1 << 29) | 5 and make_imm(2, 5) == (2 << 29) | 5
+    assert make_imm(2, 5, src=3) == (2 << 29) | (3 << 16) | 5
+    assert make_imm(native.PHASE_CREDIT, 5, src=3) == (4 << 29) | (3 << 16) | 5
+    assert make_imm(1, (1 << 16) + 7, src=native.IMM_MAX_RANKS - 1) == (1 << 29) | (0x1FFF << 16) | 7
+    assert native.IMM_MAX_RANKS == 1 << 13
+    assert native.ov_window(3, 2) == (3 << 32) | 2 and native.ov_window(2, 1 << 20) < native.ov_window(3, 0)
     assert native.hdr_bytes(4, 3) == 32 and native.hdr_bytes(3, 1) == 16 and native.hdr_bytes(4, 4) == 32
 
 
@@ -373,7 +433,7 @@ def test_world_beyond_the_immediate_is_refused():
     n = native.IMM_MAX_RANKS + 1
     e = TcpTransport(0, n, streams=1)
     try:
-        with pytest.raises(NativeError, match=f"world_size {n} exceeds {n - 1}, the most ranks the 14 source bits"):
+        with pytest.raises(NativeError, match=f"world_size {n} exceeds {n - 1}, the most ranks the 13 source bits"):
             Proxy(e, node_size=1, num_local_experts=1, row_bytes=RB, comb_row_bytes=CRB, private_capacity=0,
                   overflow_capacity=0, max_send_rows=0, regions={k: np.zeros(16, np.uint8) for k in native.REGION_NAMES})
     finally:
@@ -478,18 +538,56 @@ def test_dispatches_in_a_row(R, node_size, cap):
 
 
 @pytest.mark.parametrize("R,node_size", [(4, 1), (4, 2)], ids=["4x1", "2x2"])
-def test_overflow_capacity_exceeded_every_rank(R, node_size):
-    # epochs 1-2 fit (counts < 4, cap 1: at most 3 x 3 overflow rows per rank); epoch 3 sends
+def test_overflow_in_windows(R, node_size):
+    # every epoch every rank sends maxc + 5 = 9 rows to rank 1 (cap 1: 8 overflow rows a remote
+    # source), the rest random: rank 1's stream of 24 (4x1) or 16 (2x2) rows crosses a region of 4
+    # rows in 6 or 4 windows, each after the previous one was unpacked; every row checked in place
+    out = _run(R, node_size, 1, epochs=3, seed=5, ovcap=4, maxc=4, plan={"all_to": 1})
+    for r in range(R):
+        assert out[r][:-1] == [("ok", e) for e in range(1, 4)], out[r]
+    assert out[1][-1]["windows"] == (6 if node_size == 1 else 4), out[1][-1]
+    assert sum(out[r][-1]["combine_rows"] for r in range(R)) > 0
+
+
+@pytest.mark.parametrize("R,node_size", [(4, 1), (4, 2)], ids=["4x1", "2x2"])
+def test_no_overflow_region_refuses_overflow_every_rank(R, node_size):
+    # overflow_capacity 0: epochs 1-2 fit the private slots (cap 3, counts < 4); epoch 3 sends
     # maxc+5 rows from every rank to rank 1: every rank raises CapacityError for epoch 3.
-    ovcap = 9
-    out = _run(R, node_size, 1, epochs=4, seed=5, ovcap=ovcap, maxc=4, plan={"big_epoch": 3, "big_dst": 1})
+    out = _run(R, node_size, 3, epochs=4, seed=5, ovcap=0, maxc=4, plan={"big_epoch": 3, "big_dst": 1})
     for r in range(R):
         log = out[r]
         assert log[:2] == [("ok", 1), ("ok", 2)], log
         kind, e, name, msg, dt, rec = log[2]
         assert (kind, e, name) == ("error", 3, "CapacityError"), log
         assert rec == (native.PROXY_CAPACITY, 1, native.PHASE_D2, 3), rec
-        assert "overflow_capacity is 9" in msg and len(log) == 4
+        assert "overflow_capacity is 0" in msg and len(log) == 4
+
+
+@pytest.mark.parametrize("how", ["kill", "silent"])
+def test_receiver_lost_in_a_later_window(how):
+    """Rank 1 receives 8 overflow rows from each of 3 sources through a region of 2 rows (12
+    windows) and stops before unpacking window 3 of epoch 2: killed, or alive and silent. Every
+    source still has a window to post then, waits for its credit, and names rank 1 within the
+    deadline: PeerLostError (killed) or CommTimeoutError (silent), phase dispatch round 2."""
+    R, timeout_s = 4, 3.0
+    plan = {"all_to": 1, "win_victim": 1, "epoch": 2, "stop_window": 3, "how": how}
+    out = _run(R, 1, 1, epochs=3, seed=13, ovcap=2, maxc=4, plan=plan, timeout_s=timeout_s, wall_s=40)
+    if how == "kill":
+        assert out["dying"][1] == 2
+    else:
+        assert out[1][:2] == [("ok", 1), ("silent", 2)], out[1]
+    for r in (0, 2, 3):
+        log = out[r]
+        assert log[0] == ("ok", 1), log
+        kind, e, name, msg, dt, rec = log[1]
+        want = "PeerLostError" if how == "kill" else "CommTimeoutError"
+        assert (kind, e, name) == ("error", 2, want), log
+        code = native.PROXY_PEER_LOST if how == "kill" else native.PROXY_TIMEOUT
+        assert rec == (code, 1, native.PHASE_D2, 2), (rec, msg)
+        assert "peer 1" in msg and "dispatch round 2" in msg, msg
+        if how == "silent":
+            assert "credit for an overflow window" in msg, msg
+        assert dt < timeout_s + 2, (dt, msg)
 
 
 @pytest.mark.parametrize("when", ["before_ring", "after_ring"])

@@ -88,7 +88,11 @@ int moe_ep_bench_post(void* engine, int peer, uint32_t lkey, uint64_t loff, uint
 
 // Stands in for the kernels of `n` epochs on a proxy's mailbox (`world` ranks): for e = first ..
 // first+n-1, rings every rows bell and the header bell of dispatch e, waits for disp_ready >= e,
-// then (combine != 0) rings every combine bell and waits for comb_ready >= e. Waits spin for
+// then (combine != 0) rings every combine bell and waits for comb_ready >= e. Overflow windows
+// beyond the first are unpacked at once: ov_done says window 0 is read as soon as the bells rang
+// (the proxy credits window 1 only once window 0 landed anyway), and window w + 1 whenever
+// ov_ready says window w landed; the combine's later windows are packed at once too (comb_win_bell
+// for w whenever comb_win_done says the send buffer is free for it). Waits spin for
 // spin_ns, then sleep sleep_ns between looks (0: yield). out[2i], out[2i+1]: ns bell -> ready of
 // dispatch and combine of epoch first+i. Returns 0; 1 at the deadline (timeout_ns per phase);
 // -1 when the proxy wrote its error record (read it from the mailbox).
@@ -98,8 +102,18 @@ int moe_ep_bench_drive(int64_t* mailbox, int64_t world, int64_t first, int64_t n
   prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
 #endif
   auto ld = [&](int w) { return __atomic_load_n(&mailbox[w], __ATOMIC_ACQUIRE); };
+  int64_t win = 0, win_epoch = 0;    // the overflow windows of epoch win_epoch read so far
+  int64_t cwin = 0, cwin_epoch = 0;  // the combine's next window to pack, of epoch cwin_epoch
   auto wait = [&](int w, int64_t e, int64_t t0) {
     while (ld(w) < e) {
+      if (win_epoch == e && ld(moe_ep::kMbOvReady) >= moe_ep::ov_window(e, win)) {
+        __atomic_store_n(&mailbox[moe_ep::kMbOvDone], moe_ep::ov_window(e, ++win), __ATOMIC_RELEASE);
+        continue;
+      }
+      if (cwin_epoch == e && ld(moe_ep::kMbCombWinDone) >= moe_ep::ov_window(e, cwin)) {
+        __atomic_store_n(&mailbox[moe_ep::kMbCombWinBell], moe_ep::ov_window(e, cwin++), __ATOMIC_RELEASE);
+        continue;
+      }
       if (ld(moe_ep::kMbErrCode) != moe_ep::kProxyOk) return -1;
       const int64_t now = now_ns();
       if (now - t0 > timeout_ns) return 1;
@@ -116,11 +130,14 @@ int moe_ep_bench_drive(int64_t* mailbox, int64_t world, int64_t first, int64_t n
     int64_t t0 = now_ns();
     for (int p = 0; p < world; ++p) __atomic_store_n(&mailbox[moe_ep::mb_disp_bell(world, p)], e, __ATOMIC_RELEASE);
     __atomic_store_n(&mailbox[moe_ep::kMbHdrBell], e, __ATOMIC_RELEASE);
+    win_epoch = e, win = 1;
+    __atomic_store_n(&mailbox[moe_ep::kMbOvDone], moe_ep::ov_window(e, 1), __ATOMIC_RELEASE);
     if (const int rc = wait(moe_ep::kMbDispReady, e, t0); rc != 0) return rc;
     const int64_t t1 = now_ns();
     out[2 * i] = t1 - t0;
     out[2 * i + 1] = 0;
     if (!combine) continue;
+    cwin_epoch = e, cwin = 1;
     for (int s = 0; s < world; ++s) __atomic_store_n(&mailbox[moe_ep::mb_comb_bell(world, s)], e, __ATOMIC_RELEASE);
     if (const int rc = wait(moe_ep::kMbCombReady, e, t1); rc != 0) return rc;
     out[2 * i + 1] = now_ns() - t1;

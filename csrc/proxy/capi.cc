@@ -48,7 +48,7 @@ int copy_str(const std::string& s, char* buf, size_t len) {
 #pragma GCC visibility push(default)
 extern "C" {
 
-int moe_ep_abi_version() { return 13; }  // 13: ProxyConfig.trace_level, PhaseRecord.posts / bells, moe_ep_sim_floor; 12: the null transport and peer simulator (null_transport.cc); 11: moe_ep_engine_try_register (GPU memory regions); 10: the efadv engine retired (EFA through libfabric); per-endpoint domains
+int moe_ep_abi_version() { return 14; }  // 14: immediates with 3 phase bits (the credit phase), 13 source bits; mailbox words ov_ready / ov_done / comb_win_done / comb_win_bell (12 fixed words); 13: ProxyConfig.trace_level, PhaseRecord.posts / bells, moe_ep_sim_floor; 12: the null transport and peer simulator (null_transport.cc); 11: moe_ep_engine_try_register (GPU memory regions); 10: the efadv engine retired (EFA through libfabric); per-endpoint domains
 
 // How this library was built, for bug reports (python -m moe_ep.doctor): the compiler, the C++
 // standard and the builder's flags, which setup.py and the in-tree build of
@@ -375,7 +375,9 @@ int moe_ep_world(void* e) { return static_cast<Transport*>(e)->world(); }
 int moe_ep_proxy_mailbox_layout(int64_t world, int64_t* out, int n) {
   const int64_t v[] = {moe_ep::kMbHdrBell,   moe_ep::kMbDispReady,  moe_ep::kMbHdrReady,
                        moe_ep::kMbCombReady, moe_ep::kMbErrCode,    moe_ep::kMbErrPeer,
-                       moe_ep::kMbErrPhase,  moe_ep::kMbErrEpoch,   moe_ep::kMbWords,
+                       moe_ep::kMbErrPhase,  moe_ep::kMbErrEpoch,   moe_ep::kMbOvReady,
+                       moe_ep::kMbOvDone,    moe_ep::kMbCombWinDone, moe_ep::kMbCombWinBell,
+                       moe_ep::kMbWords,
                        moe_ep::mb_disp_bell(world, 0), moe_ep::mb_ready1(world, 0),
                        moe_ep::mb_ready2(world, 0),    moe_ep::mb_comb_bell(world, 0),
                        moe_ep::mailbox_words_for(world)};

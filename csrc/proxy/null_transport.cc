@@ -59,7 +59,7 @@ class NullTransport final : public Transport {
       return set_error(kErrInvalid, "rank " + std::to_string(rank_) + ": null transport: bad post_write");
     *wr_id = ++next_wr_;
     cq_.push_back(Completion{*wr_id, w.peer, kCqOk});
-    ++posts_[w.has_imm ? w.imm >> 30 : 4];
+    ++posts_[w.has_imm && imm_phase(w.imm) < 4 ? imm_phase(w.imm) : 4];  // (a credit counts as plain)
     bytes_ += int64_t(w.len);
     (void)w.remote_off;
     return kOk;

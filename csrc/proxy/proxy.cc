@@ -55,6 +55,7 @@ void proxy_region_bytes(const ProxyConfig& c, uint64_t out[kNumRegions]) {
   // The four regions peers write into hold two copies each, picked by epoch & 1 (§10).
   out[kRegRound1] = uint64_t(2 * c.world_size * c.private_capacity * c.row_bytes);
   out[kRegOverflow] = uint64_t(2 * c.overflow_capacity * c.row_bytes);
+  // (the combine returns overflow rows in the dispatch's windows: window 0 with the round-1 rows)
   out[kRegCombSend] = uint64_t((n_remote * c.private_capacity + c.overflow_capacity) * c.comb_row_bytes);
   out[kRegCombRecv] = uint64_t(2 * c.max_send_rows * c.comb_row_bytes);
   out[kRegHdrSend] = uint64_t(c.world_size * hdr);
@@ -362,8 +363,8 @@ int Proxy::take_arrived(int64_t epoch, F want) {
   arrived_.clear();
   return t_->imm_counter().take_arrived(
       [&](uint32_t imm) {
-        const int s = int((imm >> kImmSrcShift) & uint32_t(kImmMaxRanks - 1));
-        return (imm & kImmEpochMask) == e16 && s < R && s != me && want(int(imm >> 30), s);
+        const int s = imm_src(imm);
+        return (imm & kImmEpochMask) == e16 && s < R && s != me && want(imm_phase(imm), s);
       },
       t_->imm_per_write(), &arrived_);
 }
@@ -481,7 +482,7 @@ bool Proxy::add_overflow(const int32_t* row, int s) {
 // A pass looks only at what changed: the bells not yet rung, and the immediates that arrived
 // (the counter's arrival log), so its cost follows the events, not the number of peers.
 bool Proxy::run_dispatch(int64_t epoch) {
-  const int64_t deadline = mono_ns() + cfg_.timeout_ns;
+  int64_t deadline = mono_ns() + cfg_.timeout_ns;  // moved on by each overflow window's progress
   const int R = int(cfg_.world_size), me = int(cfg_.rank), G = int(cfg_.node_size);
   const int64_t RB = cfg_.row_bytes, cap = cfg_.private_capacity, slot = cap * RB;
   // Parity copies: round-1 slots of epoch e at (e & 1) * R * slot, headers at (e & 1) * R * HDR,
@@ -521,20 +522,36 @@ bool Proxy::run_dispatch(int64_t epoch) {
   }
   auto c_to = [&](int s, int p) -> int64_t { return C[size_t(s) * R + p]; };
   auto ov = [&](int s, int p) -> int64_t { return std::max<int64_t>(0, c_to(s, p) - cap); };
+  // Where remote source s's overflow starts in this rank's stream (every header in).
+  auto ov_start_of = [&](int s) {
+    int64_t st = 0;
+    for (int q = 0; q < s; ++q)
+      if (remote(q)) st += ov(q, me);
+    return st;
+  };
   // Per rank: 0 pending, 1 done (or nothing to do). Rows that land before their source's header
   // (writes are unordered) stay counted until the header says they are expected.
-  for (auto* v : {&rows_sent_, &ov_sent_, &got_hdr_, &got1_, &got2_}) v->assign(size_t(R), 0);
+  for (auto* v : {&rows_sent_, &got_hdr_, &got1_, &got2_, &win_wait_}) v->assign(size_t(R), 0);
+  // Windows of B rows (§10 "Round 2 in windows"). As a source, per receiver p: this rank's
+  // overflow to p starts at ov_start_[p] in p's stream; window ov_next_[p] is the next to post,
+  // ov_last_[p] the last (none left when next > last), credits_[p] the credits not yet served
+  // (window 0 needs none: a credit of its own). Set once every header is in.
+  const int64_t B = cfg_.overflow_capacity;
+  for (auto* v : {&ov_start_, &ov_next_, &ov_last_, &credits_}) v->assign(size_t(R), 0);
+  // As a receiver: windows of this rank's stream, the next to credit, the one whose rows are
+  // awaited (-1: none) and how many of its writes are still to come.
+  int64_t n_win = 0, next_win = 1, cur_win = -1, win_left = 0;
   todo_.clear();
   int n_remote = 0;
   for (int p = 0; p < R; ++p) {
     if (p == me || !remote(p))
-      rows_sent_[p] = ov_sent_[p] = got1_[p] = got2_[p] = 1;
+      rows_sent_[p] = got1_[p] = got2_[p] = 1;
     else
       todo_.push_back(p), ++n_remote;
   }
   got_hdr_[me] = 1;
   // What is left, counted down: headers, round-1 rows, overflow rows to receive; overflow to post.
-  int hdr_left = R - 1, got1_left = n_remote, got2_left = n_remote, ov_left = n_remote;
+  int hdr_left = R - 1, got1_left = n_remote, got2_left = n_remote, ov_left = 0;
   bool all_hdr = false;
   // Every p's total overflow from remote sources, summed row by row as headers land (the
   // capacity check below needs the whole matrix; one pass per row, no division).
@@ -571,7 +588,23 @@ bool Proxy::run_dispatch(int64_t epoch) {
   auto want = [&](int ph, int s) {
     if (ph == kPhaseD0) return !got_hdr_[s];
     if (!got_hdr_[s] || !remote(s)) return false;
-    return ph == kPhaseD1 ? !got1_[s] : ph == kPhaseD2 && !got2_[s];
+    if (ph == kPhaseCredit) return all_hdr && ov_next_[s] + credits_[s] <= ov_last_[s];
+    return ph == kPhaseD1 ? !got1_[s] : ph == kPhaseD2 && (!got2_[s] || win_wait_[s]);
+  };
+  // Source s's rows of the current window (beyond the first) landed: the window's ready word
+  // once the last of them is in.
+  auto land_window = [&](int s) {
+    win_wait_[s] = 0;
+    trace_peer(kTrGotD2, s, epoch);
+    deadline = std::max(deadline, mono_ns() + cfg_.timeout_ns);
+    if (--win_left > 0) return true;
+    trace_phase(kTrOvReady, epoch);
+    return raise_ready(kMbOvReady, ov_window(epoch, cur_win), kPhaseD2);
+  };
+  auto got_credit = [&](int p) {
+    ++credits_[p];
+    trace_peer(kTrGotCredit, p, epoch);
+    deadline = std::max(deadline, mono_ns() + cfg_.timeout_ns);
   };
   // The old way, for a failing counter: a take per source still waited for, which names a lost
   // source (its own loss, or the job's) in `lost`; what is there is still taken.
@@ -586,6 +619,8 @@ bool Proxy::run_dispatch(int64_t epoch) {
         trace_peer(kTrGotD2, s, epoch);
         if (!land2(s, true)) return false;
       }
+      if (win_wait_[s] && take(kPhaseD2, s, epoch, lost) && !land_window(s)) return false;
+      if (want(kPhaseCredit, s) && take(kPhaseCredit, s, epoch, lost)) got_credit(s);
     }
     return true;
   };
@@ -614,7 +649,7 @@ bool Proxy::run_dispatch(int64_t epoch) {
       const bool failing_counter = take_arrived(epoch, want) == kErrPeer;
       bool headers = false;
       for (const uint32_t imm : arrived_) {
-        const int ph = int(imm >> 30), s = int((imm >> kImmSrcShift) & uint32_t(kImmMaxRanks - 1));
+        const int ph = imm_phase(imm), s = imm_src(imm);
         work = true;
         if (ph == kPhaseD0) {
           headers = true;
@@ -622,9 +657,13 @@ bool Proxy::run_dispatch(int64_t epoch) {
         } else if (ph == kPhaseD1) {
           trace_peer(kTrGotD1, s, epoch);
           if (!land1(s)) return false;
-        } else {
+        } else if (ph == kPhaseCredit) {
+          got_credit(s);
+        } else if (!got2_[s]) {  // window 0 (later windows come only after every window-0 write is in)
           trace_peer(kTrGotD2, s, epoch);
           if (!land2(s, true)) return false;
+        } else if (!land_window(s)) {
+          return false;
         }
       }
       if (headers) seen_gen = ~uint64_t(0);  // rows that came before these headers are wanted now: look again
@@ -633,40 +672,78 @@ bool Proxy::run_dispatch(int64_t epoch) {
     if (!all_hdr && hdr_left == 0) {
       all_hdr = work = true;
       mid_ns_ = mono_ns();
-      // Capacity: every rank checks every p's total overflow (same data, same decision everywhere).
-      for (int p = 0; p < R; ++p) {
+      // Capacity: overflow goes through the region in as many windows as it needs, so only a
+      // region of no rows refuses it (every rank checks every p: same data, same decision).
+      for (int p = 0; p < R && B == 0; ++p) {
         const int64_t tot = ov_total_[size_t(p)];
-        if (tot > cfg_.overflow_capacity)
+        if (tot > 0)
           return fail(kProxyCapacity, p, kPhaseD2, epoch,
                       "rank " + std::to_string(p) + " would receive " + std::to_string(tot) +
-                          " overflow rows, overflow_capacity is " + std::to_string(cfg_.overflow_capacity));
+                          " overflow rows, overflow_capacity is 0");
       }
+      // Where this rank's overflow to each remote p falls in p's stream (sum of o_{s'p} over
+      // remote s' < me), its windows, and this rank's own stream's windows.
+      for (int p : others_) {
+        if (!remote(p)) continue;
+        const int64_t n2 = ov(me, p);
+        const int plo = p / G * G, phi = plo + G;  // p's node: its sources send no overflow to p
+        int64_t st = 0;
+        for (int s = 0; s < me; ++s)
+          if (s < plo || s >= phi) st += ov(s, p);
+        ov_start_[p] = st;
+        ov_next_[p] = n2 ? st / B : 1;
+        ov_last_[p] = n2 ? (st + n2 - 1) / B : 0;
+        credits_[p] = n2 && ov_next_[p] == 0;
+        ov_left += n2 > 0;
+      }
+      n_win = B ? (ov_total_[size_t(me)] + B - 1) / B : 0;
+      for (int s : others_)  // sources whose overflow starts past window 0: none in window 0
+        if (remote(s) && !got2_[s] && ov_start_of(s) >= B && !land2(s, false)) return false;
+      seen_gen = ~uint64_t(0);  // credits that came before the last header are wanted now: look again
       trace_phase(kTrHdrReady, epoch);
       store(kMbHdrReady, epoch);
     }
-    // Round 2: overflow rows to each remote p at sum of o_{s'p} over remote s' < me, once every
-    // header is in (the offsets need them) and p's rows are packed.
+    // Round 2: this rank's part of each window of each remote p's overflow stream, once every
+    // header is in (the offsets need them), p's rows are packed, and p gave the window's credit
+    // (window 0: none needed). Window w's rows [lo, hi) of the stream go to lo - w*B in p's region.
     if (all_hdr && ov_left > 0) {
       for (int p : others_) {
-        if (ov_sent_[p] || !rows_sent_[p]) continue;
-        ov_sent_[p] = 1;
-        --ov_left;
-        const int64_t n2 = ov(me, p);
-        if (n2 == 0) continue;
-        const int plo = p / G * G, phi = plo + G;  // p's node: its sources send no overflow to p
-        int64_t roff = 0;
-        for (int s = 0; s < me; ++s)
-          if (s < plo || s >= phi) roff += ov(s, p);
-        const uint64_t loff = off_[p] + uint64_t(cap * RB);
-        if (!post(kPhaseD2, epoch, p, kRegDispSend, loff, kRegOverflow, ov_base + uint64_t(roff * RB), uint64_t(n2 * RB)))
+        if (!rows_sent_[p] || !credits_[p] || ov_next_[p] > ov_last_[p]) continue;
+        const int64_t w = ov_next_[p]++, st = ov_start_[p], n2 = ov(me, p);
+        --credits_[p];
+        ov_left -= ov_next_[p] > ov_last_[p];
+        const int64_t lo = std::max(st, w * B), hi = std::min(st + n2, (w + 1) * B);
+        const uint64_t loff = off_[p] + uint64_t((cap + lo - st) * RB);
+        if (!post(kPhaseD2, epoch, p, kRegDispSend, loff, kRegOverflow, ov_base + uint64_t((lo - w * B) * RB),
+                  uint64_t((hi - lo) * RB)))
           return false;
         trace_peer(kTrPostD2, p, epoch);
         work = true;
       }
     }
+    // This rank's own stream beyond window 0: once its kernels unpacked window w - 1 (ov_done),
+    // a zero-byte credit to each source with rows in window w; its ready word once they landed.
+    if (all_hdr && next_win < n_win && win_left == 0 && got2_left == 0 &&
+        load(kMbOvDone) >= ov_window(epoch, next_win)) {
+      cur_win = next_win++;
+      for (int s : others_) {
+        if (!remote(s) || ov(s, me) == 0) continue;
+        const int64_t st = ov_start_of(s);
+        if (st >= (cur_win + 1) * B || st + ov(s, me) <= cur_win * B) continue;
+        if (!post(kPhaseCredit, epoch, s, kRegHdrSend, 0, kRegHdrRecv, 0, 0)) return false;
+        trace_peer(kTrPostCredit, s, epoch);
+        win_wait_[s] = 1;
+        ++win_left;
+      }
+      deadline = std::max(deadline, mono_ns() + cfg_.timeout_ns);
+      seen_gen = ~uint64_t(0);  // rows of this window that came with the credits' completions: look
+      work = true;
+    }
     if (!reap(kPhaseD1, epoch, reap_wait)) return false;
     reap_wait = 0;
-    if (all_hdr && todo_.empty() && ov_left == 0 && got1_left == 0 && got2_left == 0 && n_posted_ == 0) break;
+    if (all_hdr && todo_.empty() && ov_left == 0 && got1_left == 0 && got2_left == 0 && next_win >= n_win &&
+        win_left == 0 && n_posted_ == 0)
+      break;
     if (!lost.why.empty()) return fail_lost(lost.peer, all_hdr && got1_left == 0 ? kPhaseD2 : kPhaseD1, epoch, lost.why);
     if (work) {
       last_work = mono_ns();
@@ -676,6 +753,17 @@ bool Proxy::run_dispatch(int64_t epoch) {
       if (!all_hdr) return fail_missing(kPhaseD1, kPhaseD0, epoch, others_, [&](int s) { return !got_hdr_[s]; }, "header");
       if (got1_left) return fail_missing(kPhaseD1, kPhaseD1, epoch, others_, [&](int s) { return !got1_[s]; }, "round-1 rows");
       if (got2_left) return fail_missing(kPhaseD2, kPhaseD2, epoch, others_, [&](int s) { return !got2_[s]; }, "overflow rows");
+      if (win_left)
+        return fail_missing(kPhaseD2, kPhaseD2, epoch, others_, [&](int s) { return win_wait_[s] != 0; },
+                            "overflow rows of window " + std::to_string(cur_win) + " of " + std::to_string(n_win));
+      if (next_win < n_win)
+        return fail(kProxyTimeout, -1, kPhaseD2, epoch,
+                    "this rank's kernels never unpacked overflow window " + std::to_string(next_win - 1) + " of " +
+                        std::to_string(n_win) + " within " + seconds(cfg_.timeout_ns) + " s");
+      if (ov_left && std::any_of(others_.begin(), others_.end(), [&](int p) { return !credits_[p] && ov_next_[p] <= ov_last_[p] && rows_sent_[p]; }))
+        return fail_missing(kPhaseD2, kPhaseCredit, epoch, others_,
+                            [&](int p) { return !credits_[p] && ov_next_[p] <= ov_last_[p] && rows_sent_[p]; },
+                            "credit for an overflow window");
       if (!todo_.empty())
         return fail_missing(kPhaseD1, -1, epoch, others_, [&](int p) { return !rows_sent_[p]; },
                             "this rank's kernels never rang the rows bell");
@@ -695,54 +783,85 @@ bool Proxy::run_dispatch(int64_t epoch) {
         continue;
       }  // (else a time slice passed, or the counter failed: the next pass's takes tell which)
     }
-    reap_wait = idle(last_work, seen_gen, !todo_.empty(), !all_hdr || got1_left > 0 || got2_left > 0);
+    const bool ov_done_bell = all_hdr && next_win < n_win && win_left == 0;  // a word the kernels raise
+    reap_wait = idle(last_work, seen_gen, !todo_.empty() || ov_done_bell,
+                     !all_hdr || got1_left > 0 || got2_left > 0 || win_left > 0 || ov_left > 0);
   }
   counts_.swap(next_counts_);
   counts_epoch_ = epoch;
   return true;
 }
 
-// The combine of the latest dispatch: to each remote source s with rows, as soon as its rows
-// are packed (its combine bell), one write of c_{s,me} rows into s's combine receive region at
-// sum of c_{s,p'} over remote p' < me; from each remote owner p with c_{me,p} > 0 one immediate.
+// The combine of the latest dispatch, in the windows of the dispatch's overflow (§10 "Round 2 in
+// windows"): to each remote source s, as soon as its rows are packed (its combine bell), one write
+// of its window-0 rows (its round-1 rows and its part of overflow window 0) into s's combine
+// receive region at sum of c_{s,p'} over remote p' < me; then for each later window w, once the
+// kernels packed it into the (reused) send region (comb_win_bell) after the proxy's writes of
+// window w - 1 completed (comb_win_done), one write of each source's part of it. From each remote
+// owner p: one immediate for its window-0 rows (if any) and one per later window with rows of
+// this rank.
 bool Proxy::run_combine(int64_t epoch) {
-  const int64_t deadline = mono_ns() + cfg_.timeout_ns;
+  int64_t deadline = mono_ns() + cfg_.timeout_ns;  // moved on by each window's progress
   const int R = int(cfg_.world_size), me = int(cfg_.rank), G = int(cfg_.node_size);
-  const int64_t CRB = cfg_.comb_row_bytes;
+  const int64_t CRB = cfg_.comb_row_bytes, cap = cfg_.private_capacity, B = cfg_.overflow_capacity;
   const uint64_t cr_base = uint64_t((epoch & 1) * cfg_.max_send_rows * CRB);  // parity copy of s's region
   const int32_t* const C = counts_.data();
   n_posted_ = 0;
   phase_posts_ = phase_bells_ = 0;
   std::fill(posted_to_.begin(), posted_to_.end(), 0);
-  // off_: per remote source s, in rank order: c_{s,me} rows received from s. rows_sent_ / got1_
-  // stand for sent (to source s) and got (from owner p).
+  auto ov = [&](int s, int p) -> int64_t { return std::max<int64_t>(0, int64_t(C[size_t(s) * R + p]) - cap); };
+  // Where remote source s's overflow starts in owner p's stream; s's rows of window w there.
+  auto start_in = [&](int s, int p) {
+    int64_t st = 0;
+    for (int q = 0; q < s; ++q)
+      if (q / G != p / G) st += ov(q, p);
+    return st;
+  };
+  auto part = [&](int64_t st, int64_t o, int64_t w, int64_t* lo, int64_t* hi) {
+    *lo = std::max(st, w * B), *hi = std::min(st + o, (w + 1) * B);
+    return *hi > *lo;
+  };
+  // off_: per remote source s, in rank order: its window-0 rows in the send region. ov_start_:
+  // its overflow's place in this rank's stream. rows_sent_: s's window-0 write posted (or none).
+  // credits_ (reused): per owner p, the immediates still to come from it.
   std::vector<char>& sent = rows_sent_;
-  std::vector<char>& got = got1_;
   sent.assign(size_t(R), 1);
-  got.assign(size_t(R), 1);
+  credits_.assign(size_t(R), 0);
+  ov_start_.assign(size_t(R), 0);
   todo_.clear();
-  int got_left = 0;
-  uint64_t o = 0;
+  int64_t got_left = 0, o = 0, O = 0;
   for (int s = 0; s < R; ++s) {
     if (s == me || !remote(s)) continue;
-    off_[s] = o;
-    o += uint64_t(C[size_t(s) * R + me] * CRB);
-    if (C[size_t(s) * R + me] > 0) sent[s] = 0, todo_.push_back(s);
-    if (C[size_t(me) * R + s] > 0) got[s] = 0, ++got_left;
+    const int64_t c = C[size_t(s) * R + me], n1 = std::min(c, cap), os = ov(s, me);
+    ov_start_[s] = O;
+    const int64_t c0 = n1 + (B > 0 ? std::min(os, std::max<int64_t>(0, B - O)) : os);
+    O += os;
+    off_[s] = uint64_t(o) * uint64_t(CRB);
+    o += c0;
+    if (c0 > 0) sent[s] = 0, todo_.push_back(s);
+    // from owner s (as a source of its stream): window 0 (round 1 and its part there) and each later window
+    const int64_t st = start_in(me, s), om = ov(me, s), cm = C[size_t(me) * R + s];
+    int64_t n = std::min<int64_t>(cm, cap) + (B > 0 ? std::min(om, std::max<int64_t>(0, B - st)) : om) > 0;
+    for (int64_t w = 1, lo, hi; B > 0 && w * B < st + om; ++w) n += part(st, om, w, &lo, &hi);
+    credits_[s] = n;
+    got_left += n;
   }
+  const int64_t n_win = B > 0 ? (O + B - 1) / B : 0;
+  int64_t next_win = 1, posted_win = 0;  // the next later window to post; the last one posted
   auto owners = [&]() {
     std::vector<int> v;
     for (int p : others_)
-      if (remote(p) && C[size_t(me) * R + p] > 0) v.push_back(p);
+      if (remote(p) && credits_[p] > 0) v.push_back(p);
     return v;
+  };
+  auto got = [&](int p) {
+    --credits_[p];
+    --got_left;
+    trace_peer(kTrGotC, p, epoch);
   };
   auto scan_all = [&](Lost* lost) {  // a failing counter: as run_dispatch's
     for (int p : others_)
-      if (!got[p] && take(kPhaseC, p, epoch, lost)) {
-        got[p] = 1;
-        --got_left;
-        trace_peer(kTrGotC, p, epoch);
-      }
+      if (credits_[p] > 0 && take(kPhaseC, p, epoch, lost)) got(p);
   };
   int64_t last_work = mono_ns(), reap_wait = 0;
   uint64_t seen_gen = ~uint64_t(0);
@@ -755,8 +874,10 @@ bool Proxy::run_combine(int64_t epoch) {
       const int32_t* row = &C[size_t(s) * R];
       const int slo = s / G * G;
       const int64_t roff = sum_range(row, 0, me) - sum_range(row, slo, std::min(slo + G, me));
+      const int64_t c0 = std::min<int64_t>(row[me], cap) +
+                         (B > 0 ? std::min(ov(s, me), std::max<int64_t>(0, B - ov_start_[s])) : ov(s, me));
       if (!post(kPhaseC, epoch, s, kRegCombSend, off_[s], kRegCombRecv, cr_base + uint64_t(roff * CRB),
-                uint64_t(row[me] * CRB)))
+                uint64_t(c0 * CRB)))
         return false;
       trace_peer(kTrPostC, s, epoch);
       sent[s] = 1;
@@ -764,30 +885,53 @@ bool Proxy::run_combine(int64_t epoch) {
     });
     if (rung < 0) return false;
     work |= rung > 0;
+    // Later windows: once the writes of the one before completed, the kernels may pack the next
+    // (comb_win_done); once they did (comb_win_bell), each source's part of it.
+    if (next_win < n_win && todo_.empty() && n_posted_ == 0 && load(kMbCombWinDone) < ov_window(epoch, next_win)) {
+      store(kMbCombWinDone, ov_window(epoch, next_win));
+      work = true;
+    }
+    if (next_win < n_win && posted_win < next_win && load(kMbCombWinBell) >= ov_window(epoch, next_win)) {
+      const int64_t w = next_win;
+      for (int s : others_) {
+        int64_t lo, hi;
+        if (!remote(s) || !part(ov_start_[s], ov(s, me), w, &lo, &hi)) continue;
+        const int32_t* row = &C[size_t(s) * R];
+        const int slo = s / G * G;
+        const int64_t roff = sum_range(row, 0, me) - sum_range(row, slo, std::min(slo + G, me)) + cap +
+                             (lo - ov_start_[s]);
+        if (!post(kPhaseC, epoch, s, kRegCombSend, uint64_t((lo - w * B) * CRB), kRegCombRecv,
+                  cr_base + uint64_t(roff * CRB), uint64_t((hi - lo) * CRB)))
+          return false;
+        trace_peer(kTrPostC, s, epoch);
+      }
+      posted_win = next_win++;
+      deadline = std::max(deadline, mono_ns() + cfg_.timeout_ns);
+      work = true;
+    }
     const uint64_t gen = t_->imm_counter().generation();
     if (gen != seen_gen) {
       seen_gen = gen;
       const bool failing_counter =
-          take_arrived(epoch, [&](int ph, int p) { return ph == kPhaseC && !got[p]; }) == kErrPeer;
-      for (const uint32_t imm : arrived_) {
-        const int p = int((imm >> kImmSrcShift) & uint32_t(kImmMaxRanks - 1));
-        got[p] = 1;
-        --got_left;
+          take_arrived(epoch, [&](int ph, int p) { return ph == kPhaseC && credits_[p] > 0; }) == kErrPeer;
+      for (const uint32_t imm : arrived_) got(imm_src(imm));
+      if (!arrived_.empty()) {
+        seen_gen = ~uint64_t(0);  // an owner's next window may have been counted too: look again
+        deadline = std::max(deadline, mono_ns() + cfg_.timeout_ns);
         work = true;
-        trace_peer(kTrGotC, p, epoch);
       }
       if (failing_counter) scan_all(&lost);
     }
     if (!reap(kPhaseC, epoch, reap_wait)) return false;
     reap_wait = 0;
-    if (todo_.empty() && got_left == 0 && n_posted_ == 0) return true;
+    if (todo_.empty() && got_left == 0 && next_win >= n_win && n_posted_ == 0) return true;
     if (!lost.why.empty()) return fail_lost(lost.peer, kPhaseC, epoch, lost.why);
     if (work) {
       last_work = mono_ns();
       continue;
     }
     if (mono_ns() >= deadline) {
-      if (got_left) return fail_missing(kPhaseC, kPhaseC, epoch, owners(), [&](int p) { return !got[p]; }, "combine rows");
+      if (got_left) return fail_missing(kPhaseC, kPhaseC, epoch, owners(), [&](int p) { return credits_[p] > 0; }, "combine rows");
       if (!todo_.empty()) {
         std::vector<int> sources;
         for (int s : others_)
@@ -795,24 +939,24 @@ bool Proxy::run_combine(int64_t epoch) {
         return fail_missing(kPhaseC, -1, epoch, sources, [&](int s) { return !sent[s]; },
                             "this rank's kernels never rang the combine bell");
       }
+      if (next_win < n_win && n_posted_ == 0)
+        return fail(kProxyTimeout, -1, kPhaseC, epoch,
+                    "this rank's kernels never packed combine window " + std::to_string(next_win) + " of " +
+                        std::to_string(n_win) + " within " + seconds(cfg_.timeout_ns) + " s");
       return fail_writes(kPhaseC, epoch);
     }
-    if (todo_.empty() && got_left > 0 && mono_ns() - last_work > cfg_.spin_ns) {
-      // Only the owners' rows to wait for, and one ready word for them all: one wake-up.
-      std::vector<int> rest;
-      for (int p : others_)
-        if (!got[p]) rest.push_back(p);
+    if (todo_.empty() && next_win >= n_win && got_left > 0 && mono_ns() - last_work > cfg_.spin_ns) {
+      // Only the owners' rows to wait for, and one ready word for them all: one wake-up (one
+      // immediate from each owner still sending; the next pass takes the rest).
+      std::vector<int> rest = owners();
       if (await_all(kPhaseC, epoch, rest, std::min(kBlockNs, deadline - mono_ns()))) {
-        for (int p : rest) {
-          got[p] = 1;
-          trace_peer(kTrGotC, p, epoch);
-        }
-        got_left = 0;
+        for (int p : rest) got(p);
+        seen_gen = ~uint64_t(0);
         last_work = mono_ns();
         continue;
       }  // (else a time slice passed, or the counter failed: the next pass's takes tell which)
     }
-    reap_wait = idle(last_work, seen_gen, !todo_.empty(), got_left > 0);
+    reap_wait = idle(last_work, seen_gen, !todo_.empty() || next_win < n_win, got_left > 0);
   }
 }
 

@@ -23,7 +23,7 @@ namespace moe_ep {
 // ---- Mailbox: int64 words, single writer each, epoch valued, never reset. ----
 // The kernel side writes the bells; the proxy writes the ready words and the error record.
 // Mirrored in moe_ep/proxy/native.py (MAILBOX) and checked against moe_ep_proxy_mailbox_layout.
-// Eight fixed words, then four arrays of one word per rank (mb_* below): 8 + 4R words in all.
+// Twelve fixed words, then four arrays of one word per rank (mb_* below): 12 + 4R words in all.
 enum : int {
   kMbHdrBell = 0,       // kernel: every peer's header (HDR_p) of dispatch epoch e is in the send buffer -> e
   kMbDispReady = 1,     // proxy: every write of dispatch e from and to this rank landed, own writes completed -> e
@@ -33,8 +33,16 @@ enum : int {
   kMbErrPeer = 5,       //   the peer concerned (-1: none / unknown)
   kMbErrPhase = 6,      //   kPhaseD1 / kPhaseD2 / kPhaseC (a header is part of round 1)
   kMbErrEpoch = 7,      //   the epoch of the failed phase
-  kMbWords = 8,         // the fixed words
+  // Overflow windows beyond the first (§10 "Round 2 in windows"), valued ov_window(e, w):
+  kMbOvReady = 8,       // proxy: window w (w >= 1) of dispatch e landed -> ov_window(e, w)
+  kMbOvDone = 9,        // kernel: windows 0..w-1 of dispatch e unpacked (region free again) -> ov_window(e, w)
+  // The combine's return of those windows, through the combine send region:
+  kMbCombWinDone = 10,  // proxy: combine writes of windows 0..w-1 of epoch e completed (region free) -> ov_window(e, w)
+  kMbCombWinBell = 11,  // kernel: combine window w (w >= 1) of epoch e packed -> ov_window(e, w)
+  kMbWords = 12,        // the fixed words
 };
+// The value of the window words for window w of epoch e: grows with e, then w (w < 2^32).
+inline int64_t ov_window(int64_t e, int64_t w) { return (e << 32) | w; }
 // The per-rank arrays (index p or s in [0, R)).
 inline int mb_disp_bell(int64_t R, int p) { return int(kMbWords + p); }         // kernel: rows_p packed -> e
 inline int mb_ready1(int64_t R, int s) { return int(kMbWords + R + s); }        // proxy: s's round-1 rows landed -> e
@@ -52,22 +60,26 @@ enum : int64_t {
   kProxyTransport = 5,  // any other transport failure (remote access error, post failed)
 };
 
-// Phases: the immediate's bits 31..30. kPhaseD0 (headers) is reported as round 1 (kPhaseD1).
-enum : int { kPhaseD1 = 0, kPhaseD2 = 1, kPhaseC = 2, kPhaseD0 = 3 };
+// Phases: the immediate's bits 31..29. kPhaseD0 (headers) is reported as round 1 (kPhaseD1);
+// kPhaseCredit (a receiver's zero-byte "window w of your overflow may come" write) as round 2.
+enum : int { kPhaseD1 = 0, kPhaseD2 = 1, kPhaseC = 2, kPhaseD0 = 3, kPhaseCredit = 4 };
 
-// Immediate (§10): phase in bits 31..30, the source (sending) rank in bits 29..16, the epoch mod
+// Immediate (§10): phase in bits 31..29, the source (sending) rank in bits 28..16, the epoch mod
 // 2^16 in bits 15..0. The ImmCounter keys on the whole value, so each (phase, source, epoch) is
 // counted apart: a receiver knows which peers delivered, and a late write of epoch n never counts
 // for epoch n + 1 (a receiver only ever has writes of two consecutive epochs of one phase
 // pending, so the epoch's 16 bits never alias). The source field limits a job to
 // kImmMaxRanks ranks (checked by Proxy::create).
 constexpr int kImmSrcShift = 16;
-constexpr int kImmSrcBits = 14;
+constexpr int kImmSrcBits = 13;
+constexpr int kImmPhaseShift = kImmSrcShift + kImmSrcBits;  // 29
 constexpr int64_t kImmMaxRanks = int64_t(1) << kImmSrcBits;
 constexpr uint32_t kImmEpochMask = (1u << kImmSrcShift) - 1;
+inline int imm_phase(uint32_t imm) { return int(imm >> kImmPhaseShift); }
+inline int imm_src(uint32_t imm) { return int((imm >> kImmSrcShift) & uint32_t(kImmMaxRanks - 1)); }
 
 inline uint32_t make_imm(int phase, int src, int64_t epoch) {
-  return (uint32_t(phase) << 30) | ((uint32_t(src) & uint32_t(kImmMaxRanks - 1)) << kImmSrcShift) |
+  return (uint32_t(phase) << kImmPhaseShift) | ((uint32_t(src) & uint32_t(kImmMaxRanks - 1)) << kImmSrcShift) |
          (uint32_t(uint64_t(epoch)) & kImmEpochMask);
 }
 
@@ -79,7 +91,7 @@ inline uint32_t make_imm(int phase, int src, int64_t epoch) {
 enum : int {
   kRegDispSend = 0,  // rows for each remote peer, in rank order: [rows_p]
   kRegRound1 = 1,    // [2][R][cap rows]: each source's first cap rows
-  kRegOverflow = 2,  // [2][overflow rows]
+  kRegOverflow = 2,  // [2][overflow rows]: one window of a receiver's overflow stream
   kRegCombSend = 3,
   kRegCombRecv = 4,
   kRegHdrSend = 5,   // [R][HDR]: the header for each peer (this rank's own slot: its count vector too)
@@ -96,7 +108,7 @@ struct ProxyConfig {
   int64_t row_bytes;            // RB: one dispatch row (payload + trailer)
   int64_t comb_row_bytes;       // one combine row
   int64_t private_capacity;     // cap: rows per source in the round-1 region
-  int64_t overflow_capacity;    // rows in the shared overflow region
+  int64_t overflow_capacity;    // B: rows in the shared overflow region (one window of the overflow stream)
   int64_t max_send_rows;        // rows in the dispatch send buffer (sum over remote peers)
   int64_t timeout_ns;           // per-phase deadline, from the doorbell
   int64_t spin_ns;              // doorbell polling: spin this long after the last work ...
@@ -151,6 +163,9 @@ enum : int32_t {
   kTrPostC = 11,
   kTrGotC = 12,
   kTrCombReady = 13,
+  kTrPostCredit = 14, // credit for overflow window `epoch`'s next window sent to peer
+  kTrGotCredit = 15,  // peer's credit landed
+  kTrOvReady = 16,    // an overflow window beyond the first landed (ov_ready raised)
 };
 struct TraceEvent {
   int64_t ns;     // steady clock
@@ -284,7 +299,11 @@ class Proxy {
   std::vector<int> others_;           // every rank but this one, ascending
   std::vector<int> todo_;             // peers whose bell has not rung yet
   std::vector<uint64_t> off_;         // per peer: byte offset of its rows (send / combine receive)
-  std::vector<char> rows_sent_, ov_sent_, got_hdr_, got1_, got2_;  // per rank
+  std::vector<char> rows_sent_, got_hdr_, got1_, got2_;  // per rank
+  // Overflow windows (§10 "Round 2 in windows"). As a source, per receiver p: the next window of
+  // this rank's overflow to p to post, its last window, and credits taken from p not yet served.
+  std::vector<int64_t> ov_start_, ov_next_, ov_last_, credits_;
+  std::vector<char> win_wait_;        // as a receiver: per source, its rows of the current window are awaited
   std::vector<uint32_t> arrived_;     // immediates taken by the last take_arrived
   int64_t phase_posts_ = 0, phase_bells_ = 0;
   int64_t counts_epoch_ = -1;

@@ -10,8 +10,10 @@ at a time and reports the p50/p99 of one ``post_write`` call and of post -> comp
 number is measured in native code, so it is the engine's cost, not that of ctypes.
 
 Part "phase" (one process per rank, node_size=1 so every peer is remote, 16-byte rows, one row
-to every peer; private capacity 2, so round 2 is empty, or 0 with --private-capacity 0, so every
-row goes in round 2): each rank's native kernel stand-in ``moe_ep_bench_drive`` rings every bell
+to every peer (``--rows`` rows with that option); private capacity 2, so round 2 is empty, or 0
+with --private-capacity 0, so every row goes in round 2, through an overflow region of
+``--overflow-capacity`` rows (default: all of them, one window; fewer: a receiver's rows cross in
+windows, one credit round trip each: the cost of a round)): each rank's native kernel stand-in ``moe_ep_bench_drive`` rings every bell
 of dispatch and combine for ``warmup + epochs`` epochs, each right after the previous ready word.
 Reported over all ranks and measured epochs:
   - proxy dispatch / combine: bell seen -> ready written, by the proxy thread (its own
@@ -118,25 +120,26 @@ def post_cost(streams: int, sizes=SIZES, scale: float = 1.0, transport: str = "t
 
 # ----------------------------------------------------------------------------- phase time
 
-def _rank_main(rank, R, transport, streams, warmup, epochs, poll, cap, conn):
+def _rank_main(rank, R, transport, streams, warmup, epochs, poll, cap, conn, rows=1, ovcap=None):
     try:
         from moe_ep.proxy import Proxy
 
         eng = make_engine(rank, R, streams, transport)
+        ovcap = R * rows if ovcap is None else ovcap
         px = Proxy(eng, node_size=1, num_local_experts=1, row_bytes=RB, comb_row_bytes=CRB, private_capacity=cap,
-                   overflow_capacity=R, max_send_rows=R, timeout_s=30, spin_us=poll["proxy_spin_us"],
-                   sleep_us=poll["proxy_sleep_us"])
+                   overflow_capacity=ovcap, max_send_rows=R * rows, timeout_s=30, spin_us=poll["proxy_spin_us"],
+                   sleep_us=poll["proxy_sleep_us"], regions={"comb_send": np.zeros((R * rows + ovcap) * CRB, np.uint8)})
         conn.send(eng.endpoint)
         eng.connect(conn.recv(), timeout_s=30)
-        counts = np.ones(R, np.int32)
+        counts = np.full(R, rows, np.int32)
         counts[rank] = 0
         for p in range(R):
             hdr = px.header(p)
             hdr[:R] = counts
             hdr[R] = 1
         for p, off in px.disp_offsets(counts).items():  # one 16-byte row to every peer, every epoch
-            px.disp_send[off:off + RB] = p
-        px.comb_send[:(R - 1) * CRB] = rank
+            px.disp_send[off:off + rows * RB] = p
+        px.comb_send[:(R - 1) * rows * CRB] = rank
         px.start()
         conn.send("ready")
         assert conn.recv() == "go"
@@ -156,11 +159,11 @@ def _rank_main(rank, R, transport, streams, warmup, epochs, poll, cap, conn):
         # round 1, or with no private capacity in the overflow region in source order)
         e = warmup + epochs
         for s in range(R):
-            if s != rank:
+            if s != rank and (cap or (R - 1) * rows <= ovcap):  # (several windows: the region holds the last)
                 if cap:
                     got = px.round1[px.round1_offset(e, s):][:RB]
                 else:
-                    got = px.overflow[px.overflow_offset(e) + RB * (s - (s > rank)):][:RB]
+                    got = px.overflow[px.overflow_offset(e) + RB * rows * (s - (s > rank)):][:RB]
                 assert (got == rank).all(), s
         conn.send(("done", disp, comb, prox, io_cpu))
         conn.recv()
@@ -180,13 +183,15 @@ POLL = dict(proxy_spin_us=0.0, proxy_sleep_us=50.0, drive_spin_us=0.0, drive_sle
 
 
 def phase_time(R: int, streams: int, epochs: int, warmup: int = 20, poll: dict = POLL, wall_s: float = 300.0,
-               transport: str = "tcp", private_capacity: int = 2) -> dict:
+               transport: str = "tcp", private_capacity: int = 2, rows: int = 1,
+               overflow_capacity: int | None = None) -> dict:
     ctx = mp.get_context("fork")
     procs = []
     for r in range(R):
         parent, child = ctx.Pipe()
         p = ctx.Process(target=_rank_main, daemon=True,
-                        args=(r, R, transport, streams, warmup, epochs, poll, private_capacity, child))
+                        args=(r, R, transport, streams, warmup, epochs, poll, private_capacity, child, rows,
+                              overflow_capacity))
         p.start()
         procs.append((p, parent))
     try:
@@ -218,7 +223,8 @@ def phase_time(R: int, streams: int, epochs: int, warmup: int = 20, poll: dict =
     comb = [x for r in res for x in r[2]]
     prox = {k: [x for r in res for x in r[3][k]] for k in res[0][3]}
     out = dict(transport=transport, ranks=R, peers=R - 1, streams=streams, epochs=epochs,
-               private_capacity=private_capacity,
+               private_capacity=private_capacity, rows=rows, overflow_capacity=overflow_capacity,
+               windows=-(-(R - 1) * rows // overflow_capacity) if overflow_capacity and not private_capacity else 1,
                threads_per_rank=3 * streams * (R - 1) + 3, **poll)
     for name, v in (("proxy_dispatch", prox["dispatch"]), ("proxy_d1", prox["d1"]),
                     ("proxy_combine", prox["combine"]), ("kernel_dispatch", disp), ("kernel_combine", comb)):
@@ -280,6 +286,9 @@ def main(argv=None) -> int:
                         help="doorbell polling of the proxy thread / ready polling of the kernel stand-in")
     ap.add_argument("--private-capacity", type=int, default=2,
                     help="round-1 rows per peer: 2 (default) leaves round 2 empty, 0 sends every row in round 2")
+    ap.add_argument("--rows", type=int, default=1, help="rows from every rank to every peer")
+    ap.add_argument("--overflow-capacity", type=int, default=None,
+                    help="rows of the overflow region (default: every row, one window)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
     res = dict(meta=_meta(argv), post=[], phase=[])
@@ -294,7 +303,8 @@ def main(argv=None) -> int:
             for s in args.streams:
                 for R in args.ranks:
                     runs = [phase_time(R, s, args.epochs, args.warmup, poll, transport=t,
-                                       private_capacity=args.private_capacity) for _ in range(args.repeat)]
+                                       private_capacity=args.private_capacity, rows=args.rows,
+                                       overflow_capacity=args.overflow_capacity) for _ in range(args.repeat)]
                     best = min(runs, key=lambda r: r["proxy_dispatch_p50_us"] + r["proxy_combine_p50_us"])
                     best["repeats"] = args.repeat
                     res["phase"].append(best)

@@ -22,8 +22,8 @@ from ..kernels.common import (ERR_CAPACITY, ERR_PROXY, ERR_TIMEOUT, PHASE_DISPAT
 from ..kernels.dispatch import dispatch_kernel, local_counts
 from ..kernels.rows import tokens_before
 from ..kernels.tiles import chunk_sum, col, excl, first_on_rank, gather, load_routing, pick
-from .mailbox import (MB_DISP_READY, MB_ERR_CODE, MB_ERR_PEER, MB_HDR_BELL, MB_HDR_READY, arrive_and_ring, ready1,
-                      rows_bell, wait_word)
+from .mailbox import (MB_DISP_READY, MB_ERR_CODE, MB_ERR_PEER, MB_HDR_BELL, MB_HDR_READY, MB_OV_DONE, MB_OV_READY,
+                      arrive_and_ring, ov_window, ready1, rows_bell, wait_window, wait_word, window_count)
 
 
 @triton.jit
@@ -306,6 +306,24 @@ def unpack_rows_block(src, im, g, o, s, ids_ptr, wts_ptr, src_ptr, out_x_ptr, ou
         tl.store(out_s_ptr + o[:, None] * NB + bb[None, :], sv, mask=bm)
 
 
+@triton.jit
+def unpack_any(src, im, g, o, s, below, eoff, ee, ids_ptr, wts_ptr, src_ptr, out_x_ptr, out_s_ptr, rpos_ptr, rw_ptr,
+               M: tl.constexpr, EL: tl.constexpr, K: tl.constexpr, H: tl.constexpr, W: tl.constexpr,
+               NB: tl.constexpr, REM_PW: tl.constexpr, CAP: tl.constexpr, PACKED: tl.constexpr, FP8: tl.constexpr,
+               ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_NB: tl.constexpr,
+               CM_ROWS: tl.constexpr):
+    """A block of source ``s``'s received rows (``src``, mask ``im``, combine order ``g``) into the
+    layout: ``unpack_rows_block`` (rows layout, at rows ``o``) or ``unpack_block``."""
+    if ROWS:
+        unpack_rows_block(src=src, im=im, g=g, o=o, s=s, ids_ptr=ids_ptr, wts_ptr=wts_ptr, src_ptr=src_ptr,
+                          out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr, rpos_ptr=rpos_ptr, M=M, K=K, H=H, W=W, NB=NB,
+                          REM_PW=REM_PW, FP8=FP8, BLOCK_K=BLOCK_K, BLOCK_W=BLOCK_W, BLOCK_NB=BLOCK_NB)
+    else:
+        unpack_block(src=src, im=im, g=g, below=below, eoff=eoff, ee=ee, out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr,
+                     rpos_ptr=rpos_ptr, rw_ptr=rw_ptr, EL=EL, K=K, H=H, W=W, NB=NB, REM_PW=REM_PW, CAP=CAP,
+                     PACKED=PACKED, FP8=FP8, BLOCK_K=BLOCK_K, BLOCK_W=BLOCK_W, BLOCK_NB=BLOCK_NB, CM_ROWS=CM_ROWS)
+
+
 @triton.jit(do_not_specialize=['T', 'BT', 'NC', 'ws', 'timeout_ns', 'rtimeout_ns', 'spins'])
 def internode_dispatch_recv_kernel(
     # the node kernel's runtime arguments (dispatch_kernel)
@@ -321,6 +339,7 @@ def internode_dispatch_recv_kernel(
     rpos_ptr,          # int32 [ROWS_CAP, K]: out, layout row of each received (row, k), or -1 (rows: [g, 0] its row)
     rw_ptr,            # float32 [ROWS_CAP, K]: out, its weight (0 where rpos is -1)
     recv_rows_ptr,     # int32 [R]: out, rows received from each remote source (0 for the others)
+    ov_arrive_ptr,     # int32 [1]: programs done with overflow window 0; 0 between launches
     rtimeout_ns,       # the deadline of the waits for the proxy (its own deadline, which names the peer, is shorter)
     spins,             # the interpreter's bound on looks per wait (it has no clock)
     # the node kernel's constexprs
@@ -341,8 +360,12 @@ def internode_dispatch_recv_kernel(
 ):
     """The receive half: once every source's header is in (the count matrix), the node peers' rows
     (the node kernel, placing them with the count matrix), then each remote source's round-1 rows
-    as they land, then each overflowing source's round-2 rows as they land. ``sel_ptr`` and
-    ``rows_from_ptr`` hold one copy per program ([P, R, EL], [P, R])."""
+    and its part of overflow window 0 as they land; then, where this rank's overflow stream needs
+    more windows of ``OVCAP`` rows, window 0 done (``ov_done``, the last program to arrive) and the
+    later windows one after another by the last program (each: wait for ``ov_ready``, unpack,
+    ``ov_done``; one program, so the interpreter, which runs programs one after another, never
+    waits for a program that has not run). ``sel_ptr`` and ``rows_from_ptr`` hold one copy per
+    program ([P, R, EL], [P, R])."""
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     epoch = tl.load(state_ptr + pid) + 1
@@ -371,7 +394,8 @@ def internode_dispatch_recv_kernel(
     remote = (rr < R) & (rr // N != ME // N)
     c = tl.where(remote, tl.load(rf_p + rr, mask=rr < R, other=0), 0)
     n1s = tl.minimum(c, PCAP)
-    ovoff = excl(c - n1s)            # each source's first row in the overflow copy
+    ovoff = excl(c - n1s)            # each source's first row in this rank's overflow stream
+    ov0 = tl.minimum(c - n1s, tl.maximum(OVCAP - ovoff, 0))  # its rows in window 0 (the rest: later windows)
     goff = excl(c)                   # each source's first received row in combine order
     first = excl(tl.load(rf_p + rr, mask=rr < R, other=0))  # rows layout: each source's first row
     if (tl.sum(c) > ROWS_CAP) & (pid == 0):  # more than the combine send buffer holds (the proxy refuses it too)
@@ -394,7 +418,7 @@ def internode_dispatch_recv_kernel(
     # source (bit 0: round 1, bit 1: round 2, where it has blocks), the words read as two vectors
     # per look.
     nb1 = tl.cdiv(n1s, BLOCK_RW)
-    nb2 = tl.cdiv(c - n1s, BLOCK_RW)
+    nb2 = tl.cdiv(ov0, BLOCK_RW)
     todo = tl.where(remote & (pid < nb1), 1, 0) + tl.where(remote & (pid < nb2), 2, 0)
     bad = tl.load(mb_ptr + MB_ERR_CODE, volatile=True)
     late = tl.full([], 0, tl.int32)
@@ -412,7 +436,7 @@ def internode_dispatch_recv_kernel(
                 g_s = pick(go, rr, s)
                 if g_s > 0:
                     below = tl.sum(tl.where((rr < s)[:, None], sel_t, 0), axis=0)  # rows of each expert from lower sources
-                    n = pick(c, rr, s)
+                    n = pick(n1s + ov0, rr, s)
                     n1 = pick(n1s, rr, s)
                     for part in tl.static_range(2):
                         if (g_s >> part) & 1:
@@ -427,19 +451,12 @@ def internode_dispatch_recv_kernel(
                                 else:
                                     w1 = ((par * R + s) * REM_SLOT + i.to(tl.int64) * REM_RB) // 4
                                     src = r1w + tl.multiple_of(tl.where(im, w1, 0), 4)
-                                g = pick(goff, rr, s) + i
-                                if ROWS:
-                                    unpack_rows_block(src=src, im=im, g=g, o=pick(first, rr, s) + i, s=s,
-                                                      ids_ptr=recv_ids_ptr, wts_ptr=recv_wts_ptr, src_ptr=recv_src_ptr,
-                                                      out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr, rpos_ptr=rpos_ptr, M=M,
-                                                      K=K, H=H, W=W, NB=NB, REM_PW=REM_PW, FP8=FP8, BLOCK_K=BLOCK_K,
-                                                      BLOCK_W=BLOCK_W, BLOCK_NB=BLOCK_NB)
-                                else:
-                                    unpack_block(src=src, im=im, g=g, below=below, eoff=eoff, ee=ee,
-                                                 out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr, rpos_ptr=rpos_ptr,
-                                                 rw_ptr=rw_ptr, EL=EL, K=K, H=H, W=W, NB=NB, REM_PW=REM_PW, CAP=CAP,
-                                                 PACKED=PACKED, FP8=FP8, BLOCK_K=BLOCK_K, BLOCK_W=BLOCK_W,
-                                                 BLOCK_NB=BLOCK_NB, CM_ROWS=CM_ROWS)
+                                unpack_any(src=src, im=im, g=pick(goff, rr, s) + i, o=pick(first, rr, s) + i, s=s,
+                                           below=below, eoff=eoff, ee=ee, ids_ptr=recv_ids_ptr, wts_ptr=recv_wts_ptr,
+                                           src_ptr=recv_src_ptr, out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr,
+                                           rpos_ptr=rpos_ptr, rw_ptr=rw_ptr, M=M, EL=EL, K=K, H=H, W=W, NB=NB,
+                                           REM_PW=REM_PW, CAP=CAP, PACKED=PACKED, FP8=FP8, ROWS=ROWS,
+                                           BLOCK_K=BLOCK_K, BLOCK_W=BLOCK_W, BLOCK_NB=BLOCK_NB, CM_ROWS=CM_ROWS)
             todo = todo - go
         bad = tl.load(mb_ptr + MB_ERR_CODE, volatile=True)
         if INTERP:  # no clock: the proxy's own deadline ends the wait first; `spins` looks bound it
@@ -451,5 +468,36 @@ def internode_dispatch_recv_kernel(
         record_error(err_ptr, ERR_PROXY, tl.load(mb_ptr + MB_ERR_PEER, volatile=True), PHASE_DISPATCH, epoch, bad)
     elif tl.max(todo, axis=0) > 0:  # the proxy itself stuck: name the first source still awaited
         record_error(err_ptr, ERR_TIMEOUT, tl.min(tl.where(todo > 0, rr, R), axis=0), PHASE_DISPATCH, epoch, 0)
-    if pid == 0:  # this rank's own writes completed: the next dispatch may pack the send buffer again
+    # Overflow windows beyond the first (§10 "Round 2 in windows"): window w holds the stream's
+    # rows [w * OVCAP, (w + 1) * OVCAP), each source's at its place in the stream.
+    o_s = c - n1s
+    n_win = window_count(o_s, OVCAP)
+    if (n_win > 1) & (bad == 0):
+        arrive_and_ring(ov_arrive_ptr, mb_ptr, MB_OV_DONE, ov_window(epoch, 1))
+        if pid == P - 1:
+            for w in range(1, n_win):
+                lo_s, hi_s = wait_window(mb_ptr, MB_OV_READY, epoch, w, ovoff, o_s, err_ptr, PHASE_DISPATCH,
+                                         rtimeout_ns, spins, OVCAP, INTERP)
+                for s in range(R):
+                    lo = pick(lo_s, rr, s)
+                    hi = pick(hi_s, rr, s)
+                    if hi > lo:
+                        below = tl.sum(tl.where((rr < s)[:, None], sel_t, 0), axis=0)
+                        for b in range(0, tl.cdiv(hi - lo, BLOCK_RW)):
+                            q = lo + b * BLOCK_RW + ii  # places in the stream
+                            im = q < hi
+                            i = PCAP + q - pick(ovoff, rr, s)  # rows of s before it: PCAP in round 1
+                            w2 = (par * OVCAP * REM_RB + (q - w * OVCAP).to(tl.int64) * REM_RB) // 4
+                            src = ovw + tl.multiple_of(tl.where(im, w2, 0), 4)
+                            unpack_any(src=src, im=im, g=pick(goff, rr, s) + i, o=pick(first, rr, s) + i, s=s,
+                                       below=below, eoff=eoff, ee=ee, ids_ptr=recv_ids_ptr, wts_ptr=recv_wts_ptr,
+                                       src_ptr=recv_src_ptr, out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr,
+                                       rpos_ptr=rpos_ptr, rw_ptr=rw_ptr, M=M, EL=EL, K=K, H=H, W=W, NB=NB,
+                                       REM_PW=REM_PW, CAP=CAP, PACKED=PACKED, FP8=FP8, ROWS=ROWS,
+                                       BLOCK_K=BLOCK_K, BLOCK_W=BLOCK_W, BLOCK_NB=BLOCK_NB, CM_ROWS=CM_ROWS)
+                # window w read: the proxy may credit window w + 1 into the same region
+                tl.debug_barrier()
+                tl.atomic_xchg(mb_ptr + MB_OV_DONE, ov_window(epoch, w + 1), sem="release", scope="sys")
+    if pid == P - 1:  # this rank's own writes completed: the next dispatch may pack the send buffer again
+        # (the last program: under the interpreter, the only one that runs after every window's unpack)
         wait_word(mb_ptr, MB_DISP_READY, epoch, err_ptr, -1, PHASE_DISPATCH, t0_ns, rtimeout_ns, spins, INTERP)

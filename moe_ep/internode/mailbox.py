@@ -4,14 +4,16 @@ the bells and the kernels poll the ready words: no host call sits between the la
 CUDA graph replays the whole exchange.
 
 Mailbox words (int64, ``moe_ep.proxy.native.MAILBOX``): 0 header bell, 1 dispatch ready, 2 header
-ready, 3 combine ready, 4 error code, 5 its peer, 6 phase, 7 epoch; then one word per rank in
+ready, 3 combine ready, 4 error code, 5 its peer, 6 phase, 7 epoch, 8 overflow window ready, 9
+overflow window done, 10 combine window done, 11 combine window bell (all four valued
+``ov_window(e, w)``); then one word per rank in
 each of four arrays: the rows bell of each peer, the round-1 and overflow ready words of each
 source, the combine bell of each source (``MAILBOX_ARRAYS``).
 """
 import triton
 import triton.language as tl
 
-from ..kernels.common import ERR_PROXY, ERR_TIMEOUT, record_error
+from ..kernels.common import ERR_PROXY, ERR_TIMEOUT, deadline_start, record_error
 
 MB_HDR_BELL = tl.constexpr(0)
 MB_DISP_READY = tl.constexpr(1)
@@ -19,7 +21,17 @@ MB_HDR_READY = tl.constexpr(2)
 MB_COMB_READY = tl.constexpr(3)
 MB_ERR_CODE = tl.constexpr(4)
 MB_ERR_PEER = tl.constexpr(5)
-MB_FIXED = tl.constexpr(8)  # the fixed words; the per-rank arrays follow
+MB_OV_READY = tl.constexpr(8)   # proxy: overflow window w >= 1 landed -> ov_window(e, w)
+MB_OV_DONE = tl.constexpr(9)    # kernel: windows 0..w-1 unpacked -> ov_window(e, w)
+MB_COMB_WIN_DONE = tl.constexpr(10)  # proxy: combine writes of windows 0..w-1 completed -> ov_window(e, w)
+MB_COMB_WIN_BELL = tl.constexpr(11)  # kernel: combine window w >= 1 packed -> ov_window(e, w)
+MB_FIXED = tl.constexpr(12)  # the fixed words; the per-rank arrays follow
+
+
+@triton.jit
+def ov_window(epoch, w):
+    """The value of the overflow window words for window ``w`` of ``epoch`` (grows with both)."""
+    return (epoch.to(tl.int64) << 32) | w
 
 
 @triton.jit
@@ -57,8 +69,34 @@ def arrive_and_ring(count_ptr, mb_ptr, word, epoch):
 
 
 @triton.jit
+def window_count(o_s, OVCAP: tl.constexpr):
+    """Windows of ``OVCAP`` rows the overflow stream of ``sum(o_s)`` rows takes (a region of no
+    rows: one per row; the proxy refused such a batch, its error is recorded)."""
+    OV1: tl.constexpr = OVCAP + (OVCAP == 0)
+    return tl.cdiv(tl.sum(o_s), OV1)
+
+
+@triton.jit
+def wait_window(mb_ptr, word, epoch, w, ovoff, o_s, err_ptr, phase, timeout_ns, spins, OVCAP: tl.constexpr,
+                INTERP: tl.constexpr):
+    """Waits for ``mailbox[word] >= ov_window(epoch, w)`` (its own deadline from now); returns each
+    source's rows ``[lo, hi)`` of window ``w`` of the stream (each source's from ``ovoff``, ``o_s``
+    of them; empty ranges where the wait failed, its error recorded)."""
+    up = wait_value(mb_ptr, word, ov_window(epoch, w), epoch, err_ptr, -1, phase, deadline_start(INTERP), timeout_ns,
+                    spins, INTERP)
+    lo = tl.maximum(ovoff, w * OVCAP)
+    return lo, tl.where(up != 0, tl.minimum(ovoff + o_s, (w + 1) * OVCAP), lo)
+
+
+@triton.jit
 def wait_word(mb_ptr, word, epoch, err_ptr, peer, phase, t0_ns, timeout_ns, spins, INTERP: tl.constexpr):
-    """Waits until ``mailbox[word] >= epoch`` (the proxy's ready word), the proxy records an error,
+    """``wait_value`` for ``mailbox[word] >= epoch``."""
+    return wait_value(mb_ptr, word, epoch, epoch, err_ptr, peer, phase, t0_ns, timeout_ns, spins, INTERP)
+
+
+@triton.jit
+def wait_value(mb_ptr, word, value, epoch, err_ptr, peer, phase, t0_ns, timeout_ns, spins, INTERP: tl.constexpr):
+    """Waits until ``mailbox[word] >= value`` (the proxy's ready word of ``epoch``), the proxy records an error,
     or the deadline; returns 1 when the word is up (then one system-scope acquire: what the proxy
     received is visible to the loads after this), else 0 with the error record written: the
     proxy's error as ``ERR_PROXY`` with its peer (the host raises the proxy's own exception), or
@@ -71,18 +109,18 @@ def wait_word(mb_ptr, word, epoch, err_ptr, peer, phase, t0_ns, timeout_ns, spin
     bad = tl.load(mb_ptr + MB_ERR_CODE, volatile=True)
     if INTERP:
         n = 0
-        while (v < epoch) & (bad == 0) & (n < spins):
+        while (v < value) & (bad == 0) & (n < spins):
             v = tl.load(mb_ptr + word, volatile=True)
             bad = tl.load(mb_ptr + MB_ERR_CODE, volatile=True)
             n += 1
     else:
         late = tl.full([], 0, tl.int32)
-        while (v < epoch) & (bad == 0) & (late == 0):
+        while (v < value) & (bad == 0) & (late == 0):
             v = tl.load(mb_ptr + word, volatile=True)
             bad = tl.load(mb_ptr + MB_ERR_CODE, volatile=True)
             late = ((tl.extra.cuda.globaltimer() - t0_ns) > timeout_ns).to(tl.int32)
     v = tl.atomic_add(mb_ptr + word, 0, sem="acquire", scope="sys")
-    ok = (v >= epoch).to(tl.int32)
+    ok = (v >= value).to(tl.int32)
     if bad != 0:
         record_error(err_ptr, ERR_PROXY, tl.load(mb_ptr + MB_ERR_PEER, volatile=True), phase, epoch, bad)
         ok = ok * 0

@@ -110,7 +110,8 @@ class RemotePath:
         return dict(node, round1_ptr=reg["round1"], overflow_ptr=reg["overflow"], hdr_recv_ptr=reg["hdr_recv"],
                     mb_ptr=self.mailbox,
                     own_ptr=st.own, rpos_ptr=st.rpos, rw_ptr=st.rw, recv_rows_ptr=st.recv_rows,
-                    rtimeout_ns=self.rtimeout_ns, spins=self.spins)
+                    ov_arrive_ptr=st.arrive[2 * self.spec.world + 1:], rtimeout_ns=self.rtimeout_ns,
+                    spins=self.spins)
 
     def dispatch_consts(self, block_t: int) -> dict:
         """The remote constexprs of both dispatch halves (``block_t``: tokens per payload tile)."""
@@ -127,13 +128,15 @@ class RemotePath:
         node = dict(xrows_ptr=st.comb_row, xrecv_ptr=self.regions["comb_recv"])
         if send:
             return dict(node, comb_send_ptr=self.regions["comb_send"], mb_ptr=self.mailbox,
-                        arrive_ptr=st.arrive[R + 1:], rpos_ptr=st.rpos, rw_ptr=st.rw, recv_rows_ptr=st.recv_rows)
+                        arrive_ptr=st.arrive[R + 1:], rpos_ptr=st.rpos, rw_ptr=st.rw, recv_rows_ptr=st.recv_rows,
+                        rtimeout_ns=self.rtimeout_ns, spins=self.spins)
         return dict(node, mb_ptr=self.mailbox, rtimeout_ns=self.rtimeout_ns, spins=self.spins)
 
     def combine_consts(self) -> dict:
         """The remote constexprs of both combine halves."""
         sp = self.spec
         return dict(XROWS=True, XCRB=sp.comb_row_bytes, XMAX=sp.max_send_rows, R=sp.world, BLOCK_R=pow2(sp.world, 2),
+                    PCAP=sp.private_capacity, OVCAP=sp.overflow_capacity,
                     BLOCK_RW=16, BLOCK_RH=max(16, min(pow2(sp.hidden, 2), 512)))
 
     # ------------------------------------------------------------------ host side

@@ -17,6 +17,10 @@ from ..layout import max_chunks
 REGIONS = ("disp_send", "round1", "overflow", "comb_send", "comb_recv", "hdr_send", "hdr_recv")
 ROW_REGIONS = REGIONS[:5]
 PROXY_MEMORY = ("auto", "gpu", "host")  # EPBuffer's proxy_memory: where the row regions go on a GPU
+# EPBuffer's overflow_budget_bytes default: bytes of the overflow region, both parity copies
+# (docs/ARCHITECTURE.md §10 "Round 2 in windows": a window of this size costs one credit round trip
+# more than the wire time of its rows, a few percent at 128 MiB).
+DEFAULT_OVERFLOW_BUDGET = 128 << 20
 
 
 def layout_capacity(layout: str, world: int, max_tokens: int, topk: int, num_local_experts: int,
@@ -55,7 +59,9 @@ class RemoteSpec:
 
     ``rank``/``world`` R/``node_size`` G; ``num_experts`` E (``EL = E / R`` local); ``topk`` K;
     ``hidden`` H (a multiple of 16); ``max_tokens`` M; ``fp8`` (fp8 dispatch, quantized in-kernel);
-    ``private_capacity`` (rows per source in the round-1 slot), ``overflow_capacity``;
+    ``private_capacity`` (rows per source in the round-1 slot), ``overflow_capacity`` (rows of the
+    overflow region: one window of a receiver's overflow stream, which crosses in as many windows
+    as it needs);
     ``max_send_rows`` (rows in the send buffer; default ``M * min(K, R - G)``: a token sends one
     row per destination rank, and its K selections reach at most K remote ranks);
     ``layout`` ``"masked"``/``"packed"``/``"rows"`` and ``expert_alignment`` as in ``EPBuffer``.
@@ -77,16 +83,22 @@ class RemoteSpec:
     masked_capacity: Optional[int] = None  # masked: rows per expert when not R * M (EPBuffer's expert_capacity)
 
     @classmethod
-    def with_defaults(cls, *, private_capacity: Optional[int], overflow_capacity: Optional[int], **kw) -> "RemoteSpec":
+    def with_defaults(cls, *, private_capacity: Optional[int], overflow_capacity: Optional[int],
+                      overflow_budget_bytes: Optional[int] = None, **kw) -> "RemoteSpec":
         """``RemoteSpec(**kw)`` with ``EPBuffer``'s capacities: ``private_capacity`` (None:
-        ``default_private_capacity``) at most M; ``overflow_capacity`` (None: every row that could
-        come in round 2, ``(R - G) * (M - private_capacity)``)."""
+        ``default_private_capacity``) at most M; ``overflow_capacity`` (None: the rows of one
+        window, what ``overflow_budget_bytes`` (None: ``DEFAULT_OVERFLOW_BUDGET``) holds in two
+        parity copies, at least 1, at most every row that could come in round 2, ``(R - G) * (M -
+        private_capacity)``)."""
         M, R = kw["max_tokens"], kw["world"]
         if private_capacity is None:
             private_capacity = default_private_capacity(M, kw["topk"], kw["num_experts"], R)
         private_capacity = min(private_capacity, M)
         if overflow_capacity is None:
-            overflow_capacity = (R - kw["node_size"]) * (M - private_capacity)
+            budget = DEFAULT_OVERFLOW_BUDGET if overflow_budget_bytes is None else overflow_budget_bytes
+            worst = (R - kw["node_size"]) * (M - private_capacity)
+            overflow_capacity = min(worst, max(1, budget // (2 * cls(private_capacity=0, overflow_capacity=0,
+                                                                        **kw).row_bytes)))
         return cls(private_capacity=private_capacity, overflow_capacity=overflow_capacity, **kw)
 
     def __post_init__(self):
@@ -146,8 +158,10 @@ class RemoteSpec:
 
     @property
     def recv_rows(self) -> int:
-        """The most rows one dispatch delivers from remote sources (the combine send buffer's rows)."""
-        return self.n_remote * self.private_capacity + self.overflow_capacity
+        """The most rows one dispatch delivers from remote sources, one per (source, token): ``(R -
+        G) * M`` (the rows of ``rpos`` / ``rw``; the combine send region holds one window's,
+        ``(R - G) * private_capacity + overflow_capacity``)."""
+        return self.n_remote * self.max_tokens
 
     @property
     def expert_capacity(self) -> int:
@@ -161,7 +175,7 @@ class RemoteSpec:
         return {"disp_send": self.max_send_rows * rb,
                 "round1": 2 * R * self.slot_bytes,
                 "overflow": 2 * self.overflow_capacity * rb,
-                "comb_send": self.recv_rows * crb,
+                "comb_send": (self.n_remote * self.private_capacity + self.overflow_capacity) * crb,
                 "comb_recv": 2 * self.max_send_rows * crb,
                 "hdr_send": R * hdr,
                 "hdr_recv": 2 * R * hdr}
@@ -174,7 +188,7 @@ class RemoteSpec:
         """``{name: (shape, dtype)}`` of the ``RemoteState`` tensors for ``programs`` programs a launch."""
         R, EL, K, M, i32 = self.world, self.num_local_experts, self.topk, self.max_tokens, torch.int32
         rows = max(1, self.recv_rows)
-        return {"own": ((EL + 1,), i32), "comb_row": ((M, K), i32), "arrive": ((2 * R + 1,), i32),
+        return {"own": ((EL + 1,), i32), "comb_row": ((M, K), i32), "arrive": ((2 * R + 2,), i32),
                 "sel": ((programs, R, EL), i32), "rows_from": ((programs, R), i32), "rpos": ((rows, K), i32),
                 "rw": ((rows, K), torch.float32), "recv_rows": ((R,), i32)}
 
@@ -197,9 +211,9 @@ class RemoteState:
     selection on itself (the send half's, for the receive half's count matrix: the caller may
     reuse ``topk_idx`` meanwhile); ``comb_row`` [M, K]: row in the combine receive region of each
     token's partial row from a remote owner (at the token's first selection on it), else -1;
-    ``arrive`` [2R + 1]: programs of the current launch done with each peer's dispatch rows (then
-    with the headers, at [R]) and each source's combine rows ([R + 1 + s]), back to 0 after each
-    launch; ``sel`` [P, R, EL] and ``rows_from`` [P, R]: each program's copy of the count matrix
+    ``arrive`` [2R + 2]: programs of the current launch done with each peer's dispatch rows (then
+    with the headers, at [R]), each source's combine rows ([R + 1 + s]) and overflow window 0
+    ([2R + 1]), back to 0 after each launch; ``sel`` [P, R, EL] and ``rows_from`` [P, R]: each program's copy of the count matrix
     and of the rows each source sends this rank; ``rpos`` / ``rw`` (float32) [recv_rows, K]: layout
     row and weight of each received (row, k); ``recv_rows`` [R]: rows received from each remote source.
     """

@@ -48,7 +48,7 @@ class PeerLostError(NativeError):
     """A peer's connection was lost (cut, closed, dead); ``peer`` names it (-1 if unknown)."""
 
 
-ABI_VERSION = 13  # moe_ep_abi_version() of the library this module drives (csrc/proxy/capi.cc)
+ABI_VERSION = 14  # moe_ep_abi_version() of the library this module drives (csrc/proxy/capi.cc)
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 _SRC_DIR = os.path.normpath(os.path.join(_PKG_DIR, "..", "..", "csrc", "proxy"))
 _lib = None
@@ -749,7 +749,7 @@ class FabricTransport(Engine):
 # ---------------------------------------------------------------- Proxy (§10)
 
 # Mailbox word indices (int64 words), mirrored from csrc/proxy/proxy.h (kMb*, mb_*); the kernel
-# side writes the bells, the proxy the ready words and the error record. Eight fixed words, then
+# side writes the bells, the proxy the ready words and the error record. Twelve fixed words, then
 # four arrays of one word per rank (``mailbox_words(world)`` in all): the rows bell of each peer,
 # each source's round-1 and overflow ready words, each source's combine bell.
 MAILBOX = {
@@ -761,8 +761,12 @@ MAILBOX = {
     "err_peer": 5,
     "err_phase": 6,
     "err_epoch": 7,
+    "ov_ready": 8,  # proxy: overflow window w >= 1 of epoch e landed -> ov_window(e, w)
+    "ov_done": 9,   # kernel: windows 0..w-1 of epoch e unpacked -> ov_window(e, w)
+    "comb_win_done": 10,  # proxy: combine writes of windows 0..w-1 of epoch e completed -> ov_window(e, w)
+    "comb_win_bell": 11,  # kernel: combine window w >= 1 of epoch e packed -> ov_window(e, w)
 }
-MAILBOX_WORDS = 8  # the fixed words
+MAILBOX_WORDS = 12  # the fixed words
 MAILBOX_ARRAYS = ("disp_bell", "ready1", "ready2", "comb_bell")  # after them, one word per rank each
 
 
@@ -771,38 +775,47 @@ def mailbox_words(world: int) -> int:
     return MAILBOX_WORDS + len(MAILBOX_ARRAYS) * world
 
 
+def ov_window(epoch: int, window: int) -> int:
+    """The value of the ``ov_ready`` / ``ov_done`` words for ``window`` of ``epoch`` (grows with both)."""
+    return (epoch << 32) | window
+
+
 def mailbox_word(name: str, world: int, rank: int) -> int:
     """Index of the word of ``rank`` in the per-rank array ``name`` (``MAILBOX_ARRAYS``)."""
     return MAILBOX_WORDS + MAILBOX_ARRAYS.index(name) * world + rank
 
 
-# Error codes (mailbox["err_code"]) and phases (immediate bits 31..30, mailbox["err_phase"]).
+# Error codes (mailbox["err_code"]) and phases (immediate bits 31..29, mailbox["err_phase"]).
 PROXY_OK, PROXY_TIMEOUT, PROXY_PEER_LOST, PROXY_CAPACITY, PROXY_INVALID, PROXY_TRANSPORT = 0, 1, 2, 3, 4, 5
-PHASE_D1, PHASE_D2, PHASE_C, PHASE_D0 = 0, 1, 2, 3  # D0: the headers (reported as round 1)
-PHASE_NAMES = {PHASE_D1: "dispatch", PHASE_D2: "dispatch", PHASE_C: "combine", PHASE_D0: "dispatch"}
+# D0: the headers (reported as round 1); CREDIT: a receiver's zero-byte "your part of overflow
+# window w may come" (reported as round 2)
+PHASE_D1, PHASE_D2, PHASE_C, PHASE_D0, PHASE_CREDIT = 0, 1, 2, 3, 4
+PHASE_NAMES = {PHASE_D1: "dispatch", PHASE_D2: "dispatch", PHASE_C: "combine", PHASE_D0: "dispatch",
+               PHASE_CREDIT: "dispatch"}
 # Registration order. The first five hold rows only (GPU memory where the transport can register
 # it); the proxy reads counts from the two header regions, which stay in host memory.
 REGION_NAMES = ("disp_send", "round1", "overflow", "comb_send", "comb_recv", "hdr_send", "hdr_recv")
 HEADER_REGIONS = ("hdr_send", "hdr_recv")
 
 
-# Immediate fields (csrc/proxy/proxy.h make_imm, §10): phase in bits 31..30, the source rank in
-# bits 29..16 (so at most IMM_MAX_RANKS ranks), the epoch mod 2^16 in bits 15..0.
-IMM_SRC_SHIFT, IMM_SRC_BITS = 16, 14
+# Immediate fields (csrc/proxy/proxy.h make_imm, §10): phase in bits 31..29, the source rank in
+# bits 28..16 (so at most IMM_MAX_RANKS ranks), the epoch mod 2^16 in bits 15..0.
+IMM_SRC_SHIFT, IMM_SRC_BITS = 16, 13
+IMM_PHASE_SHIFT = IMM_SRC_SHIFT + IMM_SRC_BITS
 IMM_MAX_RANKS = 1 << IMM_SRC_BITS
 
 
 def make_imm(phase: int, epoch: int, src: int = 0) -> int:
     """The 32-bit immediate a write of (phase, epoch) from rank ``src`` carries: phase in bits
-    31..30, ``src`` in bits 29..16, epoch mod 2^16 in bits 15..0."""
-    return (phase << 30) | ((src & (IMM_MAX_RANKS - 1)) << IMM_SRC_SHIFT) | (epoch & ((1 << IMM_SRC_SHIFT) - 1))
+    31..29, ``src`` in bits 28..16, epoch mod 2^16 in bits 15..0."""
+    return (phase << IMM_PHASE_SHIFT) | ((src & (IMM_MAX_RANKS - 1)) << IMM_SRC_SHIFT) | (epoch & ((1 << IMM_SRC_SHIFT) - 1))
 
 
 def native_mailbox_layout(world: int) -> dict[str, int]:
     """The word indices as the native library defines them for ``world`` ranks: the fixed words,
     ``"n_fixed"``, the first word of each per-rank array, and ``"n_words"``."""
-    out = (ctypes.c_int64 * 16)()
-    n = lib().moe_ep_proxy_mailbox_layout(world, out, 16)
+    out = (ctypes.c_int64 * 32)()
+    n = lib().moe_ep_proxy_mailbox_layout(world, out, 32)
     return dict(zip([*MAILBOX, "n_fixed", *MAILBOX_ARRAYS, "n_words"], out[:n]))
 
 
@@ -835,7 +848,7 @@ class TraceEvent(ctypes.Structure):
 
 # TraceEvent kinds (csrc/proxy/proxy.h kTr*), by value.
 TRACE_KINDS = ("hdr_bell", "rows_bell", "post_d0", "post_d1", "post_d2", "got_d0", "got_d1", "got_d2", "hdr_ready",
-               "disp_ready", "comb_bell", "post_c", "got_c", "comb_ready")
+               "disp_ready", "comb_bell", "post_c", "got_c", "comb_ready", "post_credit", "got_credit", "ov_ready")
 
 
 def proxy_region_bytes(world_size: int, *, node_size: int, num_local_experts: int, row_bytes: int,
@@ -1067,11 +1080,19 @@ class Proxy(_Closable):
         the error record's exception as soon as there is one, CommTimeoutError at the deadline."""
         import time
 
-        w = MAILBOX["disp_ready" if phase == "dispatch" else "comb_ready"]
+        self.wait_word(MAILBOX["disp_ready" if phase == "dispatch" else "comb_ready"], epoch, timeout_s,
+                       phase=phase, epoch=epoch)
+
+    def wait_word(self, word: int, value: int, timeout_s: float, *, phase: str = "dispatch", epoch: int = 0) -> None:
+        """Kernel stand-in: polls mailbox ``word`` until it reaches ``value`` (a ready word, or an
+        overflow window's ``ov_window(epoch, w)``); the error record's exception as soon as there
+        is one, CommTimeoutError (``phase``, ``epoch``) at the deadline."""
+        import time
+
         deadline = time.monotonic() + timeout_s
         while True:
             self.check_error()
-            if self.mailbox[w] >= epoch:
+            if self.mailbox[word] >= value:
                 return
             if time.monotonic() >= deadline:
                 raise CommTimeoutError(self.rank, -1, phase, epoch, timeout_s)
