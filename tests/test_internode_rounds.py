@@ -37,28 +37,46 @@ def _windows(trace) -> dict:
     return out
 
 
-def _worker(rank, world_size, node_size, private_capacity, overflow_capacity, cases):
+def _worker(rank, world_size, node_size, private_capacity, overflow_capacity, cases, gpu=False):
     import moe_ep
+    import torch
 
-    group = moe_ep.EPGroup(node_size=node_size)
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if gpu else None
+    group = moe_ep.EPGroup(node_size=node_size, device=device)
     fails, most = [], 0
     for c in cases:
         with moe_ep.EPBuffer(group, c.E, c.H, c.M, c.K, dispatch_dtype=DTYPES[c.dtype], layout=c.layout,
                              expert_alignment=c.align, timeout_s=30.0, private_capacity=private_capacity,
                              overflow_capacity=overflow_capacity) as buf:
             assert buf.remote is not None and buf.remote.spec.overflow_capacity == overflow_capacity
+            if gpu and not buf.remote.gpu:
+                return [f"rank {rank}: did not take the GPU inter-node path"], 0
             fails += run_calls(group, buf, c)
             most = max([most, *_windows(buf.remote.proxy.trace()).values()])
     return fails, most
 
 
-@pytest.mark.parametrize("topo", list(TOPOLOGIES))
-def test_rounds_equal_the_oracle(topo):
-    R, G, pc, ov = TOPOLOGIES[topo]
-    out = dist_util.run(R, _worker, G, pc, ov, _cases(R, list(TOPOLOGIES).index(topo)), timeout=600)
+def _check(R: int, out) -> None:
     fails = [f for r in out for f in r[0]]
     assert not fails, f"{len(fails)} failed checks:\n" + "\n".join(fails[:30])
     # all-to-one: the last rank takes every remote token, in windows of `ov` rows (the first
     # window and at least 2 more)
     assert out[R - 1][1] >= 2, [r[1] for r in out]
 
+
+@pytest.mark.parametrize("topo", list(TOPOLOGIES))
+def test_rounds_equal_the_oracle(topo):
+    R, G, pc, ov = TOPOLOGIES[topo]
+    _check(R, dist_util.run(R, _worker, G, pc, ov, _cases(R, list(TOPOLOGIES).index(topo)), timeout=600))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("topo", list(TOPOLOGIES))
+def test_rounds_equal_the_oracle_gpu(topo):
+    """The same on GPU ranks (sharing the GPUs there are; the proxy over TCP loopback): the windows'
+    mailbox words in pinned memory, the receive kernel's later windows with every program resident."""
+    if dist_util.cuda_device_count() < 1:
+        pytest.skip("needs a CUDA GPU")
+    R, G, pc, ov = TOPOLOGIES[topo]
+    _check(R, dist_util.run(R, _worker, G, pc, ov, _cases(R, list(TOPOLOGIES).index(topo)), True, timeout=900,
+                            backend="gloo-cuda"))
