@@ -62,7 +62,7 @@ def _tokens(rank: int, length: int = 0) -> torch.Tensor:
 
 
 def _close(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float) -> list:
-    got, want = got.detach().float(), want.detach().float()
+    got, want = got.detach().float().cpu(), want.detach().float().cpu()
     if got.shape != want.shape:
         return [f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"]
     if want.numel() == 0:
@@ -387,10 +387,14 @@ def ep_graph_worker(rank: int, R: int, root: str, family: str) -> list:
 @pytest.mark.gpu
 @pytest.mark.parametrize("R", [2, 4])
 def test_families_gpu(checkpoints, R):
-    """bf16 on GPU ranks: every family against the one-process model and all_to_all, generate on all."""
+    """bf16 on GPU ranks: every family against the one-process model and all_to_all, generate on all.
+    Ranks sharing a GPU (gloo on CUDA tensors) compare logits and generation, not gradients: the
+    gradients' gather (``DTensor.full_tensor()``, torch's functional all_gather) dies there of a
+    segmentation fault (torch 2.11, one H100); CPU ranks and a GPU per rank compare them."""
     dist_util.need_gpu()
-    res = dist_util.run(R, ep_models_worker, checkpoints, EP_FAMILIES, generate=EP_FAMILIES, gpu=True,
-                        backend=dist_util.gpu_backend(R))
+    backend = dist_util.gpu_backend(R)
+    res = dist_util.run(R, ep_models_worker, checkpoints, EP_FAMILIES, grads=backend != "gloo-cuda",
+                        generate=EP_FAMILIES, gpu=True, backend=backend)
     fails = [f for r in res for f in r["fails"]]
     assert not fails, "\n".join(fails[:40])
 
