@@ -80,3 +80,75 @@ def test_rounds_equal_the_oracle_gpu(topo):
     R, G, pc, ov = TOPOLOGIES[topo]
     _check(R, dist_util.run(R, _worker, G, pc, ov, _cases(R, list(TOPOLOGIES).index(topo)), True, timeout=900,
                             backend="gloo-cuda"))
+
+
+def _killed_in_window_worker(rank, world_size, victim, timeout_s):
+    """Every token of every rank to ``victim``'s experts, through an overflow region of 2 rows (12
+    windows a dispatch at R = 4 x 1, 8 tokens a rank): one good dispatch + combine, then the victim
+    SIGKILLs its own process during the next dispatch, once its proxy has taken window 3 (a watcher
+    thread reading the proxy's trace); the others report their error."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import torch
+
+    import moe_ep
+    from test_internode import _error_fields
+
+    group = moe_ep.EPGroup(node_size=1)
+    M, H = 8, 128
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(M, H, generator=g).to(torch.bfloat16)
+    idx = torch.tensor([[2 * victim, 2 * victim + 1]] * M)
+    w = torch.rand(M, 2, generator=g)
+    want = (x.float() * w.sum(1, keepdim=True)).to(torch.bfloat16)  # identity experts
+    res = {"rank": rank, "good": 0, "windows": 0}
+    buf = moe_ep.EPBuffer(group, 2 * world_size, H, M, 2, timeout_s=timeout_s, private_capacity=0,
+                          overflow_capacity=2)
+    t0 = time.monotonic()
+    try:
+        for call in range(2):
+            if rank == victim and call == 1:
+                epoch = max((e for _, _, _, e in buf.remote.proxy.trace()), default=0) + 1
+
+                def watch():
+                    while True:
+                        if _windows(buf.remote.proxy.trace()).get(epoch, 0) >= 3:
+                            os.kill(os.getpid(), signal.SIGKILL)
+                        time.sleep(0.002)
+                threading.Thread(target=watch, daemon=True).start()
+            t0 = time.monotonic()
+            h = buf.dispatch(x, idx, w)
+            if rank == victim:
+                res["windows"] = max(_windows(buf.remote.proxy.trace()).values(), default=0)
+            t0 = time.monotonic()
+            out = buf.combine(h.expert_x, h)
+            torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2)
+            res["good"] += 1
+        res["error"] = None
+    except Exception as exc:  # noqa: BLE001
+        res["error"] = _error_fields(exc, t0)
+    buf.close()
+    return res
+
+
+def test_rank_killed_in_a_later_window():
+    """The receiver of every overflow row is killed once window 3 of a dispatch's 12 has landed
+    (windows 0-3 carry rank 0's rows, 4-7 rank 2's, 8-11 rank 3's): ranks 2 and 3, waiting for its
+    credit of a later window, raise PeerLostError or CommTimeoutError naming it and the dispatch
+    within the deadline (rank 0, whose rows all went, in the dispatch or the combine that follows);
+    nobody hangs."""
+    R, victim, timeout_s = 4, 1, 6.0
+    got = dist_util.run_with_victim(R, victim, _killed_in_window_worker, victim, timeout_s, timeout=90)
+    assert sorted(got) == [r for r in range(R) if r != victim]
+    for r, res in got.items():
+        err = res["error"]
+        assert res["good"] == 1 and err is not None and "other" not in err, res
+        assert err["type"] in ("PeerLostError", "CommTimeoutError"), res
+        assert (err["rank"], err["peer"]) == (r, victim), res
+        # (a loaded machine may let the watcher see window 3 late, so only the last source's rows
+        # are sure to be waiting then)
+        assert err["phase"] in (("dispatch",) if r == R - 1 else ("dispatch", "combine")), res
+        assert err["elapsed"] < timeout_s + 3.0, res
