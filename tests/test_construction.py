@@ -17,7 +17,10 @@ BASE = dict(num_experts=4, hidden=128, max_tokens=4, topk=2)
 # (argument, rank 0's value, rank 1's value): each must be refused when the ranks differ
 DIFFERING = [("hidden", 128, 256), ("topk", 2, 1), ("dispatch_dtype", torch.bfloat16, torch.float8_e4m3fn),
              ("max_tokens", 4, 8), ("num_experts", 4, 8), ("layout", "masked", "packed"),
-             ("expert_alignment", 1, 16), ("num_programs", 2, 3), ("expert_capacity", 3, 4)]
+             ("expert_alignment", 1, 16), ("num_programs", 2, 3), ("expert_capacity", 3, 4),
+             ("max_recv_rows", 8, "worst"), ("overflow_budget_bytes", 1 << 20, 1 << 21)]
+# arguments that exist only with another layout than BASE's
+LAYOUT_OF = {"max_recv_rows": "packed"}
 
 
 def _outcome(fn):
@@ -55,6 +58,7 @@ def _differing_worker(rank, world_size, differing):
     res = []
     for name, v0, v1 in differing:
         kw = dict(BASE, timeout_s=60, **{name: (v0, v1)[rank]})
+        kw.setdefault("layout", LAYOUT_OF.get(name, "masked"))
         res.append((name, *_outcome(lambda: moe_ep.EPBuffer(group, **kw).close())))
     return res, _round_trip(group)
 
