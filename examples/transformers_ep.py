@@ -114,10 +114,10 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args()
 
+    from moe_ep.group import init_distributed  # NCCL with a GPU per rank, gloo where ranks share one
+
     cuda = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo")
+    init_distributed("auto" if cuda else "cpu")
     import moe_ep.integrations.transformers  # noqa: F401  registers ep_implementation="moe_ep"
 
     rank, R = dist.get_rank(), dist.get_world_size()

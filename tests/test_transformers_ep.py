@@ -71,6 +71,27 @@ def _close(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float) -> lis
     return [] if err <= rtol * max(scale, 1e-6) else [f"{name}: max error {err:.3g} > {rtol} x {scale:.3g}"]
 
 
+def _greedy_agrees(name: str, ref, new: torch.Tensor, ref_new: torch.Tensor, rtol: float) -> list:
+    """Greedy tokens ``new`` against the oracle's ``ref_new`` (``[B, T]``, same prompt): equal, or,
+    in bf16 (``rtol`` > 0), first differing where the oracle itself scores both tokens within ``rtol``
+    of its largest logit (a near tie that bf16 rounding may break either way); after that token the
+    sequences are not comparable. With ``rtol`` 0 only exact equality passes."""
+    if new.shape != ref_new.shape:
+        return [f"{name}: shape {tuple(new.shape)} != oracle {tuple(ref_new.shape)}"]
+    for b in range(new.shape[0]):
+        diff = (new[b] != ref_new[b]).nonzero()
+        if diff.numel() == 0:
+            continue
+        p = int(diff[0])
+        with torch.no_grad():
+            logits = ref(ref_new[b:b + 1, :p]).logits[0, -1].float()
+        gap = (logits[ref_new[b, p]] - logits[new[b, p]]).item()
+        if gap > rtol * logits.abs().max().item():
+            return [f"{name}: {new[:, -3:].tolist()} != oracle {ref_new[:, -3:].tolist()} (row {b}, position "
+                    f"{p}: the oracle's logit gap {gap:.3g} is no near tie)"]
+    return []
+
+
 def _load(path: str, impl: str, R: int, dtype: torch.dtype = torch.float32, tp: int = 1, ep: int = 0):
     """The checkpoint on R ranks: ``tp_size=tp``, ``ep_size=ep`` (default R), ``fsdp_size=R // tp``."""
     from transformers import AutoModelForCausalLM
@@ -143,8 +164,7 @@ def ep_models_worker(rank: int, R: int, root: str, families, grads: bool = True,
             if fam in generate:
                 new = model.generate(ids, max_new_tokens=3, do_sample=False)
                 ref_new = ref.generate(ids, max_new_tokens=3, do_sample=False)
-                if not torch.equal(new, ref_new):
-                    fails.append(f"{tag} generate: {new[:, -3:].tolist()} != oracle {ref_new[:, -3:].tolist()}")
+                fails += _greedy_agrees(f"{tag} generate", ref, new, ref_new, lt if gpu else 0.0)
             del model
         if grads:  # moe_ep against transformers' own all_to_all, gradient by gradient
             for n, g in got_grads["moe_ep"].items():
