@@ -70,7 +70,7 @@ VARIABLES = (
     Variable("MOE_EP_SYSFS_ROOT", "a directory", "/sys", "where NIC selection and the doctor read sysfs"),
     # libfabric
     Variable("MOE_EP_FI_PROVIDER", "a libfabric provider ('tcp', 'tcp;ofi_rxm', 'efa', ...)",
-             "FI_PROVIDER, else efa where it fits, else libfabric's first", "libfabric: the provider", native=True),
+             "FI_PROVIDER, else efa where it fits, else libfabric's first that reaches other hosts (never shm)", "libfabric: the provider", native=True),
     Variable("FI_PROVIDER", "a libfabric provider", "none", "libfabric's own variable: the provider when "
              "MOE_EP_FI_PROVIDER is unset", native=True),
     Variable("MOE_EP_FI_DOMAIN", "a domain, or a list 'a,b' (endpoint i on the i % n-th)",

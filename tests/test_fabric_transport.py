@@ -176,6 +176,21 @@ def test_creation_errors_name_what_is_missing():
     assert lo and all(e["ep_type"] == "FI_EP_RDM" and e["rma"] and e["cq_data_size"] >= 4 and e["usable"] for e in lo)
 
 
+def test_default_provider_reaches_other_hosts(monkeypatch):
+    """With no provider named, the default is never a shared-memory provider: shm offers FI_HMEM
+    (Debian's libfabric 1.17 lists it first with that cap, here and on the GPU machine), and was the
+    default for that reason, though it connects nothing beyond its host. Named, it still opens."""
+    for var in ("MOE_EP_FI_PROVIDER", "FI_PROVIDER", "MOE_EP_FI_DOMAIN"):
+        monkeypatch.delenv(var, raising=False)
+    hmem = [e["provider"] for e in N.fabric_providers().get("entries", []) if e["hmem"] and e["usable"]]
+    ok, what = N.fabric_probe()
+    if not ok:
+        pytest.skip(f"no usable libfabric provider: {what}")
+    assert not what.startswith(("provider shm", "provider sm2")), what
+    if "shm" in hmem:  # the case that picked shm before
+        assert N.fabric_probe("shm")[1].startswith("provider shm")
+
+
 # ---------------------------------------------------------------- engines in this process
 
 @pytest.mark.parametrize("force", [False, True], ids=["own-mr-mode", "forced-mr-mode"])

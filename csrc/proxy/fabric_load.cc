@@ -114,6 +114,13 @@ static bool fits(const info* i) {
   return i->ep->type == EP_RDM && (i->caps & RMA) && (i->caps & MSG) && i->domain->cq_data_size >= 4;
 }
 
+// Providers that reach only this host (shared memory): never the default of a transport between
+// nodes, which would connect nowhere; a caller may still name one (tests on one host do).
+static bool host_only(const info* i) {
+  const std::string p = i->fabric->prov_name ? i->fabric->prov_name : "";
+  return p.rfind("shm", 0) == 0 || p.rfind("sm2", 0) == 0;
+}
+
 static bool on_domain(const info* i, const std::string& domain) {
   return domain.empty() || (i->domain->name && domain == i->domain->name);
 }
@@ -157,7 +164,8 @@ static std::string describe_misfits(const Api& api, uint32_t ver, const std::str
 info* choose_info(const Api& api, const std::string& provider, const std::string& domain, std::string* why) {
   const uint32_t ver = api_version(api, why);
   if (!ver) return nullptr;
-  // "": efa first (the fabric this transport is for), then whatever libfabric ranks first.
+  // "": efa first (the fabric this transport is for), then whatever libfabric ranks first that
+  // reaches other hosts (with HMEM before without).
   const std::string tries[2] = {provider.empty() ? "efa" : provider, ""};
   for (int t = 0; t < (provider.empty() ? 2 : 1); ++t) {
     for (bool hmem : {true, false}) {
@@ -172,7 +180,7 @@ info* choose_info(const Api& api, const std::string& provider, const std::string
       if (rc != 0 || !list) continue;
       // Move the first fitting entry to the front (the rest stay for the caller to free).
       for (info* i = list; i; i = i->next)
-        if (fits(i) && on_domain(i, domain)) {
+        if (fits(i) && on_domain(i, domain) && !(provider.empty() && host_only(i))) {
           if (i != list) {
             info* dup = api.dupinfo(i);
             api.freeinfo(list);

@@ -711,7 +711,8 @@ class FabricTransport(Engine):
     progresses tcp and udp).
 
     ``provider``: ``"efa"``, ``"tcp;ofi_rxm"``, ``"udp;ofi_rxd"``, ``"shm"``, ...; default
-    ``MOE_EP_FI_PROVIDER``, else ``FI_PROVIDER``, else efa where it fits, else libfabric's first.
+    ``MOE_EP_FI_PROVIDER``, else ``FI_PROVIDER``, else efa where it fits, else libfabric's first
+    that reaches other hosts (never shm, which reaches one host only).
     ``domain``: the fi_info domain (interface) name, e.g. ``"lo"`` or ``"rdmap16s27-rdm"`` (the
     efa provider names a domain after its EFA device: ``nic.efa_domain``), or several
     (``"a,b"`` or a list: endpoint i opens domain ``i % n``, e.g. one per EFA device near the
