@@ -36,9 +36,11 @@ def load(path: str, impl: str, R: int, dtype: torch.dtype):
 
 
 class HostReads(torch.overrides.TorchFunctionMode):
-    """Counts the calls that read a tensor's values on the host (on a GPU, a device sync when the
-    tensor is on the device). Not counted: reads inside moe_ep's kernel launches (under the CPU
-    interpreter its kernels and their waits run on the host; on a GPU they read nothing back)."""
+    """Counts the calls that read a tensor's values on the host: ``syncs``, those of a tensor on a
+    GPU (each waits for the device), and ``host``, those of a host tensor (e.g. moe_ep's token-count
+    agreement, a gloo all_gather of one int per rank: no device wait). Not counted: reads inside
+    moe_ep's kernel launches (under the CPU interpreter its kernels and their waits run on the host;
+    on a GPU they read nothing back)."""
 
     NAMES = {"tolist", "item", "__int__", "__float__", "__bool__", "nonzero", "cpu", "numpy"}
     LAUNCH = tuple(f"moe_ep{os.sep}{m}" for m in ("dispatch.py", "combine.py", "host_wait.py", "calls.py", "replay.py",
@@ -46,13 +48,15 @@ class HostReads(torch.overrides.TorchFunctionMode):
 
     def __init__(self):
         super().__init__()
-        self.count = 0
+        self.syncs = self.host = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if getattr(func, "__name__", "") in self.NAMES:
             frames = [f.filename for f in traceback.extract_stack()[:-1]]
             if not any(any(m in f for m in self.LAUNCH) for f in frames):
-                self.count += 1
+                on_gpu = any(isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in args)
+                self.syncs += on_gpu
+                self.host += not on_gpu
         return func(*args, **(kwargs or {}))
 
 
@@ -94,13 +98,13 @@ def time_impls(path: str, R: int, rank: int, dtype: torch.dtype, tokens: int, it
                 experts(x, idx, w)
             layer_s = _timed(lambda: experts(x, idx, w), iters)
             model_s = _timed(lambda: model(ids_d), iters)
-        res[impl] = (layer_s, model_s, reads.count)
+        res[impl] = (layer_s, model_s, reads.syncs, reads.host)
         del model
     if rank == 0:
         print(f"{R} ranks, {tokens} tokens per rank, {dtype}, median of {iters} (slowest rank):")
-        for impl, (layer_s, model_s, reads) in res.items():
+        for impl, (layer_s, model_s, syncs, host) in res.items():
             print(f"  {impl:10s} one MoE layer {layer_s * 1e3:8.2f} ms   model forward {model_s * 1e3:8.2f} ms   "
-                  f"host reads per layer call {reads}")
+                  f"per layer call: device syncs {syncs}, host-tensor reads {host}")
 
 
 def main() -> None:
