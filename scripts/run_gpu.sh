@@ -14,6 +14,7 @@
 #   TESTS=none COPY_FLOOR=1 CONFIGS="prefill fp8 packed 132" bash scripts/run_gpu.sh   # benchmarks only
 #   PROFILE="1 2 4" bash scripts/run_gpu.sh   # also: host time per call (moe_ep.bench.profile_ops, decode) at R=1, 2, 4
 #   PROFILE="2 4" PROFILE_MPS=1 bash scripts/run_gpu.sh   # the same with the ranks' processes under MPS
+#                                    # (PROFILE_NODES runs too, when given with PROFILE_MPS=1)
 #   PROFILE_NODES="2x1 2x2" bash scripts/run_gpu.sh   # the same across nodes: 2 nodes of 1 and of 2 ranks
 #                                    # (MOE_EP_NODE_SIZE; the proxy over TCP loopback; ranks share the GPUs)
 #   NODES_BENCH="2x1" bash scripts/run_gpu.sh   # the decode pair (graph and eager) across 2 nodes of 1
@@ -140,7 +141,7 @@ mps_stop() {
     unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 }
 pmps=""
-if [ -n "$PROFILE" ] && [ "$PROFILE_MPS" = 1 ]; then
+if [ -n "$PROFILE$PROFILE_NODES" ] && [ "$PROFILE_MPS" = 1 ]; then
     if command -v nvidia-cuda-mps-control >/dev/null; then mps_start; pmps=" (MPS)"; else profiles+=("MPS: no nvidia-cuda-mps-control"); fi
 fi
 for r in $PROFILE; do
@@ -153,18 +154,18 @@ for r in $PROFILE; do
         tail -n 20 "$RESULTS/profile_r$r.log"; profile_rc=1; profiles+=("R=$r$pmps: FAILED")
     fi
 done
-if [ -n "$pmps" ]; then mps_stop; fi
 for nn in $PROFILE_NODES; do
     nodes=${nn%x*}; size=${nn#*x}; r=$(( nodes * size ))
     step "MOE_EP_NODE_SIZE=$size torchrun --nproc-per-node=$r -m moe_ep.bench.profile_ops --preset decode"
     if MOE_EP_NODE_SIZE=$size "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node="$r" \
             -m moe_ep.bench.profile_ops --preset decode >"$RESULTS/profile_nodes_$nn.log" 2>&1; then
         grep -E "^== profile_ops|host to issue|host per|device time|    " "$RESULTS/profile_nodes_$nn.log" | head -30 || true
-        profiles+=("$nn across nodes: $(grep -m1 'host to issue' "$RESULTS/profile_nodes_$nn.log")")
+        profiles+=("$nn across nodes$pmps: $(grep -m1 'host to issue' "$RESULTS/profile_nodes_$nn.log")")
     else
-        tail -n 20 "$RESULTS/profile_nodes_$nn.log"; profile_rc=1; profiles+=("$nn across nodes: FAILED")
+        tail -n 20 "$RESULTS/profile_nodes_$nn.log"; profile_rc=1; profiles+=("$nn across nodes$pmps: FAILED")
     fi
 done
+if [ -n "$pmps" ]; then mps_stop; fi
 
 shared_rc=0
 shared_runs=()
