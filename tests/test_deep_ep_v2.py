@@ -68,19 +68,38 @@ def _combined_oracle(x, idx, R: int, EL: int, expand: bool) -> torch.Tensor:
     return exp32
 
 
-def _elastic_worker(rank, R):
+def _elastic_worker(rank, R, node_size=None, hybrid=True):
+    """Every dispatch mode and its combine against the oracle; ``node_size`` < R: nodes of that many
+    ranks, the other nodes through the proxy; ``hybrid``: ``allow_hybrid_mode`` (False: DeepEP's
+    direct mode, one scale-up domain of every rank)."""
+    import os
+
     import torch.distributed as dist
 
     import moe_ep.deep_ep as deep_ep
     from moe_ep.reference import gather_inputs
 
     E, EL = 2 * R, 2
-    buf = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=M, hidden=H, num_topk=K,
-                                explicitly_destroy=True, num_gpu_timeout_secs=60)
+    if node_size is not None:
+        os.environ["MOE_EP_NODE_SIZE"] = str(node_size)
+    try:
+        buf = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=M, hidden=H, num_topk=K,
+                                    explicitly_destroy=True, num_gpu_timeout_secs=60, allow_hybrid_mode=hybrid)
+    finally:
+        os.environ.pop("MOE_EP_NODE_SIZE", None)
+    nodes = R // (node_size or R)
+    G = R // nodes if hybrid else R  # ranks per scale-up domain
     fails = []
+    if buf.get_logical_domain_size() != (R // G, G) or buf.get_physical_domain_size() != (nodes, R // nodes) or \
+            (buf.scaleout_rank_idx, buf.scaleup_rank_idx) != (rank // G, rank % G):
+        fails.append(f"[R{R} rank {rank}] domains {buf.get_logical_domain_size()} {buf.get_physical_domain_size()}, "
+                     f"indices {(buf.scaleout_rank_idx, buf.scaleup_rank_idx)} ({nodes} nodes, hybrid={hybrid})")
+    qps = [buf.get_theoretical_num_qps(n) for n in (1, 4, 20)]
+    if qps != ([17, 65, 65] if hybrid else [1, 4, 9]):  # DeepEP's rule, capped by num_allocated_qps
+        fails.append(f"[R{R} rank {rank}] get_theoretical_num_qps {qps} (hybrid={hybrid})")
     for call, (expand, sync, align, fp8) in enumerate([(False, True, 1, True), (True, True, 4, False),
                                                       (False, False, 1, True), (True, False, 2, False)]):
-        where = f"[R{R} rank {rank} call {call} expand={expand} sync={sync}]"
+        where = f"[R{R} G{G} rank {rank} call {call} expand={expand} sync={sync}]"
         x, idx, w = _inputs(rank, R, call)
         g = gather_inputs(buf.ep_group, x, idx, w)
         ox, oi, ow, osrc = _oracle_rows(g.x, g.topk_idx, g.topk_weights, rank, EL)
@@ -101,7 +120,8 @@ def _elastic_worker(rank, R):
         counts = [int(((oi == e)).sum()) for e in range(EL)]
         if stats.tolist() != counts:
             fails.append(f"{where} stats {stats.tolist()} != {counts}")
-        psum_s = torch.tensor([sum(1 for s in osrc if (s // M) % R == i) for i in range(R)]).cumsum(0).tolist()
+        # received rows per source scale-up index (DeepEP's hybrid mode forwards them through that peer)
+        psum_s = torch.tensor([sum(1 for s in osrc if (s // M) % G == i) for i in range(G)]).cumsum(0).tolist()
         if h.psum_num_recv_tokens_per_scaleup_rank.tolist() != psum_s:
             fails.append(f"{where} psum per scale-up rank {h.psum_num_recv_tokens_per_scaleup_rank.tolist()} "
                          f"!= {psum_s}")
@@ -161,6 +181,10 @@ def _elastic_worker(rank, R):
     slots = [s.epbuf for v in buf._v1._rows.values() for s in v]
     if len({id(s) for s in slots}) != len(buf._v1._rows) or len(slots) > 2:  # bf16 and fp8: one buffer each
         fails.append(f"[R{R} rank {rank}] {len(slots)} rows buffers for {len(buf._v1._rows)} shapes")
+    # num_bytes: the bf16 rows buffer the dispatches made (across nodes with the proxy's regions)
+    live = [s.epbuf.memory().total_bytes for k, v in buf._v1._rows.items() if k[3] == torch.bfloat16 for s in v]
+    if [-(-b // (2 << 20)) * (2 << 20) for b in live] != [buf.num_bytes]:
+        fails.append(f"[R{R} rank {rank}] num_bytes {buf.num_bytes} != the rows buffer's {live} (2 MiB-aligned)")
     buf.destroy()
     return fails
 
@@ -183,6 +207,16 @@ def _no_host_reads():
 @pytest.mark.parametrize("R", [1, 2, 3])
 def test_elastic_buffer(R):
     fails = [f for r in dist_util.run(R, _elastic_worker) for f in r]
+    assert not fails, "\n".join(fails[:20])
+
+
+@pytest.mark.parametrize("R,node_size,hybrid", [(2, 1, False), (4, 2, True)], ids=["2x1-direct", "2x2-hybrid"])
+def test_elastic_buffer_across_nodes(R, node_size, hybrid):
+    """Two nodes of one and of two ranks: rows and expanded dispatches (zero-token ranks, duplicate
+    expert ids) and their combines through moe_ep's proxy; the handle's scale-up prefix sums per
+    source index in its scale-up domain (hybrid: the node; direct: every rank), the domains, the QP
+    rule and num_bytes (the proxy's regions included)."""
+    fails = [f for r in dist_util.run(R, _elastic_worker, node_size, hybrid, timeout=600) for f in r]
     assert not fails, "\n".join(fails[:20])
 
 

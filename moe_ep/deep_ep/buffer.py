@@ -34,6 +34,12 @@ _MIN_ROWS_TOKENS = 64  # the smallest max_tokens of a normal-mode buffer (so a f
 MAX_WAITING = 4
 
 
+def rows_buffer_tokens(tokens: int) -> int:
+    """``max_tokens`` of the rows buffer made for calls of up to ``tokens`` tokens per rank (the next
+    power of two, at least ``_MIN_ROWS_TOKENS``)."""
+    return max(_MIN_ROWS_TOKENS, pow2(tokens))
+
+
 def _refuse(name: str, value, why: str) -> None:
     raise NotImplementedError(f"{name}={value!r}: not implemented by moe_ep.deep_ep ({why})")
 
@@ -435,8 +441,7 @@ class Buffer:
         if waiting >= MAX_WAITING:
             raise ValueError(f"dispatch: {waiting} normal-mode dispatches of this shape are waiting for their combine "
                              f"(moe_ep keeps one buffer for each, at most MAX_WAITING={MAX_WAITING}); combine one first")
-        slots.append(_normal.RowsSlot(self._epbuffer(num_experts, hidden, max(_MIN_ROWS_TOKENS, pow2(tokens)), K,
-                                                     dtype, "rows")))
+        slots.append(_normal.RowsSlot(self._epbuffer(num_experts, hidden, rows_buffer_tokens(tokens), K, dtype, "rows")))
         return slots[-1]
 
     def _epbuffer(self, num_experts: int, hidden: int, M: int, K: int, dtype: torch.dtype, layout: str,
