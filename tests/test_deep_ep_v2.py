@@ -292,6 +292,158 @@ def test_elastic_buffer_cuda_graph_gpu(R):
     assert not fails, "\n".join(fails[:20])
 
 
+# ---------------------------------------------------------------------------- streams and events
+def _streams_worker(rank, R):
+    """DeepEP's stream contract on ``ElasticBuffer`` (and V1's ``async_finish`` through the same
+    path), observed by order, not by time: a slow kernel (``torch.cuda._sleep``) holds one stream
+    while the other is checked. On CPU ranks the same calls run and their results are checked
+    (events are complete there, nothing sleeps).
+
+    1. ``previous_event`` recorded on a side stream after it writes x: the dispatch reads the new x;
+       without it (control) the dispatch runs before the side stream and reads the old x.
+    2. ``previous_event`` recorded before the caller queues more work: the call does not wait for
+       that work (its event completes while the caller's stream still sleeps), and its own copies
+       of the inputs (``topk_idx``) come after its wait, not on the caller's stream.
+    3. ``async_with_compute_stream`` / ``async_finish``: the caller's stream does not wait (the event
+       is not complete while the communication stream sleeps); after ``current_stream_wait()`` the
+       output is right, even though the caller freed its inputs and reused their memory meanwhile.
+    4. Outputs are recorded on the caller's stream: freed while the caller's stream still reads them,
+       their memory is not handed to the next call's allocations on the communication stream.
+    """
+    import torch.distributed as dist
+
+    import moe_ep.deep_ep as deep_ep
+    from moe_ep.deep_ep.routing import dispatch_layout
+    from moe_ep.deep_ep.utils import EventHandle, EventOverlap
+
+    E, EL = 2 * R, 2
+    buf = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=M, hidden=H, num_topk=K,
+                                explicitly_destroy=True, num_gpu_timeout_secs=60)
+    dev = buf.device
+    gpu = dev.type == "cuda"
+    v1 = deep_ep.Buffer(dist.group.WORLD, explicitly_destroy=True)
+    cur = torch.cuda.current_stream() if gpu else None
+    side = torch.cuda.Stream() if gpu else None
+    fails = []
+
+    def busy(stream=None):
+        """A kernel holding ``stream`` (default: the current one) about a second; nothing on CPU."""
+        if gpu:
+            with torch.cuda.stream(stream or cur):
+                torch.cuda._sleep(1 << 31)
+
+    def busy_now(stream) -> bool:
+        return gpu and not stream.query()
+
+    def sync():
+        if gpu:
+            torch.cuda.synchronize()
+
+    def combined(rx, h, rw):
+        y = (rx.float() * 2.0 ** rank).to(torch.bfloat16)
+        return buf.combine(y, h, topk_weights=rw)[0]
+
+    x, idx, w = (t.to(dev) for t in _inputs(rank, R, 1))  # rank 0: M tokens, rank 1: M // 2
+    want = _combined_oracle(x.cpu(), idx.cpu(), R, EL, False).to(torch.bfloat16)
+    stale = torch.zeros_like(x)
+    kw = dict(topk_idx=idx, topk_weights=w, num_experts=E)
+
+    # 1. previous_event on a side stream
+    for with_event in (True, False) if gpu else (True,):  # (the control needs streams)
+        xs = stale.clone()
+        if gpu:
+            side.wait_stream(cur)
+        with (torch.cuda.stream(side) if gpu else contextlib.nullcontext()):
+            busy(side)
+            xs.copy_(x)
+            prev = EventOverlap(EventHandle())
+        rx, _, rw, h, _ = buf.dispatch(xs, **kw, previous_event=prev if with_event else None,
+                                       allocate_on_comm_stream=with_event)
+        out = combined(rx, h, rw)
+        sync()
+        if with_event and not torch.equal(out.cpu(), want):
+            fails.append(f"[rank {rank}] 1: with previous_event from the side stream the dispatch read the old x")
+        if gpu and not with_event and torch.equal(out.cpu(), want):
+            fails.append(f"[rank {rank}] 1 (control): without previous_event the dispatch still saw the side "
+                         f"stream's x: the test cannot tell the order")
+
+    # 2. work after previous_event is not waited for; the call's own input copies come after its wait
+    prev = buf.capture()  # (V2's idiom: an EventHandle)
+    busy()
+    rx, _, rw, h, ev = buf.dispatch(x, **kw, previous_event=prev, allocate_on_comm_stream=True,
+                                    async_with_compute_stream=True, do_cpu_sync=False)
+    ev.event.synchronize()
+    if gpu and not busy_now(cur):
+        fails.append(f"[rank {rank}] 2: the dispatch waited for the caller's work queued after previous_event")
+    ev.current_stream_wait()
+    out = combined(rx, h, rw)
+    sync()
+    if not torch.equal(out.cpu(), want):
+        fails.append(f"[rank {rank}] 2: the dispatch (previous_event, caller busy after it) differs from the oracle")
+
+    # 3. async: the caller does not wait; its inputs, freed and their memory reused, still read right
+    sync()
+    busy(buf.get_comm_stream())
+    x2, idx2, w2 = x.clone(), idx.clone(), w.clone()
+    rx, _, rw, h, ev = buf.dispatch(x2, topk_idx=idx2, topk_weights=w2, num_experts=E,
+                                    async_with_compute_stream=True, do_cpu_sync=False)
+    if gpu and (ev.event.query() or busy_now(cur)):
+        fails.append(f"[rank {rank}] 3: async_with_compute_stream: the event is complete ({ev.event.query()}) or the "
+                     f"caller's stream waits ({busy_now(cur)}) while the communication stream sleeps")
+    del x2, idx2, w2
+    junk = (torch.full_like(x, 7.0), torch.full_like(idx, -1), torch.full_like(w, 3.0))  # (their freed memory)
+    ev.current_stream_wait()
+    out = combined(rx, h, rw)
+    sync()
+    if not torch.equal(out.cpu(), want):
+        fails.append(f"[rank {rank}] 3: async dispatch differs after current_stream_wait (inputs freed early)")
+    del junk
+    busy(v1.get_comm_stream())  # V1's async_finish on the same path
+    layout = v1.get_dispatch_layout(idx, E, async_finish=True, allocate_on_comm_stream=True)
+    if gpu and layout[-1].event.query():
+        fails.append(f"[rank {rank}] 3: V1 async_finish: the event is complete while the communication stream sleeps")
+    layout[-1].current_stream_wait()
+    ref = dispatch_layout(idx, E, R, buf.ep_group.node_size)
+    if not all(a is b is None or torch.equal(a, b) for a, b in zip(layout[:4], ref)):
+        fails.append(f"[rank {rank}] 3: V1 get_dispatch_layout (async_finish) differs")
+
+    # 4. outputs freed while the caller still reads them are not reused by the next call
+    sync()
+    rx, _, rw, h, _ = buf.dispatch(x, **kw)
+    first, neg = rx.clone(), -x
+    before = EventOverlap(EventHandle())
+    busy()
+    late = rx.float() * 1.0  # read after the sleep, on the caller's stream
+    del rx
+    rx2, _, rw2, h2, _ = buf.dispatch(neg, **kw, previous_event=before, allocate_on_comm_stream=True)
+    sync()
+    if not torch.equal(late.to(torch.bfloat16).cpu(), first.cpu()):
+        fails.append(f"[rank {rank}] 4: a dispatch's recv_x, freed while the caller's stream read it, was "
+                     f"overwritten by the next dispatch on the communication stream")
+    if not torch.equal(rx2.cpu(), -first.cpu()):
+        fails.append(f"[rank {rank}] 4: the second dispatch's rows differ")
+    combined(rx2, h2, rw2)
+    combined(first, h, rw)
+    sync()
+    buf.destroy()
+    v1.destroy()
+    return fails
+
+
+def test_streams_and_events_cpu():
+    """The stream contract's calls on CPU ranks: accepted, events complete, results the oracle's."""
+    fails = [f for r in dist_util.run(2, _streams_worker) for f in r]
+    assert not fails, "\n".join(fails[:20])
+
+
+@pytest.mark.gpu
+def test_streams_and_events_gpu():
+    """The stream contract on real CUDA streams, two ranks sharing the GPU (``_streams_worker``)."""
+    dist_util.need_gpu()
+    fails = [f for r in dist_util.run(2, _streams_worker, backend=dist_util.gpu_backend(2), timeout=300) for f in r]
+    assert not fails, "\n".join(fails[:20])
+
+
 # ---------------------------------------------------------------------------- branch / fork options
 def _forks_worker(rank, R):
     import torch.distributed as dist

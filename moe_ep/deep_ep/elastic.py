@@ -296,19 +296,19 @@ class ElasticBuffer:
         if stats is not None and (not isinstance(stats, torch.Tensor) or stats.dtype != torch.int32
                                   or tuple(stats.shape) != (EL,) or stats.device != x.device):
             raise ValueError(f"cumulative_local_expert_recv_stats: expected an int32 [{EL}] tensor on {x.device}")
-        if handle is None:
-            ids = topk_idx.clone() if do_handle_copy else topk_idx
-            w_keep = topk_weights.clone() if with_w else None
-        else:
-            ids, w_keep = topk_idx, handle._weights
         dtype = FP8 if sf is not None else torch.bfloat16
         cap = self.num_max_tokens_per_rank or M  # one buffer for every call's cap (no new one per cap)
         prefer = handle._v1.slot if handle is not None and handle._v1.slot.latest is handle._v1 else None
-        slot = self._v1._rows_slot(num_experts, H, cap, K, dtype, prefer=prefer)
 
         def run():
+            slot = self._v1._rows_slot(num_experts, H, cap, K, dtype, prefer=prefer)
+            if handle is None:
+                ids = topk_idx.clone() if do_handle_copy else topk_idx
+                w_keep = topk_weights.clone() if with_w else None
+            else:
+                ids, w_keep = topk_idx, handle._weights
             w = topk_weights if with_w else slot.zero_weights[:T]
-            d = slot.epbuf.dispatch(x, ids, w, x_scales=sf)
+            d = slot.epbuf.dispatch(x, ids, w, x_scales=None if sf is None else sf.contiguous())
             counts = d.expert_counts
             cached = None
             if sync:  # the one host read (as DeepEP's CPU sync)
@@ -326,9 +326,10 @@ class ElasticBuffer:
                 stats.add_(counts)
             nh = _normal.NormalHandle(slot, d, ids, w_keep if with_w else slot.zero_weights[:T], rows, True)
             slot.hold(nh)
-            return out, nh
+            return out, (ids, w_keep), nh
 
-        (out, nh), ev = self._v1._issue(run, previous_event, async_with_compute_stream)
+        (out, (ids, w_keep), nh), ev = self._v1._issue(run, previous_event, async_with_compute_stream,
+                                                       reads=(x, sf, topk_idx, topk_weights, stats))
         recv_x, r_idx, r_w, fields = out
         if handle is None:
             handle = EPHandle(do_expand=do_expand, num_experts=num_experts, expert_alignment=align,
@@ -381,7 +382,8 @@ class ElasticBuffer:
             handle._v1.slot.combined(handle._v1)
             return out, cw
 
-        (out, cw), ev = self._v1._issue(run, previous_event, async_with_compute_stream)
+        (out, cw), ev = self._v1._issue(run, previous_event, async_with_compute_stream,
+                                        reads=(x, topk_weights, bias))
         return out, cw, ev
 
     # ------------------------------------------------------------------ internals
@@ -411,7 +413,7 @@ class ElasticBuffer:
                     tuple(s.shape) != (q.shape[0], nb):
                 raise ValueError(f"x: the scales must be float32 or int32 (UE8M0 packs) [{q.shape[0]}, {nb}], got "
                                  f"{getattr(s, 'dtype', type(s))} {list(getattr(s, 'shape', []))}")
-            return q, s.contiguous().view(torch.float32), s.dtype == torch.int32
+            return q, s.view(torch.float32), s.dtype == torch.int32  # (made contiguous in the call, on its stream)
         if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2:
             raise ValueError(f"x: expected a bfloat16 [num_tokens, hidden] tensor or an fp8 pair, got "
                              f"{getattr(x, 'dtype', type(x).__name__)} {list(getattr(x, 'shape', []))}")
