@@ -89,6 +89,7 @@ def _elastic_worker(rank, R, node_size=None, hybrid=True):
         os.environ.pop("MOE_EP_NODE_SIZE", None)
     nodes = R // (node_size or R)
     G = R // nodes if hybrid else R  # ranks per scale-up domain
+    dev = buf.device  # inputs go there; results come back to the host for the oracle
     fails = []
     if buf.get_logical_domain_size() != (R // G, G) or buf.get_physical_domain_size() != (nodes, R // nodes) or \
             (buf.scaleout_rank_idx, buf.scaleup_rank_idx) != (rank // G, rank % G):
@@ -101,22 +102,25 @@ def _elastic_worker(rank, R, node_size=None, hybrid=True):
                                                       (False, False, 1, True), (True, False, 2, False)]):
         where = f"[R{R} G{G} rank {rank} call {call} expand={expand} sync={sync}]"
         x, idx, w = _inputs(rank, R, call)
-        g = gather_inputs(buf.ep_group, x, idx, w)
-        ox, oi, ow, osrc = _oracle_rows(g.x, g.topk_idx, g.topk_weights, rank, EL)
+        g = gather_inputs(buf.ep_group, x.to(dev), idx.to(dev), w.to(dev))
+        ox, oi, ow, osrc = _oracle_rows(*([t.cpu() for t in ts] for ts in (g.x, g.topk_idx, g.topk_weights)),
+                                        rank, EL)
         n = ox.shape[0]
-        xin = x
+        xin = x.to(dev)
         if fp8:  # pre-quantized with int32 scale packs (MXFP8 as vLLM packs them): they travel bit for bit
             packs = _packs(rank, x.shape[0])
-            xin = (x.to(FP8), packs)
-        stats = torch.zeros(EL, dtype=torch.int32)
+            xin = (x.to(FP8).to(dev), packs.to(dev))
+        stats = torch.zeros(EL, dtype=torch.int32, device=dev)
         guard = contextlib.nullcontext() if sync else _no_host_reads()
+        idx_d, w_d = idx.to(dev), w.to(dev)
         with guard:
-            rx, ri, rw, h, ev = buf.dispatch(xin, topk_idx=idx, topk_weights=w, num_experts=E, expert_alignment=align,
-                                             do_expand=expand, do_cpu_sync=sync,
-                                             cumulative_local_expert_recv_stats=stats,
-                                             num_max_tokens_per_rank=M if call % 2 else None)
+            rx, ri_d, rw_d, h, ev = buf.dispatch(xin, topk_idx=idx_d, topk_weights=w_d, num_experts=E,
+                                                 expert_alignment=align, do_expand=expand, do_cpu_sync=sync,
+                                                 cumulative_local_expert_recv_stats=stats,
+                                                 num_max_tokens_per_rank=M if call % 2 else None)
         assert ev.event is None
-        q, sc = rx if fp8 else (rx, None)
+        q, sc = (t.cpu() for t in rx) if fp8 else (rx.cpu(), None)
+        ri, rw = None if ri_d is None else ri_d.cpu(), rw_d.cpu()
         counts = [int(((oi == e)).sum()) for e in range(EL)]
         if stats.tolist() != counts:
             fails.append(f"{where} stats {stats.tolist()} != {counts}")
@@ -144,8 +148,8 @@ def _elastic_worker(rank, R, node_size=None, hybrid=True):
                 fails.append(f"{where} int32 scale packs did not travel bit for bit")
             if h.psum_num_recv_tokens_per_expert.tolist() != torch.tensor(al).cumsum(0).tolist():
                 fails.append(f"{where} psum per expert")
-            y = (q.float() * 2.0 ** rank).to(torch.bfloat16)
-            out, cw, _ = buf.combine(y, h, topk_weights=rw)
+            y = (q.float() * 2.0 ** rank).to(torch.bfloat16).to(dev)
+            out, cw, _ = buf.combine(y, h, topk_weights=rw_d)
         else:
             N = sum(al) if sync else R * M * K + EL * (align - 1)
             if q.shape[0] != N or rw.shape != (N,) or ri is not None:
@@ -165,9 +169,10 @@ def _elastic_worker(rank, R, node_size=None, hybrid=True):
             for e in range(EL):
                 lo = int(h.psum_num_recv_tokens_per_expert[e]) - counts[e]
                 fac[lo:lo + counts[e]] = 2.0 ** e
-            y = (q.float() * fac[:, None]).to(torch.bfloat16)
+            y = (q.float() * fac[:, None]).to(torch.bfloat16).to(dev)
             with (contextlib.nullcontext() if sync else _no_host_reads()):
-                out, cw, _ = buf.combine(y, h, topk_weights=rw)
+                out, cw, _ = buf.combine(y, h, topk_weights=rw_d)
+        out, cw = out.cpu(), cw.cpu()
         exp32 = _combined_oracle(x.to(FP8).to(torch.bfloat16) if fp8 else x, idx, R, EL, expand)
         if not torch.equal(out, exp32.to(torch.bfloat16)):
             fails.append(f"{where} combined_x differs from the oracle (max {float((out.float() - exp32).abs().max())})")
@@ -176,7 +181,7 @@ def _elastic_worker(rank, R, node_size=None, hybrid=True):
         if not expand and sync:  # cached dispatch repeats the routing
             rx2, _, _, h2, _ = buf.dispatch(xin, handle=h)
             out2, _, _ = buf.combine(y, h2)
-            if h2 is not h or not _same(rx2, rx) or not torch.equal(out2, out):
+            if h2 is not h or not _same(rx2, rx) or not torch.equal(out2.cpu(), out):
                 fails.append(f"{where} cached dispatch (and its combine) differs")
     slots = [s.epbuf for v in buf._v1._rows.values() for s in v]
     if len({id(s) for s in slots}) != len(buf._v1._rows) or len(slots) > 2:  # bf16 and fp8: one buffer each
@@ -187,6 +192,18 @@ def _elastic_worker(rank, R, node_size=None, hybrid=True):
         fails.append(f"[R{R} rank {rank}] num_bytes {buf.num_bytes} != the rows buffer's {live} (2 MiB-aligned)")
     buf.destroy()
     return fails
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R,node_size,hybrid", [(2, 2, True), (2, 1, False), (2, 1, True)],
+                         ids=["1x2", "2x1-direct", "2x1-hybrid"])
+def test_elastic_buffer_gpu(R, node_size, hybrid):
+    """``_elastic_worker`` on GPU ranks sharing the GPU: one node, and two nodes of one rank through
+    moe_ep's proxy."""
+    dist_util.need_gpu()
+    fails = [f for r in dist_util.run(R, _elastic_worker, node_size, hybrid, backend=dist_util.gpu_backend(R),
+                                      timeout=300) for f in r]
+    assert not fails, "\n".join(fails[:20])
 
 
 @contextlib.contextmanager
