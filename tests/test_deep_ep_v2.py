@@ -326,6 +326,7 @@ def _streams_worker(rank, R):
        output is right, even though the caller freed its inputs and reused their memory meanwhile.
     4. Outputs are recorded on the caller's stream: freed while the caller's stream still reads them,
        their memory is not handed to the next call's allocations on the communication stream.
+    5. ``barrier()`` returns after the work queued on the device.
     """
     import torch.distributed as dist
 
@@ -441,6 +442,12 @@ def _streams_worker(rank, R):
         fails.append(f"[rank {rank}] 4: the second dispatch's rows differ")
     combined(rx2, h2, rw2)
     combined(first, h, rw)
+
+    # 5. barrier(): every rank's queued work is done when it returns
+    busy(buf.get_comm_stream())
+    buf.barrier()
+    if busy_now(buf.get_comm_stream()):
+        fails.append(f"[rank {rank}] 5: barrier() returned while the communication stream still had work")
     sync()
     buf.destroy()
     v1.destroy()

@@ -201,7 +201,13 @@ class ElasticBuffer:
         return min(num_sms * 16 + 1 if self.allow_hybrid_mode else min(num_sms, 9), self.num_allocated_qps)
 
     def barrier(self, use_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True) -> None:
-        """Every rank waits for the others (a process-group barrier)."""
+        """Every rank's work queued so far on its device (every stream) is done before any rank's
+        later work starts: a device sync, then a process-group barrier. DeepEP's barrier orders the
+        streams with a GPU kernel; moe_ep's waits on the host (as DeepEP's ``with_cpu_sync=True``),
+        whatever the arguments say."""
+        self._check_alive()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self.ep_group.barrier()
 
     def destroy(self) -> None:
