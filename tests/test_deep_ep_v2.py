@@ -326,7 +326,8 @@ def _streams_worker(rank, R):
        output is right, even though the caller freed its inputs and reused their memory meanwhile.
     4. Outputs are recorded on the caller's stream: freed while the caller's stream still reads them,
        their memory is not handed to the next call's allocations on the communication stream.
-    5. ``barrier()`` returns after the work queued on the device.
+    5. ``previous_event_before_epilogue``: the dispatch (rows) and the combine complete after it.
+    6. ``barrier()`` returns after the work queued on the device.
     """
     import torch.distributed as dist
 
@@ -443,11 +444,35 @@ def _streams_worker(rank, R):
     combined(rx2, h2, rw2)
     combined(first, h, rw)
 
-    # 5. barrier(): every rank's queued work is done when it returns
+    # 5. previous_event_before_epilogue: the call completes after it (dispatch on rows, and combine)
+    sync()
+    for what in ("dispatch", "combine"):
+        if gpu:
+            side.wait_stream(cur)
+        with (torch.cuda.stream(side) if gpu else contextlib.nullcontext()):
+            busy(side)
+            late_ev = buf.capture()
+        if what == "dispatch":
+            rx, _, rw, h, ev = buf.dispatch(x, **kw, previous_event_before_epilogue=late_ev,
+                                            async_with_compute_stream=True, do_cpu_sync=False)
+        else:
+            ev.current_stream_wait()
+            y = (rx.float() * 2.0 ** rank).to(torch.bfloat16)
+            out, _, ev = buf.combine(y, h, topk_weights=rw, previous_event_before_epilogue=late_ev,
+                                     async_with_compute_stream=True)
+        ev.event.synchronize()
+        if busy_now(side):
+            fails.append(f"[rank {rank}] 5: {what} completed before its previous_event_before_epilogue")
+    ev.current_stream_wait()
+    sync()
+    if not torch.equal(out.cpu(), want):
+        fails.append(f"[rank {rank}] 5: dispatch and combine with previous_event_before_epilogue differ")
+
+    # 6. barrier(): every rank's queued work is done when it returns
     busy(buf.get_comm_stream())
     buf.barrier()
     if busy_now(buf.get_comm_stream()):
-        fails.append(f"[rank {rank}] 5: barrier() returned while the communication stream still had work")
+        fails.append(f"[rank {rank}] 6: barrier() returned while the communication stream still had work")
     sync()
     buf.destroy()
     v1.destroy()

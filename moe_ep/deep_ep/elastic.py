@@ -451,6 +451,8 @@ class ElasticBuffer:
                       psum_num_recv_tokens_per_scaleup_rank=per_s.cumsum(0).int(), recv_src_metadata=meta)
         x_rows = d.expert_x[:rows]
         sc_rows = d.expert_scales[:rows] if d.expert_scales is not None else None
+        if before_epilogue is not None:  # DeepEP's copy epilogue: what writes recv_x (either layout)
+            stream_wait(None, before_epilogue)
         if not expand:
             recv_x = x_rows.clone()
             if sc_rows is not None:
@@ -458,8 +460,6 @@ class ElasticBuffer:
                 recv_x = (recv_x, sc.view(torch.int32) if sf_int else sc)
             fields["psum_num_recv_tokens_per_expert"] = aligned.cumsum(0).int()
             return recv_x, idx, w, fields
-        if before_epilogue is not None:
-            stream_wait(None, before_epilogue)
         # Expanded: selection (r, k) of local expert e goes to start[e] + its place among e's
         # selections in (row, k) order; N is a dummy row for the others (dropped).
         N = (sum(-(-c // align) * align for c in host_counts) if sync else cached[0] if cached
