@@ -479,6 +479,99 @@ def _streams_worker(rank, R):
     return fails
 
 
+def _stream_order_worker(rank, R):
+    """CPU ranks with a stand-in communication stream (the streams' bookkeeping of ``Buffer._issue``
+    observed without a GPU): the copies a call makes of the caller's ``topk_idx`` / ``topk_weights``
+    happen with the communication stream current, after its wait; with ``previous_event`` that
+    stream does not wait for the caller's; with ``async_finish`` / ``async_with_compute_stream``
+    the caller's inputs are recorded on the communication stream."""
+    import torch.distributed as dist
+
+    import moe_ep.deep_ep as deep_ep
+    from moe_ep.deep_ep.utils import EventHandle, EventOverlap
+
+    log, on_comm = [], [False]
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append(("wait", self.name, other.name))
+
+    comm, cur = Stream("comm"), Stream("cur")
+
+    @contextlib.contextmanager
+    def current(stream):
+        saved, on_comm[0] = on_comm[0], stream is comm
+        try:
+            yield
+        finally:
+            on_comm[0] = saved
+
+    class Caller(torch.Tensor):
+        """A caller's tensor, taken for a CUDA one: logs its copies (and on which stream) and the
+        streams it is recorded on; every op returns a plain tensor."""
+        is_cuda = True
+
+        def record_stream(self, stream):
+            log.append(("record", stream.name))
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            if name in ("clone", "contiguous"):
+                log.append((name, "comm" if on_comm[0] else "cur"))
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+
+    fails = []
+    E = 2 * R
+    x, idx, w = _inputs(rank, R, 1)
+    x, idx, w = (t.as_subclass(Caller) for t in (x, idx, w))
+    buf = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=M, hidden=H, num_topk=K,
+                                explicitly_destroy=True)
+    v1 = deep_ep.Buffer(dist.group.WORLD, explicitly_destroy=True)
+    saved = torch.cuda.current_stream, torch.cuda.stream
+    torch.cuda.current_stream, torch.cuda.stream = (lambda *a: cur), current
+    buf._v1._comm_stream = v1._comm_stream = comm
+    try:
+        layout = dict(zip(("num_tokens_per_rank", "num_tokens_per_rdma_rank", "num_tokens_per_expert",
+                           "is_token_in_rank"), v1.get_dispatch_layout(idx, E)[:4]))
+        for name, call in (
+                ("ElasticBuffer.dispatch", lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E,
+                                                                previous_event=EventOverlap(EventHandle()),
+                                                                async_with_compute_stream=True)[4]),
+                ("Buffer.dispatch", lambda: v1.dispatch(x, **layout, topk_idx=idx, topk_weights=w,
+                                                        previous_event=EventOverlap(EventHandle()),
+                                                        async_finish=True)[5])):
+            log.clear()
+            ev = call()
+            copies = [e for e in log if e[0] in ("clone", "contiguous")]
+            if not copies or any(e[1] != "comm" for e in copies):
+                fails.append(f"{name}: the copies of the caller's tensors ran on {copies} (expected the "
+                             f"communication stream, after its wait)")
+            if ("wait", "comm", "cur") in log:
+                fails.append(f"{name}: with previous_event the communication stream waited for the caller's")
+            if sorted(e for e in log if e[0] == "record") != [("record", "comm")] * 3:
+                fails.append(f"{name}: async: the caller's x, topk_idx, topk_weights recorded on "
+                             f"{[e for e in log if e[0] == 'record']} (expected the communication stream)")
+            if ev.event is None:
+                fails.append(f"{name}: async: no event")
+    finally:
+        torch.cuda.current_stream, torch.cuda.stream = saved
+        buf._v1._comm_stream = v1._comm_stream = None
+    buf.destroy()
+    v1.destroy()
+    return fails
+
+
+def test_stream_order_without_gpu():
+    """``_stream_order_worker``: the order of a call's work on the streams, checked on a CPU rank."""
+    fails = dist_util.run(1, _stream_order_worker)[0]
+    assert not fails, "\n".join(fails)
+
+
 def test_streams_and_events_cpu():
     """The stream contract's calls on CPU ranks: accepted, events complete, results the oracle's."""
     fails = [f for r in dist_util.run(2, _streams_worker) for f in r]
