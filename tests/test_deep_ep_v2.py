@@ -68,40 +68,64 @@ def _combined_oracle(x, idx, R: int, EL: int, expand: bool) -> torch.Tensor:
     return exp32
 
 
-def _elastic_worker(rank, R):
+def _elastic_worker(rank, R, node_size=None, hybrid=True):
+    """Every dispatch mode and its combine against the oracle; ``node_size`` < R: nodes of that many
+    ranks, the other nodes through the proxy; ``hybrid``: ``allow_hybrid_mode`` (False: DeepEP's
+    direct mode, one scale-up domain of every rank)."""
+    import os
+
     import torch.distributed as dist
 
     import moe_ep.deep_ep as deep_ep
     from moe_ep.reference import gather_inputs
 
     E, EL = 2 * R, 2
-    buf = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=M, hidden=H, num_topk=K,
-                                explicitly_destroy=True, num_gpu_timeout_secs=60)
+    if node_size is not None:
+        os.environ["MOE_EP_NODE_SIZE"] = str(node_size)
+    try:
+        buf = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=M, hidden=H, num_topk=K,
+                                    explicitly_destroy=True, num_gpu_timeout_secs=60, allow_hybrid_mode=hybrid)
+    finally:
+        os.environ.pop("MOE_EP_NODE_SIZE", None)
+    nodes = R // (node_size or R)
+    G = R // nodes if hybrid else R  # ranks per scale-up domain
+    dev = buf.device  # inputs go there; results come back to the host for the oracle
     fails = []
+    if buf.get_logical_domain_size() != (R // G, G) or buf.get_physical_domain_size() != (nodes, R // nodes) or \
+            (buf.scaleout_rank_idx, buf.scaleup_rank_idx) != (rank // G, rank % G):
+        fails.append(f"[R{R} rank {rank}] domains {buf.get_logical_domain_size()} {buf.get_physical_domain_size()}, "
+                     f"indices {(buf.scaleout_rank_idx, buf.scaleup_rank_idx)} ({nodes} nodes, hybrid={hybrid})")
+    qps = [buf.get_theoretical_num_qps(n) for n in (1, 4, 20)]
+    if qps != ([17, 65, 65] if hybrid else [1, 4, 9]):  # DeepEP's rule, capped by num_allocated_qps
+        fails.append(f"[R{R} rank {rank}] get_theoretical_num_qps {qps} (hybrid={hybrid})")
     for call, (expand, sync, align, fp8) in enumerate([(False, True, 1, True), (True, True, 4, False),
                                                       (False, False, 1, True), (True, False, 2, False)]):
-        where = f"[R{R} rank {rank} call {call} expand={expand} sync={sync}]"
+        where = f"[R{R} G{G} rank {rank} call {call} expand={expand} sync={sync}]"
         x, idx, w = _inputs(rank, R, call)
-        g = gather_inputs(buf.ep_group, x, idx, w)
-        ox, oi, ow, osrc = _oracle_rows(g.x, g.topk_idx, g.topk_weights, rank, EL)
+        g = gather_inputs(buf.ep_group, x.to(dev), idx.to(dev), w.to(dev))
+        ox, oi, ow, osrc = _oracle_rows(*([t.cpu() for t in ts] for ts in (g.x, g.topk_idx, g.topk_weights)),
+                                        rank, EL)
         n = ox.shape[0]
-        xin = x
+        xin = x.to(dev)
         if fp8:  # pre-quantized with int32 scale packs (MXFP8 as vLLM packs them): they travel bit for bit
             packs = _packs(rank, x.shape[0])
-            xin = (x.to(FP8), packs)
-        stats = torch.zeros(EL, dtype=torch.int32)
+            xin = (x.to(FP8).to(dev), packs.to(dev))
+        stats = torch.zeros(EL, dtype=torch.int32, device=dev)
         guard = contextlib.nullcontext() if sync else _no_host_reads()
+        idx_d, w_d = idx.to(dev), w.to(dev)
         with guard:
-            rx, ri, rw, h, ev = buf.dispatch(xin, topk_idx=idx, topk_weights=w, num_experts=E, expert_alignment=align,
-                                             do_expand=expand, do_cpu_sync=sync,
-                                             cumulative_local_expert_recv_stats=stats,
-                                             num_max_tokens_per_rank=M if call % 2 else None)
+            rx, ri_d, rw_d, h, ev = buf.dispatch(xin, topk_idx=idx_d, topk_weights=w_d, num_experts=E,
+                                                 expert_alignment=align, do_expand=expand, do_cpu_sync=sync,
+                                                 cumulative_local_expert_recv_stats=stats,
+                                                 num_max_tokens_per_rank=M if call % 2 else None)
         assert ev.event is None
-        q, sc = rx if fp8 else (rx, None)
+        q, sc = (t.cpu() for t in rx) if fp8 else (rx.cpu(), None)
+        ri, rw = None if ri_d is None else ri_d.cpu(), rw_d.cpu()
         counts = [int(((oi == e)).sum()) for e in range(EL)]
         if stats.tolist() != counts:
             fails.append(f"{where} stats {stats.tolist()} != {counts}")
-        psum_s = torch.tensor([sum(1 for s in osrc if (s // M) % R == i) for i in range(R)]).cumsum(0).tolist()
+        # received rows per source scale-up index (DeepEP's hybrid mode forwards them through that peer)
+        psum_s = torch.tensor([sum(1 for s in osrc if (s // M) % G == i) for i in range(G)]).cumsum(0).tolist()
         if h.psum_num_recv_tokens_per_scaleup_rank.tolist() != psum_s:
             fails.append(f"{where} psum per scale-up rank {h.psum_num_recv_tokens_per_scaleup_rank.tolist()} "
                          f"!= {psum_s}")
@@ -124,8 +148,8 @@ def _elastic_worker(rank, R):
                 fails.append(f"{where} int32 scale packs did not travel bit for bit")
             if h.psum_num_recv_tokens_per_expert.tolist() != torch.tensor(al).cumsum(0).tolist():
                 fails.append(f"{where} psum per expert")
-            y = (q.float() * 2.0 ** rank).to(torch.bfloat16)
-            out, cw, _ = buf.combine(y, h, topk_weights=rw)
+            y = (q.float() * 2.0 ** rank).to(torch.bfloat16).to(dev)
+            out, cw, _ = buf.combine(y, h, topk_weights=rw_d)
         else:
             N = sum(al) if sync else R * M * K + EL * (align - 1)
             if q.shape[0] != N or rw.shape != (N,) or ri is not None:
@@ -145,9 +169,10 @@ def _elastic_worker(rank, R):
             for e in range(EL):
                 lo = int(h.psum_num_recv_tokens_per_expert[e]) - counts[e]
                 fac[lo:lo + counts[e]] = 2.0 ** e
-            y = (q.float() * fac[:, None]).to(torch.bfloat16)
+            y = (q.float() * fac[:, None]).to(torch.bfloat16).to(dev)
             with (contextlib.nullcontext() if sync else _no_host_reads()):
-                out, cw, _ = buf.combine(y, h, topk_weights=rw)
+                out, cw, _ = buf.combine(y, h, topk_weights=rw_d)
+        out, cw = out.cpu(), cw.cpu()
         exp32 = _combined_oracle(x.to(FP8).to(torch.bfloat16) if fp8 else x, idx, R, EL, expand)
         if not torch.equal(out, exp32.to(torch.bfloat16)):
             fails.append(f"{where} combined_x differs from the oracle (max {float((out.float() - exp32).abs().max())})")
@@ -156,13 +181,29 @@ def _elastic_worker(rank, R):
         if not expand and sync:  # cached dispatch repeats the routing
             rx2, _, _, h2, _ = buf.dispatch(xin, handle=h)
             out2, _, _ = buf.combine(y, h2)
-            if h2 is not h or not _same(rx2, rx) or not torch.equal(out2, out):
+            if h2 is not h or not _same(rx2, rx) or not torch.equal(out2.cpu(), out):
                 fails.append(f"{where} cached dispatch (and its combine) differs")
     slots = [s.epbuf for v in buf._v1._rows.values() for s in v]
     if len({id(s) for s in slots}) != len(buf._v1._rows) or len(slots) > 2:  # bf16 and fp8: one buffer each
         fails.append(f"[R{R} rank {rank}] {len(slots)} rows buffers for {len(buf._v1._rows)} shapes")
+    # num_bytes: the bf16 rows buffer the dispatches made (across nodes with the proxy's regions)
+    live = [s.epbuf.memory().total_bytes for k, v in buf._v1._rows.items() if k[3] == torch.bfloat16 for s in v]
+    if [-(-b // (2 << 20)) * (2 << 20) for b in live] != [buf.num_bytes]:
+        fails.append(f"[R{R} rank {rank}] num_bytes {buf.num_bytes} != the rows buffer's {live} (2 MiB-aligned)")
     buf.destroy()
     return fails
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R,node_size,hybrid", [(2, 2, True), (2, 1, False), (2, 1, True)],
+                         ids=["1x2", "2x1-direct", "2x1-hybrid"])
+def test_elastic_buffer_gpu(R, node_size, hybrid):
+    """``_elastic_worker`` on GPU ranks sharing the GPU: one node, and two nodes of one rank through
+    moe_ep's proxy."""
+    dist_util.need_gpu()
+    fails = [f for r in dist_util.run(R, _elastic_worker, node_size, hybrid, backend=dist_util.gpu_backend(R),
+                                      timeout=300) for f in r]
+    assert not fails, "\n".join(fails[:20])
 
 
 @contextlib.contextmanager
@@ -183,6 +224,16 @@ def _no_host_reads():
 @pytest.mark.parametrize("R", [1, 2, 3])
 def test_elastic_buffer(R):
     fails = [f for r in dist_util.run(R, _elastic_worker) for f in r]
+    assert not fails, "\n".join(fails[:20])
+
+
+@pytest.mark.parametrize("R,node_size,hybrid", [(2, 1, False), (4, 2, True)], ids=["2x1-direct", "2x2-hybrid"])
+def test_elastic_buffer_across_nodes(R, node_size, hybrid):
+    """Two nodes of one and of two ranks: rows and expanded dispatches (zero-token ranks, duplicate
+    expert ids) and their combines through moe_ep's proxy; the handle's scale-up prefix sums per
+    source index in its scale-up domain (hybrid: the node; direct: every rank), the domains, the QP
+    rule and num_bytes (the proxy's regions included)."""
+    fails = [f for r in dist_util.run(R, _elastic_worker, node_size, hybrid, timeout=600) for f in r]
     assert not fails, "\n".join(fails[:20])
 
 
@@ -255,6 +306,283 @@ def test_elastic_buffer_cuda_graph_gpu(R):
     dist_util.need_gpu()
     fails = [f for r in dist_util.run(R, _elastic_graph_worker, backend=dist_util.gpu_backend(R), timeout=300)
              for f in r]
+    assert not fails, "\n".join(fails[:20])
+
+
+# ---------------------------------------------------------------------------- streams and events
+def _streams_worker(rank, R):
+    """DeepEP's stream contract on ``ElasticBuffer`` (and V1's ``async_finish`` through the same
+    path), observed by order, not by time: a slow kernel (``torch.cuda._sleep``) holds one stream
+    while the other is checked. On CPU ranks the same calls run and their results are checked
+    (events are complete there, nothing sleeps).
+
+    1. ``previous_event`` recorded on a side stream after it writes x: the dispatch reads the new x;
+       without it (control) the dispatch runs before the side stream and reads the old x.
+    2. ``previous_event`` recorded before the caller queues more work: the call does not wait for
+       that work (its event completes while the caller's stream still sleeps), and its own copies
+       of the inputs (``topk_idx``) come after its wait, not on the caller's stream.
+    3. ``async_with_compute_stream`` / ``async_finish``: the caller's stream does not wait (the event
+       is not complete while the communication stream sleeps); after ``current_stream_wait()`` the
+       output is right, even though the caller freed its inputs and reused their memory meanwhile.
+    4. Outputs are recorded on the caller's stream: freed while the caller's stream still reads them,
+       their memory is not handed to the next call's allocations on the communication stream.
+    5. ``previous_event_before_epilogue``: the dispatch (rows) and the combine complete after it.
+    6. ``barrier()`` returns after the work queued on the device.
+    """
+    import torch.distributed as dist
+
+    import moe_ep.deep_ep as deep_ep
+    from moe_ep.deep_ep.routing import dispatch_layout
+    from moe_ep.deep_ep.utils import EventHandle, EventOverlap
+
+    E, EL = 2 * R, 2
+    buf = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=M, hidden=H, num_topk=K,
+                                explicitly_destroy=True, num_gpu_timeout_secs=60)
+    dev = buf.device
+    gpu = dev.type == "cuda"
+    v1 = deep_ep.Buffer(dist.group.WORLD, explicitly_destroy=True)
+    cur = torch.cuda.current_stream() if gpu else None
+    side = torch.cuda.Stream() if gpu else None
+    fails = []
+
+    def busy(stream=None):
+        """A kernel holding ``stream`` (default: the current one) about a second; nothing on CPU."""
+        if gpu:
+            with torch.cuda.stream(stream or cur):
+                torch.cuda._sleep(1 << 31)
+
+    def busy_now(stream) -> bool:
+        return gpu and not stream.query()
+
+    def sync():
+        if gpu:
+            torch.cuda.synchronize()
+
+    def combined(rx, h, rw):
+        y = (rx.float() * 2.0 ** rank).to(torch.bfloat16)
+        return buf.combine(y, h, topk_weights=rw)[0]
+
+    x, idx, w = (t.to(dev) for t in _inputs(rank, R, 1))  # rank 0: M tokens, rank 1: M // 2
+    want = _combined_oracle(x.cpu(), idx.cpu(), R, EL, False).to(torch.bfloat16)
+    stale = torch.zeros_like(x)
+    kw = dict(topk_idx=idx, topk_weights=w, num_experts=E)
+
+    # 1. previous_event on a side stream
+    for with_event in (True, False) if gpu else (True,):  # (the control needs streams)
+        xs = stale.clone()
+        if gpu:
+            side.wait_stream(cur)
+        with (torch.cuda.stream(side) if gpu else contextlib.nullcontext()):
+            busy(side)
+            xs.copy_(x)
+            prev = EventOverlap(EventHandle())
+        rx, _, rw, h, _ = buf.dispatch(xs, **kw, previous_event=prev if with_event else None,
+                                       allocate_on_comm_stream=with_event)
+        out = combined(rx, h, rw)
+        sync()
+        if with_event and not torch.equal(out.cpu(), want):
+            fails.append(f"[rank {rank}] 1: with previous_event from the side stream the dispatch read the old x")
+        if gpu and not with_event and torch.equal(out.cpu(), want):
+            fails.append(f"[rank {rank}] 1 (control): without previous_event the dispatch still saw the side "
+                         f"stream's x: the test cannot tell the order")
+
+    # 2. work after previous_event is not waited for; the call's own input copies come after its wait
+    prev = buf.capture()  # (V2's idiom: an EventHandle)
+    busy()
+    rx, _, rw, h, ev = buf.dispatch(x, **kw, previous_event=prev, allocate_on_comm_stream=True,
+                                    async_with_compute_stream=True, do_cpu_sync=False)
+    ev.event.synchronize()
+    if gpu and not busy_now(cur):
+        fails.append(f"[rank {rank}] 2: the dispatch waited for the caller's work queued after previous_event")
+    ev.current_stream_wait()
+    out = combined(rx, h, rw)
+    sync()
+    if not torch.equal(out.cpu(), want):
+        fails.append(f"[rank {rank}] 2: the dispatch (previous_event, caller busy after it) differs from the oracle")
+
+    # 3. async: the caller does not wait; its inputs, freed and their memory reused, still read right
+    sync()
+    busy(buf.get_comm_stream())
+    x2, idx2, w2 = x.clone(), idx.clone(), w.clone()
+    rx, _, rw, h, ev = buf.dispatch(x2, topk_idx=idx2, topk_weights=w2, num_experts=E,
+                                    async_with_compute_stream=True, do_cpu_sync=False)
+    if gpu and (ev.event.query() or busy_now(cur)):
+        fails.append(f"[rank {rank}] 3: async_with_compute_stream: the event is complete ({ev.event.query()}) or the "
+                     f"caller's stream waits ({busy_now(cur)}) while the communication stream sleeps")
+    del x2, idx2, w2
+    junk = (torch.full_like(x, 7.0), torch.full_like(idx, -1), torch.full_like(w, 3.0))  # (their freed memory)
+    ev.current_stream_wait()
+    out = combined(rx, h, rw)
+    sync()
+    if not torch.equal(out.cpu(), want):
+        fails.append(f"[rank {rank}] 3: async dispatch differs after current_stream_wait (inputs freed early)")
+    del junk
+    busy(v1.get_comm_stream())  # V1's async_finish on the same path
+    layout = v1.get_dispatch_layout(idx, E, async_finish=True, allocate_on_comm_stream=True)
+    if gpu and layout[-1].event.query():
+        fails.append(f"[rank {rank}] 3: V1 async_finish: the event is complete while the communication stream sleeps")
+    layout[-1].current_stream_wait()
+    ref = dispatch_layout(idx, E, R, buf.ep_group.node_size)
+    if not all(a is b is None or torch.equal(a, b) for a, b in zip(layout[:4], ref)):
+        fails.append(f"[rank {rank}] 3: V1 get_dispatch_layout (async_finish) differs")
+
+    # 4. outputs freed while the caller still reads them are not reused by the next call
+    sync()
+    rx, _, rw, h, _ = buf.dispatch(x, **kw)
+    first, neg = rx.clone(), -x
+    before = EventOverlap(EventHandle())
+    busy()
+    late = rx.float() * 1.0  # read after the sleep, on the caller's stream
+    del rx
+    rx2, _, rw2, h2, _ = buf.dispatch(neg, **kw, previous_event=before, allocate_on_comm_stream=True)
+    sync()
+    if not torch.equal(late.to(torch.bfloat16).cpu(), first.cpu()):
+        fails.append(f"[rank {rank}] 4: a dispatch's recv_x, freed while the caller's stream read it, was "
+                     f"overwritten by the next dispatch on the communication stream")
+    if not torch.equal(rx2.cpu(), -first.cpu()):
+        fails.append(f"[rank {rank}] 4: the second dispatch's rows differ")
+    combined(rx2, h2, rw2)
+    combined(first, h, rw)
+
+    # 5. previous_event_before_epilogue: the call completes after it (dispatch on rows, and combine)
+    sync()
+    for what in ("dispatch", "combine"):
+        if gpu:
+            side.wait_stream(cur)
+        with (torch.cuda.stream(side) if gpu else contextlib.nullcontext()):
+            busy(side)
+            late_ev = buf.capture()
+        if what == "dispatch":
+            rx, _, rw, h, ev = buf.dispatch(x, **kw, previous_event_before_epilogue=late_ev,
+                                            async_with_compute_stream=True, do_cpu_sync=False)
+        else:
+            ev.current_stream_wait()
+            y = (rx.float() * 2.0 ** rank).to(torch.bfloat16)
+            out, _, ev = buf.combine(y, h, topk_weights=rw, previous_event_before_epilogue=late_ev,
+                                     async_with_compute_stream=True)
+        ev.event.synchronize()
+        if busy_now(side):
+            fails.append(f"[rank {rank}] 5: {what} completed before its previous_event_before_epilogue")
+    ev.current_stream_wait()
+    sync()
+    if not torch.equal(out.cpu(), want):
+        fails.append(f"[rank {rank}] 5: dispatch and combine with previous_event_before_epilogue differ")
+
+    # 6. barrier(): every rank's queued work is done when it returns
+    busy(buf.get_comm_stream())
+    buf.barrier()
+    if busy_now(buf.get_comm_stream()):
+        fails.append(f"[rank {rank}] 6: barrier() returned while the communication stream still had work")
+    sync()
+    buf.destroy()
+    v1.destroy()
+    return fails
+
+
+def _stream_order_worker(rank, R):
+    """CPU ranks with a stand-in communication stream (the streams' bookkeeping of ``Buffer._issue``
+    observed without a GPU): the copies a call makes of the caller's ``topk_idx`` / ``topk_weights``
+    happen with the communication stream current, after its wait; with ``previous_event`` that
+    stream does not wait for the caller's; with ``async_finish`` / ``async_with_compute_stream``
+    the caller's inputs are recorded on the communication stream."""
+    import torch.distributed as dist
+
+    import moe_ep.deep_ep as deep_ep
+    from moe_ep.deep_ep.utils import EventHandle, EventOverlap
+
+    log, on_comm = [], [False]
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append(("wait", self.name, other.name))
+
+    comm, cur = Stream("comm"), Stream("cur")
+
+    @contextlib.contextmanager
+    def current(stream):
+        saved, on_comm[0] = on_comm[0], stream is comm
+        try:
+            yield
+        finally:
+            on_comm[0] = saved
+
+    class Caller(torch.Tensor):
+        """A caller's tensor, taken for a CUDA one: logs its copies (and on which stream) and the
+        streams it is recorded on; every op returns a plain tensor."""
+        is_cuda = True
+
+        def record_stream(self, stream):
+            log.append(("record", stream.name))
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            if name in ("clone", "contiguous"):
+                log.append((name, "comm" if on_comm[0] else "cur"))
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+
+    fails = []
+    E = 2 * R
+    x, idx, w = _inputs(rank, R, 1)
+    x, idx, w = (t.as_subclass(Caller) for t in (x, idx, w))
+    buf = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=M, hidden=H, num_topk=K,
+                                explicitly_destroy=True)
+    v1 = deep_ep.Buffer(dist.group.WORLD, explicitly_destroy=True)
+    saved = torch.cuda.current_stream, torch.cuda.stream
+    torch.cuda.current_stream, torch.cuda.stream = (lambda *a: cur), current
+    buf._v1._comm_stream = v1._comm_stream = comm
+    try:
+        layout = dict(zip(("num_tokens_per_rank", "num_tokens_per_rdma_rank", "num_tokens_per_expert",
+                           "is_token_in_rank"), v1.get_dispatch_layout(idx, E)[:4]))
+        for name, call in (
+                ("ElasticBuffer.dispatch", lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E,
+                                                                previous_event=EventOverlap(EventHandle()),
+                                                                async_with_compute_stream=True)[4]),
+                ("Buffer.dispatch", lambda: v1.dispatch(x, **layout, topk_idx=idx, topk_weights=w,
+                                                        previous_event=EventOverlap(EventHandle()),
+                                                        async_finish=True)[5])):
+            log.clear()
+            ev = call()
+            copies = [e for e in log if e[0] in ("clone", "contiguous")]
+            if not copies or any(e[1] != "comm" for e in copies):
+                fails.append(f"{name}: the copies of the caller's tensors ran on {copies} (expected the "
+                             f"communication stream, after its wait)")
+            if ("wait", "comm", "cur") in log:
+                fails.append(f"{name}: with previous_event the communication stream waited for the caller's")
+            if sorted(e for e in log if e[0] == "record") != [("record", "comm")] * 3:
+                fails.append(f"{name}: async: the caller's x, topk_idx, topk_weights recorded on "
+                             f"{[e for e in log if e[0] == 'record']} (expected the communication stream)")
+            if ev.event is None:
+                fails.append(f"{name}: async: no event")
+    finally:
+        torch.cuda.current_stream, torch.cuda.stream = saved
+        buf._v1._comm_stream = v1._comm_stream = None
+    buf.destroy()
+    v1.destroy()
+    return fails
+
+
+def test_stream_order_without_gpu():
+    """``_stream_order_worker``: the order of a call's work on the streams, checked on a CPU rank."""
+    fails = dist_util.run(1, _stream_order_worker)[0]
+    assert not fails, "\n".join(fails)
+
+
+def test_streams_and_events_cpu():
+    """The stream contract's calls on CPU ranks: accepted, events complete, results the oracle's."""
+    fails = [f for r in dist_util.run(2, _streams_worker) for f in r]
+    assert not fails, "\n".join(fails[:20])
+
+
+@pytest.mark.gpu
+def test_streams_and_events_gpu():
+    """The stream contract on real CUDA streams, two ranks sharing the GPU (``_streams_worker``)."""
+    dist_util.need_gpu()
+    fails = [f for r in dist_util.run(2, _streams_worker, backend=dist_util.gpu_backend(2), timeout=300) for f in r]
     assert not fails, "\n".join(fails[:20])
 
 

@@ -34,6 +34,21 @@ _MIN_ROWS_TOKENS = 64  # the smallest max_tokens of a normal-mode buffer (so a f
 MAX_WAITING = 4
 
 
+def rows_buffer_tokens(tokens: int) -> int:
+    """``max_tokens`` of the rows buffer made for calls of up to ``tokens`` tokens per rank (the next
+    power of two, at least ``_MIN_ROWS_TOKENS``)."""
+    return max(_MIN_ROWS_TOKENS, pow2(tokens))
+
+
+def cuda_tensors(obj) -> List[torch.Tensor]:
+    """The CUDA tensors in ``obj`` and in the tuples, lists and dicts it nests (other objects, such
+    as handles, are not looked into)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj] if obj.is_cuda else []
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (tuple, list)) else ()
+    return [t for o in items for t in cuda_tensors(o)]
+
+
 def _refuse(name: str, value, why: str) -> None:
     raise NotImplementedError(f"{name}={value!r}: not implemented by moe_ep.deep_ep ({why})")
 
@@ -174,7 +189,7 @@ class Buffer:
         self._check_experts(num_experts)
         check_topk_idx("topk_idx", topk_idx, num_experts, self.device)
         return self._issue(lambda: dispatch_layout(topk_idx, num_experts, self.group_size, self.ep_group.node_size),
-                           previous_event, async_finish, unpack=True)
+                           previous_event, async_finish, unpack=True, reads=(topk_idx,))
 
     def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]], handle=None,
                  num_tokens_per_rank: Optional[torch.Tensor] = None,
@@ -222,7 +237,8 @@ class Buffer:
         self._check_alive()
         self._check_config(config)
         self._check_handle(handle)
-        out, ev = self._issue(lambda: _normal.combine(handle, x, topk_weights, bias), previous_event, async_finish)
+        out, ev = self._issue(lambda: _normal.combine(handle, x, topk_weights, bias), previous_event, async_finish,
+                              reads=(x, topk_weights, bias))
         handle.slot.combined(handle)
         return out[0], out[1], ev
 
@@ -277,7 +293,7 @@ class Buffer:
         slot = self._ll_slot(num_experts, x.shape[1], num_max_dispatch_tokens_per_rank, topk_idx.shape[1], scales)
         (recv_x, count, handle, hook), ev = self._issue(
             lambda: _ll.dispatch(slot, x, topk_idx, cumulative_local_expert_recv_stats, return_recv_hook),
-            None, async_finish, on_current=return_recv_hook)
+            None, async_finish, on_current=return_recv_hook, reads=(x, topk_idx, cumulative_local_expert_recv_stats))
         return recv_x, count, handle, ev, hook
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle,
@@ -305,7 +321,7 @@ class Buffer:
                             f"{type(handle).__name__}")
         (res, hook), ev = self._issue(
             lambda: _ll.combine(handle, x, topk_idx, topk_weights, zero_copy, return_recv_hook, out),
-            None, async_finish, on_current=return_recv_hook)
+            None, async_finish, on_current=return_recv_hook, reads=(x, topk_idx, topk_weights, out))
         return res, ev, hook
 
     def get_next_low_latency_combine_buffer(self, handle) -> torch.Tensor:
@@ -352,16 +368,25 @@ class Buffer:
                 raise ValueError(f"x: the scales must be float32 [num_tokens, hidden // 128] (hidden a multiple of 128), "
                                  f"got {getattr(s, 'dtype', type(s))} {list(getattr(s, 'shape', []))} for x "
                                  f"{list(q.shape)}")
-            return q, s.contiguous()  # DeepEP takes column-major scales too
+            return q, s  # DeepEP takes column-major scales too (made contiguous in the call, on its stream)
         if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2:
             raise ValueError(f"x: expected a bfloat16 [num_tokens, hidden] tensor or an fp8 pair, got "
                              f"{getattr(x, 'dtype', type(x).__name__)} {list(getattr(x, 'shape', []))}")
         return x, None
 
     def _issue(self, fn: Callable, previous_event: Optional[EventOverlap], async_finish: bool,
-               on_current: bool = False, unpack: bool = False):
+               on_current: bool = False, unpack: bool = False, reads: tuple = ()):
         """Runs ``fn`` with DeepEP's stream semantics; returns ``(fn(), event)`` (or ``(*fn(),
-        event)`` with ``unpack``)."""
+        event)`` with ``unpack``).
+
+        ``fn`` holds every tensor operation of the call (copies of inputs and buffers made on first
+        use included): on a GPU it runs on the communication stream after that stream waited for
+        ``previous_event`` (else the current stream), so work the caller queued after
+        ``previous_event`` is never waited for and nothing of the call runs before the wait. Its
+        tensors are allocated on the communication stream and recorded on the caller's
+        (``record_stream``), so the caller may free them whenever its stream is done with them;
+        with ``async_finish`` the caller's tensors in ``reads`` are recorded on the communication
+        stream (the caller may free them before that stream has read them)."""
         if previous_event is not None and not isinstance(previous_event, (EventOverlap, EventHandle)):
             raise TypeError(f"previous_event: expected an EventOverlap (or EventHandle), got "
                             f"{type(previous_event).__name__}")
@@ -380,8 +405,12 @@ class Buffer:
                 comm.wait_stream(cur)
             with torch.cuda.stream(comm):
                 res = fn()
+            for t in cuda_tensors(res):
+                t.record_stream(cur)
             if async_finish:
                 ev = EventOverlap(record_event(self.device, comm))
+                for t in cuda_tensors(reads):
+                    t.record_stream(comm)
             else:
                 cur.wait_stream(comm)
                 ev = EventOverlap(None)
@@ -435,8 +464,7 @@ class Buffer:
         if waiting >= MAX_WAITING:
             raise ValueError(f"dispatch: {waiting} normal-mode dispatches of this shape are waiting for their combine "
                              f"(moe_ep keeps one buffer for each, at most MAX_WAITING={MAX_WAITING}); combine one first")
-        slots.append(_normal.RowsSlot(self._epbuffer(num_experts, hidden, max(_MIN_ROWS_TOKENS, pow2(tokens)), K,
-                                                     dtype, "rows")))
+        slots.append(_normal.RowsSlot(self._epbuffer(num_experts, hidden, rows_buffer_tokens(tokens), K, dtype, "rows")))
         return slots[-1]
 
     def _epbuffer(self, num_experts: int, hidden: int, M: int, K: int, dtype: torch.dtype, layout: str,
@@ -472,11 +500,8 @@ class Buffer:
                 raise ValueError(f"topk_weights: expected a float32 [{T}, {K}] tensor, got "
                                  f"{getattr(topk_weights, 'dtype', type(topk_weights).__name__)} "
                                  f"{list(getattr(topk_weights, 'shape', []))}")
-            ids, w = topk_idx.contiguous().clone(), topk_weights.contiguous().clone()
         else:
             K = R
-            ids = _normal.routing_from_ranks(is_token_in_rank.to(dev), EL)
-            w = torch.zeros(T, K, dtype=torch.float32, device=dev)
         dtype = FP8 if x_scales is not None else torch.bfloat16
         gathered = None
         if num_worst_tokens == 0:
@@ -490,16 +515,21 @@ class Buffer:
                 raise ValueError(f"x: {T} tokens, more than num_worst_tokens={num_worst_tokens}, which sizes the buffer "
                                  f"(the other ranks then time out)")
             tokens = num_worst_tokens
-        slot = self._rows_slot(E, H, tokens, K, dtype)
 
         def run():
+            slot = self._rows_slot(E, H, tokens, K, dtype)
+            if with_topk:
+                ids, w = topk_idx.contiguous().clone(), topk_weights.contiguous().clone()
+            else:
+                ids = _normal.routing_from_ranks(is_token_in_rank.to(dev), EL)
+                w = torch.zeros(T, K, dtype=torch.float32, device=dev)
             check = None
             if num_worst_tokens == 0:
                 ntr, _, nte, itr = dispatch_layout(ids, E, R, self.ep_group.node_size)
                 check = ((itr != is_token_in_rank.to(dev)).any() | (ntr != num_tokens_per_rank.to(dev)).any())
                 if with_topk:
                     check = check | (nte != num_tokens_per_expert.to(dev)).any()
-            d = slot.epbuf.dispatch(x, ids, w, x_scales=x_scales)
+            d = slot.epbuf.dispatch(x, ids, w, x_scales=None if x_scales is None else x_scales.contiguous())
             recv_x, r_idx, r_w, counts, rows = _normal.received(slot, d, x_scales is not None, num_worst_tokens,
                                                                 with_topk, check)
             if not with_topk and counts is not None:
@@ -509,7 +539,9 @@ class Buffer:
             slot.hold(handle)
             return recv_x, r_idx, r_w, lst, handle
 
-        (recv_x, r_idx, r_w, lst, handle), ev = self._issue(run, previous_event, async_finish)
+        (recv_x, r_idx, r_w, lst, handle), ev = self._issue(
+            run, previous_event, async_finish,
+            reads=(x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert))
         return recv_x, r_idx, r_w, lst, handle, ev
 
     def _cached_dispatch(self, x, x_scales, handle, topk_idx, topk_weights, previous_event, async_finish):
@@ -523,15 +555,16 @@ class Buffer:
         dtype = FP8 if x_scales is not None else torch.bfloat16
         # Its own slot again while it still holds it (a second cached dispatch before the combine).
         mine = handle.slot if handle.slot.latest is handle else None
-        slot = self._rows_slot(E, x.shape[1], handle.max_tokens, K, dtype, prefer=mine)
 
         def run():
-            d = slot.epbuf.dispatch(x, handle.topk_idx, handle.topk_weights, x_scales=x_scales)
+            slot = self._rows_slot(E, x.shape[1], handle.max_tokens, K, dtype, prefer=mine)
+            d = slot.epbuf.dispatch(x, handle.topk_idx, handle.topk_weights,
+                                    x_scales=None if x_scales is None else x_scales.contiguous())
             handle.result = d
             slot.hold(handle)
             rows = handle.num_rows
             xr = d.expert_x[:rows].clone()
             return (xr, d.expert_scales[:rows].clone()) if x_scales is not None else xr
 
-        recv_x, ev = self._issue(run, previous_event, async_finish)
+        recv_x, ev = self._issue(run, previous_event, async_finish, reads=(x, x_scales))
         return recv_x, None, None, None, None, ev

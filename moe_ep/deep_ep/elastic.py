@@ -24,9 +24,12 @@ from typing import Any, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from .. import settings
+from ..kernels.interpret import interpreting
+from ..sizing import memory_plan
 from ..tuning import Tuning
 from . import normal as _normal
-from .buffer import Buffer, FP8
+from .buffer import FP8, Buffer, rows_buffer_tokens
 from .event import EventHandle, EventOverlap, stream_wait
 from .routing import check_topk_idx
 
@@ -43,6 +46,21 @@ def _int(name: str, v: Any, lo: int = 0) -> int:
     return v
 
 
+def _planned_bytes(R: int, G: int, device: torch.device, ranks_per_device: int, M: int, H: int, K: int, fp8: bool,
+                   tuning: Optional[Tuning]) -> int:
+    """Bytes (2 MiB-aligned, DeepEP's unit) of the rows buffer a dispatch of ``M`` tokens per rank,
+    hidden ``H`` and top-``K`` makes for ``R`` ranks in nodes of ``G`` (``ranks_per_device`` sharing
+    a GPU): ``moe_ep.memory_plan``'s total, which across nodes holds the proxy's regions. ``K`` 0
+    plans for 32 (as DeepEP); ``M`` or ``H`` 0: the 2 MiB minimum (sizes come with the dispatch)."""
+    if M < 1 or H < 1:
+        return _ALIGN_BYTES
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+    plan = memory_plan(world_size=R, node_size=G, num_experts=R, hidden=_align(H, 16), max_tokens=rows_buffer_tokens(M),
+                       topk=K or 32, dispatch_dtype=FP8 if fp8 else torch.bfloat16, layout="rows",
+                       num_programs=max(1, sms // ranks_per_device), device=device.type, tuning=tuning)
+    return _align(plan.total_bytes, _ALIGN_BYTES)
+
+
 class EPHandle:
     """What ``ElasticBuffer.dispatch`` returns and ``combine`` (or a cached ``dispatch``) takes.
 
@@ -53,8 +71,10 @@ class EPHandle:
         num_expanded_tokens: rows of an expanded ``recv_x`` (host int; 0 when not expanded).
         num_recv_tokens_per_expert_list: per local expert its selections rounded up to
             ``expert_alignment`` (host list; empty without CPU sync).
-        psum_num_recv_tokens_per_scaleup_rank: int32 ``[node_size]``: inclusive prefix sum of the
-            rows received from source ranks ``s`` with ``s % node_size == i``.
+        psum_num_recv_tokens_per_scaleup_rank: int32 ``[S]`` (S = ``num_scaleup_ranks``: ranks per
+            node, or every rank without hybrid mode): inclusive prefix sum of the rows received from
+            source ranks ``s`` with ``s % S == i`` (DeepEP's hybrid mode forwards them through that
+            peer of this node); the last element is the received row count.
         psum_num_recv_tokens_per_expert: int32 ``[E_local]``: not expanded, the inclusive prefix sum
             of the aligned counts; expanded, expert ``i``'s block start plus its count.
         num_unaligned_recv_tokens_per_expert: int32 ``[E_local]``, expanded only (else None).
@@ -76,9 +96,16 @@ class ElasticBuffer:
 
     Args (DeepEP's; "tuning" ones are accepted, kept and change nothing):
         group: the torch ``ProcessGroup`` of the EP ranks.
-        num_bytes, num_allocated_qps, sl_idx, allow_hybrid_mode, prefer_overlap_with_compute,
-            use_fp8_dispatch, allow_multiple_reduction: tuning (moe_ep sizes its buffer per call
-            shape; combine always reduces in the rank, then across ranks).
+        num_bytes: accepted (moe_ep sizes its buffer per call shape); None: set to the bytes of the
+            rows buffer the first dispatch of these sizes makes (``moe_ep.memory_plan``, 2 MiB-aligned;
+            across nodes with the proxy's regions).
+        num_allocated_qps, sl_idx, prefer_overlap_with_compute, use_fp8_dispatch,
+            allow_multiple_reduction: tuning (combine always reduces in the rank, then across ranks).
+        allow_hybrid_mode: DeepEP's logical domains (``get_logical_domain_size``,
+            ``scaleup_rank_idx``, the handle's ``psum_num_recv_tokens_per_scaleup_rank``): True,
+            one scale-up domain per node (moe_ep's nodes); False, one of every rank (DeepEP's direct
+            mode). The path is moe_ep's either way (node peers by stores, other nodes through the
+            proxy); it also picks DeepEP's QP rule (``get_theoretical_num_qps``).
         num_max_tokens_per_rank: the most tokens a rank passes to one dispatch (0: given per call).
         hidden, num_topk: sizes of the calls (used for ``num_bytes`` when it is None).
         deterministic: accepted (moe_ep's received order is always the ascending source order).
@@ -112,9 +139,12 @@ class ElasticBuffer:
         self.rank_idx, self.num_ranks = self._v1.rank, self._v1.group_size
         self.device = self._v1.device
         node = self.ep_group.node_size
-        self.num_scaleout_ranks, self.num_scaleup_ranks = self.num_ranks // node, node
-        self.scaleout_rank_idx, self.scaleup_rank_idx = self.rank_idx // node, self.rank_idx % node
-        self.num_rdma_ranks, self.num_nvlink_ranks = self.num_scaleout_ranks, node
+        # DeepEP's domains: physical (nodes, ranks per node); logical the same in hybrid mode, else
+        # one scale-up domain of every rank (its direct mode)
+        self.num_rdma_ranks, self.num_nvlink_ranks = self.num_ranks // node, node
+        up = node if allow_hybrid_mode else self.num_ranks
+        self.num_scaleout_ranks, self.num_scaleup_ranks = self.num_ranks // up, up
+        self.scaleout_rank_idx, self.scaleup_rank_idx = self.rank_idx // up, self.rank_idx % up
         self.num_max_tokens_per_rank, self.hidden, self.num_topk = num_max_tokens_per_rank, hidden, num_topk
         self.use_fp8_dispatch, self.deterministic = use_fp8_dispatch, deterministic
         self.allow_hybrid_mode, self.allow_multiple_reduction = allow_hybrid_mode, allow_multiple_reduction
@@ -122,24 +152,24 @@ class ElasticBuffer:
         self.num_allocated_qps = num_allocated_qps or (65 if allow_hybrid_mode else 17)
         self.num_cpu_timeout_secs, self.num_gpu_timeout_secs = num_cpu_timeout_secs, num_gpu_timeout_secs
         self.explicitly_destroy = explicitly_destroy
-        self.num_bytes = num_bytes if num_bytes is not None else self._size_hint(
-            self.num_ranks, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch)
+        g = self.ep_group
+        self.num_bytes = num_bytes if num_bytes is not None else _planned_bytes(
+            g.world_size, g.node_size, g.device, g.ranks_per_device, num_max_tokens_per_rank, hidden, num_topk,
+            use_fp8_dispatch, self._v1.tuning)
         self.runtime = self  # DeepEP's C++ runtime handle: not None until destroy()
 
     # ------------------------------------------------------------------ DeepEP's static API
     @staticmethod
-    def _size_hint(R: int, M: int, H: int, K: int, fp8: bool) -> int:
-        """Bytes of the rows buffer moe_ep makes for these sizes (rows, scales, ids, weights, source
-        indices), 2 MiB-aligned: informational."""
-        per_row = H * (1 if fp8 else 2) + (4 * _align(H, 128) // 128 if fp8 else 0) + 8 * max(K, 1) + 4
-        return _align(max(1, R * max(M, 1) * per_row * 2), _ALIGN_BYTES)
-
-    @staticmethod
     def get_buffer_size_hint(group: dist.ProcessGroup, num_max_tokens_per_rank: int, hidden: int, num_topk: int = 0,
                              use_fp8_dispatch: bool = False, allow_hybrid_mode: bool = True,
                              allow_multiple_reduction: bool = True) -> int:
-        """A byte count 2 MiB-aligned (informational: moe_ep sizes its own buffers)."""
-        return ElasticBuffer._size_hint(group.size(), num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch)
+        """The bytes (2 MiB-aligned) of the rows buffer a dispatch of these sizes makes, for nodes of
+        ``MOE_EP_NODE_SIZE`` ranks (one node when unset; an ``ElasticBuffer``'s ``num_bytes`` knows
+        its group's nodes). Informational: moe_ep sizes its own buffers."""
+        R = group.size()
+        dev = torch.device("cuda" if torch.cuda.is_available() and not interpreting() else "cpu")
+        return _planned_bytes(R, settings.node_size() or R, dev, 1, num_max_tokens_per_rank, hidden, num_topk,
+                              use_fp8_dispatch, None)
 
     @staticmethod
     def capture() -> EventHandle:
@@ -171,7 +201,13 @@ class ElasticBuffer:
         return min(num_sms * 16 + 1 if self.allow_hybrid_mode else min(num_sms, 9), self.num_allocated_qps)
 
     def barrier(self, use_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True) -> None:
-        """Every rank waits for the others (a process-group barrier)."""
+        """Every rank's work queued so far on its device (every stream) is done before any rank's
+        later work starts: a device sync, then a process-group barrier. DeepEP's barrier orders the
+        streams with a GPU kernel; moe_ep's waits on the host (as DeepEP's ``with_cpu_sync=True``),
+        whatever the arguments say."""
+        self._check_alive()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self.ep_group.barrier()
 
     def destroy(self) -> None:
@@ -266,19 +302,19 @@ class ElasticBuffer:
         if stats is not None and (not isinstance(stats, torch.Tensor) or stats.dtype != torch.int32
                                   or tuple(stats.shape) != (EL,) or stats.device != x.device):
             raise ValueError(f"cumulative_local_expert_recv_stats: expected an int32 [{EL}] tensor on {x.device}")
-        if handle is None:
-            ids = topk_idx.clone() if do_handle_copy else topk_idx
-            w_keep = topk_weights.clone() if with_w else None
-        else:
-            ids, w_keep = topk_idx, handle._weights
         dtype = FP8 if sf is not None else torch.bfloat16
         cap = self.num_max_tokens_per_rank or M  # one buffer for every call's cap (no new one per cap)
         prefer = handle._v1.slot if handle is not None and handle._v1.slot.latest is handle._v1 else None
-        slot = self._v1._rows_slot(num_experts, H, cap, K, dtype, prefer=prefer)
 
         def run():
+            slot = self._v1._rows_slot(num_experts, H, cap, K, dtype, prefer=prefer)
+            if handle is None:
+                ids = topk_idx.clone() if do_handle_copy else topk_idx
+                w_keep = topk_weights.clone() if with_w else None
+            else:
+                ids, w_keep = topk_idx, handle._weights
             w = topk_weights if with_w else slot.zero_weights[:T]
-            d = slot.epbuf.dispatch(x, ids, w, x_scales=sf)
+            d = slot.epbuf.dispatch(x, ids, w, x_scales=None if sf is None else sf.contiguous())
             counts = d.expert_counts
             cached = None
             if sync:  # the one host read (as DeepEP's CPU sync)
@@ -296,9 +332,10 @@ class ElasticBuffer:
                 stats.add_(counts)
             nh = _normal.NormalHandle(slot, d, ids, w_keep if with_w else slot.zero_weights[:T], rows, True)
             slot.hold(nh)
-            return out, nh
+            return out, (ids, w_keep), nh
 
-        (out, nh), ev = self._v1._issue(run, previous_event, async_with_compute_stream)
+        (out, (ids, w_keep), nh), ev = self._v1._issue(run, previous_event, async_with_compute_stream,
+                                                       reads=(x, sf, topk_idx, topk_weights, stats))
         recv_x, r_idx, r_w, fields = out
         if handle is None:
             handle = EPHandle(do_expand=do_expand, num_experts=num_experts, expert_alignment=align,
@@ -351,7 +388,8 @@ class ElasticBuffer:
             handle._v1.slot.combined(handle._v1)
             return out, cw
 
-        (out, cw), ev = self._v1._issue(run, previous_event, async_with_compute_stream)
+        (out, cw), ev = self._v1._issue(run, previous_event, async_with_compute_stream,
+                                        reads=(x, topk_weights, bias))
         return out, cw, ev
 
     # ------------------------------------------------------------------ internals
@@ -381,7 +419,7 @@ class ElasticBuffer:
                     tuple(s.shape) != (q.shape[0], nb):
                 raise ValueError(f"x: the scales must be float32 or int32 (UE8M0 packs) [{q.shape[0]}, {nb}], got "
                                  f"{getattr(s, 'dtype', type(s))} {list(getattr(s, 'shape', []))}")
-            return q, s.contiguous().view(torch.float32), s.dtype == torch.int32
+            return q, s.view(torch.float32), s.dtype == torch.int32  # (made contiguous in the call, on its stream)
         if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2:
             raise ValueError(f"x: expected a bfloat16 [num_tokens, hidden] tensor or an fp8 pair, got "
                              f"{getattr(x, 'dtype', type(x).__name__)} {list(getattr(x, 'shape', []))}")
@@ -413,6 +451,8 @@ class ElasticBuffer:
                       psum_num_recv_tokens_per_scaleup_rank=per_s.cumsum(0).int(), recv_src_metadata=meta)
         x_rows = d.expert_x[:rows]
         sc_rows = d.expert_scales[:rows] if d.expert_scales is not None else None
+        if before_epilogue is not None:  # DeepEP's copy epilogue: what writes recv_x (either layout)
+            stream_wait(None, before_epilogue)
         if not expand:
             recv_x = x_rows.clone()
             if sc_rows is not None:
@@ -420,8 +460,6 @@ class ElasticBuffer:
                 recv_x = (recv_x, sc.view(torch.int32) if sf_int else sc)
             fields["psum_num_recv_tokens_per_expert"] = aligned.cumsum(0).int()
             return recv_x, idx, w, fields
-        if before_epilogue is not None:
-            stream_wait(None, before_epilogue)
         # Expanded: selection (r, k) of local expert e goes to start[e] + its place among e's
         # selections in (row, k) order; N is a dummy row for the others (dropped).
         N = (sum(-(-c // align) * align for c in host_counts) if sync else cached[0] if cached
