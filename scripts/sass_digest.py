@@ -1,7 +1,8 @@
 """The sm_90 machine code (SASS) of the main launches, one digest each, on a machine with no GPU.
 
 Records the launches of a dispatch and a combine (without running them) at four configurations,
-on one rank and across 2 nodes of one rank (lines "2x1-...": the inter-node kernels), compiles each for sm_90 in a process without TRITON_INTERPRET and prints a digest of its SASS:
+on one rank and across 2 nodes of one rank (lines "2x1-...": the inter-node kernels), compiles
+each for sm_90 in a process without TRITON_INTERPRET and prints a digest of its SASS:
 run it on two trees (before and after a change) to show which kernels the change leaves as they
 were, instruction for instruction, or with a tuning variable set to see what it does to a
 kernel's registers (``MOE_EP_COMBINE_WARPS=32 python scripts/sass_digest.py``, read as every buffer
