@@ -150,10 +150,10 @@ def internode_dispatch_send_kernel(
     DIM: tl.constexpr = NODE.DIM
     MODE: tl.constexpr = NODE.MODE
     TILE: tl.constexpr = NODE.TILE
+    ME: tl.constexpr = DIM.NODE0 + DIM.RANK
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     epoch = tl.load(state_ptr + pid) + 1
-    ME: tl.constexpr = DIM.NODE0 + DIM.RANK
     # what the helpers take (named tuples: no code of their own)
     io = DispatchIO(x_ptr=x_ptr, xs_ptr=xs_ptr, topk_ptr=topk_ptr, w_ptr=w_ptr, hist_ptr=hist_ptr, peer_ptr=peer_ptr,
                     ws=ws, err_ptr=err_ptr, out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr, recv_pos_ptr=recv_pos_ptr,
