@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, NoReturn, Optional
 import torch
 
 from .errors import BufferBrokenError, CapacityError, CommTimeoutError, ErrorCode, Phase
+from .kernels.args import Remote, constexprs, node_groups
 from .kernels.launch import Launcher, compile_options
 from .replay import Replay
 
@@ -289,6 +290,14 @@ def node_dims(parts: Parts) -> dict:
                 K=s.topk, E=s.num_experts, EL=s.num_local_experts, H=s.hidden, W=s.hidden * (1 if s.fp8 else 2) // 4,
                 NB=max(1, s.num_scale_blocks), RB=s.workspace.RB, HDR=s.workspace.HDR, CMAX=s.chunks,
                 ALIGN=s.expert_alignment, CAP=s.capacity)
+
+
+def internode_consts(parts: Parts, consts: dict, remote: dict) -> dict:
+    """An inter-node kernel's constexprs (``moe_ep.internode``): the node kernel's ``consts`` (as
+    ``_dispatch_consts`` / ``_combine_consts`` give them, launch options included) with its groups
+    as one ``NODE`` and the inter-node sizes ``remote`` (fields of ``Remote``) as ``REM``."""
+    compiled = not parts.interp
+    return dict(consts, NODE=node_groups(consts, compiled), REM=constexprs(Remote, remote, compiled))
 
 
 def launch_halves(parts: Parts, key: tuple, kernel, args: tuple, dynamic: tuple, consts, host_wait) -> list:

@@ -7,8 +7,8 @@ from typing import Optional
 import torch
 
 from . import host_wait
-from .calls import (Parts, Replays, Weights, aligned, check_tensor, finish, launch_half, launch_halves, node_dims,
-                    planned_half, replayed_recv)
+from .calls import (Parts, Replays, Weights, aligned, check_tensor, finish, internode_consts, launch_half,
+                    launch_halves, node_dims, planned_half, replayed_recv)
 from .layout import pow2
 from .kernels.args import CombineModes, CombineTiles, Dims, Offsets, constexprs
 from .kernels.combine import node_combine_kernel
@@ -258,7 +258,7 @@ def _combine_across_nodes(parts: Parts, rp, replay, sig, tensors, inputs: tuple,
     for a hook, else None."""
     sargs = runtime_args(internode_combine_send_kernel, **{**named, **rp.combine_args(send=True)})
     rargs = runtime_args(internode_combine_recv_kernel, **{**named, **rp.combine_args(send=False)})
-    remote_consts = lambda: dict(consts(), **rp.combine_consts())  # noqa: E731
+    remote_consts = lambda: internode_consts(parts, consts(), rp.combine_consts())  # noqa: E731
     key = key + ("across nodes",)
     dyn_s, dyn_r = (_SEND_WEIGHTED if weighted else _SEND_DYNAMIC), (_RECV_WEIGHTED if weighted else _RECV_DYNAMIC)
     send = launch_half(parts, key, internode_combine_send_kernel, sargs, dyn_s, remote_consts, True, False)
@@ -320,8 +320,9 @@ def _combined(parts: Parts, result, recv):
 def _combine_consts(parts: Parts, own_y: bool, wts: bool, push: bool, out_f32: bool) -> dict:
     """The combine kernel's constexprs (all fixed by the buffer, except OWN_Y, with weights WIN/WOUT
     or WEIGHTS/PUSH, and BASE_F32): in its groups (``OFF``, ``DIM``, ``MODE``, ``TILE``:
-    ``moe_ep.kernels.args``) and one by one, as the inter-node kernels take them (each launch
-    picks the names its kernel declares). ``push``: combine-time weights pushed to the owners (a
+    ``moe_ep.kernels.args``), which the inter-node kernels take as one (``calls.internode_consts``;
+    ``XROWS``: theirs), and one by one, as tools read them (each launch picks the names its kernel
+    declares). ``push``: combine-time weights pushed to the owners (a
     fused launch pushes them itself: ``PUSH``)."""
     s, t = parts.shape, parts.tuning
     off = s.offsets
@@ -331,7 +332,7 @@ def _combine_consts(parts: Parts, own_y: bool, wts: bool, push: bool, out_f32: b
                 BLOCK_HR=_channel_tile(parts, t.combine_recv_tile, t.combine_recv_tokens),
                 BLOCK_TR=t.combine_recv_tokens, STAGES=t.stages, INTERP=parts.interp, ROWS=s.layout == "rows",
                 OWN_Y=own_y, WIN=wts, WOUT=wts, off_comb_w=off["comb_w"], WEIGHTS=push, PUSH=push and t.fused,
-                BASE_F32=out_f32, **parts.launch_options("combine"))
+                BASE_F32=out_f32, XROWS=parts.memory.remote is not None, **parts.launch_options("combine"))
     c = not parts.interp
     return dict(flat, OFF=constexprs(Offsets, off, c), DIM=constexprs(Dims, flat, c),
                 MODE=constexprs(CombineModes, flat, c), TILE=constexprs(CombineTiles, flat, c))

@@ -7,8 +7,8 @@ from typing import Optional
 import torch
 
 from . import host_wait
-from .calls import (Parts, aligned, check_tensor, finish, launch_half, launch_halves, node_dims, planned_half,
-                    replayed_recv)
+from .calls import (Parts, aligned, check_tensor, finish, internode_consts, launch_half, launch_halves, node_dims,
+                    planned_half, replayed_recv)
 from .kernels.args import DispatchModes, DispatchTiles, Dims, Offsets, constexprs
 from .kernels.dispatch import node_dispatch_kernel
 from .handle import DispatchResult
@@ -227,7 +227,7 @@ def _dispatch_across_nodes(parts: Parts, rp, replay, sig, tensors, launches: lis
     hook, else None."""
     sargs = runtime_args(internode_dispatch_send_kernel, **{**named, **rp.dispatch_args(send=True)})
     rargs = runtime_args(internode_dispatch_recv_kernel, **{**named, **rp.dispatch_args(send=False)})
-    remote_consts = lambda: dict(consts(), **rp.dispatch_consts(parts.shape.block_t))  # noqa: E731
+    remote_consts = lambda: internode_consts(parts, consts(), rp.dispatch_consts(parts.shape.block_t))  # noqa: E731
     key = key + ("across nodes",)
     send = launch_half(parts, key, internode_dispatch_send_kernel, sargs, _SEND_DYNAMIC, remote_consts, True, False)
 
@@ -317,7 +317,7 @@ def _dispatch_sized(parts: Parts, buffer, T: int, launches: list, key: tuple, na
         kernels = (internode_dispatch_send_kernel, internode_dispatch_recv_kernel)
         extra = (rp.dispatch_args(send=True), rp.dispatch_args(send=False))
         dynamic = (_SEND_DYNAMIC, _RECV_DYNAMIC)
-        all_consts = lambda: dict(consts(), **rp.dispatch_consts(parts.shape.block_t))  # noqa: E731
+        all_consts = lambda: internode_consts(parts, consts(), rp.dispatch_consts(parts.shape.block_t))  # noqa: E731
         key = key + ("across nodes",)
     launch_half(parts, key, kernels[0], runtime_args(kernels[0], **{**named, **extra[0]}), dynamic[0], all_consts,
                 True, False)
@@ -392,8 +392,9 @@ def _hist_consts(parts: Parts, BT: int) -> dict:
 
 def _dispatch_consts(parts: Parts, fp8_in: bool, direct: bool, own_x: bool) -> dict:
     """The dispatch kernel's constexprs (all fixed by the buffer, except PREQ, DIRECT and OWN_X): in
-    its groups (``OFF``, ``DIM``, ``MODE``, ``TILE``: ``moe_ep.kernels.args``) and one by one, as
-    the inter-node kernels take them (each launch picks the names its kernel declares)."""
+    its groups (``OFF``, ``DIM``, ``MODE``, ``TILE``: ``moe_ep.kernels.args``), which the inter-node
+    kernels take as one (``calls.internode_consts``), and one by one, as tools read them (each
+    launch picks the names its kernel declares)."""
     s, t = parts.shape, parts.tuning
     dims = node_dims(parts)
     off, H, W, nb, BLOCK_T = s.offsets, s.hidden, dims["W"], dims["NB"], s.block_t

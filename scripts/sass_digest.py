@@ -1,7 +1,8 @@
 """The sm_90 machine code (SASS) of the main launches, one digest each, on a machine with no GPU.
 
 Records the launches of a dispatch and a combine (without running them) at four configurations,
-compiles each for sm_90 in a process without TRITON_INTERPRET and prints a digest of its SASS:
+on one rank and across 2 nodes of one rank (lines "2x1-...": the inter-node kernels), compiles
+each for sm_90 in a process without TRITON_INTERPRET and prints a digest of its SASS:
 run it on two trees (before and after a change) to show which kernels the change leaves as they
 were, instruction for instruction, or with a tuning variable set to see what it does to a
 kernel's registers (``MOE_EP_COMBINE_WARPS=32 python scripts/sass_digest.py``, read as every buffer
@@ -26,6 +27,7 @@ import importlib
 import os
 import pickle
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -34,10 +36,16 @@ import tempfile
 # at 32 programs, decode masked fp8; warps and the combine's shape as a GPU buffer takes them.
 CONFIGS = [(4096, 7168, "fp8", "packed", 32, 16), (4096, 7168, "bf16", "packed", 132, 16),
            (4096, 7168, "fp8", "rows", 32, 32), (128, 7168, "fp8", "masked", 132, 16)]
+# The same across 2 nodes of one rank (the inter-node kernels: two launches a dispatch, two a
+# combine), prefill at 512 tokens (CPU ranks hold the proxy's regions in host memory).
+INTERNODE_CONFIGS = [(512, 7168, "fp8", "packed", 32, 16), (512, 7168, "bf16", "packed", 132, 16),
+                     (512, 7168, "fp8", "rows", 32, 32), (128, 7168, "fp8", "masked", 132, 16)]
 
 
-def record(path: str) -> None:
-    """The launches of CONFIGS (module, kernel, launch spec) into ``path``; runs under the interpreter."""
+def record_calls(group, configs, rec: list, prefix: str = "", weights: bool = False) -> None:
+    """Appends to ``rec`` the launches (name, module, kernel, launch spec) of one dispatch and one
+    combine per config of ``configs`` on ``group``'s rank, without running them; ``weights``: the
+    rows layout's combine takes combine weights. Runs under the interpreter."""
     import torch
 
     import moe_ep
@@ -46,18 +54,16 @@ def record(path: str) -> None:
     from moe_ep.kernels.aot import signature
 
     moe_ep.layout.interpreting = lambda: False  # the chunking a GPU gets
-    rec = []
-    g = moe_ep.EPGroup()
     asked = moe_ep.Tuning.from_env()  # the tuning variables set, if any (each buffer takes them too)
-    for T, H, dt, layout, P, warps in CONFIGS:
-        name = f"{layout}-{dt}-T{T}-p{P}"
+    for T, H, dt, layout, P, warps in configs:
+        name = f"{prefix}{layout}-{dt}-T{T}-p{P}"
 
         def spy(key, fn, grid, args, consts, dynamic=None, name=name):
             consts = consts() if callable(consts) else consts
             rec.append((name, fn.fn.__module__, fn.fn.__name__, signature(fn.arg_names, args, consts)))
 
         dtype = torch.float8_e4m3fn if dt == "fp8" else torch.bfloat16
-        buf = moe_ep.EPBuffer(g, 256, H, T, 8, dispatch_dtype=dtype, layout=layout, num_programs=P)
+        buf = moe_ep.EPBuffer(group, 256, H, T, 8, dispatch_dtype=dtype, layout=layout, num_programs=P)
         gpu = dict(num_warps=asked.num_warps or warps, fused=True)  # (a CPU buffer's default is 4 warps)
         shape = combine_shape(layout, P, T * 8, gpu=True)  # (a CPU buffer's combine takes the dispatch's)
         if asked.combine_warps is None:
@@ -69,9 +75,45 @@ def record(path: str) -> None:
         buf.parts.tuning, buf.parts.interp, buf.calls.launch = buf.tuning.replace(**gpu), False, spy
         h = buf.dispatch(torch.zeros(T, H, dtype=torch.bfloat16), torch.zeros(T, 8, dtype=torch.int64),
                          torch.zeros(T, 8))
-        buf.combine(torch.empty(h.expert_x.shape, dtype=torch.bfloat16), h)
+        wts = torch.zeros(buf.sizes.capacity, 8) if weights and layout == "rows" else None
+        buf.combine(torch.empty(h.expert_x.shape, dtype=torch.bfloat16), h, topk_weights=wts)
         buf.close()
+
+
+def record(path: str) -> None:
+    """The launches of CONFIGS on one rank into ``path``, then those of INTERNODE_CONFIGS on rank 0
+    of 2 nodes of 1 rank (``record_across_nodes``); runs under the interpreter."""
+    import torch.multiprocessing as mp
+
+    import moe_ep
+
+    rec = []
+    record_calls(moe_ep.EPGroup(), CONFIGS, rec)
     pickle.dump(rec, open(path, "wb"))
+    with socket.socket() as s:  # a free port for the two ranks' gloo group
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(record_across_nodes, args=(2, port, path + ".2x1"), nprocs=2, join=True)
+    pickle.dump(rec + pickle.load(open(path + ".2x1", "rb")), open(path, "wb"))
+
+
+def record_across_nodes(rank: int, world: int, port: int, path: str) -> None:
+    """Rank ``rank`` of ``world`` nodes of one rank each (CPU ranks over gloo, their proxies over
+    TCP) records INTERNODE_CONFIGS' launches (rows with combine weights); rank 0 writes them to
+    ``path``."""
+    import torch
+    import torch.distributed as dist
+
+    import moe_ep
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    rec = []
+    record_calls(moe_ep.EPGroup(node_size=1), INTERNODE_CONFIGS, rec, prefix=f"{world}x1-", weights=True)
+    if rank == 0:
+        pickle.dump(rec, open(path, "wb"))
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def digest(path: str) -> None:
@@ -97,7 +139,7 @@ def digest(path: str) -> None:
         code = [line.strip() for line in sass.splitlines() if line.strip().startswith("/*")]
         use = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
         regs, stack = (re.search(rf"{what}:(\d+)", use).group(1) for what in ("REG", "STACK"))
-        print(f"{name:<26} {kernel:<18} {hashlib.sha1(chr(10).join(code).encode()).hexdigest()[:12]} "
+        print(f"{name:<28} {kernel:<30} {hashlib.sha1(chr(10).join(code).encode()).hexdigest()[:12]} "
               f"{len(code):>6} lines, {regs:>3} registers, {stack:>4} bytes of stack")
         if os.environ.get("SASS_LOOPS"):
             for line in loop_schedules(sass):

@@ -294,6 +294,42 @@ def test_constexprs_names_a_missing_field():
     assert plain.WEIGHTS is True and plain.XROWS is False and not isinstance(plain.INTERP, tl.constexpr)
 
 
+def test_node_groups_hand_the_node_kernel_its_groups():
+    """``node_groups`` (the inter-node kernels' ``NODE``) holds a node kernel's four constexpr groups
+    as the host built them: each wrapped for a compiled kernel (so ``NODE.DIM`` reads back as the
+    ``tl.constexpr`` group the node kernel's ``DIM`` takes, its fields constexprs too), plain for
+    the interpreter; a missing group raises KeyError naming it."""
+    from moe_ep.kernels.args import CombineTiles, NodeGroups, Offsets, constexprs, node_groups
+    tiles = dict(BLOCK_T=16, BLOCK_K=8, BLOCK_H=512, BLOCK_HR=512, BLOCK_TR=16, STAGES=2)
+    consts = dict(OFF=constexprs(Offsets, dict(hdr=64)), DIM="dims", MODE="modes", TILE=constexprs(CombineTiles, tiles),
+                  BLOCK_T=16)
+    g = node_groups(consts)
+    assert isinstance(g, NodeGroups) and all(isinstance(v, tl.constexpr) for v in g)
+    assert g.TILE.value is consts["TILE"] and isinstance(g.TILE.value.BLOCK_H, tl.constexpr)
+    assert g.OFF.value.hdr == 64 and g.DIM.value == "dims"
+    plain = node_groups(dict(consts, TILE=constexprs(CombineTiles, tiles, compiled=False)), compiled=False)
+    assert plain.MODE == "modes" and plain.TILE.BLOCK_H == 512 and not isinstance(plain.TILE, tl.constexpr)
+    with pytest.raises(KeyError, match="MODE"):
+        node_groups(dict(OFF=1, DIM=2, TILE=3))
+
+
+def test_launched_kernels_take_at_most_40_parameters():
+    """Every kernel a buffer launches takes at most 40 parameters (issue 46: its constexprs in
+    groups; the inter-node kernels take the node kernel's as one, ``NODE``)."""
+    import inspect
+
+    from moe_ep.internode.combine_kernels import internode_combine_recv_kernel, internode_combine_send_kernel
+    from moe_ep.internode.dispatch_kernels import internode_dispatch_recv_kernel, internode_dispatch_send_kernel
+    from moe_ep.kernels.combine import node_combine_kernel
+    from moe_ep.kernels.dispatch import node_dispatch_kernel
+    from moe_ep.kernels.recv_total import recv_total_kernel
+    from moe_ep.kernels.route import route_hist_kernel
+    counts = {k.fn.__name__: len(inspect.signature(k.fn).parameters) for k in (
+        node_dispatch_kernel, node_combine_kernel, route_hist_kernel, recv_total_kernel, internode_dispatch_send_kernel,
+        internode_dispatch_recv_kernel, internode_combine_send_kernel, internode_combine_recv_kernel)}
+    assert max(counts.values()) <= 40, counts
+
+
 def test_native_launch_hands_the_driver_the_packed_plan(tmp_path, monkeypatch):
     """A native plan's launch through a stand-in CUDA driver: cuLaunchKernel gets the plan's
     function, grid, block, shared memory and the stream, and parameter bytes equal to what

@@ -2,24 +2,26 @@
 remote peers and rings their bells, then stores into node peers; the receive half waits for the
 headers, places node peers' rows and unpacks each remote source's as it lands.
 
-Remote row (``REM_RB`` bytes, a multiple of 16; ``moe_ep.internode.spec.RemoteSpec``): payload
+Remote row (``REM.RB`` bytes, a multiple of 16; ``moe_ep.internode.spec.RemoteSpec``): payload
 (bf16 ``H`` elements, or fp8 ``H`` bytes + ``NB`` float32 scales) at word 0, then the trailer at
-word ``REM_PW`` (= payload bytes / 4): ``[token, lid[K], j[K], w[K]]`` int32 (``w`` as float32
+word ``REM.PW`` (= payload bytes / 4): ``[token, lid[K], j[K], w[K]]`` int32 (``w`` as float32
 bits): the source token index, per k the local expert id at the destination (-1: not for it),
 the position ``j`` among the source's selections of that expert, the routing weight.
 Send buffer: ``[HDR_p | rows_p]`` for every peer ``p`` != this rank in rank order (rows only for
 remote ``p``, in token order); ``HDR_p`` = the count vector ``int32[R]`` (rows to each rank) +
 ``int32[EL]`` (selections of each of ``p``'s local experts).
 
-Both kernels call the node kernel (``dispatch_kernel``) for the node peers' part, so the node path
-and this one share every line of it; the epoch is the node kernel's (``state[0, pid] + 1``).
+Both kernels call the node kernel (``node_dispatch_kernel``, its constexpr groups handed on from
+``NODE``) for the node peers' part, so the node path and this one share every line of it; the
+epoch is the node kernel's (``state[0, pid] + 1``).
 """
 import triton
 import triton.language as tl
 
 from ..kernels.common import (ERR_CAPACITY, ERR_PROXY, ERR_TIMEOUT, PHASE_DISPATCH, deadline_start, payload_cols,
                               payload_tile, record_error, scale_ptr)
-from ..kernels.dispatch import dispatch_kernel, local_counts
+from ..kernels.args import DispatchIO, RemoteIO
+from ..kernels.dispatch import local_counts, node_dispatch_kernel
 from ..kernels.rows import tokens_before
 from ..kernels.tiles import chunk_sum, col, excl, first_on_rank, gather, load_routing, pick
 from .mailbox import (MB_DISP_READY, MB_ERR_CODE, MB_ERR_PEER, MB_HDR_BELL, MB_HDR_READY, MB_OV_DONE, MB_OV_READY,
@@ -27,192 +29,173 @@ from .mailbox import (MB_DISP_READY, MB_ERR_CODE, MB_ERR_PEER, MB_HDR_BELL, MB_H
 
 
 @triton.jit
-def rank_counts(topk_ptr, rhist_ptr, T, NC, R: tl.constexpr, E: tl.constexpr, EL: tl.constexpr, K: tl.constexpr,
-                CMAX: tl.constexpr, DIRECT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                BLOCK_C: tl.constexpr):
+def rank_counts(topk_ptr, rhist_ptr, T, NC, DIM: tl.constexpr, MODE: tl.constexpr, TILE: tl.constexpr,
+                REM: tl.constexpr):
     """int32 [BLOCK_R]: this rank's rows to each rank (one per token with a selection there): at
     decode sizes (``DIRECT``) counted from the ids, else summed over the routing histogram's rank
     rows ``rhist`` [R, CMAX]."""
-    rr = tl.arange(0, BLOCK_R)
-    if DIRECT:
-        cnt = tl.zeros((BLOCK_R,), tl.int32)
+    rr = tl.arange(0, REM.BLOCK_R)
+    if MODE.DIRECT:
+        cnt = tl.zeros((REM.BLOCK_R,), tl.int32)
         tt = tl.arange(0, 64)
-        kk = tl.arange(0, BLOCK_K)
+        kk = tl.arange(0, TILE.BLOCK_K)
         for t0 in range(0, T, 64):
-            ids, bad = load_routing(topk_ptr, t0 + tt, t0 + tt < T, E, K, BLOCK_K)
-            dst = tl.where(ids >= 0, ids // EL, -1)
+            ids, bad = load_routing(topk_ptr, t0 + tt, t0 + tt < T, DIM.E, DIM.K, TILE.BLOCK_K)
+            dst = tl.where(ids >= 0, ids // DIM.EL, -1)
             first = first_on_rank(dst, kk)
-            cnt += tl.histogram(tl.reshape(tl.where(first, dst, 0), [64 * BLOCK_K]), BLOCK_R,
-                                mask=tl.reshape(first, [64 * BLOCK_K]))
+            cnt += tl.histogram(tl.reshape(tl.where(first, dst, 0), [64 * TILE.BLOCK_K]), REM.BLOCK_R,
+                                mask=tl.reshape(first, [64 * TILE.BLOCK_K]))
         return cnt
     else:
-        return chunk_sum(rhist_ptr, rr, rr < R, NC, CMAX, BLOCK_C)
+        return chunk_sum(rhist_ptr, rr, rr < DIM.R, NC, DIM.CMAX, TILE.BLOCK_C)
 
 
 @triton.jit
-def selections_before(topk_ptr, ehist_ptr, idf, c, BT, K: tl.constexpr, CMAX: tl.constexpr, DIRECT: tl.constexpr,
-                      BLOCK_C: tl.constexpr):
+def selections_before(io, idf, c, DIM: tl.constexpr, MODE: tl.constexpr, TILE: tl.constexpr):
     """Per flat selection ``idf`` of chunk ``c``: this rank's selections of the same expert in earlier
-    chunks (counted from the ids at decode sizes, else from the histogram ``ehist`` [E, CMAX])."""
+    chunks (counted from the ids at decode sizes, else from the routing histogram [E, CMAX])."""
     pre = tl.zeros(idf.shape, tl.int32)
-    if DIRECT:
-        for f0 in range(0, c * BT * K, 256):
+    if MODE.DIRECT:
+        for f0 in range(0, c * io.BT * DIM.K, 256):
             ff = f0 + tl.arange(0, 256)
-            prev = tl.load(topk_ptr + ff, mask=ff < c * BT * K, other=-1).to(tl.int32)
+            prev = tl.load(io.topk_ptr + ff, mask=ff < c * io.BT * DIM.K, other=-1).to(tl.int32)
             pre += tl.sum((idf[:, None] == prev[None, :]).to(tl.int32), axis=1)
     else:
-        pre = chunk_sum(ehist_ptr, idf, idf >= 0, c, CMAX, BLOCK_C)
+        pre = chunk_sum(io.hist_ptr, idf, idf >= 0, c, DIM.CMAX, TILE.BLOCK_C)
     return tl.where(idf >= 0, pre, 0)
 
 
 @triton.jit
-def pack_chunk_for(d, c, first_peer, off16, roff, x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, send_ptr, comb_row_ptr,
-                   T, BT, ME: tl.constexpr, N: tl.constexpr, E: tl.constexpr, EL: tl.constexpr, K: tl.constexpr, H: tl.constexpr,
-                   NB: tl.constexpr, CMAX: tl.constexpr, FP8: tl.constexpr, PREQ: tl.constexpr,
-                   DIRECT: tl.constexpr, REM_PW: tl.constexpr, REM_RB: tl.constexpr, SEND16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
-                   BLOCK_RH: tl.constexpr, INTERP: tl.constexpr):
+def pack_chunk_for(d, c, first_peer, off16, roff, io, rio, DIM: tl.constexpr, MODE: tl.constexpr,
+                   TILE: tl.constexpr, REM: tl.constexpr):
     """Chunk ``c``'s rows for remote rank ``d`` into ``rows_d`` of the send buffer (``off16``: where
-    ``rows_d`` starts, in 16-byte units; ``ME``: this rank): one row per token with a selection on ``d``, in
-    token order, its trailer, and the token's combine row index ``roff + its row`` at its first
+    ``rows_d`` starts, in 16-byte units): one row per token with a selection on ``d``, in token
+    order, its trailer, and the token's combine row index ``roff + its row`` at its first
     selection on ``d`` in ``comb_row`` [M, K]. ``first_peer``: the chunk's first remote peer also
     writes -1 at every other selection of ``comb_row`` (each (token, k) is written once)."""
-    S: tl.constexpr = BLOCK_T * BLOCK_K
-    tt = tl.arange(0, BLOCK_T)
-    kk = tl.arange(0, BLOCK_K)
+    ME: tl.constexpr = DIM.NODE0 + DIM.RANK
+    S: tl.constexpr = TILE.BLOCK_T * TILE.BLOCK_K
+    SEND16: tl.constexpr = REM.MAXROWS * REM.RB // 16
+    K: tl.constexpr = DIM.K
+    tt = tl.arange(0, TILE.BLOCK_T)
+    kk = tl.arange(0, TILE.BLOCK_K)
     km = kk < K
-    t = c * BT + tt
-    tm = (tt < BT) & (t < T)
-    ids, bad = load_routing(topk_ptr, t, tm, E, K, BLOCK_K)
-    dst = tl.where(ids >= 0, ids // EL, -1)
+    t = c * io.BT + tt
+    tm = (tt < io.BT) & (t < io.T)
+    ids, bad = load_routing(io.topk_ptr, t, tm, DIM.E, K, TILE.BLOCK_K)
+    dst = tl.where(ids >= 0, ids // DIM.EL, -1)
     hit = dst == d
     go = (tl.max(hit.to(tl.int32), axis=1) > 0) & tm
     g = go.to(tl.int32)
     # The token's row among this rank's rows for d: tokens of earlier chunks with a selection on d
     # (the histogram's rank rows follow its N node rows), then earlier tokens of the chunk.
-    pos = tokens_before(topk_ptr=topk_ptr, hist_ptr=hist_ptr + N * CMAX, c=c, BT=BT, T=T, d=d, NODE0=0, E=E, EL=EL,
-                        K=K, CMAX=CMAX, DIRECT=DIRECT, BLOCK_K=BLOCK_K) + tl.cumsum(g, 0) - g
+    pos = tokens_before(topk_ptr=io.topk_ptr, hist_ptr=io.hist_ptr + DIM.N * DIM.CMAX, c=c, BT=io.BT, T=io.T, d=d,
+                        NODE0=0, E=DIM.E, EL=DIM.EL, K=K, CMAX=DIM.CMAX, DIRECT=MODE.DIRECT,
+                        BLOCK_K=TILE.BLOCK_K) + tl.cumsum(g, 0) - g
     first = first_on_rank(dst, kk)
     cm = tm[:, None] & km[None, :]
-    tl.store(comb_row_ptr + t[:, None] * K + kk[None, :], tl.broadcast_to((roff + pos)[:, None], (BLOCK_T, BLOCK_K)),
-             mask=cm & first & hit)
+    tl.store(rio.comb_row_ptr + t[:, None] * K + kk[None, :],
+             tl.broadcast_to((roff + pos)[:, None], (TILE.BLOCK_T, TILE.BLOCK_K)), mask=cm & first & hit)
     if first_peer:  # every selection that is not a token's first on some remote rank
-        remote_first = first & (dst >= 0) & (dst // N != ME // N)
-        tl.store(comb_row_ptr + t[:, None] * K + kk[None, :], tl.full((BLOCK_T, BLOCK_K), -1, tl.int32),
+        remote_first = first & (dst >= 0) & (dst // DIM.N != ME // DIM.N)
+        tl.store(rio.comb_row_ptr + t[:, None] * K + kk[None, :], tl.full((TILE.BLOCK_T, TILE.BLOCK_K), -1, tl.int32),
                  mask=cm & (remote_first == 0))
     # Position j of each selection among this rank's selections of its expert (order (token, k)).
     ff = tl.arange(0, S)
     idf = tl.reshape(ids, (S,))
     within = tl.sum(((idf[:, None] == idf[None, :]) & (ff[None, :] < ff[:, None])).to(tl.int32), axis=1)
-    j = tl.reshape(selections_before(topk_ptr, hist_ptr, idf, c, BT, K, CMAX, DIRECT, BLOCK_C) + within,
-                   (BLOCK_T, BLOCK_K))
-    w = tl.load(w_ptr + t[:, None] * K + kk[None, :], mask=cm, other=0.0)
+    j = tl.reshape(selections_before(io, idf, c, DIM, MODE, TILE) + within, (TILE.BLOCK_T, TILE.BLOCK_K))
+    w = tl.load(io.w_ptr + t[:, None] * K + kk[None, :], mask=cm, other=0.0)
     # Rows in 16-byte units, so the compiler sees every row address 16-byte aligned (vector stores).
-    row16 = off16 + pos.to(tl.int64) * (REM_RB // 16)
-    ok = go & (row16 + REM_RB // 16 <= SEND16)  # never past the send buffer (the count check records it)
-    words = send_ptr.to(tl.pointer_type(tl.int32))
-    tw = words + row16 * 4 + REM_PW
+    row16 = off16 + pos.to(tl.int64) * (REM.RB // 16)
+    ok = go & (row16 + REM.RB // 16 <= SEND16)  # never past the send buffer (the count check records it)
+    words = rio.send_ptr.to(tl.pointer_type(tl.int32))
+    tw = words + row16 * 4 + REM.PW
     tl.store(tw, t, mask=ok)
     m2 = ok[:, None] & km[None, :]
-    tl.store(tw[:, None] + 1 + kk[None, :], tl.where(hit, ids - d * EL, -1), mask=m2)
+    tl.store(tw[:, None] + 1 + kk[None, :], tl.where(hit, ids - d * DIM.EL, -1), mask=m2)
     tl.store(tw[:, None] + 1 + K + kk[None, :], j, mask=m2)
     tl.store(tw[:, None] + 1 + 2 * K + kk[None, :], w.to(tl.int32, bitcast=True), mask=m2)
     rw = row16 * 4
-    for h0 in range(0, H, BLOCK_RH):
-        hh, hm, bb, bm = payload_cols(h0, ok, H, NB, FP8, BLOCK_RH)
-        q, sc = payload_tile(x_ptr=x_ptr, xs_ptr=xs_ptr, t=t, hh=hh, hm=hm, bb=bb, bm=bm, H=H, NB=NB, FP8=FP8,
-                             PREQ=PREQ, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_RH, INTERP=INTERP)
-        if FP8:
-            tl.store(send_ptr + rw[:, None] * 4 + hh[None, :], q, mask=hm)
-            tl.store((words + rw + H // 4)[:, None].to(tl.pointer_type(tl.float32)) + bb[None, :], sc, mask=bm)
+    for h0 in range(0, DIM.H, REM.BLOCK_RH):
+        hh, hm, bb, bm = payload_cols(h0, ok, DIM.H, DIM.NB, MODE.FP8, REM.BLOCK_RH)
+        q, sc = payload_tile(x_ptr=io.x_ptr, xs_ptr=io.xs_ptr, t=t, hh=hh, hm=hm, bb=bb, bm=bm, H=DIM.H, NB=DIM.NB,
+                             FP8=MODE.FP8, PREQ=MODE.PREQ, BLOCK_T=TILE.BLOCK_T, BLOCK_H=REM.BLOCK_RH,
+                             INTERP=MODE.INTERP)
+        if MODE.FP8:
+            tl.store(rio.send_ptr + rw[:, None] * 4 + hh[None, :], q, mask=hm)
+            tl.store((words + rw + DIM.H // 4)[:, None].to(tl.pointer_type(tl.float32)) + bb[None, :], sc, mask=bm)
         else:
             tl.store((words + rw)[:, None].to(tl.pointer_type(tl.bfloat16)) + hh[None, :], q, mask=hm)
 
 
 @triton.jit(do_not_specialize=['T', 'BT', 'NC', 'ws', 'timeout_ns'])
 def internode_dispatch_send_kernel(
-    # the node kernel's runtime arguments (dispatch_kernel)
+    # the node kernel's runtime arguments (node_dispatch_kernel's, in its order)
     x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, peer_ptr, ws, state_ptr, err_ptr, out_x_ptr, out_s_ptr, counts_ptr,
     offsets_ptr, recv_pos_ptr, scratch_ptr, sel_ptr, route_ptr, T, BT, NC, timeout_ns, rows_from_ptr, recv_ids_ptr,
     recv_wts_ptr, recv_src_ptr, num_recv_ptr,
     # the remote peers'
     send_ptr,          # uint8: the proxy's dispatch send buffer, rows only (host or GPU memory)
-    hdr_send_ptr,      # uint8: the proxy's header send region, [R][REM_HDR] (host memory)
+    hdr_send_ptr,      # uint8: the proxy's header send region, [R][REM.HDR] (host memory)
     mb_ptr,            # int64: the proxy's mailbox (host memory)
     arrive_ptr,        # int32 [R + 1]: programs done with each peer's rows ([R]: with the headers); 0 between launches
     comb_row_ptr,      # int32 [M, K]: out, combine row index of each token's first selection on a remote rank, else -1
     own_ptr,           # int32 [EL + 1]: out, this rank's selections of its own experts; [EL] its tokens for itself
-    # the node kernel's constexprs
-    off_hflag: tl.constexpr, off_dflag: tl.constexpr, off_hdr: tl.constexpr, off_meta_i: tl.constexpr,
-    off_meta_w: tl.constexpr, off_rows: tl.constexpr, off_cflag: tl.constexpr,
-    RANK: tl.constexpr, NODE0: tl.constexpr, R: tl.constexpr, N: tl.constexpr, M: tl.constexpr,
-    K: tl.constexpr, E: tl.constexpr, EL: tl.constexpr, H: tl.constexpr, W: tl.constexpr, NB: tl.constexpr,
-    RB: tl.constexpr, HDR: tl.constexpr, CMAX: tl.constexpr, ALIGN: tl.constexpr, CAP: tl.constexpr,
-    GLOBAL: tl.constexpr, FP8: tl.constexpr, PREQ: tl.constexpr, DIRECT: tl.constexpr, PACKED: tl.constexpr,
-    SEND: tl.constexpr, RECV: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_EL: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_NB: tl.constexpr, STAGES: tl.constexpr,
-    INTERP: tl.constexpr, ROWS: tl.constexpr, OWN_X: tl.constexpr, BLOCK_TS: tl.constexpr, BLOCK_HS: tl.constexpr,
-    PREFETCH: tl.constexpr, CM_ROWS: tl.constexpr,
-    # the remote peers'
-    REM_PW: tl.constexpr, REM_RB: tl.constexpr, REM_HDR: tl.constexpr, MAXROWS: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_RH: tl.constexpr,
+    NODE: tl.constexpr,  # NodeGroups: the node kernel's OFF, DIM, MODE, TILE
+    REM: tl.constexpr,   # Remote: the inter-node sizes
 ):
     """The send half: headers and rows for remote peers (each peer's bell rung as soon as its rows
     are packed, peers taken from the next node on), then the node peers' stores."""
+    DIM: tl.constexpr = NODE.DIM
+    MODE: tl.constexpr = NODE.MODE
+    TILE: tl.constexpr = NODE.TILE
+    ME: tl.constexpr = DIM.NODE0 + DIM.RANK
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     epoch = tl.load(state_ptr + pid) + 1
-    ME: tl.constexpr = NODE0 + RANK
-    rr = tl.arange(0, BLOCK_R)
-    rmask = rr < R
-    remote = rmask & (rr // N != ME // N)
+    # what the helpers take (named tuples: no code of their own)
+    io = DispatchIO(x_ptr=x_ptr, xs_ptr=xs_ptr, topk_ptr=topk_ptr, w_ptr=w_ptr, hist_ptr=hist_ptr, peer_ptr=peer_ptr,
+                    ws=ws, err_ptr=err_ptr, out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr, recv_pos_ptr=recv_pos_ptr,
+                    sel_ptr=sel_ptr, route_ptr=route_ptr, rows_from_ptr=rows_from_ptr, recv_ids_ptr=recv_ids_ptr,
+                    recv_wts_ptr=recv_wts_ptr, recv_src_ptr=recv_src_ptr, T=T, BT=BT)
+    rio = RemoteIO(send_ptr=send_ptr, comb_row_ptr=comb_row_ptr, mb_ptr=mb_ptr, rpos_ptr=0, rw_ptr=0, rtimeout_ns=0,
+                   spins=0)
+    rr = tl.arange(0, REM.BLOCK_R)
+    rmask = rr < DIM.R
+    remote = rmask & (rr // DIM.N != ME // DIM.N)
     # Every program derives the count vector and the send buffer's layout (no program waits for
-    # another); offsets in 16-byte units (REM_RB is a multiple of 16).
-    cnt = rank_counts(topk_ptr, hist_ptr + (E + N) * CMAX, T, NC, R, E, EL, K, CMAX, DIRECT, BLOCK_R, BLOCK_K, BLOCK_C)
+    # another); offsets in 16-byte units (REM.RB is a multiple of 16).
+    cnt = rank_counts(topk_ptr, hist_ptr + (DIM.E + DIM.N) * DIM.CMAX, T, NC, DIM, MODE, TILE, REM)
     rows = tl.where(remote, cnt, 0)
-    off16 = excl(rows.to(tl.int64) * (REM_RB // 16))
+    off16 = excl(rows.to(tl.int64) * (REM.RB // 16))
     roff = excl(rows)  # each remote owner's first row in the combine receive region (rank order)
-    SEND16: tl.constexpr = MAXROWS * REM_RB // 16
-    ee = tl.arange(0, BLOCK_EL)
+    ee = tl.arange(0, TILE.BLOCK_EL)
     if pid == 0:
-        if tl.sum(rows) > MAXROWS:  # the proxy refuses these counts too; nothing is written past the buffer
+        if tl.sum(rows) > REM.MAXROWS:  # the proxy refuses these counts too; nothing is written past the buffer
             record_error(err_ptr, ERR_CAPACITY, -1, PHASE_DISPATCH, epoch, tl.sum(rows))
-        mine = local_counts(topk_ptr=topk_ptr, hist_ptr=hist_ptr, T=T, NC=NC, d=ME, E=E, EL=EL, K=K, CMAX=CMAX,
-                            DIRECT=DIRECT, BLOCK_EL=BLOCK_EL, BLOCK_C=BLOCK_C)
-        tl.store(own_ptr + ee, mine, mask=ee < EL)
-        tl.store(own_ptr + EL, pick(cnt, rr, ME))
+        mine = local_counts(io, NC, ME, DIM, MODE, TILE)
+        tl.store(own_ptr + ee, mine, mask=ee < DIM.EL)
+        tl.store(own_ptr + DIM.EL, pick(cnt, rr, ME))
     # Headers first: the receivers place every row with them. Slot d: the count vector and d's
     # selections (this rank's own slot too: the proxy reads its count vector there).
     words = hdr_send_ptr.to(tl.pointer_type(tl.int32))
-    for d in range(pid, R, P):
-        hp = words + d * (REM_HDR // 4)
+    for d in range(pid, DIM.R, P):
+        hp = words + d * (REM.HDR // 4)
         tl.store(hp + rr, cnt, mask=rmask)
-        sel = local_counts(topk_ptr=topk_ptr, hist_ptr=hist_ptr, T=T, NC=NC, d=d, E=E, EL=EL, K=K, CMAX=CMAX,
-                           DIRECT=DIRECT, BLOCK_EL=BLOCK_EL, BLOCK_C=BLOCK_C)
-        tl.store(hp + R + ee, sel, mask=ee < EL)
-    arrive_and_ring(arrive_ptr + R, mb_ptr, MB_HDR_BELL, epoch)
+        sel = local_counts(io, NC, d, DIM, MODE, TILE)
+        tl.store(hp + DIM.R + ee, sel, mask=ee < DIM.EL)
+    arrive_and_ring(arrive_ptr + DIM.R, mb_ptr, MB_HDR_BELL, epoch)
     # Rows, peer by peer: the proxy posts a peer's rows while the next one is packed.
-    for q in range(R - N):
-        d = (NODE0 + N + q) % R
+    for q in range(DIM.R - DIM.N):
+        d = (DIM.NODE0 + DIM.N + q) % DIM.R
         for c in range(pid, NC, P):
-            pack_chunk_for(d=d, c=c, first_peer=q == 0, off16=pick(off16, rr, d), roff=pick(roff, rr, d), x_ptr=x_ptr,
-                           xs_ptr=xs_ptr, topk_ptr=topk_ptr, w_ptr=w_ptr, hist_ptr=hist_ptr, send_ptr=send_ptr,
-                           comb_row_ptr=comb_row_ptr, T=T, BT=BT, ME=ME, N=N, E=E, EL=EL, K=K, H=H, NB=NB, CMAX=CMAX,
-                           FP8=FP8, PREQ=PREQ, DIRECT=DIRECT, REM_PW=REM_PW, REM_RB=REM_RB, SEND16=SEND16, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, BLOCK_C=BLOCK_C, BLOCK_RH=BLOCK_RH,
-                           INTERP=INTERP)
-        arrive_and_ring(arrive_ptr + d, mb_ptr, rows_bell(R, d), epoch)
-    dispatch_kernel(
-        x_ptr=x_ptr, xs_ptr=xs_ptr, topk_ptr=topk_ptr, w_ptr=w_ptr, hist_ptr=hist_ptr, peer_ptr=peer_ptr, ws=ws,
-        state_ptr=state_ptr, err_ptr=err_ptr, out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr, counts_ptr=counts_ptr,
-        offsets_ptr=offsets_ptr, recv_pos_ptr=recv_pos_ptr, scratch_ptr=scratch_ptr, sel_ptr=sel_ptr,
-        route_ptr=route_ptr, T=T, BT=BT, NC=NC, timeout_ns=timeout_ns, rows_from_ptr=rows_from_ptr,
-        recv_ids_ptr=recv_ids_ptr, recv_wts_ptr=recv_wts_ptr, recv_src_ptr=recv_src_ptr, num_recv_ptr=num_recv_ptr,
-        off_hflag=off_hflag, off_dflag=off_dflag, off_hdr=off_hdr, off_meta_i=off_meta_i, off_meta_w=off_meta_w,
-        off_rows=off_rows, off_cflag=off_cflag, RANK=RANK, NODE0=NODE0, R=R, N=N, M=M, K=K, E=E, EL=EL, H=H, W=W,
-        NB=NB, RB=RB, HDR=HDR, CMAX=CMAX, ALIGN=ALIGN, CAP=CAP, GLOBAL=GLOBAL, FP8=FP8, PREQ=PREQ, DIRECT=DIRECT,
-        PACKED=PACKED, SEND=True, RECV=False, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, BLOCK_C=BLOCK_C, BLOCK_H=BLOCK_H,
-        BLOCK_EL=BLOCK_EL, BLOCK_W=BLOCK_W, BLOCK_NB=BLOCK_NB, STAGES=STAGES, INTERP=INTERP, ROWS=ROWS, OWN_X=OWN_X,
-        BLOCK_TS=BLOCK_TS, BLOCK_HS=BLOCK_HS, PREFETCH=PREFETCH, CM_ROWS=CM_ROWS)
+            pack_chunk_for(d, c, q == 0, pick(off16, rr, d), pick(roff, rr, d), io, rio, DIM, MODE, TILE, REM)
+        arrive_and_ring(arrive_ptr + d, mb_ptr, rows_bell(DIM.R, d), epoch)
+    node_dispatch_kernel(x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, peer_ptr, ws, state_ptr, err_ptr, out_x_ptr,
+                         out_s_ptr, counts_ptr, offsets_ptr, recv_pos_ptr, scratch_ptr, sel_ptr, route_ptr, T, BT, NC,
+                         timeout_ns, rows_from_ptr, recv_ids_ptr, recv_wts_ptr, recv_src_ptr, num_recv_ptr,
+                         SEND=True, RECV=False, OFF=NODE.OFF, DIM=DIM, MODE=MODE, TILE=TILE)
 
 
 @triton.jit
@@ -238,102 +221,98 @@ def count_matrix(hdr_recv_ptr, own_ptr, sel_ptr, rows_from_ptr, ok, par, ME: tl.
 
 
 @triton.jit
-def unpack_block(src, im, g, below, eoff, ee, out_x_ptr, out_s_ptr, rpos_ptr, rw_ptr, EL: tl.constexpr, K: tl.constexpr,
-                 H: tl.constexpr, W: tl.constexpr, NB: tl.constexpr, REM_PW: tl.constexpr, CAP: tl.constexpr,
-                 PACKED: tl.constexpr, FP8: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
-                 BLOCK_NB: tl.constexpr, CM_ROWS: tl.constexpr):
+def unpack_block(src, im, g, below, eoff, ee, io, rio, DIM: tl.constexpr, MODE: tl.constexpr, TILE: tl.constexpr,
+                 REM: tl.constexpr):
     """Masked / packed layouts: received rows ``src`` (int32 word addresses, mask ``im``; combine
     order ``g``) into the expert layout, each selection at ``eoff[lid] + below[lid] + j`` (rows of
     the expert from lower sources, then the source's own order): the order (source rank, token,
     k) of the node path. Records each (row, k)'s layout row and weight in ``rpos`` / ``rw``."""
-    kk = tl.arange(0, BLOCK_K)
+    K: tl.constexpr = DIM.K
+    kk = tl.arange(0, TILE.BLOCK_K)
     m2 = im[:, None] & (kk[None, :] < K)
-    lid = tl.load(src[:, None] + REM_PW + 1 + kk[None, :], mask=m2, other=-1)
-    j = tl.load(src[:, None] + REM_PW + 1 + K + kk[None, :], mask=m2, other=0)
-    wt = tl.load(src[:, None] + REM_PW + 1 + 2 * K + kk[None, :], mask=m2, other=0).to(tl.float32, bitcast=True)
-    valid = m2 & (lid >= 0) & (lid < EL)
+    lid = tl.load(src[:, None] + REM.PW + 1 + kk[None, :], mask=m2, other=-1)
+    j = tl.load(src[:, None] + REM.PW + 1 + K + kk[None, :], mask=m2, other=0)
+    wt = tl.load(src[:, None] + REM.PW + 1 + 2 * K + kk[None, :], mask=m2, other=0).to(tl.float32, bitcast=True)
+    valid = m2 & (lid >= 0) & (lid < DIM.EL)
     r = gather(eoff, ee, lid) + gather(below, ee, lid) + j
-    if PACKED:
-        valid = valid & (r < CAP)
+    if MODE.PACKED:
+        valid = valid & (r < DIM.CAP)
     else:
-        valid = valid & (gather(below, ee, lid) + j < CAP)
+        valid = valid & (gather(below, ee, lid) + j < DIM.CAP)
     r = tl.where(valid, r, -1)
-    tl.store(rpos_ptr + g[:, None] * K + kk[None, :], r, mask=m2)
-    tl.store(rw_ptr + g[:, None] * K + kk[None, :], tl.where(valid, wt, 0.0), mask=m2)
+    tl.store(rio.rpos_ptr + g[:, None] * K + kk[None, :], r, mask=m2)
+    tl.store(rio.rw_ptr + g[:, None] * K + kk[None, :], tl.where(valid, wt, 0.0), mask=m2)
     r = r.to(tl.int64)
     # Payload words, then (fp8) the scales: each row read once, stored once per selection.
-    for w0 in range(0, W, BLOCK_W):
-        ww = w0 + tl.arange(0, BLOCK_W)
-        wm = im[:, None] & (ww[None, :] < W)
+    for w0 in range(0, DIM.W, TILE.BLOCK_W):
+        ww = w0 + tl.arange(0, TILE.BLOCK_W)
+        wm = im[:, None] & (ww[None, :] < DIM.W)
         v = tl.load(src[:, None] + ww[None, :], mask=wm)
         for k in tl.static_range(K):
             rk = col(r, kk, k)
-            tl.store(out_x_ptr + rk[:, None] * W + ww[None, :], v, mask=wm & (rk[:, None] >= 0))
-    if FP8:
-        bb = tl.arange(0, BLOCK_NB)
-        bm = im[:, None] & (bb[None, :] < NB)
-        sv = tl.load(src[:, None].to(tl.pointer_type(tl.float32)) + H // 4 + bb[None, :], mask=bm)
+            tl.store(io.out_x_ptr + rk[:, None] * DIM.W + ww[None, :], v, mask=wm & (rk[:, None] >= 0))
+    if MODE.FP8:
+        bb = tl.arange(0, TILE.BLOCK_NB)
+        bm = im[:, None] & (bb[None, :] < DIM.NB)
+        sv = tl.load(src[:, None].to(tl.pointer_type(tl.float32)) + DIM.H // 4 + bb[None, :], mask=bm)
         for k in tl.static_range(K):
             rk = col(r, kk, k)
-            tl.store(scale_ptr(out_s_ptr, rk[:, None], bb[None, :], NB, CM_ROWS), sv, mask=bm & (rk[:, None] >= 0))
+            tl.store(scale_ptr(io.out_s_ptr, rk[:, None], bb[None, :], DIM.NB, TILE.CM_ROWS), sv,
+                     mask=bm & (rk[:, None] >= 0))
 
 
 @triton.jit
-def unpack_rows_block(src, im, g, o, s, ids_ptr, wts_ptr, src_ptr, out_x_ptr, out_s_ptr, rpos_ptr, M: tl.constexpr,
-                      K: tl.constexpr, H: tl.constexpr, W: tl.constexpr, NB: tl.constexpr, REM_PW: tl.constexpr,
-                      FP8: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_NB: tl.constexpr):
+def unpack_rows_block(src, im, g, o, s, io, rio, DIM: tl.constexpr, MODE: tl.constexpr, TILE: tl.constexpr,
+                      REM: tl.constexpr):
     """Rows layout: received rows ``src`` of source ``s`` (mask ``im``, combine order ``g``) become
     rows ``o`` (the source's first row among every source's, plus its token order), with their
     local ids, weights and source; ``rpos[g, 0] = o``."""
-    kk = tl.arange(0, BLOCK_K)
+    K: tl.constexpr = DIM.K
+    kk = tl.arange(0, TILE.BLOCK_K)
     m2 = im[:, None] & (kk[None, :] < K)
-    tok = tl.load(src + REM_PW, mask=im, other=0)
-    lid = tl.load(src[:, None] + REM_PW + 1 + kk[None, :], mask=m2, other=-1)
-    wt = tl.load(src[:, None] + REM_PW + 1 + 2 * K + kk[None, :], mask=m2, other=0).to(tl.float32, bitcast=True)
+    tok = tl.load(src + REM.PW, mask=im, other=0)
+    lid = tl.load(src[:, None] + REM.PW + 1 + kk[None, :], mask=m2, other=-1)
+    wt = tl.load(src[:, None] + REM.PW + 1 + 2 * K + kk[None, :], mask=m2, other=0).to(tl.float32, bitcast=True)
     o = o.to(tl.int64)
-    tl.store(ids_ptr + o[:, None] * K + kk[None, :], lid, mask=m2)
-    tl.store(wts_ptr + o[:, None] * K + kk[None, :], tl.where(lid >= 0, wt, 0.0), mask=m2)
-    tl.store(src_ptr + o, s * M + tok, mask=im)
-    tl.store(rpos_ptr + g * K, o.to(tl.int32), mask=im)
-    for w0 in range(0, W, BLOCK_W):
-        ww = w0 + tl.arange(0, BLOCK_W)
-        wm = im[:, None] & (ww[None, :] < W)
-        tl.store(out_x_ptr + o[:, None] * W + ww[None, :], tl.load(src[:, None] + ww[None, :], mask=wm), mask=wm)
-    if FP8:
-        bb = tl.arange(0, BLOCK_NB)
-        bm = im[:, None] & (bb[None, :] < NB)
-        sv = tl.load(src[:, None].to(tl.pointer_type(tl.float32)) + H // 4 + bb[None, :], mask=bm)
-        tl.store(out_s_ptr + o[:, None] * NB + bb[None, :], sv, mask=bm)
+    tl.store(io.recv_ids_ptr + o[:, None] * K + kk[None, :], lid, mask=m2)
+    tl.store(io.recv_wts_ptr + o[:, None] * K + kk[None, :], tl.where(lid >= 0, wt, 0.0), mask=m2)
+    tl.store(io.recv_src_ptr + o, s * DIM.M + tok, mask=im)
+    tl.store(rio.rpos_ptr + g * K, o.to(tl.int32), mask=im)
+    for w0 in range(0, DIM.W, TILE.BLOCK_W):
+        ww = w0 + tl.arange(0, TILE.BLOCK_W)
+        wm = im[:, None] & (ww[None, :] < DIM.W)
+        tl.store(io.out_x_ptr + o[:, None] * DIM.W + ww[None, :], tl.load(src[:, None] + ww[None, :], mask=wm),
+                 mask=wm)
+    if MODE.FP8:
+        bb = tl.arange(0, TILE.BLOCK_NB)
+        bm = im[:, None] & (bb[None, :] < DIM.NB)
+        sv = tl.load(src[:, None].to(tl.pointer_type(tl.float32)) + DIM.H // 4 + bb[None, :], mask=bm)
+        tl.store(io.out_s_ptr + o[:, None] * DIM.NB + bb[None, :], sv, mask=bm)
 
 
 @triton.jit
-def unpack_any(src, im, g, o, s, below, eoff, ee, ids_ptr, wts_ptr, src_ptr, out_x_ptr, out_s_ptr, rpos_ptr, rw_ptr,
-               M: tl.constexpr, EL: tl.constexpr, K: tl.constexpr, H: tl.constexpr, W: tl.constexpr,
-               NB: tl.constexpr, REM_PW: tl.constexpr, CAP: tl.constexpr, PACKED: tl.constexpr, FP8: tl.constexpr,
-               ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_NB: tl.constexpr,
-               CM_ROWS: tl.constexpr):
+def unpack_any(src, im, g, o, s, below, eoff, ee, io, rio, DIM: tl.constexpr, MODE: tl.constexpr, TILE: tl.constexpr,
+               REM: tl.constexpr):
     """A block of source ``s``'s received rows (``src``, mask ``im``, combine order ``g``) into the
-    layout: ``unpack_rows_block`` (rows layout, at rows ``o``) or ``unpack_block``."""
-    if ROWS:
-        unpack_rows_block(src=src, im=im, g=g, o=o, s=s, ids_ptr=ids_ptr, wts_ptr=wts_ptr, src_ptr=src_ptr,
-                          out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr, rpos_ptr=rpos_ptr, M=M, K=K, H=H, W=W, NB=NB,
-                          REM_PW=REM_PW, FP8=FP8, BLOCK_K=BLOCK_K, BLOCK_W=BLOCK_W, BLOCK_NB=BLOCK_NB)
+    layout: ``unpack_rows_block`` (rows layout, at rows ``o``) or ``unpack_block`` (``below``,
+    ``eoff``, ``ee``: as it takes them). (``g`` and ``o`` come from the caller: computed here, a
+    few instructions of the compiled kernel change their order.)"""
+    if MODE.ROWS:
+        unpack_rows_block(src, im, g, o, s, io, rio, DIM, MODE, TILE, REM)
     else:
-        unpack_block(src=src, im=im, g=g, below=below, eoff=eoff, ee=ee, out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr,
-                     rpos_ptr=rpos_ptr, rw_ptr=rw_ptr, EL=EL, K=K, H=H, W=W, NB=NB, REM_PW=REM_PW, CAP=CAP,
-                     PACKED=PACKED, FP8=FP8, BLOCK_K=BLOCK_K, BLOCK_W=BLOCK_W, BLOCK_NB=BLOCK_NB, CM_ROWS=CM_ROWS)
+        unpack_block(src, im, g, below, eoff, ee, io, rio, DIM, MODE, TILE, REM)
 
 
 @triton.jit(do_not_specialize=['T', 'BT', 'NC', 'ws', 'timeout_ns', 'rtimeout_ns', 'spins'])
 def internode_dispatch_recv_kernel(
-    # the node kernel's runtime arguments (dispatch_kernel)
+    # the node kernel's runtime arguments (node_dispatch_kernel's, in its order)
     x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, peer_ptr, ws, state_ptr, err_ptr, out_x_ptr, out_s_ptr, counts_ptr,
     offsets_ptr, recv_pos_ptr, scratch_ptr, sel_ptr, route_ptr, T, BT, NC, timeout_ns, rows_from_ptr, recv_ids_ptr,
     recv_wts_ptr, recv_src_ptr, num_recv_ptr,
     # the remote sources'
-    round1_ptr,        # uint8: the round-1 region, [2][R][PCAP * REM_RB] (host or GPU memory)
-    overflow_ptr,      # uint8: the overflow region, [2][OVCAP * REM_RB] (host or GPU memory)
-    hdr_recv_ptr,      # uint8: the header receive region, [2][R][REM_HDR] (host memory)
+    round1_ptr,        # uint8: the round-1 region, [2][R][PCAP * REM.RB] (host or GPU memory)
+    overflow_ptr,      # uint8: the overflow region, [2][OVCAP * REM.RB] (host or GPU memory)
+    hdr_recv_ptr,      # uint8: the header receive region, [2][R][REM.HDR] (host memory)
     mb_ptr,            # int64: the proxy's mailbox
     own_ptr,           # int32 [EL + 1] from the send half
     rpos_ptr,          # int32 [ROWS_CAP, K]: out, layout row of each received (row, k), or -1 (rows: [g, 0] its row)
@@ -342,21 +321,8 @@ def internode_dispatch_recv_kernel(
     ov_arrive_ptr,     # int32 [1]: programs done with overflow window 0; 0 between launches
     rtimeout_ns,       # the deadline of the waits for the proxy (its own deadline, which names the peer, is shorter)
     spins,             # the interpreter's bound on looks per wait (it has no clock)
-    # the node kernel's constexprs
-    off_hflag: tl.constexpr, off_dflag: tl.constexpr, off_hdr: tl.constexpr, off_meta_i: tl.constexpr,
-    off_meta_w: tl.constexpr, off_rows: tl.constexpr, off_cflag: tl.constexpr,
-    RANK: tl.constexpr, NODE0: tl.constexpr, R: tl.constexpr, N: tl.constexpr, M: tl.constexpr,
-    K: tl.constexpr, E: tl.constexpr, EL: tl.constexpr, H: tl.constexpr, W: tl.constexpr, NB: tl.constexpr,
-    RB: tl.constexpr, HDR: tl.constexpr, CMAX: tl.constexpr, ALIGN: tl.constexpr, CAP: tl.constexpr,
-    GLOBAL: tl.constexpr, FP8: tl.constexpr, PREQ: tl.constexpr, DIRECT: tl.constexpr, PACKED: tl.constexpr,
-    SEND: tl.constexpr, RECV: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_EL: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_NB: tl.constexpr, STAGES: tl.constexpr,
-    INTERP: tl.constexpr, ROWS: tl.constexpr, OWN_X: tl.constexpr, BLOCK_TS: tl.constexpr, BLOCK_HS: tl.constexpr,
-    PREFETCH: tl.constexpr, CM_ROWS: tl.constexpr,
-    # the remote sources'
-    REM_PW: tl.constexpr, REM_RB: tl.constexpr, REM_HDR: tl.constexpr, PCAP: tl.constexpr, OVCAP: tl.constexpr,
-    ROWS_CAP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_RW: tl.constexpr,
+    NODE: tl.constexpr,  # NodeGroups: the node kernel's OFF, DIM, MODE, TILE
+    REM: tl.constexpr,   # Remote: the inter-node sizes
 ):
     """The receive half: once every source's header is in (the count matrix), the node peers' rows
     (the node kernel, placing them with the count matrix), then each remote source's round-1 rows
@@ -366,73 +332,75 @@ def internode_dispatch_recv_kernel(
     ``ov_done``; one program, so the interpreter, which runs programs one after another, never
     waits for a program that has not run). ``sel_ptr`` and ``rows_from_ptr`` hold one copy per
     program ([P, R, EL], [P, R])."""
+    DIM: tl.constexpr = NODE.DIM
+    MODE: tl.constexpr = NODE.MODE
+    TILE: tl.constexpr = NODE.TILE
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     epoch = tl.load(state_ptr + pid) + 1
     par = epoch & 1
-    ME: tl.constexpr = NODE0 + RANK
-    REM_SLOT: tl.constexpr = PCAP * REM_RB
-    t0_ns = deadline_start(INTERP)
-    ok = wait_word(mb_ptr, MB_HDR_READY, epoch, err_ptr, -1, PHASE_DISPATCH, t0_ns, rtimeout_ns, spins, INTERP)
-    sel_p = sel_ptr + pid * (R * EL)
-    rf_p = rows_from_ptr + pid * R
-    count_matrix(hdr_recv_ptr, own_ptr, sel_p, rf_p, ok, par, ME, R, EL, REM_HDR, BLOCK_R, BLOCK_EL)
-    dispatch_kernel(
-        x_ptr=x_ptr, xs_ptr=xs_ptr, topk_ptr=topk_ptr, w_ptr=w_ptr, hist_ptr=hist_ptr, peer_ptr=peer_ptr, ws=ws,
-        state_ptr=state_ptr, err_ptr=err_ptr, out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr, counts_ptr=counts_ptr,
-        offsets_ptr=offsets_ptr, recv_pos_ptr=recv_pos_ptr, scratch_ptr=scratch_ptr, sel_ptr=sel_p,
-        route_ptr=route_ptr, T=T, BT=BT, NC=NC, timeout_ns=timeout_ns, rows_from_ptr=rf_p,
-        recv_ids_ptr=recv_ids_ptr, recv_wts_ptr=recv_wts_ptr, recv_src_ptr=recv_src_ptr, num_recv_ptr=num_recv_ptr,
-        off_hflag=off_hflag, off_dflag=off_dflag, off_hdr=off_hdr, off_meta_i=off_meta_i, off_meta_w=off_meta_w,
-        off_rows=off_rows, off_cflag=off_cflag, RANK=RANK, NODE0=NODE0, R=R, N=N, M=M, K=K, E=E, EL=EL, H=H, W=W,
-        NB=NB, RB=RB, HDR=HDR, CMAX=CMAX, ALIGN=ALIGN, CAP=CAP, GLOBAL=GLOBAL, FP8=FP8, PREQ=PREQ, DIRECT=DIRECT,
-        PACKED=PACKED, SEND=False, RECV=True, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, BLOCK_C=BLOCK_C, BLOCK_H=BLOCK_H,
-        BLOCK_EL=BLOCK_EL, BLOCK_W=BLOCK_W, BLOCK_NB=BLOCK_NB, STAGES=STAGES, INTERP=INTERP, ROWS=ROWS, OWN_X=OWN_X,
-        BLOCK_TS=BLOCK_TS, BLOCK_HS=BLOCK_HS, PREFETCH=PREFETCH, CM_ROWS=CM_ROWS)
+    ME: tl.constexpr = DIM.NODE0 + DIM.RANK
+    REM_SLOT: tl.constexpr = REM.PCAP * REM.RB
+    t0_ns = deadline_start(MODE.INTERP)
+    ok = wait_word(mb_ptr, MB_HDR_READY, epoch, err_ptr, -1, PHASE_DISPATCH, t0_ns, rtimeout_ns, spins, MODE.INTERP)
+    sel_p = sel_ptr + pid * (DIM.R * DIM.EL)
+    rf_p = rows_from_ptr + pid * DIM.R
+    count_matrix(hdr_recv_ptr, own_ptr, sel_p, rf_p, ok, par, ME, DIM.R, DIM.EL, REM.HDR, REM.BLOCK_R, TILE.BLOCK_EL)
+    node_dispatch_kernel(x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, peer_ptr, ws, state_ptr, err_ptr, out_x_ptr,
+                         out_s_ptr, counts_ptr, offsets_ptr, recv_pos_ptr, scratch_ptr, sel_p, route_ptr, T, BT, NC,
+                         timeout_ns, rf_p, recv_ids_ptr, recv_wts_ptr, recv_src_ptr, num_recv_ptr,
+                         SEND=False, RECV=True, OFF=NODE.OFF, DIM=DIM, MODE=MODE, TILE=TILE)
     # Remote sources: rows from each (one per token), where they are, in combine order.
-    rr = tl.arange(0, BLOCK_R)
-    remote = (rr < R) & (rr // N != ME // N)
-    c = tl.where(remote, tl.load(rf_p + rr, mask=rr < R, other=0), 0)
-    n1s = tl.minimum(c, PCAP)
+    rr = tl.arange(0, REM.BLOCK_R)
+    remote = (rr < DIM.R) & (rr // DIM.N != ME // DIM.N)
+    c = tl.where(remote, tl.load(rf_p + rr, mask=rr < DIM.R, other=0), 0)
+    n1s = tl.minimum(c, REM.PCAP)
     ovoff = excl(c - n1s)            # each source's first row in this rank's overflow stream
-    ov0 = tl.minimum(c - n1s, tl.maximum(OVCAP - ovoff, 0))  # its rows in window 0 (the rest: later windows)
+    ov0 = tl.minimum(c - n1s, tl.maximum(REM.OVCAP - ovoff, 0))  # its rows in window 0 (the rest: later windows)
     goff = excl(c)                   # each source's first received row in combine order
-    first = excl(tl.load(rf_p + rr, mask=rr < R, other=0))  # rows layout: each source's first row
-    if (tl.sum(c) > ROWS_CAP) & (pid == 0):  # more than the combine send buffer holds (the proxy refuses it too)
+    first = excl(tl.load(rf_p + rr, mask=rr < DIM.R, other=0))  # rows layout: each source's first row
+    if (tl.sum(c) > REM.ROWS_CAP) & (pid == 0):  # more than the combine send buffer holds (the proxy refuses it too)
         record_error(err_ptr, ERR_CAPACITY, -1, PHASE_DISPATCH, epoch, tl.sum(c))
     if pid == 0:
-        tl.store(recv_rows_ptr + rr, c, mask=rr < R)
-    ee = tl.arange(0, BLOCK_EL)
-    em = ee < EL
-    sel_t = tl.load(sel_p + rr[:, None] * EL + ee[None, :], mask=(rr < R)[:, None] & em[None, :], other=0)
+        tl.store(recv_rows_ptr + rr, c, mask=rr < DIM.R)
+    ee = tl.arange(0, TILE.BLOCK_EL)
+    em = ee < DIM.EL
+    sel_t = tl.load(sel_p + rr[:, None] * DIM.EL + ee[None, :], mask=(rr < DIM.R)[:, None] & em[None, :], other=0)
     tot = tl.sum(sel_t, axis=0)
-    if PACKED:
-        eoff = excl((tot + ALIGN - 1) // ALIGN * ALIGN)
+    if MODE.PACKED:
+        eoff = excl((tot + DIM.ALIGN - 1) // DIM.ALIGN * DIM.ALIGN)
     else:
-        eoff = ee * CAP
+        eoff = ee * DIM.CAP
     r1w = round1_ptr.to(tl.pointer_type(tl.int32))
     ovw = overflow_ptr.to(tl.pointer_type(tl.int32))
-    ii = tl.arange(0, BLOCK_RW)
+    ii = tl.arange(0, REM.BLOCK_RW)
+    # what the helpers take (named tuples: no code of their own)
+    io = DispatchIO(x_ptr=x_ptr, xs_ptr=xs_ptr, topk_ptr=topk_ptr, w_ptr=w_ptr, hist_ptr=hist_ptr, peer_ptr=peer_ptr,
+                    ws=ws, err_ptr=err_ptr, out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr, recv_pos_ptr=recv_pos_ptr,
+                    sel_ptr=sel_p, route_ptr=route_ptr, rows_from_ptr=rf_p, recv_ids_ptr=recv_ids_ptr,
+                    recv_wts_ptr=recv_wts_ptr, recv_src_ptr=recv_src_ptr, T=T, BT=BT)
+    rio = RemoteIO(send_ptr=0, comb_row_ptr=0, mb_ptr=mb_ptr, rpos_ptr=rpos_ptr, rw_ptr=rw_ptr, rtimeout_ns=rtimeout_ns,
+                   spins=spins)
     # Each source's round-1 rows once its ready1 word is up, its round-2 rows once its ready2 is,
     # in whatever order they land (a late source holds no other back): this program's work per
     # source (bit 0: round 1, bit 1: round 2, where it has blocks), the words read as two vectors
     # per look.
-    nb1 = tl.cdiv(n1s, BLOCK_RW)
-    nb2 = tl.cdiv(ov0, BLOCK_RW)
+    nb1 = tl.cdiv(n1s, REM.BLOCK_RW)
+    nb2 = tl.cdiv(ov0, REM.BLOCK_RW)
     todo = tl.where(remote & (pid < nb1), 1, 0) + tl.where(remote & (pid < nb2), 2, 0)
     bad = tl.load(mb_ptr + MB_ERR_CODE, volatile=True)
     late = tl.full([], 0, tl.int32)
     looks = 0
     while (tl.max(todo, axis=0) > 0) & (bad == 0) & (late == 0):
-        up1 = tl.load(mb_ptr + ready1(R, rr), mask=rr < R, other=0, volatile=True) >= epoch
-        up2 = tl.load(mb_ptr + ready1(R, rr) + R, mask=rr < R, other=0, volatile=True) >= epoch
+        up1 = tl.load(mb_ptr + ready1(DIM.R, rr), mask=rr < DIM.R, other=0, volatile=True) >= epoch
+        up2 = tl.load(mb_ptr + ready1(DIM.R, rr) + DIM.R, mask=rr < DIM.R, other=0, volatile=True) >= epoch
         go = tl.where(up1, todo & 1, 0) + tl.where(up2, todo & 2, 0)
         if tl.max(go, axis=0) > 0:
             # one system-scope acquire of each word seen up: what the proxy had received before it
             # raised them is visible to the loads below
-            tl.atomic_add(mb_ptr + ready1(R, rr), 0, mask=(go & 1) > 0, sem="acquire", scope="sys")
-            tl.atomic_add(mb_ptr + ready1(R, rr) + R, 0, mask=(go & 2) > 0, sem="acquire", scope="sys")
-            for s in range(R):
+            tl.atomic_add(mb_ptr + ready1(DIM.R, rr), 0, mask=(go & 1) > 0, sem="acquire", scope="sys")
+            tl.atomic_add(mb_ptr + ready1(DIM.R, rr) + DIM.R, 0, mask=(go & 2) > 0, sem="acquire", scope="sys")
+            for s in range(DIM.R):
                 g_s = pick(go, rr, s)
                 if g_s > 0:
                     below = tl.sum(tl.where((rr < s)[:, None], sel_t, 0), axis=0)  # rows of each expert from lower sources
@@ -442,24 +410,21 @@ def internode_dispatch_recv_kernel(
                         if (g_s >> part) & 1:
                             lo = n1 if part == 1 else 0
                             hi = n if part == 1 else n1
-                            for b in range(pid, tl.cdiv(hi - lo, BLOCK_RW), P):
-                                i = lo + b * BLOCK_RW + ii
+                            for b in range(pid, tl.cdiv(hi - lo, REM.BLOCK_RW), P):
+                                i = lo + b * REM.BLOCK_RW + ii
                                 im = i < hi
                                 if part == 1:
-                                    w2 = (par * OVCAP * REM_RB + (pick(ovoff, rr, s) + i - PCAP).to(tl.int64) * REM_RB) // 4
+                                    w2 = (par * REM.OVCAP * REM.RB +
+                                          (pick(ovoff, rr, s) + i - REM.PCAP).to(tl.int64) * REM.RB) // 4
                                     src = ovw + tl.multiple_of(tl.where(im, w2, 0), 4)
                                 else:
-                                    w1 = ((par * R + s) * REM_SLOT + i.to(tl.int64) * REM_RB) // 4
+                                    w1 = ((par * DIM.R + s) * REM_SLOT + i.to(tl.int64) * REM.RB) // 4
                                     src = r1w + tl.multiple_of(tl.where(im, w1, 0), 4)
-                                unpack_any(src=src, im=im, g=pick(goff, rr, s) + i, o=pick(first, rr, s) + i, s=s,
-                                           below=below, eoff=eoff, ee=ee, ids_ptr=recv_ids_ptr, wts_ptr=recv_wts_ptr,
-                                           src_ptr=recv_src_ptr, out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr,
-                                           rpos_ptr=rpos_ptr, rw_ptr=rw_ptr, M=M, EL=EL, K=K, H=H, W=W, NB=NB,
-                                           REM_PW=REM_PW, CAP=CAP, PACKED=PACKED, FP8=FP8, ROWS=ROWS,
-                                           BLOCK_K=BLOCK_K, BLOCK_W=BLOCK_W, BLOCK_NB=BLOCK_NB, CM_ROWS=CM_ROWS)
+                                unpack_any(src, im, pick(goff, rr, s) + i, pick(first, rr, s) + i, s, below, eoff,
+                                           ee, io, rio, DIM, MODE, TILE, REM)
             todo = todo - go
         bad = tl.load(mb_ptr + MB_ERR_CODE, volatile=True)
-        if INTERP:  # no clock: the proxy's own deadline ends the wait first; `spins` looks bound it
+        if MODE.INTERP:  # no clock: the proxy's own deadline ends the wait first; `spins` looks bound it
             looks += 1
             late = (looks >= spins).to(tl.int32)
         else:
@@ -467,37 +432,33 @@ def internode_dispatch_recv_kernel(
     if bad != 0:
         record_error(err_ptr, ERR_PROXY, tl.load(mb_ptr + MB_ERR_PEER, volatile=True), PHASE_DISPATCH, epoch, bad)
     elif tl.max(todo, axis=0) > 0:  # the proxy itself stuck: name the first source still awaited
-        record_error(err_ptr, ERR_TIMEOUT, tl.min(tl.where(todo > 0, rr, R), axis=0), PHASE_DISPATCH, epoch, 0)
+        record_error(err_ptr, ERR_TIMEOUT, tl.min(tl.where(todo > 0, rr, DIM.R), axis=0), PHASE_DISPATCH, epoch, 0)
     # Overflow windows beyond the first (§10 "Round 2 in windows"): window w holds the stream's
     # rows [w * OVCAP, (w + 1) * OVCAP), each source's at its place in the stream.
     o_s = c - n1s
-    n_win = window_count(o_s, OVCAP)
+    n_win = window_count(o_s, REM.OVCAP)
     if (n_win > 1) & (bad == 0):
         arrive_and_ring(ov_arrive_ptr, mb_ptr, MB_OV_DONE, ov_window(epoch, 1))
         if pid == P - 1:
             for w in range(1, n_win):
                 lo_s, hi_s = wait_window(mb_ptr, MB_OV_READY, epoch, w, ovoff, o_s, err_ptr, PHASE_DISPATCH,
-                                         rtimeout_ns, spins, OVCAP, INTERP)
-                for s in range(R):
+                                         rtimeout_ns, spins, REM.OVCAP, MODE.INTERP)
+                for s in range(DIM.R):
                     lo = pick(lo_s, rr, s)
                     hi = pick(hi_s, rr, s)
                     if hi > lo:
                         below = tl.sum(tl.where((rr < s)[:, None], sel_t, 0), axis=0)
-                        for b in range(0, tl.cdiv(hi - lo, BLOCK_RW)):
-                            q = lo + b * BLOCK_RW + ii  # places in the stream
+                        for b in range(0, tl.cdiv(hi - lo, REM.BLOCK_RW)):
+                            q = lo + b * REM.BLOCK_RW + ii  # places in the stream
                             im = q < hi
-                            i = PCAP + q - pick(ovoff, rr, s)  # rows of s before it: PCAP in round 1
-                            w2 = (par * OVCAP * REM_RB + (q - w * OVCAP).to(tl.int64) * REM_RB) // 4
+                            i = REM.PCAP + q - pick(ovoff, rr, s)  # rows of s before it: PCAP in round 1
+                            w2 = (par * REM.OVCAP * REM.RB + (q - w * REM.OVCAP).to(tl.int64) * REM.RB) // 4
                             src = ovw + tl.multiple_of(tl.where(im, w2, 0), 4)
-                            unpack_any(src=src, im=im, g=pick(goff, rr, s) + i, o=pick(first, rr, s) + i, s=s,
-                                       below=below, eoff=eoff, ee=ee, ids_ptr=recv_ids_ptr, wts_ptr=recv_wts_ptr,
-                                       src_ptr=recv_src_ptr, out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr,
-                                       rpos_ptr=rpos_ptr, rw_ptr=rw_ptr, M=M, EL=EL, K=K, H=H, W=W, NB=NB,
-                                       REM_PW=REM_PW, CAP=CAP, PACKED=PACKED, FP8=FP8, ROWS=ROWS,
-                                       BLOCK_K=BLOCK_K, BLOCK_W=BLOCK_W, BLOCK_NB=BLOCK_NB, CM_ROWS=CM_ROWS)
+                            unpack_any(src, im, pick(goff, rr, s) + i, pick(first, rr, s) + i, s, below, eoff, ee,
+                                       io, rio, DIM, MODE, TILE, REM)
                 # window w read: the proxy may credit window w + 1 into the same region
                 tl.debug_barrier()
                 tl.atomic_xchg(mb_ptr + MB_OV_DONE, ov_window(epoch, w + 1), sem="release", scope="sys")
     if pid == P - 1:  # this rank's own writes completed: the next dispatch may pack the send buffer again
         # (the last program: under the interpreter, the only one that runs after every window's unpack)
-        wait_word(mb_ptr, MB_DISP_READY, epoch, err_ptr, -1, PHASE_DISPATCH, t0_ns, rtimeout_ns, spins, INTERP)
+        wait_word(mb_ptr, MB_DISP_READY, epoch, err_ptr, -1, PHASE_DISPATCH, t0_ns, rtimeout_ns, spins, MODE.INTERP)

@@ -114,12 +114,12 @@ class RemotePath:
                     spins=self.spins)
 
     def dispatch_consts(self, block_t: int) -> dict:
-        """The remote constexprs of both dispatch halves (``block_t``: tokens per payload tile)."""
+        """The inter-node sizes of both dispatch halves (the fields of ``moe_ep.kernels.args.Remote``
+        they read; ``block_t``: tokens per payload tile)."""
         sp = self.spec
-        return dict(GLOBAL=True, REM_PW=sp.payload_bytes // 4, REM_RB=sp.row_bytes, REM_HDR=sp.hdr_bytes,
-                    MAXROWS=sp.max_send_rows, PCAP=sp.private_capacity, OVCAP=sp.overflow_capacity,
-                    ROWS_CAP=sp.recv_rows, BLOCK_R=pow2(sp.world, 2), BLOCK_RW=16,
-                    BLOCK_RH=max(128, min(pow2(sp.hidden, 2), 4096 // block_t)))
+        return dict(PW=sp.payload_bytes // 4, RB=sp.row_bytes, HDR=sp.hdr_bytes, MAXROWS=sp.max_send_rows,
+                    PCAP=sp.private_capacity, OVCAP=sp.overflow_capacity, ROWS_CAP=sp.recv_rows,
+                    BLOCK_R=pow2(sp.world, 2), BLOCK_RW=16, BLOCK_RH=max(128, min(pow2(sp.hidden, 2), 4096 // block_t)))
 
     def combine_args(self, send: bool) -> dict:
         """The remote runtime arguments of the combine's send (else receive) half, by name (the
@@ -133,11 +133,12 @@ class RemotePath:
         return dict(node, mb_ptr=self.mailbox, rtimeout_ns=self.rtimeout_ns, spins=self.spins)
 
     def combine_consts(self) -> dict:
-        """The remote constexprs of both combine halves."""
+        """The inter-node sizes of both combine halves (the fields of ``moe_ep.kernels.args.Remote``
+        they read)."""
         sp = self.spec
-        return dict(XROWS=True, XCRB=sp.comb_row_bytes, XMAX=sp.max_send_rows, R=sp.world, BLOCK_R=pow2(sp.world, 2),
-                    PCAP=sp.private_capacity, OVCAP=sp.overflow_capacity,
-                    BLOCK_RW=16, BLOCK_RH=max(16, min(pow2(sp.hidden, 2), 512)))
+        return dict(CRB=sp.comb_row_bytes, MAXROWS=sp.max_send_rows, BLOCK_R=pow2(sp.world, 2),
+                    PCAP=sp.private_capacity, OVCAP=sp.overflow_capacity, BLOCK_RW=16,
+                    BLOCK_RH=max(16, min(pow2(sp.hidden, 2), 512)))
 
     # ------------------------------------------------------------------ host side
     def claim_combine(self, serial: int) -> None:

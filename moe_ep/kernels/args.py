@@ -1,5 +1,7 @@
-"""The node kernels' argument groups: named tuples of constexprs the host passes as one argument
-each, and of runtime values a kernel builds once and hands its helpers (``io.x_ptr``, ``DIM.K``).
+"""The kernels' argument groups: named tuples of constexprs the host passes as one argument each,
+and of runtime values a kernel builds once and hands its helpers (``io.x_ptr``, ``DIM.K``). The
+inter-node kernels (``moe_ep.internode``) take the node kernel's four groups as one (``NodeGroups``)
+and their own sizes as another (``Remote``).
 
 A kernel reads a group's field as the constexpr or value it names, so the compiled code is the
 one the same arguments passed one by one give (``scripts/sass_digest.py`` shows it, kernel by
@@ -7,8 +9,10 @@ kernel). Why these forms (Triton 3.6): a ``tl.constexpr`` parameter may hold a n
 field read from it is a plain Python value, which ``tl.static_range`` refuses, so the host wraps
 every field in ``tl.constexpr`` (``constexprs``; not for the interpreter, which runs the kernel as
 Python); a named tuple built inside a kernel keeps each field as it was (constexpr or tensor).
-Runtime pointers stay separate parameters of the launched kernel, so a launch plan binds and
-patches them by position as before (``kernels/launch.py``).
+A group of groups is a constexpr too: the host wraps each inner group as it wraps a field
+(``node_groups``), so ``NODE.DIM`` reads as the ``DIM`` the node kernel takes. Runtime pointers stay
+separate parameters of the launched kernel, so a launch plan binds and patches them by position
+as before (``kernels/launch.py``).
 """
 from __future__ import annotations
 
@@ -107,6 +111,33 @@ class CombineTiles(NamedTuple):
     STAGES: int
 
 
+class NodeGroups(NamedTuple):
+    """The node kernel's four constexpr groups (dispatch's or combine's) as one argument of an
+    inter-node kernel, which hands them on to the node kernel for the node peers' part."""
+
+    OFF: Offsets
+    DIM: Dims
+    MODE: object  # DispatchModes or CombineModes
+    TILE: object  # DispatchTiles or CombineTiles
+
+
+class Remote(NamedTuple):
+    """The inter-node path's sizes and tiles (``moe_ep.internode.spec.RemoteSpec``); each kernel
+    reads those of its op (the rest keep 0)."""
+
+    PW: int = 0        # dispatch: int32 words of a remote row's payload (where its trailer starts)
+    RB: int = 0        # dispatch: bytes of a remote row (a multiple of 16)
+    HDR: int = 0       # dispatch: bytes of a header slot
+    CRB: int = 0       # combine: bytes of a combine row
+    MAXROWS: int = 0   # rows of the dispatch's send buffer, and of a copy of the combine's receive region
+    PCAP: int = 0      # round-1 rows of a source
+    OVCAP: int = 0     # rows of an overflow window
+    ROWS_CAP: int = 0  # dispatch: rows received across nodes at most (rpos, rw)
+    BLOCK_R: int = 0   # ranks, to a power of 2
+    BLOCK_RW: int = 0  # remote rows of an unpack / send block
+    BLOCK_RH: int = 0  # channels of a remote row's tile
+
+
 class DispatchIO(NamedTuple):
     """A dispatch's runtime pointers and sizes its helpers take (the kernel's parameters of those names)."""
 
@@ -138,6 +169,27 @@ class Clock(NamedTuple):
     par: object
     t0_ns: object
     timeout_ns: object
+
+
+class RemoteIO(NamedTuple):
+    """An inter-node dispatch's runtime pointers and scalars its helpers take (the kernel's
+    parameters of those names; a half passes placeholders, here 0, for the others)."""
+
+    send_ptr: object
+    comb_row_ptr: object
+    mb_ptr: object
+    rpos_ptr: object
+    rw_ptr: object
+    rtimeout_ns: object
+    spins: object
+
+
+def node_groups(consts: Mapping, compiled: bool = True) -> NodeGroups:
+    """The node kernel's groups ``OFF``, ``DIM``, ``MODE``, ``TILE`` of ``consts`` (as the
+    dispatch's or combine's constexprs give them) as one ``NodeGroups``; ``compiled``: each group
+    wrapped in ``tl.constexpr``, as ``constexprs`` wraps a field."""
+    g = NodeGroups(*(consts[f] for f in NodeGroups._fields))
+    return NodeGroups(*map(tl.constexpr, g)) if compiled else g
 
 
 def constexprs(group, values: Mapping, compiled: bool = True):

@@ -33,7 +33,6 @@ the output rounded once.
 import triton
 import triton.language as tl
 
-from .args import CombineModes, CombineTiles, Dims, Offsets
 from .common import (ABORT_FLAG, ERR_CAPACITY, PHASE_COMBINE, PHASE_DISPATCH, chunking, deadline_start, pre_reduce,
                      pre_reduce_tile, ptr_at, raise_flag, record_error, to_bf16, wait_flag)
 
@@ -252,38 +251,3 @@ def _send_rows(y_ptr, wy_ptr, r, kk, out, wout, K: tl.constexpr, H: tl.constexpr
         hh = h0 + tl.arange(0, BLOCK_H)
         hm = go[:, None] & (hh[None, :] < H)
         tl.store(out[:, None] + hh[None, :], tl.load(y_ptr + rk[:, None] * H + hh[None, :], mask=hm), mask=hm)
-
-
-@triton.jit
-def combine_kernel(
-    # node_combine_kernel's runtime arguments, in its order
-    y_ptr, topk_ptr, out_ptr, ws, peer_ptr, state_ptr, err_ptr, recv_pos_ptr, timeout_ns, T, wy_ptr, wout_ptr,
-    cw_ptr, xrows_ptr, xrecv_ptr,
-    # its constexprs, one by one
-    off_cflag: tl.constexpr, off_wflag: tl.constexpr, off_hdr: tl.constexpr, off_meta_w: tl.constexpr,
-    off_comb: tl.constexpr,
-    RANK: tl.constexpr, NODE0: tl.constexpr, N: tl.constexpr, M: tl.constexpr, K: tl.constexpr, E: tl.constexpr,
-    EL: tl.constexpr, H: tl.constexpr, HDR: tl.constexpr, CMAX: tl.constexpr, BASE_F32: tl.constexpr,
-    WEIGHTS: tl.constexpr, PUSH: tl.constexpr, SEND: tl.constexpr, RECV: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HR: tl.constexpr,
-    BLOCK_TR: tl.constexpr,
-    STAGES: tl.constexpr, INTERP: tl.constexpr, ROWS: tl.constexpr, OWN_Y: tl.constexpr, WIN: tl.constexpr,
-    WOUT: tl.constexpr, off_comb_w: tl.constexpr,
-    XROWS: tl.constexpr = False, XCRB: tl.constexpr = 0, XMAX: tl.constexpr = 0,
-):
-    """``node_combine_kernel`` with every constexpr a parameter of its own: the form the inter-node
-    kernels (``moe_ep.internode``) call for the node peers' part; it builds the groups (the sizes
-    a combine does not read as 0) and goes once they pass them."""
-    node_combine_kernel(
-        y_ptr, topk_ptr, out_ptr, ws, peer_ptr, state_ptr, err_ptr, recv_pos_ptr, timeout_ns, T, wy_ptr, wout_ptr,
-        cw_ptr, xrows_ptr, xrecv_ptr,
-        SEND=SEND, RECV=RECV, PUSH=PUSH,
-        OFF=Offsets(comb_flag=off_cflag, wgt_flag=off_wflag, hdr=off_hdr, meta_w=off_meta_w, comb=off_comb,
-                    comb_w=off_comb_w),
-        DIM=Dims(RANK=RANK, NODE0=NODE0, R=0, N=N, M=M, K=K, E=E, EL=EL, H=H, W=0, NB=0, RB=0, HDR=HDR, CMAX=CMAX,
-                 ALIGN=0, CAP=0),
-        MODE=CombineModes(BASE_F32=BASE_F32, WEIGHTS=WEIGHTS, ROWS=ROWS, OWN_Y=OWN_Y, WIN=WIN, WOUT=WOUT,
-                          INTERP=INTERP, XROWS=XROWS),
-        TILE=CombineTiles(BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, BLOCK_H=BLOCK_H, BLOCK_HR=BLOCK_HR, BLOCK_TR=BLOCK_TR,
-                          STAGES=STAGES),
-        XCRB=XCRB, XMAX=XMAX)

@@ -24,27 +24,27 @@ import triton.language as tl
 from .common import (ERR_BAD_EXPERT, ERR_CAPACITY, PHASE_DISPATCH, abort_combines, chunking, deadline_start,
                      first_own_tile, landed_chunk, own_prefetch, own_rows_in_blocks, payload_cols, payload_tile,
                      ptr_at, raise_flag, record_error, scale_ptr, store_own_rows, wait_flag)
-from .args import Clock, DispatchIO, DispatchModes, DispatchTiles, Dims, Offsets
+from .args import Clock, DispatchIO
 from .rows import on_peer, recv_rows_chunk, tokens_before
 
 
 @triton.jit
-def local_counts(topk_ptr, hist_ptr, T, NC, d, E: tl.constexpr, EL: tl.constexpr, K: tl.constexpr,
-                  CMAX: tl.constexpr, DIRECT: tl.constexpr, BLOCK_EL: tl.constexpr, BLOCK_C: tl.constexpr):
+def local_counts(io, NC, d, DIM: tl.constexpr, MODE: tl.constexpr, TILE: tl.constexpr):
     """This rank's selections of each local expert of rank ``d``: int32 [BLOCK_EL]."""
-    ee = tl.arange(0, BLOCK_EL)
-    cnt = tl.zeros((BLOCK_EL,), tl.int32)
-    if DIRECT:  # decode sizes (T*K <= 2048): count the ids themselves, no histogram launch
-        for f0 in range(0, T * K, 1024):
+    ee = tl.arange(0, TILE.BLOCK_EL)
+    cnt = tl.zeros((TILE.BLOCK_EL,), tl.int32)
+    if MODE.DIRECT:  # decode sizes (T*K <= 2048): count the ids themselves, no histogram launch
+        for f0 in range(0, io.T * DIM.K, 1024):
             ff = f0 + tl.arange(0, 1024)
-            loc = tl.load(topk_ptr + ff, mask=ff < T * K, other=-1).to(tl.int32) - d * EL
-            mine = (loc >= 0) & (loc < EL) & (ff < T * K)
-            cnt += tl.histogram(tl.where(mine, loc, 0), BLOCK_EL, mask=mine)
+            loc = tl.load(io.topk_ptr + ff, mask=ff < io.T * DIM.K, other=-1).to(tl.int32) - d * DIM.EL
+            mine = (loc >= 0) & (loc < DIM.EL) & (ff < io.T * DIM.K)
+            cnt += tl.histogram(tl.where(mine, loc, 0), TILE.BLOCK_EL, mask=mine)
     else:
-        cc = tl.arange(0, BLOCK_C)
-        for c0 in range(0, NC, BLOCK_C):
-            m = (ee[:, None] < EL) & (c0 + cc[None, :] < NC)
-            cnt += tl.sum(tl.load(hist_ptr + (d * EL + ee)[:, None] * CMAX + c0 + cc[None, :], mask=m, other=0), axis=1)
+        cc = tl.arange(0, TILE.BLOCK_C)
+        for c0 in range(0, NC, TILE.BLOCK_C):
+            m = (ee[:, None] < DIM.EL) & (c0 + cc[None, :] < NC)
+            cnt += tl.sum(tl.load(io.hist_ptr + (d * DIM.EL + ee)[:, None] * DIM.CMAX + c0 + cc[None, :], mask=m,
+                                  other=0), axis=1)
     return cnt
 
 
@@ -267,8 +267,7 @@ def node_dispatch_kernel(
     if SEND:
         # Headers first (program d writes the one for rank d) and the first chunk, before any wait.
         for d in range(pid, DIM.N, P):
-            cnt = local_counts(topk_ptr=topk_ptr, hist_ptr=hist_ptr, T=T, NC=NC, d=DIM.NODE0 + d, E=DIM.E, EL=DIM.EL,
-                               K=DIM.K, CMAX=DIM.CMAX, DIRECT=MODE.DIRECT, BLOCK_EL=TILE.BLOCK_EL, BLOCK_C=TILE.BLOCK_C)
+            cnt = local_counts(io, NC, DIM.NODE0 + d, DIM, MODE, TILE)
             base = tl.load(peer_ptr + d)
             ph = ptr_at(base, OFF.hdr, tl.int32) + (par * DIM.N + DIM.RANK) * DIM.HDR
             tl.store(ph, T)
@@ -358,43 +357,3 @@ def node_dispatch_kernel(
                                     TILE, SELF_SYNC)
     if RECV:
         tl.store(state_ptr + pid, epoch)  # each program keeps its own epoch: no cross-program step
-
-
-@triton.jit
-def dispatch_kernel(
-    # node_dispatch_kernel's runtime arguments, in its order
-    x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, peer_ptr, ws, state_ptr, err_ptr, out_x_ptr, out_s_ptr, counts_ptr,
-    offsets_ptr, recv_pos_ptr, scratch_ptr, sel_ptr, route_ptr, T, BT, NC, timeout_ns, rows_from_ptr, recv_ids_ptr,
-    recv_wts_ptr, recv_src_ptr, num_recv_ptr,
-    # its constexprs, one by one
-    off_hflag: tl.constexpr, off_dflag: tl.constexpr, off_hdr: tl.constexpr, off_meta_i: tl.constexpr,
-    off_meta_w: tl.constexpr, off_rows: tl.constexpr, off_cflag: tl.constexpr,
-    RANK: tl.constexpr, NODE0: tl.constexpr, R: tl.constexpr, N: tl.constexpr, M: tl.constexpr,
-    K: tl.constexpr, E: tl.constexpr, EL: tl.constexpr, H: tl.constexpr, W: tl.constexpr, NB: tl.constexpr,
-    RB: tl.constexpr, HDR: tl.constexpr, CMAX: tl.constexpr, ALIGN: tl.constexpr, CAP: tl.constexpr,
-    GLOBAL: tl.constexpr,
-    FP8: tl.constexpr, PREQ: tl.constexpr, DIRECT: tl.constexpr, PACKED: tl.constexpr,
-    SEND: tl.constexpr, RECV: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_EL: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_NB: tl.constexpr, STAGES: tl.constexpr,
-    INTERP: tl.constexpr, ROWS: tl.constexpr, OWN_X: tl.constexpr, BLOCK_TS: tl.constexpr, BLOCK_HS: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    CM_ROWS: tl.constexpr,
-):
-    """``node_dispatch_kernel`` with every constexpr a parameter of its own: the form the inter-node
-    kernels (``moe_ep.internode``) call for the node peers' part; it builds the groups and goes
-    once they pass them."""
-    node_dispatch_kernel(
-        x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, peer_ptr, ws, state_ptr, err_ptr, out_x_ptr, out_s_ptr,
-        counts_ptr, offsets_ptr, recv_pos_ptr, scratch_ptr, sel_ptr, route_ptr, T, BT, NC, timeout_ns,
-        rows_from_ptr, recv_ids_ptr, recv_wts_ptr, recv_src_ptr, num_recv_ptr,
-        SEND=SEND, RECV=RECV,
-        OFF=Offsets(hdr_flag=off_hflag, disp_flag=off_dflag, comb_flag=off_cflag, hdr=off_hdr, meta_i=off_meta_i,
-                    meta_w=off_meta_w, rows=off_rows),
-        DIM=Dims(RANK=RANK, NODE0=NODE0, R=R, N=N, M=M, K=K, E=E, EL=EL, H=H, W=W, NB=NB, RB=RB, HDR=HDR, CMAX=CMAX,
-                 ALIGN=ALIGN, CAP=CAP),
-        MODE=DispatchModes(GLOBAL=GLOBAL, FP8=FP8, PREQ=PREQ, DIRECT=DIRECT, PACKED=PACKED, ROWS=ROWS, OWN_X=OWN_X,
-                           INTERP=INTERP),
-        TILE=DispatchTiles(BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, BLOCK_C=BLOCK_C, BLOCK_H=BLOCK_H, BLOCK_EL=BLOCK_EL,
-                           BLOCK_W=BLOCK_W, BLOCK_NB=BLOCK_NB, BLOCK_TS=BLOCK_TS, BLOCK_HS=BLOCK_HS, STAGES=STAGES,
-                           PREFETCH=PREFETCH, CM_ROWS=CM_ROWS))
