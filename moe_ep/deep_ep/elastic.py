@@ -274,7 +274,8 @@ class ElasticBuffer:
         dtype = FP8 if sf is not None else torch.bfloat16
         cap = self.num_max_tokens_per_rank or M  # one buffer for every call's cap (no new one per cap)
         prefer = handle._v1.slot if handle is not None and handle._v1.slot.latest is handle._v1 else None
-        slot = self._v1._rows_slot(num_experts, H, cap, K, dtype, prefer=prefer)
+        # "worst": without a CPU sync DeepEP V2 returns R * num_max_tokens_per_rank rows
+        slot = self._v1._rows_slot(num_experts, H, cap, K, dtype, prefer=prefer, max_recv_rows="worst")
 
         def run():
             w = topk_weights if with_w else slot.zero_weights[:T]

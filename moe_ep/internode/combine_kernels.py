@@ -41,6 +41,8 @@ def send_rows_of(g0, d0, n, pid, P, y_ptr, rpos_ptr, rw_ptr, wy_ptr, comb_send_p
         dst = comb_send_ptr + d.to(tl.int64) * CRB
         if ROWS:
             row = tl.sum(tl.where(kk[None, :] == 0, r, 0), axis=1).to(tl.int64)
+            gm = gm & (row >= 0)  # (-1: a row past a cap, after its CapacityError: nothing read)
+            m2 = m2 & gm[:, None]
             if WIN:
                 wv = tl.load(wy_ptr + row[:, None] * K + kk[None, :], mask=m2, other=0.0)
             else:

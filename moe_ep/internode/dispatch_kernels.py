@@ -281,10 +281,14 @@ def unpack_block(src, im, g, below, eoff, ee, out_x_ptr, out_s_ptr, rpos_ptr, rw
 @triton.jit
 def unpack_rows_block(src, im, g, o, s, ids_ptr, wts_ptr, src_ptr, out_x_ptr, out_s_ptr, rpos_ptr, M: tl.constexpr,
                       K: tl.constexpr, H: tl.constexpr, W: tl.constexpr, NB: tl.constexpr, REM_PW: tl.constexpr,
-                      FP8: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_NB: tl.constexpr):
+                      CAP: tl.constexpr, FP8: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
+                      BLOCK_NB: tl.constexpr):
     """Rows layout: received rows ``src`` of source ``s`` (mask ``im``, combine order ``g``) become
     rows ``o`` (the source's first row among every source's, plus its token order), with their
-    local ids, weights and source; ``rpos[g, 0] = o``."""
+    local ids, weights and source; ``rpos[g, 0] = o``. Rows at or past ``CAP`` (a cap,
+    ``max_recv_rows``, whose overflow the count check recorded) are not written."""
+    tl.store(rpos_ptr + g * K, tl.where(o < CAP, o, -1).to(tl.int32), mask=im)
+    im = im & (o < CAP)
     kk = tl.arange(0, BLOCK_K)
     m2 = im[:, None] & (kk[None, :] < K)
     tok = tl.load(src + REM_PW, mask=im, other=0)
@@ -294,7 +298,6 @@ def unpack_rows_block(src, im, g, o, s, ids_ptr, wts_ptr, src_ptr, out_x_ptr, ou
     tl.store(ids_ptr + o[:, None] * K + kk[None, :], lid, mask=m2)
     tl.store(wts_ptr + o[:, None] * K + kk[None, :], tl.where(lid >= 0, wt, 0.0), mask=m2)
     tl.store(src_ptr + o, s * M + tok, mask=im)
-    tl.store(rpos_ptr + g * K, o.to(tl.int32), mask=im)
     for w0 in range(0, W, BLOCK_W):
         ww = w0 + tl.arange(0, BLOCK_W)
         wm = im[:, None] & (ww[None, :] < W)
@@ -317,7 +320,7 @@ def unpack_any(src, im, g, o, s, below, eoff, ee, ids_ptr, wts_ptr, src_ptr, out
     if ROWS:
         unpack_rows_block(src=src, im=im, g=g, o=o, s=s, ids_ptr=ids_ptr, wts_ptr=wts_ptr, src_ptr=src_ptr,
                           out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr, rpos_ptr=rpos_ptr, M=M, K=K, H=H, W=W, NB=NB,
-                          REM_PW=REM_PW, FP8=FP8, BLOCK_K=BLOCK_K, BLOCK_W=BLOCK_W, BLOCK_NB=BLOCK_NB)
+                          REM_PW=REM_PW, CAP=CAP, FP8=FP8, BLOCK_K=BLOCK_K, BLOCK_W=BLOCK_W, BLOCK_NB=BLOCK_NB)
     else:
         unpack_block(src=src, im=im, g=g, below=below, eoff=eoff, ee=ee, out_x_ptr=out_x_ptr, out_s_ptr=out_s_ptr,
                      rpos_ptr=rpos_ptr, rw_ptr=rw_ptr, EL=EL, K=K, H=H, W=W, NB=NB, REM_PW=REM_PW, CAP=CAP,
