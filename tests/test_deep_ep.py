@@ -178,20 +178,26 @@ def test_low_latency_round_scale():
 NORMAL_CALLS = ("bf16", "fp8pre", "notopk", "worst", "bf16")
 
 
-def _normal_worker(rank, R, E_per_rank, K, H, M, calls, node_size=None):
-    """The normal-mode calls of ``calls`` checked against the model; ``node_size`` < R: other
-    nodes through the proxy."""
+def _normal_buffer(node_size=None):
+    """A ``deep_ep.Buffer`` on the world group (``node_size``: ranks a node, else the hosts')."""
     import torch.distributed as dist
 
     import moe_ep.deep_ep as deep_ep
-    from moe_ep.fp8 import dequantize_fp8, quantize_fp8
 
     if node_size is not None:
         os.environ["MOE_EP_NODE_SIZE"] = str(node_size)
     try:
-        buffer = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 20)
+        return deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 20)
     finally:
         os.environ.pop("MOE_EP_NODE_SIZE", None)
+
+
+def _normal_worker(rank, R, E_per_rank, K, H, M, calls, node_size=None):
+    """The normal-mode calls of ``calls`` checked against the model; ``node_size`` < R: other
+    nodes through the proxy."""
+    from moe_ep.fp8 import dequantize_fp8, quantize_fp8
+
+    buffer = _normal_buffer(node_size)
     group, dev = buffer.ep_group, buffer.device
     E = E_per_rank * R
     K = min(K, E)
@@ -300,18 +306,10 @@ def _worst_cap_worker(rank, R, node_size=None):
     per-call read, and ``Tensor.tolist`` made to raise), and the combine equals the model. With 7:
     ``CapacityError`` naming rank 1 and the 8 rows it needs, on both ranks (the source learns it
     in its combine), never a silent truncation. Returns the failures."""
-    import torch.distributed as dist
-
     import moe_ep
-    import moe_ep.deep_ep as deep_ep
     import moe_ep.dispatch
 
-    if node_size is not None:
-        os.environ["MOE_EP_NODE_SIZE"] = str(node_size)
-    try:
-        buffer = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 20)
-    finally:
-        os.environ.pop("MOE_EP_NODE_SIZE", None)
+    buffer = _normal_buffer(node_size)
     dev, fails = buffer.device, []
     E, K, H, M = 8, 2, 128, 4
     x = (torch.arange(M * H, dtype=torch.float32).view(M, H) % 7 + rank).to(torch.bfloat16).to(dev)
