@@ -230,20 +230,22 @@ class Parts:
                               f"epoch {epoch} (treated as -1; nothing was written out of bounds)")
         if code == ErrorCode.CAPACITY:  # peer: the rank that overflowed (this one, or a node peer); detail: expert << 32 | rows
             where = "this rank" if peer == self.rank else f"rank {peer}"
+            named = dict(rank=self.rank, peer=peer, phase=phase_name, epoch=epoch)  # (what a goodbye tells)
             if self.shape.layout == "rows":  # detail: the rows needed
                 return CapacityError(f"rank {self.rank}: {where} needs {detail & 0xFFFFFFFF} rows in {phase_name} "
                                      f"epoch {epoch}, more than max_recv_rows={self.shape.capacity} (nothing was "
                                      f"written past it). Pass a larger max_recv_rows, or None to size the received "
-                                     f"tensors per call.")
+                                     f"tensors per call.", **named)
             if self.shape.layout == "packed":  # detail: the first expert past the cap << 32 | the rows needed
                 return CapacityError(f"rank {self.rank}: expert {detail >> 32} on {where} is past the packed layout's "
                                      f"cap: {where} needs {detail & 0xFFFFFFFF} rows in {phase_name} epoch {epoch}, "
                                      f"more than max_recv_rows={self.shape.capacity} (nothing was written past it). "
-                                     f"Pass a larger max_recv_rows, or None to size expert_x per call.")
+                                     f"Pass a larger max_recv_rows, or None to size expert_x per call.", **named)
             return CapacityError(f"rank {self.rank}: expert {detail >> 32} on {where} received {detail & 0xFFFFFFFF} "
                                  f"rows in {phase_name} epoch {epoch}, more than the masked layout holds "
                                  f"({self.shape.capacity} per expert); with the default capacity only possible when "
-                                 f"tokens list an expert more than once. Use layout='packed' or a larger expert_capacity.")
+                                 f"tokens list an expert more than once. Use layout='packed' or a larger expert_capacity.",
+                                 **named)
         if code == ErrorCode.PROXY and self.memory.remote is not None:  # the wait kernel saw the proxy's record
             try:
                 self.memory.remote.check()

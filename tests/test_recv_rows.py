@@ -108,7 +108,7 @@ def _over_worker(rank, world_size, node_size, layout="packed"):
             buf.synchronize()
             out["error"] = None
         except (moe_ep.CapacityError, PeerLostError) as exc:
-            out["error"] = f"{type(exc).__name__}: {exc}"
+            out["error"], out["peer"] = f"{type(exc).__name__}: {exc}", exc.peer
         # packed, rank 1's 20 rows: expert 4's 16, then 4 of expert 5's; rows, the first 10 tokens
         # (nothing past the cap, none dropped silently)
         out["written"] = int((buf.parts.memory.expert_x.float() == 1.0).all(dim=1).sum())
@@ -148,15 +148,20 @@ def test_max_recv_rows_refused_before_memory():
         moe_ep.memory_plan(layout="packed", recv_rows=33, **base)
 
 
-def test_cap_exceeded_across_nodes():
-    """Across nodes the rank over its cap raises the same ``CapacityError``; a source on another
-    node learns it as the loss of that rank when it closes (``PeerLostError`` naming it: its
-    goodbye carries no capacity code), never a deadline or a wrong result."""
-    r0, r1 = dist_util.run(2, _over_worker, 1, timeout=300)
-    assert r1["error"].startswith("CapacityError: rank 1: expert 5 on this rank") and "needs 32 rows" in r1["error"] \
-        and "max_recv_rows=20" in r1["error"], r1
-    assert r0["error"].startswith("PeerLostError: ") and "peer 1" in r0["error"], r0
-    assert r1["written"] == 20 and r0["written"] == 0, (r0["written"], r1["written"])
+@pytest.mark.parametrize("layout", ["packed", "rows"])
+def test_cap_exceeded_across_nodes(layout):
+    """Across nodes (2 x 1) the rank over its cap raises the same ``CapacityError``; a source on
+    another node learns it from that rank's goodbye, which carries the error's kind: a
+    ``CapacityError`` too (not a ``PeerLostError``), naming rank 1 as the rank over its cap (its
+    ``peer``, and the message), never a deadline or a wrong result."""
+    r0, r1 = dist_util.run(2, _over_worker, 1, layout, timeout=300)
+    need, cap = (32, 20) if layout == "packed" else (16, 10)
+    mine = "rank 1: expert 5 on this rank" if layout == "packed" else "rank 1: this rank needs"
+    assert r1["error"].startswith(f"CapacityError: {mine}") and f"needs {need} rows" in r1["error"] \
+        and f"max_recv_rows={cap}" in r1["error"], r1
+    assert r0["error"].startswith("CapacityError: rank 0: ") and r0["peer"] == 1 and \
+        "closed after a CapacityError: rank 1 received more rows than its max_recv_rows" in r0["error"], r0
+    assert r1["written"] == cap and r0["written"] == 0, (r0["written"], r1["written"])
 
 
 # ---------------------------------------------------------------------------- the rows layout
