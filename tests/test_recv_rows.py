@@ -1,5 +1,6 @@
-"""The packed layout's ``expert_x`` sized per call, to a cap, or for the worst case
-(``EPBuffer(max_recv_rows=)``), on CPU ranks against the oracle:
+"""The packed and rows layouts' received tensors sized per call, to a cap, or for the worst case
+(``EPBuffer(max_recv_rows=)``), on CPU ranks against the oracle (the rows layout: the section
+below, the same three modes, ``test_rows_*``):
 
 - per call (the default): each dispatch's ``expert_x`` has exactly the rows the oracle's counts
   give (each expert's block padded to ``expert_alignment``), its rows and the combine equal the
@@ -7,7 +8,7 @@
   ``memory()`` equals ``memory_plan(recv_rows=)`` of the largest call so far;
 - a cap that fits: ``expert_x`` is the cap, results equal the oracle, no host read;
 - a cap a call exceeds: ``CapacityError`` on every rank naming the rank, the expert and the rows
-  needed; nothing is written past the cap;
+  needed (across nodes the source hears it in the rank's goodbye); nothing is written past the cap;
 - ``"worst"``: today's size, results equal the oracle.
 """
 from __future__ import annotations
@@ -240,11 +241,24 @@ def test_modes_gpu(mode):
 
 
 @pytest.mark.gpu
-def test_cap_exceeded_gpu():
+@pytest.mark.parametrize("layout", ["packed", "rows"])
+def test_cap_exceeded_gpu(layout):
     dist_util.need_gpu()
-    r0, r1 = dist_util.run(2, _over_worker, 2, timeout=300, backend=dist_util.gpu_backend(2))
+    r0, r1 = dist_util.run(2, _over_worker, 2, layout, timeout=300, backend=dist_util.gpu_backend(2))
     assert r0["error"].startswith("CapacityError: ") and r1["error"].startswith("CapacityError: "), (r0, r1)
-    assert r1["written"] == 20 and r0["written"] == 0, (r0["written"], r1["written"])
+    cap = 20 if layout == "packed" else 10
+    assert r1["written"] == cap and r0["written"] == 0, (r0["written"], r1["written"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["per_call", 12, "worst"])
+def test_rows_layout_sizing_gpu(mode):
+    """The rows layout's modes on GPU ranks (the counting kernel's wait and the stream sync for real)."""
+    dist_util.need_gpu()
+    for rank, (fails, rows, needs, plan, live) in enumerate(dist_util.run(
+            2, _rows_worker, 2, mode, "fp8", False, timeout=600, backend=dist_util.gpu_backend(2))):
+        assert not fails, "\n".join(fails)
+        assert rows == {"per_call": max(needs), "worst": 16}.get(mode, mode), (rank, rows, needs)
 
 
 def _time_worker(rank, world_size, T):
