@@ -205,12 +205,19 @@ def test_rows_layout_sizing(mode, node_size, dtype, hooks):
     case: every call's rows, ids, weights, sources and combine equal the oracle (``check_rows``
     holds the received tensors to exactly the oracle's ``num_recv`` rows per call: a host total
     off by one fails), on a node of 2 and on 2 nodes of 1; the plan equals the live buffer."""
-    for rank, (fails, rows, needs, plan, live) in enumerate(
-            dist_util.run(2, _rows_worker, node_size, mode, dtype, hooks, timeout=300)):
+    for fails, rows, needs, plan, live in _check_rows_modes(mode, node_size, dtype, hooks):
+        assert [(r.name, r.where, r.bytes) for r in plan.regions] == [(r.name, r.where, r.bytes) for r in live.regions]
+
+
+def _check_rows_modes(mode, node_size: int, dtype: str, hooks: bool, **run_kw) -> list:
+    """``_rows_worker`` on 2 ranks: no failure, and the buffer's rows are the largest call's
+    (per call), the cap or ``R*M`` = 16; returns each rank's results."""
+    results = dist_util.run(2, _rows_worker, node_size, mode, dtype, hooks, timeout=600, **run_kw)
+    for rank, (fails, rows, needs, plan, live) in enumerate(results):
         assert not fails, "\n".join(fails)
         want = {"per_call": max(needs), "worst": 16}.get(mode, mode)
         assert rows == want and max(needs) <= want, (rank, rows, needs)
-        assert [(r.name, r.where, r.bytes) for r in plan.regions] == [(r.name, r.where, r.bytes) for r in live.regions]
+    return results
 
 
 def test_rows_cap_exceeded_raises_on_every_rank():
@@ -255,10 +262,7 @@ def test_cap_exceeded_gpu(layout):
 def test_rows_layout_sizing_gpu(mode):
     """The rows layout's modes on GPU ranks (the counting kernel's wait and the stream sync for real)."""
     dist_util.need_gpu()
-    for rank, (fails, rows, needs, plan, live) in enumerate(dist_util.run(
-            2, _rows_worker, 2, mode, "fp8", False, timeout=600, backend=dist_util.gpu_backend(2))):
-        assert not fails, "\n".join(fails)
-        assert rows == {"per_call": max(needs), "worst": 16}.get(mode, mode), (rank, rows, needs)
+    _check_rows_modes(mode, 2, "fp8", False, backend=dist_util.gpu_backend(2))
 
 
 def _time_worker(rank, world_size, T):
