@@ -245,7 +245,7 @@ def _dispatch_across_nodes(parts: Parts, rp, replay, sig, tensors, launches: lis
 
 
 class _NoReplay:
-    """The ``Replay`` of a packed buffer sized per call: it finds and records nothing (each call
+    """The ``Replay`` of a packed or rows buffer sized per call: it finds and records nothing (each call
     reads its rows on the host between its halves, which a replayed launch would skip)."""
 
     def find(self, tensors, structure, latest_tried):
@@ -268,10 +268,11 @@ def _fit(parts: Parts, rows: int) -> None:
 def recv_rows(parts: Parts, epoch: int) -> int:
     """Sized per call, between a dispatch's send and receive halves: the rows it brings this rank in
     dispatch ``epoch``, from the headers (packed: ``offsets[-1]``, each local expert's selections
-    from every source, padded to ``expert_alignment``; rows: ``num_recv``, each source's rows). One launch of ``recv_total_kernel`` (it waits for the
-    headers), then one host read: on a GPU after a stream sync, the cost of DeepEP's normal-mode
-    dispatch without ``num_worst_tokens``; under the interpreter after the host's wait. Raises the
-    recorded error where a header did not come."""
+    from every source, padded to ``expert_alignment``; rows: ``num_recv``, each source's rows).
+    One launch of ``recv_total_kernel`` (it waits for the headers), then one host read: on a GPU
+    after a stream sync, the cost of DeepEP's normal-mode dispatch without ``num_worst_tokens``;
+    under the interpreter after the host's wait. Raises the recorded error where a header did not
+    come."""
     mem, calls = parts.memory, parts.calls
     rp = mem.remote
     if rp is None:
