@@ -78,17 +78,19 @@ class EPBuffer:
             ``NativeError`` saying why not; ``"host"``: pinned host memory. The headers and the
             mailbox are pinned host memory either way. ``buffer.remote.memory`` says which was
             taken (per rank: ranks may differ), the log line why.
-        max_recv_rows: packed only: how ``expert_x`` (and fp8 ``expert_scales``) is sized.
-            ``None`` (default): per call, to exactly the rows the dispatch brings (``offsets[-1]``),
+        max_recv_rows: packed and rows layouts: how ``expert_x`` (and fp8 ``expert_scales``; rows
+            layout also ``recv_topk_idx``, ``recv_topk_weights``, ``recv_src``) is sized.
+            ``None`` (default): per call, to exactly the rows the dispatch brings (packed
+            ``offsets[-1]``, rows ``num_recv``),
             read on the host between its send and receive halves (one host sync a dispatch, as
             DeepEP's normal mode without ``num_worst_tokens``; a cached tensor grown when a call
             needs more); under CUDA graph capture, where no host read may happen, the worst case
             instead. An int: a cap, allocated once, no host sync (CUDA-graph safe); a dispatch
             needing more rows writes none past it and raises ``CapacityError`` naming the rank,
-            the expert and the rows needed (the buffer is then broken, like any kernel error).
-            ``"worst"``: allocated once for every row that can come, ``R*max_tokens*topk +
-            E_local*(expert_alignment - 1)`` (a token may list one expert several times), no
-            sync, never over.
+            the rows needed (packed: and the expert) (the buffer is then broken, like any kernel
+            error). ``"worst"``: allocated once for every row that can come, packed
+            ``R*max_tokens*topk + E_local*(expert_alignment - 1)`` (a token may list one expert
+            several times), rows ``R*max_tokens``, no sync, never over.
         tuning: how the kernels are launched (warps, tiles, chunks, ...: ``moe_ep.Tuning``; its
             ``None`` fields take the measured rules). Default ``Tuning.from_env()``: the
             ``MOE_EP_*`` tuning variables, kept for one release. ``buffer.tuning`` holds the values
@@ -243,7 +245,7 @@ class EPBuffer:
                 the weights to apply instead of those given to dispatch (combine-time weights, as
                 DeepEP's low-latency combine takes them); each source pushes them to the expert
                 owners first, so the combine waits one more flag per peer. Node peers only:
-                ``ValueError`` with other nodes. Rows layout: float32 ``[R*max_tokens, K]`` per
+                ``ValueError`` with other nodes. Rows layout: float32 ``[rows of expert_x, K]`` per
                 received row (rows ``< num_recv`` read); their sums over ranks come back with ``out``.
             out: optional ``[T, H]`` bfloat16 contiguous tensor on the buffer's device to write the
                 result into (it is returned), saving an allocation per call; it must not overlap

@@ -10,7 +10,7 @@ import torch
 from .group import EPGroup
 from .internode.path import RemotePath
 from .memory import SymmetricWorkspace, check_device_memory
-from .sizing import DEVICE, BufferShape, MemoryPlan, allocate, where_of
+from .sizing import DEVICE, RECV_ROW_ALLOCS, BufferShape, MemoryPlan, allocate, where_of
 
 _log = logging.getLogger("moe_ep")
 
@@ -33,11 +33,11 @@ class BufferMemory:
             latest dispatch (-1 where none or out of range), which combine reads, not the caller's
             ``topk_idx``; scratch: int32 ``[P, block_el]``.
         expert_x: the expert layout (``DispatchResult.expert_x``), dispatch dtype; expert_x_words:
-            the same bytes as int32 (row copies move 4-byte words). Packed sized per call: at least
-            the rows of the latest dispatch (``fit_rows``), of which ``rows`` are its result.
-        recv_need: packed sized per call only: int64 ``[1]``, pinned host memory on GPU: the rows the
+            the same bytes as int32 (row copies move 4-byte words). Packed or rows sized per call:
+            at least the rows of the latest dispatch (``fit_rows``), of which ``rows`` are its result.
+        recv_need: sized per call only: int64 ``[1]``, pinned host memory on GPU: the rows the
             dispatch being received brings (``moe_ep.kernels.recv_total``), else None.
-        rows: packed sized per call (``per_call``): the rows of the latest dispatch, which its
+        rows: sized per call (``per_call``): the rows of the latest dispatch, which its
             ``DispatchResult`` shows.
         expert_scales: fp8 only: float32 ``[..., NB]`` (column-major in its last two dims with
             ``column_major_scales``), else None.
@@ -92,26 +92,31 @@ class BufferMemory:
         return rp
 
     def fit_rows(self, rows: int) -> None:
-        """Packed sized per call: ``expert_x`` (and fp8 ``expert_scales``) hold at least ``rows`` rows,
+        """Sized per call: the received tensors (``RECV_ROW_ALLOCS``: ``expert_x``, fp8
+        ``expert_scales``, the rows layout's ids, weights and sources) hold at least ``rows`` rows,
         reallocated with exactly that many (uninitialised) when they hold fewer (the previous
         dispatch's result, valid until this dispatch, is released); ``self.rows = rows``."""
         if rows > self.expert_x.shape[0]:
-            a = self._allocs["expert_x"]
-            self.expert_x = torch.empty((rows, *a.shape[1:]), dtype=a.dtype, device=self.device)
+            for key in RECV_ROW_ALLOCS:
+                if key in self._allocs:
+                    a = self._allocs[key]
+                    setattr(self, key, torch.empty((rows, *a.shape[1:]), dtype=a.dtype, device=self.device))
             self.expert_x_words = self.expert_x.view(torch.uint8).view(torch.int32)
-            if self.expert_scales is not None:
-                s = self._allocs["expert_scales"]
-                self.expert_scales = torch.empty((rows, *s.shape[1:]), dtype=s.dtype, device=self.device)
         self.rows = rows
+
+    def recv_row_ptrs(self) -> tuple:
+        """The addresses of the received tensors (a launch plan holds them: one plan per allocation)."""
+        return tuple(getattr(self, key).data_ptr() for key in RECV_ROW_ALLOCS if key in self._allocs)
 
     def result_fields(self) -> dict:
         """The fields every ``DispatchResult`` of this memory shares (``DispatchResult.issued``): the
-        expert layout's tensors, by field name (packed sized per call: the latest dispatch's ``rows``)."""
+        expert layout's tensors, by field name (sized per call: the latest dispatch's ``rows``)."""
+        fields = self._result_fields()
         if self.per_call and self.rows != self.expert_x.shape[0]:
-            x = self.expert_x[:self.rows]
-            return dict(self._result_fields(), expert_x=x, expert_scales=(
-                None if self.expert_scales is None else self.expert_scales[:self.rows]))
-        return self._result_fields()
+            for key in RECV_ROW_ALLOCS:
+                if fields[key] is not None:
+                    fields[key] = fields[key][:self.rows]
+        return fields
 
     def _result_fields(self) -> dict:
         return dict(expert_x=self.expert_x, expert_scales=self.expert_scales, expert_counts=self.expert_counts,

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 class Weights(Enum):
     """The combine-time weights a combine call takes: none, pushed to the owners (masked and packed:
-    ``[T, K]``) or the rows layout's per received row (``[R*max_tokens, K]``)."""
+    ``[T, K]``) or the rows layout's per received row (``[rows of expert_x, K]``)."""
 
     NONE = "none"
     PUSHED = "pushed"
@@ -46,7 +46,7 @@ class Replays:
         self.combine_out = Replay((None, 0))          # expert_y, out [T, H]
         self.pushed = Replay((None, 0))               # expert_y, pushed weights [T, K]
         self.pushed_out = Replay((None, 0, 0))        # expert_y, pushed weights, out
-        self.rows_weights = Replay((None, None))      # expert_y, the rows layout's weights [R*M, K]
+        self.rows_weights = Replay((None, None))      # expert_y, the rows layout's weights [rows, K]
         self.rows_weights_out = Replay((None, None, 0))  # expert_y, the rows layout's weights, out
 
     def of_dispatch(self, scales: bool) -> Replay:
@@ -231,15 +231,22 @@ class Parts:
                               f"epoch {epoch} (treated as -1; nothing was written out of bounds)")
         if code == ErrorCode.CAPACITY:  # peer: the rank that overflowed (this one, or a node peer); detail: expert << 32 | rows
             where = "this rank" if peer == self.rank else f"rank {peer}"
+            named = dict(rank=self.rank, peer=peer, phase=phase_name, epoch=epoch)  # (what a goodbye tells)
+            if self.shape.layout == "rows":  # detail: the rows needed
+                return CapacityError(f"rank {self.rank}: {where} needs {detail & 0xFFFFFFFF} rows in {phase_name} "
+                                     f"epoch {epoch}, more than max_recv_rows={self.shape.capacity} (nothing was "
+                                     f"written past it). Pass a larger max_recv_rows, or None to size the received "
+                                     f"tensors per call.", **named)
             if self.shape.layout == "packed":  # detail: the first expert past the cap << 32 | the rows needed
                 return CapacityError(f"rank {self.rank}: expert {detail >> 32} on {where} is past the packed layout's "
                                      f"cap: {where} needs {detail & 0xFFFFFFFF} rows in {phase_name} epoch {epoch}, "
                                      f"more than max_recv_rows={self.shape.capacity} (nothing was written past it). "
-                                     f"Pass a larger max_recv_rows, or None to size expert_x per call.")
+                                     f"Pass a larger max_recv_rows, or None to size expert_x per call.", **named)
             return CapacityError(f"rank {self.rank}: expert {detail >> 32} on {where} received {detail & 0xFFFFFFFF} "
                                  f"rows in {phase_name} epoch {epoch}, more than the masked layout holds "
                                  f"({self.shape.capacity} per expert); with the default capacity only possible when "
-                                 f"tokens list an expert more than once. Use layout='packed' or a larger expert_capacity.")
+                                 f"tokens list an expert more than once. Use layout='packed' or a larger expert_capacity.",
+                                 **named)
         if code == ErrorCode.PROXY and self.memory.remote is not None:  # the wait kernel saw the proxy's record
             try:
                 self.memory.remote.check()

@@ -91,7 +91,7 @@ def replayed(parts: Parts, buffer, expert_y, handle, out, topk_weights=None, hoo
 def _replayed_weighted(parts: Parts, replays: Replays, expert_y, topk_weights, out, T: int):
     """``replayed`` with combine-time weights from ``replays`` (the buffer's, or its hooked ones):
     masked and packed layouts push them to the owners (``[T, K]``); the rows layout's are per
-    received row (``[R*max_tokens, K]``) and their sums come back in a new ``[T, K]`` tensor.
+    received row (``[rows of expert_x, K]``) and their sums come back in a new ``[T, K]`` tensor.
     Launches and returns ``(result, entry, inputs)``, or None."""
     rows = parts.shape.layout == "rows"
     tensors = (expert_y, topk_weights) if out is None else (expert_y, topk_weights, out)
@@ -162,7 +162,7 @@ def combine(parts: Parts, buffer, expert_y: torch.Tensor, handle, return_recv_ho
     push = topk_weights is not None and not rows
     if topk_weights is not None:
         if rows:
-            check_tensor("topk_weights", topk_weights, (torch.float32,), (shape.capacity, shape.topk), dev)
+            check_tensor("topk_weights", topk_weights, (torch.float32,), (handle.expert_x.shape[0], shape.topk), dev)
         else:
             check_tensor("topk_weights", topk_weights, (torch.float32,), (T, shape.topk), dev)
             if rp is not None:

@@ -13,6 +13,7 @@ from .kernels.args import DispatchModes, DispatchTiles, Dims, Offsets, constexpr
 from .kernels.dispatch import node_dispatch_kernel
 from .handle import DispatchResult
 from .layout import chunking, pow2
+from .sizing import RECV_ROW_ALLOCS
 from .tuning import pipelined_width
 from .kernels.launch import arg_positions, runtime_args
 from .kernels.recv_total import recv_total_kernel
@@ -146,7 +147,7 @@ def dispatch(parts: Parts, buffer, x, topk_idx, topk_weights, x_scales: Optional
     replay = (calls.hooked if return_recv_hook else calls.replays).of_dispatch(x_scales is not None)
     sized = mem.per_call
     if sized:
-        # Packed sized per call: no replays (each call reads its rows on the host); under CUDA graph
+        # Sized per call: no replays (each call reads its rows on the host); under CUDA graph
         # capture (no host read there) the worst case, allocated once, as with max_recv_rows="worst".
         replay = NO_REPLAY
         if mem.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -244,7 +245,7 @@ def _dispatch_across_nodes(parts: Parts, rp, replay, sig, tensors, launches: lis
 
 
 class _NoReplay:
-    """The ``Replay`` of a packed buffer sized per call: it finds and records nothing (each call
+    """The ``Replay`` of a packed or rows buffer sized per call: it finds and records nothing (each call
     reads its rows on the host between its halves, which a replayed launch would skip)."""
 
     def find(self, tensors, structure, latest_tried):
@@ -265,12 +266,13 @@ def _fit(parts: Parts, rows: int) -> None:
 
 
 def recv_rows(parts: Parts, epoch: int) -> int:
-    """Packed sized per call, between a dispatch's send and receive halves: the rows it brings this
-    rank in dispatch ``epoch`` (``offsets[-1]``: each local expert's selections from every source, padded to
-    ``expert_alignment``), from the headers. One launch of ``recv_total_kernel`` (it waits for the
-    headers), then one host read: on a GPU after a stream sync, the cost of DeepEP's normal-mode
-    dispatch without ``num_worst_tokens``; under the interpreter after the host's wait. Raises the
-    recorded error where a header did not come."""
+    """Sized per call, between a dispatch's send and receive halves: the rows it brings this rank in
+    dispatch ``epoch``, from the headers (packed: ``offsets[-1]``, each local expert's selections
+    from every source, padded to ``expert_alignment``; rows: ``num_recv``, each source's rows).
+    One launch of ``recv_total_kernel`` (it waits for the headers), then one host read: on a GPU
+    after a stream sync, the cost of DeepEP's normal-mode dispatch without ``num_worst_tokens``;
+    under the interpreter after the host's wait. Raises the recorded error where a header did not
+    come."""
     mem, calls = parts.memory, parts.calls
     rp = mem.remote
     if rp is None:
@@ -299,14 +301,15 @@ def _recv_total_consts(parts: Parts) -> dict:
     return dict(off_hflag=s.offsets["hdr_flag"], off_hdr=s.offsets["hdr"], NODE0=parts.node0, ME=parts.rank,
                 N=s.node_size, R=s.world_size, EL=s.num_local_experts, HDR=s.workspace.HDR,
                 REM_HDR=rp.spec.hdr_bytes if rp is not None else 16, ALIGN=s.expert_alignment, GLOBAL=rp is not None,
-                BLOCK_R=pow2(s.world_size, 2), BLOCK_EL=s.block_el, INTERP=parts.interp, num_warps=1)
+                BLOCK_R=pow2(s.world_size, 2), BLOCK_EL=s.block_el, INTERP=parts.interp, ROWS=s.layout == "rows",
+                num_warps=1)
 
 
 def _dispatch_sized(parts: Parts, buffer, T: int, launches: list, key: tuple, named: dict, consts, epoch: int,
                     hooked: bool):
-    """A packed dispatch sized per call: the send half, then (at once, or in the hook) the rows it
-    brings read on the host (``recv_rows``), ``expert_x`` fitted to them, and the receive half
-    writing into it. ``launches``: the routing histogram's, issued already."""
+    """A dispatch sized per call (packed or rows): the send half, then (at once, or in the hook) the
+    rows it brings read on the host (``recv_rows``), the received tensors fitted to them, and the
+    receive half writing into them. ``launches``: the routing histogram's, issued already."""
     rp = parts.memory.remote
     if rp is None:
         kernels = (node_dispatch_kernel, node_dispatch_kernel)
@@ -328,13 +331,14 @@ def _dispatch_sized(parts: Parts, buffer, T: int, launches: list, key: tuple, na
             host_wait.wait_dispatch(parts, epoch)
         _fit(parts, recv_rows(parts, epoch))
         mem = parts.memory
-        out = dict(named, out_x_ptr=mem.expert_x_words, out_s_ptr=mem.expert_scales if parts.shape.fp8 else mem.err)
-        # (the receive half's plan keeps the layout's address: one plan per allocation)
-        launch_half(parts, key + ("rows at", mem.expert_x.data_ptr()), kernels[1],
+        out = dict(named, out_x_ptr=mem.expert_x_words, out_s_ptr=mem.expert_scales if parts.shape.fp8 else mem.err,
+                   **_rows_args(parts))
+        # (the receive half's plan keeps the received tensors' addresses: one plan per allocation)
+        launch_half(parts, key + ("rows at",) + mem.recv_row_ptrs(), kernels[1],
                     runtime_args(kernels[1], **{**out, **extra[1]}), dynamic[1], all_consts, False, True)
         if result:  # a hook's: the result issued with the send half shows the rows now
-            result[0].__dict__.update(expert_x=parts.calls.result_fields["expert_x"],
-                                      expert_scales=parts.calls.result_fields["expert_scales"])
+            fields = parts.calls.result_fields
+            result[0].__dict__.update({k: fields[k] for k in RECV_ROW_ALLOCS})
     if not hooked:
         recv()
         return _dispatched(parts, buffer, T, None)

@@ -51,7 +51,17 @@ class CommTimeoutError(RuntimeError):
 
 
 class CapacityError(RuntimeError):
-    """A batch needed more rows than a fixed-size region holds; nothing was written out of bounds."""
+    """A batch needed more rows than a fixed-size region holds; nothing was written out of bounds.
+
+    Attributes (None where not known): ``rank`` (the rank raising it), ``peer`` (the rank whose
+    region overflowed: this one, a node peer, or, learned from its goodbye, a rank on another
+    node), ``phase`` (``"dispatch"`` or ``"combine"``), ``epoch``.
+    """
+
+    def __init__(self, message: str, rank: Optional[int] = None, peer: Optional[int] = None,
+                 phase: Optional[str] = None, epoch: Optional[int] = None):
+        super().__init__(message)
+        self.rank, self.peer, self.phase, self.epoch = rank, peer, phase, epoch
 
 
 class BufferBrokenError(RuntimeError):

@@ -16,18 +16,19 @@ class DispatchResult:
         expert_x: masked ``[E_local, expert_capacity (default R*max_tokens), H]``; packed
             ``[rows, H]``: sized per call (``EPBuffer(max_recv_rows=None)``), exactly this
             dispatch's ``expert_offsets[-1]`` rows; else ``max_recv_rows`` or the worst case
-            ``R*max_tokens*K + E_local*(expert_alignment - 1)``; rows ``[R*max_tokens, H]``
-            (row i: the i-th (source rank, source token) that selected an expert of this rank, in
-            ascending order; rows ``< num_recv`` defined); dispatch dtype.
+            ``R*max_tokens*K + E_local*(expert_alignment - 1)``; rows ``[rows, H]`` (row i: the
+            i-th (source rank, source token) that selected an expert of this rank, in ascending
+            order; rows ``< num_recv`` defined), sized as packed: per call exactly ``num_recv``
+            rows, else ``max_recv_rows`` or the worst case ``R*max_tokens``; dispatch dtype.
         expert_scales: fp8 only: float32 ``[..., ceil(H/128)]`` with expert_x's leading dims (a
             column-major view in its last two dims with ``EPBuffer(column_major_scales=True)``); else None.
         expert_counts: int32 ``[E_local]`` on the device: selections of each local expert (masked,
             packed: its valid rows).
         expert_offsets: packed only: int32 ``[E_local + 1]``; expert e's rows start at offsets[e].
-        recv_topk_idx: rows only: int32 ``[R*max_tokens, K]``: per received row, the local expert id
+        recv_topk_idx: rows only: int32 ``[rows, K]`` (expert_x's rows): per received row, the local expert id
             of the token's k-th selection where it is an expert of this rank, else -1.
-        recv_topk_weights: rows only: float32 ``[R*max_tokens, K]``: its weight there, else 0.
-        recv_src: rows only: int32 ``[R*max_tokens]``: ``source rank * max_tokens + source token``.
+        recv_topk_weights: rows only: float32 ``[rows, K]``: its weight there, else 0.
+        recv_src: rows only: int32 ``[rows]``: ``source rank * max_tokens + source token``.
         num_recv: rows only: int32 ``[1]`` on the device: how many rows are defined.
         num_tokens: T, the tokens this rank passed to the dispatch.
         buffer: the ``EPBuffer`` that returned it, and ``serial``: which of its dispatches (combine

@@ -116,8 +116,10 @@ class RowsExchange:
         key = (num_experts, topk, hidden, dtype, self.max_tokens)
         buf = self._buffers.get(key)
         if buf is None:
+            # "worst": the layer reads an upper bound of the rows without a host sync (``plan``), and
+            # captures in CUDA graphs
             buf = EPBuffer(self.group, num_experts, hidden, self.max_tokens, topk, dispatch_dtype=dtype,
-                           layout="rows", timeout_s=self.timeout_s, tuning=self.tuning)
+                           layout="rows", timeout_s=self.timeout_s, tuning=self.tuning, max_recv_rows="worst")
             self._buffers[key] = buf
         return buf
 

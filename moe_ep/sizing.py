@@ -17,13 +17,15 @@ from typing import Optional
 import torch
 
 from .fp8 import num_scale_blocks
-from .internode.spec import PROXY_MEMORY, ROW_REGIONS, RemoteSpec, layout_capacity
+from .internode.spec import PROXY_MEMORY, ROW_REGIONS, RemoteSpec, layout_capacity, touch_probability
 from .layout import WorkspaceLayout, pow2
 from .proxy.native import mailbox_words
 from .tuning import Tuning
 
 DEVICE, PINNED, HOST = "device", "pinned host", "host"  # where an allocation lives
-WORST = "worst"  # max_recv_rows: the packed expert_x allocated once for every row that can come
+WORST = "worst"  # max_recv_rows: the received tensors allocated once for every row that can come
+# Allocations with one row per received row (packed, rows layouts): sized per call, to a cap or the worst case.
+RECV_ROW_ALLOCS = ("expert_x", "expert_scales", "recv_topk_idx", "recv_topk_weights", "recv_src")
 PLAN_PROGRAMS = 132  # programs a launch memory_plan takes on GPUs: EPBuffer's default on an H100 SXM or H200 (SMs)
 GIB = 1 << 30
 # The regions of a plan, in table order (those a buffer does not allocate are left out).
@@ -77,6 +79,14 @@ def uniform_recv_rows(max_tokens: int, topk: int, num_local_experts: int, expert
     return max_tokens * topk + num_local_experts * (expert_alignment - 1)
 
 
+def uniform_rows_layout_rows(world_size: int, max_tokens: int, topk: int, num_experts: int) -> int:
+    """The rows-layout rows a rank receives, on average, when every rank dispatches ``max_tokens``
+    tokens routed uniformly: one per source token with a selection on the rank, ``R*M`` times the
+    chance that K distinct experts of E touch its E/R (``touch_probability``), rounded up. What a
+    rows buffer sized per call holds at such a batch (``moe-ep-bench memory``'s rows layout)."""
+    return math.ceil(world_size * max_tokens * touch_probability(topk, num_experts, world_size))
+
+
 def _positive(name: str, v) -> None:
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise ValueError(f"{name}: expected a positive int, got {v!r}")
@@ -110,7 +120,7 @@ class BufferShape:
     proxy_memory: str = "auto"
     device_type: str = "cuda"
     max_chunks: Optional[int] = None  # rows layout: the most chunks of a source (Tuning.max_chunks; None: the rule)
-    max_recv_rows: object = None  # packed: None (sized per call), "worst" or a cap in rows (recv_rows_mode)
+    max_recv_rows: object = None  # packed, rows: None (sized per call), "worst" or a cap in rows (recv_rows_mode)
 
     def __post_init__(self):
         R, layout = self.world_size, self.layout
@@ -152,14 +162,15 @@ class BufferShape:
                 raise ValueError(f"{name}: expected None or an int >= 0, got {v!r}")
         cap = self.max_recv_rows
         if cap is not None:
-            if layout != "packed":
-                raise ValueError(f"max_recv_rows: only with layout='packed' (got layout={layout!r}, whose expert_x "
-                                 f"is allocated once at its capacity)")
+            if layout == "masked":
+                raise ValueError(f"max_recv_rows: only with layout='packed' or 'rows' (got layout={layout!r}, whose "
+                                 f"expert_x is allocated once at its expert_capacity)")
             worst = self.worst_rows
             if cap != WORST and (not isinstance(cap, int) or isinstance(cap, bool) or not 1 <= cap <= worst):
+                what = ("world_size * max_tokens * topk + num_local_experts * (expert_alignment - 1)"
+                        if layout == "packed" else "world_size * max_tokens")
                 raise ValueError(f"max_recv_rows: expected None (sized per call), {WORST!r} or an int in [1, "
-                                 f"{worst}] (world_size * max_tokens * topk + num_local_experts * "
-                                 f"(expert_alignment - 1)), got {cap!r}")
+                                 f"{worst}] ({what}), got {cap!r}")
         n = self.num_programs
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"num_programs: expected a positive int, got {n!r}")
@@ -213,20 +224,22 @@ class BufferShape:
 
     @property
     def recv_rows_mode(self) -> str:
-        """How the packed ``expert_x`` is sized: ``"per_call"`` (``max_recv_rows=None``: to the rows
-        each dispatch brings, read on the host between its send and receive halves; the worst case
-        under CUDA graph capture), ``"worst"`` (allocated once at ``worst_rows``) or ``"cap"``
-        (allocated once at ``max_recv_rows``; a dispatch needing more raises ``CapacityError``).
-        Masked and rows layouts: ``"worst"`` (their capacity)."""
-        if self.layout != "packed" or self.max_recv_rows == WORST:
+        """How the packed and rows layouts' received tensors (``RECV_ROW_ALLOCS``: ``expert_x``, fp8
+        ``expert_scales``; rows layout also ``recv_topk_idx``, ``recv_topk_weights``, ``recv_src``)
+        are sized: ``"per_call"`` (``max_recv_rows=None``: to the rows each dispatch brings, read on
+        the host between its send and receive halves; the worst case under CUDA graph capture),
+        ``"worst"`` (allocated once at ``worst_rows``) or ``"cap"`` (allocated once at
+        ``max_recv_rows``; a dispatch needing more raises ``CapacityError``). Masked: ``"worst"``
+        (its capacity)."""
+        if self.layout == "masked" or self.max_recv_rows == WORST:
             return "worst"
         return "per_call" if self.max_recv_rows is None else "cap"
 
     @property
     def capacity(self) -> int:
         """The rows the kernels may address (their ``CAP``): masked, of each local expert's block;
-        packed, in all: ``max_recv_rows`` as a cap, else ``worst_rows`` (per call the allocation
-        is exactly what arrives, never more than this); rows: R*M."""
+        packed and rows, in all: ``max_recv_rows`` as a cap, else ``worst_rows`` (per call the
+        allocation is exactly what arrives, never more than this)."""
         return self.max_recv_rows if self.recv_rows_mode == "cap" else self.worst_rows
 
     @property
@@ -301,9 +314,9 @@ class BufferShape:
         if self.recv_rows_mode == "per_call":  # the rows a call brings, written by a kernel, read by the host
             out["recv_need"] = Alloc("host_words", (1,), i64, pinned)
         if rows:  # per received row its local ids, weights and source; the count of rows
-            out.update({"recv_topk_idx": Alloc("rows_meta", (R * M, K), i32, dev),
-                        "recv_topk_weights": Alloc("rows_meta", (R * M, K), f32, dev),
-                        "recv_src": Alloc("rows_meta", (R * M,), i32, dev),
+            out.update({"recv_topk_idx": Alloc("rows_meta", (*self.lead, K), i32, dev),
+                        "recv_topk_weights": Alloc("rows_meta", (*self.lead, K), f32, dev),
+                        "recv_src": Alloc("rows_meta", self.lead, i32, dev),
                         "num_recv": Alloc("rows_meta", (1,), i32, dev)})
         if remote is not None:
             for name, (shape, dtype) in remote.state_shapes(P).items():
@@ -317,16 +330,16 @@ class BufferShape:
 
     def plan(self, recv_rows: Optional[int] = None) -> "MemoryPlan":
         """The per-region sums of ``allocations()``; sized per call, ``recv_rows`` is the rows the
-        packed ``expert_x`` (and its scales) holds after a dispatch that brought that many (None: as
-        built). ``ValueError`` for ``recv_rows`` outside ``[0, worst_rows]`` or with another mode."""
+        received tensors (``RECV_ROW_ALLOCS``) hold after a dispatch that brought that many (None:
+        as built). ``ValueError`` for ``recv_rows`` outside ``[0, worst_rows]`` or with another mode."""
         allocs = self.allocations()
         if recv_rows is not None:
             if self.recv_rows_mode != "per_call":
-                raise ValueError(f"recv_rows: only for a packed buffer sized per call (max_recv_rows=None), this "
-                                 f"one's expert_x is {self.recv_rows_mode}")
+                raise ValueError(f"recv_rows: only for a packed or rows buffer sized per call (max_recv_rows=None), "
+                                 f"this one's expert_x is {self.recv_rows_mode}")
             if not isinstance(recv_rows, int) or isinstance(recv_rows, bool) or not 0 <= recv_rows <= self.worst_rows:
                 raise ValueError(f"recv_rows: expected an int in [0, {self.worst_rows}], got {recv_rows!r}")
-            for key in ("expert_x", "expert_scales"):
+            for key in RECV_ROW_ALLOCS:
                 if key in allocs:
                     a = allocs[key]
                     allocs[key] = Alloc(a.region, (max(1, recv_rows), *a.shape[1:]), a.dtype, a.where)
@@ -428,10 +441,10 @@ def memory_plan(*, world_size: int, node_size: int, num_experts: int, hidden: in
     ``"cuda"`` (the GPU's memory is ``"device"``; error record, mailbox, headers in pinned host
     memory; the proxy's row regions per ``proxy_memory``) or ``"cpu"`` (CPU ranks: all ``"host"``).
     ``tuning``: the buffer's ``Tuning`` (default ``Tuning.from_env()``, as ``EPBuffer``'s); its
-    ``max_chunks`` sizes the rows layout's chunk flags and histograms. ``max_recv_rows``: packed,
-    as ``EPBuffer`` takes it; sized per call (None), the packed ``expert_x`` a buffer holds is what
-    its largest dispatch so far brought: ``recv_rows`` plans it after a dispatch of that many rows
-    (default: as built, one row).
+    ``max_chunks`` sizes the rows layout's chunk flags and histograms. ``max_recv_rows``: packed and
+    rows, as ``EPBuffer`` takes it; sized per call (None), the received tensors a buffer holds are
+    what its largest dispatch so far brought: ``recv_rows`` plans them after a dispatch of that many
+    rows (default: as built, one row).
     """
     if tuning is None:
         tuning = Tuning.from_env()

@@ -60,7 +60,7 @@ class Case:
     programs: Optional[int] = None  # EPBuffer(num_programs=); None: the buffer's default
     hooks: bool = False
     cm_scales: bool = False  # EPBuffer(column_major_scales=True): masked fp8 only
-    recv_rows: object = None  # EPBuffer(max_recv_rows=): packed only; None: sized per call
+    recv_rows: object = None  # EPBuffer(max_recv_rows=): packed and rows; None: sized per call
 
     @property
     def name(self) -> str:
@@ -280,10 +280,12 @@ def first_expert(ref, case: Case) -> int:
 
 def check_rows(handle, ref, case: Case, where: str) -> List[str]:
     """A rows-layout dispatch result against ``moe_ep.reference.ReferenceRows``: shapes, dtypes,
-    counts, then every defined row in order (bit-exact payload, ids, weights, sources)."""
+    counts, then every defined row in order (bit-exact payload, ids, weights, sources). The
+    received tensors' rows: sized per call (``case.recv_rows`` None) exactly the oracle's count,
+    else the cap or the worst case ``R * M``."""
     fails: List[str] = []
     R, M, H, K, EL = case.R, case.M, case.H, case.K, case.E // case.R
-    CAP = R * M
+    CAP = ref.num_recv if case.recv_rows is None else R * M if case.recv_rows == "worst" else case.recv_rows
     dt = DTYPES[case.dtype]
     fp8 = dt == FP8
     nb = -(-H // 128)

@@ -168,7 +168,7 @@ def _record_remote_worker(rank, world_size, configs):
             buf.calls.launch = spy
             h = buf.dispatch(torch.zeros(T, H, dtype=torch.bfloat16), torch.zeros(T, 8, dtype=torch.int64),
                              torch.zeros(T, 8))
-            wts = torch.zeros(buf.sizes.capacity, 8) if layout == "rows" else None
+            wts = torch.zeros(h.expert_x.shape[0], 8) if layout == "rows" else None
             buf.combine(torch.zeros(h.expert_x.shape, dtype=torch.bfloat16), h, topk_weights=wts)
             buf.close()
     finally:
@@ -197,12 +197,12 @@ def test_internode_kernels_compile_for_sm90(tmp_path):
                           (128, 7168, torch.float8_e4m3fn, "rows", {})])
     names = [r[1] for r in rec]
     # two launches a dispatch and two a combine; the prefill dispatch also the routing histogram
-    # and, packed sized per call, the count between its halves (from the proxy's headers)
-    assert names.count("route_hist_kernel") == 1 and names.count("recv_total_kernel") == 1, names
-    assert len(names) == 3 * 4 + 2, names
+    # and, packed and rows sized per call, the count between its halves (from the proxy's headers)
+    assert names.count("route_hist_kernel") == 1 and names.count("recv_total_kernel") == 2, names
+    assert len(names) == 3 * 4 + 3, names
     assert all(n in _REMOTE_KERNELS or n in ("route_hist_kernel", "recv_total_kernel") for n in names), names
-    tot = next(spec for _, n, spec in rec if n == "recv_total_kernel")
-    assert tot["consts"]["GLOBAL"] is True, tot["consts"]
+    tots = [spec["consts"] for _, n, spec in rec if n == "recv_total_kernel"]
+    assert all(c["GLOBAL"] is True for c in tots) and [c["ROWS"] for c in tots] == [False, True], tots
     hist = next(spec for _, n, spec in rec if n == "route_hist_kernel")
     assert hist["consts"]["RANKS"] == 2, hist["consts"]
     cm = [spec["consts"]["CM_ROWS"] for _, n, spec in rec if n.startswith("internode_dispatch")]
@@ -233,11 +233,12 @@ def test_rows_kernels_compile_for_sm90(monkeypatch, tmp_path):
     compile for sm_90 with vector stores (across nodes: ``test_internode_kernels_compile_for_sm90``)."""
     pytest.importorskip("triton.backends.nvidia")
     monkeypatch.setenv("MOE_EP_PREFETCH", "1")  # the own rows' L2 prefetch (on its own at <= 32 programs)
-    rec = _record(monkeypatch, [(4096, 7168, torch.float8_e4m3fn, "rows", True),
-                                (128, 7168, torch.bfloat16, "rows", True),
-                                (128, 7168, torch.float8_e4m3fn, "rows", False)])
+    worst = dict(max_recv_rows="worst")  # (sized per call, the count kernel: test_internode_kernels_compile_for_sm90)
+    rec = _record(monkeypatch, [(4096, 7168, torch.float8_e4m3fn, "rows", True, worst),
+                                (128, 7168, torch.bfloat16, "rows", True, worst),
+                                (128, 7168, torch.float8_e4m3fn, "rows", False, worst)])
     g = moe_ep.EPGroup()
-    buf = moe_ep.EPBuffer(g, 256, 7168, 256, 8, layout="rows", num_programs=132)
+    buf = moe_ep.EPBuffer(g, 256, 7168, 256, 8, layout="rows", num_programs=132, **worst)
     buf.parts.interp, buf.parts.tuning = False, buf.tuning.replace(fused=True)
     buf.calls.launch = lambda key, fn, grid, args, consts, dynamic=None: rec.append(
         (fn.fn.__module__, fn.fn.__name__, signature(fn.arg_names, args, consts() if callable(consts) else consts)))

@@ -178,20 +178,26 @@ def test_low_latency_round_scale():
 NORMAL_CALLS = ("bf16", "fp8pre", "notopk", "worst", "bf16")
 
 
-def _normal_worker(rank, R, E_per_rank, K, H, M, calls, node_size=None):
-    """The normal-mode calls of ``calls`` checked against the model; ``node_size`` < R: other
-    nodes through the proxy."""
+def _normal_buffer(node_size=None):
+    """A ``deep_ep.Buffer`` on the world group (``node_size``: ranks a node, else the hosts')."""
     import torch.distributed as dist
 
     import moe_ep.deep_ep as deep_ep
-    from moe_ep.fp8 import dequantize_fp8, quantize_fp8
 
     if node_size is not None:
         os.environ["MOE_EP_NODE_SIZE"] = str(node_size)
     try:
-        buffer = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 20)
+        return deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 20)
     finally:
         os.environ.pop("MOE_EP_NODE_SIZE", None)
+
+
+def _normal_worker(rank, R, E_per_rank, K, H, M, calls, node_size=None):
+    """The normal-mode calls of ``calls`` checked against the model; ``node_size`` < R: other
+    nodes through the proxy."""
+    from moe_ep.fp8 import dequantize_fp8, quantize_fp8
+
+    buffer = _normal_buffer(node_size)
     group, dev = buffer.ep_group, buffer.device
     E = E_per_rank * R
     K = min(K, E)
@@ -288,6 +294,70 @@ def _normal_worker(rank, R, E_per_rank, K, H, M, calls, node_size=None):
 @pytest.mark.parametrize("R", RANKS)
 def test_normal(R):
     fails = dist_util.run(R, _normal_worker, 1 if R == 3 else 2, 3, 128, 4, NORMAL_CALLS)
+    fails = [f for r in fails for f in r]
+    assert not fails, "\n".join(fails[:20])
+
+
+def _worst_cap_worker(rank, R, node_size=None):
+    """``num_worst_tokens`` as the rows buffer's cap: every token of both ranks selects rank 1's
+    experts (M = 4 tokens a rank, so rank 1 receives 8 rows, rank 0 none). With 8 rows (fits):
+    exactly 8 rows come back on each rank (rank 0's all past the count: ids -1, weights 0), the
+    buffer holds 8 rows (not R * max_tokens = 128), no host read of the count (``recv_rows``, the
+    per-call read, and ``Tensor.tolist`` made to raise), and the combine equals the model. With 7:
+    ``CapacityError`` naming rank 1 and the 8 rows it needs, on both ranks (the source learns it
+    in its combine), never a silent truncation. Returns the failures."""
+    import moe_ep
+    import moe_ep.dispatch
+
+    buffer = _normal_buffer(node_size)
+    dev, fails = buffer.device, []
+    E, K, H, M = 8, 2, 128, 4
+    x = (torch.arange(M * H, dtype=torch.float32).view(M, H) % 7 + rank).to(torch.bfloat16).to(dev)
+    idx = torch.tensor([[4, 6]] * M, dtype=torch.int64, device=dev)
+    w = torch.full((M, K), 0.5, device=dev)
+    ntr, _, nte, itr, _ = buffer.get_dispatch_layout(idx, E)
+    kw = dict(num_tokens_per_rank=ntr, is_token_in_rank=itr, num_tokens_per_expert=nte, topk_idx=idx, topk_weights=w)
+
+    def no_host_read(*a, **k):
+        raise AssertionError("a host read of the received count")
+    saved = (moe_ep.dispatch.recv_rows, torch.Tensor.tolist)
+    moe_ep.dispatch.recv_rows = torch.Tensor.tolist = no_host_read
+    try:
+        rx, r_idx, r_w, lst, handle, _ = buffer.dispatch(x, num_worst_tokens=2 * M, **kw)
+    finally:
+        moe_ep.dispatch.recv_rows, torch.Tensor.tolist = saved
+    epbuf = handle.slot.epbuf
+    if (epbuf.sizes.max_recv_rows, epbuf.sizes.recv_rows_mode, epbuf.parts.memory.expert_x.shape[0]) != (2 * M, "cap",
+                                                                                                          2 * M):
+        fails.append(f"rank {rank}: the rows buffer is not capped at num_worst_tokens: max_recv_rows "
+                     f"{epbuf.sizes.max_recv_rows}, expert_x rows {epbuf.parts.memory.expert_x.shape[0]}")
+    n = 2 * M if rank == 1 else 0
+    if rx.shape[0] != 2 * M or lst != []:
+        fails.append(f"rank {rank}: recv_x has {rx.shape[0]} rows (expected {2 * M}), list {lst}")
+    elif not (bool((r_idx[n:] == -1).all()) and bool((r_w[n:] == 0).all())):
+        fails.append(f"rank {rank}: rows past the received count must have ids -1 and weights 0")
+    elif rank == 1 and not (bool((r_idx == torch.tensor([0, 2])).all()) and torch.equal(rx[M:].cpu(), x.cpu())):
+        fails.append(f"rank 1: received rows differ from rank 1's own tokens (rows {M}..{2 * M - 1})")
+    y = (rx.float() * 3).to(torch.bfloat16)
+    cx, cw, _ = buffer.combine(y, handle, topk_weights=r_w)
+    if not torch.equal(cx.cpu(), (x.float() * 3).to(torch.bfloat16).cpu()):  # one owner: its row as it is
+        fails.append(f"rank {rank}: combined_x differs from rank 1's rows times 3")
+    try:
+        rx, r_idx, r_w, lst, handle, _ = buffer.dispatch(x, num_worst_tokens=2 * M - 1, **kw)
+        buffer.combine((rx.float()).to(torch.bfloat16), handle, topk_weights=r_w)
+        buffer.ep_group.barrier()
+        fails.append(f"rank {rank}: num_worst_tokens={2 * M - 1} < {2 * M} rows received: no error")
+    except moe_ep.CapacityError as e:
+        want = ("rank 1: this rank needs 8 rows" if rank == 1 else "rank 0: rank 1 needs 8 rows")
+        if want not in str(e) or f"max_recv_rows={2 * M - 1}" not in str(e):
+            fails.append(f"rank {rank}: CapacityError does not say {want!r} and the cap: {e}")
+    except Exception as e:  # noqa: BLE001
+        fails.append(f"rank {rank}: expected CapacityError, got {type(e).__name__}: {e}")
+    return fails
+
+
+def test_normal_num_worst_tokens_is_a_cap():
+    fails = dist_util.run(2, _worst_cap_worker, timeout=300)
     fails = [f for r in fails for f in r]
     assert not fails, "\n".join(fails[:20])
 

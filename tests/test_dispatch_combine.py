@@ -8,6 +8,7 @@ integer data, a bf16 tolerance on random data). Outputs are NaN-poisoned after e
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 
@@ -204,8 +205,6 @@ def test_column_major_scales(R):
 
 
 def _mixed_scales_worker(rank, world_size, case):
-    import dataclasses
-
     import moe_ep
 
     group = moe_ep.EPGroup()
@@ -401,10 +400,11 @@ def _graph_worker(rank, world_size, case_kw, node_size=None):
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             h, out_w = step()
-        if case.layout == "packed" and buf.sizes.recv_rows_mode == "per_call":  # no host read in a graph
+        if buf.sizes.recv_rows_mode == "per_call":  # packed, rows: no host read in a graph, the worst case
             if h.expert_x.shape[0] != buf.sizes.worst_rows:
-                fails.append(f"[graph {case.name} rank {rank}] captured packed expert_x has {h.expert_x.shape[0]} "
-                             f"rows, expected the worst case {buf.sizes.worst_rows}")
+                fails.append(f"[graph {case.name} rank {rank}] captured {case.layout} expert_x has "
+                             f"{h.expert_x.shape[0]} rows, expected the worst case {buf.sizes.worst_rows}")
+            case = dataclasses.replace(case, recv_rows="worst")  # (what check_dispatch holds the rows to)
         for c in range(len(calls)):
             x, idx, w, sc = pad[c]
             sx.copy_(x.to(dev)); sidx.copy_(idx.to(dev)); sw.copy_(w.to(dev))

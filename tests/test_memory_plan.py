@@ -107,7 +107,7 @@ PROXY = ("disp_send", "round1", "overflow", "comb_send", "comb_recv")
 def test_issue_table_at_deepseek_v3_shapes(ep, layout):
     import moe_ep
 
-    worst = dict(max_recv_rows="worst") if layout == "packed" else {}  # the baseline: every row that can come
+    worst = dict(max_recv_rows="worst")  # the baseline: every row that can come
     plan = moe_ep.memory_plan(world_size=ep, node_size=8, layout=layout, **worst, **DSV3)
     got = {"expert": plan["expert_x"] + plan["expert_scales"], "proxy": sum(plan[n] for n in PROXY),
            "total": plan.total_bytes, **{r.name: r.bytes for r in plan.regions}}
@@ -142,6 +142,27 @@ def test_packed_sized_per_call_at_deepseek_v3_shapes(ep, total):
     assert cap["expert_x"] == 65536 * 7168
 
 
+@pytest.mark.parametrize("ep,total", [(8, 1.49), (64, 3.94)])
+def test_rows_sized_per_call_at_deepseek_v3_shapes(ep, total):
+    """Sized per call (the default), the rows layout's received tensors hold what a batch brings:
+    at a uniform batch R*M*(1 - C(E - E/R, K)/C(E, K)) rows (EP64: 31,440 of 262,144; EP8: 21,687
+    of 32,768) instead of R*M, so EP64 goes from 5.55 to 3.94 GiB (EP8 from 1.56 to 1.49) (issue 45's target: <= 4); a
+    cap allocates the cap, ids, weights and sources included."""
+    import moe_ep
+    from moe_ep.sizing import uniform_rows_layout_rows
+
+    rows = uniform_rows_layout_rows(ep, 4096, 8, 256)
+    plan = moe_ep.memory_plan(world_size=ep, node_size=8, layout="rows", recv_rows=rows, **DSV3)
+    assert rows == {8: 21687, 64: 31440}[ep]
+    assert plan["expert_x"] == rows * 7168 and plan["expert_scales"] == rows * 56 * 4
+    assert plan["rows_meta"] == rows * (8 * 4 * 2 + 4) + 4  # ids, weights, source per row; num_recv
+    assert plan.total_bytes / GIB == pytest.approx(total, abs=0.005)
+    cap = moe_ep.memory_plan(world_size=ep, node_size=8, layout="rows", max_recv_rows=20000, **DSV3)
+    assert cap["expert_x"] == 20000 * 7168 and cap["rows_meta"] == 20000 * 68 + 4
+    built = moe_ep.memory_plan(world_size=ep, node_size=8, layout="rows", **DSV3)
+    assert built.total_bytes == plan.total_bytes - (rows - 1) * (7168 + 224 + 68)
+
+
 def test_plan_refuses_what_the_buffer_refuses():
     import moe_ep
 
@@ -155,8 +176,8 @@ def test_plan_refuses_what_the_buffer_refuses():
 
 def test_cli_prints_and_writes_json(tmp_path, capsys):
     import moe_ep
-    from moe_ep.sizing import uniform_recv_rows
     from moe_ep.bench.cli import main
+    from moe_ep.bench.memory import recv_sizing
 
     out = tmp_path / "memory.json"
     assert main(["memory", "--ep", "8,64", "--gpus-per-node", "8", "--tokens", "4096", "--hidden", "7168", "--topk",
@@ -167,7 +188,8 @@ def test_cli_prints_and_writes_json(tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert doc["config"]["num_experts"] == 256 and len(doc["entries"]) == 4
     for r, e in zip(rows, doc["entries"]):
-        rows = dict(recv_rows=uniform_recv_rows(4096, 8, 256 // e["ep"])) if e["layout"] == "packed" else {}
+        rows = recv_sizing("uniform", e["layout"], 4096, e["ep"], 8, 256)
+        assert "recv_rows" in rows
         plan = moe_ep.memory_plan(world_size=e["ep"], node_size=8, layout=e["layout"], **rows, **DSV3)
         assert e["total_bytes"] == plan.total_bytes and e["regions"] == plan.as_dict()["regions"]
         assert float(r[6]) == round(plan.total_bytes / GIB, 2)

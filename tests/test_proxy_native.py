@@ -18,7 +18,8 @@ import pytest
 
 import proxy_wire as W
 from engine_cases import catch, wait_lost
-from moe_ep import CommTimeoutError
+from moe_ep import CapacityError, CommTimeoutError
+from moe_ep.errors import ErrorCode
 from moe_ep.proxy import native
 from moe_ep.proxy import (CQ_OK, CQ_PEER_LOST, CQ_REMOTE_ACCESS, CQ_TIMEOUT, Engine, ImmCounter, JobIdentity,
                           NativeError, PeerLostError, Proxy, TcpTransport)
@@ -447,7 +448,7 @@ def _lost(peer, phase, epoch):
 
 
 # name: (what rank 1 says as it closes: the error it closes with, or the raw goodbye fields
-# (error, peer, phase, epoch)), the peer rank 0's error names, what its message says of rank 1.
+# (error, peer, phase, epoch, code)), the peer rank 0's error names, what its message says of rank 1.
 GOODBYES = {
     "cause": (CommTimeoutError(1, 2, "dispatch", 1, 3.0), 2,
               "rank 1 closed after its own error naming peer 2 (dispatch epoch 1)"),
@@ -458,7 +459,9 @@ GOODBYES = {
                                "naming peer 99 in phase 0 (not trusted: not another rank of a world of 3)"),
     "the closer itself": (CommTimeoutError(1, 1, "dispatch", 1, 3.0), 1,
                           "naming peer 1 in phase 0 (not trusted: not another rank of a world of 3)"),
-    "unknown phase": ((1, 2, 7, 1), 1, "naming peer 2 in phase 7 (not trusted: an unknown phase)"),
+    "unknown phase": ((1, 2, 7, 1, 0), 1, "naming peer 2 in phase 7 (not trusted: an unknown phase)"),
+    "an unknown kind": ((1, 2, native.PHASE_D1, 1, 77), 2,
+                        "rank 1 closed after its own error naming peer 2 (dispatch epoch 1)"),
     # trusted, but rank 0 is alive: a peer that gave up on it is the one it names
     "this rank": (CommTimeoutError(1, 0, "dispatch", 1, 3.0), 1,
                   "rank 1 closed after its own error naming peer 0 (dispatch epoch 1)"),
@@ -492,26 +495,57 @@ def test_goodbye_names_the_cause(case):
             e.close()
 
 
+@pytest.mark.parametrize("over", [1, 2], ids=["the closer", "its node peer"])
+def test_goodbye_after_a_capacity_error(over):
+    """Rank 1 closes after a ``CapacityError`` (its own rows over its cap, or a node peer's it
+    learned): rank 0's proxy raises a ``CapacityError`` at once, not a ``PeerLostError``, naming
+    the rank over its cap (attributes and message), the phase and epoch; rank 2 hears the same."""
+    es, px = _three_waiting()
+    try:
+        t0 = time.monotonic()
+        es[1].close(CapacityError("over", rank=1, peer=over, phase="dispatch", epoch=1))
+        with pytest.raises(CapacityError) as ei:
+            px.wait_ready("dispatch", 1, 10)
+        assert time.monotonic() - t0 < 2.5
+        exc = ei.value
+        assert (exc.rank, exc.peer, exc.phase, exc.epoch) == (0, over, "dispatch", 1), str(exc)
+        text = f"rank 1 closed after a CapacityError: rank {over} received more rows than its max_recv_rows " \
+               f"(dispatch epoch 1)"
+        assert text in str(exc), str(exc)
+        assert wait_lost(es[2], 1, 3.0).endswith(text)
+    finally:
+        px.close()
+        for e in es:
+            e.close()
+
+
 def test_goodbye_cause_of_an_error():
-    assert native.goodbye_cause(None) == (0, -1, -1, 0)
-    assert native.goodbye_cause(CommTimeoutError(0, 3, "dispatch", 4, 1.0)) == (1, 3, native.PHASE_D1, 4)
-    assert native.goodbye_cause(_lost(2, "combine", 5)) == (1, 2, native.PHASE_C, 5)
+    assert native.goodbye_cause(None) == (0, -1, -1, 0, 0)
+    assert native.goodbye_cause(CommTimeoutError(0, 3, "dispatch", 4, 1.0)) == (1, 3, native.PHASE_D1, 4, 0)
+    assert native.goodbye_cause(_lost(2, "combine", 5)) == (1, 2, native.PHASE_C, 5, 0)
     for other in (CommTimeoutError(0, 3, "connect", 0, 1.0), CommTimeoutError(0, -1, "dispatch", 4, 1.0),
                   PeerLostError("no phase", native.ERR_PEER, 3), ValueError("bad ids")):
-        assert native.goodbye_cause(other) == (1, -1, -1, 0), other
+        assert native.goodbye_cause(other) == (1, -1, -1, 0, 0), other
+    # a CapacityError: its kind, and the rank over its cap where it is another (a node peer)
+    cap = int(ErrorCode.CAPACITY)
+    assert native.goodbye_cause(CapacityError("over", rank=1, peer=1, phase="dispatch", epoch=4)) == \
+        (1, -1, native.PHASE_D1, 4, cap)
+    assert native.goodbye_cause(CapacityError("over", rank=1, peer=0, phase="dispatch", epoch=4)) == \
+        (1, 0, native.PHASE_D1, 4, cap)
+    assert native.goodbye_cause(CapacityError("over")) == (1, -1, -1, 0, cap)
 
 
 # The goodbye written out from docs/ARCHITECTURE.md §10: magic "MEGB", src, dst, world, error,
-# cause peer, cause phase, reserved, cause epoch, session, secret; on an ack stream after an ack
+# cause peer, cause phase, cause code, cause epoch, session, secret; on an ack stream after an ack
 # (wr_id 0, status 2, shard 0).
-GOODBYE = struct.Struct("<IiiiiiiIqQ16s")
+GOODBYE = struct.Struct("<IiiiiiiiqQ16s")
 MAGIC_GOODBYE = 0x4247454D
 assert GOODBYE.size == 64
 ID = JobIdentity(bytes(range(40, 56)), 1_700_000_000_000_000_777)
 
 
-def _goodbye(cause=2, secret=ID.secret, src=1, world=3):
-    return GOODBYE.pack(MAGIC_GOODBYE, src, 0, world, 1, cause, native.PHASE_D1, 0, 4, ID.session, secret)
+def _goodbye(cause=2, secret=ID.secret, src=1, world=3, code=0):
+    return GOODBYE.pack(MAGIC_GOODBYE, src, 0, world, 1, cause, native.PHASE_D1, code, 4, ID.session, secret)
 
 
 def _fake_rank1(e, stream):
@@ -535,6 +569,12 @@ WIRE_GOODBYES = {
     "wrong secret": (_goodbye(secret=bytes(16)), "protocol error: a goodbye whose job secret does not match"),
     "another rank's": (_goodbye(src=2), "protocol error: a goodbye saying rank 2, from peer 1"),
     "another world": (_goodbye(world=4), "protocol error: a goodbye for world size 4 (this job has 3)"),
+    "capacity": (_goodbye(cause=-1, code=3), "rank 1 closed after a CapacityError: rank 1 received more rows than "
+                                             "its max_recv_rows (dispatch epoch 4)"),
+    "capacity of a node peer": (_goodbye(code=3), "rank 1 closed after a CapacityError: rank 2 received more rows "
+                                                  "than its max_recv_rows (dispatch epoch 4)"),
+    "a stranger's capacity": (_goodbye(cause=-1, code=3, secret=bytes(16)),
+                              "protocol error: a goodbye whose job secret does not match"),
 }
 
 

@@ -1,5 +1,6 @@
-"""The packed layout's ``expert_x`` sized per call, to a cap, or for the worst case
-(``EPBuffer(max_recv_rows=)``), on CPU ranks against the oracle:
+"""The packed and rows layouts' received tensors sized per call, to a cap, or for the worst case
+(``EPBuffer(max_recv_rows=)``), on CPU ranks against the oracle (the rows layout: the section
+below, the same three modes, ``test_rows_*``):
 
 - per call (the default): each dispatch's ``expert_x`` has exactly the rows the oracle's counts
   give (each expert's block padded to ``expert_alignment``), its rows and the combine equal the
@@ -7,7 +8,7 @@
   ``memory()`` equals ``memory_plan(recv_rows=)`` of the largest call so far;
 - a cap that fits: ``expert_x`` is the cap, results equal the oracle, no host read;
 - a cap a call exceeds: ``CapacityError`` on every rank naming the rank, the expert and the rows
-  needed; nothing is written past the cap;
+  needed (across nodes the source hears it in the rank's goodbye); nothing is written past the cap;
 - ``"worst"``: today's size, results equal the oracle.
 """
 from __future__ import annotations
@@ -85,9 +86,10 @@ def test_cap_that_fits_and_worst_case(mode):
         assert [(r.name, r.where, r.bytes) for r in plan.regions] == [(r.name, r.where, r.bytes) for r in live.regions]
 
 
-def _over_worker(rank, world_size, node_size):
-    """Every token of both ranks lists rank 1's experts 4 and 5 (K = 2): rank 1 needs 2 * 2 * 8 =
-    32 rows (alignment 1) against a cap of 20; rank 0 needs none."""
+def _over_worker(rank, world_size, node_size, layout="packed"):
+    """Every token of both ranks lists rank 1's experts 4 and 5 (K = 2): packed, rank 1 needs 2 * 2
+    * 8 = 32 rows (alignment 1) against a cap of 20; rows, 2 * 8 = 16 (one per token) against a
+    cap of 10; rank 0 needs none."""
     import moe_ep
     from moe_ep.proxy.native import PeerLostError
 
@@ -98,7 +100,8 @@ def _over_worker(rank, world_size, node_size):
     idx = torch.tensor([[4, 5]] * M, dtype=torch.int64, device=dev)
     w = torch.ones(M, K, device=dev)
     out = {}
-    with moe_ep.EPBuffer(group, E, H, M, K, layout="packed", max_recv_rows=20, timeout_s=60.0) as buf:
+    cap = 20 if layout == "packed" else 10
+    with moe_ep.EPBuffer(group, E, H, M, K, layout=layout, max_recv_rows=cap, timeout_s=60.0) as buf:
         buf.parts.memory.expert_x.fill_(7.0)
         try:
             h = buf.dispatch(x, idx, w)
@@ -106,9 +109,12 @@ def _over_worker(rank, world_size, node_size):
             buf.synchronize()
             out["error"] = None
         except (moe_ep.CapacityError, PeerLostError) as exc:
-            out["error"] = f"{type(exc).__name__}: {exc}"
-        # rank 1's 20 rows: expert 4's 16, then 4 of expert 5's (nothing past the cap, none dropped silently)
+            out["error"], out["peer"] = f"{type(exc).__name__}: {exc}", exc.peer
+        # packed, rank 1's 20 rows: expert 4's 16, then 4 of expert 5's; rows, the first 10 tokens
+        # (nothing past the cap, none dropped silently)
         out["written"] = int((buf.parts.memory.expert_x.float() == 1.0).all(dim=1).sum())
+        if layout == "rows":  # the rows' sources too: rank 0's 8 tokens, then rank 1's first 2
+            out["sources"] = buf.parts.memory.recv_src.tolist()
         try:
             buf.dispatch(x, idx, w)
             out["after"] = "no error"
@@ -134,24 +140,98 @@ def test_max_recv_rows_refused_before_memory():
 
     base = dict(world_size=2, node_size=2, num_experts=4, hidden=128, max_tokens=8, topk=2, device="cpu")
     for bad, layout in ((0, "packed"), (2 * 8 * 2 + 1, "packed"), ("some", "packed"), (True, "packed"),
-                        (8, "masked"), ("worst", "rows")):
+                        (8, "masked"), ("worst", "masked"), (0, "rows"), (2 * 8 + 1, "rows"), (1.5, "rows")):
         with pytest.raises(ValueError, match="^max_recv_rows: "):
             moe_ep.memory_plan(layout=layout, max_recv_rows=bad, **base)
-    with pytest.raises(ValueError, match="^recv_rows: only for a packed buffer sized per call"):
+    with pytest.raises(ValueError, match="^recv_rows: only for a packed or rows buffer sized per call"):
         moe_ep.memory_plan(layout="packed", max_recv_rows=8, recv_rows=4, **base)
     with pytest.raises(ValueError, match=r"^recv_rows: expected an int in \[0, 32\]"):
         moe_ep.memory_plan(layout="packed", recv_rows=33, **base)
 
 
-def test_cap_exceeded_across_nodes():
-    """Across nodes the rank over its cap raises the same ``CapacityError``; a source on another
-    node learns it as the loss of that rank when it closes (``PeerLostError`` naming it: its
-    goodbye carries no capacity code), never a deadline or a wrong result."""
-    r0, r1 = dist_util.run(2, _over_worker, 1, timeout=300)
-    assert r1["error"].startswith("CapacityError: rank 1: expert 5 on this rank") and "needs 32 rows" in r1["error"] \
-        and "max_recv_rows=20" in r1["error"], r1
-    assert r0["error"].startswith("PeerLostError: ") and "peer 1" in r0["error"], r0
-    assert r1["written"] == 20 and r0["written"] == 0, (r0["written"], r1["written"])
+@pytest.mark.parametrize("layout", ["packed", "rows"])
+def test_cap_exceeded_across_nodes(layout):
+    """Across nodes (2 x 1) the rank over its cap raises the same ``CapacityError``; a source on
+    another node learns it from that rank's goodbye, which carries the error's kind: a
+    ``CapacityError`` too (not a ``PeerLostError``), naming rank 1 as the rank over its cap (its
+    ``peer``, and the message), never a deadline or a wrong result."""
+    r0, r1 = dist_util.run(2, _over_worker, 1, layout, timeout=300)
+    need, cap = (32, 20) if layout == "packed" else (16, 10)
+    mine = "rank 1: expert 5 on this rank" if layout == "packed" else "rank 1: this rank needs"
+    assert r1["error"].startswith(f"CapacityError: {mine}") and f"needs {need} rows" in r1["error"] \
+        and f"max_recv_rows={cap}" in r1["error"], r1
+    assert r0["error"].startswith("CapacityError: rank 0: ") and r0["peer"] == 1 and \
+        "closed after a CapacityError: rank 1 received more rows than its max_recv_rows" in r0["error"], r0
+    assert r1["written"] == cap and r0["written"] == 0, (r0["written"], r1["written"])
+
+
+# ---------------------------------------------------------------------------- the rows layout
+def _rows_worker(rank, world_size, node_size, mode, dtype, hooks):
+    """The rows layout's calls (dispatch checked row for row, combine with and without weights:
+    ``ep_cases.run_calls``) on a buffer of ``mode``; returns the failures, each call's received
+    rows and the oracle's count (``num_recv``), the plan after the largest call and the live memory."""
+    import moe_ep
+    from ep_cases import make_buffer, run_calls
+
+    group = moe_ep.EPGroup(node_size=node_size)
+    dev = group.device
+    cap = {"per_call": None, "worst": "worst"}.get(mode, mode)
+    case = Case(R=world_size, E=4 * world_size, K=2, dtype=dtype, layout="rows", M=8,
+                calls=("uniform", "skewed", "sparse", "uniform"), hooks=hooks, recv_rows=cap)
+    needs = []
+    for call in range(len(case.calls)):  # the oracle's rows of each call (check_rows holds each call to it)
+        inp = make_inputs(case, call)[rank]
+        ref = reference_for(group, case, inp.x.to(dev), inp.topk_idx.to(dev), inp.topk_weights.to(dev),
+                            None if inp.x_scales is None else inp.x_scales.to(dev))
+        needs.append(ref.num_recv)
+    with make_buffer(group, case) as buf:
+        fails = run_calls(group, buf, case)
+        rows = buf.parts.memory.expert_x.shape[0]
+        live = buf.memory()
+    plan = moe_ep.memory_plan(world_size=world_size, node_size=node_size, device="cpu", num_experts=case.E,
+                              hidden=case.H, max_tokens=case.M, topk=case.K, layout="rows", max_recv_rows=cap,
+                              recv_rows=max(needs) if cap is None else None,
+                              dispatch_dtype=torch.float8_e4m3fn if dtype == "fp8" else torch.bfloat16)
+    return fails, rows, needs, plan, live
+
+
+@pytest.mark.parametrize("mode,node_size,dtype,hooks",
+                         [("per_call", 2, "bf16", False), ("per_call", 1, "fp8", True), (12, 2, "fp8", False),
+                          (12, 1, "bf16", True), ("worst", 2, "bf16", False), ("worst", 1, "fp8", False)],
+                         ids=["per_call-node2-bf16", "per_call-2x1-fp8-hooks", "cap-node2-fp8", "cap-2x1-bf16-hooks",
+                              "worst-node2-bf16", "worst-2x1-fp8"])
+def test_rows_layout_sizing(mode, node_size, dtype, hooks):
+    """The rows layout sized per call, to a cap that fits (12 of R*M = 16 rows) and for the worst
+    case: every call's rows, ids, weights, sources and combine equal the oracle (``check_rows``
+    holds the received tensors to exactly the oracle's ``num_recv`` rows per call: a host total
+    off by one fails), on a node of 2 and on 2 nodes of 1; the plan equals the live buffer."""
+    for fails, rows, needs, plan, live in _check_rows_modes(mode, node_size, dtype, hooks):
+        assert [(r.name, r.where, r.bytes) for r in plan.regions] == [(r.name, r.where, r.bytes) for r in live.regions]
+
+
+def _check_rows_modes(mode, node_size: int, dtype: str, hooks: bool, **run_kw) -> list:
+    """``_rows_worker`` on 2 ranks: no failure, and the buffer's rows are the largest call's
+    (per call), the cap or ``R*M`` = 16; returns each rank's results."""
+    results = dist_util.run(2, _rows_worker, node_size, mode, dtype, hooks, timeout=600, **run_kw)
+    for rank, (fails, rows, needs, plan, live) in enumerate(results):
+        assert not fails, "\n".join(fails)
+        want = {"per_call": max(needs), "worst": 16}.get(mode, mode)
+        assert rows == want and max(needs) <= want, (rank, rows, needs)
+    return results
+
+
+def test_rows_cap_exceeded_raises_on_every_rank():
+    """Rows layout over its cap on a node of 2: ``CapacityError`` on both ranks naming rank 1 and
+    the 16 rows it needs; rank 1's first 10 rows written (rank 0's 8 tokens, rank 1's first 2), none
+    past the cap; the buffer broken after."""
+    r0, r1 = dist_util.run(2, _over_worker, 2, "rows", timeout=300)
+    for rank, out in enumerate((r0, r1)):
+        assert out["error"] is not None and out["error"].startswith("CapacityError: "), (rank, out)
+        assert "needs 16 rows" in out["error"] and "max_recv_rows=10" in out["error"], (rank, out["error"])
+        assert out["after"] == "BufferBrokenError", (rank, out)
+    assert "rank 0: rank 1 needs" in r0["error"] and "rank 1: this rank needs" in r1["error"], (r0, r1)
+    assert r1["written"] == 10 and r0["written"] == 0, (r0["written"], r1["written"])
+    assert r1["sources"] == list(range(8)) + [8, 9], r1["sources"]
 
 
 # ---------------------------------------------------------------------------- GPU
@@ -168,11 +248,21 @@ def test_modes_gpu(mode):
 
 
 @pytest.mark.gpu
-def test_cap_exceeded_gpu():
+@pytest.mark.parametrize("layout", ["packed", "rows"])
+def test_cap_exceeded_gpu(layout):
     dist_util.need_gpu()
-    r0, r1 = dist_util.run(2, _over_worker, 2, timeout=300, backend=dist_util.gpu_backend(2))
+    r0, r1 = dist_util.run(2, _over_worker, 2, layout, timeout=300, backend=dist_util.gpu_backend(2))
     assert r0["error"].startswith("CapacityError: ") and r1["error"].startswith("CapacityError: "), (r0, r1)
-    assert r1["written"] == 20 and r0["written"] == 0, (r0["written"], r1["written"])
+    cap = 20 if layout == "packed" else 10
+    assert r1["written"] == cap and r0["written"] == 0, (r0["written"], r1["written"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["per_call", 12, "worst"])
+def test_rows_layout_sizing_gpu(mode):
+    """The rows layout's modes on GPU ranks (the counting kernel's wait and the stream sync for real)."""
+    dist_util.need_gpu()
+    _check_rows_modes(mode, 2, "fp8", False, backend=dist_util.gpu_backend(2))
 
 
 def _time_worker(rank, world_size, T):

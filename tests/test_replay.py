@@ -106,9 +106,10 @@ def _replay_worker(rank, world_size, cases, direct_max=None):
 # Token counts per call at R=1 cycle through max_tokens, 0, a middle count: calls 3-5 repeat the
 # signatures of calls 0-2 with new tensors (call 5: call 0's values again).
 _CALLS = ("uniform", "skewed", "sparse", "uniform", "skewed", "repeat")
-# The packed layout replays with its expert_x allocated once ("worst"); sized per call (its default)
-# each dispatch reads its rows on the host between its halves, so its dispatch is never replayed.
-_WORST = {"packed": "worst"}
+# The packed and rows layouts replay with their received tensors allocated once ("worst"); sized
+# per call (their default) each dispatch reads its rows on the host between its halves, so its
+# dispatch is never replayed.
+_WORST = {"packed": "worst", "rows": "worst"}
 
 
 @pytest.mark.parametrize("dtype,layout,late", [("bf16", "masked", False), ("fp8", "packed", False),

@@ -152,15 +152,16 @@ def _errors_worker(rank, world_size):
         h = buf.dispatch(x, idx, w)
         expect("row_groups of a rows result", lambda: row_groups(h, "rows"), "rows")
         y = torch.zeros(h.expert_x.shape, dtype=torch.bfloat16)
-        for what, wy in (("topk_weights bf16", torch.ones(R * M, K, dtype=torch.bfloat16)),
-                         ("topk_weights [T, K]", torch.ones(3, K)),
-                         ("topk_weights K+1", torch.ones(R * M, K + 1))):
+        n = h.expert_x.shape[0]  # (sized per call: the rows received)
+        for what, wy in (("topk_weights bf16", torch.ones(n, K, dtype=torch.bfloat16)),
+                         ("topk_weights [R*M, K]", torch.ones(R * M, K)),
+                         ("topk_weights K+1", torch.ones(n, K + 1))):
             expect(what, lambda: buf.combine(y, h, topk_weights=wy), "topk_weights")
         expect("expert_y [T, H]", lambda: buf.combine(torch.zeros(3, H, dtype=torch.bfloat16), h), "expert_y")
         y = torch.zeros(h.expert_x.shape, dtype=torch.bfloat16)
         n = int(h.num_recv[0])
         y[:n] = h.expert_x[:n]  # identity experts, reduced: the token comes back once per rank that has it
-        out, wsum = buf.combine(y, h, topk_weights=torch.ones(R * M, K))
+        out, wsum = buf.combine(y, h, topk_weights=torch.ones(h.expert_x.shape[0], K))
         ranks = torch.tensor([len({int(e) // 2 for e in row if e >= 0}) for row in idx], dtype=torch.float32)
         if not torch.equal(out.float(), x.float() * ranks[:, None]) or not torch.equal(wsum, ranks[:, None].expand(3, K)):
             log.append(f"round trip after refused calls: out {out[:, 0].tolist()} weights {wsum.tolist()}, "

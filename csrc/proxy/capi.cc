@@ -48,7 +48,7 @@ int copy_str(const std::string& s, char* buf, size_t len) {
 #pragma GCC visibility push(default)
 extern "C" {
 
-int moe_ep_abi_version() { return 14; }  // 14: immediates with 3 phase bits (the credit phase), 13 source bits; mailbox words ov_ready / ov_done / comb_win_done / comb_win_bell (12 fixed words); 13: ProxyConfig.trace_level, PhaseRecord.posts / bells, moe_ep_sim_floor; 12: the null transport and peer simulator (null_transport.cc); 11: moe_ep_engine_try_register (GPU memory regions); 10: the efadv engine retired (EFA through libfabric); per-endpoint domains
+int moe_ep_abi_version() { return 15; }  // 15: the goodbye's error kind (moe_ep_engine_goodbye's code, WireGoodbye.cause_code); 14: immediates with 3 phase bits (the credit phase), 13 source bits; mailbox words ov_ready / ov_done / comb_win_done / comb_win_bell (12 fixed words); 13: ProxyConfig.trace_level, PhaseRecord.posts / bells, moe_ep_sim_floor; 12: the null transport and peer simulator (null_transport.cc); 11: moe_ep_engine_try_register (GPU memory regions); 10: the efadv engine retired (EFA through libfabric); per-endpoint domains
 
 // How this library was built, for bug reports (python -m moe_ep.doctor): the compiler, the C++
 // standard and the builder's flags, which setup.py and the in-tree build of
@@ -261,11 +261,12 @@ void moe_ep_engine_destroy(void* e) { delete static_cast<Transport*>(e); }
 
 // Before moe_ep_engine_destroy: the goodbye the engine sends every connected peer (transport.h
 // Goodbye): `error` 1 when it closes after an error of its own naming `peer` (-1: none) in `phase`
-// (the proxy's kPhase*) of `epoch`; 0 for a clean close (what destroy says without this call).
-// Waits until the goodbye has left, at most kGoodbyeTimeoutNs. The first goodbye counts.
-int moe_ep_engine_goodbye(void* e, int error, int peer, int phase, int64_t epoch) {
+// (the proxy's kPhase*) of `epoch`, `code` its kind (kByeCapacity: a CapacityError, else 0); 0 for
+// a clean close (what destroy says without this call). Waits until the goodbye has left, at most
+// kGoodbyeTimeoutNs. The first goodbye counts.
+int moe_ep_engine_goodbye(void* e, int error, int peer, int phase, int64_t epoch, int code) {
   return guarded([&] {
-    static_cast<Transport*>(e)->say_goodbye(moe_ep::Goodbye{error ? 1 : 0, peer, phase, epoch});
+    static_cast<Transport*>(e)->say_goodbye(moe_ep::Goodbye{error ? 1 : 0, peer, phase, epoch, code});
     return 0;
   });
 }

@@ -192,12 +192,16 @@ bool Proxy::fail_lost(int peer, int phase, int64_t epoch, const std::string& msg
   const int first = lost_peer();
   if (first < 0) return fail(kProxyPeerLost, peer, phase, epoch, msg);
   const int cause = cause_of(first);
+  // A peer that closed after a CapacityError: this rank fails with a capacity error too, naming
+  // the rank over its cap (the goodbye's peer where trusted, else the closer), not a lost peer.
+  Goodbye g;
+  const int code = t_->peer_goodbye(first, &g) && g.error && g.code == kByeCapacity ? kProxyCapacity : kProxyPeerLost;
   const std::string why = t_->peer_error(first);  // names the goodbye's cause where there is one
   if (peer >= 0 && first != peer && msg != why)
-    return fail(kProxyPeerLost, cause, phase, epoch, why + " (the first peer lost; then " + msg + ")");
+    return fail(code, cause, phase, epoch, why + " (the first peer lost; then " + msg + ")");
   if (cause != first && msg.find(why) == std::string::npos)
-    return fail(kProxyPeerLost, cause, phase, epoch, why + " (then " + msg + ")");
-  return fail(kProxyPeerLost, cause, phase, epoch, msg);
+    return fail(code, cause, phase, epoch, why + " (then " + msg + ")");
+  return fail(code, cause, phase, epoch, msg);
 }
 
 void Proxy::record(const PhaseRecord& r) {

@@ -55,7 +55,8 @@ enum : int64_t {
   kProxyOk = 0,
   kProxyTimeout = 1,    // a phase deadline passed
   kProxyPeerLost = 2,   // a peer's connection was lost (or its write was not acknowledged)
-  kProxyCapacity = 3,   // some rank's total overflow exceeds overflow_capacity (all ranks agree)
+  kProxyCapacity = 3,   // some rank's total overflow exceeds overflow_capacity (all ranks agree), or a peer
+                        // closed after a CapacityError (its goodbye's kByeCapacity): peer = the rank over its cap
   kProxyInvalid = 4,    // bad counts or protocol misuse (e.g. combine for an epoch not dispatched)
   kProxyTransport = 5,  // any other transport failure (remote access error, post failed)
 };

@@ -69,14 +69,19 @@ struct JobIdentity {
 
 // What a closing engine tells each healthy peer before its connections go (its goodbye,
 // docs/ARCHITECTURE.md §10 "Naming a silent peer"): whether it closes after an error of its own
-// and, if so, the peer that error names, so a peer that sees the close reports that peer (the
-// original cause) rather than the closer.
+// and, if so, the peer that error names and its kind, so a peer that sees the close reports that
+// peer (the original cause) and, for a capacity error, a capacity error rather than a lost peer.
 struct Goodbye {
   int32_t error = 0;   // 1: the closer had an error; 0: a clean close
-  int32_t peer = -1;   // the peer the closer's error names (-1: none)
+  int32_t peer = -1;   // the peer the closer's error names (-1: none; a capacity error: the closer's own)
   int32_t phase = -1;  // the phase of that error: the proxy's kPhaseD1 / kPhaseD2 / kPhaseC (proxy.h)
   int64_t epoch = 0;   // the epoch of that error
+  int32_t code = 0;    // its kind: kByeCapacity, else 0 (any other)
 };
+
+// Goodbye::code of a CapacityError (moe_ep.errors.ErrorCode.CAPACITY: a rank received more rows
+// than its cap). The only kind a goodbye names; other values are taken as 0.
+constexpr int32_t kByeCapacity = 3;
 
 // One write: `len` bytes from offset `local_off` of this rank's region `local_key` to offset
 // `remote_off` of `peer`'s region `remote_key`, carrying the 32-bit immediate `imm` when `has_imm`.

@@ -210,7 +210,7 @@ struct WireGoodbye {
   int32_t error;        // Goodbye::error (1: it closes after an error of its own)
   int32_t cause_peer;   // Goodbye::peer
   int32_t cause_phase;  // Goodbye::phase
-  uint32_t reserved;    // 0
+  int32_t cause_code;   // Goodbye::code (kByeCapacity, else 0)
   int64_t cause_epoch;  // Goodbye::epoch
   uint64_t session;     // JobIdentity::session
   uint8_t secret[16];   // JobIdentity::secret
@@ -218,7 +218,7 @@ struct WireGoodbye {
 static_assert(sizeof(WireGoodbye) == 64, "wire format");
 
 inline WireGoodbye make_goodbye(const JobIdentity& id, int src, int dst, int world, const Goodbye& g) {
-  WireGoodbye w{kMagicGoodbye, src, dst, world, g.error ? 1 : 0, g.peer, g.phase, 0, g.epoch, id.session, {}};
+  WireGoodbye w{kMagicGoodbye, src, dst, world, g.error ? 1 : 0, g.peer, g.phase, g.code, g.epoch, id.session, {}};
   std::memcpy(w.secret, id.secret, sizeof(w.secret));
   return w;
 }
@@ -261,7 +261,8 @@ bool peer_gone(PeerT& pr) {
 
 // What a checked goodbye (goodbye_mismatch passed) may be trusted with: whether its closer had an
 // error and, only when that error names another peer of this job in a known phase, that peer (else
-// none: the receiver then names the closer, as for any loss). *text says what the closer said.
+// none: the receiver then names the closer, as for any loss); whether it was a capacity error
+// (kByeCapacity; any other code is taken as 0). *text says what the closer said.
 inline Goodbye trusted_goodbye(const WireGoodbye& g, int world, std::string* text) {
   Goodbye out;
   const std::string who = "rank " + std::to_string(g.src_rank);
@@ -272,6 +273,15 @@ inline Goodbye trusted_goodbye(const WireGoodbye& g, int world, std::string* tex
   }
   const bool peer_ok = g.cause_peer >= 0 && g.cause_peer < world && g.cause_peer != g.src_rank;
   const bool phase_ok = g.cause_phase >= 0 && g.cause_phase < kGoodbyePhases;
+  out.code = g.cause_code == kByeCapacity ? kByeCapacity : 0;
+  if (out.code == kByeCapacity) {  // the rank over its cap: the closer's node peer where trusted, else the closer
+    if (peer_ok && phase_ok) out.peer = g.cause_peer, out.phase = g.cause_phase, out.epoch = g.cause_epoch;
+    const int over = out.peer >= 0 ? out.peer : g.src_rank;
+    *text = who + " closed after a CapacityError: rank " + std::to_string(over) + " received more rows than its " +
+            "max_recv_rows" + (phase_ok ? std::string(" (") + goodbye_phase_name(g.cause_phase) + " epoch " +
+                                              std::to_string(g.cause_epoch) + ")" : std::string());
+    return out;
+  }
   if (peer_ok && phase_ok) {
     out.peer = g.cause_peer;
     out.phase = g.cause_phase;

@@ -7,8 +7,9 @@
 Per (tokens, EP, layout): device GiB, pinned host GiB, their total, and the largest regions
 (``moe_ep.sizing.MemoryPlan``'s names). EP sizes above ``--gpus-per-node`` take the proxy path
 (nodes of ``--gpus-per-node`` ranks), whose row regions are planned in GPU memory unless
-``--proxy-memory host``. The packed ``expert_x`` is planned as ``--packed-rows`` says: sized per
-call at a uniform batch's rows (the default), ``worst`` or a cap.
+``--proxy-memory host``. The packed and rows layouts' received tensors (``expert_x`` and the rest
+of ``moe_ep.sizing.RECV_ROW_ALLOCS``) are planned as ``--recv-rows`` says: sized per call at a
+uniform batch's rows (the default), ``worst`` or a cap (``--packed-rows`` is its old name).
 """
 from __future__ import annotations
 
@@ -35,21 +36,27 @@ def _list(flag: str, kind=int, choices: Optional[Sequence[str]] = None):
     return parse
 
 
-def _packed_rows(text: str):
+def _recv_rows(text: str):
     if text in ("uniform", "worst"):
         return text
     if text.isdigit() and int(text) > 0:
         return int(text)
-    raise argparse.ArgumentTypeError(f"--packed-rows: expected 'uniform', 'worst' or a positive row count, got {text!r}")
+    raise argparse.ArgumentTypeError(f"--recv-rows: expected 'uniform', 'worst' or a positive row count, got {text!r}")
 
 
-def packed_sizing(a: argparse.Namespace, tokens: int, ep: int) -> dict:
-    """``memory_plan``'s keywords for the packed ``expert_x`` that ``--packed-rows`` names."""
-    from moe_ep.sizing import uniform_recv_rows
+def recv_sizing(recv_rows, layout: str, tokens: int, ep: int, topk: int, experts: int, alignment: int = 1) -> dict:
+    """``memory_plan``'s keywords for the received tensors that ``--recv-rows`` names: masked none;
+    packed and rows at ``"uniform"`` sized per call at a uniform batch (packed
+    ``uniform_recv_rows``, rows ``uniform_rows_layout_rows``), else ``max_recv_rows``."""
+    from moe_ep.sizing import uniform_recv_rows, uniform_rows_layout_rows
 
-    if a.packed_rows == "uniform":
-        return dict(recv_rows=uniform_recv_rows(tokens, a.topk, a.experts // ep, a.expert_alignment))
-    return dict(max_recv_rows=a.packed_rows)
+    if layout == "masked":
+        return {}
+    if recv_rows != "uniform":
+        return dict(max_recv_rows=recv_rows)
+    if layout == "rows":
+        return dict(recv_rows=uniform_rows_layout_rows(ep, tokens, topk, experts))
+    return dict(recv_rows=uniform_recv_rows(tokens, topk, experts // ep, alignment))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -65,10 +72,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--layout", type=_list("--layout", str, LAYOUTS), default=["packed", "rows", "masked"],
                    help="layouts, comma-separated (default packed,rows,masked)")
     p.add_argument("--expert-alignment", type=int, default=1, help="packed: expert blocks start at multiples of this")
-    p.add_argument("--packed-rows", type=_packed_rows, default="uniform",
-                   help="packed expert_x: 'uniform' (sized per call, EPBuffer's default: planned at the rows a "
-                        "uniform batch brings, M*K + E_local*(alignment-1)), 'worst' (allocated once for every row "
-                        "that can come, R*M*K + ...) or a cap in rows (max_recv_rows)")
+    p.add_argument("--recv-rows", "--packed-rows", dest="recv_rows", type=_recv_rows, default="uniform",
+                   help="packed and rows layouts' expert_x (and the rows' ids, weights, sources): 'uniform' (sized "
+                        "per call, EPBuffer's default: planned at the rows a uniform batch brings, packed M*K + "
+                        "E_local*(alignment-1), rows R*M*P(a token touches the rank)), 'worst' (allocated once for "
+                        "every row that can come, packed R*M*K + ..., rows R*M) or a cap in rows (max_recv_rows)")
     p.add_argument("--proxy-memory", choices=["auto", "gpu", "host"], default="auto",
                    help="where the proxy's row regions go (auto: GPU memory, as verbs and efa take it; host: pinned)")
     p.add_argument("--num-programs", type=int, default=None, help="programs a launch (default 132: an H100/H200)")
@@ -93,7 +101,8 @@ def plans(a: argparse.Namespace) -> list[dict]:
                                    max_tokens=tokens, topk=a.topk, dispatch_dtype=dtype, layout=layout,
                                    expert_alignment=a.expert_alignment if layout != "rows" else 1,
                                    num_programs=a.num_programs, proxy_memory=a.proxy_memory,
-                                   **(packed_sizing(a, tokens, ep) if layout == "packed" else {}))
+                                   **recv_sizing(a.recv_rows, layout, tokens, ep, a.topk, a.experts,
+                                                 a.expert_alignment))
                 out.append(dict(tokens=tokens, ep=ep, node_size=node, layout=layout, **plan.as_dict()))
     return out
 
@@ -124,14 +133,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (TypeError, ValueError) as exc:  # an argument EPBuffer would refuse, named by it
         p.error(str(exc))
     print(f"moe_ep memory per rank, GiB (H={a.hidden}, K={a.topk}, E={a.experts}, {a.dtype} dispatch, "
-          f"{a.gpus_per_node} GPUs a node, proxy rows: {a.proxy_memory}, packed expert_x: {a.packed_rows})")
+          f"{a.gpus_per_node} GPUs a node, proxy rows: {a.proxy_memory}, received rows: {a.recv_rows})")
     print(format_table(entries, a.regions))
     if a.json:
         doc = dict(command=" ".join(["moe-ep-bench", "memory", *(sys.argv[1:] if argv is None else argv)]),
                    config=dict(hidden=a.hidden, topk=a.topk, num_experts=a.experts, dispatch_dtype=a.dtype,
                                gpus_per_node=a.gpus_per_node, expert_alignment=a.expert_alignment,
                                proxy_memory=a.proxy_memory, num_programs=a.num_programs,
-                               packed_rows=a.packed_rows),
+                               recv_rows=a.recv_rows),
                    entries=entries)
         with open(a.json, "w") as f:
             json.dump(doc, f, indent=1)

@@ -207,7 +207,10 @@ class Buffer:
         of this rank; ``recv_topk_idx`` int64 ``[n, K]`` holds local expert ids (-1 elsewhere),
         ``recv_topk_weights`` float32 ``[n, K]`` (0 where the id is -1). The list holds each local
         expert's selections rounded up to ``expert_alignment``; empty with ``num_worst_tokens``,
-        where ``n = num_worst_tokens`` and nothing waits on the host. Without top-k (then
+        where ``n = num_worst_tokens`` and nothing waits on the host: the rows buffer's received
+        tensors are capped at ``num_worst_tokens`` rows (``EPBuffer(max_recv_rows=)``), and a
+        dispatch bringing more writes none past it and raises ``CapacityError`` naming the rank
+        and the rows it needs (on a GPU at the next call or ``synchronize``). Without top-k (then
         ``is_token_in_rank`` and ``num_tokens_per_expert`` route) ``recv_topk_*`` are None. With a
         ``handle`` (cached mode: no top-k) the handle's routing is sent again and
         ``(recv_x, None, None, None, None, event)`` comes back.
@@ -447,13 +450,14 @@ class Buffer:
                              "(or of this one before destroy())")
 
     def _rows_slot(self, num_experts: int, hidden: int, tokens: int, K: int, dtype: torch.dtype,
-                   prefer: Optional[_normal.RowsSlot] = None) -> _normal.RowsSlot:
-        """A rows buffer of this shape holding at least ``tokens`` per rank whose latest dispatch is
+                   prefer: Optional[_normal.RowsSlot] = None, max_recv_rows=None) -> _normal.RowsSlot:
+        """A rows buffer of this shape and ``max_recv_rows`` (None: sized per call; a cap; "worst")
+        holding at least ``tokens`` per rank whose latest dispatch is
         not waiting for its combine (``prefer`` if it qualifies or already holds the caller's
         handle; else the latest made that is free; else a new one of the next power of two, at
         most ``MAX_WAITING`` waiting at once). Every rank makes the same calls in the same order
         (DeepEP's rule), so every rank picks the same slot."""
-        key = (num_experts, hidden, K, dtype)
+        key = (num_experts, hidden, K, dtype, max_recv_rows)
         slots = self._rows.setdefault(key, [])
         if prefer is not None and prefer in slots and prefer.epbuf.max_tokens >= tokens:
             return prefer
@@ -464,14 +468,17 @@ class Buffer:
         if waiting >= MAX_WAITING:
             raise ValueError(f"dispatch: {waiting} normal-mode dispatches of this shape are waiting for their combine "
                              f"(moe_ep keeps one buffer for each, at most MAX_WAITING={MAX_WAITING}); combine one first")
-        slots.append(_normal.RowsSlot(self._epbuffer(num_experts, hidden, rows_buffer_tokens(tokens), K, dtype, "rows")))
+        slots.append(_normal.RowsSlot(self._epbuffer(num_experts, hidden, rows_buffer_tokens(tokens), K, dtype, "rows",
+                                                     max_recv_rows=max_recv_rows)))
         return slots[-1]
 
     def _epbuffer(self, num_experts: int, hidden: int, M: int, K: int, dtype: torch.dtype, layout: str,
-                  expert_capacity: Optional[int] = None, column_major_scales: bool = False) -> EPBuffer:
+                  expert_capacity: Optional[int] = None, column_major_scales: bool = False,
+                  max_recv_rows=None) -> EPBuffer:
         return EPBuffer(self.ep_group, num_experts, hidden, M, K, dispatch_dtype=dtype, layout=layout,
                         timeout_s=self.timeout_s, expert_capacity=expert_capacity,
-                        column_major_scales=column_major_scales, tuning=self.tuning)
+                        column_major_scales=column_major_scales, tuning=self.tuning,
+                        **({"max_recv_rows": max_recv_rows} if layout == "rows" else {}))
 
     def _dispatch(self, x, x_scales, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                   topk_weights, expert_alignment, num_worst_tokens, previous_event, async_finish):
@@ -517,7 +524,9 @@ class Buffer:
             tokens = num_worst_tokens
 
         def run():
-            slot = self._rows_slot(E, H, tokens, K, dtype)
+            # num_worst_tokens: the received tensors capped at that many rows, no host read (graph-safe);
+            # else sized per call (the count is read on the host anyway, as DeepEP's normal mode does)
+            slot = self._rows_slot(E, H, tokens, K, dtype, max_recv_rows=num_worst_tokens or None)
             if with_topk:
                 ids, w = topk_idx.contiguous().clone(), topk_weights.contiguous().clone()
             else:
@@ -557,7 +566,8 @@ class Buffer:
         mine = handle.slot if handle.slot.latest is handle else None
 
         def run():
-            slot = self._rows_slot(E, x.shape[1], handle.max_tokens, K, dtype, prefer=mine)
+            slot = self._rows_slot(E, x.shape[1], handle.max_tokens, K, dtype, prefer=mine,
+                                   max_recv_rows=handle.slot.epbuf.sizes.max_recv_rows)
             d = slot.epbuf.dispatch(x, handle.topk_idx, handle.topk_weights,
                                     x_scales=None if x_scales is None else x_scales.contiguous())
             handle.result = d

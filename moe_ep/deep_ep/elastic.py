@@ -57,7 +57,8 @@ def _planned_bytes(R: int, G: int, device: torch.device, ranks_per_device: int, 
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
     plan = memory_plan(world_size=R, node_size=G, num_experts=R, hidden=_align(H, 16), max_tokens=rows_buffer_tokens(M),
                        topk=K or 32, dispatch_dtype=FP8 if fp8 else torch.bfloat16, layout="rows",
-                       num_programs=max(1, sms // ranks_per_device), device=device.type, tuning=tuning)
+                       num_programs=max(1, sms // ranks_per_device), device=device.type, tuning=tuning,
+                       max_recv_rows="worst")  # as the dispatch's buffer (no CPU sync: R * M rows)
     return _align(plan.total_bytes, _ALIGN_BYTES)
 
 
@@ -307,7 +308,8 @@ class ElasticBuffer:
         prefer = handle._v1.slot if handle is not None and handle._v1.slot.latest is handle._v1 else None
 
         def run():
-            slot = self._v1._rows_slot(num_experts, H, cap, K, dtype, prefer=prefer)
+            # "worst": without a CPU sync DeepEP V2 returns R * num_max_tokens_per_rank rows
+            slot = self._v1._rows_slot(num_experts, H, cap, K, dtype, prefer=prefer, max_recv_rows="worst")
             if handle is None:
                 ids = topk_idx.clone() if do_handle_copy else topk_idx
                 w_keep = topk_weights.clone() if with_w else None

@@ -3,10 +3,12 @@
 A rows dispatch delivers one row per (source token, this rank) in ascending (source rank, source
 token) order, with the token's top-k ids mapped to local ones (-1 elsewhere) and its weights: that
 is DeepEP's ``recv_x`` / ``recv_topk_idx`` / ``recv_topk_weights``. DeepEP returns tensors of the
-received size, so without ``num_worst_tokens`` the count is read on the host (one sync, as DeepEP
-does); with it, ``num_worst_tokens`` rows come back with no sync, the rows past the count with
-top-k ids -1 and weights 0. Returned tensors are copies (DeepEP's outlive later dispatches; the
-rows layout's views do not).
+received size, so without ``num_worst_tokens`` the rows buffer sizes its received tensors per call
+(the count read on the host: one sync, as DeepEP does); with it, the buffer's received tensors are
+capped at ``num_worst_tokens`` rows (``EPBuffer(max_recv_rows=num_worst_tokens)``) and that many
+rows come back with no sync, the rows past the count with top-k ids -1 and weights 0; a dispatch
+bringing more raises ``CapacityError`` (nothing written past the cap). Returned tensors are copies
+(DeepEP's outlive later dispatches; the rows layout's views do not).
 """
 from __future__ import annotations
 
@@ -19,9 +21,10 @@ from ..handle import DispatchResult
 
 
 class RowsSlot:
-    """One rows EPBuffer and its staging tensors: the combine input (DeepEP's ``x`` holds the
-    received count of rows, the rows layout reads capacity-sized tensors) and the zero weights a
-    dispatch without top-k sends. ``latest``: the handle whose dispatch the buffer holds now;
+    """One rows EPBuffer and its staging tensors: the combine input where the buffer's received
+    tensors have more rows than the caller got (``max_recv_rows="worst"``, DeepEP V2 without a CPU
+    sync; sized per call or capped, DeepEP's ``x`` is the combine's input as it is) and the zero
+    weights a dispatch without top-k sends. ``latest``: the handle whose dispatch the buffer holds now;
     ``waiting``: that handle's combine is still due, so no other dispatch may take this slot
     (DeepEP's handles stay valid across later dispatches: two micro-batches dispatched before
     either is combined each keep a slot)."""
@@ -114,11 +117,8 @@ def received(slot: RowsSlot, d: DispatchResult, fp8: bool, num_worst_tokens: int
             raise ValueError("is_token_in_rank / num_tokens_per_rank / num_tokens_per_expert: expected what "
                              "get_dispatch_layout(topk_idx) gives for the topk_idx passed (moe_ep routes by topk_idx)")
         rows, counts = host[0], host[1:1 + d.expert_counts.numel()]
-    else:
+    else:  # the buffer's cap: more rows raise CapacityError (none written past it), no host sync
         rows = num_worst_tokens
-        # Rows past the received count would be silently lost: stop instead (no host sync).
-        torch._assert_async((d.num_recv <= num_worst_tokens).all(),
-                            "num_worst_tokens: fewer than the rows this rank received")
     x = d.expert_x[:rows].clone()
     recv_x = (x, d.expert_scales[:rows].clone()) if fp8 else x
     if not with_topk:
@@ -152,14 +152,17 @@ def combine(handle: NormalHandle, x: torch.Tensor, topk_weights: Optional[torch.
             raise ValueError(f"topk_weights: expected a float32 [{n}, {buf.topk}] tensor on {buf.device}, got "
                              f"{getattr(topk_weights, 'dtype', type(topk_weights).__name__)} "
                              f"{list(getattr(topk_weights, 'shape', []))}")
-    y = slot.stage_y()
-    y[:n].copy_(x)
+    staged = d.expert_x.shape[0] != n  # (the buffer's rows as the caller got them: x itself)
+    y = slot.stage_y() if staged else x.contiguous()
+    if staged:
+        y[:n].copy_(x)
     # With a bias the float32 sum comes back unrounded and is rounded once, after the bias is added
     # (DeepEP's one rounding).
     out32 = torch.empty(T, buf.hidden, dtype=torch.float32, device=buf.device) if biases else None
     if topk_weights is not None:
-        w = slot.stage_w()
-        w[:n].copy_(topk_weights)
+        w = slot.stage_w() if staged else topk_weights.contiguous()
+        if staged:
+            w[:n].copy_(topk_weights)
         out, combined_w = buf.combine(y, d, topk_weights=w, out=out32)
     else:
         out, combined_w = buf.combine(y, d, out=out32), None

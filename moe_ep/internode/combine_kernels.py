@@ -46,6 +46,8 @@ def send_rows_of(g0, d0, n, pid, P, y_ptr, wy_ptr, rio, DIM: tl.constexpr, MODE:
         dst = rio.send_ptr + d.to(tl.int64) * REM.CRB
         if MODE.ROWS:
             row = tl.sum(tl.where(kk[None, :] == 0, r, 0), axis=1).to(tl.int64)
+            gm = gm & (row >= 0)  # (-1: a row past a cap, after its CapacityError: nothing read)
+            m2 = m2 & gm[:, None]
             if MODE.WIN:
                 wv = tl.load(wy_ptr + row[:, None] * K + kk[None, :], mask=m2, other=0.0)
             else:

@@ -266,8 +266,11 @@ def unpack_rows_block(src, im, g, o, s, io, rio, DIM: tl.constexpr, MODE: tl.con
                       REM: tl.constexpr):
     """Rows layout: received rows ``src`` of source ``s`` (mask ``im``, combine order ``g``) become
     rows ``o`` (the source's first row among every source's, plus its token order), with their
-    local ids, weights and source; ``rpos[g, 0] = o``."""
+    local ids, weights and source; ``rpos[g, 0] = o``. Rows at or past ``DIM.CAP`` (a cap,
+    ``max_recv_rows``, whose overflow the count check recorded) are not written (``rpos`` -1)."""
     K: tl.constexpr = DIM.K
+    tl.store(rio.rpos_ptr + g * K, tl.where(o < DIM.CAP, o, -1).to(tl.int32), mask=im)
+    im = im & (o < DIM.CAP)
     kk = tl.arange(0, TILE.BLOCK_K)
     m2 = im[:, None] & (kk[None, :] < K)
     tok = tl.load(src + REM.PW, mask=im, other=0)
@@ -277,7 +280,6 @@ def unpack_rows_block(src, im, g, o, s, io, rio, DIM: tl.constexpr, MODE: tl.con
     tl.store(io.recv_ids_ptr + o[:, None] * K + kk[None, :], lid, mask=m2)
     tl.store(io.recv_wts_ptr + o[:, None] * K + kk[None, :], tl.where(lid >= 0, wt, 0.0), mask=m2)
     tl.store(io.recv_src_ptr + o, s * DIM.M + tok, mask=im)
-    tl.store(rio.rpos_ptr + g * K, o.to(tl.int32), mask=im)
     for w0 in range(0, DIM.W, TILE.BLOCK_W):
         ww = w0 + tl.arange(0, TILE.BLOCK_W)
         wm = im[:, None] & (ww[None, :] < DIM.W)

@@ -36,16 +36,21 @@ def layout_capacity(layout: str, world: int, max_tokens: int, topk: int, num_loc
     return R * M * topk + num_local_experts * (alignment - 1)
 
 
+def touch_probability(topk: int, num_experts: int, world_size: int) -> float:
+    """The chance that a token routed uniformly (K distinct experts of E) selects at least one of a
+    rank's E/R experts: 1 - C(E - E/R, K) / C(E, K)."""
+    el = num_experts // world_size
+    miss = 1.0
+    for i in range(min(topk, num_experts)):  # C(E - EL, K) / C(E, K) as a product, exact for integer K
+        miss *= max(0.0, (num_experts - el - i) / (num_experts - i))
+    return 1.0 - miss
+
+
 def default_private_capacity(max_tokens: int, topk: int, num_experts: int, world_size: int) -> int:
     """Round-1 rows per (source, remote peer): the rows a peer gets from one source under uniform
-    routing (a token touches a rank with probability 1 - C(E - E/R, K) / C(E, K)), plus 25% and 8
-    rows of headroom, at most ``max_tokens``. Larger batches spill into round 2, not into errors."""
-    el = num_experts // world_size
-    k = min(topk, num_experts)
-    miss = 1.0
-    for i in range(k):  # C(E - EL, K) / C(E, K) as a product, exact for integer K
-        miss *= max(0.0, (num_experts - el - i) / (num_experts - i))
-    return min(max_tokens, int(math.ceil(1.25 * max_tokens * (1.0 - miss))) + 8)
+    routing (``touch_probability``), plus 25% and 8 rows of headroom, at most ``max_tokens``.
+    Larger batches spill into round 2, not into errors."""
+    return min(max_tokens, int(math.ceil(1.25 * max_tokens * touch_probability(topk, num_experts, world_size))) + 8)
 
 
 

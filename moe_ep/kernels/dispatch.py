@@ -235,10 +235,10 @@ def node_dispatch_kernel(
     T, BT, NC,         # tokens, tokens per chunk, chunks (of this rank)
     timeout_ns,
     rows_from_ptr,     # ROWS and GLOBAL: int32 [R], rows each source sends this rank (the count matrix's)
-    recv_ids_ptr,      # ROWS: int32 [CAP, K] local expert ids of each received row (-1: another rank's)
-    recv_wts_ptr,      # ROWS: float32 [CAP, K] their weights (0 where the id is -1)
-    recv_src_ptr,      # ROWS: int32 [CAP] source rank * M + source token of each received row
-    num_recv_ptr,      # ROWS: int32 [1] received rows
+    recv_ids_ptr,      # ROWS: int32 [rows, K] local expert ids of each received row (-1: another rank's)
+    recv_wts_ptr,      # ROWS: float32 [rows, K] their weights (0 where the id is -1)
+    recv_src_ptr,      # ROWS: int32 [rows] source rank * M + source token of each received row
+    num_recv_ptr,      # ROWS: int32 [1] received rows (with a cap: those needed, more than CAP when over)
     SEND: tl.constexpr, RECV: tl.constexpr,  # the halves this launch does
     OFF: tl.constexpr,   # Offsets: the workspace regions
     DIM: tl.constexpr,   # Dims: the buffer's sizes
@@ -298,16 +298,16 @@ def node_dispatch_kernel(
             if MODE.GLOBAL:  # every source of every node (the count matrix from the proxy's headers)
                 for s in range(DIM.R):
                     tot += tl.load(sel_ptr + s * DIM.EL + ee, mask=em, other=0)
-            if MODE.ROWS:  # CAP = R * M rows: never over
-                over = tl.max(tot) < 0  # never: the rows layout holds every row
+            if MODE.ROWS:  # one row per (source, token): over only past a cap (max_recv_rows)
+                nrows = tl.zeros([], tl.int32)
+                if MODE.GLOBAL:
+                    for s in range(DIM.R):
+                        nrows += tl.load(rows_from_ptr + s)
+                else:
+                    for s in range(DIM.N):
+                        nrows += tl.load(hdr + s * DIM.HDR + 1 + DIM.EL)
+                over = nrows > DIM.CAP
                 if pid == 0:
-                    nrows = tl.zeros([], tl.int32)
-                    if MODE.GLOBAL:
-                        for s in range(DIM.R):
-                            nrows += tl.load(rows_from_ptr + s)
-                    else:
-                        for s in range(DIM.N):
-                            nrows += tl.load(hdr + s * DIM.HDR + 1 + DIM.EL)
                     tl.store(num_recv_ptr, nrows)
             elif MODE.PACKED:
                 padded = (tot + DIM.ALIGN - 1) // DIM.ALIGN * DIM.ALIGN
@@ -326,6 +326,9 @@ def node_dispatch_kernel(
                 if MODE.PACKED:  # the first expert whose block ends past the cap, and the rows the call needs
                     worst = tl.argmax((incl > DIM.CAP).to(tl.int32), axis=0)
                     need = total
+                if MODE.ROWS:  # the rows the call needs (no expert: rows are per token)
+                    worst = 0
+                    need = nrows
                 info = ((DIM.NODE0 + DIM.RANK) * DIM.EL + worst).to(tl.int64) * 4294967296 + need
                 record_error(err_ptr, ERR_CAPACITY, DIM.NODE0 + DIM.RANK, PHASE_DISPATCH, epoch, info)
                 if pid == 0:

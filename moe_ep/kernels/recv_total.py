@@ -1,9 +1,10 @@
-"""The rows a packed dispatch brings this rank, counted between its send and receive halves, for an
-``expert_x`` sized per call (``EPBuffer(max_recv_rows=None)``, docs/ARCHITECTURE.md §2): one
-program waits for the headers (the node peers' flags; across nodes the proxy's header-ready word),
-sums each local expert's selections over every source, pads each block to ``ALIGN`` and writes the
-total, the ``offsets[-1]`` the receive half will compute from the same headers, where the host
-reads it (pinned host memory on a GPU)."""
+"""The rows a packed or rows-layout dispatch brings this rank, counted between its send and receive
+halves, for an ``expert_x`` sized per call (``EPBuffer(max_recv_rows=None)``, docs/ARCHITECTURE.md
+§2): one program waits for the headers (the node peers' flags; across nodes the proxy's
+header-ready word) and writes, where the host reads it (pinned host memory on a GPU), the total
+the receive half will place from the same headers: packed, each local expert's selections summed
+over every source, each block padded to ``ALIGN`` (``offsets[-1]``); rows, each source's rows for
+this rank summed (``num_recv``)."""
 import triton
 import triton.language as tl
 
@@ -27,6 +28,7 @@ def recv_total_kernel(
     off_hflag: tl.constexpr, off_hdr: tl.constexpr, NODE0: tl.constexpr, ME: tl.constexpr, N: tl.constexpr,
     R: tl.constexpr, EL: tl.constexpr, HDR: tl.constexpr, REM_HDR: tl.constexpr, ALIGN: tl.constexpr,
     GLOBAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EL: tl.constexpr, INTERP: tl.constexpr,
+    ROWS: tl.constexpr,  # the rows layout: one row per (source, token), the headers' rows per source
 ):
     epoch = tl.load(state_ptr) + 1
     par = epoch & 1
@@ -34,11 +36,13 @@ def recv_total_kernel(
     ee = tl.arange(0, BLOCK_EL)
     em = ee < EL
     tot = tl.zeros((BLOCK_EL,), tl.int32)
+    nrows = tl.zeros([], tl.int32)
     if GLOBAL:  # every source of every node: the count matrix from the proxy's headers and this rank's own
         ok = wait_word(mb_ptr, MB_HDR_READY, epoch, err_ptr, -1, PHASE_DISPATCH, t0_ns, rtimeout_ns, spins, INTERP)
         count_matrix(hdr_recv_ptr, own_ptr, sel_ptr, rows_from_ptr, ok, par, ME, R, EL, REM_HDR, BLOCK_R, BLOCK_EL)
         for s in range(R):
             tot += tl.load(sel_ptr + s * EL + ee, mask=em, other=0)
+            nrows += tl.load(rows_from_ptr + s)
     else:
         ok = tl.full([], 1, tl.int32)
         hdr = ptr_at(ws, off_hdr, tl.int32) + par * N * HDR
@@ -46,5 +50,9 @@ def recv_total_kernel(
             ok = ok & wait_flag(ptr_at(ws, off_hflag, tl.int64) + s, epoch, t0_ns, timeout_ns, err_ptr, NODE0 + s,
                                 PHASE_DISPATCH, INTERP)
             tot += tl.load(hdr + s * HDR + 1 + ee, mask=em, other=0)
-    need = tl.sum(tl.where(em, (tot + ALIGN - 1) // ALIGN * ALIGN, 0)).to(tl.int64)
+            nrows += tl.load(hdr + s * HDR + 1 + EL)
+    if ROWS:
+        need = nrows.to(tl.int64)
+    else:
+        need = tl.sum(tl.where(em, (tot + ALIGN - 1) // ALIGN * ALIGN, 0)).to(tl.int64)
     tl.store(need_ptr, tl.where(ok != 0, need, -1))

@@ -74,6 +74,8 @@ def recv_rows_chunk(v, vs, s, c, hdr, io, at, OFF: tl.constexpr, DIM: tl.constex
         else:
             for s2 in range(s):
                 base += tl.load(hdr + s2 * DIM.HDR + 1 + DIM.EL)
+        # (past a cap, max_recv_rows: no row; the count check recorded the CapacityError)
+        has = has & (base + pos < DIM.CAP)
         row = tl.where(has, base + pos, -1)
         tl.store(io.recv_pos_ptr + (s * DIM.M + t) * DIM.K, row, mask=tm)
         r = row.to(tl.int64)

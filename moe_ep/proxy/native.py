@@ -27,7 +27,7 @@ import threading
 from typing import NamedTuple, Sequence
 
 from .. import settings
-from ..errors import CapacityError, CommTimeoutError
+from ..errors import CapacityError, CommTimeoutError, ErrorCode
 from .identity import JobIdentity
 
 # Return codes (csrc/proxy/imm_counter.h) and completion status (csrc/proxy/transport.h).
@@ -48,7 +48,7 @@ class PeerLostError(NativeError):
     """A peer's connection was lost (cut, closed, dead); ``peer`` names it (-1 if unknown)."""
 
 
-ABI_VERSION = 14  # moe_ep_abi_version() of the library this module drives (csrc/proxy/capi.cc)
+ABI_VERSION = 15  # moe_ep_abi_version() of the library this module drives (csrc/proxy/capi.cc)
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 _SRC_DIR = os.path.normpath(os.path.join(_PKG_DIR, "..", "..", "csrc", "proxy"))
 _lib = None
@@ -141,7 +141,7 @@ def lib() -> ctypes.CDLL:
             _c(L, "moe_ep_fabric_providers", i32, cp, cp, sz)
             _c(L, "moe_ep_fabric_describe", i32, vp, cp, sz)
             _c(L, "moe_ep_engine_destroy", None, vp)
-            _c(L, "moe_ep_engine_goodbye", i32, vp, i32, i32, i32, i64)
+            _c(L, "moe_ep_engine_goodbye", i32, vp, i32, i32, i32, i64, i32)
             _c(L, "moe_ep_engine_imm", vp, vp)
             _c(L, "moe_ep_register", i32, vp, vp, u64, ctypes.POINTER(u32))
             _c(L, "moe_ep_endpoint", i32, vp, cp, sz)
@@ -515,20 +515,28 @@ class Engine(_Closable):
             self.imm.close()  # (the engine's counter: forgets its handle, destroys nothing)
 
 
-def goodbye_cause(error: BaseException | None) -> tuple[int, int, int, int]:
+def goodbye_cause(error: BaseException | None) -> tuple[int, int, int, int, int]:
     """What a closing engine's goodbye says of ``error`` (csrc/proxy/transport.h ``Goodbye``):
-    ``(error, peer, phase, epoch)``. None: ``(0, -1, -1, 0)``, a clean close. A
+    ``(error, peer, phase, epoch, code)``. None: ``(0, -1, -1, 0, 0)``, a clean close. A
     ``CommTimeoutError`` / ``PeerLostError`` of a dispatch or a combine (its ``peer``, ``phase``,
-    ``epoch``): ``(1, peer, PHASE_D1 or PHASE_C, epoch)``, so the peers name that peer. Any other
-    error (none of these, or one naming no peer or phase): ``(1, -1, -1, 0)``, so they name this rank."""
+    ``epoch``): ``(1, peer, PHASE_D1 or PHASE_C, epoch, 0)``, so the peers name that peer. A
+    ``CapacityError`` naming the rank over its cap (``peer``; the closer's own: -1) in a dispatch
+    or a combine: ``(1, peer, phase, epoch, ErrorCode.CAPACITY)``, so the peers raise a capacity
+    error naming that rank; without those attributes ``(1, -1, -1, 0, ErrorCode.CAPACITY)``. Any
+    other error (none of these, or one naming no peer or phase): ``(1, -1, -1, 0, 0)``, so they
+    name this rank."""
     if error is None:
-        return 0, -1, -1, 0
-    peer, phase, epoch = (getattr(error, k, None) for k in ("peer", "phase", "epoch"))
+        return 0, -1, -1, 0, 0
+    peer, phase, epoch, rank = (getattr(error, k, None) for k in ("peer", "phase", "epoch", "rank"))
     codes = {"dispatch": PHASE_D1, "combine": PHASE_C}
-    if (isinstance(error, (CommTimeoutError, PeerLostError)) and isinstance(peer, int) and peer >= 0
-            and phase in codes and isinstance(epoch, int)):
-        return 1, peer, codes[phase], epoch
-    return 1, -1, -1, 0
+    named = isinstance(peer, int) and peer >= 0 and phase in codes and isinstance(epoch, int)
+    if isinstance(error, CapacityError):
+        if not named:
+            return 1, -1, -1, 0, int(ErrorCode.CAPACITY)
+        return 1, -1 if peer == rank else peer, codes[phase], epoch, int(ErrorCode.CAPACITY)
+    if isinstance(error, (CommTimeoutError, PeerLostError)) and named:
+        return 1, peer, codes[phase], epoch, 0
+    return 1, -1, -1, 0, 0
 
 
 HELLO_TIMEOUT_S, MAX_PENDING = settings.TCP_HELLO_TIMEOUT_S, settings.TCP_MAX_PENDING  # the tcp defaults
@@ -1070,10 +1078,8 @@ class Proxy(_Closable):
             err = PeerLostError(msg, ERR_PEER, peer)
             err.rank, err.phase, err.epoch = self.rank, name, epoch
             raise err
-        if code == PROXY_CAPACITY:
-            err = CapacityError(msg)
-            err.rank, err.peer, err.phase, err.epoch = self.rank, peer, name, epoch
-            raise err
+        if code == PROXY_CAPACITY:  # (a peer's goodbye after a CapacityError: peer is the rank over its cap)
+            raise CapacityError(msg, rank=self.rank, peer=peer, phase=name, epoch=epoch)
         raise NativeError(msg, ERR_INVALID, peer)
 
     def wait_ready(self, phase: str, epoch: int, timeout_s: float) -> None:

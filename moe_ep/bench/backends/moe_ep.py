@@ -47,7 +47,7 @@ class MoeEpBackend(Backend):
                       layout=wl.layout, expert_alignment=wl.expert_alignment, timeout_s=ctx.timeout_s)
         if ctx.num_sms is not None:
             kwargs["num_programs"] = ctx.num_sms
-        if wl.layout == "packed":  # the kernels' time as before (sized per call, a dispatch adds a host sync)
+        if wl.layout != "masked":  # the kernels' time as before (sized per call, a dispatch adds a host sync)
             kwargs["max_recv_rows"] = "worst"
         if ctx.device.type == "cuda" and ctx.world_size > 1:
             why = base.claim("symm_mem_backend", "CUDA", self.name)
