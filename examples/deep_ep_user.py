@@ -109,14 +109,14 @@ def _spawned(rank: int, world_size: int, port: int) -> None:
         raise
     # After a run that passed: a last barrier, then leave without the gloo teardown that aborts a
     # spawned rank now and then after every check has passed (ARCHITECTURE §14).
-    from moe_ep.group import exit_rank
+    from moe_ep.core.group import exit_rank
 
     exit_rank(0)
 
 
 if __name__ == "__main__":
     if "WORLD_SIZE" in os.environ:  # under torchrun
-        from moe_ep.group import init_distributed  # NCCL, or gloo where ranks share a GPU
+        from moe_ep.core.group import init_distributed  # NCCL, or gloo where ranks share a GPU
 
         gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
         init_distributed("auto" if gpu else "cpu")

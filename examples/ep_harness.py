@@ -216,8 +216,8 @@ def _spawned(rank: int, world_size: int, port: int, main: Callable[[], bool]) ->
         dist.destroy_process_group()
         raise
     # Every rank has the same verdict: a last barrier, then leave without the teardown that
-    # aborts a spawned gloo rank now and then (moe_ep.group.exit_rank).
-    from moe_ep.group import exit_rank
+    # aborts a spawned gloo rank now and then (moe_ep.core.group.exit_rank).
+    from moe_ep.core.group import exit_rank
 
     exit_rank(0 if ok else 1)
 
@@ -228,7 +228,7 @@ def launch(main: Callable[[], bool], doc: str) -> None:
     if "WORLD_SIZE" in os.environ:  # under torchrun
         # NCCL with a GPU per local rank; gloo with ranks sharing a GPU (more local ranks than
         # GPUs), or CPU ranks: moe_ep's launcher helper picks, as the package's own jobs do.
-        from moe_ep.group import init_distributed
+        from moe_ep.core.group import init_distributed
 
         init_distributed("auto" if device().type == "cuda" else "cpu")
         try:

@@ -43,7 +43,7 @@ class HostReads(torch.overrides.TorchFunctionMode):
     on a GPU they read nothing back)."""
 
     NAMES = {"tolist", "item", "__int__", "__float__", "__bool__", "nonzero", "cpu", "numpy"}
-    LAUNCH = tuple(f"moe_ep{os.sep}{m}" for m in ("dispatch.py", "combine.py", "host_wait.py", "calls.py", "replay.py",
+    LAUNCH = tuple(f"moe_ep{os.sep}{m}" for m in (*(f"ops{os.sep}{f}" for f in ("dispatch.py", "combine.py", "host_wait.py", "calls.py", "replay.py")),
                                                    "kernels")) + (f"triton{os.sep}",)
 
     def __init__(self):
@@ -118,7 +118,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args()
 
-    from moe_ep.group import init_distributed  # NCCL with a GPU per rank, gloo where ranks share one
+    from moe_ep.core.group import init_distributed  # NCCL with a GPU per rank, gloo where ranks share one
 
     cuda = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
     init_distributed("auto" if cuda else "cpu")

@@ -3,7 +3,7 @@
 Public API: ``EPGroup``, ``EPBuffer`` (``dispatch`` / ``combine``, ``memory()``), ``DispatchResult``,
 ``CommTimeoutError``; ``Tuning`` (how a buffer launches its kernels: warps, tiles, chunks, ...);
 ``memory_plan`` (a ``MemoryPlan``: a buffer's memory per region before anything is allocated);
-the pure-torch oracle is ``moe_ep.reference``. ``MoELayer`` is a drop-in expert-parallel MoE block;
+the pure-torch oracle is ``moe_ep.testing.reference``. ``MoELayer`` is a drop-in expert-parallel MoE block;
 ``moe_ep.integrations.hf`` puts it into HF transformers models.
 
 The classes are imported on first use (PEP 562), so ``python -m moe_ep.doctor --no-torch`` and
@@ -14,21 +14,21 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from .errors import BufferBrokenError, CapacityError, CommTimeoutError
+from .core.errors import BufferBrokenError, CapacityError, CommTimeoutError
 
 if TYPE_CHECKING:
-    from .buffer import DispatchResult, EPBuffer
-    from .group import EPGroup
-    from .layer import MoELayer
-    from .sizing import MemoryPlan, memory_plan
-    from .tuning import Tuning
+    from .ops.buffer import DispatchResult, EPBuffer
+    from .core.group import EPGroup
+    from .moe.layer import MoELayer
+    from .ops.sizing import MemoryPlan, memory_plan
+    from .core.tuning import Tuning
 
 __all__ = ["EPGroup", "EPBuffer", "DispatchResult", "CommTimeoutError", "CapacityError", "BufferBrokenError", "MoELayer",
            "memory_plan", "MemoryPlan", "Tuning"]
 __version__ = "0.1.0"
 
-_LAZY = {"EPBuffer": ".buffer", "DispatchResult": ".buffer", "EPGroup": ".group", "MoELayer": ".layer",
-         "memory_plan": ".sizing", "MemoryPlan": ".sizing", "Tuning": ".tuning"}
+_LAZY = {"EPBuffer": ".ops.buffer", "DispatchResult": ".ops.buffer", "EPGroup": ".core.group", "MoELayer": ".moe.layer",
+         "memory_plan": ".ops.sizing", "MemoryPlan": ".ops.sizing", "Tuning": ".core.tuning"}
 
 
 def __getattr__(name: str):

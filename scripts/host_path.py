@@ -75,18 +75,18 @@ def _deep_ep_buffer():
     into the stand-in driver (each made by the wrapper on first use, patched as it is made)."""
     import torch.distributed as dist
 
-    import moe_ep.buffer
+    import moe_ep.ops.buffer
     import moe_ep.deep_ep as deep_ep
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(prefix="moe_ep_host_path_"),
                                 rank=0, world_size=1)
-    made = moe_ep.buffer.EPBuffer.__init__
+    made = moe_ep.ops.buffer.EPBuffer.__init__
 
     def init(self, *args, **kwargs):
         made(self, *args, **kwargs)
         self.parts.tuning, self.parts.interp, self.calls.launch = self.tuning.replace(fused=True), False, _Launcher()
-    moe_ep.buffer.EPBuffer.__init__ = init
+    moe_ep.ops.buffer.EPBuffer.__init__ = init
     return deep_ep.Buffer(dist.group.WORLD, 0, 1 << 20, low_latency_mode=True, num_qps_per_rank=256)
 
 

@@ -49,11 +49,11 @@ def record_calls(group, configs, rec: list, prefix: str = "", weights: bool = Fa
     import torch
 
     import moe_ep
-    import moe_ep.layout
-    from moe_ep.tuning import combine_shape
-    from moe_ep.kernels.aot import signature
+    import moe_ep.core.workspace
+    from moe_ep.core.tuning import combine_shape
+    from moe_ep.testing.aot import signature
 
-    moe_ep.layout.interpreting = lambda: False  # the chunking a GPU gets
+    moe_ep.core.workspace.interpreting = lambda: False  # the chunking a GPU gets
     asked = moe_ep.Tuning.from_env()  # the tuning variables set, if any (each buffer takes them too)
     for T, H, dt, layout, P, warps in configs:
         name = f"{prefix}{layout}-{dt}-T{T}-p{P}"
@@ -120,7 +120,7 @@ def digest(path: str) -> None:
     """Compiles every recorded launch for sm_90 and prints its SASS digest; runs without the interpreter."""
     import triton
 
-    from moe_ep.kernels.aot import compile_for
+    from moe_ep.testing.aot import compile_for
 
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     launches = []

@@ -1,5 +1,5 @@
 """A pure-torch model of what DeepEP V1's ``deep_ep.Buffer`` calls return, written from its
-docstrings and published tests, computed from every rank's inputs (``moe_ep.reference.gather_inputs``).
+docstrings and published tests, computed from every rank's inputs (``moe_ep.testing.reference.gather_inputs``).
 Loops over ranks and tokens on purpose: slow and plain, nothing shared with the module it checks.
 
 - ``layout``: ``get_dispatch_layout``.

@@ -12,7 +12,7 @@ Data kinds:
 - ``random``: bf16 normals of varied magnitude per row (one all-zero row per rank), weights in
   [0, 1), a float expert function; combine is checked against a bf16 tolerance.
 
-The rows layout (``layout="rows"``) is checked against ``moe_ep.reference.reference_rows`` row for
+The rows layout (``layout="rows"``) is checked against ``moe_ep.testing.reference.reference_rows`` row for
 row in order (its order is part of the contract), with every field of its result; the caller's
 expert step reduces each row over its local experts (so combine's answer is the same MoE output),
 and every other call also hands back combine weights (``rows_wy``), whose sums are checked too.
@@ -171,7 +171,7 @@ def make_inputs(case: Case, call: int) -> List[RankInputs]:
             idx = idx.to(torch.int32)  # both index dtypes are accepted
         inp = RankInputs(x, idx.contiguous(), w.float().contiguous())
         if case.dtype == "fp8pre":
-            from moe_ep.fp8 import quantize_fp8
+            from moe_ep.core.fp8 import quantize_fp8
 
             q, s = quantize_fp8(x)
             # Scales the kernel cannot re-derive: the given (q, scales) must travel untouched.
@@ -243,7 +243,7 @@ def _bf16_bits(rows: torch.Tensor) -> torch.Tensor:
 def _as_float(x: torch.Tensor, s: Optional[torch.Tensor]) -> torch.Tensor:
     if s is None:
         return x.float()
-    from moe_ep.fp8 import dequantize_fp8
+    from moe_ep.core.fp8 import dequantize_fp8
 
     return dequantize_fp8(x, s.float())
 
@@ -266,7 +266,7 @@ def poison(handle, out: Optional[torch.Tensor] = None) -> None:
 
 def reference_for(group, case: Case, x, idx, w, sc):
     """The oracle of ``case``'s layout for one dispatch (collective)."""
-    from moe_ep.reference import reference_dispatch, reference_rows
+    from moe_ep.testing.reference import reference_dispatch, reference_rows
 
     if case.layout == "rows":
         return reference_rows(group, case.E, case.M, x, idx, w, x_scales=sc, dispatch_dtype=DTYPES[case.dtype])
@@ -279,7 +279,7 @@ def first_expert(ref, case: Case) -> int:
 
 
 def check_rows(handle, ref, case: Case, where: str) -> List[str]:
-    """A rows-layout dispatch result against ``moe_ep.reference.ReferenceRows``: shapes, dtypes,
+    """A rows-layout dispatch result against ``moe_ep.testing.reference.ReferenceRows``: shapes, dtypes,
     counts, then every defined row in order (bit-exact payload, ids, weights, sources). The
     received tensors' rows: sized per call (``case.recv_rows`` None) exactly the oracle's count,
     else the cap or the worst case ``R * M``."""
@@ -363,7 +363,7 @@ def rows_expert_y(handle, case: Case, fn, rank: int):
 
 
 def rows_fn(fn, EL: int):
-    """``row_fn`` of ``moe_ep.reference.rows_combine_local`` for the expert function ``fn`` (EL
+    """``row_fn`` of ``moe_ep.testing.reference.rows_combine_local`` for the expert function ``fn`` (EL
     local experts per rank): the weighted sum over a row's local experts."""
     def row_fn(r, vals, ids, w):
         f0 = r * EL
@@ -557,7 +557,7 @@ def _hooked(op, *args, **kwargs):
 
 def run_calls(group, buf, case: Case) -> List[str]:
     """All calls of ``case`` on ``buf``, each checked against the oracle; returns failure strings."""
-    from moe_ep.reference import moe_local, reference_moe
+    from moe_ep.testing.reference import moe_local, reference_moe
 
     r, dev = group.rank, group.device
     dt = DTYPES[case.dtype]
@@ -618,7 +618,7 @@ def run_calls(group, buf, case: Case) -> List[str]:
 def _rows_combine(group, buf, h, case: Case, call: int, x, idx, w, sc, bad: bool, where: str) -> List[str]:
     """A rows-layout combine after a checked dispatch (every rank calls it, even after a bad
     dispatch); even calls also hand back combine weights and check their sums."""
-    from moe_ep.reference import moe_local, reference_moe, rows_combine_local
+    from moe_ep.testing.reference import moe_local, reference_moe, rows_combine_local
 
     dt, fn, r, EL = DTYPES[case.dtype], expert_fn_for(case), group.rank, case.E // case.R
     y, wy = rows_expert_y(h, case, fn, r) if not bad else (

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 import moe_ep
-from moe_ep.kernels.aot import signature
+from moe_ep.testing.aot import signature
 
 _COMPILE = r"""
 import importlib, pickle, re, sys
-from moe_ep.kernels.aot import compile_for
+from moe_ep.testing.aot import compile_for
 
 
 def own_loop(ptx):
@@ -70,10 +70,10 @@ pickle.dump(loops, open(sys.argv[1] + ".loops", "wb"))
 
 
 def gpu_chunking(monkeypatch) -> None:
-    """Chunk counts as on a GPU (the interpreter caps them: moe_ep.layout.max_chunks)."""
-    import moe_ep.layout
+    """Chunk counts as on a GPU (the interpreter caps them: moe_ep.core.workspace.max_chunks)."""
+    import moe_ep.core.workspace
 
-    monkeypatch.setattr(moe_ep.layout, "interpreting", lambda: False)
+    monkeypatch.setattr(moe_ep.core.workspace, "interpreting", lambda: False)
 
 
 def _record(monkeypatch, configs, **buffer_kwargs):
@@ -150,10 +150,10 @@ def _record_remote_worker(rank, world_size, configs):
     per config ``(T, H, dtype, layout, buffer kwargs)``, as a GPU would make them: chunks and
     constexprs of a GPU, the halves as two launches. Rank 0 returns them."""
     import moe_ep
-    import moe_ep.layout
+    import moe_ep.core.workspace
 
-    kept = moe_ep.layout.interpreting  # (the pool's process runs later tests too)
-    moe_ep.layout.interpreting = lambda: False
+    kept = moe_ep.core.workspace.interpreting  # (the pool's process runs later tests too)
+    moe_ep.core.workspace.interpreting = lambda: False
     rec = []
 
     def spy(key, fn, grid, args, consts, dynamic=None):
@@ -172,7 +172,7 @@ def _record_remote_worker(rank, world_size, configs):
             buf.combine(torch.zeros(h.expert_x.shape, dtype=torch.bfloat16), h, topk_weights=wts)
             buf.close()
     finally:
-        moe_ep.layout.interpreting = kept
+        moe_ep.core.workspace.interpreting = kept
     return rec if rank == 0 else None
 
 

@@ -36,7 +36,7 @@ def _outcome(fn):
 def _round_trip(group) -> bool:
     """A dispatch + combine on a fresh buffer gives the oracle's answer (construction still works)."""
     import moe_ep
-    from moe_ep.reference import reference_moe
+    from moe_ep.testing.reference import reference_moe
 
     R = group.world_size
     x = torch.full((3, 128), float(group.rank + 1), dtype=torch.bfloat16)
@@ -172,8 +172,8 @@ def test_rank_that_does_not_arrive_is_named_within_the_deadline():
 @pytest.mark.parametrize("bad", [float("inf"), float("nan"), 0, -1.0, True, 1e7, "30"])
 def test_timeout_s_is_checked_before_memory(bad, monkeypatch):
     import moe_ep
-    import moe_ep.buffer as B
-    import moe_ep.buffer_memory as BM
+    import moe_ep.ops.buffer as B
+    import moe_ep.ops.buffer_memory as BM
 
     def no_memory(*a, **k):
         raise AssertionError("memory was allocated before timeout_s was checked")
@@ -195,7 +195,7 @@ def test_column_major_scales_is_checked_before_memory(kw, error, match, monkeypa
     """``column_major_scales`` takes a bool, and True only for a masked fp8 buffer; refused,
     naming it, before any memory is touched."""
     import moe_ep
-    import moe_ep.buffer_memory as BM
+    import moe_ep.ops.buffer_memory as BM
 
     def no_memory(*a, **k):
         raise AssertionError("memory was allocated before column_major_scales was checked")
@@ -211,7 +211,7 @@ def test_column_major_scales_is_checked_before_memory(kw, error, match, monkeypa
 def test_tuning_variables_are_checked_before_memory(var, bad, monkeypatch):
     """A bad tuning variable is refused, naming it, before any memory is touched."""
     import moe_ep
-    import moe_ep.buffer_memory as BM
+    import moe_ep.ops.buffer_memory as BM
 
     def no_memory(*a, **k):
         raise AssertionError(f"memory was allocated before {var} was checked")
@@ -248,7 +248,7 @@ def test_combine_shape_by_default():
     """Packed prefill on <= 64 programs of a GPU: the combine in 32 warps, steps of 4 tokens and the
     whole register file; every other buffer the dispatch's shape (the measurements are in
     ``combine_shape``'s docstring)."""
-    from moe_ep.buffer import CombineShape, combine_shape
+    from moe_ep.ops.buffer import CombineShape, combine_shape
 
     few = CombineShape(32, 4, "full")
     assert combine_shape("packed", 32, 4096 * 8, True) == few == combine_shape("packed", 64, 2049, True)

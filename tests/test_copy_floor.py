@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moe_ep.bench import copy_floor as cf
-from moe_ep.kernels.interpret import interpreting
+from moe_ep.core.interpret import interpreting
 
 needs_interpreter = pytest.mark.skipif(not interpreting(), reason="--device cpu runs in Triton's interpreter")
 
@@ -115,8 +115,8 @@ def test_ring_matches_torch(inp, device, programs):
 _RING_COMPILE = r"""
 import json, re
 from moe_ep.bench import tma_ring
-from moe_ep.kernels.aot import compile_gluon_for, descriptor_type
-from moe_ep.layout import pow2
+from moe_ep.testing.aot import compile_gluon_for, descriptor_type
+from moe_ep.core.workspace import pow2
 
 def facts(kern, **more):
     ptx = kern.asm["ptx"]

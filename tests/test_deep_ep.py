@@ -33,7 +33,7 @@ def _inputs(rank: int, R: int, E: int, K: int, H: int, M: int, call: int, holes:
 
 
 def _gather(group, x, idx, w):
-    from moe_ep.reference import gather_inputs
+    from moe_ep.testing.reference import gather_inputs
 
     g = gather_inputs(group, x, idx, w)
     return [t.cpu() for t in g.x], [t.cpu() for t in g.topk_idx], [t.cpu() for t in g.topk_weights]
@@ -56,7 +56,7 @@ def _ll_worker(rank, R, dtypes, E_per_rank, K, H, M, node_size=None):
     import torch.distributed as dist
 
     import moe_ep.deep_ep as deep_ep
-    from moe_ep.fp8 import dequantize_fp8, quantize_fp8
+    from moe_ep.core.fp8 import dequantize_fp8, quantize_fp8
 
     if node_size is not None:
         os.environ["MOE_EP_NODE_SIZE"] = str(node_size)
@@ -195,7 +195,7 @@ def _normal_buffer(node_size=None):
 def _normal_worker(rank, R, E_per_rank, K, H, M, calls, node_size=None):
     """The normal-mode calls of ``calls`` checked against the model; ``node_size`` < R: other
     nodes through the proxy."""
-    from moe_ep.fp8 import dequantize_fp8, quantize_fp8
+    from moe_ep.core.fp8 import dequantize_fp8, quantize_fp8
 
     buffer = _normal_buffer(node_size)
     group, dev = buffer.ep_group, buffer.device
@@ -307,7 +307,7 @@ def _worst_cap_worker(rank, R, node_size=None):
     ``CapacityError`` naming rank 1 and the 8 rows it needs, on both ranks (the source learns it
     in its combine), never a silent truncation. Returns the failures."""
     import moe_ep
-    import moe_ep.dispatch
+    import moe_ep.ops.dispatch
 
     buffer = _normal_buffer(node_size)
     dev, fails = buffer.device, []
@@ -320,12 +320,12 @@ def _worst_cap_worker(rank, R, node_size=None):
 
     def no_host_read(*a, **k):
         raise AssertionError("a host read of the received count")
-    saved = (moe_ep.dispatch.recv_rows, torch.Tensor.tolist)
-    moe_ep.dispatch.recv_rows = torch.Tensor.tolist = no_host_read
+    saved = (moe_ep.ops.dispatch.recv_rows, torch.Tensor.tolist)
+    moe_ep.ops.dispatch.recv_rows = torch.Tensor.tolist = no_host_read
     try:
         rx, r_idx, r_w, lst, handle, _ = buffer.dispatch(x, num_worst_tokens=2 * M, **kw)
     finally:
-        moe_ep.dispatch.recv_rows, torch.Tensor.tolist = saved
+        moe_ep.ops.dispatch.recv_rows, torch.Tensor.tolist = saved
     epbuf = handle.slot.epbuf
     if (epbuf.sizes.max_recv_rows, epbuf.sizes.recv_rows_mode, epbuf.parts.memory.expert_x.shape[0]) != (2 * M, "cap",
                                                                                                           2 * M):
@@ -649,7 +649,7 @@ def _ll_graph_worker(rank, R, fp8, node_size=None):
     import torch.distributed as dist
 
     import moe_ep.deep_ep as deep_ep
-    from moe_ep.fp8 import dequantize_fp8, quantize_fp8
+    from moe_ep.core.fp8 import dequantize_fp8, quantize_fp8
 
     if node_size is not None:
         os.environ["MOE_EP_NODE_SIZE"] = str(node_size)
@@ -719,7 +719,7 @@ def test_combine_time_weights_compile_for_sm90(monkeypatch, tmp_path):
     sm_90 on a machine without a GPU: fused (one launch) and as separate push / send / receive."""
     pytest.importorskip("triton.backends.nvidia")
     import moe_ep
-    from moe_ep.kernels.aot import signature
+    from moe_ep.testing.aot import signature
     from test_compile_sm90 import _compile, gpu_chunking
 
     gpu_chunking(monkeypatch)

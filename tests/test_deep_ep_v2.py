@@ -77,7 +77,7 @@ def _elastic_worker(rank, R, node_size=None, hybrid=True):
     import torch.distributed as dist
 
     import moe_ep.deep_ep as deep_ep
-    from moe_ep.reference import gather_inputs
+    from moe_ep.testing.reference import gather_inputs
 
     E, EL = 2 * R, 2
     if node_size is not None:
@@ -699,7 +699,7 @@ def test_import_deep_ep_alias(tmp_path):
               "assert deep_ep.Buffer is m.Buffer and deep_ep.ElasticBuffer is m.ElasticBuffer and deep_ep.Config\n"
               "EventOverlap(EventHandle()).current_stream_wait()\n"
               "import importlib.util; assert importlib.util.find_spec('deep_ep') is not None\n"
-              "from moe_ep.doctor import deep_ep_alias; print(deep_ep_alias()['what'])")
+              "from moe_ep.tools.doctor import deep_ep_alias; print(deep_ep_alias()['what'])")
     assert user.returncode == 0, user.stderr[-2000:]
     assert user.stdout.startswith("active") and str(site) in user.stdout
     # a real DeepEP beside the alias: import refuses naming it, install refuses too

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import moe_ep
-import moe_ep.dispatch as D
+import moe_ep.ops.dispatch as D
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
                                 reason="CPU tests run the kernels in the Triton interpreter (TRITON_INTERPRET=1)")

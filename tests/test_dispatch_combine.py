@@ -98,8 +98,8 @@ def test_one_launch_at_one_rank():
 
 def _combine_step(buf) -> int:
     """The tokens a step of combine's receive half takes by default on ``buf`` (in sub-blocks)."""
-    from moe_ep.buffer import combine_shape
-    from moe_ep.layout import COMBINE_STEP_TOKENS
+    from moe_ep.ops.buffer import combine_shape
+    from moe_ep.core.workspace import COMBINE_STEP_TOKENS
 
     shape = combine_shape(buf.layout, buf.num_programs, buf.max_tokens * buf.topk, buf.device.type == "cuda")
     return shape.tokens or COMBINE_STEP_TOKENS
@@ -362,7 +362,7 @@ def _graph_worker(rank, world_size, case_kw, node_size=None):
     Rows layout: combine also hands back weights (``rows_wy``), whose sums are checked."""
     import moe_ep
     from ep_cases import _check_weights, check_combine, check_dispatch, expert_fn_for, reference_for, rows_wy
-    from moe_ep.reference import moe_local, reference_moe, rows_combine_local
+    from moe_ep.testing.reference import moe_local, reference_moe, rows_combine_local
 
     group = moe_ep.EPGroup(node_size=node_size)
     dev = group.device
@@ -494,7 +494,7 @@ def _bad_dispatch_calls(buf, case, log):
     w = torch.ones(T, K)
     kw = {}
     if fp8 and case.dtype == "fp8pre":
-        from moe_ep.fp8 import quantize_fp8
+        from moe_ep.core.fp8 import quantize_fp8
 
         x, s = quantize_fp8(x)
         kw = {"x_scales": s}
@@ -533,7 +533,7 @@ def _bad_dispatch_calls(buf, case, log):
             lambda: d(x, idx, torch.ones(T, 2 * K)[:, ::2], **kw), ["topk_weights"])
     dist_util.expect_error(log, f"{tag} topk_weights on meta", lambda: d(x, idx, w.to("meta"), **kw), ["topk_weights"])
     if case.dtype == "bf16":
-        from moe_ep.fp8 import quantize_fp8
+        from moe_ep.core.fp8 import quantize_fp8
 
         q, s = quantize_fp8(x)
         dist_util.expect_error(log, f"{tag} x_scales with a bf16 buffer", lambda: d(q, idx, w, x_scales=s), ["x_scales", "x"])

@@ -16,12 +16,12 @@ import pytest
 from test_nic import make_sysfs
 from test_verbs_transport import AVAILABLE, ROOT, WHY, light_import, rdma_test
 
-doctor = light_import("doctor")
+doctor = light_import("tools.doctor")
 KEYS = {"host", "gpus", "rdma", "nic", "transport", "node_memory", "env", "deep_ep"}
 
 
 def _run(*args, **env):
-    return subprocess.run([sys.executable, "-m", "moe_ep.doctor", *args], capture_output=True, text=True, timeout=300,
+    return subprocess.run([sys.executable, "-m", "moe_ep.tools.doctor", *args], capture_output=True, text=True, timeout=300,
                           cwd=ROOT, env={**os.environ, **env})
 
 
@@ -239,7 +239,7 @@ def test_doctor_sees_the_verbs_device():
 def test_node_memory_report(monkeypatch):
     """The doctor says which node memory a job would use: IPC whenever ranks share a GPU, and what
     MOE_EP_NODE_MEMORY forces (the text names both)."""
-    from moe_ep import doctor
+    from moe_ep.tools import doctor
 
     monkeypatch.delenv("MOE_EP_NODE_MEMORY", raising=False)
     m = doctor.node_memory(num_gpus=0, use_torch=False)
@@ -253,12 +253,12 @@ def test_node_memory_report(monkeypatch):
 
 
 def test_no_torch_report_loads_no_torch():
-    """``moe_ep.doctor --no-torch`` (and the torch-free rdma tests) must not import torch: ``import
+    """``moe_ep.tools.doctor --no-torch`` (and the torch-free rdma tests) must not import torch: ``import
     moe_ep`` loads its classes lazily, and the node-memory row needs no torch without it."""
     import subprocess
     import sys
 
-    code = ("import sys; from moe_ep import doctor; doctor.render(doctor.report(use_torch=False, use_pyverbs=False)); "
+    code = ("import sys; from moe_ep.tools import doctor; doctor.render(doctor.report(use_torch=False, use_pyverbs=False)); "
             "import moe_ep; assert moe_ep.__version__; print('torch' in sys.modules)")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr

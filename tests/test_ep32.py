@@ -1,6 +1,6 @@
 """EP32 end to end on CPU ranks: 32 rank processes as 8 nodes of 4 (shared memory inside a node,
 the proxy over TCP between nodes), one dispatch + combine through the bench CLI, every rank's
-output checked against ``moe_ep.reference`` by the bench itself. A correctness run that takes
+output checked against ``moe_ep.testing.reference`` by the bench itself. A correctness run that takes
 minutes on 2 cores, so it is ``slow`` (CI leaves it out; ``-m slow`` runs it)."""
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""moe_ep.fp8: the reference block quantization that the dispatch kernel must reproduce bit for bit."""
+"""moe_ep.core.fp8: the reference block quantization that the dispatch kernel must reproduce bit for bit."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from moe_ep.fp8 import AMAX_FLOOR, FP8_BLOCK, FP8_MAX, dequantize_fp8, num_scale_blocks, quantize_fp8
+from moe_ep.core.fp8 import AMAX_FLOOR, FP8_BLOCK, FP8_MAX, dequantize_fp8, num_scale_blocks, quantize_fp8
 
 FP8 = torch.float8_e4m3fn
 
@@ -164,7 +164,7 @@ def test_empty_input():
 def test_nonfinite_blocks_become_nan():
     """A block holding a NaN or an infinity is NaN as a whole: scale 0x7FC00000, bytes 0x7F; the
     other blocks of the row quantize as if it were not there."""
-    from moe_ep.fp8 import NAN_BYTE, NAN_SCALE_BITS
+    from moe_ep.core.fp8 import NAN_BYTE, NAN_SCALE_BITS
 
     g = torch.Generator().manual_seed(2)
     x = torch.randn(5, 320, generator=g).to(torch.bfloat16)  # blocks of 128, 128, 64

@@ -5,7 +5,7 @@ import os
 import pytest
 
 import dist_util
-from moe_ep.group import p2p_node_size
+from moe_ep.core.group import p2p_node_size
 
 T, F = True, False
 
@@ -147,7 +147,7 @@ def test_env_device():
     devices are refused by name."""
     import torch
 
-    from moe_ep.group import env_device
+    from moe_ep.core.group import env_device
 
     assert env_device("cpu", "MOE_EP_DEVICE") == torch.device("cpu")
     for bad in ("meta", "tpu", "cuda:x"):
@@ -160,7 +160,7 @@ def test_env_device():
 
 def _memory_choice_worker(rank, R, node_size, forced):
     import moe_ep
-    from moe_ep.memory import select_node_memory
+    from moe_ep.core.node_memory import select_node_memory
 
     os.environ.pop("MOE_EP_NODE_MEMORY", None)
     if forced is not None:

@@ -2,7 +2,7 @@
 
 - combine does not read the caller's ``topk_idx`` again: the caller may reuse it after dispatch;
 - non-finite values: bf16 dispatch carries them bit for bit, an fp8 block holding one becomes NaN
-  (scale and bytes, as ``moe_ep.fp8`` defines), and combine propagates them;
+  (scale and bytes, as ``moe_ep.core.fp8`` defines), and combine propagates them;
 - a masked-layout overflow raises ``CapacityError`` on the receiving rank and on the senders
   (naming the receiving rank and expert), never a timeout.
 """
@@ -31,7 +31,7 @@ def _expert(e: int, rows: torch.Tensor) -> torch.Tensor:
 
 def _apply_experts(h, buf, first: int) -> torch.Tensor:
     """expert_y for ``_expert`` from a dispatch result (masked or packed), bf16."""
-    from moe_ep.fp8 import dequantize_fp8
+    from moe_ep.core.fp8 import dequantize_fp8
 
     y = torch.zeros(h.expert_x.shape, dtype=torch.bfloat16, device=h.expert_x.device)
     for e in range(buf.num_local_experts):
@@ -57,7 +57,7 @@ def _close(out: torch.Tensor, want: torch.Tensor) -> bool:
 # ---------------------------------------------------------------------------- topk_idx reuse
 def _reuse_worker(rank, world_size, node_size, layout, dtype):
     import moe_ep
-    from moe_ep.reference import reference_moe
+    from moe_ep.testing.reference import reference_moe
 
     group = moe_ep.EPGroup(node_size=node_size)
     E, H, M, K = 2 * world_size, 128, 8, 2
@@ -101,10 +101,10 @@ def test_combine_does_not_reread_topk_idx_gpu(node_size):
 # ---------------------------------------------------------------------------- non-finite input
 def _nonfinite_worker(rank, world_size, dtype_name, layout, node_size):
     """NaN and +-inf in x (full and partial fp8 blocks): the dispatched rows equal the oracle's
-    bit for bit (fp8: ``moe_ep.fp8``'s NaN blocks) and combine puts NaN / inf where the oracle does."""
+    bit for bit (fp8: ``moe_ep.core.fp8``'s NaN blocks) and combine puts NaN / inf where the oracle does."""
     import moe_ep
     from ep_cases import Case, check_dispatch
-    from moe_ep.reference import reference_dispatch, reference_moe
+    from moe_ep.testing.reference import reference_dispatch, reference_moe
 
     group = moe_ep.EPGroup(node_size=node_size) if node_size else moe_ep.EPGroup()
     dev, R = group.device, world_size
@@ -143,7 +143,7 @@ def test_nonfinite_input(R, dtype, layout, node_size):
 @pytest.mark.parametrize("dtype", ["fp8", "bf16"])
 def test_nonfinite_input_gpu(R, dtype):
     """The compiled kernels: the hardware fp8 conversion (cvt.rn.satfinite saturates inf and keeps
-    NaN) must give moe_ep.fp8's NaN blocks too."""
+    NaN) must give moe_ep.core.fp8's NaN blocks too."""
     from test_layer import run_on_gpus
 
     run_on_gpus(R, _nonfinite_worker, dtype, "masked" if R == 1 else "packed", None)
@@ -151,12 +151,12 @@ def test_nonfinite_input_gpu(R, dtype):
 
 def _nonfinite_rows_worker(rank, world_size, sub_blocks=False):
     """Rows layout, fp8 quantized in the kernel (its scales stored from the block maxima's layout
-    on a GPU, kernels/common.py: store_in_place): NaN and +-inf blocks come out as moe_ep.fp8's,
+    on a GPU, kernels/common.py: store_in_place): NaN and +-inf blocks come out as moe_ep.core.fp8's,
     bytes and scale bits alike. R=1 and every token routed here, so received row i is token i.
     ``sub_blocks``: chunks of 19 tokens on two programs, whose own rows go in sub-blocks (16 + 3),
     the non-finite values in both."""
     import moe_ep
-    from moe_ep.fp8 import quantize_fp8
+    from moe_ep.core.fp8 import quantize_fp8
 
     group = moe_ep.EPGroup()
     dev = group.device

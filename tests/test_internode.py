@@ -289,10 +289,10 @@ def _launches_worker(rank, world_size, node_size, direct_max):
     """Launches of one dispatch and one combine (checked), at decode sizes and, with
     ``direct_max`` lowered, with the routing histogram first (prefill's structure)."""
     import moe_ep
-    import moe_ep.dispatch
+    import moe_ep.ops.dispatch
 
-    kept = moe_ep.dispatch.DIRECT_MAX  # (the pool's process runs later tests too)
-    moe_ep.dispatch.DIRECT_MAX = direct_max
+    kept = moe_ep.ops.dispatch.DIRECT_MAX  # (the pool's process runs later tests too)
+    moe_ep.ops.dispatch.DIRECT_MAX = direct_max
     try:
         group = moe_ep.EPGroup(node_size=node_size)
         M, H = 4, 128
@@ -307,7 +307,7 @@ def _launches_worker(rank, world_size, node_size, direct_max):
             torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2)
             return disp, comb
     finally:
-        moe_ep.dispatch.DIRECT_MAX = kept
+        moe_ep.ops.dispatch.DIRECT_MAX = kept
 
 
 @pytest.mark.parametrize("R,node_size", [(2, 1), (4, 2), (2, 2)], ids=["2x1", "2x2", "node"])

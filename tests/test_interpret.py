@@ -1,4 +1,4 @@
-"""moe_ep.kernels.interpret: the interpreter speed-up is installed on the pinned Triton, and kernels
+"""moe_ep.core.interpret: the interpreter speed-up is installed on the pinned Triton, and kernels
 with nested helpers still compute the same, with triton.language restored after each launch."""
 import os
 
@@ -31,9 +31,9 @@ def _kernel(x_ptr, y_ptr, N: tl.constexpr):
 
 
 def test_speed_up_installs_and_kernels_compute_the_same():
-    from moe_ep.kernels.interpret import speed_up
+    from moe_ep.core.interpret import speed_up
 
-    assert speed_up(), "triton's interpreter changed shape: moe_ep.kernels.interpret no longer applies"
+    assert speed_up(), "triton's interpreter changed shape: moe_ep.core.interpret no longer applies"
     x = torch.arange(-8, 8, dtype=torch.int32) * 1000003
     y = torch.empty_like(x)
     _kernel[(1,)](x, y, N=16)

@@ -52,8 +52,8 @@ class FakeRuntime:
 
 @contextlib.contextmanager
 def fake_runtime(fail=None):
-    """``moe_ep.memory`` calls a FakeRuntime (and makes no CUDA tensor) inside the block."""
-    import moe_ep.memory as mem
+    """``moe_ep.core.node_memory`` calls a FakeRuntime (and makes no CUDA tensor) inside the block."""
+    import moe_ep.core.node_memory as mem
 
     fake = FakeRuntime(fail)
     saved = mem._runtime, mem._device_bytes
@@ -67,7 +67,7 @@ def fake_runtime(fail=None):
 
 def _fail_worker(rank, world_size, fail_rank, fail_call):
     import moe_ep
-    from moe_ep.memory import IpcMemory
+    from moe_ep.core.node_memory import IpcMemory
 
     group = moe_ep.EPGroup()
     with fake_runtime(fail_call if rank == fail_rank else None):
@@ -95,7 +95,7 @@ def _close_worker(rank, world_size):
 
 
 def _close_in_order(rank, group, fake):
-    from moe_ep.memory import IpcMemory, release_deferred
+    from moe_ep.core.node_memory import IpcMemory, release_deferred
 
     m = IpcMemory(group, 4096)
     own = m.ptr

@@ -2,7 +2,7 @@
 
 The reference (this file, written independently of the layer) routes with the published
 formulas, runs every selected expert on the values dispatch delivers (bf16, or the fp8 round trip
-of ``moe_ep.fp8``) in float32, sums with the routing weights and adds the shared experts. Every
+of ``moe_ep.core.fp8``) in float32, sums with the routing weights and adds the shared experts. Every
 rank builds the same dense weights from one seed, loads them into an EP layer (each rank keeps
 its experts) and checks its own tokens: forward under no_grad, and forward + backward against
 the reference's autograd (x, router, shared experts on every rank; routed experts summed over
@@ -113,7 +113,7 @@ def ref_route(c: LayerCase, sd, x):
 
 def ref_delivered(c: LayerCase, x):
     """What the experts receive: bf16(x), or its fp8 round trip; gradients pass straight through."""
-    from moe_ep.fp8 import dequantize_fp8, quantize_fp8
+    from moe_ep.core.fp8 import dequantize_fp8, quantize_fp8
 
     xb = x.to(torch.bfloat16)
     v = xb.float() if c.dtype == "bf16" else dequantize_fp8(*quantize_fp8(xb))

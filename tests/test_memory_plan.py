@@ -130,7 +130,7 @@ def test_packed_sized_per_call_at_deepseek_v3_shapes(ep, total):
     (EP64: 14.44 GiB); with the overflow in windows of the default budget too, EP64's total goes
     from 23.23 to 3.94 GiB (issue 45's target: <= 4); as built, one row."""
     import moe_ep
-    from moe_ep.sizing import uniform_recv_rows
+    from moe_ep.ops.sizing import uniform_recv_rows
 
     rows = uniform_recv_rows(4096, 8, 256 // ep)
     plan = moe_ep.memory_plan(world_size=ep, node_size=8, layout="packed", recv_rows=rows, **DSV3)
@@ -149,7 +149,7 @@ def test_rows_sized_per_call_at_deepseek_v3_shapes(ep, total):
     of 32,768) instead of R*M, so EP64 goes from 5.55 to 3.94 GiB (EP8 from 1.56 to 1.49) (issue 45's target: <= 4); a
     cap allocates the cap, ids, weights and sources included."""
     import moe_ep
-    from moe_ep.sizing import uniform_rows_layout_rows
+    from moe_ep.ops.sizing import uniform_rows_layout_rows
 
     rows = uniform_rows_layout_rows(ep, 4096, 8, 256)
     plan = moe_ep.memory_plan(world_size=ep, node_size=8, layout="rows", recv_rows=rows, **DSV3)

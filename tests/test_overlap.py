@@ -21,7 +21,7 @@ def _inputs(case: Case, call: int, rank: int, dev):
 def _two_batches(group, bufs, cases, call: int):
     """Batch A and batch B: both send halves, then both receive halves (B's before A's for
     combine), each result checked against the oracle. Returns failure strings."""
-    from moe_ep.reference import moe_local, reference_moe
+    from moe_ep.testing.reference import moe_local, reference_moe
 
     r = group.rank
     ins = [_inputs(c, call, r, group.device) for c in cases]

@@ -118,7 +118,7 @@ import importlib.metadata as md, json, os, subprocess, sys, sysconfig
 import moe_ep
 site = sysconfig.get_paths()["purelib"]
 files = [str(f) for f in md.distribution("moe_ep").files]
-doctor = subprocess.run([sys.executable, "-m", "moe_ep.doctor", "--json", "--no-torch", "--no-pyverbs"],
+doctor = subprocess.run([sys.executable, "-m", "moe_ep.tools.doctor", "--json", "--no-torch", "--no-pyverbs"],
                         capture_output=True, text=True, check=True)
 print(json.dumps({"file": moe_ep.__file__, "version": moe_ep.__version__, "site": site, "files": files,
                   "host": json.loads(doctor.stdout)["host"]}))

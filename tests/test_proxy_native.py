@@ -19,7 +19,7 @@ import pytest
 import proxy_wire as W
 from engine_cases import catch, wait_lost
 from moe_ep import CapacityError, CommTimeoutError
-from moe_ep.errors import ErrorCode
+from moe_ep.core.errors import ErrorCode
 from moe_ep.proxy import native
 from moe_ep.proxy import (CQ_OK, CQ_PEER_LOST, CQ_REMOTE_ACCESS, CQ_TIMEOUT, Engine, ImmCounter, JobIdentity,
                           NativeError, PeerLostError, Proxy, TcpTransport)

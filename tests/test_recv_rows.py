@@ -28,7 +28,7 @@ def _need(ref, align: int) -> int:
 
 def _calls_worker(rank, world_size, node_size, mode, dtype, hooks):
     import moe_ep
-    from moe_ep.reference import moe_local, reference_moe
+    from moe_ep.testing.reference import moe_local, reference_moe
 
     group = moe_ep.EPGroup(node_size=node_size)
     dev = group.device

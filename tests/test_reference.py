@@ -1,4 +1,4 @@
-"""moe_ep.reference (the oracle) against brute-force loops over every selection."""
+"""moe_ep.testing.reference (the oracle) against brute-force loops over every selection."""
 from __future__ import annotations
 
 import pytest
@@ -6,9 +6,9 @@ import torch
 
 import dist_util
 from ep_cases import Case, exact_expert, float_expert, make_inputs
-from moe_ep.fp8 import dequantize_fp8, quantize_fp8
-from moe_ep.group import EPGroup
-from moe_ep.reference import (GatheredInputs, dispatch_from_gathered, gather_inputs, reference_dispatch,
+from moe_ep.core.fp8 import dequantize_fp8, quantize_fp8
+from moe_ep.core.group import EPGroup
+from moe_ep.testing.reference import (GatheredInputs, dispatch_from_gathered, gather_inputs, reference_dispatch,
                               reference_moe)
 
 FP8 = torch.float8_e4m3fn

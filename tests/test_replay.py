@@ -1,4 +1,4 @@
-"""Replayed calls (moe_ep/replay.py): a dispatch or combine whose inputs have a signature that
+"""Replayed calls (moe_ep/ops/replay.py): a dispatch or combine whose inputs have a signature that
 passed validation before launches the recorded plans with only the input pointers patched.
 
 On CPU the buffer's launcher is swapped for one whose plans run the kernels in the interpreter
@@ -85,13 +85,13 @@ def _replayed(launcher) -> int:
 
 def _replay_worker(rank, world_size, cases, direct_max=None):
     import moe_ep
-    import moe_ep.dispatch
+    import moe_ep.ops.dispatch
 
     group = moe_ep.EPGroup()
     fails, hits = [], {}
-    kept = moe_ep.dispatch.DIRECT_MAX  # (the pool's process runs later tests too)
+    kept = moe_ep.ops.dispatch.DIRECT_MAX  # (the pool's process runs later tests too)
     if direct_max is not None:  # prefill's launch structure (the routing histogram first) at small T
-        moe_ep.dispatch.DIRECT_MAX = direct_max
+        moe_ep.ops.dispatch.DIRECT_MAX = direct_max
     try:
         for case in cases:
             with make_buffer(group, case, 20.0) as buf:
@@ -99,7 +99,7 @@ def _replay_worker(rank, world_size, cases, direct_max=None):
                 fails += run_calls(group, buf, case)
                 hits[case.name] = _replayed(la)
     finally:
-        moe_ep.dispatch.DIRECT_MAX = kept
+        moe_ep.ops.dispatch.DIRECT_MAX = kept
     return fails, hits
 
 
@@ -218,7 +218,7 @@ def _errors_worker(rank, world_size):
     """After calls that recorded replays, each input changed in one way raises what validation
     raises for it (same type, same message) and launches nothing; then a correct call still works."""
     import moe_ep
-    from moe_ep.dispatch import validate
+    from moe_ep.ops.dispatch import validate
 
     group = moe_ep.EPGroup()
     case = Case(R=1, E=4, K=2, dtype="bf16", layout="masked", M=6, calls=("uniform", "skewed", "sparse", "uniform"), seed=9)
@@ -316,7 +316,7 @@ def _scales_worker(rank, world_size):
     fast path (no validation, a replayed launch); ``x_scales`` changed in one way raises what
     validation raises and launches nothing."""
     import moe_ep
-    import moe_ep.dispatch as D
+    import moe_ep.ops.dispatch as D
 
     group = moe_ep.EPGroup()
     case = Case(R=1, E=4, K=2, dtype="fp8pre", layout="masked", M=6, calls=("uniform", "skewed", "sparse", "uniform"),
@@ -462,12 +462,12 @@ def _gpu_worker(rank, world_size, cases, launch, direct_max=None):
     import os
 
     import moe_ep
-    import moe_ep.dispatch
+    import moe_ep.ops.dispatch
     from moe_ep.kernels.launch import NativePlan
 
-    kept = moe_ep.dispatch.DIRECT_MAX  # (the pool's process runs later tests too)
+    kept = moe_ep.ops.dispatch.DIRECT_MAX  # (the pool's process runs later tests too)
     if direct_max is not None:
-        moe_ep.dispatch.DIRECT_MAX = direct_max
+        moe_ep.ops.dispatch.DIRECT_MAX = direct_max
 
     os.environ["MOE_EP_LAUNCH"] = launch  # the pool's process: read when a buffer is made
     group = moe_ep.EPGroup()
@@ -483,7 +483,7 @@ def _gpu_worker(rank, world_size, cases, launch, direct_max=None):
                     fails.append(f"[{case.name}] nothing recorded for replay")
     finally:
         os.environ.pop("MOE_EP_LAUNCH", None)
-        moe_ep.dispatch.DIRECT_MAX = kept
+        moe_ep.ops.dispatch.DIRECT_MAX = kept
     return fails
 
 
@@ -491,7 +491,7 @@ def test_issued_result_is_the_dataclass_one():
     """``DispatchResult.issued`` (the eager path's constructor) gives the object ``__init__`` gives."""
     import dataclasses
 
-    from moe_ep.handle import DispatchResult
+    from moe_ep.ops.result import DispatchResult
 
     names = [f.name for f in dataclasses.fields(DispatchResult)]
     shared = {n: object() for n in names if n not in ("buffer", "num_tokens", "serial")}
@@ -523,7 +523,7 @@ def test_latest_hit_is_found_by_its_guard():
     whatever its token count; each kind of difference the signature sees makes the guard fail, and
     the Python signature then decides (a new signature: no entry; the same: the entry). Scalars
     are bound by argument name and come after the pointers."""
-    from moe_ep.replay import Replay, guard
+    from moe_ep.ops.replay import Replay, guard
 
     def inputs(T=4):
         return torch.zeros(T, 32, dtype=torch.bfloat16), torch.zeros(T, 2, dtype=torch.float32)
@@ -579,7 +579,7 @@ def test_new_output_is_a_fresh_tensor():
     buffer's device each call, sharing no memory with another call's or with its model."""
     from types import SimpleNamespace
 
-    from moe_ep.combine import _SHAPES, new_output
+    from moe_ep.ops.combine import _SHAPES, new_output
 
     parts = SimpleNamespace(shape=SimpleNamespace(hidden=24),
                             calls=SimpleNamespace(out_one=torch.empty(1, 1, dtype=torch.bfloat16), out_like={}))

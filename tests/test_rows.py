@@ -1,4 +1,4 @@
-"""The rows layout (``EPBuffer(layout="rows")``) on CPU ranks against ``moe_ep.reference.reference_rows``.
+"""The rows layout (``EPBuffer(layout="rows")``) on CPU ranks against ``moe_ep.testing.reference.reference_rows``.
 
 Every received row is checked in order (the order (source rank, source token) is part of the
 contract) with its payload bit for bit (bf16 values, or fp8 bytes and scales), local ids, weights
@@ -43,7 +43,7 @@ def histogram_case(R: int) -> int:
 def _matrix_worker(rank, world_size, cases, histogram):
     """``matrix_worker`` case by case, the ones flagged in ``histogram`` with the routing histogram
     forced (every dispatch takes the prefill path)."""
-    from moe_ep import dispatch
+    from moe_ep.ops import dispatch
 
     saved, fails = dispatch.DIRECT_MAX, []
     try:
@@ -70,7 +70,7 @@ def test_rows_chunk_sub_blocks(R):
     sub-blocks, full and partial, each one's rows read back from ``recv_pos``, the next one's first
     tile loaded by the last step of the one before. M=40 on two programs: chunks of 20 tokens (16 +
     4) at T = M, one partial sub-block at the in-between T."""
-    from moe_ep.layout import OWN_TILE_TOKENS, max_chunks, pow2
+    from moe_ep.core.workspace import OWN_TILE_TOKENS, max_chunks, pow2
 
     M = 40
     assert pow2(-(-M // max_chunks(M, 2))) > OWN_TILE_TOKENS  # the buffer's chunks do take sub-blocks
@@ -126,7 +126,7 @@ def test_rows_across_nodes(topo):
 def _errors_worker(rank, world_size):
     """What the rows layout refuses, each naming the argument; then a good round trip."""
     import moe_ep
-    from moe_ep.rows import row_groups
+    from moe_ep.moe.rows import row_groups
 
     group = moe_ep.EPGroup()
     R, E, H, M, K = world_size, 2 * world_size, 128, 4, 2
@@ -181,7 +181,7 @@ def _hook_inputs_worker(rank, world_size):
     between the call and the hook: the hook must not read them again (a rank's own rows, which a
     plain call reads from x / expert_y in its receive half, go through the workspace when a hook is
     asked for)."""
-    from moe_ep.reference import moe_local, reference_moe
+    from moe_ep.testing.reference import moe_local, reference_moe
     from ep_cases import (DTYPES, check_combine, check_dispatch, expert_fn_for, first_expert, make_buffer,
                           make_expert_y, make_inputs, reference_for, rows_expert_y)
 
@@ -237,7 +237,7 @@ def test_own_prefetch_depth(monkeypatch):
     kernel on <= 32 programs, none otherwise (bf16, pre-quantized input, more programs), and
     ``MOE_EP_PREFETCH`` overrides the rule."""
     import moe_ep
-    from moe_ep.dispatch import own_prefetch_depth
+    from moe_ep.ops.dispatch import own_prefetch_depth
 
     monkeypatch.delenv("MOE_EP_PREFETCH", raising=False)
     g = moe_ep.EPGroup()

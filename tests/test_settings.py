@@ -1,5 +1,5 @@
-"""``moe_ep.settings``: every variable moe_ep (or its native library) reads is declared there or in
-``moe_ep.tuning``, only those two modules read ``MOE_EP_*`` variables from the environment, and the
+"""``moe_ep.core.settings``: every variable moe_ep (or its native library) reads is declared there or in
+``moe_ep.core.tuning``, only those two modules read ``MOE_EP_*`` variables from the environment, and the
 settings parse as they did (a bad value raises naming its variable). No torch, no process group.
 """
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 
 from test_verbs_transport import ROOT, light_import
 
-settings = light_import("settings")
-tuning = light_import("tuning")
+settings = light_import("core.settings")
+tuning = light_import("core.tuning")
 
 PKG = os.path.join(ROOT, "moe_ep")
 CSRC = os.path.join(ROOT, "csrc", "proxy")
@@ -21,7 +21,7 @@ NAME = re.compile(r"\bMOE_EP_[A-Z0-9_]*[A-Z0-9]\b")
 # Names of the MOE_EP_ form that are not environment variables.
 NOT_VARIABLES = {"MOE_EP_BUILD_FLAGS", "MOE_EP_COMPILER", "MOE_EP_STR", "MOE_EP_STR2",  # C macros (capi.cc, -D)
                  "MOE_EP_NAME"}  # a placeholder in moe_ep.bench.variants' --point help
-READERS = {"settings.py", "tuning.py"}  # the modules that read MOE_EP_* variables
+READERS = {"core/settings.py", "core/tuning.py"}  # the modules that read MOE_EP_* variables
 # Reads left outside them, as (file under moe_ep/, variable): none.
 KNOWN_READS: set = set()
 
@@ -80,7 +80,7 @@ def test_every_variable_named_is_declared():
     named = _names_in(_files(PKG, (".py",)) + _files(CSRC, (".cc", ".h")))
     declared = set(settings.NAMES)
     missing = {n: where for n, where in named.items() if n not in declared and n not in NOT_VARIABLES}
-    assert not missing, f"named but not declared in moe_ep/settings.py (or tuning.py): {missing}"
+    assert not missing, f"named but not declared in moe_ep/core/settings.py (or tuning.py): {missing}"
     assert set(settings.TUNING) == {var for var, _ in tuning.ENV.values()} <= declared
     assert len(settings.NAMES) == len(set(settings.NAMES))
 
@@ -98,7 +98,7 @@ def test_native_reads_are_marked():
 
 def test_only_settings_and_tuning_read_the_environment():
     reads = env_reads_outside()
-    assert set(reads) <= KNOWN_READS, f"MOE_EP_* reads outside moe_ep/settings.py and tuning.py: {reads}"
+    assert set(reads) <= KNOWN_READS, f"MOE_EP_* reads outside moe_ep/core/settings.py and tuning.py: {reads}"
     # the detector itself
     src = ('import os\nos.environ.get("MOE_EP_A")\nos.getenv("MOE_EP_B", "")\nenv["MOE_EP_C"]\n'
            '"MOE_EP_D" in os.environ\nos.environ.update(MOE_EP_E="1")\nos.environ.get("OTHER")\nraise X("MOE_EP_F")\n')

@@ -44,7 +44,7 @@ def _close_order_worker(rank, world_size):
     """Two buffers, closed A then B on rank 0 and (later) B then A on the others, three times:
     rank 0's memory waits until its peers unmap it, nothing is leaked afterwards."""
     import moe_ep
-    from moe_ep.memory import release_deferred
+    from moe_ep.core.node_memory import release_deferred
 
     _ipc_env(world_size)
     group = moe_ep.EPGroup()
@@ -90,7 +90,7 @@ def _exit_first_worker(rank, world_size, victim):
     import signal
 
     import moe_ep
-    from moe_ep.memory import release_deferred
+    from moe_ep.core.node_memory import release_deferred
 
     _ipc_env(world_size)
     group = moe_ep.EPGroup()
@@ -130,7 +130,7 @@ def _memory_check_worker(rank, world_size):
     """More than the shared GPU holds: MemoryError on every rank, naming the sizes, before anything
     is allocated (and nothing hangs)."""
     import moe_ep
-    from moe_ep.memory import check_device_memory
+    from moe_ep.core.node_memory import check_device_memory
 
     group = moe_ep.EPGroup()
     out = {"shares": group.ranks_per_device}
@@ -198,10 +198,10 @@ SOAK_PAIRS = int(os.environ.get("MOE_EP_SOAK_PAIRS", "10000"))
 def _soak_worker(rank, world_size, pairs, seed):
     """``pairs`` dispatch+combine pairs on four buffers (bf16/fp8 x masked/packed, taken in turn),
     random T in [0, max_tokens], random experts with -1 holes and tokens with none, each combined
-    output compared with ``moe_ep.reference.moe_local`` (bf16 tolerance). Returns the counts."""
+    output compared with ``moe_ep.testing.reference.moe_local`` (bf16 tolerance). Returns the counts."""
     import moe_ep
     from ep_cases import Case, float_expert
-    from moe_ep.reference import moe_local
+    from moe_ep.testing.reference import moe_local
     from test_dispatch_combine import _expert_all_rows
 
     group = moe_ep.EPGroup()

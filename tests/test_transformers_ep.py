@@ -334,7 +334,7 @@ def test_rows_moe_one_rank_against_dense():
     """``rows_moe`` without a process group: output and gradients (tokens, routing weights, expert
     weights) equal the same experts on the tokens themselves; a fixed max_tokens refuses more."""
     import moe_ep
-    from moe_ep.rows_autograd import RowsExchange, rows_moe
+    from moe_ep.moe.rows_autograd import RowsExchange, rows_moe
 
     ex = RowsExchange(moe_ep.EPGroup(), max_tokens=8)
     E, K, H = 4, 2, 32
@@ -364,7 +364,7 @@ def test_rows_exchange_tuning(monkeypatch):
     that ``Tuning``; ``None``: the tuning variables when a buffer is made, as ``EPBuffer`` does."""
     import moe_ep
     import moe_ep.integrations.transformers as mt
-    from moe_ep.rows_autograd import RowsExchange
+    from moe_ep.moe.rows_autograd import RowsExchange
 
     tuned = moe_ep.Tuning(tile=1, num_warps=2)
     ex = mt._exchange(None, 8, 30.0, tuned)

@@ -29,7 +29,7 @@ BAD = [("MOE_EP_NUM_WARPS", "3"), ("MOE_EP_NUM_WARPS", "64"), ("MOE_EP_COMBINE_W
 
 
 def test_every_variable_has_a_field():
-    from moe_ep.tuning import ENV, Tuning
+    from moe_ep.core.tuning import ENV, Tuning
 
     assert set(ENV) == {f.name for f in dataclasses.fields(Tuning)}
     assert {var for var, _, _ in GOOD} == {var for var, _ in ENV.values()}
@@ -37,7 +37,7 @@ def test_every_variable_has_a_field():
 
 @pytest.mark.parametrize("var,text,value", GOOD)
 def test_from_env_parses(var, text, value):
-    from moe_ep.tuning import ENV, Tuning
+    from moe_ep.core.tuning import ENV, Tuning
 
     field = next(name for name, (v, _) in ENV.items() if v == var)
     t = Tuning.from_env({var: text})
@@ -74,7 +74,7 @@ def test_maxnreg_count_is_one_spelling():
 
 
 def _gpu_shape(T, dt, layout, P, **kw):
-    from moe_ep.sizing import BufferShape
+    from moe_ep.ops.sizing import BufferShape
 
     return BufferShape(world_size=1, node_size=1, num_experts=256, hidden=7168, max_tokens=T, topk=8,
                        num_programs=P, dispatch_dtype=torch.float8_e4m3fn if dt == "fp8" else torch.bfloat16,
@@ -85,10 +85,10 @@ def test_rules_give_a_gpu_buffers_numbers(monkeypatch):
     """The measured rules at scripts/sass_digest.py's four configurations (an H200: 132 SMs),
     computed: (num_warps, combine_warps, combine_maxnreg, tile, combine_tile, combine_recv_tile,
     block_ts, combine_recv_tokens, hist_warps)."""
-    import moe_ep.layout
+    import moe_ep.core.workspace
     from moe_ep import Tuning
 
-    monkeypatch.setattr(moe_ep.layout, "interpreting", lambda: False)  # a GPU's chunking
+    monkeypatch.setattr(moe_ep.core.workspace, "interpreting", lambda: False)  # a GPU's chunking
     want = {(4096, "fp8", "packed", 32): (16, 32, "full", 2, 2, 1, 16, 4, 4),
             (4096, "bf16", "packed", 132): (16, None, "", 2, 1, 1, 16, 8, 4),
             (4096, "fp8", "rows", 32): (32, None, "", 2, 2, 4, 16, 128, 16),
@@ -111,10 +111,10 @@ def test_rules_give_a_gpu_buffers_numbers(monkeypatch):
 def test_max_chunks_sizes_the_rows_layout(monkeypatch):
     """``max_chunks`` (rows layout) sets the chunks, so the workspace and histograms, and memory_plan
     takes it as the buffer does."""
-    import moe_ep.layout
+    import moe_ep.core.workspace
     from moe_ep import Tuning, memory_plan
 
-    monkeypatch.setattr(moe_ep.layout, "interpreting", lambda: False)
+    monkeypatch.setattr(moe_ep.core.workspace, "interpreting", lambda: False)
     assert _gpu_shape(4096, "fp8", "rows", 32).workspace.CMAX == 32
     shape = _gpu_shape(4096, "fp8", "rows", 32, max_chunks=64)
     assert (shape.workspace.CMAX, shape.block_t) == (64, 64)
@@ -226,15 +226,15 @@ def test_bench_points_are_tunings():
 
 
 def test_no_other_module_reads_a_tuning_variable():
-    """Only moe_ep/tuning.py names a tuning variable as a string (the way a read spells it):
+    """Only moe_ep/core/tuning.py names a tuning variable as a string (the way a read spells it):
     the package, its scripts and its bench go through Tuning.from_env."""
-    from moe_ep.tuning import ENV
+    from moe_ep.core.tuning import ENV
 
     names = "|".join(var for var, _ in ENV.values())
     quoted, named = re.compile(rf"""["'](?:{names})["']"""), re.compile(names)
     offenders = []
     for path in sorted([*ROOT.joinpath("moe_ep").rglob("*.py"), *ROOT.joinpath("scripts").glob("*.py")]):
-        if path == ROOT / "moe_ep" / "tuning.py":
+        if path == ROOT / "moe_ep" / "core" / "tuning.py":
             continue
         for n, line in enumerate(path.read_text().splitlines(), 1):
             if quoted.search(line) or (named.search(line) and re.search(r"environ|getenv", line)):

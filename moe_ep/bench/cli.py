@@ -17,7 +17,7 @@ Without a GPU the same runs on CPU ranks (gloo, Triton interpreter; times are me
     torchrun --nproc-per-node=2 -m moe_ep.bench --device cpu --tokens 4,8 --hidden 128 --num-experts 4 --topk 2 --iters 2
 
 Every backend runs on the same inputs (same seed) after a pre-check of its combine output against
-the oracle (moe_ep.reference, fake experts y = x * (1 + (e % 7) / 8)); a backend or mode that
+the oracle (moe_ep.testing.reference, fake experts y = x * (1 + (e % 7) / 8)); a backend or mode that
 cannot run is reported as "not available: <reason>" and the sweep goes on. Times: p50/p90/p99 over
 iterations on each rank, then the max over ranks; GB/s at the p50, two conventions (all rows a
 rank receives, its own included, as DeepEP counts; cross-GPU rows only). JSON schema: moe_ep/bench/schema.json.
@@ -169,7 +169,7 @@ def _init_distributed(device_kind: str) -> str:
     GPU per rank, gloo on CPUs or when there are more local ranks than GPUs (they share them)."""
     import torch
 
-    from moe_ep.group import init_distributed
+    from moe_ep.core.group import init_distributed
 
     if device_kind == "cpu":
         torch.set_num_threads(1)
@@ -287,7 +287,7 @@ def run(a: argparse.Namespace) -> int:
         raise
     # A sweep that ran to its end, every rank past the last barrier: leave without the group's and
     # the interpreter's teardown, which now and then aborted a gloo rank after everything was
-    # done ("terminate called without an active exception", in CI; moe_ep.demo leaves the same
+    # done ("terminate called without an active exception", in CI; moe_ep.tools.demo leaves the same
     # way). The buffers are closed; the JSON and the plot are written.
     sys.stdout.flush()
     sys.stderr.flush()

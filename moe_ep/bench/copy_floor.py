@@ -75,9 +75,9 @@ import triton
 import triton.language as tl
 
 from moe_ep.kernels.common import pre_reduce_tile, prefetch_l2
-from moe_ep.kernels.interpret import interpreting, speed_up
+from moe_ep.core.interpret import interpreting, speed_up
 from moe_ep.kernels.launch import compile_options, register_budget
-from moe_ep.layout import pow2
+from moe_ep.core.workspace import pow2
 
 PROG = "python -m moe_ep.bench.copy_floor"
 # (tokens, channels) per step of the reduce-K variants: (16, 512) is the combine's receive step at 32

@@ -47,8 +47,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .. import settings
-from ..tuning import Tuning
+from ..core import settings
+from ..core.tuning import Tuning
 
 PRESETS = {
     # tokens per rank, hidden, topk, experts
@@ -273,7 +273,7 @@ def fake_expert_output(d, layout: str, rank: int, e_local: int, scale: torch.Ten
 def reference_out(x, topk_idx, topk_weights, fp8: bool, scale: torch.Tensor) -> torch.Tensor:
     """out[t] = xhat[t] * sum_k w[t,k] * scale[e_k]: what combine(fake experts) must give."""
     if fp8:
-        from moe_ep.fp8 import dequantize_fp8, quantize_fp8
+        from moe_ep.core.fp8 import dequantize_fp8, quantize_fp8
         xhat = dequantize_fp8(*quantize_fp8(x))
     else:
         xhat = x.float()
@@ -331,7 +331,7 @@ class NaiveEP:
         mine = valid[send_token] & (local >= 0) & (local < self.e_local)
         meta = [torch.where(mine, local, -1).float(), torch.where(mine, topk_weights[send_token], 0.0)]
         if self.fp8:
-            from moe_ep.fp8 import quantize_fp8
+            from moe_ep.core.fp8 import quantize_fp8
             q, scales = quantize_fp8(x)
             payload = q.view(torch.uint8)[send_token]
             meta.append(scales[send_token])
@@ -581,7 +581,7 @@ def worker(args: argparse.Namespace, rank: int = -1, world: int = -1, port: int 
         else:
             dist.init_process_group("gloo")
     else:
-        from moe_ep.group import init_distributed
+        from moe_ep.core.group import init_distributed
         init_distributed("cuda")   # NCCL, or gloo where ranks share a GPU (then --no-baseline: no NCCL all-to-all)
     try:
         res = run_bench(args)

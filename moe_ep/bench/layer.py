@@ -88,7 +88,7 @@ def max_over_ranks(v: float, device: torch.device) -> float:
 
 
 def naive_groups(counts: torch.Tensor):
-    from moe_ep.experts import RowGroups
+    from moe_ep.moe.experts import RowGroups
 
     n = int(counts.sum())
     ends = torch.cumsum(counts, 0).to(torch.int32)
@@ -101,8 +101,8 @@ def naive_groups(counts: torch.Tensor):
 
 
 def bench_tokens(layer, naive, T: int, args, device) -> dict:
-    from moe_ep.fp8 import dequantize_fp8
-    from moe_ep.rows import delivered, to_layout
+    from moe_ep.core.fp8 import dequantize_fp8
+    from moe_ep.moe.rows import delivered, to_layout
 
     runner = layer.runner
     gate_up, down = layer.experts.gate_up_proj, layer.experts.down_proj

@@ -5,10 +5,10 @@
         --topk 8 --experts 256 --dtype fp8 --layout packed,rows,masked --json memory.json
 
 Per (tokens, EP, layout): device GiB, pinned host GiB, their total, and the largest regions
-(``moe_ep.sizing.MemoryPlan``'s names). EP sizes above ``--gpus-per-node`` take the proxy path
+(``moe_ep.ops.sizing.MemoryPlan``'s names). EP sizes above ``--gpus-per-node`` take the proxy path
 (nodes of ``--gpus-per-node`` ranks), whose row regions are planned in GPU memory unless
 ``--proxy-memory host``. The packed and rows layouts' received tensors (``expert_x`` and the rest
-of ``moe_ep.sizing.RECV_ROW_ALLOCS``) are planned as ``--recv-rows`` says: sized per call at a
+of ``moe_ep.ops.sizing.RECV_ROW_ALLOCS``) are planned as ``--recv-rows`` says: sized per call at a
 uniform batch's rows (the default), ``worst`` or a cap (``--packed-rows`` is its old name).
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ def recv_sizing(recv_rows, layout: str, tokens: int, ep: int, topk: int, experts
     """``memory_plan``'s keywords for the received tensors that ``--recv-rows`` names: masked none;
     packed and rows at ``"uniform"`` sized per call at a uniform batch (packed
     ``uniform_recv_rows``, rows ``uniform_rows_layout_rows``), else ``max_recv_rows``."""
-    from moe_ep.sizing import uniform_recv_rows, uniform_rows_layout_rows
+    from moe_ep.ops.sizing import uniform_recv_rows, uniform_rows_layout_rows
 
     if layout == "masked":
         return {}
@@ -89,7 +89,7 @@ def plans(a: argparse.Namespace) -> list[dict]:
     """One entry per (tokens, EP, layout): its arguments and ``MemoryPlan.as_dict()``."""
     import torch
 
-    from moe_ep.sizing import memory_plan
+    from moe_ep.ops.sizing import memory_plan
 
     dtype = torch.float8_e4m3fn if a.dtype == "fp8" else torch.bfloat16
     out = []

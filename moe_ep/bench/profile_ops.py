@@ -28,7 +28,7 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from .. import settings
+from ..core import settings
 from .intranode import PRESETS
 
 
@@ -74,8 +74,8 @@ def main(argv=None) -> None:
     p.add_argument("--calls", type=int, default=200)
     args = p.parse_args(argv)
     import moe_ep
-    from moe_ep.combine import new_output
-    from moe_ep.group import init_distributed
+    from moe_ep.ops.combine import new_output
+    from moe_ep.core.group import init_distributed
     from moe_ep.kernels.launch import Launcher, NativePlan, _hot, launch, launch_path
 
     how = init_distributed()
@@ -196,7 +196,7 @@ def main(argv=None) -> None:
         a3 = _host_us(lambda: torch.empty_like(out), 1000)
         a4 = _host_us(lambda: new_output(buf.parts, T), 1000)
         lines.append(f"a [T, H] bf16 output: torch.empty {a1:.2f} us, new_empty {a2:.2f} us, empty_like {a3:.2f} us, "
-                     f"moe_ep.combine.new_output {a4:.2f} us")
+                     f"moe_ep.ops.combine.new_output {a4:.2f} us")
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(50):

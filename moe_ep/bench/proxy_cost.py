@@ -42,7 +42,7 @@ import time
 
 import numpy as np
 
-from .. import settings
+from ..core import settings
 
 SIZES = [0, 4096, 65536, 1 << 20]
 POST_N = {0: 20000, 4096: 20000, 65536: 4000, 1 << 20: 300}

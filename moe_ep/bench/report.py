@@ -118,7 +118,7 @@ def format_table(doc: dict) -> str:
                              f"{_fmt(s['p90_us'])} {_fmt(s['p99_us'])} {_fmt(s['gbps_all'])} {_fmt(s['gbps_xgpu'])}")
         checks = [f"{label(e)}/{e['launch']} {e['check_rel_err']:.1e}" for e in entries if e["status"] == "ok"]
         if checks:
-            lines.append("  pre-check (max rel. error vs moe_ep.reference): " + ", ".join(checks))
+            lines.append("  pre-check (max rel. error vs moe_ep.testing.reference): " + ", ".join(checks))
     return "\n".join(lines)
 
 

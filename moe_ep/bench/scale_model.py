@@ -59,7 +59,7 @@ FLAG_RTT_US = 3.3           # GPU->GPU flag round trip over NVLink, release/acqu
                             # also stands in for GPU<->host bells through pinned memory (not measured natively)
 LAUNCH_IN_GRAPH_US = 0.7    # one launch inside a CUDA graph (2x H200; PERFORMANCE.md "Conventions", Floor)
 COPY_GBS = 3892.0           # HBM row copy, read + written bytes, 132 programs, inflight-4 (1x H200; docs/performance-log/gpu.md "Copy floor")
-FP8_BLOCK = 128             # channels per float32 fp8 scale (moe_ep.fp8)
+FP8_BLOCK = 128             # channels per float32 fp8 scale (moe_ep.core.fp8)
 
 # The proxy thread's CPU per decode op against R-1 simulated peers, null transport, 8 ranks per
 # node, p50, in quiet minutes of this 2-core machine (docs/performance-log/proxy.md "Proxy cost to

@@ -16,7 +16,7 @@ two): the load fills the chunks past the row's end with zeros and the store skip
 from __future__ import annotations
 
 import torch
-from triton import next_power_of_2 as pow2  # (Triton's own: moe_ep.layout sits above this package)
+from triton import next_power_of_2 as pow2  # (Triton's own: moe_ep.core.workspace sits above this package)
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma

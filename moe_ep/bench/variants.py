@@ -20,7 +20,7 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from ..tuning import ENV, Tuning
+from ..core.tuning import ENV, Tuning
 from .intranode import checks_ok, parse_args, run_bench
 
 

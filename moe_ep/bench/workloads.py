@@ -2,7 +2,7 @@
 
 A *workload point* is one shape (tokens per rank, hidden, top-k, experts, dtypes, layout) with one
 routing; every backend runs on the very same inputs of that point (same seed, same tensors), and
-its combine output is checked against the oracle (``moe_ep.reference``) with fake experts
+its combine output is checked against the oracle (``moe_ep.testing.reference``) with fake experts
 ``y = x * (1 + (e % 7) / 8)`` (exact in bf16).
 """
 from __future__ import annotations
@@ -108,7 +108,7 @@ def make_routing(wl: Workload, rank: int) -> tuple[torch.Tensor, torch.Tensor, t
 
 def make_inputs(wl: Workload, group) -> Inputs:
     """Collective: this rank's inputs, the oracle's answer and the traffic of the point."""
-    from moe_ep.reference import reference_moe
+    from moe_ep.testing.reference import reference_moe
 
     device, rank, world = group.device, group.rank, group.world_size
     x, idx, w = make_routing(wl, rank)

@@ -14,11 +14,11 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from ..buffer import EPBuffer
-from ..kernels.interpret import interpreting
-from ..group import EPGroup
-from ..layout import WorkspaceLayout, pow2
-from ..tuning import Tuning
+from ..ops.buffer import EPBuffer
+from ..core.interpret import interpreting
+from ..core.group import EPGroup
+from ..core.workspace import WorkspaceLayout, pow2
+from ..core.tuning import Tuning
 from . import forks as _forks
 from . import low_latency as _ll
 from . import normal as _normal

@@ -24,10 +24,10 @@ from typing import Any, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from .. import settings
-from ..kernels.interpret import interpreting
-from ..sizing import memory_plan
-from ..tuning import Tuning
+from ..core import settings
+from ..core.interpret import interpreting
+from ..ops.sizing import memory_plan
+from ..core.tuning import Tuning
 from . import normal as _normal
 from .buffer import FP8, Buffer, rows_buffer_tokens
 from .event import EventHandle, EventOverlap, stream_wait

@@ -7,7 +7,7 @@ from typing import Any, Callable, Optional, Tuple
 
 import torch
 
-from ..kernels.interpret import interpreting
+from ..core.interpret import interpreting
 
 
 class CpuEvent:

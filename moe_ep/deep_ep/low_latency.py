@@ -22,9 +22,9 @@ from typing import Callable, Optional
 
 import torch
 
-from ..buffer import EPBuffer
-from ..calls import on_device
-from ..handle import DispatchResult
+from ..ops.buffer import EPBuffer
+from ..ops.calls import on_device
+from ..ops.result import DispatchResult
 
 
 class LowLatencySlot:

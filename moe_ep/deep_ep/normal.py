@@ -16,8 +16,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ..buffer import EPBuffer
-from ..handle import DispatchResult
+from ..ops.buffer import EPBuffer
+from ..ops.result import DispatchResult
 
 
 class RowsSlot:

@@ -6,7 +6,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..calls import on_device
+from ..ops.calls import on_device
 
 
 def check_topk_idx(name: str, topk_idx, num_experts: int, device: torch.device,

@@ -21,8 +21,8 @@ from typing import Callable, Dict, List, Tuple
 import torch
 from torch import nn
 
-from ..group import EPGroup
-from ..layer import MoELayer, _as_group
+from ..core.group import EPGroup
+from ..moe.layer import MoELayer, _as_group
 
 
 def _common(block: nn.Module) -> dict:
@@ -76,9 +76,9 @@ def apply_expert_parallel(model: nn.Module, group=None, keep_router: bool = True
             same weights on every rank (e.g. the same checkpoint, or the same seed).
         group: ``None`` (WORLD, or a single rank), an ``EPGroup`` or a ``ProcessGroup``.
         keep_router: the layer routes with the block's own router module (its output contract,
-            ``(logits, weights, ids)``, is the one of ``moe_ep.router.Router``), so routing is
+            ``(logits, weights, ids)``, is the one of ``moe_ep.moe.router.Router``), so routing is
             bit-identical and HF's recording of router logits (``output_router_logits``, the
-            auxiliary loss) keeps working; False: ``moe_ep.router.Router`` with the same weights.
+            auxiliary loss) keeps working; False: ``moe_ep.moe.router.Router`` with the same weights.
         **kw: passed to every ``MoELayer`` (``dispatch_dtype``, ``layout``, ``max_tokens``, ...).
     Returns:
         ``model``, whose MoE blocks now run on ``group.device`` with expert parallelism; move

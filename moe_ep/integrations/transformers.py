@@ -12,7 +12,7 @@ once to each rank holding one of its experts; that rank's experts run on the rec
 their local expert ids (``num_local_experts``, the sentinel the experts skip, where the expert is
 elsewhere) and weights, each row coming out already weighted and summed over its selections; the
 rows combine sums them back on the token's rank. Differentiable in the tokens, the routing
-weights and the experts (``moe_ep.rows_autograd``). Nothing is read back from the device, so it
+weights and the experts (``moe_ep.moe.rows_autograd``). Nothing is read back from the device, so it
 captures in a CUDA graph; the ranks agree on ``max_tokens`` with one host all-gather of an
 integer per call (gloo; skipped with ``register(max_tokens=N)`` and under graph capture).
 
@@ -27,9 +27,9 @@ from typing import Dict, Optional, Tuple, Type
 import torch
 import torch.distributed as dist
 
-from ..group import EPGroup
-from ..rows_autograd import RowsExchange, rows_moe
-from ..tuning import Tuning
+from ..core.group import EPGroup
+from ..moe.rows_autograd import RowsExchange, rows_moe
+from ..core.tuning import Tuning
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, torch.bfloat16: torch.bfloat16,
            "fp8": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn,

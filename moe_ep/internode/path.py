@@ -7,7 +7,7 @@ soon as its rows are packed, then the node stores) and the receive half
 (``internode_dispatch_recv_kernel``: once every header is in, the node peers' rows placed with the
 whole count matrix, then each remote source's rows as they land). A combine likewise
 (``internode_combine_send_kernel``, ``internode_combine_recv_kernel``). With a receive hook the
-receive half is what the hook launches. ``moe_ep.dispatch`` and ``moe_ep.combine`` launch them
+receive half is what the hook launches. ``moe_ep.ops.dispatch`` and ``moe_ep.ops.combine`` launch them
 through the buffer's ``Launcher``, so they have native launch plans and replay like node calls.
 
 The kernels ring the bells and wait for the ready words in the mailbox, host memory the GPU maps,
@@ -26,14 +26,14 @@ from typing import TYPE_CHECKING, Callable, NoReturn, Optional
 
 import torch
 
-from ..errors import CommTimeoutError
-from ..layout import pow2
+from ..core.errors import CommTimeoutError
+from ..core.workspace import pow2
 from ..proxy.native import MAILBOX, NativeError, mailbox_words
 from .session import start_proxy
 from .spec import PROXY_MEMORY, REGIONS, ROW_REGIONS, RemoteSpec, RemoteState  # noqa: F401  (PROXY_MEMORY: importable here too)
 
 if TYPE_CHECKING:
-    from ..group import EPGroup
+    from ..core.group import EPGroup
 
 
 def row_region_memory(engine, sizes: dict, device: torch.device, want: str) -> tuple[dict, str, str]:

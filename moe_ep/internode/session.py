@@ -25,14 +25,14 @@ import logging
 import socket
 from typing import TYPE_CHECKING, Callable, Optional
 
-from .. import settings
+from ..core import settings
 from ..proxy import nic as _nic
 from ..proxy.identity import agree_identity
 from ..proxy.native import (Engine, FabricTransport, NativeError, Proxy, TcpTransport, VerbsTransport, fabric_probe,
                             verbs_probe)
 
-if TYPE_CHECKING:  # not at run time: moe_ep.doctor uses this module without torch
-    from ..group import EPGroup
+if TYPE_CHECKING:  # not at run time: moe_ep.tools.doctor uses this module without torch
+    from ..core.group import EPGroup
 
 TRANSPORTS = settings.TRANSPORTS
 _log = logging.getLogger(__name__)

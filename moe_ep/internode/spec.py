@@ -9,8 +9,8 @@ from typing import Optional
 
 import torch
 
-from ..fp8 import num_scale_blocks
-from ..layout import max_chunks
+from ..core.fp8 import num_scale_blocks
+from ..core.workspace import max_chunks
 
 # The proxy's registration order: five regions of rows (GPU memory where the transport can
 # register it), then the headers (host memory: the proxy reads the counts).
@@ -205,7 +205,7 @@ class RemoteSpec:
 
     @property
     def chunks(self) -> int:
-        """CMAX of the count histograms (``moe_ep.layout.max_chunks``)."""
+        """CMAX of the count histograms (``moe_ep.core.workspace.max_chunks``)."""
         return max_chunks(self.max_tokens)
 
 

@@ -22,7 +22,7 @@ import triton.language as tl
 
 
 class Offsets(NamedTuple):
-    """Byte offsets of the workspace regions from a rank's base (``moe_ep.layout``'s names)."""
+    """Byte offsets of the workspace regions from a rank's base (``moe_ep.core.workspace``'s names)."""
 
     hdr_flag: int = 0
     disp_flag: int = 0

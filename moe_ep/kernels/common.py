@@ -6,10 +6,10 @@ the form that is right in each place.
 import triton
 import triton.language as tl
 
-from ..errors import ErrorCode, Phase
+from ..core.errors import ErrorCode, Phase
 
 # Error record (int64[8], host-visible): [code, peer, phase, epoch, detail, ...]; the codes and
-# phases are moe_ep.errors' (the host decodes the record by the same names).
+# phases are moe_ep.core.errors' (the host decodes the record by the same names).
 ERR_NONE = tl.constexpr(int(ErrorCode.NONE))
 ERR_TIMEOUT = tl.constexpr(int(ErrorCode.TIMEOUT))
 ERR_BAD_EXPERT = tl.constexpr(int(ErrorCode.BAD_EXPERT))
@@ -17,7 +17,7 @@ ERR_CAPACITY = tl.constexpr(int(ErrorCode.CAPACITY))
 ERR_PROXY = tl.constexpr(int(ErrorCode.PROXY))  # the proxy recorded an error (its mailbox has the details)
 
 ABORT_FLAG = tl.constexpr(1 << 62)  # a comb_flag value above every epoch: the owner overflowed (abort_combines)
-NAN_SCALE_BITS = tl.constexpr(0x7FC00000)  # moe_ep.fp8: a block with a non-finite value
+NAN_SCALE_BITS = tl.constexpr(0x7FC00000)  # moe_ep.core.fp8: a block with a non-finite value
 NAN_BYTE = tl.constexpr(0x7F)
 RECIP_448 = tl.constexpr(0.0022321429569274187)  # float32 0x3B124925, RN(1 / 448): exact as a float32 literal
 
@@ -130,7 +130,7 @@ def wait_flag(flag_ptr, epoch, t0_ns, timeout_ns, err_ptr, peer, phase, INTERP: 
 @triton.jit
 def chunking(T, CMAX: tl.constexpr):
     """(tokens per chunk, chunks) of a source with ``T`` tokens: ``BT = max(1, ceil(T / CMAX))``,
-    ``NC = ceil(T / BT)``; the same rule as ``moe_ep.layout.chunking`` on the host."""
+    ``NC = ceil(T / BT)``; the same rule as ``moe_ep.core.workspace.chunking`` on the host."""
     BT = tl.maximum((T + CMAX - 1) // CMAX, 1)
     return BT, (T + BT - 1) // BT
 
@@ -179,7 +179,7 @@ def load_tile(x_ptr, xs_ptr, t, hh, hm, bb, bm, H: tl.constexpr, NB: tl.constexp
 def quantize_tile(v, s, FP8: tl.constexpr, PREQ: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
                   INTERP: tl.constexpr, FLAT: tl.constexpr = False):
     """A loaded tile (``load_tile``) as payload: bf16 values (returned twice), or fp8 bits (uint8)
-    and their float32 scales. fp8 is quantized here (``moe_ep.fp8``: ``scale = max(amax, 1e-4) / 448``
+    and their float32 scales. fp8 is quantized here (``moe_ep.core.fp8``: ``scale = max(amax, 1e-4) / 448``
     per 128 channels, ``q = rne(x * (448 / amax))``; a block with a NaN or an infinity all NaN)
     unless PREQ, where bytes and scales travel as given. ``FLAT`` (quantized here only): the
     scales as ``[BLOCK_T * BLOCK_H // 128]``, one per block in the layout of the block maxima
@@ -194,7 +194,7 @@ def quantize_tile(v, s, FP8: tl.constexpr, PREQ: tl.constexpr, BLOCK_T: tl.const
             raw = tl.reduce(tl.abs(vb), 1, _max_nan)
             bad = ~(raw <= 3.4028234663852886e38)
         scf, inv = block_scale(tl.maximum(raw, 1e-4), INTERP)
-        # A block with a NaN or an infinity is NaN as a whole, scale and bytes (moe_ep.fp8).
+        # A block with a NaN or an infinity is NaN as a whole, scale and bytes (moe_ep.core.fp8).
         nan = tl.full(scf.shape, NAN_SCALE_BITS, tl.int32).to(tl.float32, bitcast=True)
         scf = tl.where(bad, nan, scf)
         if INTERP:  # the bit-level conversion does not map NaN to NaN: select the bytes
@@ -215,7 +215,7 @@ def quantize_tile(v, s, FP8: tl.constexpr, PREQ: tl.constexpr, BLOCK_T: tl.const
 @triton.jit
 def block_scale(amax, INTERP: tl.constexpr):
     """float32 block maxima (>= 1e-4, finite) -> ``(amax / 448, 448 / amax)``, both correctly
-    rounded (``moe_ep.fp8``'s scale and DeepEP's factor ``x * (448 / amax)``): exact divisions
+    rounded (``moe_ep.core.fp8``'s scale and DeepEP's factor ``x * (448 / amax)``): exact divisions
     once per block, then one multiply per element (a per-element division cost ~100 us of a
     4096-token dispatch at 32 SMs). On a GPU neither needs the division's range check and slow
     path (together a tenth of the own-row loop's issue); both are checked equal to IEEE division

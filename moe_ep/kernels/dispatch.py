@@ -1,6 +1,6 @@
 """Dispatch kernel: every rank stores its tokens into its node peers, then expands what it got.
 
-Workspace of each rank (bytes from its base, offsets from ``moe_ep.layout``), ``par`` = epoch & 1:
+Workspace of each rank (bytes from its base, offsets from ``moe_ep.core.workspace``), ``par`` = epoch & 1:
   hdr_flag[src]                       int64, written by src only: last epoch whose header is in place
   disp_flag[src][CMAX]                int64, written by src only: last epoch whose chunk c is in place
   hdr[par][src][HDR]                  int32: [0] tokens of src, [1 + e] selections of local expert e

@@ -33,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import settings
-from .interpret import interpreting
+from ..core import settings
+from ..core.interpret import interpreting
 
 LAUNCH_PATHS = settings.LAUNCH_PATHS
 # Triton releases whose launcher (backends/nvidia/driver.py: make_launcher) the native packing was
@@ -229,7 +229,7 @@ def launch_function():
 class NativePlan:
     """A compiled kernel launched through ``cuLaunchKernel`` with prepacked parameters; ``dynamic``
     (positions in ``args``) are read again at each ``launch``. Every plan has ``dynamic`` and
-    ``arg_names`` (the kernel's, in order: what ``moe_ep.replay`` binds by name)."""
+    ``arg_names`` (the kernel's, in order: what ``moe_ep.ops.replay`` binds by name)."""
 
     def __init__(self, compiled, grid: int, args: tuple, consts: dict, dynamic: Sequence[int], arg_names):
         md = compiled.metadata

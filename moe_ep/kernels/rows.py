@@ -1,4 +1,4 @@
-"""Kernel pieces of the rows layout (``EPBuffer(layout="rows")``; not ``moe_ep/rows.py``, which groups
+"""Kernel pieces of the rows layout (``EPBuffer(layout="rows")``; not ``moe_ep/moe/rows.py``, which groups
 dispatched rows for MoELayer's experts): one received row per (source rank, source token)
 instead of one per selection, in ascending (source rank, source token) order.
 

@@ -12,8 +12,8 @@ import secrets
 import time
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # not at run time: moe_ep.doctor imports the proxy package without torch
-    from ..group import EPGroup
+if TYPE_CHECKING:  # not at run time: moe_ep.tools.doctor imports the proxy package without torch
+    from ..core.group import EPGroup
 
 SECRET_BYTES = 16
 _U64 = 1 << 64

@@ -26,8 +26,8 @@ import sysconfig
 import threading
 from typing import NamedTuple, Sequence
 
-from .. import settings
-from ..errors import CapacityError, CommTimeoutError, ErrorCode
+from ..core import settings
+from ..core.errors import CapacityError, CommTimeoutError, ErrorCode
 from .identity import JobIdentity
 
 # Return codes (csrc/proxy/imm_counter.h) and completion status (csrc/proxy/transport.h).
@@ -554,7 +554,7 @@ def _positive(value, kind: type, what: str):
 
 def _setting(value, what: str, kind: type, from_env):
     """The argument ``value`` (named ``what``) as a positive ``kind``, else ``from_env()`` (its
-    variable's value, or the default: ``moe_ep.settings``)."""
+    variable's value, or the default: ``moe_ep.core.settings``)."""
     return from_env() if value is None else _positive(value, kind, what)
 
 

@@ -11,7 +11,7 @@ domain ``efa_domain`` names; a GPU with several EFA devices behind its PCIe swit
 endpoint on each: ``efa_count``), the others ``verbs`` only.
 
 Pure Python over files, no libibverbs: the sysfs root is a parameter (``MOE_EP_SYSFS_ROOT``, else
-``/sys``) so tests build fake trees. ``moe_ep.doctor`` reports what this module reads.
+``/sys``) so tests build fake trees. ``moe_ep.tools.doctor`` reports what this module reads.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Optional, Sequence
 
-from .. import settings
+from ..core import settings
 
 _BDF = re.compile(r"^[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$")
 NVIDIA_VENDOR = "0x10de"

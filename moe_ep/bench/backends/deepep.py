@@ -42,7 +42,7 @@ class NormalRunner(Runner):
         self.buf, self.wl, self.inp, self.ctx = buf, wl, inputs, ctx
         self.sms = sms
         if wl.fp8:
-            from moe_ep.fp8 import quantize_fp8
+            from moe_ep.core.fp8 import quantize_fp8
 
             self.x = quantize_fp8(inputs.x)
         else:

@@ -32,7 +32,7 @@ def _payload(x: torch.Tensor, fp8: bool) -> torch.Tensor:
     """Rows as bf16 words: bf16 ``x`` itself, or fp8 bytes + float32 scales viewed as bf16."""
     if not fp8:
         return x
-    from moe_ep.fp8 import quantize_fp8
+    from moe_ep.core.fp8 import quantize_fp8
 
     q, s = quantize_fp8(x)
     return torch.cat([q.view(torch.uint8), s.view(torch.uint8)], dim=1).view(torch.bfloat16)

@@ -15,11 +15,11 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .buffer import EPBuffer
+from ..ops.buffer import EPBuffer
 from .experts import RowGroups, gated_mlp_rows, use_grouped_mm
 from .rows import (SENTINEL, bits_float, decode_digits, delivered, encode_digits, float_bits, flat_rows,
                    num_digits, row_groups, to_layout)
-from .tuning import Tuning
+from ..core.tuning import Tuning
 
 FP8 = torch.float8_e4m3fn
 TAG_COLS = 16          # forward side channel: [SENTINEL, tag digits (base 16)], one partial fp8 block

@@ -7,11 +7,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .ep_runner import ExpertParallelRunner
+from .runner import ExpertParallelRunner
 from .experts import LocalExperts, SharedExperts, check_activation
-from .group import EPGroup
+from ..core.group import EPGroup
 from .router import Router
-from .tuning import Tuning
+from ..core.tuning import Tuning
 
 FP8 = torch.float8_e4m3fn
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp8": FP8, "float8_e4m3fn": FP8}
@@ -55,7 +55,7 @@ class MoELayer(nn.Module):
         group: ``None`` (torch.distributed's WORLD when initialised, else a single rank), an
             ``EPGroup`` or a ``ProcessGroup``.
         router: ``"softmax"`` (Mixtral, Qwen3-MoE) or ``"sigmoid"`` (DeepSeek-V3: correction bias,
-            grouped top-k with ``n_group`` / ``topk_group``); see :class:`moe_ep.router.Router`.
+            grouped top-k with ``n_group`` / ``topk_group``); see :class:`moe_ep.moe.router.Router`.
         norm_topk_prob: renormalise the top-k weights. routed_scaling_factor: scales them.
         activation: ``"silu"`` (SwiGLU) or ``"gelu"``; experts are gated MLPs.
         shared_experts: how many shared experts (0: none); they form one dense MLP of

@@ -9,13 +9,13 @@ import torch
 from . import host_wait
 from .calls import (Parts, Replays, Weights, aligned, check_tensor, finish, internode_consts, launch_half,
                     launch_halves, node_dims, planned_half, replayed_recv)
-from .layout import pow2
-from .kernels.args import CombineModes, CombineTiles, Dims, Offsets, constexprs
-from .kernels.combine import node_combine_kernel
-from .internode.combine_kernels import internode_combine_recv_kernel, internode_combine_send_kernel
-from .kernels.launch import arg_positions, runtime_args
-from .handle import DispatchResult
-from .tuning import pipelined_width
+from ..core.workspace import pow2
+from ..kernels.args import CombineModes, CombineTiles, Dims, Offsets, constexprs
+from ..kernels.combine import node_combine_kernel
+from ..internode.combine_kernels import internode_combine_recv_kernel, internode_combine_send_kernel
+from ..kernels.launch import arg_positions, runtime_args
+from .result import DispatchResult
+from ..core.tuning import pipelined_width
 
 # The arguments that may change between calls of one launch key (the caller's; the rest is the
 # buffer's): with combine-time weights also the weights' (and their sums') pointers.
@@ -28,7 +28,7 @@ _RECV_DYNAMIC = arg_positions(internode_combine_recv_kernel, "y_ptr", "out_ptr",
 _RECV_WEIGHTED = _RECV_DYNAMIC + arg_positions(internode_combine_recv_kernel, "wy_ptr", "wout_ptr", "cw_ptr")
 
 
-# The launch argument a replayed combine patches besides its pointers (moe_ep.replay).
+# The launch argument a replayed combine patches besides its pointers (moe_ep.ops.replay).
 _SCALARS = {"T": 0}
 
 
@@ -169,7 +169,7 @@ def combine(parts: Parts, buffer, expert_y: torch.Tensor, handle, return_recv_ho
                 raise ValueError(f"topk_weights: combine-time weights reach node peers only; with other nodes "
                                  f"(node_size={shape.node_size} < world_size={shape.world_size}) pass them to "
                                  f"dispatch")
-    # Replays (moe_ep.replay), without and with a receive hook. One Replay per set of inputs:
+    # Replays (moe_ep.ops.replay), without and with a receive hook. One Replay per set of inputs:
     # expert_y, then the weights (pushed, or the rows layout's), then out if given; T, from the
     # handle, is a scalar (_SCALARS). The rows layout's weight sums come back in a new tensor,
     # allocated per call like the output, whose pointer the replay patches too.

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .errors import CommTimeoutError
-from .layout import chunking
+from ..core.errors import CommTimeoutError
+from ..core.workspace import chunking
 
 if TYPE_CHECKING:
     from .calls import Parts

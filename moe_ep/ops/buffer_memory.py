@@ -7,25 +7,25 @@ from typing import Optional
 
 import torch
 
-from .group import EPGroup
-from .internode.path import RemotePath
-from .memory import SymmetricWorkspace, check_device_memory
+from ..core.group import EPGroup
+from ..internode.path import RemotePath
+from ..core.node_memory import SymmetricWorkspace, check_device_memory
 from .sizing import DEVICE, RECV_ROW_ALLOCS, BufferShape, MemoryPlan, allocate, where_of
 
 _log = logging.getLogger("moe_ep")
 
 
 class BufferMemory:
-    """The memory of one rank's ``EPBuffer`` of ``shape`` (``moe_ep.sizing.BufferShape``), allocated
+    """The memory of one rank's ``EPBuffer`` of ``shape`` (``moe_ep.ops.sizing.BufferShape``), allocated
     at construction (collective: the node memory's rendezvous, the proxy's endpoint exchange).
 
     Attributes (on ``device``, the rank's, unless said; shapes are ``BufferShape.allocations``'):
         device: the rank's device.
-        workspace: the node workspace (``moe_ep.memory.SymmetricWorkspace``): uint8
+        workspace: the node workspace (``moe_ep.core.node_memory.SymmetricWorkspace``): uint8
             ``[shape.offsets["total"]]`` a rank, every node peer's addresses in ``peer_ptrs``.
         state: int64 ``[2, P]``: ``[0, p]`` / ``[1, p]`` the dispatch / combine epoch program p
             has completed (each program its own copy: no launch needs a cross-program step).
-        err: int64 ``[8]`` error record (``moe_ep.errors.ErrorCode``), pinned host memory on GPU
+        err: int64 ``[8]`` error record (``moe_ep.core.errors.ErrorCode``), pinned host memory on GPU
             (read by the host without a device sync).
         hist: int32 ``[E (+N, +R), CMAX]`` routing histogram (rows layout: N more rows, the
             tokens of each chunk with a selection on each node peer; across nodes then R more).
@@ -128,7 +128,7 @@ class BufferMemory:
         return tuple(int(v) for v in self._err_host[:5])
 
     def plan(self) -> MemoryPlan:
-        """What this memory holds, per region (``moe_ep.sizing.PLAN_REGIONS``), from the live tensors:
+        """What this memory holds, per region (``moe_ep.ops.sizing.PLAN_REGIONS``), from the live tensors:
         each allocation's storage bytes and where it lives."""
         entries = {}
         for key, a in self._allocs.items():

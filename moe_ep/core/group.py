@@ -33,7 +33,7 @@ class EPGroup:
             ``cuda:<LOCAL_RANK % GPUs>``, or ``cuda:N`` / ``cpu``); else ``cuda:<local rank>`` when the
             backend is NCCL (or R=1 with a GPU), else ``cpu``. A gloo group may name a CUDA device,
             and several ranks may share one GPU then (NCCL refuses that): their node memory goes
-            through CUDA IPC (``moe_ep.memory``), and timings are not NVLink timings.
+            through CUDA IPC (``moe_ep.core.node_memory``), and timings are not NVLink timings.
         ranks_per_device: the most ranks of the group that share one GPU (1 on CPU, or when every
             rank has its own GPU).
     """

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .kernels.interpret import interpreting
+from .interpret import interpreting
 
 
 def _align(n: int, a: int) -> int:

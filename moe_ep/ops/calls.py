@@ -1,7 +1,7 @@
 """What one EPBuffer's dispatch and combine share: the buffer as they read it (``Parts``), what they
 keep from one call to the next (``CallState``, its ``Replays``), and the machinery of a call: input
-checks, the launch halves, receive hooks, the host-side error check. ``moe_ep.dispatch`` and
-``moe_ep.combine`` hold what is each op's own (its validation, arguments and constexprs)."""
+checks, the launch halves, receive hooks, the host-side error check. ``moe_ep.ops.dispatch`` and
+``moe_ep.ops.combine`` hold what is each op's own (its validation, arguments and constexprs)."""
 from __future__ import annotations
 
 import ctypes
@@ -11,15 +11,15 @@ from typing import TYPE_CHECKING, Callable, Iterator, NoReturn, Optional
 
 import torch
 
-from .errors import BufferBrokenError, CapacityError, CommTimeoutError, ErrorCode, Phase
-from .kernels.args import Remote, constexprs, node_groups
-from .kernels.launch import Launcher, compile_options
+from ..core.errors import BufferBrokenError, CapacityError, CommTimeoutError, ErrorCode, Phase
+from ..kernels.args import Remote, constexprs, node_groups
+from ..kernels.launch import Launcher, compile_options
 from .replay import Replay
 
 if TYPE_CHECKING:
     from .buffer_memory import BufferMemory
     from .sizing import BufferShape
-    from .tuning import ResolvedTuning
+    from ..core.tuning import ResolvedTuning
 
 
 class Weights(Enum):
@@ -32,7 +32,7 @@ class Weights(Enum):
 
 
 class Replays:
-    """The ``Replay`` of each set of inputs one buffer's calls take (``moe_ep.replay``), by name;
+    """The ``Replay`` of each set of inputs one buffer's calls take (``moe_ep.ops.replay``), by name;
     each set's tensors in the order written beside it, ``T`` the token count's dimension
     (``Replay.token_dims``). Attributes, not a lookup: the eager fast paths read them on every call."""
 
@@ -66,7 +66,7 @@ class Replays:
 
 
 class CallState:
-    """The state ``moe_ep.dispatch`` and ``moe_ep.combine`` read and advance on every call of one
+    """The state ``moe_ep.ops.dispatch`` and ``moe_ep.ops.combine`` read and advance on every call of one
     buffer (``Parts.calls``); host-side only, nothing here is read by a kernel but the
     addresses and the deadline passed as launch arguments.
 
@@ -77,9 +77,9 @@ class CallState:
             weights or with the rows layout's).
         hooked: the same for calls with ``return_recv_hook`` (their entries' ``later`` steps: the
             receive half the hook launches).
-        token_shapes: ``moe_ep.dispatch.token_shape`` per token count (at most ``max_tokens + 1``).
+        token_shapes: ``moe_ep.ops.dispatch.token_shape`` per token count (at most ``max_tokens + 1``).
         out_one, out_like: one bfloat16 element on the device and its ``[T, H]`` views per T
-            (``moe_ep.combine.new_output``).
+            (``moe_ep.ops.combine.new_output``).
         result_fields: the fields every ``DispatchResult`` of the buffer shares (no reference to
             the buffer: a deleted buffer frees its device memory at once).
         err_ptr, ws_ptr: addresses of the error record and of this rank's workspace.
@@ -164,9 +164,9 @@ class Parts:
     to the ``EPBuffer``: a deleted buffer frees its memory at once, without the garbage collector.
 
     Attributes:
-        shape: the arguments that size memory, checked (``moe_ep.sizing.BufferShape``).
-        tuning: the launch shape (``moe_ep.tuning.ResolvedTuning``).
-        memory: every tensor, and across nodes the proxy (``moe_ep.buffer_memory.BufferMemory``).
+        shape: the arguments that size memory, checked (``moe_ep.ops.sizing.BufferShape``).
+        tuning: the launch shape (``moe_ep.core.tuning.ResolvedTuning``).
+        memory: every tensor, and across nodes the proxy (``moe_ep.ops.buffer_memory.BufferMemory``).
         calls: what the calls keep from one to the next (``CallState``).
         rank: this rank (global).
         timeout_s: the deadline of every wait for a peer, in seconds.
@@ -312,7 +312,7 @@ def launch_halves(parts: Parts, key: tuple, kernel, args: tuple, dynamic: tuple,
     half, ``host_wait()`` under the interpreter (which cannot spin in a kernel), then the receive
     half. ``consts()`` gives the constexprs without SEND/RECV; ``key`` names what can change them;
     ``dynamic``: positions in ``args`` that may differ between calls (the rest is the buffer's).
-    Returns ``(plan, args)`` of each launch (``moe_ep.replay``)."""
+    Returns ``(plan, args)`` of each launch (``moe_ep.ops.replay``)."""
     if parts.tuning.fused:
         return [(launch_half(parts, key, kernel, args, dynamic, consts, True, True), args)]
     first = launch_half(parts, key, kernel, args, dynamic, consts, True, False)

@@ -16,11 +16,11 @@ from typing import Optional
 
 import torch
 
-from .fp8 import num_scale_blocks
-from .internode.spec import PROXY_MEMORY, ROW_REGIONS, RemoteSpec, layout_capacity, touch_probability
-from .layout import WorkspaceLayout, pow2
-from .proxy.native import mailbox_words
-from .tuning import Tuning
+from ..core.fp8 import num_scale_blocks
+from ..internode.spec import PROXY_MEMORY, ROW_REGIONS, RemoteSpec, layout_capacity, touch_probability
+from ..core.workspace import WorkspaceLayout, pow2
+from ..proxy.native import mailbox_words
+from ..core.tuning import Tuning
 
 DEVICE, PINNED, HOST = "device", "pinned host", "host"  # where an allocation lives
 WORST = "worst"  # max_recv_rows: the received tensors allocated once for every row that can come
@@ -193,7 +193,7 @@ class BufferShape:
 
     @cached_property
     def workspace(self) -> WorkspaceLayout:
-        """The node workspace's layout (``moe_ep.layout``): uint8 ``[workspace.offsets()["total"]]`` a rank."""
+        """The node workspace's layout (``moe_ep.core.workspace``): uint8 ``[workspace.offsets()["total"]]`` a rank."""
         return WorkspaceLayout(N=self.node_size, M=self.max_tokens, K=self.topk, EL=self.num_local_experts,
                                H=self.hidden, payload_bytes=self.hidden * (1 if self.fp8 else 2) + 4 * self.num_scale_blocks,
                                rows=self.layout == "rows", programs=self.num_programs, max_chunks=self.max_chunks)
@@ -205,7 +205,7 @@ class BufferShape:
 
     @property
     def chunks(self) -> int:
-        """CMAX, the most chunks a source's tokens are cut into (``moe_ep.layout.max_chunks``)."""
+        """CMAX, the most chunks a source's tokens are cut into (``moe_ep.core.workspace.max_chunks``)."""
         return self.workspace.CMAX
 
     @property

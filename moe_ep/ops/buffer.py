@@ -9,16 +9,16 @@ from typing import Optional
 import torch
 
 from . import combine as _combine
-from . import settings
+from ..core import settings
 from . import dispatch as _dispatch
-from .agreement import collective_init
+from ..core.agreement import collective_init
 from .buffer_memory import BufferMemory
 from .calls import CallState, Parts
-from .group import EPGroup
-from .handle import DispatchResult
-from .kernels.interpret import interpreting, speed_up
+from ..core.group import EPGroup
+from .result import DispatchResult
+from ..core.interpret import interpreting, speed_up
 from .sizing import BufferShape, MemoryPlan, size_text
-from .tuning import CombineShape, Tuning, combine_shape  # noqa: F401 (CombineShape, combine_shape: their old home)
+from ..core.tuning import CombineShape, Tuning, combine_shape  # noqa: F401 (CombineShape, combine_shape: their old home)
 
 _log = logging.getLogger("moe_ep")
 MAX_TIMEOUT_S = 1e6  # the longest deadline accepted (about 11.6 days); there is no "no deadline"
@@ -43,7 +43,7 @@ class EPBuffer:
         max_tokens: the most tokens any rank passes to one dispatch.
         topk: K, selections per token.
         dispatch_dtype: ``torch.bfloat16`` or ``torch.float8_e4m3fn`` (quantized in-kernel,
-            float32 scale per 128 channels, see ``moe_ep.fp8``).
+            float32 scale per 128 channels, see ``moe_ep.core.fp8``).
         combine_dtype: ``torch.bfloat16``.
         layout: ``"masked"`` (a block of ``R*max_tokens`` rows per local expert), ``"packed"`` (one
             row per selection, experts' rows contiguous) or ``"rows"`` (one row per (source rank,
@@ -94,15 +94,15 @@ class EPBuffer:
         tuning: how the kernels are launched (warps, tiles, chunks, ...: ``moe_ep.Tuning``; its
             ``None`` fields take the measured rules). Default ``Tuning.from_env()``: the
             ``MOE_EP_*`` tuning variables, kept for one release. ``buffer.tuning`` holds the values
-            taken (a ``moe_ep.tuning.ResolvedTuning``).
+            taken (a ``moe_ep.core.tuning.ResolvedTuning``).
 
     All calls on one buffer must be issued on one CUDA stream (the current one), in the same
     order on every rank. Construction is collective: every rank passes the same arguments (checked,
     ``ValueError`` naming the argument and each rank's value); a rank whose arguments are refused
     makes every rank raise (naming it), and one that does not arrive within ``timeout_s`` gives
-    ``CommTimeoutError`` (``moe_ep.agreement``).
+    ``CommTimeoutError`` (``moe_ep.core.agreement``).
 
-    Memory: every allocation is sized by ``moe_ep.sizing.BufferShape`` (the buffer's ``sizes``);
+    Memory: every allocation is sized by ``moe_ep.ops.sizing.BufferShape`` (the buffer's ``sizes``);
     ``moe_ep.memory_plan`` gives its bytes per region before construction, ``memory()`` from the
     live tensors after, and rank 0's log line (logger ``moe_ep``, INFO) states the total.
 
@@ -111,8 +111,8 @@ class EPBuffer:
     ``num_programs``, ``timeout_s``) and ``rank``, ``world_size``, ``node_size``, ``device``,
     ``num_local_experts``; ``sizes`` (the ``BufferShape``), ``tuning`` (the ``ResolvedTuning``),
     ``workspace`` (the node memory), ``remote`` (the inter-node path, or None) and ``calls``
-    (``moe_ep.calls.CallState``). They are read from ``parts`` (``moe_ep.calls.Parts``: shape,
-    launch shape, memory, call state), which ``moe_ep.dispatch`` and ``moe_ep.combine`` take.
+    (``moe_ep.ops.calls.CallState``). They are read from ``parts`` (``moe_ep.ops.calls.Parts``: shape,
+    launch shape, memory, call state), which ``moe_ep.ops.dispatch`` and ``moe_ep.ops.combine`` take.
     """
 
     group: EPGroup
@@ -160,7 +160,7 @@ class EPBuffer:
             # whose programs wait for a peer's can finish only if every rank's programs are resident
             # together; with time slicing this costs nothing (each rank has the GPU in its slice).
             num_programs = max(1, sms // group.ranks_per_device)
-        # The arguments that size memory, checked; every allocation is sized by it (moe_ep.sizing).
+        # The arguments that size memory, checked; every allocation is sized by it (moe_ep.ops.sizing).
         shape = BufferShape(world_size=R, node_size=G, num_experts=num_experts, hidden=hidden,
                             max_tokens=max_tokens, topk=topk, num_programs=num_programs,
                             dispatch_dtype=dispatch_dtype, combine_dtype=combine_dtype, layout=layout,
@@ -180,7 +180,7 @@ class EPBuffer:
         if group.device.type == "cpu" and not interp:
             raise RuntimeError("moe_ep on CPU runs its Triton kernels in the interpreter: set TRITON_INTERPRET=1 "
                                "before importing triton")
-        # The launch shape: each knob the tuning sets, else its measured rule (moe_ep.tuning).
+        # The launch shape: each knob the tuning sets, else its measured rule (moe_ep.core.tuning).
         launch_shape = tuning.resolve(shape, sms)
         # Every rank's arguments must agree before any memory is touched (program p serves chunks
         # p, p+P, ... on every rank, so num_programs too).
@@ -188,7 +188,7 @@ class EPBuffer:
         self.group = group
         memory = BufferMemory(group, shape, timeout_s)
         # What dispatch and combine keep from call to call: launch plans, replays, serial, epochs,
-        # a pending receive hook, whether the buffer is usable (moe_ep.calls). The fields every
+        # a pending receive hook, whether the buffer is usable (moe_ep.ops.calls). The fields every
         # DispatchResult of this buffer shares are its memory's (DispatchResult.issued; not the
         # buffer itself: no reference cycle, so a deleted buffer frees its memory at once).
         calls = CallState(group.device, memory.err, memory.workspace.local, timeout_s, memory.result_fields(),
@@ -314,7 +314,7 @@ class EPBuffer:
     # ------------------------------------------------------------------ internals
     @staticmethod
     def _signature(shape: BufferShape, tuning: Tuning) -> dict:
-        """What every rank must agree on, by argument name (``moe_ep.agreement``): the arguments as
+        """What every rank must agree on, by argument name (``moe_ep.core.agreement``): the arguments as
         given (``num_programs`` resolved), and the ``tuning`` knobs that change what peers read
         (``tuning.<field>``): ``max_chunks`` sizes the workspace's chunk flags and the chunking a
         receiver reads a source's header by; ``split`` whether a call is one launch or two halves."""

@@ -21,10 +21,10 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .buffer import EPBuffer
-from .group import EPGroup
+from ..ops.buffer import EPBuffer
+from ..core.group import EPGroup
 from .rows import delivered
-from .tuning import Tuning
+from ..core.tuning import Tuning
 
 FP8 = torch.float8_e4m3fn
 

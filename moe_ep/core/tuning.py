@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, NamedTuple, Optional, Union
 
-from .layout import COMBINE_STEP_TOKENS, OWN_TILE_TOKENS, pow2
+from .workspace import COMBINE_STEP_TOKENS, OWN_TILE_TOKENS, pow2
 
 WARPS = (1, 2, 4, 8, 16, 32)  # the warps a Triton program may have
 SMEM_BUDGET = 160 * 1024  # bytes of shared memory the pipelined loops' stages may take (H100/H200: 227 KB)
@@ -145,7 +145,7 @@ class Tuning:
         prefetch: rows layout: sub-blocks of own rows the dispatch asks the L2 for ahead (0: none).
         split: True: every dispatch and combine as two launches (send half, receive half).
         max_chunks: rows layout: the most chunks a source's tokens are cut into (rounded up to a
-            power of two); sizes the workspace (``moe_ep.layout.max_chunks``).
+            power of two); sizes the workspace (``moe_ep.core.workspace.max_chunks``).
     """
 
     num_warps: Optional[int] = None
@@ -182,7 +182,7 @@ class Tuning:
         return dataclasses.replace(self, **changes)
 
     def resolve(self, shape: "BufferShape", sms: int) -> ResolvedTuning:
-        """Every knob for a buffer of ``shape`` (``moe_ep.sizing.BufferShape``, its chunks sized with
+        """Every knob for a buffer of ``shape`` (``moe_ep.ops.sizing.BufferShape``, its chunks sized with
         ``max_chunks``) on a device of ``sms`` SMs (2 on CPU ranks): the field where it is set,
         else the measured rule below."""
         gpu, P, layout = shape.device_type == "cuda", shape.num_programs, shape.layout

@@ -1,6 +1,6 @@
 """The one reader of moe_ep's environment variables but the tuning ones: transport, NICs, node memory, trace, ...
 
-``VARIABLES`` declares each variable moe_ep reads (outside ``moe_ep.tuning``, which reads the
+``VARIABLES`` declares each variable moe_ep reads (outside ``moe_ep.core.tuning``, which reads the
 tuning ones: ``Tuning.from_env``): its name, the values it takes, what unset means and what it
 does. The functions below read one variable each, from ``env`` (default ``os.environ``) at the
 time of the call, never cached: a variable set before a buffer is built counts for that buffer.
@@ -100,18 +100,18 @@ VARIABLES = (
              "the commit the benchmarks record (a tree without .git)"),
 )
 _DECLARED = {v.name: v for v in VARIABLES}
-TUNING = tuple(var for var, _ in _TUNING_ENV.values())  # the tuning variables (moe_ep.tuning reads them)
+TUNING = tuple(var for var, _ in _TUNING_ENV.values())  # the tuning variables (moe_ep.core.tuning reads them)
 NATIVE = tuple(v.name for v in VARIABLES if v.native)    # those the native library reads itself
 NAMES = tuple(_DECLARED) + TUNING                        # every variable moe_ep reads
 
 
 def variable(name: str) -> Variable:
     """The declaration of ``name``; ``KeyError`` for a variable moe_ep does not read (a tuning one:
-    see ``moe_ep.tuning.ENV``)."""
+    see ``moe_ep.core.tuning.ENV``)."""
     try:
         return _DECLARED[name]
     except KeyError:
-        raise KeyError(f"{name}: not a variable moe_ep.settings declares") from None
+        raise KeyError(f"{name}: not a variable moe_ep.core.settings declares") from None
 
 
 def value(name: str, env: Env = None) -> str:
@@ -260,7 +260,7 @@ def node_size(env: Env = None) -> Optional[int]:
 
 
 def device(env: Env = None) -> str:
-    """``MOE_EP_DEVICE``: ``cuda``, ``cuda:N`` or ``cpu`` ("": unset), as ``moe_ep.group.env_device``
+    """``MOE_EP_DEVICE``: ``cuda``, ``cuda:N`` or ``cpu`` ("": unset), as ``moe_ep.core.group.env_device``
     reads it."""
     return value("MOE_EP_DEVICE", env)
 

@@ -9,16 +9,16 @@ import torch
 from . import host_wait
 from .calls import (Parts, aligned, check_tensor, finish, internode_consts, launch_half, launch_halves, node_dims,
                     planned_half, replayed_recv)
-from .kernels.args import DispatchModes, DispatchTiles, Dims, Offsets, constexprs
-from .kernels.dispatch import node_dispatch_kernel
-from .handle import DispatchResult
-from .layout import chunking, pow2
+from ..kernels.args import DispatchModes, DispatchTiles, Dims, Offsets, constexprs
+from ..kernels.dispatch import node_dispatch_kernel
+from .result import DispatchResult
+from ..core.workspace import chunking, pow2
 from .sizing import RECV_ROW_ALLOCS
-from .tuning import pipelined_width
-from .kernels.launch import arg_positions, runtime_args
-from .kernels.recv_total import recv_total_kernel
-from .kernels.route import route_hist_kernel
-from .internode.dispatch_kernels import internode_dispatch_recv_kernel, internode_dispatch_send_kernel
+from ..core.tuning import pipelined_width
+from ..kernels.launch import arg_positions, runtime_args
+from ..kernels.recv_total import recv_total_kernel
+from ..kernels.route import route_hist_kernel
+from ..internode.dispatch_kernels import internode_dispatch_recv_kernel, internode_dispatch_send_kernel
 
 
 # Decode sizes: up to this many selections (T * K) a dispatch counts earlier selections in its own
@@ -127,7 +127,7 @@ def replayed(parts: Parts, buffer, x, topk_idx, topk_weights, x_scales=None, hoo
 
 
 # The launch arguments a replayed dispatch patches besides its pointers, by name: their index
-# among its scalars (moe_ep.replay).
+# among its scalars (moe_ep.ops.replay).
 _SCALARS = {"T": 0, "BT": 1, "NC": 2}
 
 
@@ -142,7 +142,7 @@ def dispatch(parts: Parts, buffer, x, topk_idx, topk_weights, x_scales: Optional
     launch_structure, scalars = calls.token_shapes.get(T) or token_shape(parts, T)
     _, BT, NC = scalars
     direct = launch_structure is None  # decode sizes: the send half counts earlier selections itself
-    # Replays (moe_ep.replay), one per set of inputs (with and without x_scales), for calls
+    # Replays (moe_ep.ops.replay), one per set of inputs (with and without x_scales), for calls
     # without and with a receive hook.
     replay = (calls.hooked if return_recv_hook else calls.replays).of_dispatch(x_scales is not None)
     sized = mem.per_call

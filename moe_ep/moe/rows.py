@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from .experts import RowGroups
-from .fp8 import FP8_MAX, dequantize_fp8
+from ..core.fp8 import FP8_MAX, dequantize_fp8
 
 SENTINEL = FP8_MAX
 

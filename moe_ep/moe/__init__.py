@@ -1,0 +1,1 @@
+"""Mixture-of-Experts modules on EPBuffer: MoELayer, router, experts, runner, rows autograd."""

@@ -1,0 +1,1 @@
+"""EPBuffer and its two calls: its memory, dispatch, combine, what they share, their result."""

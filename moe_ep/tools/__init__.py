@@ -1,0 +1,1 @@
+"""Commands a user runs: ``python -m moe_ep.doctor`` and ``python -m moe_ep.demo``."""
