@@ -46,7 +46,7 @@ def test_report_says_what_is_installed():
     h = doctor.report(use_torch=False, use_pyverbs=False)["host"]
     with open(os.path.join(ROOT, "moe_ep", "__init__.py")) as f:
         assert f'__version__ = "{h["moe_ep"]}"' in f.read()
-    assert os.path.isfile(os.path.join(h["moe_ep_path"], "doctor.py"))
+    assert os.path.samefile(h["moe_ep_path"], os.path.join(ROOT, "moe_ep")), h["moe_ep_path"]
     n = h["native"]
     assert os.path.isfile(n["library"]), n
     assert n["build"].startswith("compiler ") and "; C++ 201703L; flags " in n["build"] and "-std=c++17" in n["build"], n

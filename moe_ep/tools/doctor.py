@@ -346,7 +346,7 @@ def node_memory(num_gpus: int, use_torch: bool = True) -> dict:
 def install() -> dict:
     """What is installed, so a bug report says it: where moe_ep is imported from, and the native
     library's path and build (compiler, C++ standard, flags), or why it does not load."""
-    out: dict = {"moe_ep_path": os.path.dirname(os.path.abspath(__file__))}
+    out: dict = {"moe_ep_path": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}  # moe_ep/, above tools/
     try:
         from ..proxy import native
 
