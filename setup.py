@@ -2,7 +2,7 @@
 its subpackages, nothing else at top level: the bench harness is ``moe_ep.bench``) and the native
 proxy engine (csrc/proxy, plain C++17 with a C API loaded through ctypes: no CUDA, no RDMA
 libraries needed: libibverbs is opened at run time when present; Python's headers only for the
-one launch function of csrc/proxy/launch.cc, in the stable ABI)."""
+one launch function of csrc/launch/launch.cc, in the stable ABI)."""
 import glob
 import json
 
@@ -25,8 +25,8 @@ class BuildExt(build_ext):
 
 proxy_native = Extension(
     "moe_ep.proxy._native",
-    sources=sorted(glob.glob("csrc/proxy/*.cc")),
-    depends=sorted(glob.glob("csrc/proxy/*.h")),
+    sources=sorted(glob.glob("csrc/proxy/*.cc") + glob.glob("csrc/launch/*.cc")),  # one library: proxy and launcher
+    depends=sorted(glob.glob("csrc/proxy/*.h") + glob.glob("csrc/launch/*.h")),
     language="c++",
     extra_compile_args=["-O2", "-std=c++17", "-pthread", "-fvisibility=hidden"],
     extra_link_args=["-pthread", "-ldl"],  # dlopen of libibverbs at run time (libdl is a stub on glibc >= 2.34)

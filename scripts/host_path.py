@@ -2,7 +2,7 @@
 native launch cost per call, the part of an eager decode call a faster host does not remove.
 
 A decode-sized buffer (R=1, T=128, H=7168, K=8, E=256, fp8 dispatch, masked) on the CPU; its
-launches go through real native plans (csrc/proxy/launch.cc) into a stand-in CUDA driver whose
+launches go through real native plans (csrc/launch/launch.cc) into a stand-in CUDA driver whose
 cuLaunchKernel only records its arguments (tests/stand_in_cuda.py), so a call costs what it costs
 on a GPU host minus the driver's launch and torch's allocator. Prints the median host time of each
 call (3 rounds of 3000 calls; T = 128, and T changing every call through 1..128; calls with a

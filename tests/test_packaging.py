@@ -79,7 +79,7 @@ def sdist_names(tmp_path_factory) -> set[str]:
 
 def test_sdist_holds_the_build_and_only_the_package(sdist_names):
     need = ({"README.md", "pyproject.toml", "setup.py", "MANIFEST.in", "PKG-INFO", "moe_ep/bench/schema.json"}
-            | _checkout_files("csrc/proxy/*.cc") | _checkout_files("csrc/proxy/*.h")
+            | _checkout_files("csrc/proxy/*.cc") | _checkout_files("csrc/proxy/*.h") | _checkout_files("csrc/launch/*.cc")
             | _checkout_files("moe_ep/**/*.py"))
     assert not need - sdist_names, f"missing from the sdist: {sorted(need - sdist_names)}"
     # Beyond those: only what setuptools writes itself (the egg-info, setup.cfg's build tags).

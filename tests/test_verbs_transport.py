@@ -29,6 +29,7 @@ from stand_in_cuda import fake_cuda_lib
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 SRC = os.path.join(ROOT, "csrc", "proxy")
+LAUNCH_SRC = os.path.join(ROOT, "csrc", "launch")  # the kernel launcher, in the same library
 
 
 def light_import(module: str = "proxy.native"):
@@ -136,7 +137,7 @@ def test_library_does_not_need_rdma_core():
         r = subprocess.run([os.environ.get("CXX", "c++"), "-std=c++17", "-fsyntax-only", "-Wall", "-Wextra", "-Werror",
                             os.path.join(SRC, f)], capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
-    srcs = sorted(os.path.join(SRC, f) for f in os.listdir(SRC) if f.endswith(".cc"))
+    srcs = sorted(os.path.join(d, f) for d in (SRC, LAUNCH_SRC) for f in os.listdir(d) if f.endswith(".cc"))
     py = "-I" + sysconfig.get_paths()["include"]  # (launch.cc's Python function)
     deps = subprocess.run([os.environ.get("CXX", "c++"), "-std=c++17", py, "-M", *srcs], capture_output=True, text=True)
     assert deps.returncode == 0, deps.stderr

@@ -7,7 +7,7 @@ keys, cache lookup), and eager callers pay it every call. A ``Launcher`` (one pe
 - ``NativePlan`` (the default on a GPU): the compiled kernel's ``CUfunction`` and every parameter
   packed once, the way Triton's launcher passes them (``param_sizes``); a launch is one call of
   the native library's ``launch`` function with the stream and the values that change, which
-  patches them in and calls ``cuLaunchKernel`` (csrc/proxy/launch.cc);
+  patches them in and calls ``cuLaunchKernel`` (csrc/launch/launch.cc);
 - ``TritonPlan``: Triton's own C launcher (``CompiledKernel.run``) with raw values: the fallback
   for what the native path does not cover (scratch memory, clusters, cooperative or PDL launches,
   a Triton release whose launcher it was not checked against), and the path ``MOE_EP_LAUNCH=triton``
@@ -168,7 +168,7 @@ class NativeUnavailable(Exception):
 
 
 class _Native:
-    """One native plan (csrc/proxy/launch.cc) patching ``slots`` (parameter indices) per launch.
+    """One native plan (csrc/launch/launch.cc) patching ``slots`` (parameter indices) per launch.
 
     ``launch(stream, values)`` launches it on ``stream`` with ``values`` (one per slot: pointers,
     or ints as ``_raw`` gives them); raises RuntimeError with the driver's message when the launch
@@ -216,7 +216,7 @@ def _hot():
 
 
 def launch_function():
-    """The library's ``launch(plan_id, stream, values)`` (csrc/proxy/launch.cc): a native plan
+    """The library's ``launch(plan_id, stream, values)`` (csrc/launch/launch.cc): a native plan
     launched with its slot values in one C call."""
     global _LAUNCH
     if _LAUNCH is None:

@@ -51,16 +51,17 @@ class PeerLostError(NativeError):
 ABI_VERSION = 15  # moe_ep_abi_version() of the library this module drives (csrc/proxy/capi.cc)
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 _SRC_DIR = os.path.normpath(os.path.join(_PKG_DIR, "..", "..", "csrc", "proxy"))
+_SRC_DIRS = (_SRC_DIR, os.path.join(os.path.dirname(_SRC_DIR), "launch"))  # the proxy engine; the kernel launcher
 _lib = None
 _lib_lock = threading.Lock()
 
 
 def _sources() -> list[str]:
-    return sorted(glob.glob(os.path.join(_SRC_DIR, "*.cc")) + glob.glob(os.path.join(_SRC_DIR, "*.h")))
+    return sorted(f for d in _SRC_DIRS for f in glob.glob(os.path.join(d, "*.cc")) + glob.glob(os.path.join(d, "*.h")))
 
 
 def _build_from_source() -> str:
-    """Source checkout without a (fresh) built library: compile csrc/proxy with the system c++."""
+    """Source checkout without a (fresh) built library: compile csrc/proxy and csrc/launch with the system c++."""
     out_dir = os.path.normpath(os.path.join(_SRC_DIR, "..", "..", "build", "moe_ep_native"))
     os.makedirs(out_dir, exist_ok=True)
     out = os.path.join(out_dir, "_native.so")
@@ -72,7 +73,7 @@ def _build_from_source() -> str:
     flags = ["-O2", "-std=c++17", "-pthread", "-fPIC", "-shared", "-fvisibility=hidden"]
     # The flags, recorded in the library for build_info() (csrc/proxy/capi.cc: moe_ep_build_info).
     record = "-DMOE_EP_BUILD_FLAGS=" + json.dumps(f"{' '.join(flags)} (in-tree build by moe_ep.proxy.native, {cxx})")
-    # Python's headers for csrc/proxy/launch.cc's `launch` function (stable ABI: no libpython linked)
+    # Python's headers for csrc/launch/launch.cc's `launch` function (stable ABI: no libpython linked)
     cmd = [cxx, *flags, record, "-I" + sysconfig.get_paths()["include"], *srcs, "-o", tmp, "-ldl"]
     newest = max(os.path.getmtime(s) for s in _sources())  # before compiling: see below
     r = subprocess.run(cmd, capture_output=True, text=True)

@@ -11,7 +11,7 @@
 // (moe_ep_launch_function): the values come as Python ints, in one call with no ctypes
 // conversion and no packing in Python (0.56 -> 0.16 us a launch on a CPU against struct packing
 // and a ctypes call; scripts/host_path.py). It uses only Python's stable ABI, so one library
-// serves every Python from 3.10 on; it is the one file here that includes Python.h (the rest is
+// serves every Python from 3.10 on; it is the one source of the library that includes Python.h (the rest is
 // plain C++ behind a C API loaded by ctypes).
 #define PY_SSIZE_T_CLEAN
 #define Py_LIMITED_API 0x030A0000
@@ -23,9 +23,9 @@
 #include <string>
 #include <vector>
 
-#include "cuda_mem.h"
-#include "imm_counter.h"
-#include "transport.h"
+#include "../proxy/cuda_mem.h"
+#include "../proxy/imm_counter.h"
+#include "../proxy/transport.h"
 
 namespace {
 
