@@ -103,7 +103,7 @@ def test_wheel_installs_moe_ep_only(wheel, sdist_names):
     py = {n for n in names if n.endswith(".py")}
     assert py == {n for n in sdist_names if n.startswith("moe_ep/") and n.endswith(".py")}
     assert "moe_ep/bench/schema.json" in names
-    assert [n for n in names if re.fullmatch(r"moe_ep/proxy/_native\.[^/]*so", n)], "no native library"
+    assert [n for n in names if re.fullmatch(r"moe_ep/native/_native\.[^/]*so", n)], "no native library"
     assert wheel.read(dist_info + "top_level.txt").decode().split() == ["moe_ep"]
     scripts = wheel.read(dist_info + "entry_points.txt").decode()
     assert re.search(r"^moe-ep-bench = moe_ep\.bench\.cli:main$", scripts, re.M), scripts

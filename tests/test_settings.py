@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from test_verbs_transport import ROOT, light_import
+from native_hooks import ROOT, light_import
 
 settings = light_import("core.settings")
 tuning = light_import("core.tuning")
