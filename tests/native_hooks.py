@@ -1,13 +1,19 @@
-"""Test hooks of the native library, which only tests call: fault injection on an engine, a verbs
-engine's queue pairs destroyed as a crashed process would, the memory type registration assumes,
-and native threads adding to an ``ImmCounter`` at once.
+"""The tests' build of the native library and its test hooks, which only tests call: fault
+injection on an engine, a verbs engine's queue pairs destroyed as a crashed process would, the
+memory type registration assumes, and native threads adding to an ``ImmCounter`` at once.
 
-Imported without ``moe_ep`` itself where that is not imported yet (``light_import``: no torch), so
-the rdma tests that use it still run with ``--noconftest``.
+The hooks (csrc/testing/hooks.cc) are not in the library users install: importing this module
+builds csrc/proxy, csrc/launch and csrc/testing with ``MOE_EP_TEST_HOOKS`` into
+``build/moe_ep_native_test/`` (once; again when a source is newer) and points ``MOE_EP_NATIVE_LIB``
+at it, for this process and the rank processes it starts (conftest.py imports it first). A
+``MOE_EP_NATIVE_LIB`` set before (a sanitizer build, say) is kept: build that with
+``-DMOE_EP_TEST_HOOKS`` and csrc/testing too. Imported without ``moe_ep`` itself where that is not
+imported yet (``light_import``: no torch), so the rdma tests still run with ``--noconftest``.
 """
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import importlib
 import os
 import sys
@@ -32,6 +38,20 @@ def light_import(module: str):
 
 
 library = light_import("native.library")
+TEST_BUILD = os.path.join(ROOT, "build", "moe_ep_native_test")
+
+
+def _tests_library() -> str:
+    """The tests' build of the library (one build at a time: pytest-xdist workers share it)."""
+    os.makedirs(TEST_BUILD, exist_ok=True)
+    with open(os.path.join(TEST_BUILD, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return library.build(TEST_BUILD, (*library.SRC_DIRS, os.path.join(library.CSRC, "testing")),
+                             defines=("MOE_EP_TEST_HOOKS",))
+
+
+if not os.environ.get("MOE_EP_NATIVE_LIB"):
+    os.environ["MOE_EP_NATIVE_LIB"] = _tests_library()
 _I32, _I64, _U32, _VP = ctypes.c_int, ctypes.c_int64, ctypes.c_uint32, ctypes.c_void_p
 _hooks = library.Functions(moe_ep_set_fault=(_I32, _VP, _I64, _I32, _I32, _I64),
                            moe_ep_verbs_destroy_qp=(_I32, _VP, _I32), moe_ep_test_memory_type=(_I32, _I32),

@@ -17,6 +17,7 @@ import re
 import subprocess
 import sysconfig
 import threading
+from typing import Sequence
 
 from ..core import settings
 
@@ -39,34 +40,40 @@ class PeerLostError(NativeError):
     """A peer's connection was lost (cut, closed, dead); ``peer`` names it (-1 if unknown)."""
 
 
-ABI_VERSION = 15  # moe_ep_abi_version() of the library this package drives (csrc/proxy/capi.cc)
+ABI_VERSION = 16  # moe_ep_abi_version() of the library this package drives (csrc/proxy/capi.cc)
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
-_CSRC = os.path.normpath(os.path.join(_PKG_DIR, "..", "..", "csrc"))
-_SRC_DIRS = (os.path.join(_CSRC, "proxy"), os.path.join(_CSRC, "launch"))  # the proxy engine; the kernel launcher
+CSRC = os.path.normpath(os.path.join(_PKG_DIR, "..", "..", "csrc"))  # in a source checkout
+SRC_DIRS = (os.path.join(CSRC, "proxy"), os.path.join(CSRC, "launch"))  # the proxy engine; the kernel launcher
+_IN_TREE = os.path.normpath(os.path.join(CSRC, "..", "build", "moe_ep_native"))
 _lib = None
 _lib_lock = threading.Lock()
 
 
-def _sources() -> list[str]:
-    return sorted(f for d in _SRC_DIRS for f in glob.glob(os.path.join(d, "*.cc")) + glob.glob(os.path.join(d, "*.h")))
+def _sources(src_dirs: Sequence[str]) -> list[str]:
+    return sorted(f for d in src_dirs for f in glob.glob(os.path.join(d, "*.cc")) + glob.glob(os.path.join(d, "*.h")))
 
 
-def _build_from_source() -> str:
-    """Source checkout without a (fresh) built library: compile csrc/proxy and csrc/launch with the system c++."""
-    out_dir = os.path.normpath(os.path.join(_CSRC, "..", "build", "moe_ep_native"))
+def build(out_dir: str = _IN_TREE, src_dirs: Sequence[str] = SRC_DIRS, defines: Sequence[str] = ()) -> str:
+    """The library compiled from the C++ of ``src_dirs`` (default csrc/proxy and csrc/launch of this
+    source checkout) with the system c++ (``CXX``) and ``defines`` (``-D`` macros) into
+    ``out_dir/_native.so``; one there as new as every source is kept. Returns its path."""
+    srcs = _sources(src_dirs)
+    if not srcs:
+        raise NativeError(f"build: no C++ sources in {', '.join(src_dirs)}")
     os.makedirs(out_dir, exist_ok=True)
     out = os.path.join(out_dir, "_native.so")
-    srcs = [s for s in _sources() if s.endswith(".cc")]
-    if os.path.exists(out) and os.path.getmtime(out) >= max(os.path.getmtime(s) for s in _sources()):
+    newest = max(os.path.getmtime(s) for s in srcs)  # before compiling: see below
+    if os.path.exists(out) and os.path.getmtime(out) >= newest:
         return out
     tmp = f"{out}.{os.getpid()}.tmp"
     cxx = os.environ.get("CXX", "c++")
-    flags = ["-O2", "-std=c++17", "-pthread", "-fPIC", "-shared", "-fvisibility=hidden"]
+    flags = ["-O2", "-std=c++17", "-pthread", "-fPIC", "-shared", "-fvisibility=hidden",
+             *(f"-D{d}" for d in defines)]
     # The flags, recorded in the library for build_info() (csrc/proxy/capi.cc: moe_ep_build_info).
     record = "-DMOE_EP_BUILD_FLAGS=" + json.dumps(f"{' '.join(flags)} (in-tree build by moe_ep.native.library, {cxx})")
     # Python's headers for csrc/launch/launch.cc's `launch` function (stable ABI: no libpython linked)
-    cmd = [cxx, *flags, record, "-I" + sysconfig.get_paths()["include"], *srcs, "-o", tmp, "-ldl"]
-    newest = max(os.path.getmtime(s) for s in _sources())  # before compiling: see below
+    cmd = [cxx, *flags, record, "-I" + sysconfig.get_paths()["include"], *(s for s in srcs if s.endswith(".cc")),
+           "-o", tmp, "-ldl"]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         raise NativeError(f"building the native library failed ({' '.join(cmd)}):\n{r.stderr[-4000:]}")
@@ -82,14 +89,14 @@ def _find_library() -> str:
     if named:
         return named
     built = sorted(glob.glob(os.path.join(_PKG_DIR, "_native*.so")))
-    srcs = _sources()
+    srcs = _sources(SRC_DIRS)
     if built:
-        # In a source checkout, a library older than its sources is stale: rebuild next to it.
+        # In a source checkout, a library older than its sources is stale: rebuild it in the tree.
         if srcs and max(os.path.getmtime(s) for s in srcs) > os.path.getmtime(built[0]):
-            return _build_from_source()
+            return build()
         return built[0]
     if srcs:
-        return _build_from_source()
+        return build()
     raise NativeError(f"native library not found in {_PKG_DIR}; reinstall moe_ep (pip install -e .)")
 
 

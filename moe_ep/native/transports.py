@@ -247,9 +247,9 @@ class Engine(Closable):
         """A write not acknowledged within this time completes with CQ_TIMEOUT and its peer is lost."""
         self._lib.moe_ep_set_op_timeout(self._h, ns(timeout_s))
 
-    def cpuns(self) -> int:
+    def cpu_ns(self) -> int:
         """CPU ns used so far by the transport's own threads (-1 when unknown)."""
-        return self._lib.moe_ep_engine_cpuns(self._h)
+        return self._lib.moe_ep_engine_cpu_ns(self._h)
 
     def set_min_shard_bytes(self, nbytes: int) -> None:
         """Shards of a write are at least this large (default 16 KiB; 1: every write of at least
