@@ -154,7 +154,9 @@ print(json.dumps({"file": moe_ep.__file__, "version": moe_ep.__version__, "site"
 def test_installed_wheel(tmp_path):
     """From outside the checkout: moe_ep comes from the venv, its files are moe_ep/, its dist-info
     and the console script, and the doctor names the version and the setup.py build's flags."""
-    r = subprocess.run([INSTALLED_PYTHON, "-c", _PROBE], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    env = {k: v for k, v in os.environ.items() if k != "MOE_EP_NATIVE_LIB"}  # the venv's own, not the tests' build
+    r = subprocess.run([INSTALLED_PYTHON, "-c", _PROBE], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                       env=env)
     assert r.returncode == 0, r.stderr[-4000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["version"] == VERSION and got["host"]["moe_ep"] == VERSION
