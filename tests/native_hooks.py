@@ -52,6 +52,7 @@ def _tests_library() -> str:
 
 if not os.environ.get("MOE_EP_NATIVE_LIB"):
     os.environ["MOE_EP_NATIVE_LIB"] = _tests_library()
+
 _I32, _I64, _U32, _VP = ctypes.c_int, ctypes.c_int64, ctypes.c_uint32, ctypes.c_void_p
 _hooks = library.Functions(moe_ep_set_fault=(_I32, _VP, _I64, _I32, _I32, _I64),
                            moe_ep_verbs_destroy_qp=(_I32, _VP, _I32), moe_ep_test_memory_type=(_I32, _I32),
