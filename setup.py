@@ -23,8 +23,8 @@ class BuildExt(build_ext):
         super().build_extensions()
 
 
-proxy_native = Extension(
-    "moe_ep.proxy._native",
+native = Extension(
+    "moe_ep.native._native",
     sources=sorted(glob.glob("csrc/proxy/*.cc") + glob.glob("csrc/launch/*.cc")),  # one library: proxy and launcher
     depends=sorted(glob.glob("csrc/proxy/*.h") + glob.glob("csrc/launch/*.h")),
     language="c++",
@@ -33,4 +33,4 @@ proxy_native = Extension(
 )
 
 setup(packages=find_packages(include=["moe_ep", "moe_ep.*"]),
-      package_data={"moe_ep.bench": ["schema.json"]}, ext_modules=[proxy_native], cmdclass={"build_ext": BuildExt})
+      package_data={"moe_ep.bench": ["schema.json"]}, ext_modules=[native], cmdclass={"build_ext": BuildExt})

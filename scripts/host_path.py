@@ -31,7 +31,7 @@ os.environ["MOE_EP_CUDA_LIB"] = fake_cuda_lib(tempfile.mkdtemp(prefix="moe_ep_ho
 import torch  # noqa: E402
 
 import moe_ep  # noqa: E402
-from moe_ep.kernels.launch import _Native  # noqa: E402
+from moe_ep.native.launch import LaunchPlan  # noqa: E402
 
 
 class _Plan:
@@ -48,7 +48,7 @@ class _Plan:
                       for i, a in enumerate(args) if i in self.dynamic and i not in positions)
         key = (tuple(positions), fixed)
         if key not in self.bound:
-            self.bound[key] = _Native(0x1, 32, 1024, 0, [8] * self.nargs, [0] * self.nargs, list(positions))
+            self.bound[key] = LaunchPlan(0x1, 32, 1024, 0, [8] * self.nargs, [0] * self.nargs, list(positions))
         return self.bound[key]
 
 
@@ -220,7 +220,7 @@ def main() -> None:
     for _ in range(3):  # both buffers of the pair record (the third call of each replays)
         ll_dispatch()
         ll_combine()
-    bound = _Native(0x1, 32, 1024, 0, [8] * 4, [0] * 4, [0, 1, 2, 3])
+    bound = LaunchPlan(0x1, 32, 1024, 0, [8] * 4, [0] * 4, [0, 1, 2, 3])
     ptrs = (x.data_ptr(), idx.data_ptr(), w.data_ptr(), out.data_ptr())
     rows = []
     for _ in range(3):

@@ -14,22 +14,22 @@ import json
 
 import torch
 
-from moe_ep.proxy import native as N
+from moe_ep.native import probes, transports
 
 
 def _engines():
     """(name, factory) for every transport that may open here."""
-    yield "tcp", lambda: N.TcpTransport(0, 2, streams=1)
-    info = N.fabric_providers()
+    yield "tcp", lambda: transports.TcpTransport(0, 2, streams=1)
+    info = probes.fabric_providers()
     seen = set()
     for e in info.get("entries", []):
         if e.get("ep_type") not in (None, "FI_EP_RDM") or e["provider"] in seen:
             continue
         seen.add(e["provider"])
-        yield f"libfabric {e['provider']}", lambda p=e["provider"]: N.FabricTransport(0, 2, provider=p)
-    for dev in N.rdma_devices().get("devices", []):
+        yield f"libfabric {e['provider']}", lambda p=e["provider"]: transports.FabricTransport(0, 2, provider=p)
+    for dev in probes.rdma_devices().get("devices", []):
         name = dev["name"] if isinstance(dev, dict) else str(dev)
-        yield f"verbs {name}", lambda d=name: N.VerbsTransport(0, 2, device=d)
+        yield f"verbs {name}", lambda d=name: transports.VerbsTransport(0, 2, device=d)
 
 
 def probe(nbytes: int = 1 << 20) -> list[dict]:
@@ -57,7 +57,7 @@ def main() -> None:
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("region_probe: needs a CUDA GPU")
-    fab = N.fabric_providers()
+    fab = probes.fabric_providers()
     print(f"libfabric: {fab.get('library_version', fab.get('error'))}; "
           f"GPU: {torch.cuda.get_device_name(0)}; torch {torch.__version__}")
     rows = probe()

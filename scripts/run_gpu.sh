@@ -9,7 +9,7 @@
 #   bash scripts/run_gpu.sh            # or: ITERS=500 bash scripts/run_gpu.sh
 #   TESTS="tests/test_shared_gpu.py" BENCH=0 bash scripts/run_gpu.sh   # some tests, no benchmark
 #   INSTALL=0 bash scripts/run_gpu.sh   # no pip step: installed already, or the checkout carries
-#                                    # moe_ep/proxy/_native*.so (a CPU build of the same platform)
+#                                    # moe_ep/native/_native*.so (a CPU build of the same platform)
 #   CONFIGS="prefill fp8 rows,prefill bf16 rows" TESTS="tests/test_rows.py" bash scripts/run_gpu.sh
 #   TESTS=none COPY_FLOOR=1 CONFIGS="prefill fp8 packed 132" bash scripts/run_gpu.sh   # benchmarks only
 #   PROFILE="1 2 4" bash scripts/run_gpu.sh   # also: host time per call (moe_ep.bench.profile_ops, decode) at R=1, 2, 4
@@ -64,7 +64,7 @@ else
     # by any Python >= 3.10 of the same platform loads; the pip step's C++ build takes about a
     # minute, and a checkout without a library builds one on first use).
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-    "$PYTHON" -c 'import moe_ep.proxy.native as n; n.lib()' \
+    "$PYTHON" -c 'import moe_ep.native.library as n; n.lib()' \
         || { echo "INSTALL=0: moe_ep's native library is not loadable from $PWD (build it, or INSTALL=1)"; exit 1; }
 fi
 NGPU=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')

@@ -16,6 +16,7 @@ except Exception:  # noqa: BLE001
     pass
 
 import dist_util  # noqa: E402
+import native_hooks  # noqa: E402,F401  (the tests' build of the native library, before anything loads one)
 
 
 @pytest.fixture(scope="session", autouse=True)

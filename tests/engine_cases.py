@@ -1,8 +1,8 @@
 """What the engine tests of the transports share (tcp, verbs, libfabric): connecting engines of
 one process, the §10 proxy exchange between two one-rank nodes checked row by row, the goodbye
 that names its cause, a wait for a peer's loss, a stand-in process group, the collection of a
-thread's exception. Imports nothing of moe_ep (the tests pass in their ``N``, the native module),
-so the tests that run without torch (``light_import``) can use it.
+thread's exception. Imports nothing of moe_ep (the tests pass in the classes it needs), so the
+tests that run without torch (``light_import``) can use it.
 """
 from __future__ import annotations
 
@@ -96,12 +96,12 @@ def rows(e: int, s: int, p: int, n: int, rb: int = 32) -> np.ndarray:
 CLEAN_GOODBYE = "; its goodbye said: rank 2 closed without an error of its own (a clean close)"
 
 
-def goodbye_names_the_cause(N, es, where: str) -> None:
+def goodbye_names_the_cause(timeout_error: type, es, where: str) -> None:
     """Three connected engines ``es``: rank 1 closes after an error naming rank 2, and both others
     lose it at once, by its goodbye, hearing the cause (their loss names the link: ``where``). Then
     rank 2 closes cleanly: rank 0 only remembers that (the loss that follows ends with
-    ``CLEAN_GOODBYE``)."""
-    es[1].close(N.CommTimeoutError(1, 2, "combine", 6, 3.0))
+    ``CLEAN_GOODBYE``). ``timeout_error``: ``moe_ep.CommTimeoutError``."""
+    es[1].close(timeout_error(1, 2, "combine", 6, 3.0))
     said = "rank 1 closed after its own error naming peer 2 (combine epoch 6)"
     for r in (0, 2):
         assert wait_lost(es[r], 1, 5.0).endswith(said), es[r].peer_error(1)
@@ -111,12 +111,12 @@ def goodbye_names_the_cause(N, es, where: str) -> None:
     assert es[0].peer_error(2) == ""  # a clean goodbye alone loses no peer
 
 
-def proxy_two_nodes(N, engines, cap: int, rb: int = 32, crb: int = 16, el: int = 2) -> None:
+def proxy_two_nodes(proxy_class: type, engines, cap: int, rb: int = 32, crb: int = 16, el: int = 2) -> None:
     """Two engines (not connected yet) as two nodes, each with its §10 proxy: connected, started,
-    ``proxy_dispatch_combine``, then everything closed."""
+    ``proxy_dispatch_combine``, then everything closed. ``proxy_class``: ``moe_ep.native.proxy.Proxy``."""
     R = len(engines)
-    pxs = [N.Proxy(e, node_size=1, num_local_experts=el, row_bytes=rb, comb_row_bytes=crb, private_capacity=cap,
-                   overflow_capacity=R * 8, max_send_rows=R * 8, timeout_s=60) for e in engines]
+    pxs = [proxy_class(e, node_size=1, num_local_experts=el, row_bytes=rb, comb_row_bytes=crb, private_capacity=cap,
+                       overflow_capacity=R * 8, max_send_rows=R * 8, timeout_s=60) for e in engines]
     try:
         connect_all(engines)
         for px in pxs:

@@ -13,8 +13,9 @@ import types
 
 import pytest
 
+from native_hooks import light_import
 from test_nic import make_sysfs
-from test_verbs_transport import AVAILABLE, ROOT, WHY, light_import, rdma_test
+from test_verbs_transport import AVAILABLE, ROOT, WHY, rdma_test
 
 doctor = light_import("tools.doctor")
 KEYS = {"host", "gpus", "rdma", "nic", "transport", "node_memory", "env", "deep_ep"}

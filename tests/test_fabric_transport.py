@@ -22,14 +22,15 @@ import pytest
 
 from engine_cases import (CLEAN_GOODBYE, GroupStandIn, assert_compiles, catch, connect_all as _connect_all,
                           goodbye_names_the_cause, proxy_two_nodes, registered_pair, wait_lost)
-from test_verbs_transport import REGION, SRC, _check_received, _exchange, _plan, _send, light_import
+from native_hooks import light_import
+from test_verbs_transport import (REGION, SRC, _check_received, _exchange, _plan, _send, errors, identity, library,
+                                  probes, proxy, transports)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-N = light_import()
-nic = light_import("proxy.nic")
+nic = light_import("native.nic")
 PROVIDERS = ["tcp;ofi_rxm", "udp;ofi_rxd"]
-PROBES = {p: N.fabric_probe(p, "lo") for p in PROVIDERS}
-M = N.FI_MR
+PROBES = {p: probes.fabric_probe(p, "lo") for p in PROVIDERS}
+M = transports.FI_MR
 # What each provider is run with besides its own mr_mode: descriptors, provider keys, allocated
 # memory, endpoint-bound regions; virtual addresses on udp (rxd honours them; rxm's tcp domain
 # keeps offset addressing, so tcp runs the offset path).
@@ -43,7 +44,7 @@ def provider_params():
 
 
 def _engine(rank, world, prov, force=True, **kw):
-    return N.FabricTransport(rank, world, prov, "lo", force_mr_mode=FORCED[prov] if force else 0, **kw)
+    return transports.FabricTransport(rank, world, prov, "lo", force_mr_mode=FORCED[prov] if force else 0, **kw)
 
 
 def _pair(prov, connect=True, force=True, **kw):
@@ -133,21 +134,20 @@ def test_library_does_not_link_libfabric():
     for name in os.listdir(SRC):
         text = open(os.path.join(SRC, name)).read()
         assert "#include <rdma/" not in text, name
-    so = N.lib()._name
+    so = library.path()
     needed = subprocess.run(["readelf", "-d", so], capture_output=True, text=True).stdout
     assert "libfabric" not in needed, needed
     code = """
-        from test_verbs_transport import light_import
-        N = light_import()
-        ok, why = N.fabric_probe("tcp;ofi_rxm")
+        from test_verbs_transport import errors, identity, library, probes, transports
+        ok, why = probes.fabric_probe("tcp;ofi_rxm")
         assert not ok and "cannot load libmissing-fabric.so.1" in why, why
         try:
-            N.FabricTransport(0, 2, "tcp;ofi_rxm")
-        except N.NativeError as e:
+            transports.FabricTransport(0, 2, "tcp;ofi_rxm")
+        except library.NativeError as e:
             assert "rank 0: libfabric transport not available: cannot load libmissing-fabric.so.1" in str(e), e
         else:
             raise AssertionError("created")
-        assert N.fabric_providers()["error"].startswith("cannot load libmissing-fabric.so.1")
+        assert probes.fabric_providers()["error"].startswith("cannot load libmissing-fabric.so.1")
         print("ok")
     """
     r = _run_py(code, MOE_EP_LIBFABRIC_LIB="libmissing-fabric.so.1")
@@ -162,16 +162,16 @@ def _run_py(code: str, **env) -> subprocess.CompletedProcess:
 
 @pytest.mark.skipif(not any(ok for ok, _ in PROBES.values()), reason="no libfabric tcp or udp provider here")
 def test_creation_errors_name_what_is_missing():
-    with pytest.raises(N.NativeError, match="rank 0: libfabric transport not available: no libfabric provider "
+    with pytest.raises(library.NativeError, match="rank 0: libfabric transport not available: no libfabric provider "
                                             "'nosuch' offers FI_EP_RDM.*libfabric has no provider 'nosuch'"):
-        N.FabricTransport(0, 2, "nosuch")
-    with pytest.raises(N.NativeError, match="on domain 'nosuch0'.*no entry on domain 'nosuch0' \\(domains: .*lo"):
-        N.FabricTransport(0, 2, "tcp;ofi_rxm", "nosuch0")
-    with pytest.raises(N.NativeError, match="rank 1: libfabric: 17 endpoints asked for"):
-        N.FabricTransport(1, 2, "tcp;ofi_rxm", "lo", endpoints=17)
-    with pytest.raises(N.NativeError, match="forced FI_MR_VIRT_ADDR is not honoured by rxm"):
-        N.FabricTransport(0, 2, "tcp;ofi_rxm", "lo", force_mr_mode=M["virt_addr"])
-    listing = N.fabric_providers("udp;ofi_rxd")
+        transports.FabricTransport(0, 2, "nosuch")
+    with pytest.raises(library.NativeError, match="on domain 'nosuch0'.*no entry on domain 'nosuch0' \\(domains: .*lo"):
+        transports.FabricTransport(0, 2, "tcp;ofi_rxm", "nosuch0")
+    with pytest.raises(library.NativeError, match="rank 1: libfabric: 17 endpoints asked for"):
+        transports.FabricTransport(1, 2, "tcp;ofi_rxm", "lo", endpoints=17)
+    with pytest.raises(library.NativeError, match="forced FI_MR_VIRT_ADDR is not honoured by rxm"):
+        transports.FabricTransport(0, 2, "tcp;ofi_rxm", "lo", force_mr_mode=M["virt_addr"])
+    listing = probes.fabric_providers("udp;ofi_rxd")
     lo = [e for e in listing["entries"] if e["domain"] == "lo"]
     assert lo and all(e["ep_type"] == "FI_EP_RDM" and e["rma"] and e["cq_data_size"] >= 4 and e["usable"] for e in lo)
 
@@ -182,13 +182,13 @@ def test_default_provider_reaches_other_hosts(monkeypatch):
     default for that reason, though it connects nothing beyond its host. Named, it still opens."""
     for var in ("MOE_EP_FI_PROVIDER", "FI_PROVIDER", "MOE_EP_FI_DOMAIN"):
         monkeypatch.delenv(var, raising=False)
-    hmem = [e["provider"] for e in N.fabric_providers().get("entries", []) if e["hmem"] and e["usable"]]
-    ok, what = N.fabric_probe()
+    hmem = [e["provider"] for e in probes.fabric_providers().get("entries", []) if e["hmem"] and e["usable"]]
+    ok, what = probes.fabric_probe()
     if not ok:
         pytest.skip(f"no usable libfabric provider: {what}")
     assert not what.startswith(("provider shm", "provider sm2")), what
     if "shm" in hmem:  # the case that picked shm before
-        assert N.fabric_probe("shm")[1].startswith("provider shm")
+        assert probes.fabric_probe("shm")[1].startswith("provider shm")
 
 
 # ---------------------------------------------------------------- engines in this process
@@ -244,7 +244,7 @@ def test_fabric_several_endpoints_and_count_mismatch(prov):
         b.close()
     c, d = _engine(0, 2, prov, endpoints=2), _engine(1, 2, prov)
     try:
-        with pytest.raises(N.NativeError, match="rank 0: connect: peer 1 opened 1 libfabric endpoints, this rank 2"):
+        with pytest.raises(library.NativeError, match="rank 0: connect: peer 1 opened 1 libfabric endpoints, this rank 2"):
             c.connect([c.endpoint, d.endpoint], 5)
     finally:
         c.close()
@@ -253,8 +253,8 @@ def test_fabric_several_endpoints_and_count_mismatch(prov):
 
 def _second_domain(prov: str) -> str:
     """Another usable IPv4 domain of ``prov`` than lo (its own fabric), else lo again."""
-    for e in N.fabric_providers(prov).get("entries", []):
-        if e["usable"] and e["domain"] != "lo" and "." in e["fabric"] and N.fabric_probe(prov, e["domain"])[0]:
+    for e in probes.fabric_providers(prov).get("entries", []):
+        if e["usable"] and e["domain"] != "lo" and "." in e["fabric"] and probes.fabric_probe(prov, e["domain"])[0]:
             return e["domain"]
     return "lo"
 
@@ -266,7 +266,7 @@ def test_fabric_endpoints_over_several_domains(prov):
     (another fabric) when there is one. Writes shard over all of them; a count that is not a
     multiple, or a domain that does not fit, is refused naming it."""
     doms = ["lo", _second_domain(prov)]
-    a, b, bufs = registered_pair(N.FabricTransport(0, 2, prov, doms), N.FabricTransport(1, 2, prov, ",".join(doms)),
+    a, b, bufs = registered_pair(transports.FabricTransport(0, 2, prov, doms), transports.FabricTransport(1, 2, prov, ",".join(doms)),
                                  REGION)
     try:
         d = a.describe()
@@ -277,14 +277,14 @@ def test_fabric_endpoints_over_several_domains(prov):
     finally:
         a.close()
         b.close()
-    c = N.FabricTransport(0, 2, prov, doms, endpoints=4)
+    c = transports.FabricTransport(0, 2, prov, doms, endpoints=4)
     assert c.describe()["endpoints"] == 4 and c.imm_per_write == 4
     c.close()
-    with pytest.raises(N.NativeError, match="rank 0: libfabric: 3 endpoints over 2 domains: expected a multiple"):
-        N.FabricTransport(0, 2, prov, doms, endpoints=3)
-    ok, why = N.fabric_probe(prov, "lo,nosuch0")
+    with pytest.raises(library.NativeError, match="rank 0: libfabric: 3 endpoints over 2 domains: expected a multiple"):
+        transports.FabricTransport(0, 2, prov, doms, endpoints=3)
+    ok, why = probes.fabric_probe(prov, "lo,nosuch0")
     assert not ok and why.startswith("domain 2 of 2: ") and "'nosuch0'" in why, why
-    ok, what = N.fabric_probe(prov, ",".join(doms))
+    ok, what = probes.fabric_probe(prov, ",".join(doms))
     assert ok and f"domains {','.join(doms)}" in what, what
 
 
@@ -296,10 +296,10 @@ def test_fabric_bad_remote_range_and_local_errors(prov):
         a.post_write(1, src_key, 0, 99, 0, 100, imm=43)  # a key the peer never advertised
         a.post_write(1, src_key, 0, dst_key, REGION - 10, 100, imm=43)  # past the peer's region
         comps = a.wait_completions(2, 30, check=False)
-        assert [c.status for c in comps] == [N.CQ_REMOTE_ACCESS] * 2
-        with pytest.raises(N.NativeError, match="rank 0: post_write to peer 1: local key 77"):
+        assert [c.status for c in comps] == [transports.CQ_REMOTE_ACCESS] * 2
+        with pytest.raises(library.NativeError, match="rank 0: post_write to peer 1: local key 77"):
             a.post_write(1, 77, 0, dst_key, 0, 10)
-        with pytest.raises(N.NativeError, match="bad peer"):
+        with pytest.raises(library.NativeError, match="bad peer"):
             a.post_write(0, src_key, 0, dst_key, 0, 10)
         bufs[0][0][:4096] = 7
         _send(a, 1, src_key, dst_key, [(0, 4096, 44)])  # still healthy
@@ -316,8 +316,8 @@ def test_fabric_strangers_refused_not_lost(prov):
     this job (same secret) each send rank 0 a hello as its rank 1: both are refused, with a line
     naming what was wrong (never the secret), neither counts as a lost peer, the strangers time
     out naming the refusal, and the job's two ranks connect and write."""
-    job = N.JobIdentity(bytes([7]) * 16, 42)
-    others = {"other job": N.JobIdentity(bytes([8]) * 16, 42), "stale": N.JobIdentity(bytes([7]) * 16, 41)}
+    job = identity.JobIdentity(bytes([7]) * 16, 42)
+    others = {"other job": identity.JobIdentity(bytes([8]) * 16, 42), "stale": identity.JobIdentity(bytes([7]) * 16, 41)}
     a, b = _engine(0, 2, prov, identity=job), _engine(1, 2, prov, identity=job)
     strangers = {k: _engine(1, 2, prov, identity=i) for k, i in others.items()}
     try:
@@ -334,7 +334,7 @@ def test_fabric_strangers_refused_not_lost(prov):
         _connect_all([a, b])
         for t in ts:
             t.join(30)
-        assert len(errs) == 2 and all(isinstance(x, N.CommTimeoutError) and x.peer == 0 for x in errs), errs
+        assert len(errs) == 2 and all(isinstance(x, errors.CommTimeoutError) and x.peer == 0 for x in errs), errs
         ref = a.refused()
         assert ref.total == 2, ref
         text = "\n".join(ref.recent)
@@ -355,7 +355,7 @@ def test_fabric_peer_never_connects(prov):
     a, b, _ = _pair(prov, connect=False)
     try:
         t0 = time.monotonic()
-        with pytest.raises(N.CommTimeoutError) as ei:
+        with pytest.raises(errors.CommTimeoutError) as ei:
             a.connect([a.endpoint, b.endpoint], timeout_s=2.0)  # b never calls connect
         assert ei.value.peer == 1 and ei.value.phase == "connect" and time.monotonic() - t0 < 10
         msg = str(ei.value)
@@ -377,7 +377,7 @@ def test_fabric_goodbye_carries_the_cause(prov):
             e.register(np.zeros(4096, np.uint8))
             e.set_op_timeout(5.0)  # the keepalive window: a silent peer is lost within about that
         _connect_all(es)
-        goodbye_names_the_cause(N, es, f"libfabric {prov}")
+        goodbye_names_the_cause(errors.CommTimeoutError, es, f"libfabric {prov}")
         msg = wait_lost(es[0], 2, 15.0)
         assert msg.endswith(CLEAN_GOODBYE), msg
     finally:
@@ -389,10 +389,9 @@ def test_fabric_goodbye_carries_the_cause(prov):
 
 _CHILD = """
     import sys, numpy as np
-    from test_verbs_transport import light_import, REGION, _plan
-    N = light_import()
+    from test_verbs_transport import errors, identity, library, probes, transports, REGION, _plan
     prov, force, k = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    e = N.FabricTransport(1, 2, prov, "lo", endpoints=k, force_mr_mode=force)
+    e = transports.FabricTransport(1, 2, prov, "lo", endpoints=k, force_mr_mode=force)
     src, dst = np.zeros(REGION, np.uint8), np.zeros(REGION, np.uint8)
     ks, kd = e.register(src), e.register(dst)
     print(e.endpoint, flush=True)
@@ -441,14 +440,14 @@ def test_fabric_two_processes_then_killed_peer(prov, k):
         os.kill(child.pid, signal.SIGKILL)
         child.wait(10)
         t0 = time.monotonic()
-        with pytest.raises(N.PeerLostError) as ei:
+        with pytest.raises(library.PeerLostError) as ei:
             a.imm.wait(0x99, 1, 60)
         dt = time.monotonic() - t0
         assert ei.value.peer == 1 and dt < 15, (dt, str(ei.value))
         assert "keepalive" in a.peer_error(1) and "rank 0: connection with peer 1 lost" in a.peer_error(1)
         a.post_write(1, 1, 0, 2, 0, 10, imm=1)
         (c,) = a.wait_completions(1, 5, check=False)
-        assert c.status == N.CQ_PEER_LOST
+        assert c.status == transports.CQ_PEER_LOST
     finally:
         if child.poll() is None:
             child.kill()
@@ -457,9 +456,8 @@ def test_fabric_two_processes_then_killed_peer(prov, k):
 
 _SILENT_CHILD = """
     import sys
-    from test_verbs_transport import light_import
-    N = light_import()
-    e = N.FabricTransport(2, 3, sys.argv[1], "lo", force_mr_mode=int(sys.argv[2]))
+    from test_verbs_transport import errors, identity, library, probes, transports
+    e = transports.FabricTransport(2, 3, sys.argv[1], "lo", force_mr_mode=int(sys.argv[2]))
     print(e.endpoint, flush=True)
     e.connect(sys.stdin.readline().split(), 30)
     print("connected", flush=True)
@@ -524,7 +522,7 @@ def test_fabric_proxy_dispatch_combine_two_nodes(prov, cap, eps):
     engines = [_engine(r, 2, prov, endpoints=eps) for r in range(2)]
     for e in engines:
         e.set_min_shard_bytes(1)
-    proxy_two_nodes(N, engines, cap)
+    proxy_two_nodes(proxy.Proxy, engines, cap)
 
 
 def test_select_transport_libfabric():
@@ -574,7 +572,7 @@ def test_requested_efa_names_what_is_missing(monkeypatch):
     """Without an EFA device: MOE_EP_TRANSPORT=efa fails with libfabric's own reason, and an
     engine of transport "efa" (the C entry's name for libfabric with provider efa) too."""
     S = light_import("internode.session")
-    ok, why = N.fabric_probe("efa")
+    ok, why = probes.fabric_probe("efa")
     if ok:
         pytest.skip("libfabric's efa provider is usable here")
     assert S.efa_probe() == (ok, why)
@@ -585,8 +583,8 @@ def test_requested_efa_names_what_is_missing(monkeypatch):
     with pytest.raises(RuntimeError) as e:
         S.select_transport()
     assert why in str(e.value)
-    for make in (lambda: N.Engine(1, 2, transport="efa"), lambda: N.FabricTransport(1, 2, "efa")):
-        with pytest.raises(N.NativeError, match="rank 1: libfabric transport not available: "):
+    for make in (lambda: transports.Engine(1, 2, transport="efa"), lambda: transports.FabricTransport(1, 2, "efa")):
+        with pytest.raises(library.NativeError, match="rank 1: libfabric transport not available: "):
             make()
 
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import dist_util
+import native_hooks as hooks
 from ep_cases import DTYPES, Case, make_inputs, run_calls
 
 # (ranks, node size, private capacity, faults): together every dtype, layout, alignment and
@@ -56,7 +57,7 @@ def _matrix_worker(rank, world_size, node_size, private_capacity, faults, cases)
                 return [f"rank {rank}: node_size={node_size} of {world_size} did not take the inter-node path"]
             if faults:
                 buf.remote.proxy.engine.set_min_shard_bytes(1)
-                buf.remote.proxy.engine.set_fault(delay_us=300, reorder=True)
+                hooks.set_fault(buf.remote.proxy.engine, delay_us=300, reorder=True)
             fails += run_calls(group, buf, c)
     return fails
 
@@ -129,7 +130,7 @@ def _to_every_rank_inputs(rank, world_size, M, H):
 def _error_fields(exc, t0):
     """What the tests check of a peer error (picklable), or ``other`` for any other exception."""
     from moe_ep import CommTimeoutError
-    from moe_ep.proxy import PeerLostError
+    from moe_ep.native.library import PeerLostError
 
     if isinstance(exc, (CommTimeoutError, PeerLostError)):
         return dict(type=type(exc).__name__, rank=exc.rank, peer=exc.peer, phase=exc.phase, msg=str(exc),
@@ -339,7 +340,7 @@ def _overlap_worker(rank, world_size, signal, late):
     import threading
 
     import moe_ep
-    from moe_ep.proxy.native import MAILBOX, mailbox_word
+    from moe_ep.native.protocol import MAILBOX, mailbox_word
 
     group = moe_ep.EPGroup(node_size=1)
     M, H, R = 4, 128, world_size

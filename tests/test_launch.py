@@ -18,6 +18,7 @@ import triton.language as tl
 
 import dist_util
 import moe_ep.kernels.launch as L
+from moe_ep.native.launch import LaunchPlan
 
 
 @triton.jit(do_not_specialize=["n"])
@@ -386,7 +387,7 @@ def test_native_launch_hands_the_driver_the_packed_plan(tmp_path, monkeypatch):
     stale, old_id = bound.launch, bound.id
     plan._bound.clear()
     del bound
-    fresh = L._Native(0x5EED, 1, 32, 0, [8], [0], [0])
+    fresh = LaunchPlan(0x5EED, 1, 32, 0, [8], [0], [0])
     assert fresh.id != old_id
     with pytest.raises(ValueError, match=f"plan_id {old_id} names no plan"):
         stale(0xDEF, [0])

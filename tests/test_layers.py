@@ -11,7 +11,7 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PKG = ROOT / "moe_ep"
 # Each folder's floor, from the ground up: a module may import its own folder's and lower floors'.
-FLOORS = {"core": 0, "proxy": 1, "kernels": 2, "internode": 3, "ops": 4, "moe": 5, "integrations": 6,
+FLOORS = {"core": 0, "native": 1, "kernels": 2, "internode": 3, "ops": 4, "moe": 5, "integrations": 6,
           "deep_ep": 6, "testing": 7, "tools": 7, "bench": 7}
 # Imports allowed to run up, each with its reason: none but this one.
 KNOWN_UP = {("moe_ep/kernels/recv_total.py", "internode")}  # the packed count waits on the proxy's header word too

@@ -1,4 +1,4 @@
-"""moe_ep.proxy.nic: RDMA devices read from a sysfs tree, and the NIC a rank chooses.
+"""moe_ep.native.nic: RDMA devices read from a sysfs tree, and the NIC a rank chooses.
 
 ``make_sysfs`` builds a fake ``/sys`` (the files and links ``nic`` reads) for a machine with two
 host bridges: GPU0 and mlx5_0 behind one PCIe switch, GPU1 behind another switch of the same root
@@ -12,9 +12,9 @@ import os
 import pytest
 
 from engine_cases import GroupStandIn
-from test_verbs_transport import light_import
+from native_hooks import light_import
 
-nic = light_import("proxy.nic")
+nic = light_import("native.nic")
 
 ZERO = "0000:0000:0000:0000:0000:0000:0000:0000"
 PCI = {  # name -> (path below devices/, numa node)

@@ -4,7 +4,8 @@
   headers, pyproject.toml, setup.py), the bench schema and the README, and nothing else (no tests,
   docs, scripts, venvs, caches, built libraries).
 - The wheel puts only ``moe_ep`` (with its native library and the schema) and its dist-info into
-  site-packages, and the console script ``moe-ep-bench``.
+  site-packages, and the console script ``moe-ep-bench``. Its library, like the one setup.py
+  builds in a checkout, has none of the test hooks (csrc/testing: the tests' build only).
 - Installed into a fresh venv, ``moe_ep`` is imported from that venv, the doctor reports its
   version, and the native library was built by setup.py with the flags it records.
 
@@ -26,6 +27,8 @@ import tarfile
 import zipfile
 
 import pytest
+
+import native_hooks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIST_DIR = os.environ.get("MOE_EP_DIST_DIR")
@@ -88,6 +91,26 @@ def test_sdist_holds_the_build_and_only_the_package(sdist_names):
     assert not [n for n in sdist_names if n.endswith((".so", ".pyc")) or "__pycache__" in n]
 
 
+TEST_HOOKS = ("moe_ep_set_fault", "moe_ep_verbs_destroy_qp", "moe_ep_test_memory_type", "moe_ep_imm_stress")
+
+
+def _test_hooks(library: bytes) -> list:
+    """The test hooks (csrc/testing/hooks.cc) whose names a built library holds."""
+    return [h for h in TEST_HOOKS if h.encode() in library]
+
+
+def test_setup_py_builds_no_test_hooks():
+    """The library setup.py built into this checkout (pip install -e .) has none of the test hooks,
+    which the tests' own build has."""
+    built = glob.glob(os.path.join(ROOT, "moe_ep", "native", "_native*.so"))
+    if not built:
+        pytest.skip("no library built by setup.py in this checkout")
+    with open(built[0], "rb") as f:
+        assert not _test_hooks(f.read())
+    with open(os.path.join(native_hooks.TEST_BUILD, "_native.so"), "rb") as f:  # the tests' build has them
+        assert _test_hooks(f.read()) == list(TEST_HOOKS)
+
+
 @pytest.fixture(scope="module")
 def wheel() -> zipfile.ZipFile:
     if not DIST_DIR:
@@ -103,7 +126,8 @@ def test_wheel_installs_moe_ep_only(wheel, sdist_names):
     py = {n for n in names if n.endswith(".py")}
     assert py == {n for n in sdist_names if n.startswith("moe_ep/") and n.endswith(".py")}
     assert "moe_ep/bench/schema.json" in names
-    assert [n for n in names if re.fullmatch(r"moe_ep/proxy/_native\.[^/]*so", n)], "no native library"
+    (lib,) = [n for n in names if re.fullmatch(r"moe_ep/native/_native\.[^/]*so", n)]
+    assert not _test_hooks(wheel.read(lib))
     assert wheel.read(dist_info + "top_level.txt").decode().split() == ["moe_ep"]
     scripts = wheel.read(dist_info + "entry_points.txt").decode()
     assert re.search(r"^moe-ep-bench = moe_ep\.bench\.cli:main$", scripts, re.M), scripts
@@ -130,7 +154,9 @@ print(json.dumps({"file": moe_ep.__file__, "version": moe_ep.__version__, "site"
 def test_installed_wheel(tmp_path):
     """From outside the checkout: moe_ep comes from the venv, its files are moe_ep/, its dist-info
     and the console script, and the doctor names the version and the setup.py build's flags."""
-    r = subprocess.run([INSTALLED_PYTHON, "-c", _PROBE], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    env = {k: v for k, v in os.environ.items() if k != "MOE_EP_NATIVE_LIB"}  # the venv's own, not the tests' build
+    r = subprocess.run([INSTALLED_PYTHON, "-c", _PROBE], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                       env=env)
     assert r.returncode == 0, r.stderr[-4000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["version"] == VERSION and got["host"]["moe_ep"] == VERSION

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import proxy_wire as W
-from moe_ep.proxy import CQ_PEER_LOST, JobIdentity, TcpTransport
+from moe_ep.native.identity import JobIdentity
+from moe_ep.native.transports import CQ_PEER_LOST, TcpTransport
 
 ID = JobIdentity(bytes(range(16, 32)), 1_700_000_000_000_000_123)
 HELLO_S = 1.0  # "at once" is checked as "before this", and the reason says why it was not the deadline
@@ -291,7 +292,7 @@ def test_hello_timeout_from_the_environment(monkeypatch):
     (dict(hello_timeout_s="5"), "hello_timeout_s: expected a positive number, got '5'"),
     (dict(max_pending=0), "max_pending: expected a positive integer, got 0"),
     (dict(max_pending=2.5), "max_pending: expected a positive integer"),
-    (dict(identity="secret"), "identity: expected a moe_ep.proxy.JobIdentity or None, got str"),
+    (dict(identity="secret"), "identity: expected a moe_ep.native.identity.JobIdentity or None, got str"),
 ])
 def test_bad_settings(kw, msg):
     with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace(")", r"\)")):

@@ -29,7 +29,7 @@ PENDING, FLOOD = 16, 64
 
 def _canary_proxy(real, mems):
     """``start_proxy`` with every region inside canary bytes (``proxy_wire.CanaryRegions``)."""
-    from moe_ep.proxy.native import proxy_region_bytes
+    from moe_ep.native.proxy import proxy_region_bytes
 
     def start(g, *, regions=None, **kw):
         assert regions is None, "CPU ranks: the proxy allocates its regions"

@@ -20,9 +20,13 @@ import proxy_wire as W
 from engine_cases import catch, wait_lost
 from moe_ep import CapacityError, CommTimeoutError
 from moe_ep.core.errors import ErrorCode
-from moe_ep.proxy import native
-from moe_ep.proxy import (CQ_OK, CQ_PEER_LOST, CQ_REMOTE_ACCESS, CQ_TIMEOUT, Engine, ImmCounter, JobIdentity,
-                          NativeError, PeerLostError, Proxy, TcpTransport)
+import native_hooks as hooks
+from moe_ep.native import library, protocol, transports
+from moe_ep.native.identity import JobIdentity
+from moe_ep.native.library import NativeError, PeerLostError
+from moe_ep.native.proxy import Proxy
+from moe_ep.native.transports import (CQ_OK, CQ_PEER_LOST, CQ_REMOTE_ACCESS, CQ_TIMEOUT, Engine, ImmCounter,
+                                      TcpTransport)
 
 
 # ---------------------------------------------------------------- ImmCounter
@@ -67,7 +71,7 @@ def test_imm_counts_match_a_dict_under_random_adds_and_takes():
     adds (negative ones too) and exact takes over keys shaped like immediates (the same epoch
     bits, sources and phases packed above them), growing the table and emptying it again."""
     rng = np.random.default_rng(5)
-    keys = [int(native.make_imm(ph, e, src=s)) for ph in range(4) for s in range(0, 4096, 7) for e in (1, 2)]
+    keys = [int(protocol.make_imm(ph, e, src=s)) for ph in range(4) for s in range(0, 4096, 7) for e in (1, 2)]
     c, want = ImmCounter(), {}
     for step in range(20000):
         k = keys[int(rng.integers(len(keys)))] if step < 14000 else list(want)[0] if want else keys[0]
@@ -156,7 +160,7 @@ def test_imm_concurrent_producers():
     assert got == [1]
     assert c.value(11) == 0 and c.value(12) == 2 * per and c.value(13) == 2 * per
     # native producers, no GIL between the adds: 8 threads of the library each add 1 50,000 times
-    assert native.lib().moe_ep_imm_stress(c.handle, 20, 8, 50_000) == native.OK
+    hooks.imm_stress(c, 20, 8, 50_000)
     assert c.value(20) == 400_000
     c.wait(20, 400_000, timeout_s=1.0)
     assert c.value(20) == 0
@@ -207,7 +211,7 @@ def _pair(streams=4, min_shard=1, **fault):
         src, dst = np.zeros(REGION, np.uint8), np.zeros(REGION, np.uint8)
         bufs[e.rank] = (src, dst, e.register(src), e.register(dst))
         if fault:
-            e.set_fault(**fault)
+            hooks.set_fault(e, **fault)
     eps = [a.endpoint, b.endpoint]
     a.connect(eps, timeout_s=10)
     b.connect(eps, timeout_s=10)
@@ -275,7 +279,7 @@ def test_tcp_zero_byte_writes_and_remote_errors():
 def test_tcp_cut_connection_errors_both_sides():
     a, b, bufs = _pair(4, delay_us=100, reorder=True)
     try:
-        a.set_fault(delay_us=100, reorder=True, cut_peer=1, cut_after=5)
+        hooks.set_fault(a, delay_us=100, reorder=True, cut_peer=1, cut_after=5)
         _send_all(a, 1, bufs[0][2], bufs[1][3], [(i * 10, 10, 7) for i in range(5)])
         b.imm.wait(7, 5, 10)
         t0 = time.monotonic()
@@ -343,7 +347,7 @@ def _proc_main(rank, conn, n_writes, fault, die_after_connect):
         e.set_min_shard_bytes(1)
         src, dst = np.zeros(REGION, np.uint8), np.zeros(REGION, np.uint8)
         ks, kd = e.register(src), e.register(dst)
-        e.set_fault(**fault)
+        hooks.set_fault(e, **fault)
         conn.send(e.endpoint)
         e.connect(conn.recv(), timeout_s=10)
         if die_after_connect:
@@ -431,7 +435,7 @@ def _three_waiting(timeout_s=5.0):
     px = Proxy(es[0], node_size=1, num_local_experts=1, row_bytes=16, comb_row_bytes=16, private_capacity=1,
                overflow_capacity=2, max_send_rows=4, timeout_s=timeout_s)
     for e in es[1:]:
-        for name in native.REGION_NAMES:
+        for name in protocol.REGION_NAMES:
             e.register(np.zeros(max(int(px.region_bytes[name]), 16), np.uint8))
     eps = [e.endpoint for e in es]
     for e in es:
@@ -442,7 +446,7 @@ def _three_waiting(timeout_s=5.0):
 
 
 def _lost(peer, phase, epoch):
-    err = PeerLostError(f"rank 1: connection with peer {peer} lost", native.ERR_PEER, peer)
+    err = PeerLostError(f"rank 1: connection with peer {peer} lost", library.ERR_PEER, peer)
     err.rank, err.phase, err.epoch = 1, phase, epoch
     return err
 
@@ -460,7 +464,7 @@ GOODBYES = {
     "the closer itself": (CommTimeoutError(1, 1, "dispatch", 1, 3.0), 1,
                           "naming peer 1 in phase 0 (not trusted: not another rank of a world of 3)"),
     "unknown phase": ((1, 2, 7, 1, 0), 1, "naming peer 2 in phase 7 (not trusted: an unknown phase)"),
-    "an unknown kind": ((1, 2, native.PHASE_D1, 1, 77), 2,
+    "an unknown kind": ((1, 2, protocol.PHASE_D1, 1, 77), 2,
                         "rank 1 closed after its own error naming peer 2 (dispatch epoch 1)"),
     # trusted, but rank 0 is alive: a peer that gave up on it is the one it names
     "this rank": (CommTimeoutError(1, 0, "dispatch", 1, 3.0), 1,
@@ -478,7 +482,7 @@ def test_goodbye_names_the_cause(case):
     try:
         t0 = time.monotonic()
         if isinstance(said, tuple):
-            native.lib().moe_ep_engine_goodbye(es[1].handle, *said)  # the first goodbye counts
+            library.lib().moe_ep_engine_goodbye(es[1].handle, *said)  # the first goodbye counts
             said = None
         es[1].close(said)
         with pytest.raises(PeerLostError) as ei:
@@ -520,19 +524,19 @@ def test_goodbye_after_a_capacity_error(over):
 
 
 def test_goodbye_cause_of_an_error():
-    assert native.goodbye_cause(None) == (0, -1, -1, 0, 0)
-    assert native.goodbye_cause(CommTimeoutError(0, 3, "dispatch", 4, 1.0)) == (1, 3, native.PHASE_D1, 4, 0)
-    assert native.goodbye_cause(_lost(2, "combine", 5)) == (1, 2, native.PHASE_C, 5, 0)
+    assert transports.goodbye_cause(None) == (0, -1, -1, 0, 0)
+    assert transports.goodbye_cause(CommTimeoutError(0, 3, "dispatch", 4, 1.0)) == (1, 3, protocol.PHASE_D1, 4, 0)
+    assert transports.goodbye_cause(_lost(2, "combine", 5)) == (1, 2, protocol.PHASE_C, 5, 0)
     for other in (CommTimeoutError(0, 3, "connect", 0, 1.0), CommTimeoutError(0, -1, "dispatch", 4, 1.0),
-                  PeerLostError("no phase", native.ERR_PEER, 3), ValueError("bad ids")):
-        assert native.goodbye_cause(other) == (1, -1, -1, 0, 0), other
+                  PeerLostError("no phase", library.ERR_PEER, 3), ValueError("bad ids")):
+        assert transports.goodbye_cause(other) == (1, -1, -1, 0, 0), other
     # a CapacityError: its kind, and the rank over its cap where it is another (a node peer)
     cap = int(ErrorCode.CAPACITY)
-    assert native.goodbye_cause(CapacityError("over", rank=1, peer=1, phase="dispatch", epoch=4)) == \
-        (1, -1, native.PHASE_D1, 4, cap)
-    assert native.goodbye_cause(CapacityError("over", rank=1, peer=0, phase="dispatch", epoch=4)) == \
-        (1, 0, native.PHASE_D1, 4, cap)
-    assert native.goodbye_cause(CapacityError("over")) == (1, -1, -1, 0, cap)
+    assert transports.goodbye_cause(CapacityError("over", rank=1, peer=1, phase="dispatch", epoch=4)) == \
+        (1, -1, protocol.PHASE_D1, 4, cap)
+    assert transports.goodbye_cause(CapacityError("over", rank=1, peer=0, phase="dispatch", epoch=4)) == \
+        (1, 0, protocol.PHASE_D1, 4, cap)
+    assert transports.goodbye_cause(CapacityError("over")) == (1, -1, -1, 0, cap)
 
 
 # The goodbye written out from docs/ARCHITECTURE.md §10: magic "MEGB", src, dst, world, error,
@@ -545,7 +549,7 @@ ID = JobIdentity(bytes(range(40, 56)), 1_700_000_000_000_000_777)
 
 
 def _goodbye(cause=2, secret=ID.secret, src=1, world=3, code=0):
-    return GOODBYE.pack(MAGIC_GOODBYE, src, 0, world, 1, cause, native.PHASE_D1, code, 4, ID.session, secret)
+    return GOODBYE.pack(MAGIC_GOODBYE, src, 0, world, 1, cause, protocol.PHASE_D1, code, 4, ID.session, secret)
 
 
 def _fake_rank1(e, stream):

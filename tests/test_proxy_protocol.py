@@ -19,8 +19,12 @@ import numpy as np
 import pytest
 
 from moe_ep import CapacityError, CommTimeoutError
-from moe_ep.proxy import MAILBOX, MAILBOX_WORDS, NativeError, PeerLostError, Proxy, TcpTransport, make_imm
-from moe_ep.proxy import native
+import native_hooks as hooks
+from moe_ep.native import protocol, proxy
+from moe_ep.native.library import NativeError, PeerLostError
+from moe_ep.native.protocol import MAILBOX, MAILBOX_WORDS, make_imm
+from moe_ep.native.proxy import Proxy
+from moe_ep.native.transports import TcpTransport
 
 RB, CRB, EL = 40, 24, 3  # dispatch row bytes, combine row bytes, local experts per rank
 MAXC = 9                 # per-destination counts are drawn from 0..MAXC-1
@@ -81,14 +85,14 @@ def _overflow_windows(px, e, C, cap, timeout_s, stop_at=None):
         return None
     for s in range(R):
         if s != rank and px.remote(s):
-            px.wait_word(native.mailbox_word("ready2", R, s), e, timeout_s, epoch=e)
+            px.wait_word(protocol.mailbox_word("ready2", R, s), e, timeout_s, epoch=e)
     base = px.overflow_offset(e)
     parts = [px.overflow[base:base + B * RB].copy()]
     for w in range(1, n_win):
         if w == stop_at:
             return "stopped"
-        px.mailbox[MAILBOX["ov_done"]] = native.ov_window(e, w)
-        px.wait_word(MAILBOX["ov_ready"], native.ov_window(e, w), timeout_s, epoch=e)
+        px.mailbox[MAILBOX["ov_done"]] = protocol.ov_window(e, w)
+        px.wait_word(MAILBOX["ov_ready"], protocol.ov_window(e, w), timeout_s, epoch=e)
         parts.append(px.overflow[base:base + min(B, O - w * B) * RB].copy())
     return np.concatenate(parts)
 
@@ -159,7 +163,7 @@ def _rank_main(rank, R, node_size, cap, ovcap, epochs, seed, fault, maxc, plan, 
     try:
         eng = TcpTransport(rank, R, streams=2)
         if fault:
-            eng.set_fault(delay_us=200, reorder=True)
+            hooks.set_fault(eng, delay_us=200, reorder=True)
         px = Proxy(eng, node_size=node_size, num_local_experts=EL, row_bytes=RB, comb_row_bytes=CRB,
                    private_capacity=cap, overflow_capacity=ovcap, max_send_rows=R * (maxc + 5), timeout_s=timeout_s,
                    spin_us=20, sleep_us=200)
@@ -240,14 +244,14 @@ def _rank_main(rank, R, node_size, cap, ovcap, epochs, seed, fault, maxc, plan, 
             try:
                 n_win = -(-sum(o_s.values()) // ovcap) if ovcap else 0
                 for w in range(1, n_win):
-                    px.wait_word(MAILBOX["comb_win_done"], native.ov_window(e, w), timeout_s + 5, phase="combine",
+                    px.wait_word(MAILBOX["comb_win_done"], protocol.ov_window(e, w), timeout_s + 5, phase="combine",
                                  epoch=e)
                     for s in rows:
                         lo, hi = max(st[s], w * ovcap), min(st[s] + o_s[s], (w + 1) * ovcap)
                         if hi > lo:
                             part = rows[s][cap + lo - st[s]:cap + hi - st[s]]
                             px.comb_send[(lo - w * ovcap) * CRB:(hi - w * ovcap) * CRB] = part.reshape(-1)
-                    px.mailbox[MAILBOX["comb_win_bell"]] = native.ov_window(e, w)
+                    px.mailbox[MAILBOX["comb_win_bell"]] = protocol.ov_window(e, w)
                 px.wait_ready("combine", e, timeout_s + 5)
             except Exception as ex:  # noqa: BLE001
                 log.append(("error", e, type(ex).__name__, str(ex), time.monotonic() - t0, px.error_record()))
@@ -326,17 +330,17 @@ def _run(R, node_size, cap, *, epochs=3, seed=0, ovcap=None, fault=True, maxc=MA
 def test_mailbox_layout_and_imm():
     for W in (2, 5):
         want = {**MAILBOX, "n_fixed": MAILBOX_WORDS,
-                **{a: native.mailbox_word(a, W, 0) for a in native.MAILBOX_ARRAYS}, "n_words": native.mailbox_words(W)}
-        assert native.native_mailbox_layout(W) == want
-    assert native.mailbox_words(3) == 12 + 4 * 3 and native.mailbox_word("ready2", 3, 1) == 12 + 2 * 3 + 1
+                **{a: protocol.mailbox_word(a, W, 0) for a in protocol.MAILBOX_ARRAYS}, "n_words": protocol.mailbox_words(W)}
+        assert proxy.native_mailbox_layout(W) == want
+    assert protocol.mailbox_words(3) == 12 + 4 * 3 and protocol.mailbox_word("ready2", 3, 1) == 12 + 2 * 3 + 1
     # phase in bits 31..29, source rank in bits 28..16, epoch mod 2^16 in bits 15..0
     assert make_imm(0, 5) == 5 and make_imm(1, 5) == (1 << 29) | 5 and make_imm(2, 5) == (2 << 29) | 5
     assert make_imm(2, 5, src=3) == (2 << 29) | (3 << 16) | 5
-    assert make_imm(native.PHASE_CREDIT, 5, src=3) == (4 << 29) | (3 << 16) | 5
-    assert make_imm(1, (1 << 16) + 7, src=native.IMM_MAX_RANKS - 1) == (1 << 29) | (0x1FFF << 16) | 7
-    assert native.IMM_MAX_RANKS == 1 << 13
-    assert native.ov_window(3, 2) == (3 << 32) | 2 and native.ov_window(2, 1 << 20) < native.ov_window(3, 0)
-    assert native.hdr_bytes(4, 3) == 32 and native.hdr_bytes(3, 1) == 16 and native.hdr_bytes(4, 4) == 32
+    assert make_imm(protocol.PHASE_CREDIT, 5, src=3) == (4 << 29) | (3 << 16) | 5
+    assert make_imm(1, (1 << 16) + 7, src=protocol.IMM_MAX_RANKS - 1) == (1 << 29) | (0x1FFF << 16) | 7
+    assert protocol.IMM_MAX_RANKS == 1 << 13
+    assert protocol.ov_window(3, 2) == (3 << 32) | 2 and protocol.ov_window(2, 1 << 20) < protocol.ov_window(3, 0)
+    assert protocol.hdr_bytes(4, 3) == 32 and protocol.hdr_bytes(3, 1) == 16 and protocol.hdr_bytes(4, 4) == 32
 
 
 def test_imm_names_source_and_epoch():
@@ -350,31 +354,31 @@ def test_imm_names_source_and_epoch():
         pb = Proxy(b, node_size=1, num_local_experts=1, row_bytes=RB, comb_row_bytes=CRB, private_capacity=1,
                    overflow_capacity=2, max_send_rows=4, timeout_s=1.0)
         regs = {n: np.zeros(max(int(nb), 16), np.uint8) for n, nb in pb.region_bytes.items()}
-        keys = [a.register(regs[n]) for n in native.REGION_NAMES]  # same order: the keys agree
+        keys = [a.register(regs[n]) for n in protocol.REGION_NAMES]  # same order: the keys agree
         a.connect([a.endpoint, b.endpoint], 10)
         b.connect([a.endpoint, b.endpoint], 10)
         pb.start()
-        hs, hr = (keys[native.REGION_NAMES.index(n)] for n in native.HEADER_REGIONS)
+        hs, hr = (keys[protocol.REGION_NAMES.index(n)] for n in protocol.HEADER_REGIONS)
 
         def header(epoch, imm):  # rank 0's (all-zero) header into its header slot of `epoch`
             a.post_write(1, hs, 0, hr, ((epoch & 1) * 2 + 0) * pb.hdr_bytes, pb.hdr_bytes, imm=imm)
 
         pb.ring("dispatch", 1)
-        stray = [make_imm(native.PHASE_D0, 1, src=1), make_imm(native.PHASE_D2, 1, src=0),
-                 make_imm(native.PHASE_D1, 1, src=0)]
+        stray = [make_imm(protocol.PHASE_D0, 1, src=1), make_imm(protocol.PHASE_D2, 1, src=0),
+                 make_imm(protocol.PHASE_D1, 1, src=0)]
         for imm in stray:
             header(1, imm)
-        header(2, make_imm(native.PHASE_D0, 2, src=0))
+        header(2, make_imm(protocol.PHASE_D0, 2, src=0))
         time.sleep(0.3)
         assert pb.mailbox[MAILBOX["disp_ready"]] == 0 and pb.error_record()[0] == 0
         assert pb.mailbox[MAILBOX["hdr_ready"]] == 0
-        header(1, make_imm(native.PHASE_D0, 1, src=0))
+        header(1, make_imm(protocol.PHASE_D0, 1, src=0))
         pb.wait_ready("dispatch", 1, 5)
         assert pb.mailbox[MAILBOX["hdr_ready"]] == 1
-        assert b.imm.value(make_imm(native.PHASE_D0, 2, src=0)) == 1
+        assert b.imm.value(make_imm(protocol.PHASE_D0, 2, src=0)) == 1
         pb.ring("dispatch", 2)
         pb.wait_ready("dispatch", 2, 5)
-        assert b.imm.value(make_imm(native.PHASE_D0, 2, src=0)) == 0
+        assert b.imm.value(make_imm(protocol.PHASE_D0, 2, src=0)) == 0
         assert [b.imm.value(i) for i in stray] == [1, 1, 1]  # counted apart, never consumed
         t0 = time.monotonic()
         pb.ring("dispatch", 3)
@@ -384,7 +388,7 @@ def test_imm_names_source_and_epoch():
         exc = ei.value
         assert (exc.rank, exc.peer, exc.phase, exc.epoch) == (1, 0, "dispatch", 3), str(exc)
         assert "no immediate from peer 0" in str(exc) and "1 of 1 peers missing: 0" in str(exc), str(exc)
-        assert pb.error_record() == (native.PROXY_TIMEOUT, 0, native.PHASE_D1, 3)
+        assert pb.error_record() == (protocol.PROXY_TIMEOUT, 0, protocol.PHASE_D1, 3)
         pb.close()
     finally:
         a.close()
@@ -403,7 +407,7 @@ def test_rows_before_their_header(spin_us):
         pb = Proxy(b, node_size=1, num_local_experts=1, row_bytes=RB, comb_row_bytes=CRB, private_capacity=1,
                    overflow_capacity=2, max_send_rows=4, timeout_s=2.0, spin_us=spin_us)
         regs = {n: np.zeros(max(int(nb), 16), np.uint8) for n, nb in pb.region_bytes.items()}
-        keys = dict(zip(native.REGION_NAMES, (a.register(regs[n]) for n in native.REGION_NAMES)))
+        keys = dict(zip(protocol.REGION_NAMES, (a.register(regs[n]) for n in protocol.REGION_NAMES)))
         a.connect([a.endpoint, b.endpoint], 10)
         b.connect([a.endpoint, b.endpoint], 10)
         pb.start()
@@ -412,17 +416,17 @@ def test_rows_before_their_header(spin_us):
         pb.ring("dispatch", 1)
         # round-1 rows first, into rank 0's slot of copy 1
         a.post_write(1, keys["disp_send"], 0, keys["round1"], (1 * 2 + 0) * pb.slot_bytes, RB,
-                     imm=make_imm(native.PHASE_D1, 1, src=0))
+                     imm=make_imm(protocol.PHASE_D1, 1, src=0))
         time.sleep(0.3)  # the proxy has taken everything else and sleeps until a header lands
         assert pb.mailbox[MAILBOX["hdr_ready"]] == 0 and pb.error_record()[0] == 0
         a.post_write(1, keys["hdr_send"], 0, keys["hdr_recv"], (1 * 2 + 0) * pb.hdr_bytes, pb.hdr_bytes,
-                     imm=make_imm(native.PHASE_D0, 1, src=0))
+                     imm=make_imm(protocol.PHASE_D0, 1, src=0))
         t0 = time.monotonic()
         pb.wait_ready("dispatch", 1, 5)
         assert time.monotonic() - t0 < 1.0  # not at the 2 s deadline
-        assert pb.mailbox[native.mailbox_word("ready1", 2, 0)] == 1
+        assert pb.mailbox[protocol.mailbox_word("ready1", 2, 0)] == 1
         assert bytes(pb.round1[(1 * 2 + 0) * pb.slot_bytes:][:RB]) == bytes([7]) * RB
-        assert b.imm.value(make_imm(native.PHASE_D1, 1, src=0)) == 0  # taken once
+        assert b.imm.value(make_imm(protocol.PHASE_D1, 1, src=0)) == 0  # taken once
         pb.close()
     finally:
         a.close()
@@ -430,12 +434,12 @@ def test_rows_before_their_header(spin_us):
 
 
 def test_world_beyond_the_immediate_is_refused():
-    n = native.IMM_MAX_RANKS + 1
+    n = protocol.IMM_MAX_RANKS + 1
     e = TcpTransport(0, n, streams=1)
     try:
         with pytest.raises(NativeError, match=f"world_size {n} exceeds {n - 1}, the most ranks the 13 source bits"):
             Proxy(e, node_size=1, num_local_experts=1, row_bytes=RB, comb_row_bytes=CRB, private_capacity=0,
-                  overflow_capacity=0, max_send_rows=0, regions={k: np.zeros(16, np.uint8) for k in native.REGION_NAMES})
+                  overflow_capacity=0, max_send_rows=0, regions={k: np.zeros(16, np.uint8) for k in protocol.REGION_NAMES})
     finally:
         e.close()
 
@@ -483,7 +487,7 @@ def test_config_errors_and_combine_misuse():
         pa.ring("combine", 1)
         with pytest.raises(NativeError, match="combine doorbell for epoch 1 but the last dispatch was epoch 2"):
             pa.wait_ready("combine", 1, 5)
-        assert pa.error_record()[0] == native.PROXY_INVALID
+        assert pa.error_record()[0] == protocol.PROXY_INVALID
         # pb now waits for an immediate pa will never send: a timeout within the deadline
         pb.ring("combine", 2)
         t0 = time.monotonic()
@@ -559,7 +563,7 @@ def test_no_overflow_region_refuses_overflow_every_rank(R, node_size):
         assert log[:2] == [("ok", 1), ("ok", 2)], log
         kind, e, name, msg, dt, rec = log[2]
         assert (kind, e, name) == ("error", 3, "CapacityError"), log
-        assert rec == (native.PROXY_CAPACITY, 1, native.PHASE_D2, 3), rec
+        assert rec == (protocol.PROXY_CAPACITY, 1, protocol.PHASE_D2, 3), rec
         assert "overflow_capacity is 0" in msg and len(log) == 4
 
 
@@ -582,8 +586,8 @@ def test_receiver_lost_in_a_later_window(how):
         kind, e, name, msg, dt, rec = log[1]
         want = "PeerLostError" if how == "kill" else "CommTimeoutError"
         assert (kind, e, name) == ("error", 2, want), log
-        code = native.PROXY_PEER_LOST if how == "kill" else native.PROXY_TIMEOUT
-        assert rec == (code, 1, native.PHASE_D2, 2), (rec, msg)
+        code = protocol.PROXY_PEER_LOST if how == "kill" else protocol.PROXY_TIMEOUT
+        assert rec == (code, 1, protocol.PHASE_D2, 2), (rec, msg)
         assert "peer 1" in msg and "dispatch round 2" in msg, msg
         if how == "silent":
             assert "credit for an overflow window" in msg, msg
@@ -605,8 +609,8 @@ def test_rank_killed_mid_dispatch(when):
         # round-2 writes all landed before it died), within the deadline: no hang
         assert (kind, e) == ("error", 2) and name in ("PeerLostError", "CommTimeoutError"), log
         assert dt < timeout_s + 1, log
-        assert rec[0] in (native.PROXY_PEER_LOST, native.PROXY_TIMEOUT) and rec[3] == 2, rec
-        if rec[0] == native.PROXY_PEER_LOST:
+        assert rec[0] in (protocol.PROXY_PEER_LOST, protocol.PROXY_TIMEOUT) and rec[3] == 2, rec
+        if rec[0] == protocol.PROXY_PEER_LOST:
             assert rec[1] == 3 and "peer 3" in msg, (rec, msg)
     assert time.monotonic() - t0 < 30
 
@@ -621,7 +625,7 @@ def test_silent_rank_named(phase, silent):
     R, timeout_s = 4, 2.0
     plan = {"silent": silent, "epoch": 2, "phase": phase, "big_epoch": 2, "big_dst": 3}
     out = _run(R, 1, 1, epochs=3, seed=11, plan=plan, timeout_s=timeout_s, wall_s=40)
-    want_phase = native.PHASE_D1 if phase == "dispatch" else native.PHASE_C
+    want_phase = protocol.PHASE_D1 if phase == "dispatch" else protocol.PHASE_C
     for r in range(R):
         if r in silent:
             assert out[r][:2] == [("ok", 1), ("silent", 2)], out[r]
@@ -629,7 +633,7 @@ def test_silent_rank_named(phase, silent):
         assert out[r][0] == ("ok", 1), out[r]
         kind, e, name, msg, dt, rec = out[r][1]
         assert (kind, e, name) == ("error", 2, "CommTimeoutError"), out[r]
-        assert rec == (native.PROXY_TIMEOUT, silent[0], want_phase, 2), (rec, msg)
+        assert rec == (protocol.PROXY_TIMEOUT, silent[0], want_phase, 2), (rec, msg)
         assert f"rank {r}: peer {silent[0]} did not signal {'dispatch' if phase == 'dispatch' else 'combine'}" in msg
         missing = ", ".join(map(str, silent))
         if phase == "dispatch":

@@ -91,7 +91,7 @@ def _over_worker(rank, world_size, node_size, layout="packed"):
     * 8 = 32 rows (alignment 1) against a cap of 20; rows, 2 * 8 = 16 (one per token) against a
     cap of 10; rank 0 needs none."""
     import moe_ep
-    from moe_ep.proxy.native import PeerLostError
+    from moe_ep.native.library import PeerLostError
 
     group = moe_ep.EPGroup(node_size=node_size)
     dev = group.device

@@ -9,26 +9,27 @@ import numpy as np
 import pytest
 import torch
 
-import moe_ep.proxy.native as N
+import native_hooks as hooks
+from moe_ep.native import library, probes, transports
 from moe_ep.internode.path import row_region_memory
 from moe_ep.internode.spec import ROW_REGIONS
 
 
 @pytest.fixture
 def as_device():
-    N.set_test_memory_type("device")
+    hooks.set_memory_type("device")
     yield
-    N.set_test_memory_type(None)
+    hooks.set_memory_type(None)
 
 
 def test_tcp_refuses_gpu_memory(as_device):
-    e = N.TcpTransport(0, 2, streams=1)
+    e = transports.TcpTransport(0, 2, streams=1)
     try:
         ok, why = e.try_register(np.zeros(64, np.uint8))
         assert not ok and why == "the tcp transport moves bytes with the CPU, which cannot reach GPU memory", why
-        with pytest.raises(N.NativeError, match="rank 0: register: the tcp transport moves bytes with the CPU"):
+        with pytest.raises(library.NativeError, match="rank 0: register: the tcp transport moves bytes with the CPU"):
             e.register(np.zeros(64, np.uint8))
-        N.set_test_memory_type("host")
+        hooks.set_memory_type("host")
         assert e.try_register(np.zeros(64, np.uint8)) == (True, "host")
         assert e.register(np.zeros(64, np.uint8)) == 1  # the refused one took no key, nor did the tries
     finally:
@@ -36,19 +37,19 @@ def test_tcp_refuses_gpu_memory(as_device):
 
 
 def test_libfabric_gpu_memory_needs_hmem():
-    ok, why = N.fabric_probe("tcp;ofi_rxm")
+    ok, why = probes.fabric_probe("tcp;ofi_rxm")
     if not ok:
         pytest.skip(f"libfabric tcp;ofi_rxm: {why}")
-    e = N.FabricTransport(0, 2, provider="tcp;ofi_rxm", domain="lo")  # (its own buffers: host memory)
+    e = transports.FabricTransport(0, 2, provider="tcp;ofi_rxm", domain="lo")  # (its own buffers: host memory)
     try:
-        N.set_test_memory_type("device")
+        hooks.set_memory_type("device")
         ok, why = e.try_register(np.zeros(4096, np.uint8))
         assert not ok and "registering GPU memory needs FI_HMEM, which tcp;ofi_rxm does not offer" in why, why
-        N.set_test_memory_type("host")
+        hooks.set_memory_type("host")
         assert e.try_register(np.zeros(4096, np.uint8)) == (True, "host")
         assert e.register(np.zeros(4096, np.uint8)) == 1
     finally:
-        N.set_test_memory_type(None)
+        hooks.set_memory_type(None)
         e.close()
 
 
@@ -70,7 +71,7 @@ def test_row_regions_take_gpu_memory_where_the_engine_can():
     assert (kind, how) == ("gpu", "dma-buf/dma-buf") and list(rows) == list(ROW_REGIONS)
     assert all(rows[n].numel() == sizes[n] and rows[n].dtype == torch.uint8 for n in ROW_REGIONS)
     assert eng.tried == [rows["round1"]]
-    with pytest.raises(N.NativeError, match="rank 3: proxy_memory='gpu', but the verbs engine cannot register GPU "
+    with pytest.raises(library.NativeError, match="rank 3: proxy_memory='gpu', but the verbs engine cannot register GPU "
                                             "memory here: no dma-buf, no nvidia-peermem"):
         row_region_memory(_Engine((False, "no dma-buf, no nvidia-peermem")), sizes, torch.device("cpu"), "gpu")
 
@@ -82,7 +83,7 @@ def test_row_regions_fall_back_to_pinned_host_gpu():
     dev = torch.device("cuda", torch.cuda.current_device())
     rows, kind, why = row_region_memory(_Engine((False, "tcp cannot")), sizes, dev, "auto")
     assert (kind, why) == ("host", "tcp cannot") and all(r.is_pinned() and r.device.type == "cpu" for r in rows.values())
-    eng = N.TcpTransport(0, 2, streams=1)
+    eng = transports.TcpTransport(0, 2, streams=1)
     try:  # a real engine and real GPU memory: tcp says no, without the test hook
         ok, why = eng.try_register(torch.zeros(4096, dtype=torch.uint8, device=dev))
         assert not ok and "cannot reach GPU memory" in why

@@ -137,14 +137,15 @@ def test_send_buffer_headers_and_trailers(R, node_size, cap):
 
 
 def test_sizes_match_the_proxy():
-    native = pytest.importorskip("moe_ep.proxy.native")
+    from moe_ep.native import protocol, proxy
+
     for fp8, h, k in ((False, 128, 3), (True, 7168, 8), (True, 2064, 1)):
         sp = RemoteSpec(rank=1, world=4, node_size=2, num_experts=16, topk=k, hidden=h, max_tokens=32, fp8=fp8,
                         private_capacity=5, overflow_capacity=40)
         assert sp.row_bytes % 16 == 0 and sp.row_bytes >= sp.payload_bytes + 4 * (1 + 3 * k)
-        assert sp.hdr_bytes == native.hdr_bytes(4, 4)
-        cfg = native.ProxyConfig(1, 4, 2, 4, sp.row_bytes, sp.comb_row_bytes, 5, 40, sp.max_send_rows, 1, 0, 0)
-        need = (native.ctypes.c_uint64 * len(REGIONS))()
-        native.lib().moe_ep_proxy_region_bytes(native.ctypes.byref(cfg), need)
-        assert list(need) == [sp.region_bytes()[n] for n in REGIONS]
+        assert sp.hdr_bytes == protocol.hdr_bytes(4, 4)
+        need = proxy.proxy_region_bytes(4, node_size=2, num_local_experts=4, row_bytes=sp.row_bytes,
+                                        comb_row_bytes=sp.comb_row_bytes, private_capacity=5, overflow_capacity=40,
+                                        max_send_rows=sp.max_send_rows)
+        assert [need[n] for n in REGIONS] == [sp.region_bytes()[n] for n in REGIONS]
     assert RemoteSpec(0, 2, 1, 2, 8, 7168, 128, True, 4, 8).row_bytes == 7504  # 7168 + 4*56 + 4*25, aligned

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from test_verbs_transport import ROOT, light_import
+from native_hooks import ROOT, light_import
 
 settings = light_import("core.settings")
 tuning = light_import("core.tuning")
@@ -20,6 +20,7 @@ CSRC = os.path.join(ROOT, "csrc", "proxy")
 NAME = re.compile(r"\bMOE_EP_[A-Z0-9_]*[A-Z0-9]\b")
 # Names of the MOE_EP_ form that are not environment variables.
 NOT_VARIABLES = {"MOE_EP_BUILD_FLAGS", "MOE_EP_COMPILER", "MOE_EP_STR", "MOE_EP_STR2",  # C macros (capi.cc, -D)
+                 "MOE_EP_TEST_HOOKS",  # a C macro: the tests' build of the library (tests/native_hooks.py)
                  "MOE_EP_NAME"}  # a placeholder in moe_ep.bench.variants' --point help
 READERS = {"core/settings.py", "core/tuning.py"}  # the modules that read MOE_EP_* variables
 # Reads left outside them, as (file under moe_ep/, variable): none.

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from engine_cases import CLEAN_GOODBYE, connect_all as _connect_all, goodbye_names_the_cause
-from test_verbs_transport import _dev, light_import, rdma_test
+from test_verbs_transport import _dev, errors, rdma_test, transports
 
 DEADLINE_S = 900.0  # the whole run; under emulation each rank's `import torch` alone takes ~50 s
 TIMEOUT_S = 300.0   # the buffers' deadline: an emulated rank can lag its peer by a minute (first launches)
@@ -150,17 +150,16 @@ def test_verbs_goodbye(nics):
     (RC has no keepalive: without it they would learn nothing until they wrote to it), hearing the
     cause. Then rank 2 closes cleanly: rank 0 only remembers that, and its next write to rank 2
     fails as any write to a vanished peer does, the loss naming the clean goodbye."""
-    N = light_import()
-    es = [N.VerbsTransport(r, 3, device=",".join([_dev()] * nics)) for r in range(3)]
+    es = [transports.VerbsTransport(r, 3, device=",".join([_dev()] * nics)) for r in range(3)]
     mem = [np.zeros(4096, np.uint8) for _ in es]
     try:
         keys = [e.register(m) for e, m in zip(es, mem)]
         _connect_all(es)
-        goodbye_names_the_cause(N, es, "verbs device")
+        goodbye_names_the_cause(errors.CommTimeoutError, es, "verbs device")
         es[0].post_write(2, keys[0], 0, keys[2], 0, 64, imm=7)
         (c,) = es[0].wait_completions(1, 60, check=False)
         msg = es[0].peer_error(2)
-        assert c.status == N.CQ_PEER_LOST and "failed: " in msg, msg
+        assert c.status == transports.CQ_PEER_LOST and "failed: " in msg, msg
         assert msg.endswith(CLEAN_GOODBYE), msg
     finally:
         for e in es:

@@ -9,7 +9,6 @@ runs without rdma-core, and that asking for verbs where it cannot work says what
 """
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import subprocess
@@ -18,12 +17,13 @@ import sysconfig
 import textwrap
 import threading
 import time
-import types
 
 import numpy as np
 import pytest
 
+import native_hooks as hooks
 from engine_cases import assert_compiles, catch, connect_all as _connect_all, proxy_two_nodes, registered_pair
+from native_hooks import light_import
 from stand_in_cuda import fake_cuda_lib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -32,23 +32,13 @@ SRC = os.path.join(ROOT, "csrc", "proxy")
 LAUNCH_SRC = os.path.join(ROOT, "csrc", "launch")  # the kernel launcher, in the same library
 
 
-def light_import(module: str = "proxy.native"):
-    """``moe_ep.<module>``; without importing ``moe_ep`` when it is not imported yet (the package
-    is then loaded under a private name, its ``__init__`` files skipped, so no torch)."""
-    if "moe_ep" in sys.modules:
-        return importlib.import_module("moe_ep." + module)
-    light = "_moe_ep_light"
-    for name, path in ((light, os.path.join(ROOT, "moe_ep")), (light + ".proxy", os.path.join(ROOT, "moe_ep", "proxy")),
-                       (light + ".internode", os.path.join(ROOT, "moe_ep", "internode"))):
-        if name not in sys.modules:
-            m = types.ModuleType(name)
-            m.__path__ = [path]
-            sys.modules[name] = m
-    return importlib.import_module(light + "." + module)
-
-
-N = light_import()
-AVAILABLE, WHY = N.verbs_probe()
+errors = light_import("core.errors")
+identity = light_import("native.identity")
+library = light_import("native.library")
+probes = light_import("native.probes")
+proxy = light_import("native.proxy")
+transports = light_import("native.transports")
+AVAILABLE, WHY = probes.verbs_probe()
 
 
 # MOE_EP_REQUIRE_RDMA=1 (CI's VM run): no skipping; without a device the tests fail, saying why.
@@ -80,7 +70,7 @@ def _send(eng, peer, src_key, dst_key, plan, timeout_s=60.0):
     wrs = [eng.post_write(peer, src_key, o, dst_key, o, s, imm=i) for o, s, i in plan]
     comps = eng.wait_completions(len(wrs), timeout_s)
     assert sorted(c.wr_id for c in comps) == sorted(wrs)
-    assert all(c.status == N.CQ_OK and c.peer == peer for c in comps)
+    assert all(c.status == transports.CQ_OK and c.peer == peer for c in comps)
 
 
 def _check_received(eng, dst, plan, payload, timeout_s=60.0):
@@ -117,12 +107,14 @@ def _exchange(a, b, bufs, plans, timeout_s=60.0):
 
 
 def _pair(connect=True, **kw):
-    return registered_pair(N.VerbsTransport(0, 2, **kw), N.VerbsTransport(1, 2, **kw), REGION, connect)
+    return registered_pair(transports.VerbsTransport(0, 2, **kw), transports.VerbsTransport(1, 2, **kw), REGION, connect)
 
 
 def _run_py(code: str, **env) -> subprocess.CompletedProcess:
-    """Runs code in a fresh interpreter (its own libibverbs state) with the native module as N."""
-    pre = f"import sys; sys.path.insert(0, {HERE!r}); from test_verbs_transport import N\n"
+    """Runs code in a fresh interpreter (its own libibverbs state) with the native modules (and the
+    test hooks) by name."""
+    pre = (f"import sys; sys.path.insert(0, {HERE!r})\n"
+           "from test_verbs_transport import errors, hooks, identity, library, probes, proxy, transports\n")
     return subprocess.run([sys.executable, "-c", pre + textwrap.dedent(code)], capture_output=True, text=True,
                           timeout=300, env={**os.environ, **env}, cwd=ROOT)
 
@@ -142,15 +134,15 @@ def test_library_does_not_need_rdma_core():
     deps = subprocess.run([os.environ.get("CXX", "c++"), "-std=c++17", py, "-M", *srcs], capture_output=True, text=True)
     assert deps.returncode == 0, deps.stderr
     assert "infiniband/" not in deps.stdout and "/rdma/" not in deps.stdout  # rdma-core's header directories
-    lib_path = N.lib()._name
+    lib_path = library.path()
     needed = subprocess.run(["readelf", "-d", lib_path], capture_output=True, text=True).stdout
     assert "NEEDED" in needed and "ibverbs" not in needed and "efa" not in needed and "cuda" not in needed
     assert "libpython" not in needed  # launch.cc uses Python's stable ABI from the process that loads it
     r = _run_py("""
         import numpy as np
-        ok, why = N.verbs_probe()
+        ok, why = probes.verbs_probe()
         assert not ok and "libmissing-ibverbs.so.1" in why, why
-        a, b = N.TcpTransport(0, 2, streams=2), N.TcpTransport(1, 2, streams=2)
+        a, b = transports.TcpTransport(0, 2, streams=2), transports.TcpTransport(1, 2, streams=2)
         s, d = np.arange(256, dtype=np.uint8), np.zeros(256, np.uint8)
         ks, _ = a.register(s), a.register(np.zeros(1, np.uint8))
         b.register(np.zeros(1, np.uint8)); kd = b.register(d)
@@ -166,14 +158,14 @@ def test_verbs_unavailable_errors_name_what_is_missing():
     r = _run_py("""
         for kw in ({}, {"device": "mlx5_9"}):
             try:
-                N.VerbsTransport(0, 2, **kw)
-            except N.NativeError as e:
+                transports.VerbsTransport(0, 2, **kw)
+            except library.NativeError as e:
                 print("ERR", e)
             else:
                 raise SystemExit("no error")
         try:
-            N.Engine(1, 2, transport="verbs")
-        except N.NativeError as e:
+            transports.Engine(1, 2, transport="verbs")
+        except library.NativeError as e:
             print("ERR", e)
     """, MOE_EP_IBVERBS_LIB="libmissing-ibverbs.so.1")
     assert r.returncode == 0, r.stderr
@@ -189,8 +181,8 @@ def test_verbs_missing_device_names_it():
     without libibverbs, the missing library."""
     r = _run_py("""
         try:
-            N.VerbsTransport(0, 2)
-        except N.NativeError as e:
+            transports.VerbsTransport(0, 2)
+        except library.NativeError as e:
             print("ERR", e)
         else:
             print("created")
@@ -207,7 +199,7 @@ def test_select_transport():
     from moe_ep.internode.session import select_transport
 
     assert select_transport("tcp") == ("tcp", "MOE_EP_TRANSPORT=tcp")
-    efa_ok, efa_why = N.fabric_probe("efa")
+    efa_ok, efa_why = probes.fabric_probe("efa")
     kind, why = select_transport("auto")
     assert kind == ("efa" if efa_ok else "verbs" if AVAILABLE else "tcp") and why.startswith("auto: ")
     if not efa_ok and not AVAILABLE:
@@ -225,7 +217,7 @@ def test_select_transport():
 def test_auto_takes_verbs_where_efa_is_not_usable():
     """On a non-EFA verbs device (the Soft-RoCE VM): libfabric's efa provider is not usable, so
     auto takes verbs, and asking for efa (on the device's would-be efa domain too) names why."""
-    ok, efa_why = N.fabric_probe("efa")
+    ok, efa_why = probes.fabric_probe("efa")
     if ok:
         pytest.skip("libfabric's efa provider is usable here")
     assert AVAILABLE, WHY
@@ -235,8 +227,8 @@ def test_auto_takes_verbs_where_efa_is_not_usable():
                                            r"is usable: "):
         S.select_transport("efa")
     name = WHY.split()[1]  # "device rxe0 port 1 ..."
-    with pytest.raises(N.NativeError, match="rank 0: libfabric transport not available: "):
-        N.FabricTransport(0, 2, "efa", light_import("proxy.nic").efa_domain(name))
+    with pytest.raises(library.NativeError, match="rank 0: libfabric transport not available: "):
+        transports.FabricTransport(0, 2, "efa", light_import("native.nic").efa_domain(name))
 
 
 def _shards_ref(n: int, k: int, min_shard: int, align: int) -> list[int]:
@@ -251,20 +243,20 @@ def test_shard_bounds_arithmetic():
     """The verbs transport's byte shards (native shard_bounds) against the rule written out, and
     its properties: k contiguous shards covering the write, starts aligned, none but the last
     non-empty one short of the minimum, empty shards only at the end."""
-    assert N.shard_bounds(0, 3) == [0, 0, 0, 0]  # a 0-byte write: k empty shards
-    assert N.shard_bounds(100, 2) == [0, 100, 100]  # under the 16 KiB minimum: one shard, one empty
-    assert N.shard_bounds(1000, 2, 1) == [0, 512, 1000]  # halves, rounded up to 64 bytes
-    assert N.shard_bounds(100000, 3) == [0, 33344, 66688, 100000]
-    assert N.shard_bounds(65, 4, 1) == [0, 64, 65, 65, 65]
-    assert N.shard_bounds(10, 1, 1) == [0, 10]
-    assert N.shard_bounds(7, 2, 1, 1) == [0, 4, 7]  # no alignment
-    with pytest.raises(N.NativeError, match="k must be"):
-        N.shard_bounds(10, 0)
+    assert transports.shard_bounds(0, 3) == [0, 0, 0, 0]  # a 0-byte write: k empty shards
+    assert transports.shard_bounds(100, 2) == [0, 100, 100]  # under the 16 KiB minimum: one shard, one empty
+    assert transports.shard_bounds(1000, 2, 1) == [0, 512, 1000]  # halves, rounded up to 64 bytes
+    assert transports.shard_bounds(100000, 3) == [0, 33344, 66688, 100000]
+    assert transports.shard_bounds(65, 4, 1) == [0, 64, 65, 65, 65]
+    assert transports.shard_bounds(10, 1, 1) == [0, 10]
+    assert transports.shard_bounds(7, 2, 1, 1) == [0, 4, 7]  # no alignment
+    with pytest.raises(library.NativeError, match="k must be"):
+        transports.shard_bounds(10, 0)
     rng = np.random.default_rng(5)
     for _ in range(3000):
         n = int(rng.choice([0, 1, 63, 64, 65, 4096, 16384, 16385, 1 << 20, 3 << 30]) + rng.integers(0, 3) * rng.integers(0, 1000))
         k, ms, al = int(rng.integers(1, 9)), int(rng.choice([0, 1, 100, 4096, 16384])), int(rng.choice([0, 1, 8, 64, 4096]))
-        b = N.shard_bounds(n, k, ms, al)
+        b = transports.shard_bounds(n, k, ms, al)
         assert b == _shards_ref(n, k, ms, al), (n, k, ms, al)
         sizes = [y - x for x, y in zip(b, b[1:])]
         assert b[0] == 0 and b[-1] == n and all(x >= 0 for x in sizes) and len(sizes) == k
@@ -290,12 +282,12 @@ def test_gpu_memory_selection_with_a_stand_in_driver(tmp_path):
         p = buf.ctypes.data
         os.environ["FAKE_CUDA_DEVICE"] = "%d:%d" % (p, buf.nbytes)  # this buffer plays device memory
         def maps(): return open("/proc/self/maps").read()
-        assert N.memory_type(p) == "host" and "libfakecuda" not in maps()  # not loaded to ask
+        assert probes.memory_type(p) == "host" and "libfakecuda" not in maps()  # not loaded to ask
         ctypes.CDLL({lib_path!r})  # the process "uses CUDA" now
-        assert N.memory_type(p) == "device" and N.memory_type(p + buf.nbytes) == "host"
-        assert N.memory_type(p - 1) == "host"
+        assert probes.memory_type(p) == "device" and probes.memory_type(p + buf.nbytes) == "host"
+        assert probes.memory_type(p - 1) == "host"
         ptr, n = p + mmap.PAGESIZE + 100, 2 * mmap.PAGESIZE
-        fd, off = N.cuda_dmabuf_fd(ptr, n)
+        fd, off = probes.cuda_dmabuf_fd(ptr, n)
         os.close(fd)
         PG = mmap.PAGESIZE
         base, end = ptr // PG * PG, (ptr + n + PG - 1) // PG * PG
@@ -304,18 +296,18 @@ def test_gpu_memory_selection_with_a_stand_in_driver(tmp_path):
         assert got == [str(base), str(end - base), "1", "0"], got  # the page-aligned range, DMA_BUF_FD, flags 0
         os.environ["FAKE_CUDA_DMABUF_FAIL"] = "1"
         try:
-            N.cuda_dmabuf_fd(ptr, n)
-        except N.NativeError as e:
+            probes.cuda_dmabuf_fd(ptr, n)
+        except library.NativeError as e:
             print("ERR1", e)
-        N.set_test_memory_type("host")
-        assert N.memory_type(p) == "host"
-        N.set_test_memory_type(None)
-        assert N.memory_type(p) == "device"
+        hooks.set_memory_type("host")
+        assert probes.memory_type(p) == "host"
+        hooks.set_memory_type(None)
+        assert probes.memory_type(p) == "device"
         os.environ["MOE_EP_CUDA_LIB"] = "libmissing-cuda.so.1"
-        assert N.memory_type(p) == "host"  # that driver is not loaded: host
+        assert probes.memory_type(p) == "host"  # that driver is not loaded: host
         try:
-            N.cuda_dmabuf_fd(ptr, n)
-        except N.NativeError as e:
+            probes.cuda_dmabuf_fd(ptr, n)
+        except library.NativeError as e:
             print("ERR2", e)
     """, MOE_EP_CUDA_LIB=lib_path, FAKE_CUDA_LOG=str(log))
     assert r.returncode == 0, r.stdout + r.stderr
@@ -422,11 +414,11 @@ def test_verbs_bad_remote_range_and_local_errors():
         a.post_write(1, src_key, 0, 99, 0, 100, imm=43)  # key the peer never advertised
         a.post_write(1, src_key, 0, dst_key, REGION - 10, 100, imm=43)  # past the peer's region
         comps = a.wait_completions(2, 30, check=False)
-        assert [c.status for c in comps] == [N.CQ_REMOTE_ACCESS] * 2
+        assert [c.status for c in comps] == [transports.CQ_REMOTE_ACCESS] * 2
         assert b.imm.value(43) == 0 and a.peer_error(1) == ""
-        with pytest.raises(N.NativeError, match="rank 0.*peer 1.*local key"):
+        with pytest.raises(library.NativeError, match="rank 0.*peer 1.*local key"):
             a.post_write(1, 77, 0, dst_key, 0, 10)
-        with pytest.raises(N.NativeError, match="bad peer"):
+        with pytest.raises(library.NativeError, match="bad peer"):
             a.post_write(0, src_key, 0, dst_key, 0, 10)
         bufs[0][0][:4096] = 7
         _send(a, 1, src_key, dst_key, [(0, 4096, 44)])  # the queue pair is still healthy
@@ -447,22 +439,22 @@ def test_verbs_destroyed_peer_qp_errors_within_deadline(how):
         errs: list = []
         w = threading.Thread(target=lambda: catch(lambda: a.imm.wait(6, 1, 60), errs))
         w.start()
-        getattr(b, how)(*((0,) if how == "destroy_qp" else ()))
+        hooks.destroy_qp(b, 0) if how == "destroy_qp" else b.close()
         t0 = time.monotonic()
         a.post_write(1, bufs[0][2], 0, bufs[1][3], 0, 1000, imm=6)
         (c,) = a.wait_completions(1, 60, check=False)
         dt = time.monotonic() - t0
-        assert c.status == N.CQ_PEER_LOST and c.peer == 1
+        assert c.status == transports.CQ_PEER_LOST and c.peer == 1
         msg = a.peer_error(1)
         dev = WHY.split()[1]
         assert msg.startswith("rank 0: connection with peer 1 lost") and f"device {dev}" in msg, msg
         assert "failed: " in msg and "wc status" in msg, msg  # the verbs status string and number
         w.join(30)
-        assert len(errs) == 1 and isinstance(errs[0], N.PeerLostError) and errs[0].peer == 1
+        assert len(errs) == 1 and isinstance(errs[0], library.PeerLostError) and errs[0].peer == 1
         assert dt < 30, dt
         a.post_write(1, bufs[0][2], 0, bufs[1][3], 0, 10)  # later writes fail at once
         (c,) = a.wait_completions(1, 5, check=False)
-        assert c.status == N.CQ_PEER_LOST
+        assert c.status == transports.CQ_PEER_LOST
     finally:
         a.close()
         b.close()
@@ -477,9 +469,9 @@ def test_verbs_silent_dead_peer_lost_by_keepalive():
     try:
         _send(b, 0, bufs[1][2], bufs[0][3], [(0, 100, 5)])
         a.imm.wait(5, 1, 30)
-        b.destroy_qp(0)  # no goodbye, no write from a after this
+        hooks.destroy_qp(b, 0)  # no goodbye, no write from a after this
         t0 = time.monotonic()
-        with pytest.raises(N.PeerLostError) as ei:
+        with pytest.raises(library.PeerLostError) as ei:
             a.imm.wait(6, 1, 120)
         dt = time.monotonic() - t0
         assert ei.value.peer == 1 and dt < 30, (dt, str(ei.value))
@@ -494,7 +486,7 @@ def test_verbs_peer_never_connects():
     a, b, _ = _pair(connect=False)
     try:
         t0 = time.monotonic()
-        with pytest.raises(N.CommTimeoutError) as ei:
+        with pytest.raises(errors.CommTimeoutError) as ei:
             a.connect([a.endpoint, b.endpoint], timeout_s=2.0)  # b never calls connect
         assert ei.value.peer == 1 and ei.value.phase == "connect"
         assert time.monotonic() - t0 < 15
@@ -520,16 +512,16 @@ def test_verbs_late_peer_and_cut():
         _send(b, 0, bufs[1][2], bufs[0][3], [(0, 100, 8)])
         a.imm.wait(8, 1, 30)
         assert (bufs[0][1][:100] == 3).all()
-        a.set_fault(cut_peer=1, cut_after=2)
+        hooks.set_fault(a, cut_peer=1, cut_after=2)
         _send(a, 1, bufs[0][2], bufs[1][3], [(0, 10, 9), (10, 10, 9)])
         b.imm.wait(9, 2, 30)
         a.post_write(1, bufs[0][2], 0, bufs[1][3], 0, 10, imm=9)
-        with pytest.raises(N.PeerLostError, match="rank 0: connection with peer 1 lost.*cut by fault injection"):
+        with pytest.raises(library.PeerLostError, match="rank 0: connection with peer 1 lost.*cut by fault injection"):
             a.wait_completions(1, 30)
         # the peer finds out at its next write (RC has no keepalive)
         b.post_write(0, bufs[1][2], 0, bufs[0][3], 0, 10, imm=10)
         (c,) = b.wait_completions(1, 60, check=False)
-        assert c.status == N.CQ_PEER_LOST and "rank 1: connection with peer 0 lost" in b.peer_error(0)
+        assert c.status == transports.CQ_PEER_LOST and "rank 1: connection with peer 0 lost" in b.peer_error(0)
     finally:
         a.close()
         b.close()
@@ -540,8 +532,8 @@ def test_verbs_hello_of_another_job_refused():
     """Engines of two jobs (different secrets) on one device: each refuses the other's hello, with
     one line naming the queue pair and what was wrong (never the secret), so neither connects:
     both time out, naming the refusal."""
-    ids = [N.JobIdentity(bytes([7]) * 16, 42), N.JobIdentity(bytes([8]) * 16, 42)]
-    a, b = N.VerbsTransport(0, 2, identity=ids[0]), N.VerbsTransport(1, 2, identity=ids[1])
+    ids = [identity.JobIdentity(bytes([7]) * 16, 42), identity.JobIdentity(bytes([8]) * 16, 42)]
+    a, b = transports.VerbsTransport(0, 2, identity=ids[0]), transports.VerbsTransport(1, 2, identity=ids[1])
     try:
         for e in (a, b):
             e.register(np.zeros(4096, np.uint8))
@@ -551,7 +543,7 @@ def test_verbs_hello_of_another_job_refused():
             t.start()
         for t in ts:
             t.join(30)
-        assert len(errs) == 2 and all(isinstance(x, N.CommTimeoutError) for x in errs), errs
+        assert len(errs) == 2 and all(isinstance(x, errors.CommTimeoutError) for x in errs), errs
         for x in errs:
             assert "the peer's hello: refused: the job secret does not match" in str(x), x
         for e, other in ((a, 1), (b, 0)):
@@ -604,7 +596,7 @@ def test_verbs_nic_count_mismatch_refused():
     """Ranks that open different numbers of NICs are refused at connect, on both sides, naming
     both counts (a receiver would wait for the wrong number of shards)."""
     dev = _dev()
-    a, b = N.VerbsTransport(0, 2, device=f"{dev},{dev}"), N.VerbsTransport(1, 2, device=dev)
+    a, b = transports.VerbsTransport(0, 2, device=f"{dev},{dev}"), transports.VerbsTransport(1, 2, device=dev)
     try:
         eps = [a.endpoint, b.endpoint]
         errs: dict = {}
@@ -612,7 +604,7 @@ def test_verbs_nic_count_mismatch_refused():
         def run(e):
             try:
                 e.connect(eps, 10)
-            except N.NativeError as ex:
+            except library.NativeError as ex:
                 errs[e.rank] = str(ex)
 
         ts = [threading.Thread(target=run, args=(e,)) for e in (a, b)]
@@ -633,22 +625,22 @@ def test_verbs_nic_lists_and_counts(monkeypatch):
     """NIC lists and counts: the probe of a list, MOE_EP_IB_DEVICE with a device three times,
     and the errors of a count the list or the machine cannot give, or a name not there."""
     dev = _dev()
-    ok, what = N.verbs_probe(f"{dev},{dev}:1")
+    ok, what = probes.verbs_probe(f"{dev},{dev}:1")
     assert ok and what.startswith(f"2 NICs: device {dev} port 1") and what.count("GID index") == 2, what
-    verbs_devs = [d.name for d in light_import("proxy.nic").list_devices() if d.kind == "verbs"]
+    verbs_devs = [d.name for d in light_import("native.nic").list_devices() if d.kind == "verbs"]
     errs = []
     for kw in ({"nics": 2}, {"device": dev, "nics": 2}, {"device": f"{dev},nosuch9"}):
         try:
-            N.VerbsTransport(0, 2, **kw).close()
+            transports.VerbsTransport(0, 2, **kw).close()
             errs.append("")
-        except N.NativeError as ex:
+        except library.NativeError as ex:
             errs.append(str(ex))
     if len(verbs_devs) == 1:  # automatic choice: distinct devices only
         assert errs[0].startswith("rank 0: verbs: NIC 1 of 2:") and "list a device twice" in errs[0], errs
     assert "2 NICs asked for (MOE_EP_IB_NICS) but 1 listed" in errs[1], errs
     assert errs[2].startswith("rank 0: verbs: NIC 1 of 2: RDMA device 'nosuch9' not found"), errs
     monkeypatch.setenv("MOE_EP_IB_DEVICE", f"{dev},{dev},{dev}")
-    e = N.VerbsTransport(0, 2)
+    e = transports.VerbsTransport(0, 2)
     try:
         assert e.nics == 3 and e.endpoint.split(";")[3:5] == ["nics=3", f"dev={dev}/{dev}/{dev}"]
     finally:
@@ -666,7 +658,7 @@ def test_verbs_gpu_memory_registration(tmp_path, monkeypatch):
     import ctypes
 
     dev, lib_path, log = _dev(), fake_cuda_lib(tmp_path), tmp_path / "cuda.log"
-    a, b = N.VerbsTransport(0, 2, device=f"{dev},{dev}"), N.VerbsTransport(1, 2, device=f"{dev},{dev}")
+    a, b = transports.VerbsTransport(0, 2, device=f"{dev},{dev}"), transports.VerbsTransport(1, 2, device=f"{dev},{dev}")
     src, gpu = np.arange(1 << 16, dtype=np.int64).view(np.uint8)[: 1 << 16].copy(), np.zeros(1 << 16, np.uint8)
     monkeypatch.setenv("MOE_EP_CUDA_LIB", lib_path)
     monkeypatch.setenv("FAKE_CUDA_LOG", str(log))
@@ -688,8 +680,8 @@ def test_verbs_gpu_memory_registration(tmp_path, monkeypatch):
         b.imm.wait(0x6001, 2, 30)  # two NICs: two shards
         np.testing.assert_array_equal(gpu, src)
         monkeypatch.setenv("MOE_EP_CUDA_LIB", "libmissing-cuda.so.1")
-        N.set_test_memory_type("device")
-        with pytest.raises(N.NativeError) as ei:
+        hooks.set_memory_type("device")
+        with pytest.raises(library.NativeError) as ei:
             b.register_ptr(4096, 1 << 20)  # below mmap_min_addr: never mapped
         msg = str(ei.value)
         assert msg.startswith(f"rank 1: verbs device {dev} port 1 GID index") and "(NIC 0 of 2)" in msg, msg
@@ -697,7 +689,7 @@ def test_verbs_gpu_memory_registration(tmp_path, monkeypatch):
         assert "; ibv_reg_mr on the GPU address: " in msg and msg.endswith("(needs nvidia-peermem)"), msg
         assert b.region_how(b.register(np.zeros(4096, np.uint8))) == "gpu address/gpu address"
     finally:
-        N.set_test_memory_type(None)
+        hooks.set_memory_type(None)
         a.close()
         b.close()
 
@@ -728,8 +720,8 @@ def test_verbs_interop_with_pyverbs_peer():
 
     import proxy_wire as W
 
-    ident = N.JobIdentity(bytes(range(100, 116)), 77)
-    e = N.VerbsTransport(0, 2, identity=ident)
+    ident = identity.JobIdentity(bytes(range(100, 116)), 77)
+    e = transports.VerbsTransport(0, 2, identity=ident)
     src, dst = np.zeros(1 << 16, np.uint8), np.zeros(1 << 16, np.uint8)
     ks, kd = e.register(src), e.register(dst)
     mine = _ep_fields(e.endpoint)
@@ -833,12 +825,12 @@ def test_verbs_proxy_dispatch_combine_two_nodes(cap, nics, min_shard):
     every header and row checked where §10 puts it. With k NICs (the device opened k times)
     every write is k shards (with a 1-byte minimum, rows really split over the NICs; with the
     16 KiB default, one shard and k - 1 empty ones) and each phase waits for k per source."""
-    engines = [N.VerbsTransport(r, 2, device=",".join([_dev()] * nics)) for r in range(2)]
+    engines = [transports.VerbsTransport(r, 2, device=",".join([_dev()] * nics)) for r in range(2)]
     for e in engines:
         assert e.imm_per_write == nics
         if min_shard:
             e.set_min_shard_bytes(min_shard)
-    proxy_two_nodes(N, engines, cap)
+    proxy_two_nodes(proxy.Proxy, engines, cap)
 
 
 @rdma_test
@@ -846,15 +838,15 @@ def test_verbs_proxy_silent_peer_over_two_nics():
     """A peer that never rings its dispatch doorbell, over 2 NICs: the waiting proxy times out
     naming it and how many of its 2 shards landed (none)."""
     R = 2
-    engines = [N.VerbsTransport(r, R, device=f"{_dev()},{_dev()}") for r in range(R)]
-    pxs = [N.Proxy(e, node_size=1, num_local_experts=2, row_bytes=32, comb_row_bytes=16, private_capacity=2,
+    engines = [transports.VerbsTransport(r, R, device=f"{_dev()},{_dev()}") for r in range(R)]
+    pxs = [proxy.Proxy(e, node_size=1, num_local_experts=2, row_bytes=32, comb_row_bytes=16, private_capacity=2,
                    overflow_capacity=8, max_send_rows=8, timeout_s=2) for e in engines]
     try:
         _connect_all(engines)
         for px in pxs:
             px.start()
         pxs[0].ring("dispatch", 1)  # rank 1 stays silent
-        with pytest.raises(N.CommTimeoutError) as ei:
+        with pytest.raises(errors.CommTimeoutError) as ei:
             pxs[0].wait_ready("dispatch", 1, 30)
         msg = str(ei.value)
         assert ei.value.peer == 1 and "no immediate from peer 1 within 2 s" in msg, msg
@@ -869,7 +861,7 @@ def test_verbs_proxy_silent_peer_over_two_nics():
 # ---------------------------------------------------------------- two processes
 
 def _worker(rank: int) -> None:
-    e = N.VerbsTransport(rank, 2)
+    e = transports.VerbsTransport(rank, 2)
     src, dst = np.zeros(REGION, np.uint8), np.zeros(REGION, np.uint8)
     ks, kd = e.register(src), e.register(dst)
     print(e.endpoint, flush=True)

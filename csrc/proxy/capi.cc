@@ -1,10 +1,9 @@
-// C API for ctypes (moe_ep/proxy/native.py). Every function returns a code from imm_counter.h
+// C API for ctypes (the bindings in moe_ep/native/; the tests' hooks: csrc/testing/hooks.cc). Every function returns a code from imm_counter.h
 // (0 ok, 1 timeout, 2 peer lost, <0 invalid/system) unless noted; on failure the message, naming
 // rank, peer and what failed, is available from moe_ep_last_error() on the same thread.
 #include <cstring>
 #include <exception>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "cuda_mem.h"
@@ -16,18 +15,11 @@
 #include "transport_common.h"
 
 using moe_ep::Completion;
+using moe_ep::guarded;
 using moe_ep::ImmCounter;
 using moe_ep::Transport;
 
 namespace {
-template <class F>
-int guarded(F&& f) {
-  try {
-    return f();
-  } catch (const std::exception& e) {
-    return moe_ep::set_error(moe_ep::kErrSystem, std::string("native exception: ") + e.what());
-  }
-}
 // The job identity of a create call: `secret` 16 bytes (null: none, all zero) and the session epoch.
 moe_ep::JobIdentity identity(const uint8_t* secret, uint64_t session) {
   moe_ep::JobIdentity id;
@@ -48,11 +40,11 @@ int copy_str(const std::string& s, char* buf, size_t len) {
 #pragma GCC visibility push(default)
 extern "C" {
 
-int moe_ep_abi_version() { return 15; }  // 15: the goodbye's error kind (moe_ep_engine_goodbye's code, WireGoodbye.cause_code); 14: immediates with 3 phase bits (the credit phase), 13 source bits; mailbox words ov_ready / ov_done / comb_win_done / comb_win_bell (12 fixed words); 13: ProxyConfig.trace_level, PhaseRecord.posts / bells, moe_ep_sim_floor; 12: the null transport and peer simulator (null_transport.cc); 11: moe_ep_engine_try_register (GPU memory regions); 10: the efadv engine retired (EFA through libfabric); per-endpoint domains
+int moe_ep_abi_version() { return 16; }  // 16: the test hooks (moe_ep_set_fault, moe_ep_verbs_destroy_qp, moe_ep_test_memory_type, moe_ep_imm_stress) only in the tests' build (csrc/testing/hooks.cc); 15: the goodbye's error kind (moe_ep_engine_goodbye's code, WireGoodbye.cause_code); 14: immediates with 3 phase bits (the credit phase), 13 source bits; mailbox words ov_ready / ov_done / comb_win_done / comb_win_bell (12 fixed words); 13: ProxyConfig.trace_level, PhaseRecord.posts / bells, moe_ep_sim_floor; 12: the null transport and peer simulator (null_transport.cc); 11: moe_ep_engine_try_register (GPU memory regions); 10: the efadv engine retired (EFA through libfabric); per-endpoint domains
 
 // How this library was built, for bug reports (python -m moe_ep.doctor): the compiler, the C++
 // standard and the builder's flags, which setup.py and the in-tree build of
-// moe_ep/proxy/native.py pass as the string literal MOE_EP_BUILD_FLAGS. A static string.
+// moe_ep/native/library.py pass as the string literal MOE_EP_BUILD_FLAGS. A static string.
 #ifndef MOE_EP_BUILD_FLAGS
 #define MOE_EP_BUILD_FLAGS "unknown (built without MOE_EP_BUILD_FLAGS)"
 #endif
@@ -94,20 +86,6 @@ int moe_ep_imm_wait(void* c, uint32_t imm, int64_t expected, int64_t timeout_ns)
 }
 
 int64_t moe_ep_imm_value(void* c, uint32_t imm) { return static_cast<ImmCounter*>(c)->value(imm); }
-
-// Stress helper: `threads` native threads each add 1 to `imm`, `adds_per_thread` times.
-int moe_ep_imm_stress(void* c, uint32_t imm, int threads, int64_t adds_per_thread) {
-  return guarded([&] {
-    auto* ic = static_cast<ImmCounter*>(c);
-    std::vector<std::thread> ts;
-    for (int t = 0; t < threads; ++t)
-      ts.emplace_back([ic, imm, adds_per_thread] {
-        for (int64_t i = 0; i < adds_per_thread; ++i) ic->add(imm, 1);
-      });
-    for (auto& t : ts) t.join();
-    return 0;
-  });
-}
 
 // ---- Engine (a transport plus its ImmCounter) ----
 // Every create call takes the job identity every hello carries and checks (transport.h
@@ -233,12 +211,6 @@ int moe_ep_engine_try_register(void* e, void* ptr, uint64_t len, char* buf, size
 }
 
 // ---- GPU memory (cuda_mem.h) ----
-// Test hook: the memory type registration assumes: -1 asks the CUDA driver (default), 0 host, 1 device.
-int moe_ep_test_memory_type(int kind) {
-  moe_ep::set_memory_type_override(kind);
-  return 0;
-}
-
 // 1 when ptr is device memory (as registration decides it), else 0.
 int moe_ep_memory_type(const void* ptr) { return moe_ep::memory_type(ptr) == moe_ep::MemType::Device ? 1 : 0; }
 
@@ -250,11 +222,6 @@ int moe_ep_cuda_dmabuf_fd(const void* ptr, uint64_t len, int* fd, uint64_t* offs
     if (!moe_ep::cuda_dmabuf_fd(ptr, len, fd, offset, &why)) return moe_ep::set_error(moe_ep::kErrInvalid, why);
     return 0;
   });
-}
-
-// Test hook: destroys a verbs engine's queue pair to `peer`.
-int moe_ep_verbs_destroy_qp(void* e, int peer) {
-  return guarded([&] { return moe_ep::verbs_destroy_qp(static_cast<Transport*>(e), peer); });
 }
 
 void moe_ep_engine_destroy(void* e) { delete static_cast<Transport*>(e); }
@@ -310,19 +277,6 @@ int moe_ep_post_write(void* e, int peer, uint32_t local_key, uint64_t local_off,
 // Returns the number of completions (>= 0) written to out, or a negative code.
 int moe_ep_poll(void* e, Completion* out, int max, int64_t timeout_ns) {
   return guarded([&] { return static_cast<Transport*>(e)->poll(out, max, timeout_ns); });
-}
-
-// delay_us: random per-shard delay up to this many microseconds (0: off); reorder: 0/1;
-// cut_peer: -1 off, else cut every connection with that peer when write number cut_after+1 to
-// it is posted.
-int moe_ep_set_fault(void* e, int64_t delay_us, int reorder, int cut_peer, int64_t cut_after) {
-  moe_ep::FaultConfig f;
-  f.delay_us = delay_us;
-  f.reorder = reorder != 0;
-  f.cut_peer = cut_peer;
-  f.cut_after = cut_after;
-  static_cast<Transport*>(e)->set_fault(f);
-  return 0;
 }
 
 int moe_ep_set_op_timeout(void* e, int64_t timeout_ns) {

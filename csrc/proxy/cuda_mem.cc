@@ -93,7 +93,9 @@ std::string cu_error(const Cuda& c, CUresult rc) {
 
 }  // namespace
 
+#ifdef MOE_EP_TEST_HOOKS
 void set_memory_type_override(int kind) { g_override = kind; }
+#endif
 
 MemType memory_type(const void* ptr) {
   const int o = g_override.load();

@@ -14,11 +14,13 @@ enum class MemType { Host, Device };
 // Device when the CUDA driver says CU_MEMORYTYPE_DEVICE for ptr (cuPointerGetAttribute,
 // CU_POINTER_ATTRIBUTE_MEMORY_TYPE), else Host (also pinned host memory, and any pointer of a
 // process that has not loaded the CUDA driver: without it there is no device memory, so it is
-// not loaded just to ask). The test hook below overrides the answer.
+// not loaded just to ask). The tests' build can override the answer (below).
 MemType memory_type(const void* ptr);
 
-// Test hook (moe_ep_test_memory_type): -1 asks the driver (the default), 0 says host, 1 device.
+#ifdef MOE_EP_TEST_HOOKS
+// Test hook (csrc/testing/hooks.cc): -1 asks the driver (the default), 0 says host, 1 device.
 void set_memory_type_override(int kind);
+#endif
 
 // A dma-buf fd (cuMemGetHandleForAddressRange, CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD) for the
 // host-page-aligned range around [ptr, ptr + len): *fd (the caller closes it), *offset = ptr

@@ -22,7 +22,7 @@ namespace moe_ep {
 
 // ---- Mailbox: int64 words, single writer each, epoch valued, never reset. ----
 // The kernel side writes the bells; the proxy writes the ready words and the error record.
-// Mirrored in moe_ep/proxy/native.py (MAILBOX) and checked against moe_ep_proxy_mailbox_layout.
+// Mirrored in moe_ep/native/protocol.py (MAILBOX) and checked against moe_ep_proxy_mailbox_layout.
 // Twelve fixed words, then four arrays of one word per rank (mb_* below): 12 + 4R words in all.
 enum : int {
   kMbHdrBell = 0,       // kernel: every peer's header (HDR_p) of dispatch epoch e is in the send buffer -> e

@@ -25,6 +25,7 @@
 #pragma once
 
 #include <cstdint>
+#include <exception>
 #include <string>
 #include <vector>
 
@@ -164,8 +165,11 @@ Transport* create_verbs_transport(int rank, int world, const std::string& device
                                   int nics = 0, const JobIdentity& id = {});
 // True when a verbs engine could be created here; *what names the device, or why not.
 bool verbs_probe(std::string* what);
-// Test hook: destroys the queue pairs of a verbs engine to `peer` (the peer's writes then fail).
+#ifdef MOE_EP_TEST_HOOKS
+// Test hook (csrc/testing/hooks.cc): destroys the queue pairs of a verbs engine to `peer` (the
+// peer's writes then fail).
 int verbs_destroy_qp(Transport* t, int peer);
+#endif
 // How a verbs engine registered region `key` on each NIC: "host", "dma-buf" or "gpu address"
 // ('/'-joined per NIC; "" for a 0-byte region or another engine).
 std::string verbs_region_how(Transport* t, uint32_t key);
@@ -194,6 +198,16 @@ inline std::string& thread_error() {
 inline int set_error(int code, const std::string& msg) {
   thread_error() = msg;
   return code;
+}
+// What a C API function returns for `f()`: its code, or kErrSystem with the message of an
+// exception it threw (none crosses the C boundary).
+template <class F>
+int guarded(F&& f) {
+  try {
+    return f();
+  } catch (const std::exception& e) {
+    return set_error(kErrSystem, std::string("native exception: ") + e.what());
+  }
 }
 
 }  // namespace moe_ep

@@ -766,6 +766,7 @@ class VerbsTransport final : public Transport {
 
   bool peer_goodbye(int peer, Goodbye* out) override { return said_goodbye(peers_, peer, out); }
 
+#ifdef MOE_EP_TEST_HOOKS
   // Test hook: destroys the queue pairs to `peer` as a crashed process would (its peer then
   // sees its writes fail); this side marks the peer lost.
   int destroy_qp(int peer) {
@@ -779,6 +780,7 @@ class VerbsTransport final : public Transport {
     }
     return kOk;
   }
+#endif
 
  private:
   std::string prefix() const { return "rank " + std::to_string(rank_) + ": "; }
@@ -1260,11 +1262,13 @@ std::string verbs_region_how(Transport* t, uint32_t key) {
   return v ? v->region_how(key) : "";
 }
 
+#ifdef MOE_EP_TEST_HOOKS
 int verbs_destroy_qp(Transport* t, int peer) {
   auto* v = dynamic_cast<VerbsTransport*>(t);
   if (!v) return set_error(kErrInvalid, "destroy_qp: not a verbs engine");
   return v->destroy_qp(peer);
 }
+#endif
 
 bool verbs_probe(std::string* what) { return verbs_probe_device("", 0, what); }
 

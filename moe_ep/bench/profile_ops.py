@@ -76,7 +76,8 @@ def main(argv=None) -> None:
     import moe_ep
     from moe_ep.ops.combine import new_output
     from moe_ep.core.group import init_distributed
-    from moe_ep.kernels.launch import Launcher, NativePlan, _hot, launch, launch_path
+    from moe_ep.kernels.launch import Launcher, NativePlan, launch, launch_path
+    from moe_ep.native.launch import hot_library
 
     how = init_distributed()
     group = moe_ep.EPGroup()
@@ -185,7 +186,7 @@ def main(argv=None) -> None:
         if isinstance(plan, NativePlan):
             b, s, p0 = plan.bind((a, 3), [0]), la.stream(), a.data_ptr()
             e3 = _host_us(lambda: b.launch(s, (p0,)), 1000)
-            nop = _hot().moe_ep_abi_version
+            nop = hot_library().moe_ep_abi_version
             e4 = _host_us(nop, 1000)
             e5 = _host_us(lambda: a.add_(1), 1000)
             lines.append(f"one native launch (bound plan) {e3:.1f} us; a no-op ctypes call {e4:.2f} us; "

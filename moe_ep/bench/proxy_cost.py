@@ -76,7 +76,7 @@ def make_engine(rank: int, world: int, streams: int, transport: str):
     """One rank's engine on this host: ``tcp`` (``streams`` sockets per peer), ``verbs``, or
     ``libfabric:PROVIDER`` (e.g. ``libfabric:tcp;ofi_rxm``, ``libfabric:udp;ofi_rxd``, on the
     loopback domain; ``streams`` is not used)."""
-    from moe_ep.proxy.native import Engine, FabricTransport
+    from moe_ep.native.transports import Engine, FabricTransport
 
     if transport.startswith("libfabric:"):
         prov = transport.split(":", 1)[1]
@@ -86,6 +86,8 @@ def make_engine(rank: int, world: int, streams: int, transport: str):
 
 
 def post_cost(streams: int, sizes=SIZES, scale: float = 1.0, transport: str = "tcp") -> list[dict]:
+    from moe_ep.native.bench import bench_post
+
     a, b = (make_engine(r, 2, streams, transport) for r in (0, 1))
     src, dst = np.ones(max(sizes) or 16, np.uint8), np.zeros(max(sizes) or 16, np.uint8)
     try:
@@ -101,8 +103,8 @@ def post_cost(streams: int, sizes=SIZES, scale: float = 1.0, transport: str = "t
         rows = []
         for size in sizes:
             n, ns = max(10, int(POST_N[size] * scale)), max(10, int(SERIAL_N[size] * scale))
-            a.bench_post(1, 1, 2, size, n=min(n, 100), n_serial=10)  # warm-up
-            r = a.bench_post(1, 1, 2, size, n=n, n_serial=ns)
+            bench_post(a, 1, 1, 2, size, n=min(n, 100), n_serial=10)  # warm-up
+            r = bench_post(a, 1, 1, 2, size, n=n, n_serial=ns)
             assert r["failed"] == 0, r
             rows.append(dict(transport=transport, streams=streams, bytes=size, n=n, n_serial=ns,
                              post_us=r["post_total_ns"] / n / 1e3,
@@ -122,7 +124,8 @@ def post_cost(streams: int, sizes=SIZES, scale: float = 1.0, transport: str = "t
 
 def _rank_main(rank, R, transport, streams, warmup, epochs, poll, cap, conn, rows=1, ovcap=None):
     try:
-        from moe_ep.proxy import Proxy
+        from moe_ep.native.bench import bench_drive
+        from moe_ep.native.proxy import Proxy
 
         eng = make_engine(rank, R, streams, transport)
         ovcap = R * rows if ovcap is None else ovcap
@@ -144,9 +147,9 @@ def _rank_main(rank, R, transport, streams, warmup, epochs, poll, cap, conn, row
         conn.send("ready")
         assert conn.recv() == "go"
         kw = dict(spin_us=poll["drive_spin_us"], sleep_us=poll["drive_sleep_us"])
-        px.bench_drive(1, warmup, **kw)
+        bench_drive(px, 1, warmup, **kw)
         io0 = eng.cpu_ns()
-        disp, comb = px.bench_drive(warmup + 1, epochs, **kw)
+        disp, comb = bench_drive(px, warmup + 1, epochs, **kw)
         io_cpu = (eng.cpu_ns() - io0) / epochs
         prox = {"dispatch": [], "d1": [], "combine": [], "dispatch_cpu": [], "combine_cpu": []}
         for kind, e, seen, mid, ready, cpu, *_ in px.phase_records():

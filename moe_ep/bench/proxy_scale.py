@@ -25,7 +25,6 @@ least-squares line of CPU p50 over R: its slope in ns per peer.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import functools
 import json
 import sys
@@ -109,7 +108,8 @@ def run_point(pt: Point) -> dict:
     """Runs one point and returns its row (µs, counts per op); raises on a proxy error or a count mismatch."""
     from moe_ep.internode.spec import default_private_capacity
     from moe_ep.internode.spec import RemoteSpec
-    from moe_ep.proxy.native import NullTransport, Proxy, SimConfig, lib
+    from moe_ep.native.bench import NullTransport, SimConfig, sim_drive
+    from moe_ep.native.proxy import Proxy
 
     R, sh, G = pt.R, pt.shape, min(pt.node_size, pt.R)
     me = 0 if pt.rank == "first" else R - 1
@@ -130,14 +130,8 @@ def run_point(pt: Point) -> dict:
                         int(pt.arrival == "spread"), pt.gap_ns, 10_000_000_000, 1_000_000_000, 0)
         counts = np.ascontiguousarray(mats, np.int32)
         n = pt.warmup + pt.epochs
-        out = (ctypes.c_int64 * (2 * n))()
-        mb = ctypes.cast(px.mailbox.ctypes.data, ctypes.POINTER(ctypes.c_int64))
         px.start()
-        rc = lib().moe_ep_sim_drive(eng.handle, mb, ctypes.byref(cfg),
-                                    counts.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), 1, n, out)
-        if rc != 0:
-            px.check_error()
-            raise RuntimeError(f"R={R}: simulated run failed ({rc})")
+        sim_drive(eng, px, cfg, counts, 1, n)
         recs = [r for r in px.phase_records() if r[1] > pt.warmup]
         stats = eng.stats()
     finally:
@@ -178,12 +172,10 @@ def floor(R: int, node_size: int = 8, iters: int = 2000, reps: int = 5) -> dict:
     """The floor of one decode dispatch at R ranks (``moe_ep_sim_floor``): the posts and their
     completions, the immediates taken, the headers copied and scanned, each timed alone on one
     thread (µs per dispatch, best of ``reps``), and their sum."""
-    from moe_ep.proxy.native import lib
+    from moe_ep.native.bench import sim_floor
 
-    out = (ctypes.c_int64 * 3)()
-    if lib().moe_ep_sim_floor(R, min(node_size, R), iters, reps, out) != 0:
-        raise RuntimeError(f"R={R}: moe_ep_sim_floor failed")
-    parts = dict(posts_us=out[0] / 1e3, immediates_us=out[1] / 1e3, headers_us=out[2] / 1e3)
+    posts, immediates, headers = sim_floor(R, min(node_size, R), iters, reps)
+    parts = dict(posts_us=posts / 1e3, immediates_us=immediates / 1e3, headers_us=headers / 1e3)
     return dict(ranks=R, **parts, sum_us=sum(parts.values()))
 
 

@@ -29,7 +29,7 @@ Env = Optional[Mapping[str, str]]  # an environment to read; None: os.environ
 TRANSPORTS = ("auto", "verbs", "tcp", "efa", "libfabric")  # what MOE_EP_TRANSPORT takes
 NODE_MEMORY = ("symm", "ipc")  # what MOE_EP_NODE_MEMORY may force
 LAUNCH_PATHS = ("native", "triton")  # what MOE_EP_LAUNCH takes
-TRACE_LEVELS = ("off", "phases", "peers")  # what MOE_EP_PROXY_TRACE takes (moe_ep.proxy.native.Proxy checks it)
+TRACE_LEVELS = ("off", "phases", "peers")  # what MOE_EP_PROXY_TRACE takes (moe_ep.native.proxy.Proxy checks it)
 TCP_HELLO_TIMEOUT_S, TCP_MAX_PENDING = 10.0, 256  # the tcp defaults (csrc/proxy/tcp_transport.cc)
 
 

@@ -3,7 +3,7 @@ words they wait for. The mailbox is host memory the GPU maps (pinned), so the pr
 the bells and the kernels poll the ready words: no host call sits between the launches, and a
 CUDA graph replays the whole exchange.
 
-Mailbox words (int64, ``moe_ep.proxy.native.MAILBOX``): 0 header bell, 1 dispatch ready, 2 header
+Mailbox words (int64, ``moe_ep.native.protocol.MAILBOX``): 0 header bell, 1 dispatch ready, 2 header
 ready, 3 combine ready, 4 error code, 5 its peer, 6 phase, 7 epoch, 8 overflow window ready, 9
 overflow window done, 10 combine window done, 11 combine window bell (all four valued
 ``ov_window(e, w)``); then one word per rank in

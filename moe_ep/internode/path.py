@@ -28,7 +28,8 @@ import torch
 
 from ..core.errors import CommTimeoutError
 from ..core.workspace import pow2
-from ..proxy.native import MAILBOX, NativeError, mailbox_words
+from ..native.library import NativeError
+from ..native.protocol import MAILBOX, mailbox_words
 from .session import start_proxy
 from .spec import PROXY_MEMORY, REGIONS, ROW_REGIONS, RemoteSpec, RemoteState  # noqa: F401  (PROXY_MEMORY: importable here too)
 

@@ -9,7 +9,7 @@ on its EFA devices, else verbs when every rank has a usable (non-EFA) verbs devi
 ``libfabric`` with another provider only when asked for (provider ``MOE_EP_FI_PROVIDER``, endpoints
 per rank ``MOE_EP_FI_ENDPOINTS``, default 1; tcp and udp providers stay on ``lo`` when every rank
 shares this host, else ``MOE_EP_FI_DOMAIN`` or the provider's first interface). Each rank's NIC is
-the one nearest its GPU (``moe_ep.proxy.nic``; ``MOE_EP_IB_DEVICE`` overrides it;
+the one nearest its GPU (``moe_ep.native.nic``; ``MOE_EP_IB_DEVICE`` overrides it;
 ``MOE_EP_IB_NICS=k``: the k nearest, over which verbs shards every write; every rank must open as
 many). For efa, every EFA device behind the GPU's PCIe switch (p5: 4) is opened as its libfabric
 domain (``<device>-rdm``), one endpoint each, writes sharded over them; ranks that found different
@@ -26,10 +26,12 @@ import socket
 from typing import TYPE_CHECKING, Callable, Optional
 
 from ..core import settings
-from ..proxy import nic as _nic
-from ..proxy.identity import agree_identity
-from ..proxy.native import (Engine, FabricTransport, NativeError, Proxy, TcpTransport, VerbsTransport, fabric_probe,
-                            verbs_probe)
+from ..native import nic as _nic
+from ..native.identity import agree_identity
+from ..native.library import NativeError
+from ..native.probes import fabric_probe, verbs_probe
+from ..native.proxy import Proxy
+from ..native.transports import Engine, FabricTransport, TcpTransport, VerbsTransport
 
 if TYPE_CHECKING:  # not at run time: moe_ep.tools.doctor uses this module without torch
     from ..core.group import EPGroup
@@ -86,7 +88,7 @@ def select_transport(name: Optional[str] = None, *, probes: Optional[dict[str, P
 
 
 def choose_nics(gpu_index: Optional[int] = None, root: Optional[str] = None) -> dict[str, _nic.NicChoice]:
-    """This rank's NIC for each RDMA transport (``moe_ep.proxy.nic.choose_nic`` over sysfs):
+    """This rank's NIC for each RDMA transport (``moe_ep.native.nic.choose_nic`` over sysfs):
     nearest the CUDA device ``gpu_index``, or, for a CPU rank (None), the first active one."""
     devices = _nic.list_devices(root)
     gpu = None

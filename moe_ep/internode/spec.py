@@ -198,7 +198,7 @@ class RemoteSpec:
                 "rw": ((rows, K), torch.float32), "recv_rows": ((R,), i32)}
 
     def proxy_kwargs(self) -> dict:
-        """The ``moe_ep.proxy.Proxy`` arguments that must agree with these kernels."""
+        """The ``moe_ep.native.proxy.Proxy`` arguments that must agree with these kernels."""
         return dict(node_size=self.node_size, num_local_experts=self.num_local_experts, row_bytes=self.row_bytes,
                     comb_row_bytes=self.comb_row_bytes, private_capacity=self.private_capacity,
                     overflow_capacity=self.overflow_capacity, max_send_rows=self.max_send_rows)

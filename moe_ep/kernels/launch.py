@@ -23,7 +23,6 @@ callers without a buffer. Under the interpreter the plain ``kernel[grid]`` path 
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 import inspect
 import struct
@@ -35,6 +34,8 @@ import triton.language as tl
 
 from ..core import settings
 from ..core.interpret import interpreting
+from ..native.launch import LaunchPlan
+from ..native.library import NativeError
 
 LAUNCH_PATHS = settings.LAUNCH_PATHS
 # Triton releases whose launcher (backends/nvidia/driver.py: make_launcher) the native packing was
@@ -158,72 +159,18 @@ def _raw(ty: str, v) -> int:
     return int(v or 0) & (2**64 - 1)
 
 
-def _native_lib():
-    from ..proxy import native
-    return native
-
-
 class NativeUnavailable(Exception):
     """Why a compiled kernel cannot take the native path (the plan falls back to Triton's)."""
 
 
-class _Native:
-    """One native plan (csrc/launch/launch.cc) patching ``slots`` (parameter indices) per launch.
-
-    ``launch(stream, values)`` launches it on ``stream`` with ``values`` (one per slot: pointers,
-    or ints as ``_raw`` gives them); raises RuntimeError with the driver's message when the launch
-    fails. It is the library's ``launch`` function with this plan's id bound (one C call, no
-    Python frame: the eager path's every launch)."""
-
-    def __init__(self, function: int, grid: int, block: int, shared: int, sizes: list, values: list, slots: list):
-        nat = _native_lib()
-        L = nat.lib()
-        n = len(sizes)
-        self._destroy = L.moe_ep_launch_plan_destroy
-        self.id = L.moe_ep_launch_plan_create(
-            function, grid, block, shared, n, (ctypes.c_uint32 * n)(*sizes), (ctypes.c_uint64 * n)(*values),
-            len(slots), (ctypes.c_int * max(1, len(slots)))(*slots))
-        if self.id < 0:
-            raise NativeUnavailable(nat.last_error())
-        self.nslots = len(slots)
-        self.launch = functools.partial(launch_function(), self.id)
-        self.stage = (ctypes.c_uint64 * (1 + len(slots))).from_address(L.moe_ep_launch_plan_stage(self.id))
-        self.params = L.moe_ep_launch_plan_params
-
-    def packed(self, values) -> bytes:
-        """The parameter bytes a launch with ``values`` passes (what ``launch`` would hand the driver)."""
-        self.stage[:] = [0, *(v & (2**64 - 1) for v in values)]
-        buf = ctypes.create_string_buffer(4096)
-        n = self.params(self.id, buf, len(buf))
-        return buf.raw[:n]
-
-    def __del__(self):
-        if getattr(self, "id", -1) >= 0:
-            self._destroy(self.id)
-
-
-_HOT = None
-_LAUNCH = None
-
-
-def _hot():
-    """The library again through ctypes.PyDLL: its calls keep the GIL (no release and re-take
-    around a call that never blocks)."""
-    global _HOT
-    if _HOT is None:
-        _HOT = ctypes.PyDLL(_native_lib().lib()._name)
-    return _HOT
-
-
-def launch_function():
-    """The library's ``launch(plan_id, stream, values)`` (csrc/launch/launch.cc): a native plan
-    launched with its slot values in one C call."""
-    global _LAUNCH
-    if _LAUNCH is None:
-        f = _hot().moe_ep_launch_function
-        f.restype = ctypes.py_object
-        _LAUNCH = f()
-    return _LAUNCH
+def _native_plan(function: int, grid: int, block: int, shared: int, sizes: list, values: list,
+                 slots: list) -> LaunchPlan:
+    """The native library's plan of these (``moe_ep.native.launch.LaunchPlan``); the library's
+    refusal as ``NativeUnavailable``."""
+    try:
+        return LaunchPlan(function, grid, block, shared, sizes, values, slots)
+    except NativeError as e:
+        raise NativeUnavailable(str(e)) from None
 
 
 class NativePlan:
@@ -260,7 +207,7 @@ class NativePlan:
         self.arg_names = tuple(arg_names)
         self._shape = (compiled.function, grid, 32 * md.num_warps, md.shared, sizes, values)
         self.dynamic = tuple(dynamic)
-        self._all = _Native(*self._shape, [param_of[i] for i in self.dynamic])
+        self._all = _native_plan(*self._shape, [param_of[i] for i in self.dynamic])
         self._bound: dict = {}
 
     def launch(self, args: tuple, stream: int) -> None:
@@ -277,7 +224,7 @@ class NativePlan:
             values = list(values)
             for i, v in fixed:
                 values[self.param_of[i]] = v
-            b = self._bound[k] = _Native(function, grid, block, shared, sizes, values,
+            b = self._bound[k] = _native_plan(function, grid, block, shared, sizes, values,
                                          [self.param_of[i] for i in positions])
         return b
 

@@ -19,7 +19,7 @@ import torch
 from ..core.fp8 import num_scale_blocks
 from ..internode.spec import PROXY_MEMORY, ROW_REGIONS, RemoteSpec, layout_capacity, touch_probability
 from ..core.workspace import WorkspaceLayout, pow2
-from ..proxy.native import mailbox_words
+from ..native.protocol import mailbox_words
 from ..core.tuning import Tuning
 
 DEVICE, PINNED, HOST = "device", "pinned host", "host"  # where an allocation lives

@@ -27,7 +27,7 @@ import sys
 from typing import Optional
 
 from ..core import settings
-from ..proxy import nic as _nic
+from ..native import nic as _nic
 
 # The variables the report shows when set: every one moe_ep reads (moe_ep.core.settings), and the GPUs visible.
 ENV_VARS = settings.NAMES + ("CUDA_VISIBLE_DEVICES",)
@@ -221,17 +221,17 @@ def rdma(root: Optional[str] = None, use_pyverbs: bool = True) -> dict:
     devs = _nic.list_devices(root)
     out: dict = {"sysfs_root": root, "devices": [d.to_json() for d in devs]}
     try:
-        from ..proxy import native
+        from ..native import library, probes
 
-        native.lib()
-        ok, what = native.verbs_probe()
+        library.lib()
+        ok, what = probes.verbs_probe()
         out["verbs_probe"] = {"ok": ok, "what": what}
-        out["libibverbs"] = native.rdma_devices()
-        ok, what = native.fabric_probe()
+        out["libibverbs"] = probes.rdma_devices()
+        ok, what = probes.fabric_probe()
         out["fabric_probe"] = {"ok": ok, "what": what}
-        ok, what = native.fabric_probe("efa")
+        ok, what = probes.fabric_probe("efa")
         out["efa_probe"] = {"ok": ok, "what": what}
-        out["libfabric"] = native.fabric_providers()
+        out["libfabric"] = probes.fabric_providers()
         efa_doms = {_nic.efa_domain(d.name) for d in devs if d.kind == "efa"}
         out["libfabric"]["entries"] = [{**e, "use": fabric_use(e, out["fabric_probe"], efa_doms)}
                                        for e in out["libfabric"].get("entries", [])]
@@ -348,9 +348,9 @@ def install() -> dict:
     library's path and build (compiler, C++ standard, flags), or why it does not load."""
     out: dict = {"moe_ep_path": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}  # moe_ep/, above tools/
     try:
-        from ..proxy import native
+        from ..native import library
 
-        out["native"] = {"library": native.lib()._name, "build": native.build_info()}
+        out["native"] = {"library": library.path(), "build": library.build_info()}
     except Exception as e:  # noqa: BLE001 - no compiler for the native library, ...
         out["native"] = {"error": _err(e)}
     return out

@@ -12,7 +12,7 @@ import secrets
 import time
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # not at run time: moe_ep.tools.doctor imports the proxy package without torch
+if TYPE_CHECKING:  # not at run time: moe_ep.tools.doctor imports the native package without torch
     from ..core.group import EPGroup
 
 SECRET_BYTES = 16
