@@ -75,7 +75,7 @@ def record_calls(group, configs, rec: list, prefix: str = "", weights: bool = Fa
         buf.parts.tuning, buf.parts.interp, buf.calls.launch = buf.tuning.replace(**gpu), False, spy
         h = buf.dispatch(torch.zeros(T, H, dtype=torch.bfloat16), torch.zeros(T, 8, dtype=torch.int64),
                          torch.zeros(T, 8))
-        wts = torch.zeros(buf.sizes.capacity, 8) if weights and layout == "rows" else None
+        wts = torch.zeros(h.expert_x.shape[0], 8) if weights and layout == "rows" else None
         buf.combine(torch.empty(h.expert_x.shape, dtype=torch.bfloat16), h, topk_weights=wts)
         buf.close()
 
