@@ -385,6 +385,42 @@ def test_fused_internode_launches_per_op(R, node_size):
             assert got["hooked"][op] == [(kernel, True, False), (kernel, False, True)], got
 
 
+def _fused_one_program_worker(rank, world_size, node_size, cases):
+    """``run_calls`` of each case (one program a launch) with the inter-node ops fused, under the
+    interpreter: one program has no other program to wait for, so its one launch runs both halves
+    here too (its waits spin on the proxy's words, which the proxy thread raises). Returns
+    failures, and the inter-node launches' halves seen."""
+    import moe_ep
+    from ep_cases import make_buffer
+
+    group = moe_ep.EPGroup(node_size=node_size)
+    fails, halves = [], set()
+    for c in cases:
+        with make_buffer(group, c, 30.0) as buf:
+            buf.parts.tuning = buf.tuning.replace(fused_internode=True)
+            buf.calls.launch = la = _CountingLauncher(buf.calls.launch)
+            fails += run_calls(group, buf, c)
+            halves |= {n for n in la.names if n[0].startswith("internode_")}
+    return fails, halves
+
+
+@pytest.mark.parametrize("R", [2, 3], ids=["2x1", "3x1"])
+def test_fused_internode_one_program(R, node_size=1):
+    """The fused inter-node kernels (both halves in one launch, each program's receive half after
+    its whole send half, this rank's own counts derived per program) against the oracle, on CPU
+    ranks of one program each: masked, packed and rows, bf16 and fp8. Nodes of one rank: the
+    interpreter's wait for a node peer's flag looks once (the host waits for them between two
+    launches), so 2 x 2 fused runs on GPUs only (tests/test_internode_gpu.py)."""
+    cases = [Case(R=R, E=2 * R, K=2, dtype="bf16", layout="masked", programs=1, calls=("uniform", "skewed"), seed=71),
+             Case(R=R, E=2 * R, K=3, dtype="fp8", layout="packed", align=16, programs=1, recv_rows="worst",
+                  calls=("sparse", "uniform"), seed=72),
+             Case(R=R, E=2 * R, K=2, dtype="fp8pre", layout="rows", programs=1, recv_rows="worst",
+                  calls=("uniform", "none"), seed=73)]
+    for fails, halves in dist_util.run(R, _fused_one_program_worker, node_size, cases, timeout=600):
+        assert not fails, "\n".join(fails[:20])
+        assert halves == {("internode_dispatch_kernel", True, True), ("internode_combine_kernel", True, True)}, halves
+
+
 def _overlap_worker(rank, world_size, signal, late):
     """3 nodes of 1. Rank ``late``'s rows bells reach its proxy only once rank 0 has seen the other
     source's rows in its expert layout (its kernels ring a stand-in mailbox; a thread passes the
