@@ -66,7 +66,10 @@ def record_calls(group, configs, rec: list, prefix: str = "", weights: bool = Fa
             rec.append((name, fn.fn.__module__, fn.fn.__name__, signature(fn.arg_names, args, consts)))
 
         dtype = torch.float8_e4m3fn if dt == "fp8" else torch.bfloat16
-        buf = moe_ep.EPBuffer(group, 256, H, T, 8, dispatch_dtype=dtype, layout=layout, num_programs=P)
+        # (fused across nodes: packed and rows received tensors at their worst case, so the dispatch
+        # fuses too; sized per call, its two halves have the count between them)
+        worst = dict(max_recv_rows="worst") if fused_internode and layout != "masked" else {}
+        buf = moe_ep.EPBuffer(group, 256, H, T, 8, dispatch_dtype=dtype, layout=layout, num_programs=P, **worst)
         # (a CPU buffer's default is 4 warps)
         gpu = dict(num_warps=asked.num_warps or warps, fused=True, fused_internode=fused_internode)
         shape = combine_shape(layout, P, T * 8, gpu=True)  # (a CPU buffer's combine takes the dispatch's)

@@ -24,7 +24,8 @@ from .workspace import COMBINE_STEP_TOKENS, OWN_TILE_TOKENS, pow2
 WARPS = (1, 2, 4, 8, 16, 32)  # the warps a Triton program may have
 SMEM_BUDGET = 160 * 1024  # bytes of shared memory the pipelined loops' stages may take (H100/H200: 227 KB)
 
-# field -> (its variable, what the field accepts: "warps", "positive", "count", "maxnreg" or "flag")
+# field -> (its variable, what the field accepts: "warps", "positive", "count", "maxnreg" or "flag");
+# fields added since (``fused_internode``) have no variable: they are passed as ``Tuning`` fields only
 ENV = {"num_warps": ("MOE_EP_NUM_WARPS", "warps"),
        "combine_warps": ("MOE_EP_COMBINE_WARPS", "warps"),
        "maxnreg": ("MOE_EP_MAXNREG", "maxnreg"),

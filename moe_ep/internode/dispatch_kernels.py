@@ -330,10 +330,10 @@ def internode_dispatch_kernel(
             tl.store(hp + DIM.R + ee, sel, mask=ee < DIM.EL)
         arrive_and_ring(tally_ptr + DIM.R, mb_ptr, MB_HDR_BELL, epoch)
         # Rows, peer by peer: the proxy posts a peer's rows while the next one is packed.
-        for q in range(DIM.R - DIM.N):
-            d = (DIM.NODE0 + DIM.N + q) % DIM.R
+        for hop in range(DIM.R - DIM.N):  # (not ``q``: the receive half's loops name a tensor so)
+            d = (DIM.NODE0 + DIM.N + hop) % DIM.R
             for c in range(pid, NC, P):
-                pack_chunk_for(d, c, q == 0, pick(off16, rr, d), pick(roff, rr, d), io, rio, DIM, MODE, TILE, REM)
+                pack_chunk_for(d, c, hop == 0, pick(off16, rr, d), pick(roff, rr, d), io, rio, DIM, MODE, TILE, REM)
             arrive_and_ring(tally_ptr + d, mb_ptr, rows_bell(DIM.R, d), epoch)
         node_dispatch_kernel(x_ptr, xs_ptr, topk_ptr, w_ptr, hist_ptr, peer_ptr, ws, state_ptr, err_ptr, out_x_ptr,
                              out_s_ptr, counts_ptr, offsets_ptr, recv_pos_ptr, scratch_ptr, sel_ptr, route_ptr, T, BT,
