@@ -294,9 +294,6 @@ def internode_dispatch_kernel(
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     epoch = tl.load(state_ptr + pid) + 1
-    rtimeout_ns, spins = proxy_deadline(timeout_ns)
-    rr = tl.arange(0, REM.BLOCK_R)
-    ee = tl.arange(0, TILE.BLOCK_EL)
     own_ptr = tally_ptr + REM.OWN
     if SEND:
         # what the helpers take (named tuples: no code of their own)
@@ -306,6 +303,7 @@ def internode_dispatch_kernel(
                         recv_ids_ptr=recv_ids_ptr, recv_wts_ptr=recv_wts_ptr, recv_src_ptr=recv_src_ptr, T=T, BT=BT)
         rio = RemoteIO(send_ptr=send_ptr, comb_row_ptr=comb_row_ptr, mb_ptr=mb_ptr, rpos_ptr=0, rw_ptr=0,
                        rtimeout_ns=0, spins=0)
+        rr = tl.arange(0, REM.BLOCK_R)
         rmask = rr < DIM.R
         remote = rmask & (rr // DIM.N != ME // DIM.N)
         # Every program derives the count vector and the send buffer's layout (no program waits for
@@ -314,6 +312,7 @@ def internode_dispatch_kernel(
         rows = tl.where(remote, cnt, 0)
         off16 = excl(rows.to(tl.int64) * (REM.RB // 16))
         roff = excl(rows)  # each remote owner's first row in the combine receive region (rank order)
+        ee = tl.arange(0, TILE.BLOCK_EL)
         if pid == 0:
             if tl.sum(rows) > REM.MAXROWS:  # the proxy refuses these counts too; nothing is written past the buffer
                 record_error(err_ptr, ERR_CAPACITY, -1, PHASE_DISPATCH, epoch, tl.sum(rows))
@@ -340,6 +339,7 @@ def internode_dispatch_kernel(
                              NC, timeout_ns, rows_from_ptr, recv_ids_ptr, recv_wts_ptr, recv_src_ptr, num_recv_ptr,
                              SEND=True, RECV=False, OFF=NODE.OFF, DIM=DIM, MODE=MODE, TILE=TILE)
     if RECV:
+        rtimeout_ns, spins = proxy_deadline(timeout_ns)
         par = epoch & 1
         REM_SLOT: tl.constexpr = REM.PCAP * REM.RB
         t0_ns = deadline_start(MODE.INTERP)
