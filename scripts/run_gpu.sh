@@ -17,6 +17,7 @@
 #                                    # (PROFILE_NODES runs too, when given with PROFILE_MPS=1)
 #   PROFILE_NODES="2x1 2x2" bash scripts/run_gpu.sh   # the same across nodes: 2 nodes of 1 and of 2 ranks
 #                                    # (MOE_EP_NODE_SIZE; the proxy over TCP loopback; ranks share the GPUs)
+#   PROFILE_NODES="2x1 2x2" PROFILE_NODES_ARGS=--fused-internode bash scripts/run_gpu.sh   # one launch an op
 #   NODES_BENCH="2x1" bash scripts/run_gpu.sh   # the decode pair (graph and eager) across 2 nodes of 1
 #   VARIANTS="prefill 32 | fp8 rows | fp8 rows MOE_EP_MAX_CHUNKS=128
 #             decode 132 | fp8 masked" bash scripts/run_gpu.sh   # tuning points, one process per line
@@ -46,6 +47,7 @@ CONFIGS=${CONFIGS:-"decode fp8 masked,prefill fp8 packed,prefill bf16 packed"}  
 PROFILE=${PROFILE:-}          # rank counts for moe_ep.bench.profile_ops --preset decode (ranks share the GPUs there are)
 PROFILE_MPS=${PROFILE_MPS:-0} # 1: those runs under an MPS daemon started for them (one GPU context for every rank)
 PROFILE_NODES=${PROFILE_NODES:-}  # "NODESxSIZE" entries: profile_ops --preset decode across nodes
+PROFILE_NODES_ARGS=${PROFILE_NODES_ARGS:-}  # more profile_ops arguments for those, e.g. "--fused-internode"
 NODES_BENCH=${NODES_BENCH:-}  # "NODESxSIZE" entries: moe_ep.bench.intranode --preset decode across nodes
 COPY_FLOOR=${COPY_FLOOR:-0}   # 1: the copy-floor micro-benchmark (moe_ep.bench.copy_floor) at 7168- and 14336-byte rows
 COPY_FLOOR_ARGS=${COPY_FLOOR_ARGS:-}   # more copy_floor arguments, e.g. "--programs 32,132 --ring-stages 2,4"
@@ -158,7 +160,7 @@ for nn in $PROFILE_NODES; do
     nodes=${nn%x*}; size=${nn#*x}; r=$(( nodes * size ))
     step "MOE_EP_NODE_SIZE=$size torchrun --nproc-per-node=$r -m moe_ep.bench.profile_ops --preset decode"
     if MOE_EP_NODE_SIZE=$size "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node="$r" \
-            -m moe_ep.bench.profile_ops --preset decode >"$RESULTS/profile_nodes_$nn.log" 2>&1; then
+            -m moe_ep.bench.profile_ops --preset decode $PROFILE_NODES_ARGS >"$RESULTS/profile_nodes_$nn.log" 2>&1; then
         grep -E "^== profile_ops|host to issue|host per|device time|    " "$RESULTS/profile_nodes_$nn.log" | head -30 || true
         profiles+=("$nn across nodes$pmps: $(grep -m1 'host to issue' "$RESULTS/profile_nodes_$nn.log")")
     else

@@ -14,6 +14,7 @@ reads them, by ``moe_ep.Tuning.from_env``; the configs' warps stand for a GPU bu
                                                  # step's loads go out before its first float op
     SASS_NODE=2 python scripts/sass_digest.py    # each combine also as a node of 2 ranks compiles it
                                                  # (line "...-N2": its send half, R >= 2)
+    SASS_DIR=/tmp/a python scripts/sass_digest.py  # and each launch's SASS into that folder
 
 Why the loop lines: the prefill loops' times followed how many of a step's loads are issued before
 the math starts (ptxas may sink loads to save registers), not their shape (docs/performance-log/gpu.md,
@@ -42,10 +43,12 @@ INTERNODE_CONFIGS = [(512, 7168, "fp8", "packed", 32, 16), (512, 7168, "bf16", "
                      (512, 7168, "fp8", "rows", 32, 32), (128, 7168, "fp8", "masked", 132, 16)]
 
 
-def record_calls(group, configs, rec: list, prefix: str = "", weights: bool = False) -> None:
+def record_calls(group, configs, rec: list, prefix: str = "", weights: bool = False,
+                 fused_internode: bool = False) -> None:
     """Appends to ``rec`` the launches (name, module, kernel, launch spec) of one dispatch and one
     combine per config of ``configs`` on ``group``'s rank, without running them; ``weights``: the
-    rows layout's combine takes combine weights. Runs under the interpreter."""
+    rows layout's combine takes combine weights; ``fused_internode``: across nodes, each op's two
+    halves in one launch (``Tuning.fused_internode``). Runs under the interpreter."""
     import torch
 
     import moe_ep
@@ -63,8 +66,12 @@ def record_calls(group, configs, rec: list, prefix: str = "", weights: bool = Fa
             rec.append((name, fn.fn.__module__, fn.fn.__name__, signature(fn.arg_names, args, consts)))
 
         dtype = torch.float8_e4m3fn if dt == "fp8" else torch.bfloat16
-        buf = moe_ep.EPBuffer(group, 256, H, T, 8, dispatch_dtype=dtype, layout=layout, num_programs=P)
-        gpu = dict(num_warps=asked.num_warps or warps, fused=True)  # (a CPU buffer's default is 4 warps)
+        # (fused across nodes: packed and rows received tensors at their worst case, so the dispatch
+        # fuses too; sized per call, its two halves have the count between them)
+        worst = dict(max_recv_rows="worst") if fused_internode and layout != "masked" else {}
+        buf = moe_ep.EPBuffer(group, 256, H, T, 8, dispatch_dtype=dtype, layout=layout, num_programs=P, **worst)
+        # (a CPU buffer's default is 4 warps)
+        gpu = dict(num_warps=asked.num_warps or warps, fused=True, fused_internode=fused_internode)
         shape = combine_shape(layout, P, T * 8, gpu=True)  # (a CPU buffer's combine takes the dispatch's)
         if asked.combine_warps is None:
             gpu["combine_warps"] = shape.warps
@@ -75,7 +82,7 @@ def record_calls(group, configs, rec: list, prefix: str = "", weights: bool = Fa
         buf.parts.tuning, buf.parts.interp, buf.calls.launch = buf.tuning.replace(**gpu), False, spy
         h = buf.dispatch(torch.zeros(T, H, dtype=torch.bfloat16), torch.zeros(T, 8, dtype=torch.int64),
                          torch.zeros(T, 8))
-        wts = torch.zeros(buf.sizes.capacity, 8) if weights and layout == "rows" else None
+        wts = torch.zeros(h.expert_x.shape[0], 8) if weights and layout == "rows" else None
         buf.combine(torch.empty(h.expert_x.shape, dtype=torch.bfloat16), h, topk_weights=wts)
         buf.close()
 
@@ -99,8 +106,8 @@ def record(path: str) -> None:
 
 def record_across_nodes(rank: int, world: int, port: int, path: str) -> None:
     """Rank ``rank`` of ``world`` nodes of one rank each (CPU ranks over gloo, their proxies over
-    TCP) records INTERNODE_CONFIGS' launches (rows with combine weights); rank 0 writes them to
-    ``path``."""
+    TCP) records INTERNODE_CONFIGS' launches (rows with combine weights), as two launches an op
+    and as one (lines "2x1-fused-..."); rank 0 writes them to ``path``."""
     import torch
     import torch.distributed as dist
 
@@ -109,7 +116,9 @@ def record_across_nodes(rank: int, world: int, port: int, path: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     rec = []
-    record_calls(moe_ep.EPGroup(node_size=1), INTERNODE_CONFIGS, rec, prefix=f"{world}x1-", weights=True)
+    group = moe_ep.EPGroup(node_size=1)
+    record_calls(group, INTERNODE_CONFIGS, rec, prefix=f"{world}x1-", weights=True)
+    record_calls(group, INTERNODE_CONFIGS, rec, prefix=f"{world}x1-fused-", weights=True, fused_internode=True)
     if rank == 0:
         pickle.dump(rec, open(path, "wb"))
     dist.barrier()
@@ -139,11 +148,22 @@ def digest(path: str) -> None:
         code = [line.strip() for line in sass.splitlines() if line.strip().startswith("/*")]
         use = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
         regs, stack = (re.search(rf"{what}:(\d+)", use).group(1) for what in ("REG", "STACK"))
-        print(f"{name:<28} {kernel:<30} {hashlib.sha1(chr(10).join(code).encode()).hexdigest()[:12]} "
+        half = _half(spec["consts"])
+        if os.environ.get("SASS_DIR"):  # each launch's SASS, to diff two trees' launches line by line
+            open(os.path.join(os.environ["SASS_DIR"], f"{name}-{kernel}{half}.sass"), "w").write(sass)
+        print(f"{name:<34} {kernel + half:<36} {hashlib.sha1(chr(10).join(code).encode()).hexdigest()[:12]} "
               f"{len(code):>6} lines, {regs:>3} registers, {stack:>4} bytes of stack")
         if os.environ.get("SASS_LOOPS"):
             for line in loop_schedules(sass):
                 print(f"    {line}")
+
+
+def _half(consts: dict) -> str:
+    """``[send]``, ``[recv]`` or ``[both]`` for a launch of a kernel with SEND/RECV halves, else ""."""
+    if "SEND" not in consts:
+        return ""
+    return {(True, False): "[send]", (False, True): "[recv]", (True, True): "[both]"}.get(
+        (bool(consts["SEND"]), bool(consts["RECV"])), "[none]")
 
 
 FLOAT_OPS = ("FFMA", "FADD", "FMUL", "FMNMX", "F2FP", "HFMA2", "HADD2", "HMUL2")

@@ -43,6 +43,8 @@ class Case:
     ``hooks``: every call with ``return_recv_hook=True``; between a call and its hook the caller
     overwrites the inputs it passed (the receive half must not read them).
     ``cm_scales``: the buffer's fp8 scales column-major in each expert's block (masked fp8).
+    ``fused_internode``: ``Tuning(fused_internode=True)`` (across nodes, one launch per op where
+    every program is resident).
     """
 
     R: int
@@ -61,13 +63,15 @@ class Case:
     hooks: bool = False
     cm_scales: bool = False  # EPBuffer(column_major_scales=True): masked fp8 only
     recv_rows: object = None  # EPBuffer(max_recv_rows=): packed and rows; None: sized per call
+    fused_internode: bool = False
 
     @property
     def name(self) -> str:
         return (f"R{self.R}-E{self.E}-K{self.K}-{self.dtype}-{self.layout}-a{self.align}-H{self.H}-M{self.M}-"
                 f"{self.data}-s{self.seed}" + ("-late" if self.late_weights else "")
                 + (f"-p{self.programs}" if self.programs else "") + ("-hooks" if self.hooks else "") + ("-cm" if self.cm_scales else "")
-                + (f"-rows{self.recv_rows}" if self.recv_rows is not None else ""))
+                + (f"-rows{self.recv_rows}" if self.recv_rows is not None else "")
+                + ("-fused" if self.fused_internode else ""))
 
     def token_counts(self, call: int) -> List[int]:
         """Ragged T per rank: each call mixes max_tokens, 0 and an in-between count."""
@@ -537,7 +541,9 @@ def make_buffer(group, case: Case, timeout_s: float = 60.0):
                            combine_dtype=torch.bfloat16, layout=case.layout, expert_alignment=case.align,
                            timeout_s=timeout_s, **({"num_programs": case.programs} if case.programs else {}),
                            **({"column_major_scales": True} if case.cm_scales else {}),
-                           **({"max_recv_rows": case.recv_rows} if case.recv_rows is not None else {}))
+                           **({"max_recv_rows": case.recv_rows} if case.recv_rows is not None else {}),
+                           **({"tuning": moe_ep.Tuning.from_env().replace(fused_internode=True)}
+                              if case.fused_internode else {}))
 
 
 def _hooked(op, *args, **kwargs):

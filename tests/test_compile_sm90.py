@@ -147,8 +147,9 @@ def test_kernels_compile_for_sm90(monkeypatch, tmp_path):
 
 def _record_remote_worker(rank, world_size, configs):
     """Each rank of 2 nodes of 1 records (does not run) the launches of one dispatch and combine
-    per config ``(T, H, dtype, layout, buffer kwargs)``, as a GPU would make them: chunks and
-    constexprs of a GPU, the halves as two launches. Rank 0 returns them."""
+    per config ``(T, H, dtype, layout, buffer kwargs, fused)``, as a GPU would make them: chunks
+    and constexprs of a GPU, the halves as two launches, or one where ``fused``
+    (``Tuning.fused_internode``). Rank 0 returns them."""
     import moe_ep
     import moe_ep.core.workspace
 
@@ -162,9 +163,10 @@ def _record_remote_worker(rank, world_size, configs):
 
     try:
         group = moe_ep.EPGroup(node_size=1)
-        for T, H, dt, layout, kwargs in configs:
+        for T, H, dt, layout, kwargs, fused in configs:
             buf = moe_ep.EPBuffer(group, 256, H, T, 8, dispatch_dtype=dt, layout=layout, num_programs=132, **kwargs)
-            buf.parts.tuning, buf.parts.interp = buf.tuning.replace(num_warps=8, fused=False), False
+            buf.parts.tuning = buf.tuning.replace(num_warps=8, fused=fused, fused_internode=fused)
+            buf.parts.interp = False
             buf.calls.launch = spy
             h = buf.dispatch(torch.zeros(T, H, dtype=torch.bfloat16), torch.zeros(T, 8, dtype=torch.int64),
                              torch.zeros(T, 8))
@@ -182,24 +184,28 @@ def _record_remote(configs):
     return dist_util.run(2, _record_remote_worker, configs, timeout=600)[0]
 
 
-_REMOTE_KERNELS = {"internode_dispatch_send_kernel", "internode_dispatch_recv_kernel", "internode_combine_send_kernel",
-                   "internode_combine_recv_kernel"}
+_REMOTE_KERNELS = {"internode_dispatch_kernel", "internode_combine_kernel"}
 
 
 def test_internode_kernels_compile_for_sm90(tmp_path):
     """The inter-node launches (two per op: send and receive halves; prefill adds the routing
     histogram with its rank rows), at decode (fp8 masked, column-major scales) and prefill (bf16
     packed), and the rows layout with combine weights, compile for sm_90: vector row stores, the
-    GPU deadline in every wait, the hardware fp8 conversion."""
+    GPU deadline in every wait, the hardware fp8 conversion; and decode's one launch per op with
+    ``Tuning.fused_internode`` (both halves)."""
     pytest.importorskip("triton.backends.nvidia")
-    rec = _record_remote([(128, 7168, torch.float8_e4m3fn, "masked", dict(column_major_scales=True)),
-                          (512, 7168, torch.bfloat16, "packed", {}),
-                          (128, 7168, torch.float8_e4m3fn, "rows", {})])
+    rec = _record_remote([(128, 7168, torch.float8_e4m3fn, "masked", dict(column_major_scales=True), False),
+                          (512, 7168, torch.bfloat16, "packed", {}, False),
+                          (128, 7168, torch.float8_e4m3fn, "rows", {}, False),
+                          (128, 7168, torch.float8_e4m3fn, "masked", {}, True)])
     names = [r[1] for r in rec]
     # two launches a dispatch and two a combine; the prefill dispatch also the routing histogram
-    # and, packed and rows sized per call, the count between its halves (from the proxy's headers)
+    # and, packed and rows sized per call, the count between its halves (from the proxy's headers);
+    # fused, one a dispatch and one a combine
     assert names.count("route_hist_kernel") == 1 and names.count("recv_total_kernel") == 2, names
-    assert len(names) == 3 * 4 + 3, names
+    assert len(names) == 3 * 4 + 3 + 2, names
+    halves = [(spec["consts"]["SEND"], spec["consts"]["RECV"]) for _, n, spec in rec if n in _REMOTE_KERNELS]
+    assert halves == [(True, False), (False, True)] * 6 + [(True, True)] * 2, halves
     assert all(n in _REMOTE_KERNELS or n in ("route_hist_kernel", "recv_total_kernel") for n in names), names
     tots = [spec["consts"] for _, n, spec in rec if n == "recv_total_kernel"]
     assert all(c["GLOBAL"] is True for c in tots) and [c["ROWS"] for c in tots] == [False, True], tots
@@ -212,7 +218,8 @@ def test_internode_kernels_compile_for_sm90(tmp_path):
         if name in _REMOTE_KERNELS:
             assert vec_stores > 0, (name, vec_stores)
             assert timers > 0, f"{name}: compiled without the GPU deadline"
-    assert sum(cvts for name, _, _, _, cvts in results if name == "internode_dispatch_send_kernel") > 0
+    sends = [r for (_, n, spec), r in zip(rec, results) if n == "internode_dispatch_kernel" and spec["consts"]["SEND"]]
+    assert sum(cvts for _, _, _, _, cvts in sends) > 0
 
 
 def test_column_major_scales_compile_for_sm90(monkeypatch, tmp_path):

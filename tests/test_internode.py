@@ -282,8 +282,23 @@ class _CountingLauncher:
         return getattr(self.inner, name)
 
     def __call__(self, key, fn, grid, args, consts, dynamic=None):
-        self.names.append(fn.fn.__name__)
+        c = consts() if callable(consts) else consts
+        self.names.append((fn.fn.__name__, c["SEND"], c["RECV"]) if "SEND" in c else fn.fn.__name__)
         return self.inner(key, fn, grid, args, consts, dynamic)
+
+
+class _RecordingLauncher:
+    """A launcher that records each launch as (kernel, SEND, RECV) and runs nothing (no plans)."""
+
+    def __init__(self):
+        self.names = []
+
+    def __call__(self, key, fn, grid, args, consts, dynamic=None):
+        c = consts()
+        self.names.append((fn.fn.__name__, c["SEND"], c["RECV"]))
+
+    def planned(self, key):
+        return None
 
 
 def _launches_worker(rank, world_size, node_size, direct_max):
@@ -319,14 +334,92 @@ def test_launches_per_op(R, node_size):
     waits, the count matrix, the node rows and the remote rows in the receive half. At prefill
     sizes the dispatch launches the routing histogram first (with its rank rows), on both paths."""
     across = node_size < R
-    send, recv = ("internode_dispatch_send_kernel", "internode_dispatch_recv_kernel") if across else \
-        ("node_dispatch_kernel", "node_dispatch_kernel")
-    csend, crecv = ("internode_combine_send_kernel", "internode_combine_recv_kernel") if across else \
-        ("node_combine_kernel", "node_combine_kernel")
+    disp_k, comb_k = ("internode_dispatch_kernel", "internode_combine_kernel") if across else \
+        ("node_dispatch_kernel", "node_combine_kernel")
     for direct_max, hist in ((2048, []), (0, ["route_hist_kernel"])):
         for disp, comb in dist_util.run(R, _launches_worker, node_size, direct_max, timeout=300):
-            assert disp == hist + [send, recv], disp
-            assert comb == [csend, crecv], comb
+            assert disp == hist + [(disp_k, True, False), (disp_k, False, True)], disp
+            assert comb == [(comb_k, True, False), (comb_k, False, True)], comb
+
+
+def _fused_launches_worker(rank, world_size, node_size):
+    """The launches a GPU would make (recorded, not run: constexprs of a compiled kernel, no host
+    waits) for one dispatch and one combine across nodes, without and with ``fused_internode``,
+    and for a call with receive hooks with it; each launch as (kernel, SEND, RECV)."""
+    import moe_ep
+
+    group = moe_ep.EPGroup(node_size=node_size)
+    M, H = 4, 128
+    x, idx, w = _to_every_rank_inputs(rank, world_size, M, H)
+    got = {}
+    for name, fused, hooked in (("two", False, False), ("one", True, False), ("hooked", True, True)):
+        with moe_ep.EPBuffer(group, 2 * world_size, H, M, 2, timeout_s=20.0,
+                             tuning=moe_ep.Tuning(fused_internode=fused)) as buf:
+            # as on a GPU whose SMs hold every program (the node ops fuse there too)
+            buf.parts.tuning = buf.tuning.replace(fused=True, fused_internode=fused)
+            buf.parts.interp, buf.calls.launch = False, _RecordingLauncher()
+            names = buf.calls.launch.names
+            if hooked:
+                h, hook = buf.dispatch(x, idx, w, return_recv_hook=True)
+                hook()
+                disp = list(names)
+                _, hook = buf.combine(h.expert_x, h, return_recv_hook=True)
+                hook()
+            else:
+                h = buf.dispatch(x, idx, w)
+                disp = list(names)
+                buf.combine(h.expert_x, h)
+            got[name] = (disp, names[len(disp):])
+    return got
+
+
+@pytest.mark.parametrize("R,node_size", [(2, 1), (4, 2)], ids=["2x1", "2x2"])
+def test_fused_internode_launches_per_op(R, node_size):
+    """With ``Tuning.fused_internode`` on a GPU whose SMs hold every program, one launch per
+    inter-node dispatch and combine (both halves); without it two, as before; with a receive hook
+    two (the hook's launch is the receive half) either way. Recorded as a GPU makes them, on CPU
+    ranks (the interpreter runs programs one after another: it cannot run the fused form)."""
+    for got in dist_util.run(R, _fused_launches_worker, node_size, timeout=300):
+        for op, kernel in enumerate(("internode_dispatch_kernel", "internode_combine_kernel")):
+            assert got["two"][op] == [(kernel, True, False), (kernel, False, True)], got
+            assert got["one"][op] == [(kernel, True, True)], got
+            assert got["hooked"][op] == [(kernel, True, False), (kernel, False, True)], got
+
+
+def _fused_one_program_worker(rank, world_size, node_size, cases):
+    """``run_calls`` of each case (one program a launch) with the inter-node ops fused, under the
+    interpreter: one program has no other program to wait for, so its one launch runs both halves
+    here too (its waits spin on the proxy's words, which the proxy thread raises). Returns
+    failures, and the inter-node launches' halves seen."""
+    import moe_ep
+    from ep_cases import make_buffer
+
+    group = moe_ep.EPGroup(node_size=node_size)
+    fails, halves = [], set()
+    for c in cases:
+        with make_buffer(group, c, 30.0) as buf:
+            buf.parts.tuning = buf.tuning.replace(fused_internode=True)
+            buf.calls.launch = la = _CountingLauncher(buf.calls.launch)
+            fails += run_calls(group, buf, c)
+            halves |= {n for n in la.names if n[0].startswith("internode_")}
+    return fails, halves
+
+
+@pytest.mark.parametrize("R", [2, 3], ids=["2x1", "3x1"])
+def test_fused_internode_one_program(R, node_size=1):
+    """The fused inter-node kernels (both halves in one launch, each program's receive half after
+    its whole send half, this rank's own counts derived per program) against the oracle, on CPU
+    ranks of one program each: masked, packed and rows, bf16 and fp8. Nodes of one rank: the
+    interpreter's wait for a node peer's flag looks once (the host waits for them between two
+    launches), so 2 x 2 fused runs on GPUs only (tests/test_internode_gpu.py)."""
+    cases = [Case(R=R, E=2 * R, K=2, dtype="bf16", layout="masked", programs=1, calls=("uniform", "skewed"), seed=71),
+             Case(R=R, E=2 * R, K=3, dtype="fp8", layout="packed", align=16, programs=1, recv_rows="worst",
+                  calls=("sparse", "uniform"), seed=72),
+             Case(R=R, E=2 * R, K=2, dtype="fp8pre", layout="rows", programs=1, recv_rows="worst",
+                  calls=("uniform", "none"), seed=73)]
+    for fails, halves in dist_util.run(R, _fused_one_program_worker, node_size, cases, timeout=600):
+        assert not fails, "\n".join(fails[:20])
+        assert halves == {("internode_dispatch_kernel", True, True), ("internode_combine_kernel", True, True)}, halves
 
 
 def _overlap_worker(rank, world_size, signal, late):
@@ -355,19 +448,23 @@ def _overlap_worker(rank, world_size, signal, late):
         if rank == late:
             real, decoy = rp.mailbox, torch.zeros_like(rp.mailbox)
             args = rp.dispatch_args
-            rp.dispatch_args = lambda send: dict(args(send), mb_ptr=decoy) if send else args(send)
+            rp.dispatch_args = lambda: dict(args(), mb_ptr=decoy)  # (the dispatch's; the combine's stay real)
             bells = slice(mailbox_word("disp_bell", R, 0), mailbox_word("disp_bell", R, R))
+            # what the proxy writes for the dispatch kernel, handed on to it as the proxy writes it
+            words = [MAILBOX[n] for n in ("disp_ready", "hdr_ready", "err_code", "err_peer", "err_phase",
+                                          "err_epoch", "ov_ready")] + \
+                [mailbox_word(a, R, p) for a in ("ready1", "ready2") for p in range(R)]
 
-            def relay():  # the header bell at once, the rows bells late
-                while not stop.is_set() and int(decoy[MAILBOX["hdr_bell"]]) < 1:
+            def relay():  # the proxy's words to the kernel as they come; the header bell at once, the rows bells late
+                t0, late_ok = time.monotonic(), False
+                while not stop.is_set():
+                    decoy[words] = real[words]
+                    if int(decoy[MAILBOX["hdr_bell"]]) >= 1:
+                        real[MAILBOX["hdr_bell"]] = decoy[MAILBOX["hdr_bell"]]
+                    late_ok = late_ok or os.path.exists(signal) or time.monotonic() - t0 > 15
+                    if late_ok and int(decoy[bells][[p for p in range(R) if p != rank]].min()) >= 1:
+                        real[bells] = decoy[bells]
                     time.sleep(1e-3)
-                real[MAILBOX["hdr_bell"]] = decoy[MAILBOX["hdr_bell"]]
-                t0 = time.monotonic()
-                while not stop.is_set() and not os.path.exists(signal) and time.monotonic() - t0 < 15:
-                    time.sleep(1e-2)
-                while not stop.is_set() and int(decoy[bells][[p for p in range(R) if p != rank]].min()) < 1:
-                    time.sleep(1e-3)
-                real[bells] = decoy[bells]
             threading.Thread(target=relay, daemon=True).start()
         seen = []
         if rank == 0:

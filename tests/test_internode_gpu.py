@@ -85,10 +85,13 @@ def test_matrix_gpu_internode(topo, layouts):
                                 dict(dtype="bf16", layout="packed", align=16, K=2, data="tagged"),
                                 dict(dtype="fp8", layout="rows", K=8, data="tagged")],
                          ids=["fp8-masked", "bf16-packed", "fp8-rows"])
-def test_cuda_graph_replay_internode(kw, R, G):
+@pytest.mark.parametrize("fused", [False, True], ids=["two-launches", "fused"])
+def test_cuda_graph_replay_internode(kw, R, G, fused):
+    """CUDA-graph capture of dispatch -> experts -> combine across nodes, replayed with new routing
+    against the oracle; ``fused``: each op in one launch (``Tuning.fused_internode``)."""
     from test_dispatch_combine import _graph_worker
 
-    _run(R, _graph_worker, dict(R=R, E=8, H=256, M=16, seed=78 + R, **kw), G)
+    _run(R, _graph_worker, dict(R=R, E=8, H=256, M=16, seed=78 + R, fused_internode=fused, **kw), G)
 
 
 def _silent_worker(rank, world_size, timeout_s):
@@ -126,3 +129,57 @@ def test_silent_peer_gpu_internode():
     assert (rank, phase) == (0, "dispatch"), res
     assert peer == 1, f"the silent peer is not named: {msg}"
     assert took < timeout_s + 8, res
+
+
+# ---------------------------------------------------------------- one launch per op (fused_internode)
+
+def _fused_worker(rank, world_size, cases, private_capacity, node_size):
+    """``run_calls`` of each case against the oracle with ``Tuning(fused_internode=True)``; the
+    launches the full path made: one per op, both halves, except where a call's receive half is
+    its own launch (a receive hook; a packed or rows dispatch sized per call, counted between its
+    halves)."""
+    import moe_ep
+    from test_internode import _CountingLauncher
+
+    group = _group(rank, node_size)
+    fails = []
+    for c in cases:
+        with moe_ep.EPBuffer(group, c.E, c.H, c.M, c.K, dispatch_dtype=DTYPES[c.dtype], layout=c.layout,
+                             expert_alignment=c.align, timeout_s=30.0, private_capacity=private_capacity,
+                             tuning=moe_ep.Tuning(fused_internode=True),
+                             **({"max_recv_rows": c.recv_rows} if c.recv_rows is not None else {})) as buf:
+            if buf.remote is None or not buf.remote.gpu or not buf.tuning.fused_internode:
+                return [f"rank {rank}: {c.name}: not the fused GPU inter-node path ({buf.num_programs} programs, "
+                        f"fused={buf.tuning.fused})"]
+            buf.calls.launch = la = _CountingLauncher(buf.calls.launch)
+            fails += run_calls(group, buf, c)
+            buf.synchronize()
+            halves = [n for n in la.names if n[0].startswith("internode_")]  # (kernel, SEND, RECV)
+            split = c.hooks or (c.layout != "masked" and c.recv_rows is None)
+            one = [h for h in halves if h[1] and h[2]]
+            if split and one or not split and (not one or len(one) != len(halves)):
+                fails.append(f"rank {rank}: {c.name}: launches {halves}")
+    return fails
+
+
+FUSED_CASES = [
+    dict(E=16, K=8, dtype="fp8", layout="masked", H=7168, M=128, data="random"),  # decode
+    dict(E=8, K=4, dtype="fp8", layout="masked", H=256, M=32, data="random"),
+    dict(E=8, K=8, dtype="bf16", layout="packed", align=16, H=128, M=48, recv_rows="worst"),
+    dict(E=4, K=2, dtype="fp8pre", layout="packed", H=384, M=16, data="random", recv_rows="worst"),
+    dict(E=8, K=4, dtype="fp8", layout="rows", H=256, M=32, data="random", recv_rows="worst"),
+    dict(E=8, K=8, dtype="bf16", layout="rows", H=128, M=48),  # sized per call: two launches
+    dict(E=8, K=4, dtype="fp8", layout="masked", H=256, M=32, hooks=True),  # the hook's receive half
+]
+
+
+@pytest.mark.parametrize("topo", list(TOPOLOGIES))
+def test_fused_internode_gpu(topo):
+    """``Tuning(fused_internode=True)``: each inter-node dispatch and combine in one launch (both
+    halves; programs resident: ranks sharing a GPU take SMs // ranks each), masked, packed and
+    rows, against the oracle, with every row in round 2, the default private slots, and node
+    peers (2 x 2); calls with hooks and dispatches sized per call keep their two launches."""
+    R, G, pc = TOPOLOGIES[topo]
+    cases = [Case(R=R, calls=CALLS, seed=290 + i + 100 * (R > 2), **{**kw, "E": kw["E"] * R // 2})
+             for i, kw in enumerate(FUSED_CASES)]
+    _run(R, _fused_worker, cases, pc, G)

@@ -319,15 +319,15 @@ def test_launched_kernels_take_at_most_40_parameters():
     groups; the inter-node kernels take the node kernel's as one, ``NODE``)."""
     import inspect
 
-    from moe_ep.internode.combine_kernels import internode_combine_recv_kernel, internode_combine_send_kernel
-    from moe_ep.internode.dispatch_kernels import internode_dispatch_recv_kernel, internode_dispatch_send_kernel
+    from moe_ep.internode.combine_kernels import internode_combine_kernel
+    from moe_ep.internode.dispatch_kernels import internode_dispatch_kernel
     from moe_ep.kernels.combine import node_combine_kernel
     from moe_ep.kernels.dispatch import node_dispatch_kernel
     from moe_ep.kernels.recv_total import recv_total_kernel
     from moe_ep.kernels.route import route_hist_kernel
     counts = {k.fn.__name__: len(inspect.signature(k.fn).parameters) for k in (
-        node_dispatch_kernel, node_combine_kernel, route_hist_kernel, recv_total_kernel, internode_dispatch_send_kernel,
-        internode_dispatch_recv_kernel, internode_combine_send_kernel, internode_combine_recv_kernel)}
+        node_dispatch_kernel, node_combine_kernel, route_hist_kernel, recv_total_kernel, internode_dispatch_kernel,
+        internode_combine_kernel)}
     assert max(counts.values()) <= 40, counts
 
 

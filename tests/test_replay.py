@@ -172,6 +172,14 @@ def test_replayed_prefill_structure_matches_the_oracle(dtype, layout):
     assert hits[case.name] == 2 * 5 + 3 * 3, hits
 
 
+def _kind(plan) -> str:
+    """``dispatch_send``, ``combine_recv``, ...: an inter-node plan's op and half (else its kernel's name)."""
+    name = plan.fn.fn.__name__.replace("internode_", "").replace("_kernel", "")
+    if "SEND" not in plan.consts:
+        return name
+    return name + {(True, False): "_send", (False, True): "_recv"}.get((plan.consts["SEND"], plan.consts["RECV"]), "")
+
+
 def _across_worker(rank, world_size, node_size, cases):
     """``_replay_worker`` with peers on other nodes; returns (failures, replayed launches per
     case and kind (``dispatch_send``, ``combine_recv``, ...) on this rank)."""
@@ -185,9 +193,9 @@ def _across_worker(rank, world_size, node_size, cases):
                 return [f"rank {rank}: no peer on another node"], {}
             buf.calls.launch = la = _InterpLauncher()
             fails += run_calls(group, buf, case)
-            hits[case.name] = {p.fn.fn.__name__.replace("internode_", "").replace("_kernel", ""): 0 for p in la.plans}
+            hits[case.name] = {_kind(p): 0 for p in la.plans}
             for p in la.plans:
-                hits[case.name][p.fn.fn.__name__.replace("internode_", "").replace("_kernel", "")] += len(p.launches)
+                hits[case.name][_kind(p)] += len(p.launches)
     return fails, hits
 
 

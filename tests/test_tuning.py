@@ -31,7 +31,8 @@ BAD = [("MOE_EP_NUM_WARPS", "3"), ("MOE_EP_NUM_WARPS", "64"), ("MOE_EP_COMBINE_W
 def test_every_variable_has_a_field():
     from moe_ep.core.tuning import ENV, Tuning
 
-    assert set(ENV) == {f.name for f in dataclasses.fields(Tuning)}
+    # (fields added since the variables were kept for one release take none: fused_internode)
+    assert set(ENV) == {f.name for f in dataclasses.fields(Tuning)} - {"fused_internode"}
     assert {var for var, _, _ in GOOD} == {var for var, _ in ENV.values()}
 
 
@@ -101,6 +102,14 @@ def test_rules_give_a_gpu_buffers_numbers(monkeypatch):
         assert t.fused and t.stages == 1 and t.dispatch_maxnreg == "" and t.prefetch is None
     assert not Tuning().resolve(_gpu_shape(128, "fp8", "masked", 133), sms=132).fused  # not all resident
     assert not Tuning(split=True).resolve(_gpu_shape(128, "fp8", "masked", 32), sms=132).fused
+    # one launch per inter-node op: only where asked, and only where the node ops fuse (off by default)
+    assert not Tuning().resolve(_gpu_shape(128, "fp8", "masked", 32), sms=132).fused_internode
+    assert Tuning(fused_internode=True).resolve(_gpu_shape(128, "fp8", "masked", 32), sms=132).fused_internode
+    assert not Tuning(fused_internode=True).resolve(_gpu_shape(128, "fp8", "masked", 133), sms=132).fused_internode
+    assert not Tuning(fused_internode=True, split=True).resolve(_gpu_shape(128, "fp8", "masked", 32),
+                                                                sms=132).fused_internode
+    with pytest.raises(ValueError, match="fused_internode: expected a bool"):
+        Tuning(fused_internode=1)
     forced = Tuning(num_warps=8, maxnreg="none", tile=1, combine_tokens=2, hist_warps=2, stages=2)
     t = forced.resolve(_gpu_shape(4096, "fp8", "packed", 32), sms=132)
     assert (t.num_warps, t.combine_warps, t.dispatch_maxnreg, t.combine_maxnreg, t.tile, t.combine_tile,

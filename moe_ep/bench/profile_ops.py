@@ -4,6 +4,7 @@
     torchrun --nproc-per-node=2 -m moe_ep.bench.profile_ops --preset prefill --num-programs 32
     torchrun --nproc-per-node=4 -m moe_ep.bench.profile_ops   # 4 ranks on 1 GPU: gloo, CUDA IPC
     MOE_EP_NODE_SIZE=1 torchrun --nproc-per-node=2 -m moe_ep.bench.profile_ops   # 2 nodes of 1: the proxy (TCP)
+    MOE_EP_NODE_SIZE=1 torchrun --nproc-per-node=2 -m moe_ep.bench.profile_ops --fused-internode   # one launch an op
 
 Prints, for rank 0: the host time to issue a call (Python and launch, no device sync; the median
 over many calls of dispatch, of combine returning a new tensor and of combine with ``out=``; of
@@ -72,6 +73,8 @@ def main(argv=None) -> None:
     p.add_argument("--layout", choices=["masked", "packed"], default=None)
     p.add_argument("--num-programs", type=int, default=None)
     p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--fused-internode", action="store_true",
+                   help="across nodes, each op's two halves in one launch (Tuning.fused_internode)")
     args = p.parse_args(argv)
     import moe_ep
     from moe_ep.ops.combine import new_output
@@ -94,6 +97,8 @@ def main(argv=None) -> None:
         kw["num_programs"] = args.num_programs
     if layout != "masked":  # the kernels as before (sized per call, a dispatch adds a host sync)
         kw["max_recv_rows"] = "worst"
+    if args.fused_internode:
+        kw["tuning"] = moe_ep.Tuning.from_env().replace(fused_internode=True)
     lines = []
     with moe_ep.EPBuffer(group, E, H, T, K, **kw) as buf:
         d = buf.dispatch(x, idx, w)
@@ -171,7 +176,8 @@ def main(argv=None) -> None:
         s = io.StringIO()
         pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(14)
         lines.append(f"host per dispatch+combine pair (no sync): {hd:.1f} us   "
-                     f"[programs={buf.num_programs} fused={buf.tuning.fused} warps={buf.tuning.num_warps}]")
+                     f"[programs={buf.num_programs} fused={buf.tuning.fused} "
+                     f"fused_internode={buf.tuning.fused_internode} warps={buf.tuning.num_warps}]")
         lines.append("cProfile, by own time (" + str(args.calls) + " pairs):")
         lines += ["    " + ln for ln in s.getvalue().splitlines()[6:26] if ln.strip()]
         a = torch.zeros(16, device=dev)

@@ -24,7 +24,8 @@ from .workspace import COMBINE_STEP_TOKENS, OWN_TILE_TOKENS, pow2
 WARPS = (1, 2, 4, 8, 16, 32)  # the warps a Triton program may have
 SMEM_BUDGET = 160 * 1024  # bytes of shared memory the pipelined loops' stages may take (H100/H200: 227 KB)
 
-# field -> (its variable, what the field accepts: "warps", "positive", "count", "maxnreg" or "flag")
+# field -> (its variable, what the field accepts: "warps", "positive", "count", "maxnreg" or "flag");
+# fields added since (``fused_internode``) have no variable: they are passed as ``Tuning`` fields only
 ENV = {"num_warps": ("MOE_EP_NUM_WARPS", "warps"),
        "combine_warps": ("MOE_EP_COMBINE_WARPS", "warps"),
        "maxnreg": ("MOE_EP_MAXNREG", "maxnreg"),
@@ -103,6 +104,7 @@ class ResolvedTuning:
 
     asked: "Tuning"             # the Tuning given (its None fields: the rules)
     fused: bool                 # one launch per dispatch / combine (else a send and a receive launch)
+    fused_internode: bool       # the same for the inter-node kernels (``Tuning.fused_internode`` and ``fused``)
     num_warps: int              # warps a dispatch program (and a combine program unless combine_warps)
     combine_warps: Optional[int]  # warps a combine program (None: num_warps)
     dispatch_maxnreg: str       # registers a dispatch thread may use (register_budget's spec; "": ptxas's choice)
@@ -144,6 +146,8 @@ class Tuning:
         hist_warps: warps per program of the routing-histogram launch (a power of two, 1 to 32).
         prefetch: rows layout: sub-blocks of own rows the dispatch asks the L2 for ahead (0: none).
         split: True: every dispatch and combine as two launches (send half, receive half).
+        fused_internode: one launch per inter-node op where every program is resident (where
+            the node ops fuse); off until measured on a GPU (the two launches of before).
         max_chunks: rows layout: the most chunks a source's tokens are cut into (rounded up to a
             power of two); sizes the workspace (``moe_ep.core.workspace.max_chunks``).
     """
@@ -159,12 +163,15 @@ class Tuning:
     prefetch: Optional[int] = None
     split: bool = False
     max_chunks: Optional[int] = None
+    fused_internode: bool = False
 
     def __post_init__(self):
         for name, (_, kind) in ENV.items():
             v = getattr(self, name)
             if v is not None and not _valid(kind, v):
                 raise ValueError(f"{name}: expected {_EXPECTED[kind]}, got {v!r}")
+        if not isinstance(self.fused_internode, bool):
+            raise ValueError(f"fused_internode: expected a bool, got {self.fused_internode!r}")
         if isinstance(self.maxnreg, int):
             object.__setattr__(self, "maxnreg", str(self.maxnreg))  # one spelling: Tuning(maxnreg=64) == "64"
 
@@ -191,6 +198,9 @@ class Tuning:
         # (its programs wait for their peers' counterparts); else, and under the interpreter, the
         # send and receive halves go as two launches. ``split`` forces two launches.
         fused = gpu and P <= sms and not self.split
+        # Across nodes the same condition makes one launch of the inter-node kernels' halves, where
+        # asked (``fused_internode``): every program does its whole send half (no wait there)
+        # before its first wait, so a resident grid never waits for a program not yet running.
         # Warps per program: few programs, or few tokens each, need more warps each to keep enough
         # bytes in flight (measured on H200: 32 programs at prefill, 16 warps 523/524 us vs 8 warps
         # 663/774 us for dispatch/combine; 132 programs at decode, 12.0/7.3 us vs 12.6/8.3 us).
@@ -237,7 +247,7 @@ class Tuning:
         steps = layout == "packed" or (layout == "masked" and P <= 64)
         step = cshape.tokens or (COMBINE_STEP_TOKENS if steps else block_t)
         return ResolvedTuning(
-            asked=self, fused=fused, num_warps=num_warps, combine_warps=self.combine_warps or cshape.warps,
+            asked=self, fused=fused, fused_internode=fused and self.fused_internode, num_warps=num_warps, combine_warps=self.combine_warps or cshape.warps,
             dispatch_maxnreg=maxnreg, combine_maxnreg=maxnreg or cshape.maxnreg,
             tile=self.tile or (2 if gpu else 1), combine_tile=combine_tile,
             combine_recv_tile=self.tile or (rows_recv if layout == "rows" else 1),

@@ -1,4 +1,5 @@
-"""The inter-node combine in two launches (docs/ARCHITECTURE.md §10): the send half pre-reduces the
+"""The inter-node combine kernel (docs/ARCHITECTURE.md §10), its halves as two launches or, where
+every program is resident and ``Tuning.fused_internode`` asks, one: the send half pre-reduces the
 rows received from each remote source and rings its combine bell, then stores into node peers;
 the receive half waits for the proxy, then sums every owner's partial rows (the node kernel, with
 the remote owners' rows through ``XROWS``) and rounds once.
@@ -9,7 +10,7 @@ dispatch's overflow took more windows, each later window's rows reuse the buffer
 the window's order, once the proxy's writes of the one before completed (docs/ARCHITECTURE.md
 §10, "Round 2 in windows"). A row: bf16 ``H`` elements, the pre-reduction ``sum_k w * y[rpos]``
 rounded once (rows layout: the row of ``y`` as it is, then its K float32 combine weights). Both
-kernels call the node kernel (``node_combine_kernel``, its constexpr groups handed on from
+halves call the node kernel (``node_combine_kernel``, its constexpr groups handed on from
 ``NODE``) for the node peers' part; the proxy's combine carries the dispatch epoch
 (``state[0, pid]``).
 """
@@ -21,7 +22,7 @@ from ..kernels.combine import node_combine_kernel
 from ..kernels.common import PHASE_COMBINE, deadline_start, pre_reduce
 from ..kernels.tiles import excl, pick
 from .mailbox import (MB_COMB_READY, MB_COMB_WIN_BELL, MB_COMB_WIN_DONE, arrive_and_ring, comb_bell, ov_window,
-                      wait_window, wait_word, window_count)
+                      proxy_deadline, wait_window, wait_word, window_count)
 
 
 @triton.jit
@@ -66,8 +67,8 @@ def send_rows_of(g0, d0, n, pid, P, y_ptr, wy_ptr, rio, DIM: tl.constexpr, MODE:
                        INTERP=MODE.INTERP)
 
 
-@triton.jit(do_not_specialize=['ws', 'timeout_ns', 'T', 'rtimeout_ns', 'spins'])
-def internode_combine_send_kernel(
+@triton.jit(do_not_specialize=['ws', 'timeout_ns', 'T'])
+def internode_combine_kernel(
     # the node kernel's runtime arguments (node_combine_kernel's, in its order)
     y_ptr, topk_ptr, out_ptr, ws, peer_ptr, state_ptr, err_ptr, recv_pos_ptr, timeout_ns, T, wy_ptr, wout_ptr,
     cw_ptr, xrows_ptr, xrecv_ptr,
@@ -78,72 +79,66 @@ def internode_combine_send_kernel(
     rpos_ptr,          # int32 [ROWS_CAP, K] from the dispatch's receive half
     rw_ptr,            # float32 [ROWS_CAP, K] from the dispatch's receive half
     recv_rows_ptr,     # int32 [R] from the dispatch's receive half
-    rtimeout_ns,       # the deadline of the waits for the proxy (its own deadline, which names the peer, is shorter)
-    spins,             # the interpreter's bound on looks per wait (it has no clock)
+    SEND: tl.constexpr, RECV: tl.constexpr,  # the halves this launch does
     NODE: tl.constexpr,  # NodeGroups: the node kernel's OFF, DIM, MODE, TILE
     REM: tl.constexpr,   # Remote: the inter-node sizes
 ):
-    """The send half: each remote source's round-1 and overflow window-0 rows (from the next node
-    on) pre-reduced into the combine send buffer, its bell rung as soon as they are; the later
-    overflow windows, if any, by the last program, each once the proxy sent the one before
+    """The send half (``SEND``): each remote source's round-1 and overflow window-0 rows (from the
+    next node on) pre-reduced into the combine send buffer, its bell rung as soon as they are; the
+    later overflow windows, if any, by the last program, each once the proxy sent the one before
     (``comb_win_done``; one program, as the dispatch's receive half unpacks them); then the node
-    peers' rows."""
+    peers' rows.
+
+    The receive half (``RECV``): every remote owner's rows in (the proxy's combine ready word),
+    then the node kernel's receive half, which adds them (``XROWS``) to the node owners' and
+    rounds once.
+
+    Both in one launch (every program resident, ``Tuning.fused_internode``): a program does its
+    whole send half before its receive half, as the dispatch kernel does; its receive half reads
+    nothing another program of the launch writes but the node kernel's flags (waited for with a
+    deadline) and the proxy's rows (after its ready word)."""
     DIM: tl.constexpr = NODE.DIM
     MODE: tl.constexpr = NODE.MODE
     TILE: tl.constexpr = NODE.TILE
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     depoch = tl.load(state_ptr + pid)  # the dispatch this combine answers (the proxy's combine epoch)
-    # what the helpers take (a named tuple: no code of its own)
-    rio = RemoteIO(send_ptr=comb_send_ptr, comb_row_ptr=0, mb_ptr=mb_ptr, rpos_ptr=rpos_ptr, rw_ptr=rw_ptr,
-                   rtimeout_ns=rtimeout_ns, spins=spins)
-    rr = tl.arange(0, REM.BLOCK_R)
-    c = tl.load(recv_rows_ptr + rr, mask=rr < DIM.R, other=0)
-    goff = excl(c)  # each source's first row in combine order (rank order)
-    o_s = c - tl.minimum(c, REM.PCAP)  # each source's overflow rows, at ovoff in this rank's stream
-    ovoff = excl(o_s)
-    c0 = c - o_s + tl.minimum(o_s, tl.maximum(REM.OVCAP - ovoff, 0))  # its rows of round 1 and window 0
-    doff = excl(c0)  # each source's first row in the send buffer (window 0)
-    for q in range(DIM.R - DIM.N):
-        s = (DIM.NODE0 + DIM.N + q) % DIM.R
-        send_rows_of(pick(goff, rr, s), pick(doff, rr, s), pick(c0, rr, s), pid, P, y_ptr, wy_ptr, rio, DIM, MODE,
-                     TILE, REM)
-        arrive_and_ring(arrive_ptr + s, mb_ptr, comb_bell(DIM.R, s), depoch)
-    if (window_count(o_s, REM.OVCAP) > 1) & (pid == P - 1):
-        for w in range(1, window_count(o_s, REM.OVCAP)):
-            lo_s, hi_s = wait_window(mb_ptr, MB_COMB_WIN_DONE, depoch, w, ovoff, o_s, err_ptr, PHASE_COMBINE,
-                                     rtimeout_ns, spins, REM.OVCAP, MODE.INTERP)
-            for s in range(DIM.R):
-                lo = pick(lo_s, rr, s)
-                hi = pick(hi_s, rr, s)
-                if hi > lo:
-                    send_rows_of(pick(goff, rr, s) + REM.PCAP + lo - pick(ovoff, rr, s), lo - w * REM.OVCAP, hi - lo,
-                                 0, 1, y_ptr, wy_ptr, rio, DIM, MODE, TILE, REM)
-            # window w packed: the proxy posts it (system-scope release after this program's stores)
-            tl.debug_barrier()
-            tl.atomic_xchg(mb_ptr + MB_COMB_WIN_BELL, ov_window(depoch, w), sem="release", scope="sys")
-    node_combine_kernel(y_ptr, topk_ptr, out_ptr, ws, peer_ptr, state_ptr, err_ptr, recv_pos_ptr, timeout_ns, T,
-                        wy_ptr, wout_ptr, cw_ptr, xrows_ptr, xrecv_ptr, SEND=True, RECV=False, PUSH=False,
-                        OFF=NODE.OFF, DIM=DIM, MODE=MODE, TILE=TILE, XCRB=REM.CRB, XMAX=REM.MAXROWS)
-
-
-@triton.jit(do_not_specialize=['ws', 'timeout_ns', 'T', 'rtimeout_ns', 'spins'])
-def internode_combine_recv_kernel(
-    # the node kernel's runtime arguments (node_combine_kernel's, in its order)
-    y_ptr, topk_ptr, out_ptr, ws, peer_ptr, state_ptr, err_ptr, recv_pos_ptr, timeout_ns, T, wy_ptr, wout_ptr,
-    cw_ptr, xrows_ptr, xrecv_ptr,
-    # the proxy's
-    mb_ptr,            # int64: the proxy's mailbox
-    rtimeout_ns,       # the deadline of the wait for the proxy (its own deadline, which names the peer, is shorter)
-    spins,             # the interpreter's bound on looks (it has no clock)
-    NODE: tl.constexpr,  # NodeGroups: the node kernel's OFF, DIM, MODE, TILE
-    REM: tl.constexpr,   # Remote: the inter-node sizes
-):
-    """The receive half: every remote owner's rows in (the proxy's combine ready word), then the
-    node kernel's receive half, which adds them (``XROWS``) to the node owners' and rounds once."""
-    depoch = tl.load(state_ptr + tl.program_id(0))
-    t0_ns = deadline_start(NODE.MODE.INTERP)
-    wait_word(mb_ptr, MB_COMB_READY, depoch, err_ptr, -1, PHASE_COMBINE, t0_ns, rtimeout_ns, spins, NODE.MODE.INTERP)
-    node_combine_kernel(y_ptr, topk_ptr, out_ptr, ws, peer_ptr, state_ptr, err_ptr, recv_pos_ptr, timeout_ns, T,
-                        wy_ptr, wout_ptr, cw_ptr, xrows_ptr, xrecv_ptr, SEND=False, RECV=True, PUSH=False,
-                        OFF=NODE.OFF, DIM=NODE.DIM, MODE=NODE.MODE, TILE=NODE.TILE, XCRB=REM.CRB, XMAX=REM.MAXROWS)
+    rtimeout_ns, spins = proxy_deadline(timeout_ns)
+    if SEND:
+        # what the helpers take (a named tuple: no code of its own)
+        rio = RemoteIO(send_ptr=comb_send_ptr, comb_row_ptr=0, mb_ptr=mb_ptr, rpos_ptr=rpos_ptr, rw_ptr=rw_ptr,
+                       rtimeout_ns=rtimeout_ns, spins=spins)
+        rr = tl.arange(0, REM.BLOCK_R)
+        c = tl.load(recv_rows_ptr + rr, mask=rr < DIM.R, other=0)
+        goff = excl(c)  # each source's first row in combine order (rank order)
+        o_s = c - tl.minimum(c, REM.PCAP)  # each source's overflow rows, at ovoff in this rank's stream
+        ovoff = excl(o_s)
+        c0 = c - o_s + tl.minimum(o_s, tl.maximum(REM.OVCAP - ovoff, 0))  # its rows of round 1 and window 0
+        doff = excl(c0)  # each source's first row in the send buffer (window 0)
+        for q in range(DIM.R - DIM.N):
+            s = (DIM.NODE0 + DIM.N + q) % DIM.R
+            send_rows_of(pick(goff, rr, s), pick(doff, rr, s), pick(c0, rr, s), pid, P, y_ptr, wy_ptr, rio, DIM, MODE,
+                         TILE, REM)
+            arrive_and_ring(arrive_ptr + s, mb_ptr, comb_bell(DIM.R, s), depoch)
+        if (window_count(o_s, REM.OVCAP) > 1) & (pid == P - 1):
+            for w in range(1, window_count(o_s, REM.OVCAP)):
+                lo_s, hi_s = wait_window(mb_ptr, MB_COMB_WIN_DONE, depoch, w, ovoff, o_s, err_ptr, PHASE_COMBINE,
+                                         rtimeout_ns, spins, REM.OVCAP, MODE.INTERP)
+                for s in range(DIM.R):
+                    lo = pick(lo_s, rr, s)
+                    hi = pick(hi_s, rr, s)
+                    if hi > lo:
+                        send_rows_of(pick(goff, rr, s) + REM.PCAP + lo - pick(ovoff, rr, s), lo - w * REM.OVCAP,
+                                     hi - lo, 0, 1, y_ptr, wy_ptr, rio, DIM, MODE, TILE, REM)
+                # window w packed: the proxy posts it (system-scope release after this program's stores)
+                tl.debug_barrier()
+                tl.atomic_xchg(mb_ptr + MB_COMB_WIN_BELL, ov_window(depoch, w), sem="release", scope="sys")
+        node_combine_kernel(y_ptr, topk_ptr, out_ptr, ws, peer_ptr, state_ptr, err_ptr, recv_pos_ptr, timeout_ns, T,
+                            wy_ptr, wout_ptr, cw_ptr, xrows_ptr, xrecv_ptr, SEND=True, RECV=False, PUSH=False,
+                            OFF=NODE.OFF, DIM=DIM, MODE=MODE, TILE=TILE, XCRB=REM.CRB, XMAX=REM.MAXROWS)
+    if RECV:
+        t0_ns = deadline_start(MODE.INTERP)
+        wait_word(mb_ptr, MB_COMB_READY, depoch, err_ptr, -1, PHASE_COMBINE, t0_ns, rtimeout_ns, spins, MODE.INTERP)
+        node_combine_kernel(y_ptr, topk_ptr, out_ptr, ws, peer_ptr, state_ptr, err_ptr, recv_pos_ptr, timeout_ns, T,
+                            wy_ptr, wout_ptr, cw_ptr, xrows_ptr, xrecv_ptr, SEND=False, RECV=True, PUSH=False,
+                            OFF=NODE.OFF, DIM=DIM, MODE=MODE, TILE=TILE, XCRB=REM.CRB, XMAX=REM.MAXROWS)

@@ -26,6 +26,19 @@ MB_OV_DONE = tl.constexpr(9)    # kernel: windows 0..w-1 unpacked -> ov_window(e
 MB_COMB_WIN_DONE = tl.constexpr(10)  # proxy: combine writes of windows 0..w-1 completed -> ov_window(e, w)
 MB_COMB_WIN_BELL = tl.constexpr(11)  # kernel: combine window w >= 1 packed -> ov_window(e, w)
 MB_FIXED = tl.constexpr(12)  # the fixed words; the per-rank arrays follow
+# The kernels' waits for the proxy end this long after the buffer's deadline (the proxy's own,
+# which names the peer, runs out first); the interpreter, which has no clock, bounds its looks per
+# wait instead, one per LOOK_NS of that (each costs far more there).
+PROXY_GRACE_NS = tl.constexpr(5_000_000_000)
+LOOK_NS = tl.constexpr(1000)
+
+
+@triton.jit
+def proxy_deadline(timeout_ns):
+    """``(rtimeout_ns, spins)`` of the waits for the proxy from the buffer's ``timeout_ns``: their
+    deadline and the interpreter's bound on looks per wait (``RemotePath.rtimeout_ns``, ``.spins``)."""
+    rtimeout_ns = timeout_ns + PROXY_GRACE_NS
+    return rtimeout_ns, rtimeout_ns // LOOK_NS
 
 
 @triton.jit

@@ -1,14 +1,14 @@
 """The inter-node half of an ``EPBuffer`` (``group.node_size < world_size``): the proxy, its regions,
-and the arguments of the two launches each op takes across nodes (docs/ARCHITECTURE.md §10).
+and the arguments of the kernel each op launches across nodes (docs/ARCHITECTURE.md §10).
 
-A dispatch is two launches, as the node path's halves: the send half
-(``internode_dispatch_send_kernel``: headers and rows for remote peers, each peer's bell rung as
-soon as its rows are packed, then the node stores) and the receive half
-(``internode_dispatch_recv_kernel``: once every header is in, the node peers' rows placed with the
-whole count matrix, then each remote source's rows as they land). A combine likewise
-(``internode_combine_send_kernel``, ``internode_combine_recv_kernel``). With a receive hook the
-receive half is what the hook launches. ``moe_ep.ops.dispatch`` and ``moe_ep.ops.combine`` launch them
-through the buffer's ``Launcher``, so they have native launch plans and replay like node calls.
+A dispatch is two launches of ``internode_dispatch_kernel``, as the node path's halves: the send
+half (headers and rows for remote peers, each peer's bell rung as soon as its rows are packed,
+then the node stores) and the receive half (once every header is in, the node peers' rows placed
+with the whole count matrix, then each remote source's rows as they land); one launch doing both
+where every program is resident and ``Tuning.fused_internode`` asks for it. A combine likewise
+(``internode_combine_kernel``). With a receive hook the receive half is what the hook launches.
+``moe_ep.ops.dispatch`` and ``moe_ep.ops.combine`` launch them through the buffer's ``Launcher``,
+so they have native launch plans and replay like node calls.
 
 The kernels ring the bells and wait for the ready words in the mailbox, host memory the GPU maps,
 so no host call sits between the launches and a CUDA graph replays the whole exchange. On a GPU
@@ -30,6 +30,7 @@ from ..core.errors import CommTimeoutError
 from ..core.workspace import pow2
 from ..native.library import NativeError
 from ..native.protocol import MAILBOX, mailbox_words
+from .mailbox import LOOK_NS, PROXY_GRACE_NS
 from .session import start_proxy
 from .spec import PROXY_MEMORY, REGIONS, ROW_REGIONS, RemoteSpec, RemoteState  # noqa: F401  (PROXY_MEMORY: importable here too)
 
@@ -91,28 +92,22 @@ class RemotePath:
             self.mailbox = torch.from_numpy(self.proxy.mailbox)
         self.regions = regions
         self.timeout_s = timeout_s
-        # The kernels' waits for the proxy end at its deadline plus 5 s (its own, which names the
-        # peer, runs out first); the interpreter has no clock and bounds its looks instead (each
-        # costs far more than the microsecond assumed here).
-        self.rtimeout_ns = int((timeout_s + 5.0) * 1e9)
-        self.spins = self.rtimeout_ns // 1000
+        # The kernels' waits for the proxy end PROXY_GRACE_NS after the buffer's deadline (the
+        # proxy's own, which names the peer, runs out first); the interpreter has no clock and
+        # bounds its looks instead (``mailbox.proxy_deadline``: the inter-node kernels derive both
+        # from the buffer's timeout_ns; recv_total_kernel takes them).
+        self.rtimeout_ns = int(timeout_s * 1e9) + PROXY_GRACE_NS.value
+        self.spins = self.rtimeout_ns // LOOK_NS.value
         self.combined = -1  # serial of the last dispatch combined (the proxy serves one combine each)
 
     # ------------------------------------------------------------------ launch arguments
-    def dispatch_args(self, send: bool) -> dict:
-        """The remote runtime arguments of the dispatch's send (else receive) half, by name; the
-        node kernel's ``sel_ptr`` / ``rows_from_ptr`` are this path's per-program copies."""
+    def dispatch_args(self) -> dict:
+        """The remote runtime arguments of the dispatch kernel (both halves), by name; the node
+        kernel's ``sel_ptr`` / ``rows_from_ptr`` are this path's per-program copies."""
         st, reg = self.state, self.regions
-        node = dict(sel_ptr=st.sel, rows_from_ptr=st.rows_from)
-        if send:
-            return dict(node, send_ptr=reg["disp_send"], hdr_send_ptr=reg["hdr_send"], mb_ptr=self.mailbox,
-                        arrive_ptr=st.arrive,
-                        comb_row_ptr=st.comb_row, own_ptr=st.own)
-        return dict(node, round1_ptr=reg["round1"], overflow_ptr=reg["overflow"], hdr_recv_ptr=reg["hdr_recv"],
-                    mb_ptr=self.mailbox,
-                    own_ptr=st.own, rpos_ptr=st.rpos, rw_ptr=st.rw, recv_rows_ptr=st.recv_rows,
-                    ov_arrive_ptr=st.arrive[2 * self.spec.world + 1:], rtimeout_ns=self.rtimeout_ns,
-                    spins=self.spins)
+        return dict(sel_ptr=st.sel, rows_from_ptr=st.rows_from, send_ptr=reg["disp_send"], hdr_send_ptr=reg["hdr_send"],
+                    round1_ptr=reg["round1"], overflow_ptr=reg["overflow"], hdr_recv_ptr=reg["hdr_recv"],
+                    mb_ptr=self.mailbox, tally_ptr=st.tally, comb_row_ptr=st.comb_row, rpos_ptr=st.rpos, rw_ptr=st.rw)
 
     def dispatch_consts(self, block_t: int) -> dict:
         """The inter-node sizes of both dispatch halves (the fields of ``moe_ep.kernels.args.Remote``
@@ -120,18 +115,16 @@ class RemotePath:
         sp = self.spec
         return dict(PW=sp.payload_bytes // 4, RB=sp.row_bytes, HDR=sp.hdr_bytes, MAXROWS=sp.max_send_rows,
                     PCAP=sp.private_capacity, OVCAP=sp.overflow_capacity, ROWS_CAP=sp.recv_rows,
-                    BLOCK_R=pow2(sp.world, 2), BLOCK_RW=16, BLOCK_RH=max(128, min(pow2(sp.hidden, 2), 4096 // block_t)))
+                    BLOCK_R=pow2(sp.world, 2), BLOCK_RW=16, BLOCK_RH=max(128, min(pow2(sp.hidden, 2), 4096 // block_t)),
+                    OWN=sp.tally_at("own"), GOT=sp.tally_at("recv_rows"))
 
-    def combine_args(self, send: bool) -> dict:
-        """The remote runtime arguments of the combine's send (else receive) half, by name (the
-        node kernel's ``xrows_ptr`` / ``xrecv_ptr`` included)."""
+    def combine_args(self) -> dict:
+        """The remote runtime arguments of the combine kernel (both halves), by name (the node
+        kernel's ``xrows_ptr`` / ``xrecv_ptr`` included)."""
         st, R = self.state, self.spec.world
-        node = dict(xrows_ptr=st.comb_row, xrecv_ptr=self.regions["comb_recv"])
-        if send:
-            return dict(node, comb_send_ptr=self.regions["comb_send"], mb_ptr=self.mailbox,
-                        arrive_ptr=st.arrive[R + 1:], rpos_ptr=st.rpos, rw_ptr=st.rw, recv_rows_ptr=st.recv_rows,
-                        rtimeout_ns=self.rtimeout_ns, spins=self.spins)
-        return dict(node, mb_ptr=self.mailbox, rtimeout_ns=self.rtimeout_ns, spins=self.spins)
+        return dict(xrows_ptr=st.comb_row, xrecv_ptr=self.regions["comb_recv"], comb_send_ptr=self.regions["comb_send"],
+                    mb_ptr=self.mailbox, arrive_ptr=st.arrive[R + 1:], rpos_ptr=st.rpos, rw_ptr=st.rw,
+                    recv_rows_ptr=st.recv_rows)
 
     def combine_consts(self) -> dict:
         """The inter-node sizes of both combine halves (the fields of ``moe_ep.kernels.args.Remote``
@@ -157,7 +150,7 @@ class RemotePath:
         ``CommTimeoutError``."""
         word = MAILBOX["hdr_ready" if phase == "dispatch" else "comb_ready"]
         mb = self.proxy.mailbox
-        deadline = time.monotonic() + self.timeout_s + 5.0
+        deadline = time.monotonic() + self.rtimeout_ns * 1e-9
         delay = 1e-4
         while mb[word] < epoch:
             try:

@@ -193,9 +193,16 @@ class RemoteSpec:
         """``{name: (shape, dtype)}`` of the ``RemoteState`` tensors for ``programs`` programs a launch."""
         R, EL, K, M, i32 = self.world, self.num_local_experts, self.topk, self.max_tokens, torch.int32
         rows = max(1, self.recv_rows)
-        return {"own": ((EL + 1,), i32), "comb_row": ((M, K), i32), "arrive": ((2 * R + 2,), i32),
+        return {"tally": ((self.tally_at("end"),), i32), "comb_row": ((M, K), i32),
                 "sel": ((programs, R, EL), i32), "rows_from": ((programs, R), i32), "rpos": ((rows, K), i32),
-                "rw": ((rows, K), torch.float32), "recv_rows": ((R,), i32)}
+                "rw": ((rows, K), torch.float32)}
+
+    def tally_at(self, part: str) -> int:
+        """Where ``part`` of the ``RemoteState.tally`` starts (int32 words): ``"arrive"`` [2R + 2],
+        then ``"own"`` [EL + 1], then ``"recv_rows"`` [R]; ``"end"``: its length. One tensor, so
+        the dispatch kernel takes the three as one pointer (<= 40 parameters)."""
+        R, EL = self.world, self.num_local_experts
+        return {"arrive": 0, "own": 2 * R + 2, "recv_rows": 2 * R + EL + 3, "end": 3 * R + EL + 3}[part]
 
     def proxy_kwargs(self) -> dict:
         """The ``moe_ep.native.proxy.Proxy`` arguments that must agree with these kernels."""
@@ -212,6 +219,7 @@ class RemoteSpec:
 class RemoteState:
     """Device tensors of one rank's inter-node path (int32, on ``device``; ``P`` programs a launch).
 
+    ``tally`` (``RemoteSpec.tally_at``) holds ``arrive``, ``own`` and ``recv_rows``, views of it.
     ``own`` [EL + 1]: this rank's selections of its own local experts, and its tokens with a
     selection on itself (the send half's, for the receive half's count matrix: the caller may
     reuse ``topk_idx`` meanwhile); ``comb_row`` [M, K]: row in the combine receive region of each
@@ -227,3 +235,6 @@ class RemoteState:
         self.spec = spec
         for name, (shape, dtype) in spec.state_shapes(programs).items():  # zeros, as RemoteSpec.state_shapes sizes them
             setattr(self, name, torch.zeros(shape, dtype=dtype, device=device))
+        t = self.tally
+        self.arrive, self.own, self.recv_rows = (t[spec.tally_at(a):spec.tally_at(b)] for a, b in (
+            ("arrive", "own"), ("own", "recv_rows"), ("recv_rows", "end")))

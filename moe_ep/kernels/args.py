@@ -136,6 +136,8 @@ class Remote(NamedTuple):
     BLOCK_R: int = 0   # ranks, to a power of 2
     BLOCK_RW: int = 0  # remote rows of an unpack / send block
     BLOCK_RH: int = 0  # channels of a remote row's tile
+    OWN: int = 0       # dispatch: where ``own`` starts in the tally (int32 words; RemoteSpec.tally_at)
+    GOT: int = 0       # dispatch: where ``recv_rows`` starts in the tally
 
 
 class DispatchIO(NamedTuple):

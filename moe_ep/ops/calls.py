@@ -307,13 +307,15 @@ def internode_consts(parts: Parts, consts: dict, remote: dict) -> dict:
     return dict(consts, NODE=node_groups(consts, compiled), REM=constexprs(Remote, remote, compiled))
 
 
-def launch_halves(parts: Parts, key: tuple, kernel, args: tuple, dynamic: tuple, consts, host_wait) -> list:
-    """One launch doing both halves (``SEND`` and ``RECV``) where ``tuning.fused``; else the send
-    half, ``host_wait()`` under the interpreter (which cannot spin in a kernel), then the receive
-    half. ``consts()`` gives the constexprs without SEND/RECV; ``key`` names what can change them;
+def launch_halves(parts: Parts, key: tuple, kernel, args: tuple, dynamic: tuple, consts, host_wait,
+                  fused: bool) -> list:
+    """One launch doing both halves (``SEND`` and ``RECV``) where ``fused`` (the node kernels:
+    ``tuning.fused``; the inter-node ones: ``tuning.fused_internode``); else the send half,
+    ``host_wait()`` under the interpreter (which cannot spin in a kernel), then the receive half.
+    ``consts()`` gives the constexprs without SEND/RECV; ``key`` names what can change them;
     ``dynamic``: positions in ``args`` that may differ between calls (the rest is the buffer's).
     Returns ``(plan, args)`` of each launch (``moe_ep.ops.replay``)."""
-    if parts.tuning.fused:
+    if fused:
         return [(launch_half(parts, key, kernel, args, dynamic, consts, True, True), args)]
     first = launch_half(parts, key, kernel, args, dynamic, consts, True, False)
     if parts.interp:

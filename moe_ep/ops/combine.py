@@ -12,7 +12,7 @@ from .calls import (Parts, Replays, Weights, aligned, check_tensor, finish, inte
 from ..core.workspace import pow2
 from ..kernels.args import CombineModes, CombineTiles, Dims, Offsets, constexprs
 from ..kernels.combine import node_combine_kernel
-from ..internode.combine_kernels import internode_combine_recv_kernel, internode_combine_send_kernel
+from ..internode.combine_kernels import internode_combine_kernel
 from ..kernels.launch import arg_positions, runtime_args
 from .result import DispatchResult
 from ..core.tuning import pipelined_width
@@ -21,11 +21,9 @@ from ..core.tuning import pipelined_width
 # buffer's): with combine-time weights also the weights' (and their sums') pointers.
 _DYNAMIC = arg_positions(node_combine_kernel, "y_ptr", "out_ptr", "T")
 _WEIGHTED_DYNAMIC = _DYNAMIC + arg_positions(node_combine_kernel, "wy_ptr", "wout_ptr", "cw_ptr")
-# The same of the inter-node halves (moe_ep.internode)
-_SEND_DYNAMIC = arg_positions(internode_combine_send_kernel, "y_ptr", "out_ptr", "T")
-_SEND_WEIGHTED = _SEND_DYNAMIC + arg_positions(internode_combine_send_kernel, "wy_ptr", "wout_ptr", "cw_ptr")
-_RECV_DYNAMIC = arg_positions(internode_combine_recv_kernel, "y_ptr", "out_ptr", "T")
-_RECV_WEIGHTED = _RECV_DYNAMIC + arg_positions(internode_combine_recv_kernel, "wy_ptr", "wout_ptr", "cw_ptr")
+# The same of the inter-node kernel (moe_ep.internode)
+_REMOTE_DYNAMIC = arg_positions(internode_combine_kernel, "y_ptr", "out_ptr", "T")
+_REMOTE_WEIGHTED = _REMOTE_DYNAMIC + arg_positions(internode_combine_kernel, "wy_ptr", "wout_ptr", "cw_ptr")
 
 
 # The launch argument a replayed combine patches besides its pointers (moe_ep.ops.replay).
@@ -230,7 +228,7 @@ def combine(parts: Parts, buffer, expert_y: torch.Tensor, handle, return_recv_ho
     recorded = sig is not None
     if not return_recv_hook:
         launches += launch_halves(parts, key, node_combine_kernel, args, dyn, consts,
-                                  lambda: host_wait.wait_combine(parts, epoch, T))
+                                  lambda: host_wait.wait_combine(parts, epoch, T), parts.tuning.fused)
         if recorded:
             replay.record(sig, tensors, launches, pointers(), spans, _SCALARS, (T,))
         recv = None
@@ -251,26 +249,30 @@ def combine(parts: Parts, buffer, expert_y: torch.Tensor, handle, return_recv_ho
 
 def _combine_across_nodes(parts: Parts, rp, replay, sig, tensors, inputs: tuple, spans, T: int, key: tuple, named: dict,
                           consts, weighted: bool, epoch: int, hooked: bool):
-    """The combine's two launches with peers on other nodes (``moe_ep.internode``): the send half
-    (each remote source's rows pre-reduced, its bell as soon as they are, then the node stores),
-    then, at once or in the hook, the receive half (every owner's partial rows summed, remote ones
-    included, one rounding). Recorded like ``_dispatch_across_nodes``. Returns the receive half
-    for a hook, else None."""
-    sargs = runtime_args(internode_combine_send_kernel, **{**named, **rp.combine_args(send=True)})
-    rargs = runtime_args(internode_combine_recv_kernel, **{**named, **rp.combine_args(send=False)})
+    """The combine with peers on other nodes (``moe_ep.internode``): the send half (each remote
+    source's rows pre-reduced, its bell as soon as they are, then the node stores), then, at once
+    or in the hook, the receive half (every owner's partial rows summed, remote ones included, one
+    rounding); without a hook one launch doing both where ``tuning.fused_internode``. Recorded like
+    ``_dispatch_across_nodes``. Returns the receive half for a hook, else None."""
+    args = runtime_args(internode_combine_kernel, **{**named, **rp.combine_args()})
     remote_consts = lambda: internode_consts(parts, consts(), rp.combine_consts())  # noqa: E731
     key = key + ("across nodes",)
-    dyn_s, dyn_r = (_SEND_WEIGHTED if weighted else _SEND_DYNAMIC), (_RECV_WEIGHTED if weighted else _RECV_DYNAMIC)
-    send = launch_half(parts, key, internode_combine_send_kernel, sargs, dyn_s, remote_consts, True, False)
+    dyn = _REMOTE_WEIGHTED if weighted else _REMOTE_DYNAMIC
+    if not hooked:
+        done = launch_halves(parts, key, internode_combine_kernel, args, dyn, remote_consts,
+                             lambda: host_wait.wait_combine(parts, epoch, T), parts.tuning.fused_internode)
+        replay.record(sig, tensors, done[:1], inputs, spans, _SCALARS, (T,), later=done[1:])
+        return None
+    send = launch_half(parts, key, internode_combine_kernel, args, dyn, remote_consts, True, False)
 
     def recv():
         if parts.interp:
             host_wait.wait_combine(parts, epoch, T)
-        return launch_half(parts, key, internode_combine_recv_kernel, rargs, dyn_r, remote_consts, False, True)
-    later = planned_half(parts, key, False, True) if hooked else recv()
-    if sig is not None and later is not None:
-        replay.record(sig, tensors, [(send, sargs)], inputs, spans, _SCALARS, (T,), later=[(later, rargs)])
-    return recv if hooked else None
+        launch_half(parts, key, internode_combine_kernel, args, dyn, remote_consts, False, True)
+    later = planned_half(parts, key, False, True)  # (an earlier call's hook launched it, if any)
+    if later is not None:
+        replay.record(sig, tensors, [(send, args)], inputs, spans, _SCALARS, (T,), later=[(later, args)])
+    return recv
 
 
 _SHAPES = 64  # output shapes kept per buffer (views of one element, a few hundred bytes each)

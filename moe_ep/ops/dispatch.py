@@ -1,5 +1,6 @@
 """Dispatch: validation and the launches (routing histogram at prefill sizes; the dispatch kernel:
-one launch on a GPU, its send and receive halves as two launches under the interpreter)."""
+one launch on a GPU, its send and receive halves as two launches under the interpreter; across
+nodes the inter-node kernel's two halves, one launch where ``Tuning.fused_internode``)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -18,7 +19,7 @@ from ..core.tuning import pipelined_width
 from ..kernels.launch import arg_positions, runtime_args
 from ..kernels.recv_total import recv_total_kernel
 from ..kernels.route import route_hist_kernel
-from ..internode.dispatch_kernels import internode_dispatch_recv_kernel, internode_dispatch_send_kernel
+from ..internode.dispatch_kernels import internode_dispatch_kernel
 
 
 # Decode sizes: up to this many selections (T * K) a dispatch counts earlier selections in its own
@@ -200,7 +201,7 @@ def dispatch(parts: Parts, buffer, x, topk_idx, topk_weights, x_scales: Optional
     args = runtime_args(node_dispatch_kernel, **named)
     if not return_recv_hook:
         launches += launch_halves(parts, key, node_dispatch_kernel, args, _DISPATCH_DYNAMIC, consts,
-                                  lambda: host_wait.wait_dispatch(parts, epoch))
+                                  lambda: host_wait.wait_dispatch(parts, epoch), parts.tuning.fused)
         replay.record(sig, tensors, launches, inputs, None, _SCALARS, scalars)
         recv = None
     else:
@@ -220,28 +221,31 @@ def dispatch(parts: Parts, buffer, x, topk_idx, topk_weights, x_scales: Optional
 
 def _dispatch_across_nodes(parts: Parts, rp, replay, sig, tensors, launches: list, inputs: tuple, scalars: tuple,
                            key: tuple, named: dict, consts, epoch: int, hooked: bool):
-    """The dispatch's two launches with peers on other nodes (``moe_ep.internode``): the send half
-    (remote peers' headers and rows, each peer's bell as soon as it is packed, then the node
-    stores), then, at once or in the hook, the receive half (node rows placed with the whole count
-    matrix, remote rows as they land). Recorded for replays like a node call with a hook: the
-    send half when the call is made, the receive half ``later``. Returns the receive half for a
-    hook, else None."""
-    sargs = runtime_args(internode_dispatch_send_kernel, **{**named, **rp.dispatch_args(send=True)})
-    rargs = runtime_args(internode_dispatch_recv_kernel, **{**named, **rp.dispatch_args(send=False)})
+    """The dispatch with peers on other nodes (``moe_ep.internode``): the send half (remote peers'
+    headers and rows, each peer's bell as soon as it is packed, then the node stores), then, at
+    once or in the hook, the receive half (node rows placed with the whole count matrix, remote
+    rows as they land); without a hook one launch doing both where ``tuning.fused_internode``.
+    Recorded for replays like a node call with a hook: the launch made when the call is made,
+    the receive half (two launches) ``later``. Returns the receive half for a hook, else None."""
+    args = runtime_args(internode_dispatch_kernel, **{**named, **rp.dispatch_args()})
     remote_consts = lambda: internode_consts(parts, consts(), rp.dispatch_consts(parts.shape.block_t))  # noqa: E731
     key = key + ("across nodes",)
-    send = launch_half(parts, key, internode_dispatch_send_kernel, sargs, _SEND_DYNAMIC, remote_consts, True, False)
+    if not hooked:
+        done = launch_halves(parts, key, internode_dispatch_kernel, args, _REMOTE_DYNAMIC, remote_consts,
+                             lambda: host_wait.wait_dispatch(parts, epoch), parts.tuning.fused_internode)
+        replay.record(sig, tensors, launches + done[:1], inputs, None, _SCALARS, scalars, later=done[1:])
+        return None
+    send = launch_half(parts, key, internode_dispatch_kernel, args, _REMOTE_DYNAMIC, remote_consts, True, False)
 
     def recv():
         if parts.interp:
             host_wait.wait_dispatch(parts, epoch)
-        return launch_half(parts, key, internode_dispatch_recv_kernel, rargs, _RECV_DYNAMIC, remote_consts, False, True)
-    # the receive half's plan: launched now, or (a hook) by an earlier call's hook, if any
-    later = planned_half(parts, key, False, True) if hooked else recv()
+        launch_half(parts, key, internode_dispatch_kernel, args, _REMOTE_DYNAMIC, remote_consts, False, True)
+    # the receive half's plan, where an earlier call's hook launched it
+    later = planned_half(parts, key, False, True)
     if later is not None:
-        replay.record(sig, tensors, launches + [(send, sargs)], inputs, None, _SCALARS, scalars,
-                      later=[(later, rargs)])
-    return recv if hooked else None
+        replay.record(sig, tensors, launches + [(send, args)], inputs, None, _SCALARS, scalars, later=[(later, args)])
+    return recv
 
 
 class _NoReplay:
@@ -312,18 +316,12 @@ def _dispatch_sized(parts: Parts, buffer, T: int, launches: list, key: tuple, na
     receive half writing into them. ``launches``: the routing histogram's, issued already."""
     rp = parts.memory.remote
     if rp is None:
-        kernels = (node_dispatch_kernel, node_dispatch_kernel)
-        extra = ({}, {})
-        dynamic = (_DISPATCH_DYNAMIC, _DISPATCH_DYNAMIC)
-        all_consts = consts
+        kernel, extra, dynamic, all_consts = node_dispatch_kernel, {}, _DISPATCH_DYNAMIC, consts
     else:
-        kernels = (internode_dispatch_send_kernel, internode_dispatch_recv_kernel)
-        extra = (rp.dispatch_args(send=True), rp.dispatch_args(send=False))
-        dynamic = (_SEND_DYNAMIC, _RECV_DYNAMIC)
+        kernel, extra, dynamic = internode_dispatch_kernel, rp.dispatch_args(), _REMOTE_DYNAMIC
         all_consts = lambda: internode_consts(parts, consts(), rp.dispatch_consts(parts.shape.block_t))  # noqa: E731
         key = key + ("across nodes",)
-    launch_half(parts, key, kernels[0], runtime_args(kernels[0], **{**named, **extra[0]}), dynamic[0], all_consts,
-                True, False)
+    launch_half(parts, key, kernel, runtime_args(kernel, **{**named, **extra}), dynamic, all_consts, True, False)
     result = []
 
     def recv():
@@ -334,8 +332,8 @@ def _dispatch_sized(parts: Parts, buffer, T: int, launches: list, key: tuple, na
         out = dict(named, out_x_ptr=mem.expert_x_words, out_s_ptr=mem.expert_scales if parts.shape.fp8 else mem.err,
                    **_rows_args(parts))
         # (the receive half's plan keeps the received tensors' addresses: one plan per allocation)
-        launch_half(parts, key + ("rows at",) + mem.recv_row_ptrs(), kernels[1],
-                    runtime_args(kernels[1], **{**out, **extra[1]}), dynamic[1], all_consts, False, True)
+        launch_half(parts, key + ("rows at",) + mem.recv_row_ptrs(), kernel, runtime_args(kernel, **{**out, **extra}),
+                    dynamic, all_consts, False, True)
         if result:  # a hook's: the result issued with the send half shows the rows now
             fields = parts.calls.result_fields
             result[0].__dict__.update({k: fields[k] for k in RECV_ROW_ALLOCS})
@@ -358,8 +356,7 @@ def _dispatched(parts: Parts, buffer, T: int, recv):
 
 # The arguments that may change between calls of one launch key (the caller's; the rest is the buffer's).
 _DISPATCH_DYNAMIC = arg_positions(node_dispatch_kernel, "x_ptr", "xs_ptr", "topk_ptr", "w_ptr", "T", "BT", "NC")
-_SEND_DYNAMIC = arg_positions(internode_dispatch_send_kernel, "x_ptr", "xs_ptr", "topk_ptr", "w_ptr", "T", "BT", "NC")
-_RECV_DYNAMIC = arg_positions(internode_dispatch_recv_kernel, "x_ptr", "xs_ptr", "topk_ptr", "w_ptr", "T", "BT", "NC")
+_REMOTE_DYNAMIC = arg_positions(internode_dispatch_kernel, "x_ptr", "xs_ptr", "topk_ptr", "w_ptr", "T", "BT", "NC")
 _HIST_DYNAMIC = arg_positions(route_hist_kernel, "topk_ptr", "T", "BT")
 
 
