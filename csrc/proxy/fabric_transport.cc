@@ -332,8 +332,7 @@ class FabricTransport final : public Transport {
     // Every peer on every endpoint: own hello delivered and the peer's hello received; a failed
     // hello is sent again every 50 ms until the deadline.
     std::unique_lock<std::mutex> lk(conn_mu_);
-    for (;;) {
-      int wp = -1, wi = 0;
+    auto scan = [&](int* wp, int* wi) -> int {
       for (int p = 0; p < world_; ++p) {
         Peer& pr = *peers_[size_t(p)];
         if (p == rank_ || pr.up) continue;
@@ -351,25 +350,24 @@ class FabricTransport final : public Transport {
             lk.lock();
             if (rc != kOk) return rc;
           }
-          if (wp < 0) wp = p, wi = i;
+          if (*wp < 0) *wp = p, *wi = i;
         }
         if (all) {
           for (auto& ln : pr.link) ln->alive_ns = steady_now_ns();
           pr.up = true;
         }
       }
-      if (wp < 0) break;
-      const int64_t now = steady_now_ns();
-      if (now >= deadline) {
-        Link& ln = *peers_[size_t(wp)]->link[size_t(wi)];
-        const int hs = ln.hello_status.load();
-        return connect_timed_out(prefix(), wp, timeout_ns, lanes_[size_t(wi)]->where,
-                                 hs < 0 ? "not delivered yet" : hs == 0 ? "delivered" : api_.strerror(hs),
-                                 ln.hello_attempt.load(), ln.hello_recv ? "received" : "not received",
-                                 last_refused_.empty() ? "" : "; a hello was refused: " + last_refused_);
-      }
-      conn_cv_.wait_for(lk, std::chrono::nanoseconds(std::min<int64_t>(deadline - now, 20'000'000)));
-    }
+      return kOk;
+    };
+    auto timed_out = [&](int wp, int wi) {
+      Link& ln = *peers_[size_t(wp)]->link[size_t(wi)];
+      const int hs = ln.hello_status.load();
+      return connect_timed_out(prefix(), wp, timeout_ns, lanes_[size_t(wi)]->where,
+                               hs < 0 ? "not delivered yet" : hs == 0 ? "delivered" : api_.strerror(hs),
+                               ln.hello_attempt.load(), ln.hello_recv ? "received" : "not received",
+                               last_refused_.empty() ? "" : "; a hello was refused: " + last_refused_);
+    };
+    if (int rc = wait_links_up(lk, conn_cv_, deadline, scan, timed_out); rc != kOk) return rc;
     connected_ = true;
     return kOk;
   }

@@ -469,6 +469,23 @@ inline int connect_timed_out(const std::string& prefix, int peer, int64_t timeou
                                     peer_hello + ")" + more);
 }
 
+// Connect's wait, under `lk` (the lock `cv` is notified under): `scan(&p, &i)` brings up what it
+// can and names the first link still waited for (peer p on lane i; p stays -1 when none is) or
+// returns an error; it runs again on each notification (20 ms at most apart) until no link is
+// waited for (kOk), an error, or the deadline: then `timed_out(p, i)`'s error.
+template <class Scan, class TimedOut>
+int wait_links_up(std::unique_lock<std::mutex>& lk, std::condition_variable& cv, int64_t deadline, Scan scan,
+                  TimedOut timed_out) {
+  for (;;) {
+    int p = -1, i = 0;
+    if (int rc = scan(&p, &i); rc != kOk) return rc;
+    if (p < 0) return kOk;
+    const int64_t now = steady_now_ns();
+    if (now >= deadline) return timed_out(p, i);
+    cv.wait_for(lk, std::chrono::nanoseconds(std::min<int64_t>(deadline - now, 20'000'000)));
+  }
+}
+
 // The checks every post_write() starts with: a peer other than this rank, connected, the local
 // range inside a registered region (returned in *out).
 template <class Region>

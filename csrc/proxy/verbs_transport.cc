@@ -32,6 +32,7 @@
 #include "transport.h"
 #include "cuda_mem.h"
 #include "rdma_probe.h"
+#include "shared_lib.h"
 #include "transport_common.h"
 #include "verbs_abi.h"
 
@@ -39,62 +40,36 @@ namespace moe_ep {
 
 namespace ibv {
 const Api* load_verbs(std::string* why) {
-  static std::mutex mu;
-  static Api api;
-  static int state = 0;  // 0 not tried, 1 loaded, -1 failed
-  static std::string err;
-  std::lock_guard<std::mutex> lk(mu);
-  if (state == 0) {
-    const char* env = std::getenv("MOE_EP_IBVERBS_LIB");
-    const std::string name = env && *env ? env : "libibverbs.so.1";
-    void* h = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
-    if (!h) {
-      const char* e = dlerror();
-      err = "cannot load " + name + " (rdma-core's libibverbs is not installed?): " + (e ? e : "dlopen failed");
-      state = -1;
-    } else {
-      state = 1;
-      auto sym = [&](auto& fn, const char* s) {
-        if (state != 1) return;
-        void* p = dlsym(h, s);
-        if (!p) {
-          err = name + " has no symbol " + s;
-          state = -1;
-        }
-        fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(p);
-      };
-      sym(api.get_device_list, "ibv_get_device_list");
-      sym(api.free_device_list, "ibv_free_device_list");
-      sym(api.get_device_name, "ibv_get_device_name");
-      sym(api.open_device, "ibv_open_device");
-      sym(api.close_device, "ibv_close_device");
-      sym(api.query_port, "ibv_query_port");
-      sym(api.query_gid, "ibv_query_gid");
-      sym(api.alloc_pd, "ibv_alloc_pd");
-      sym(api.dealloc_pd, "ibv_dealloc_pd");
-      sym(api.reg_mr, "ibv_reg_mr");
-      sym(api.dereg_mr, "ibv_dereg_mr");
-      sym(api.create_comp_channel, "ibv_create_comp_channel");
-      sym(api.destroy_comp_channel, "ibv_destroy_comp_channel");
-      sym(api.create_cq, "ibv_create_cq");
-      sym(api.destroy_cq, "ibv_destroy_cq");
-      sym(api.get_cq_event, "ibv_get_cq_event");
-      sym(api.ack_cq_events, "ibv_ack_cq_events");
-      sym(api.create_qp, "ibv_create_qp");
-      sym(api.modify_qp, "ibv_modify_qp");
-      sym(api.destroy_qp, "ibv_destroy_qp");
-      sym(api.wc_status_str, "ibv_wc_status_str");
-      if (state == 1) {  // optional: GPU memory through dma-buf (rdma-core 34+); the device listing
-        api.reg_dmabuf_mr = reinterpret_cast<decltype(api.reg_dmabuf_mr)>(dlsym(h, "ibv_reg_dmabuf_mr"));
-        api.query_device = reinterpret_cast<decltype(api.query_device)>(dlsym(h, "ibv_query_device"));
-      }
-    }
-  }
-  if (state != 1) {
-    if (why) *why = err;
-    return nullptr;
-  }
-  return &api;
+  auto bind = [](void* h, const std::string& name, Api* api) {
+    std::string err;
+    auto sym = [&](auto& fn, const char* s) { set_symbol(fn, dlsym(h, s), name + " has no symbol " + s, &err); };
+    sym(api->get_device_list, "ibv_get_device_list");
+    sym(api->free_device_list, "ibv_free_device_list");
+    sym(api->get_device_name, "ibv_get_device_name");
+    sym(api->open_device, "ibv_open_device");
+    sym(api->close_device, "ibv_close_device");
+    sym(api->query_port, "ibv_query_port");
+    sym(api->query_gid, "ibv_query_gid");
+    sym(api->alloc_pd, "ibv_alloc_pd");
+    sym(api->dealloc_pd, "ibv_dealloc_pd");
+    sym(api->reg_mr, "ibv_reg_mr");
+    sym(api->dereg_mr, "ibv_dereg_mr");
+    sym(api->create_comp_channel, "ibv_create_comp_channel");
+    sym(api->destroy_comp_channel, "ibv_destroy_comp_channel");
+    sym(api->create_cq, "ibv_create_cq");
+    sym(api->destroy_cq, "ibv_destroy_cq");
+    sym(api->get_cq_event, "ibv_get_cq_event");
+    sym(api->ack_cq_events, "ibv_ack_cq_events");
+    sym(api->create_qp, "ibv_create_qp");
+    sym(api->modify_qp, "ibv_modify_qp");
+    sym(api->destroy_qp, "ibv_destroy_qp");
+    sym(api->wc_status_str, "ibv_wc_status_str");
+    // optional: GPU memory through dma-buf (rdma-core 34+); the device listing
+    api->reg_dmabuf_mr = reinterpret_cast<decltype(api->reg_dmabuf_mr)>(dlsym(h, "ibv_reg_dmabuf_mr"));
+    api->query_device = reinterpret_cast<decltype(api->query_device)>(dlsym(h, "ibv_query_device"));
+    return err;
+  };
+  return load_table<Api>("MOE_EP_IBVERBS_LIB", "libibverbs.so.1", "rdma-core's libibverbs is not installed?", why, bind);
 }
 }  // namespace ibv
 
@@ -639,8 +614,7 @@ class VerbsTransport final : public Transport {
     // Every queue pair: own hello acknowledged and the peer's hello received. A hello that fails
     // (the peer's QP not yet ready to receive: retries exhausted) resets the QP and tries again.
     std::unique_lock<std::mutex> lk(conn_mu_);
-    for (;;) {
-      int wp = -1, wi = 0;  // the first queue pair still waited for
+    auto scan = [&](int* wp, int* wi) -> int {  // *wp, *wi: the first queue pair still waited for
       for (int p = 0; p < world_; ++p) {
         if (p == rank_) continue;
         Peer& pr = *peers_[size_t(p)];
@@ -662,23 +636,22 @@ class VerbsTransport final : public Transport {
             lk.lock();
             if (rc != kOk) return rc;
           }
-          if (wp < 0) wp = p, wi = i;
+          if (*wp < 0) *wp = p, *wi = i;
         }
       }
-      if (wp < 0) break;
-      const int64_t now = now_ns();
-      if (now >= deadline) {
-        Link& l = *peers_[size_t(wp)]->link[size_t(wi)];
-        const int hs = l.hello_status.load();
-        return connect_timed_out(prefix(), wp, timeout_ns, nics_[size_t(wi)]->where,
-                                 hs < 0 ? "not acknowledged yet" : hs == 0 ? "acknowledged" : v_.wc_status_str(hs),
-                                 l.hello_attempt.load(),
-                                 l.hello_recv                ? "received"
-                                 : l.hello_refused.empty() ? "not received"
-                                                           : "refused: " + l.hello_refused);
-      }
-      conn_cv_.wait_for(lk, std::chrono::nanoseconds(std::min<int64_t>(deadline - now, 20'000'000)));
-    }
+      return kOk;
+    };
+    auto timed_out = [&](int wp, int wi) {
+      Link& l = *peers_[size_t(wp)]->link[size_t(wi)];
+      const int hs = l.hello_status.load();
+      return connect_timed_out(prefix(), wp, timeout_ns, nics_[size_t(wi)]->where,
+                               hs < 0 ? "not acknowledged yet" : hs == 0 ? "acknowledged" : v_.wc_status_str(hs),
+                               l.hello_attempt.load(),
+                               l.hello_recv                ? "received"
+                               : l.hello_refused.empty() ? "not received"
+                                                         : "refused: " + l.hello_refused);
+    };
+    if (int rc = wait_links_up(lk, conn_cv_, deadline, scan, timed_out); rc != kOk) return rc;
     connected_ = true;
     return kOk;
   }
