@@ -227,7 +227,6 @@ class EPBuffer:
         result = _dispatch.replayed(parts, self, x, topk_idx, topk_weights, x_scales, return_recv_hook)
         if result is not None:
             return result
-        parts.check_usable()
         return _dispatch.dispatch(parts, self, x, topk_idx, topk_weights, x_scales, return_recv_hook, True)
 
     def combine(self, expert_y: torch.Tensor, handle: DispatchResult, return_recv_hook: bool = False, *,
@@ -265,7 +264,6 @@ class EPBuffer:
         result = _combine.replayed(parts, self, expert_y, handle, out, topk_weights, return_recv_hook)
         if result is not None:
             return result
-        parts.check_usable()
         return _combine.combine(parts, self, expert_y, handle, return_recv_hook, topk_weights, out, True)
 
     def synchronize(self) -> None:
