@@ -385,10 +385,10 @@ struct Peer {
   std::string bye_text;
 };
 
-class VerbsTransport final : public Transport {
+class VerbsTransport final : public LaneTransport {
  public:
   VerbsTransport(int rank, int world, const ibv::Api& v, const JobIdentity& id)
-      : rank_(rank), world_(world), v_(v), id_(id) {}
+      : LaneTransport(rank, world), v_(v), id_(id) {}
 
   // Takes the opened NICs (closed by the destructor from here on, even when start fails).
   int start(const std::vector<Selection>& sels) {
@@ -439,13 +439,10 @@ class VerbsTransport final : public Transport {
         if (int rc = to_init(p, i); rc != kOk) return rc;
       }
     }
-    for (int i = 0; i < k; ++i) {
-      try {
-        nics_[size_t(i)]->thr = std::thread([this, i] { cq_loop(i); });
-      } catch (const std::exception& e) {
-        return set_error(kErrSystem, prefix() + "verbs completion thread: " + e.what());
-      }
-    }
+    for (int i = 0; i < k; ++i)
+      if (int rc = start_thread(&nics_[size_t(i)]->thr, [this, i] { cq_loop(i); }, prefix() + "verbs completion thread");
+          rc != kOk)
+        return rc;
     return kOk;
   }
 
@@ -474,9 +471,6 @@ class VerbsTransport final : public Transport {
     }
   }
 
-  int rank() const override { return rank_; }
-  int world() const override { return world_; }
-  ImmCounter& imm_counter() override { return imm_; }
   // Every write with an immediate is one shard per NIC, each counted by the receiver.
   int imm_per_write() const override { return int(nics_.size()); }
 
@@ -719,12 +713,6 @@ class VerbsTransport final : public Transport {
   int poll(Completion* out, int max, int64_t timeout_ns) override {
     return cq_.poll(out, max, timeout_ns, [this] { check_op_timeouts(); });
   }
-
-  // Only the cut is implemented; delay and reorder have no meaning on a NIC's queue pair.
-  void set_fault(const FaultConfig& f) override { cut_.set(f); }
-  void set_op_timeout(int64_t ns) override { op_timeout_ns_ = ns; }
-  std::vector<std::string> refused(int64_t* total) const override { return refusals_.lines(total); }
-  void set_min_shard_bytes(uint64_t n) override { min_shard_ = std::max<uint64_t>(n, 1); }
 
   int64_t cpu_ns() override { return threads_cpu_ns(nics_); }
   std::string peer_error(int peer) override { return loss_of(peers_, peer); }
@@ -1191,27 +1179,14 @@ class VerbsTransport final : public Transport {
               w.status == ibv::WC_REM_ACCESS_ERR ? kCqRemoteAccess : kCqPeerLost, i);
   }
 
-  const int rank_, world_;
   const ibv::Api& v_;
   const JobIdentity id_;
-  RefusalLog refusals_;
   std::vector<std::unique_ptr<Nic>> nics_;
   int depth_ = 16;
   uint32_t psn_ = 0;
   std::vector<std::unique_ptr<Peer>> peers_;
   std::shared_mutex qp_mu_;  // shared: posting to a QP; exclusive: modify/destroy
   RegionTable<Region> regions_;
-  ImmCounter imm_;
-  CompletionQueue cq_;
-  std::mutex conn_mu_;
-  std::condition_variable conn_cv_;
-  std::atomic<uint64_t> next_wr_{1};
-  std::atomic<uint64_t> min_shard_{kDefaultMinShardBytes};
-  CutFault cut_;
-  std::atomic<int64_t> op_timeout_ns_{30'000'000'000LL};
-  std::atomic<bool> stop_{false};
-  std::atomic<bool> connected_{false};
-  std::atomic<bool> bye_said_{false};
 };
 
 }  // namespace
