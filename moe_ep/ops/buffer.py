@@ -1,10 +1,11 @@
-"""EPBuffer: the communication buffer of one MoE layer shape, and its dispatch/combine calls."""
+"""EPBuffer: the communication buffer of one MoE layer shape, and its dispatch/combine calls;
+BufferSet: the buffers of one owner, each made on first use, closed together."""
 from __future__ import annotations
 
 import logging
 import math
 from operator import attrgetter
-from typing import Optional
+from typing import Callable, Dict, Hashable, Optional
 
 import torch
 
@@ -326,3 +327,24 @@ class EPBuffer:
                     max_recv_rows=shape.max_recv_rows,
                     transport=(settings.value("MOE_EP_TRANSPORT") or "auto") if remote else None,
                     **{f"tuning.{name}": getattr(tuning, name) for name in LAYOUT_KNOBS})
+
+
+class BufferSet:
+    """``EPBuffer``s by key, each made on first use (``get``; making one is collective, so every
+    rank asks for the same keys in the same order) and closed together (``close``)."""
+
+    def __init__(self):
+        self._made: Dict[Hashable, EPBuffer] = {}
+
+    def get(self, key: Hashable, make: Callable[[], EPBuffer]) -> EPBuffer:
+        """The buffer of ``key``, made by ``make()`` on the first call with it."""
+        buf = self._made.get(key)
+        if buf is None:
+            buf = self._made[key] = make()
+        return buf
+
+    def close(self) -> None:
+        """Closes every buffer made so far; later ``get`` calls make new ones."""
+        for buf in self._made.values():
+            buf.close()
+        self._made.clear()
