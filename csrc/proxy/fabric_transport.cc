@@ -354,11 +354,9 @@ class FabricTransport final : public LaneTransport {
       return kOk;
     };
     auto timed_out = [&](int wp, int wi) {
-      Link& ln = *peers_[size_t(wp)]->link[size_t(wi)];
-      const int hs = ln.hello_status.load();
-      return connect_timed_out(prefix(), wp, timeout_ns, lanes_[size_t(wi)]->where,
-                               hs < 0 ? "not delivered yet" : hs == 0 ? "delivered" : api_.strerror(hs),
-                               ln.hello_attempt.load(), ln.hello_recv ? "received" : "not received",
+      const Link& ln = *peers_[size_t(wp)]->link[size_t(wi)];
+      return connect_timed_out(prefix(), wp, timeout_ns, lanes_[size_t(wi)]->where, ln, "not delivered yet", "delivered",
+                               api_.strerror, ln.hello_recv ? "received" : "not received",
                                last_refused_.empty() ? "" : "; a hello was refused: " + last_refused_);
     };
     if (int rc = wait_links_up(lk, conn_cv_, deadline, scan, timed_out); rc != kOk) return rc;

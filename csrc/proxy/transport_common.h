@@ -460,15 +460,19 @@ inline int check_connect(int rank, int world, bool connected, size_t n_endpoints
   return kOk;
 }
 
-// What connect() returns when its deadline passed before `peer` came up on lane `where`: how far
-// each side's hello got, in the transport's words (`own_hello`, `peer_hello`), and `more`.
-inline int connect_timed_out(const std::string& prefix, int peer, int64_t timeout_ns, const std::string& where,
-                             const std::string& own_hello, int attempt, const std::string& peer_hello,
-                             const std::string& more = "") {
+// What connect() returns when its deadline passed before `peer` came up on lane `where`, link `l`:
+// how far each side's hello got, in the transport's words (the own hello's status: -1 `pending`, 0
+// `done`, else the error `failed` names; its attempts; `peer_hello`), and `more`.
+template <class Link>
+int connect_timed_out(const std::string& prefix, int peer, int64_t timeout_ns, const std::string& where, const Link& l,
+                      const char* pending, const char* done, const char* (*failed)(int), const std::string& peer_hello,
+                      const std::string& more = "") {
+  const int hs = l.hello_status.load();
+  const std::string own_hello = hs < 0 ? pending : hs == 0 ? done : failed(hs);
   return set_error(kErrTimeout, prefix + "connect: peer " + std::to_string(peer) + " never connected within " +
                                     std::to_string(double(timeout_ns) / 1e9) + " s (" + where + "; own hello: " +
-                                    own_hello + " (attempt " + std::to_string(attempt) + "); the peer's hello: " +
-                                    peer_hello + ")" + more);
+                                    own_hello + " (attempt " + std::to_string(l.hello_attempt.load()) +
+                                    "); the peer's hello: " + peer_hello + ")" + more);
 }
 
 // Starts `fn` on thread *t: kOk, else kErrSystem, "<what>: <the system's refusal>".

@@ -636,11 +636,9 @@ class VerbsTransport final : public LaneTransport {
       return kOk;
     };
     auto timed_out = [&](int wp, int wi) {
-      Link& l = *peers_[size_t(wp)]->link[size_t(wi)];
-      const int hs = l.hello_status.load();
-      return connect_timed_out(prefix(), wp, timeout_ns, nics_[size_t(wi)]->where,
-                               hs < 0 ? "not acknowledged yet" : hs == 0 ? "acknowledged" : v_.wc_status_str(hs),
-                               l.hello_attempt.load(),
+      const Link& l = *peers_[size_t(wp)]->link[size_t(wi)];
+      return connect_timed_out(prefix(), wp, timeout_ns, nics_[size_t(wi)]->where, l, "not acknowledged yet",
+                               "acknowledged", v_.wc_status_str,
                                l.hello_recv                ? "received"
                                : l.hello_refused.empty() ? "not received"
                                                          : "refused: " + l.hello_refused);
