@@ -7,52 +7,29 @@
 
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
 #include <sstream>
-#include <type_traits>
+
+#include "shared_lib.h"
 
 namespace moe_ep {
 namespace fi {
 
 const Api* load_fabric(std::string* why) {
-  static std::mutex mu;
-  static Api api{};
-  static int state = 0;  // 0 not tried, 1 loaded, -1 failed
-  static std::string err;
-  std::lock_guard<std::mutex> lk(mu);
-  if (state == 0) {
-    const char* env = std::getenv("MOE_EP_LIBFABRIC_LIB");
-    const std::string name = env && *env ? env : "libfabric.so.1";
-    void* h = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
-    if (!h) {
-      const char* e = dlerror();
-      err = "cannot load " + name + " (libfabric is not installed? apt-get install libfabric1): " +
-            (e ? e : "dlopen failed");
-      state = -1;
-    } else {
-      state = 1;
-      auto sym = [&](auto& fn, const char* s, const char* ver) {
-        if (state != 1) return;
-        void* p = dlvsym(h, s, ver);
-        if (!p) {
-          err = name + " has no symbol " + s + "@" + ver + " (a libfabric older than 1.9?)";
-          state = -1;
-        }
-        fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(p);
-      };
-      sym(api.getinfo, "fi_getinfo", "FABRIC_1.3");
-      sym(api.freeinfo, "fi_freeinfo", "FABRIC_1.3");
-      sym(api.dupinfo, "fi_dupinfo", "FABRIC_1.3");
-      sym(api.fabric, "fi_fabric", "FABRIC_1.1");
-      sym(api.strerror, "fi_strerror", "FABRIC_1.0");
-      sym(api.version, "fi_version", "FABRIC_1.0");
-    }
-  }
-  if (state != 1) {
-    if (why) *why = err;
-    return nullptr;
-  }
-  return &api;
+  auto bind = [](void* h, const std::string& name, Api* api) {
+    std::string err;
+    auto sym = [&](auto& fn, const char* s, const char* ver) {
+      set_symbol(fn, dlvsym(h, s, ver), name + " has no symbol " + s + "@" + ver + " (a libfabric older than 1.9?)", &err);
+    };
+    sym(api->getinfo, "fi_getinfo", "FABRIC_1.3");
+    sym(api->freeinfo, "fi_freeinfo", "FABRIC_1.3");
+    sym(api->dupinfo, "fi_dupinfo", "FABRIC_1.3");
+    sym(api->fabric, "fi_fabric", "FABRIC_1.1");
+    sym(api->strerror, "fi_strerror", "FABRIC_1.0");
+    sym(api->version, "fi_version", "FABRIC_1.0");
+    return err;
+  };
+  return load_table<Api>("MOE_EP_LIBFABRIC_LIB", "libfabric.so.1", "libfabric is not installed? apt-get install libfabric1",
+                         why, bind);
 }
 
 uint32_t api_version(const Api& api, std::string* why) {

@@ -120,10 +120,10 @@ struct Peer {
   std::string bye_text;
 };
 
-class FabricTransport final : public Transport {
+class FabricTransport final : public LaneTransport {
  public:
   FabricTransport(int rank, int world, const fi::Api& api, const JobIdentity& id, int force_mr_mode)
-      : rank_(rank), world_(world), api_(api), id_(id), force_(force_mr_mode) {}
+      : LaneTransport(rank, world), api_(api), id_(id), force_(force_mr_mode) {}
 
   // Opens `k` endpoints, endpoint i on the fi_info chosen[i % n] (one per domain, all of one
   // provider; taken over: freed by the destructor).
@@ -213,13 +213,10 @@ class FabricTransport final : public Transport {
         if (int rc = post_recv(i, s); rc != 0) return fi_error(rc, l.where + ": fi_recv");
       }
     }
-    for (int i = 0; i < k; ++i) {
-      try {
-        lanes_[size_t(i)]->thr = std::thread([this, i] { cq_loop(i); });
-      } catch (const std::exception& e) {
-        return set_error(kErrSystem, prefix() + "libfabric completion thread: " + e.what());
-      }
-    }
+    for (int i = 0; i < k; ++i)
+      if (int rc = start_thread(&lanes_[size_t(i)]->thr, [this, i] { cq_loop(i); }, prefix() + "libfabric completion thread");
+          rc != kOk)
+        return rc;
     return kOk;
   }
 
@@ -247,9 +244,6 @@ class FabricTransport final : public Transport {
     for (Op* o : ops_) delete o;
   }
 
-  int rank() const override { return rank_; }
-  int world() const override { return world_; }
-  ImmCounter& imm_counter() override { return imm_; }
   int imm_per_write() const override { return int(lanes_.size()); }
 
   // Every region on every endpoint's domain (any shard may go through any endpoint).
@@ -332,8 +326,7 @@ class FabricTransport final : public Transport {
     // Every peer on every endpoint: own hello delivered and the peer's hello received; a failed
     // hello is sent again every 50 ms until the deadline.
     std::unique_lock<std::mutex> lk(conn_mu_);
-    for (;;) {
-      int wp = -1, wi = 0;
+    auto scan = [&](int* wp, int* wi) -> int {
       for (int p = 0; p < world_; ++p) {
         Peer& pr = *peers_[size_t(p)];
         if (p == rank_ || pr.up) continue;
@@ -351,25 +344,22 @@ class FabricTransport final : public Transport {
             lk.lock();
             if (rc != kOk) return rc;
           }
-          if (wp < 0) wp = p, wi = i;
+          if (*wp < 0) *wp = p, *wi = i;
         }
         if (all) {
           for (auto& ln : pr.link) ln->alive_ns = steady_now_ns();
           pr.up = true;
         }
       }
-      if (wp < 0) break;
-      const int64_t now = steady_now_ns();
-      if (now >= deadline) {
-        Link& ln = *peers_[size_t(wp)]->link[size_t(wi)];
-        const int hs = ln.hello_status.load();
-        return connect_timed_out(prefix(), wp, timeout_ns, lanes_[size_t(wi)]->where,
-                                 hs < 0 ? "not delivered yet" : hs == 0 ? "delivered" : api_.strerror(hs),
-                                 ln.hello_attempt.load(), ln.hello_recv ? "received" : "not received",
-                                 last_refused_.empty() ? "" : "; a hello was refused: " + last_refused_);
-      }
-      conn_cv_.wait_for(lk, std::chrono::nanoseconds(std::min<int64_t>(deadline - now, 20'000'000)));
-    }
+      return kOk;
+    };
+    auto timed_out = [&](int wp, int wi) {
+      const Link& ln = *peers_[size_t(wp)]->link[size_t(wi)];
+      return connect_timed_out(prefix(), wp, timeout_ns, lanes_[size_t(wi)]->where, ln, "not delivered yet", "delivered",
+                               api_.strerror, ln.hello_recv ? "received" : "not received",
+                               last_refused_.empty() ? "" : "; a hello was refused: " + last_refused_);
+    };
+    if (int rc = wait_links_up(lk, conn_cv_, deadline, scan, timed_out); rc != kOk) return rc;
     connected_ = true;
     return kOk;
   }
@@ -442,12 +432,6 @@ class FabricTransport final : public Transport {
       cq_.expire(op_timeout_ns_.load(), [this](int p, const std::string& why) { lose_peer(p, why, kCqTimeout); });
     });
   }
-
-  // Only the cut is implemented (delay and reorder belong to the tcp transport's streams).
-  void set_fault(const FaultConfig& f) override { cut_.set(f); }
-  void set_op_timeout(int64_t ns) override { op_timeout_ns_ = ns; }
-  void set_min_shard_bytes(uint64_t n) override { min_shard_ = std::max<uint64_t>(n, 1); }
-  std::vector<std::string> refused(int64_t* total) const override { return refusals_.lines(total); }
 
   int64_t cpu_ns() override { return threads_cpu_ns(lanes_); }
   std::string peer_error(int peer) override { return loss_of(peers_, peer); }
@@ -866,7 +850,6 @@ class FabricTransport final : public Transport {
                  [&](const std::string& text, const Goodbye& bye) { lose_peer(src, text, kCqPeerLost, i, &bye); });
   }
 
-  const int rank_, world_;
   const fi::Api& api_;
   const JobIdentity id_;
   const int force_;
@@ -880,23 +863,11 @@ class FabricTransport final : public Transport {
   int nrecv_ = 0;
   std::vector<std::unique_ptr<Lane>> lanes_;
   std::vector<std::unique_ptr<Peer>> peers_;
-  RefusalLog refusals_;
   std::string last_refused_;  // under conn_mu_
   std::mutex reg_mu_;
   RegionTable<Region> regions_;
-  ImmCounter imm_;
-  CompletionQueue cq_;
-  std::mutex conn_mu_;
-  std::condition_variable conn_cv_;
   std::mutex ops_mu_;
   std::unordered_set<Op*> ops_;  // operations posted and not completed (freed by the destructor)
-  std::atomic<uint64_t> next_wr_{1};
-  std::atomic<uint64_t> min_shard_{kDefaultMinShardBytes};
-  CutFault cut_;
-  std::atomic<int64_t> op_timeout_ns_{30'000'000'000LL};
-  std::atomic<bool> stop_{false};
-  std::atomic<bool> connected_{false};
-  std::atomic<bool> bye_said_{false};
 };
 
 }  // namespace

@@ -227,12 +227,7 @@ class TcpTransport final : public Transport {
     wake_tag_.fd = wake_fd_;
     timer_tag_.fd = timer_fd_;
     for (Conn* c : {&listen_tag_, &wake_tag_, &timer_tag_}) ep_add(c);
-    try {
-      io_thread_ = std::thread([this] { io_loop(); });
-    } catch (const std::exception& e) {
-      return set_error(kErrSystem, prefix() + "I/O thread: " + e.what());
-    }
-    return kOk;
+    return start_thread(&io_thread_, [this] { io_loop(); }, prefix() + "I/O thread");
   }
 
   ~TcpTransport() override {

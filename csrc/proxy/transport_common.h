@@ -1,7 +1,8 @@
 // Pieces every transport shares: the table of registered regions (keys in registration order),
 // the completion queue of posted writes (pending writes, op timeouts, poll), a thread's CPU
 // clock, the messages of local argument errors, endpoint strings, the goodbye, the record of a lost
-// peer, the checks of a post, the fault-injection cut and the keepalive clock.
+// peer, a thread's start, connect's wait for every link, the checks of a post, the fault-injection
+// cut and the keepalive clock.
 #pragma once
 
 #include <pthread.h>
@@ -16,6 +17,7 @@
 #include <cstring>
 #include <ctime>
 #include <deque>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <sstream>
@@ -458,15 +460,47 @@ inline int check_connect(int rank, int world, bool connected, size_t n_endpoints
   return kOk;
 }
 
-// What connect() returns when its deadline passed before `peer` came up on lane `where`: how far
-// each side's hello got, in the transport's words (`own_hello`, `peer_hello`), and `more`.
-inline int connect_timed_out(const std::string& prefix, int peer, int64_t timeout_ns, const std::string& where,
-                             const std::string& own_hello, int attempt, const std::string& peer_hello,
-                             const std::string& more = "") {
+// What connect() returns when its deadline passed before `peer` came up on lane `where`, link `l`:
+// how far each side's hello got, in the transport's words (the own hello's status: -1 `pending`, 0
+// `done`, else the error `failed` names; its attempts; `peer_hello`), and `more`.
+template <class Link>
+int connect_timed_out(const std::string& prefix, int peer, int64_t timeout_ns, const std::string& where, const Link& l,
+                      const char* pending, const char* done, const char* (*failed)(int), const std::string& peer_hello,
+                      const std::string& more = "") {
+  const int hs = l.hello_status.load();
+  const std::string own_hello = hs < 0 ? pending : hs == 0 ? done : failed(hs);
   return set_error(kErrTimeout, prefix + "connect: peer " + std::to_string(peer) + " never connected within " +
                                     std::to_string(double(timeout_ns) / 1e9) + " s (" + where + "; own hello: " +
-                                    own_hello + " (attempt " + std::to_string(attempt) + "); the peer's hello: " +
-                                    peer_hello + ")" + more);
+                                    own_hello + " (attempt " + std::to_string(l.hello_attempt.load()) +
+                                    "); the peer's hello: " + peer_hello + ")" + more);
+}
+
+// Starts `fn` on thread *t: kOk, else kErrSystem, "<what>: <the system's refusal>".
+template <class Fn>
+int start_thread(std::thread* t, Fn fn, const std::string& what) {
+  try {
+    *t = std::thread(std::move(fn));
+  } catch (const std::exception& e) {
+    return set_error(kErrSystem, what + ": " + e.what());
+  }
+  return kOk;
+}
+
+// Connect's wait, under `lk` (the lock `cv` is notified under): `scan(&p, &i)` brings up what it
+// can and names the first link still waited for (peer p on lane i; p stays -1 when none is) or
+// returns an error; it runs again on each notification (20 ms at most apart) until no link is
+// waited for (kOk), an error, or the deadline: then `timed_out(p, i)`'s error.
+template <class Scan, class TimedOut>
+int wait_links_up(std::unique_lock<std::mutex>& lk, std::condition_variable& cv, int64_t deadline, Scan scan,
+                  TimedOut timed_out) {
+  for (;;) {
+    int p = -1, i = 0;
+    if (int rc = scan(&p, &i); rc != kOk) return rc;
+    if (p < 0) return kOk;
+    const int64_t now = steady_now_ns();
+    if (now >= deadline) return timed_out(p, i);
+    cv.wait_for(lk, std::chrono::nanoseconds(std::min<int64_t>(deadline - now, 20'000'000)));
+  }
 }
 
 // The checks every post_write() starts with: a peer other than this rank, connected, the local
@@ -693,6 +727,40 @@ class CompletionQueue {
   std::unordered_map<uint64_t, Pending> pending_;
   std::vector<int> count_;  // pending writes per peer
   std::atomic<int64_t> last_check_ns_{0};
+};
+
+
+// What the libfabric and verbs transports share besides their lanes (endpoints, NICs) and peers:
+// rank and world, the immediates counted, the writes pending, connect's lock and wakeup, the
+// write ids, the settings a proxy changes (fault cut, op timeout, minimum shard), the refused
+// hellos and the flags; with the overrides that only read or set these.
+class LaneTransport : public Transport {
+ public:
+  LaneTransport(int rank, int world) : rank_(rank), world_(world) {}
+
+  int rank() const override { return rank_; }
+  int world() const override { return world_; }
+  ImmCounter& imm_counter() override { return imm_; }
+  // Only the cut is implemented (delay and reorder belong to the tcp transport's streams).
+  void set_fault(const FaultConfig& f) override { cut_.set(f); }
+  void set_op_timeout(int64_t ns) override { op_timeout_ns_ = ns; }
+  void set_min_shard_bytes(uint64_t n) override { min_shard_ = std::max<uint64_t>(n, 1); }
+  std::vector<std::string> refused(int64_t* total) const override { return refusals_.lines(total); }
+
+ protected:
+  const int rank_, world_;
+  RefusalLog refusals_;
+  ImmCounter imm_;
+  CompletionQueue cq_;
+  std::mutex conn_mu_;
+  std::condition_variable conn_cv_;
+  std::atomic<uint64_t> next_wr_{1};
+  std::atomic<uint64_t> min_shard_{kDefaultMinShardBytes};
+  CutFault cut_;
+  std::atomic<int64_t> op_timeout_ns_{30'000'000'000LL};
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> connected_{false};
+  std::atomic<bool> bye_said_{false};
 };
 
 }  // namespace moe_ep

@@ -32,6 +32,7 @@
 #include "transport.h"
 #include "cuda_mem.h"
 #include "rdma_probe.h"
+#include "shared_lib.h"
 #include "transport_common.h"
 #include "verbs_abi.h"
 
@@ -39,62 +40,36 @@ namespace moe_ep {
 
 namespace ibv {
 const Api* load_verbs(std::string* why) {
-  static std::mutex mu;
-  static Api api;
-  static int state = 0;  // 0 not tried, 1 loaded, -1 failed
-  static std::string err;
-  std::lock_guard<std::mutex> lk(mu);
-  if (state == 0) {
-    const char* env = std::getenv("MOE_EP_IBVERBS_LIB");
-    const std::string name = env && *env ? env : "libibverbs.so.1";
-    void* h = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
-    if (!h) {
-      const char* e = dlerror();
-      err = "cannot load " + name + " (rdma-core's libibverbs is not installed?): " + (e ? e : "dlopen failed");
-      state = -1;
-    } else {
-      state = 1;
-      auto sym = [&](auto& fn, const char* s) {
-        if (state != 1) return;
-        void* p = dlsym(h, s);
-        if (!p) {
-          err = name + " has no symbol " + s;
-          state = -1;
-        }
-        fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(p);
-      };
-      sym(api.get_device_list, "ibv_get_device_list");
-      sym(api.free_device_list, "ibv_free_device_list");
-      sym(api.get_device_name, "ibv_get_device_name");
-      sym(api.open_device, "ibv_open_device");
-      sym(api.close_device, "ibv_close_device");
-      sym(api.query_port, "ibv_query_port");
-      sym(api.query_gid, "ibv_query_gid");
-      sym(api.alloc_pd, "ibv_alloc_pd");
-      sym(api.dealloc_pd, "ibv_dealloc_pd");
-      sym(api.reg_mr, "ibv_reg_mr");
-      sym(api.dereg_mr, "ibv_dereg_mr");
-      sym(api.create_comp_channel, "ibv_create_comp_channel");
-      sym(api.destroy_comp_channel, "ibv_destroy_comp_channel");
-      sym(api.create_cq, "ibv_create_cq");
-      sym(api.destroy_cq, "ibv_destroy_cq");
-      sym(api.get_cq_event, "ibv_get_cq_event");
-      sym(api.ack_cq_events, "ibv_ack_cq_events");
-      sym(api.create_qp, "ibv_create_qp");
-      sym(api.modify_qp, "ibv_modify_qp");
-      sym(api.destroy_qp, "ibv_destroy_qp");
-      sym(api.wc_status_str, "ibv_wc_status_str");
-      if (state == 1) {  // optional: GPU memory through dma-buf (rdma-core 34+); the device listing
-        api.reg_dmabuf_mr = reinterpret_cast<decltype(api.reg_dmabuf_mr)>(dlsym(h, "ibv_reg_dmabuf_mr"));
-        api.query_device = reinterpret_cast<decltype(api.query_device)>(dlsym(h, "ibv_query_device"));
-      }
-    }
-  }
-  if (state != 1) {
-    if (why) *why = err;
-    return nullptr;
-  }
-  return &api;
+  auto bind = [](void* h, const std::string& name, Api* api) {
+    std::string err;
+    auto sym = [&](auto& fn, const char* s) { set_symbol(fn, dlsym(h, s), name + " has no symbol " + s, &err); };
+    sym(api->get_device_list, "ibv_get_device_list");
+    sym(api->free_device_list, "ibv_free_device_list");
+    sym(api->get_device_name, "ibv_get_device_name");
+    sym(api->open_device, "ibv_open_device");
+    sym(api->close_device, "ibv_close_device");
+    sym(api->query_port, "ibv_query_port");
+    sym(api->query_gid, "ibv_query_gid");
+    sym(api->alloc_pd, "ibv_alloc_pd");
+    sym(api->dealloc_pd, "ibv_dealloc_pd");
+    sym(api->reg_mr, "ibv_reg_mr");
+    sym(api->dereg_mr, "ibv_dereg_mr");
+    sym(api->create_comp_channel, "ibv_create_comp_channel");
+    sym(api->destroy_comp_channel, "ibv_destroy_comp_channel");
+    sym(api->create_cq, "ibv_create_cq");
+    sym(api->destroy_cq, "ibv_destroy_cq");
+    sym(api->get_cq_event, "ibv_get_cq_event");
+    sym(api->ack_cq_events, "ibv_ack_cq_events");
+    sym(api->create_qp, "ibv_create_qp");
+    sym(api->modify_qp, "ibv_modify_qp");
+    sym(api->destroy_qp, "ibv_destroy_qp");
+    sym(api->wc_status_str, "ibv_wc_status_str");
+    // optional: GPU memory through dma-buf (rdma-core 34+); the device listing
+    api->reg_dmabuf_mr = reinterpret_cast<decltype(api->reg_dmabuf_mr)>(dlsym(h, "ibv_reg_dmabuf_mr"));
+    api->query_device = reinterpret_cast<decltype(api->query_device)>(dlsym(h, "ibv_query_device"));
+    return err;
+  };
+  return load_table<Api>("MOE_EP_IBVERBS_LIB", "libibverbs.so.1", "rdma-core's libibverbs is not installed?", why, bind);
 }
 }  // namespace ibv
 
@@ -410,10 +385,10 @@ struct Peer {
   std::string bye_text;
 };
 
-class VerbsTransport final : public Transport {
+class VerbsTransport final : public LaneTransport {
  public:
   VerbsTransport(int rank, int world, const ibv::Api& v, const JobIdentity& id)
-      : rank_(rank), world_(world), v_(v), id_(id) {}
+      : LaneTransport(rank, world), v_(v), id_(id) {}
 
   // Takes the opened NICs (closed by the destructor from here on, even when start fails).
   int start(const std::vector<Selection>& sels) {
@@ -464,13 +439,10 @@ class VerbsTransport final : public Transport {
         if (int rc = to_init(p, i); rc != kOk) return rc;
       }
     }
-    for (int i = 0; i < k; ++i) {
-      try {
-        nics_[size_t(i)]->thr = std::thread([this, i] { cq_loop(i); });
-      } catch (const std::exception& e) {
-        return set_error(kErrSystem, prefix() + "verbs completion thread: " + e.what());
-      }
-    }
+    for (int i = 0; i < k; ++i)
+      if (int rc = start_thread(&nics_[size_t(i)]->thr, [this, i] { cq_loop(i); }, prefix() + "verbs completion thread");
+          rc != kOk)
+        return rc;
     return kOk;
   }
 
@@ -499,9 +471,6 @@ class VerbsTransport final : public Transport {
     }
   }
 
-  int rank() const override { return rank_; }
-  int world() const override { return world_; }
-  ImmCounter& imm_counter() override { return imm_; }
   // Every write with an immediate is one shard per NIC, each counted by the receiver.
   int imm_per_write() const override { return int(nics_.size()); }
 
@@ -639,8 +608,7 @@ class VerbsTransport final : public Transport {
     // Every queue pair: own hello acknowledged and the peer's hello received. A hello that fails
     // (the peer's QP not yet ready to receive: retries exhausted) resets the QP and tries again.
     std::unique_lock<std::mutex> lk(conn_mu_);
-    for (;;) {
-      int wp = -1, wi = 0;  // the first queue pair still waited for
+    auto scan = [&](int* wp, int* wi) -> int {  // *wp, *wi: the first queue pair still waited for
       for (int p = 0; p < world_; ++p) {
         if (p == rank_) continue;
         Peer& pr = *peers_[size_t(p)];
@@ -662,23 +630,20 @@ class VerbsTransport final : public Transport {
             lk.lock();
             if (rc != kOk) return rc;
           }
-          if (wp < 0) wp = p, wi = i;
+          if (*wp < 0) *wp = p, *wi = i;
         }
       }
-      if (wp < 0) break;
-      const int64_t now = now_ns();
-      if (now >= deadline) {
-        Link& l = *peers_[size_t(wp)]->link[size_t(wi)];
-        const int hs = l.hello_status.load();
-        return connect_timed_out(prefix(), wp, timeout_ns, nics_[size_t(wi)]->where,
-                                 hs < 0 ? "not acknowledged yet" : hs == 0 ? "acknowledged" : v_.wc_status_str(hs),
-                                 l.hello_attempt.load(),
-                                 l.hello_recv                ? "received"
-                                 : l.hello_refused.empty() ? "not received"
-                                                           : "refused: " + l.hello_refused);
-      }
-      conn_cv_.wait_for(lk, std::chrono::nanoseconds(std::min<int64_t>(deadline - now, 20'000'000)));
-    }
+      return kOk;
+    };
+    auto timed_out = [&](int wp, int wi) {
+      const Link& l = *peers_[size_t(wp)]->link[size_t(wi)];
+      return connect_timed_out(prefix(), wp, timeout_ns, nics_[size_t(wi)]->where, l, "not acknowledged yet",
+                               "acknowledged", v_.wc_status_str,
+                               l.hello_recv                ? "received"
+                               : l.hello_refused.empty() ? "not received"
+                                                         : "refused: " + l.hello_refused);
+    };
+    if (int rc = wait_links_up(lk, conn_cv_, deadline, scan, timed_out); rc != kOk) return rc;
     connected_ = true;
     return kOk;
   }
@@ -746,12 +711,6 @@ class VerbsTransport final : public Transport {
   int poll(Completion* out, int max, int64_t timeout_ns) override {
     return cq_.poll(out, max, timeout_ns, [this] { check_op_timeouts(); });
   }
-
-  // Only the cut is implemented; delay and reorder have no meaning on a NIC's queue pair.
-  void set_fault(const FaultConfig& f) override { cut_.set(f); }
-  void set_op_timeout(int64_t ns) override { op_timeout_ns_ = ns; }
-  std::vector<std::string> refused(int64_t* total) const override { return refusals_.lines(total); }
-  void set_min_shard_bytes(uint64_t n) override { min_shard_ = std::max<uint64_t>(n, 1); }
 
   int64_t cpu_ns() override { return threads_cpu_ns(nics_); }
   std::string peer_error(int peer) override { return loss_of(peers_, peer); }
@@ -1218,27 +1177,14 @@ class VerbsTransport final : public Transport {
               w.status == ibv::WC_REM_ACCESS_ERR ? kCqRemoteAccess : kCqPeerLost, i);
   }
 
-  const int rank_, world_;
   const ibv::Api& v_;
   const JobIdentity id_;
-  RefusalLog refusals_;
   std::vector<std::unique_ptr<Nic>> nics_;
   int depth_ = 16;
   uint32_t psn_ = 0;
   std::vector<std::unique_ptr<Peer>> peers_;
   std::shared_mutex qp_mu_;  // shared: posting to a QP; exclusive: modify/destroy
   RegionTable<Region> regions_;
-  ImmCounter imm_;
-  CompletionQueue cq_;
-  std::mutex conn_mu_;
-  std::condition_variable conn_cv_;
-  std::atomic<uint64_t> next_wr_{1};
-  std::atomic<uint64_t> min_shard_{kDefaultMinShardBytes};
-  CutFault cut_;
-  std::atomic<int64_t> op_timeout_ns_{30'000'000'000LL};
-  std::atomic<bool> stop_{false};
-  std::atomic<bool> connected_{false};
-  std::atomic<bool> bye_said_{false};
 };
 
 }  // namespace

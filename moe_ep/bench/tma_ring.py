@@ -41,6 +41,22 @@ def _ring_barriers(STAGES: gl.constexpr):
 
 
 @gluon.jit
+def _wait_slot(bars, j, STAGES: gl.constexpr):
+    """Waits for step ``j``'s row in its ring slot (``j % STAGES``, in its ``j // STAGES``-th use); returns the slot."""
+    stage = j % STAGES
+    mbarrier.wait(bars.index(stage), (j // STAGES) & 1)
+    return stage
+
+
+@gluon.jit
+def _ring_done(bars, STAGES: gl.constexpr):
+    """The program's end: its stores done reading shared memory, the ring's mbarriers invalidated."""
+    tma.store_wait(0)
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(s))
+
+
+@gluon.jit
 def _k_offsets(BLOCK_K: gl.constexpr):
     """arange(BLOCK_K) held whole by every thread (a step's K destination rows, read as scalars)."""
     return gl.arange(0, BLOCK_K, layout=gl.BlockedLayout([BLOCK_K], [32], [gl.num_warps()], [0]))
@@ -91,10 +107,9 @@ def ring_copy_kernel(src_desc, dst_desc, idx_ptr, rows, GATHER: gl.constexpr, K:
     src_next, ok_next = _source_row(idx_ptr, pid + AHEAD * programs, rows, GATHER)
     dst = _dest_rows(idx_ptr, pid, rows, offs_k, GATHER, K)
     for j in range(steps):
-        stage = j % STAGES
         i = pid + j * programs
         dst_next = _dest_rows(idx_ptr, i + programs, rows, offs_k, GATHER, K)
-        mbarrier.wait(bars.index(stage), (j // STAGES) & 1)
+        stage = _wait_slot(bars, j, STAGES)
         for k in gl.static_range(K):
             if GATHER:
                 dst_row = i
@@ -107,9 +122,7 @@ def ring_copy_kernel(src_desc, dst_desc, idx_ptr, rows, GATHER: gl.constexpr, K:
         _load_row(src_desc, ring, bars, nxt % STAGES, src_next, ok_next)
         src_next, ok_next = _source_row(idx_ptr, pid + (nxt + 1) * programs, rows, GATHER)
         dst = dst_next
-    tma.store_wait(0)
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(s))
+    _ring_done(bars, STAGES)
 
 
 @gluon.jit
@@ -137,10 +150,9 @@ def ring_fp8_expand_kernel(src_desc, dst_desc, scale_ptr, idx_ptr, rows, scale_s
         _load_row(src_desc, ring, bars, p, pid + p * programs, pid + p * programs < rows)
     dst = _dest_rows(idx_ptr, pid, rows, offs_k, False, K)
     for j in range(steps):
-        stage = j % STAGES
         i = pid + j * programs
         dst_next = _dest_rows(idx_ptr, i + programs, rows, offs_k, False, K)
-        mbarrier.wait(bars.index(stage), (j // STAGES) & 1)
+        stage = _wait_slot(bars, j, STAGES)
         x = ring.index(stage).load(x_layout).to(gl.float32)
         # the box's chunks past the row's end were filled with zeros: their NaN is never stored
         amax = gl.max(gl.abs(x), axis=2)
@@ -159,9 +171,7 @@ def ring_fp8_expand_kernel(src_desc, dst_desc, scale_ptr, idx_ptr, rows, scale_s
         nxt = i + STAGES * programs
         _load_row(src_desc, ring, bars, stage, nxt, nxt < rows)
         dst = dst_next
-    tma.store_wait(0)
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(s))
+    _ring_done(bars, STAGES)
 
 
 SMEM_BYTES = 232448  # shared memory one program may use on sm_90 (227 KB); the ring must fit

@@ -22,8 +22,8 @@ import triton.language as tl
 from ..kernels.common import (ERR_CAPACITY, ERR_PROXY, ERR_TIMEOUT, PHASE_DISPATCH, deadline_start, payload_cols,
                               payload_tile, record_error, scale_ptr)
 from ..kernels.args import DispatchIO, RemoteIO
-from ..kernels.dispatch import local_counts, node_dispatch_kernel
-from ..kernels.rows import tokens_before
+from ..kernels.dispatch import local_counts, node_dispatch_kernel, selections_before
+from ..kernels.rows import copy_rows, tokens_before
 from ..kernels.tiles import chunk_sum, col, excl, first_on_rank, gather, load_routing, pick
 from .mailbox import (MB_DISP_READY, MB_ERR_CODE, MB_ERR_PEER, MB_HDR_BELL, MB_HDR_READY, MB_OV_DONE, MB_OV_READY,
                       arrive_and_ring, ov_window, proxy_deadline, ready1, rows_bell, wait_window, wait_word,
@@ -50,21 +50,6 @@ def rank_counts(topk_ptr, rhist_ptr, T, NC, DIM: tl.constexpr, MODE: tl.constexp
         return cnt
     else:
         return chunk_sum(rhist_ptr, rr, rr < DIM.R, NC, DIM.CMAX, TILE.BLOCK_C)
-
-
-@triton.jit
-def selections_before(io, idf, c, DIM: tl.constexpr, MODE: tl.constexpr, TILE: tl.constexpr):
-    """Per flat selection ``idf`` of chunk ``c``: this rank's selections of the same expert in earlier
-    chunks (counted from the ids at decode sizes, else from the routing histogram [E, CMAX])."""
-    pre = tl.zeros(idf.shape, tl.int32)
-    if MODE.DIRECT:
-        for f0 in range(0, c * io.BT * DIM.K, 256):
-            ff = f0 + tl.arange(0, 256)
-            prev = tl.load(io.topk_ptr + ff, mask=ff < c * io.BT * DIM.K, other=-1).to(tl.int32)
-            pre += tl.sum((idf[:, None] == prev[None, :]).to(tl.int32), axis=1)
-    else:
-        pre = chunk_sum(io.hist_ptr, idf, idf >= 0, c, DIM.CMAX, TILE.BLOCK_C)
-    return tl.where(idf >= 0, pre, 0)
 
 
 @triton.jit
@@ -106,7 +91,8 @@ def pack_chunk_for(d, c, first_peer, off16, roff, io, rio, DIM: tl.constexpr, MO
     ff = tl.arange(0, S)
     idf = tl.reshape(ids, (S,))
     within = tl.sum(((idf[:, None] == idf[None, :]) & (ff[None, :] < ff[:, None])).to(tl.int32), axis=1)
-    j = tl.reshape(selections_before(io, idf, c, DIM, MODE, TILE) + within, (TILE.BLOCK_T, TILE.BLOCK_K))
+    pre = tl.where(idf >= 0, selections_before(io, idf, c, DIM, MODE, TILE), 0)
+    j = tl.reshape(pre + within, (TILE.BLOCK_T, TILE.BLOCK_K))
     w = tl.load(io.w_ptr + t[:, None] * K + kk[None, :], mask=cm, other=0.0)
     # Rows in 16-byte units, so the compiler sees every row address 16-byte aligned (vector stores).
     row16 = off16 + pos.to(tl.int64) * (REM.RB // 16)
@@ -221,16 +207,7 @@ def unpack_rows_block(src, im, g, o, s, io, rio, DIM: tl.constexpr, MODE: tl.con
     tl.store(io.recv_ids_ptr + o[:, None] * K + kk[None, :], lid, mask=m2)
     tl.store(io.recv_wts_ptr + o[:, None] * K + kk[None, :], tl.where(lid >= 0, wt, 0.0), mask=m2)
     tl.store(io.recv_src_ptr + o, s * DIM.M + tok, mask=im)
-    for w0 in range(0, DIM.W, TILE.BLOCK_W):
-        ww = w0 + tl.arange(0, TILE.BLOCK_W)
-        wm = im[:, None] & (ww[None, :] < DIM.W)
-        tl.store(io.out_x_ptr + o[:, None] * DIM.W + ww[None, :], tl.load(src[:, None] + ww[None, :], mask=wm),
-                 mask=wm)
-    if MODE.FP8:
-        bb = tl.arange(0, TILE.BLOCK_NB)
-        bm = im[:, None] & (bb[None, :] < DIM.NB)
-        sv = tl.load(src[:, None].to(tl.pointer_type(tl.float32)) + DIM.H // 4 + bb[None, :], mask=bm)
-        tl.store(io.out_s_ptr + o[:, None] * DIM.NB + bb[None, :], sv, mask=bm)
+    copy_rows(src, im, o, io, DIM, MODE, TILE, STAGES=None)
 
 
 @triton.jit

@@ -26,6 +26,7 @@ from .common import (ERR_BAD_EXPERT, ERR_CAPACITY, PHASE_DISPATCH, abort_combine
                      ptr_at, raise_flag, record_error, scale_ptr, store_own_rows, wait_flag)
 from .args import Clock, DispatchIO
 from .rows import on_peer, recv_rows_chunk, tokens_before
+from .tiles import chunk_sum
 
 
 @triton.jit
@@ -49,6 +50,22 @@ def local_counts(io, NC, d, DIM: tl.constexpr, MODE: tl.constexpr, TILE: tl.cons
 
 
 @triton.jit
+def selections_before(io, idf, c, DIM: tl.constexpr, MODE: tl.constexpr, TILE: tl.constexpr):
+    """Per flat selection ``idf`` of chunk ``c``: this rank's selections of the same expert in earlier
+    chunks (counted from the ids at decode sizes, else from the routing histogram [E, CMAX]);
+    anything for a selection of none (``idf`` -1)."""
+    pre = tl.zeros(idf.shape, tl.int32)
+    if MODE.DIRECT:
+        for f0 in range(0, c * io.BT * DIM.K, 256):
+            ff = f0 + tl.arange(0, 256)
+            prev = tl.load(io.topk_ptr + ff, mask=ff < c * io.BT * DIM.K, other=-1).to(tl.int32)
+            pre += tl.sum((idf[:, None] == prev[None, :]).to(tl.int32), axis=1)
+    else:
+        pre = chunk_sum(io.hist_ptr, idf, idf >= 0, c, DIM.CMAX, TILE.BLOCK_C)
+    return pre
+
+
+@triton.jit
 def _send_chunk(c, io, at, OFF: tl.constexpr, DIM: tl.constexpr, MODE: tl.constexpr, TILE: tl.constexpr,
                 SELF_SYNC: tl.constexpr):
     """Chunk ``c`` (tokens [c*BT, (c+1)*BT)): the buffer's copy of its expert ids (what combine
@@ -61,7 +78,6 @@ def _send_chunk(c, io, at, OFF: tl.constexpr, DIM: tl.constexpr, MODE: tl.conste
     tt = tl.arange(0, TILE.BLOCK_T)
     kk = tl.arange(0, TILE.BLOCK_K)
     ff = tl.arange(0, S)
-    cc = tl.arange(0, TILE.BLOCK_C)
     t = c * io.BT + tt
     tm = (tt < io.BT) & (t < io.T)
     m2 = tm[:, None] & (kk[None, :] < DIM.K)
@@ -75,21 +91,12 @@ def _send_chunk(c, io, at, OFF: tl.constexpr, DIM: tl.constexpr, MODE: tl.conste
     tl.store(io.route_ptr + t[:, None] * DIM.K + kk[None, :], ids, mask=m2)
     w = tl.load(io.w_ptr + t[:, None] * DIM.K + kk[None, :], mask=m2, other=0.0)
     idf = tl.reshape(ids, (S,))
-    vf = idf >= 0
     # Position j of each selection among this rank's selections of its expert, which fixes the
     # order (source rank, token, k): earlier chunks + earlier in this chunk.
-    pre = tl.zeros((S,), tl.int32)
     if MODE.ROWS:
-        pass  # no per-expert positions: the rows layout places whole tokens
-    elif MODE.DIRECT:
-        for f0 in range(0, c * io.BT * DIM.K, 256):
-            ff2 = f0 + tl.arange(0, 256)
-            prev = tl.load(io.topk_ptr + ff2, mask=ff2 < c * io.BT * DIM.K, other=-1).to(tl.int32)
-            pre += tl.sum((idf[:, None] == prev[None, :]).to(tl.int32), axis=1)
+        pre = tl.zeros((S,), tl.int32)  # no per-expert positions: the rows layout places whole tokens
     else:
-        for c1 in range(0, c, TILE.BLOCK_C):
-            pre += tl.sum(tl.load(io.hist_ptr + idf[:, None] * DIM.CMAX + c1 + cc[None, :],
-                                  mask=vf[:, None] & (c1 + cc[None, :] < c), other=0), axis=1)
+        pre = selections_before(io, idf, c, DIM, MODE, TILE)
     within = tl.sum(((idf[:, None] == idf[None, :]) & (ff[None, :] < ff[:, None])).to(tl.int32), axis=1)
     j = tl.reshape(pre + within, (TILE.BLOCK_T, TILE.BLOCK_K))
     # Node peer of each selection (global rank - NODE0); one outside [0, N) is on another node.

@@ -48,6 +48,23 @@ def tokens_before(topk_ptr, hist_ptr, c, BT, T, d, NODE0: tl.constexpr, E: tl.co
 
 
 @triton.jit
+def copy_rows(src, m, r, io, DIM: tl.constexpr, MODE: tl.constexpr, TILE: tl.constexpr, STAGES: tl.constexpr):
+    """Workspace rows ``src`` (int32 pointers: payload words, then the fp8 scales) where ``m`` to
+    rows ``r`` (int64) of ``out_x`` (and ``out_s``); ``STAGES``: the payload loop's pipelining
+    (None: the compiler's choice)."""
+    for w0 in tl.range(0, DIM.W, TILE.BLOCK_W, num_stages=STAGES):
+        ww = w0 + tl.arange(0, TILE.BLOCK_W)
+        wm = m[:, None] & (ww[None, :] < DIM.W)
+        tl.store(io.out_x_ptr + r[:, None] * DIM.W + ww[None, :], tl.load(src[:, None] + ww[None, :], mask=wm),
+                 mask=wm)
+    if MODE.FP8:
+        bb = tl.arange(0, TILE.BLOCK_NB)
+        bm = m[:, None] & (bb[None, :] < DIM.NB)
+        sv = tl.load(src[:, None].to(tl.pointer_type(tl.float32)) + DIM.H // 4 + bb[None, :], mask=bm)
+        tl.store(io.out_s_ptr + r[:, None] * DIM.NB + bb[None, :], sv, mask=bm)
+
+
+@triton.jit
 def recv_rows_chunk(v, vs, s, c, hdr, io, at, OFF: tl.constexpr, DIM: tl.constexpr, MODE: tl.constexpr,
                     TILE: tl.constexpr, SELF_SYNC: tl.constexpr):
     """Waits for chunk ``c`` of node source ``s``, then writes each of its tokens that selected an
@@ -95,13 +112,4 @@ def recv_rows_chunk(v, vs, s, c, hdr, io, at, OFF: tl.constexpr, DIM: tl.constex
                 own_rows_in_blocks(v, vs, s, c, hdr, kk, io, DIM, MODE, TILE, KS=1, CM_ROWS=0)
         else:
             src = ptr_at(io.ws, OFF.rows, tl.int32) + slot * (DIM.RB // 4)
-            for w0 in tl.range(0, DIM.W, TILE.BLOCK_W, num_stages=TILE.STAGES):
-                ww = w0 + tl.arange(0, TILE.BLOCK_W)
-                wm = has[:, None] & (ww[None, :] < DIM.W)
-                tl.store(io.out_x_ptr + r[:, None] * DIM.W + ww[None, :], tl.load(src[:, None] + ww[None, :], mask=wm),
-                         mask=wm)
-            if MODE.FP8:
-                bb = tl.arange(0, TILE.BLOCK_NB)
-                bm = has[:, None] & (bb[None, :] < DIM.NB)
-                sv = tl.load(src[:, None].to(tl.pointer_type(tl.float32)) + DIM.H // 4 + bb[None, :], mask=bm)
-                tl.store(io.out_s_ptr + r[:, None] * DIM.NB + bb[None, :], sv, mask=bm)
+            copy_rows(src, has, r, io, DIM, MODE, TILE, STAGES=TILE.STAGES)

@@ -16,12 +16,12 @@ gloo group (none at R = 1, with a fixed ``max_tokens``, or under CUDA graph capt
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from ..ops.buffer import EPBuffer
+from ..ops.buffer import BufferSet, EPBuffer
 from ..core.group import EPGroup
 from .rows import delivered
 from ..core.tuning import Tuning
@@ -61,7 +61,7 @@ class RowsExchange:
         self.fixed = max_tokens is not None
         self.max_tokens = max_tokens if self.fixed else 0
         self.min_tokens = min_tokens
-        self._buffers: Dict[Tuple, EPBuffer] = {}
+        self._buffers = BufferSet()
         self._agree_pg = None
         self.agreements = 0  # host all-gathers so far (for tests and measurements)
 
@@ -113,20 +113,14 @@ class RowsExchange:
     # ------------------------------------------------------------------ buffers
     def buffer(self, num_experts: int, topk: int, hidden: int, dtype: torch.dtype) -> EPBuffer:
         """The rows buffer of that shape at the agreed ``max_tokens`` (made collectively on first use)."""
-        key = (num_experts, topk, hidden, dtype, self.max_tokens)
-        buf = self._buffers.get(key)
-        if buf is None:
-            # "worst": the layer reads an upper bound of the rows without a host sync (``plan``), and
-            # captures in CUDA graphs
-            buf = EPBuffer(self.group, num_experts, hidden, self.max_tokens, topk, dispatch_dtype=dtype,
-                           layout="rows", timeout_s=self.timeout_s, tuning=self.tuning, max_recv_rows="worst")
-            self._buffers[key] = buf
-        return buf
+        # "worst": the layer reads an upper bound of the rows without a host sync (``plan``), and
+        # captures in CUDA graphs
+        return self._buffers.get((num_experts, topk, hidden, dtype, self.max_tokens), lambda: EPBuffer(
+            self.group, num_experts, hidden, self.max_tokens, topk, dispatch_dtype=dtype, layout="rows",
+            timeout_s=self.timeout_s, tuning=self.tuning, max_recv_rows="worst"))
 
     def close(self) -> None:
-        for buf in self._buffers.values():
-            buf.close()
-        self._buffers.clear()
+        self._buffers.close()
 
 
 @dataclass

@@ -11,11 +11,11 @@ the fp8 quantization), ``topk_weights``, and the local experts' weights.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Optional
 
 import torch
 
-from ..ops.buffer import EPBuffer
+from ..ops.buffer import BufferSet, EPBuffer
 from .experts import RowGroups, gated_mlp_rows, use_grouped_mm
 from .rows import (SENTINEL, bits_float, decode_digits, delivered, encode_digits, float_bits, flat_rows,
                    num_digits, row_groups, to_layout)
@@ -52,24 +52,21 @@ class ExpertParallelRunner:
         self.meta_id = num_digits(num_experts + 1, META_BASE)
         meta = max(self.meta_tag + topk * (self.meta_id + 4), 2 * topk)
         self.h_bwd = hidden + -(-meta // 16) * 16
-        self._buffers: Dict[str, EPBuffer] = {}
+        self._buffers = BufferSet()
 
     # ------------------------------------------------------------------ buffers
     def buffer(self, kind: str) -> EPBuffer:
-        buf = self._buffers.get(kind)
-        if buf is None:
-            hidden, dtype = {"fwd": (self.H, self.dispatch_dtype),
-                             "train": (self.h_main + TAG_COLS, self.dispatch_dtype),
-                             "bwd": (self.h_bwd, torch.bfloat16)}[kind]
-            buf = EPBuffer(self.group, self.E, hidden, self.M, self.K, dispatch_dtype=dtype, layout=self.layout,
-                           expert_alignment=self.alignment, timeout_s=self.timeout_s, tuning=self.tuning)
-            self._buffers[kind] = buf
-        return buf
+        return self._buffers.get(kind, lambda: self._make_buffer(kind))
+
+    def _make_buffer(self, kind: str) -> EPBuffer:
+        hidden, dtype = {"fwd": (self.H, self.dispatch_dtype),
+                         "train": (self.h_main + TAG_COLS, self.dispatch_dtype),
+                         "bwd": (self.h_bwd, torch.bfloat16)}[kind]
+        return EPBuffer(self.group, self.E, hidden, self.M, self.K, dispatch_dtype=dtype, layout=self.layout,
+                        expert_alignment=self.alignment, timeout_s=self.timeout_s, tuning=self.tuning)
 
     def close(self) -> None:
-        for buf in self._buffers.values():
-            buf.close()
-        self._buffers.clear()
+        self._buffers.close()
 
     # ------------------------------------------------------------------ helpers
     def _use_gmm(self, w: torch.Tensor) -> bool:

@@ -1,10 +1,11 @@
-"""EPBuffer: the communication buffer of one MoE layer shape, and its dispatch/combine calls."""
+"""EPBuffer: the communication buffer of one MoE layer shape, and its dispatch/combine calls;
+BufferSet: the buffers of one owner, each made on first use, closed together."""
 from __future__ import annotations
 
 import logging
 import math
 from operator import attrgetter
-from typing import Optional
+from typing import Callable, Dict, Hashable, Optional
 
 import torch
 
@@ -227,7 +228,6 @@ class EPBuffer:
         result = _dispatch.replayed(parts, self, x, topk_idx, topk_weights, x_scales, return_recv_hook)
         if result is not None:
             return result
-        parts.check_usable()
         return _dispatch.dispatch(parts, self, x, topk_idx, topk_weights, x_scales, return_recv_hook, True)
 
     def combine(self, expert_y: torch.Tensor, handle: DispatchResult, return_recv_hook: bool = False, *,
@@ -265,7 +265,6 @@ class EPBuffer:
         result = _combine.replayed(parts, self, expert_y, handle, out, topk_weights, return_recv_hook)
         if result is not None:
             return result
-        parts.check_usable()
         return _combine.combine(parts, self, expert_y, handle, return_recv_hook, topk_weights, out, True)
 
     def synchronize(self) -> None:
@@ -328,3 +327,24 @@ class EPBuffer:
                     max_recv_rows=shape.max_recv_rows,
                     transport=(settings.value("MOE_EP_TRANSPORT") or "auto") if remote else None,
                     **{f"tuning.{name}": getattr(tuning, name) for name in LAYOUT_KNOBS})
+
+
+class BufferSet:
+    """``EPBuffer``s by key, each made on first use (``get``; making one is collective, so every
+    rank asks for the same keys in the same order) and closed together (``close``)."""
+
+    def __init__(self):
+        self._made: Dict[Hashable, EPBuffer] = {}
+
+    def get(self, key: Hashable, make: Callable[[], EPBuffer]) -> EPBuffer:
+        """The buffer of ``key``, made by ``make()`` on the first call with it."""
+        buf = self._made.get(key)
+        if buf is None:
+            buf = self._made[key] = make()
+        return buf
+
+    def close(self) -> None:
+        """Closes every buffer made so far; later ``get`` calls make new ones."""
+        for buf in self._made.values():
+            buf.close()
+        self._made.clear()

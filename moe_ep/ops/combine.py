@@ -133,7 +133,8 @@ def combine(parts: Parts, buffer, expert_y: torch.Tensor, handle, return_recv_ho
             out=None, latest_tried: bool = False):
     """The full path of ``EPBuffer.combine`` on ``parts`` (``handle`` must be the latest result of
     ``buffer``, the ``EPBuffer``; ``latest_tried``: ``replayed`` looked the call up just before and
-    missed)."""
+    missed), its checks starting with ``Parts.check_usable``."""
+    parts.check_usable()
     calls, shape, mem = parts.calls, parts.shape, parts.memory
     dev = mem.device
     if calls.pending is not None:

@@ -135,7 +135,9 @@ _SCALARS = {"T": 0, "BT": 1, "NC": 2}
 def dispatch(parts: Parts, buffer, x, topk_idx, topk_weights, x_scales: Optional[torch.Tensor] = None,
              return_recv_hook: bool = False, latest_tried: bool = False):
     """The full path of ``EPBuffer.dispatch`` on ``parts`` (its result names ``buffer``, the
-    ``EPBuffer``; ``latest_tried``: ``replayed`` missed just before, as ``Replay.find`` takes it)."""
+    ``EPBuffer``; ``latest_tried``: ``replayed`` missed just before, as ``Replay.find`` takes it),
+    its checks starting with ``Parts.check_usable``."""
+    parts.check_usable()
     calls, shape, mem = parts.calls, parts.shape, parts.memory
     if calls.pending is not None:
         calls.check_no_pending("dispatch")
