@@ -111,7 +111,7 @@ def _decode_buffer(group, fused: bool) -> tuple:
     return buf, x, idx, w, y, out, h
 
 
-def _internode_rank(rank: int, init: str, out: str) -> None:
+def _internode_rank(rank: int, init: str, out: str, calls: int) -> None:
     """One of 2 ranks on 2 nodes of 1 (gloo, TCP proxies over loopback): a decode buffer across
     nodes whose launches go into the stand-in driver (nothing runs, so no bell rings and nothing
     waits: moe_ep's own host time); rank 0 writes its medians to ``out``."""
@@ -133,8 +133,8 @@ def _internode_rank(rank: int, init: str, out: str) -> None:
         hook()
     for _ in range(2):  # recorded by the second call (the first's hook made the receive half's plan)
         hooked()
-    rows = [(_median_us(lambda: buf.dispatch(x, idx, w)), _median_us(pair(False)), _median_us(pair(True)),
-             _median_us(hooked)) for _ in range(3)]
+    rows = [(_median_us(lambda: buf.dispatch(x, idx, w), calls), _median_us(pair(False), calls),
+             _median_us(pair(True), calls), _median_us(hooked, calls)) for _ in range(3)]
     dist.barrier()
     buf.close()
     if rank == 0:
@@ -142,7 +142,7 @@ def _internode_rank(rank: int, init: str, out: str) -> None:
             f.write(repr(rows))
 
 
-def _internode_rows() -> list:
+def _internode_rows(calls: int) -> list:
     """``_internode_rank``'s medians (3 rounds): dispatch, dispatch + combine, dispatch + combine(out=),
     both with hooks."""
     import ast
@@ -151,12 +151,12 @@ def _internode_rows() -> list:
 
     tmp = tempfile.mkdtemp(prefix="moe_ep_host_path_")
     out = os.path.join(tmp, "internode")
-    mp.spawn(_internode_rank, args=("file://" + os.path.join(tmp, "init"), out), nprocs=2)
+    mp.spawn(_internode_rank, args=("file://" + os.path.join(tmp, "init"), out, calls), nprocs=2)
     with open(out) as f:
         return ast.literal_eval(f.read())
 
 
-def _median_us(fn, n: int = 3000) -> float:
+def _median_us(fn, n: int) -> float:
     ts = []
     for _ in range(n):
         t = time.perf_counter_ns()
@@ -165,7 +165,7 @@ def _median_us(fn, n: int = 3000) -> float:
     return statistics.median(ts) / 1e3
 
 
-def main() -> None:
+def main(calls: int = 3000) -> None:
     # As on a GPU: one fused launch per call, no interpreter, the launches native.
     buf, x, idx, w, y, out, h = _decode_buffer(moe_ep.EPGroup(), fused=True)
     T, H = x.shape
@@ -197,10 +197,11 @@ def main() -> None:
         hooked_dispatch()
         hooked_combine()
     # The rows layout (DeepEP's normal-mode combine): weights per received row, their sums returned.
-    rbuf = moe_ep.EPBuffer(moe_ep.EPGroup(), 256, H, T, 8, dispatch_dtype=torch.float8_e4m3fn, layout="rows")
+    rbuf = moe_ep.EPBuffer(moe_ep.EPGroup(), 256, H, T, 8, dispatch_dtype=torch.float8_e4m3fn, layout="rows",
+                          max_recv_rows="worst")  # (no host read per call, as DeepEP's normal mode with num_worst_tokens)
     rbuf.parts.tuning, rbuf.parts.interp, rbuf.calls.launch = rbuf.tuning.replace(fused=True), False, _Launcher()
     rh = rbuf.dispatch(x, idx, w)
-    ry, rw, out32 = torch.zeros(rh.expert_x.shape, dtype=torch.bfloat16), torch.rand(rbuf.sizes.capacity, 8), out.float()
+    ry, rw, out32 = torch.zeros(rh.expert_x.shape, dtype=torch.bfloat16), torch.rand(rh.expert_x.shape[0], 8), out.float()
     rbuf.combine(ry, rh, topk_weights=rw, out=out32)
     # DeepEP's low-latency pair through moe_ep.deep_ep (fp8, receive hooks): the same buffers
     # (their launches into the stand-in too) plus the wrapper's own Python.
@@ -224,25 +225,25 @@ def main() -> None:
     ptrs = (x.data_ptr(), idx.data_ptr(), w.data_ptr(), out.data_ptr())
     rows = []
     for _ in range(3):
-        d = _median_us(lambda: buf.dispatch(x, idx, w))
+        d = _median_us(lambda: buf.dispatch(x, idx, w), calls)
         h = buf.dispatch(x, idx, w)
-        rows.append((d, _median_us(lambda: buf.combine(y, h)), _median_us(lambda: buf.combine(y, h, out=out)),
-                     _median_us(lambda: buf.combine(y, h, topk_weights=w, out=out)),
-                     _median_us(cycle(False)), _median_us(cycle(True)),
-                     _median_us(hooked_dispatch), _median_us(hooked_combine),
-                     _median_us(lambda: rbuf.combine(ry, rh, topk_weights=rw, out=out32)),
-                     _median_us(ll_dispatch), _median_us(ll_combine),
-                     _median_us(lambda: bound.launch(0, ptrs)), _median_us(lambda: torch.empty_like(out)),
-                     _median_us(lambda: None)))
+        rows.append((d, _median_us(lambda: buf.combine(y, h), calls), _median_us(lambda: buf.combine(y, h, out=out), calls),
+                     _median_us(lambda: buf.combine(y, h, topk_weights=w, out=out), calls),
+                     _median_us(cycle(False), calls), _median_us(cycle(True), calls),
+                     _median_us(hooked_dispatch, calls), _median_us(hooked_combine, calls),
+                     _median_us(lambda: rbuf.combine(ry, rh, topk_weights=rw, out=out32), calls),
+                     _median_us(ll_dispatch, calls), _median_us(ll_combine, calls),
+                     _median_us(lambda: bound.launch(0, ptrs), calls), _median_us(lambda: torch.empty_like(out), calls),
+                     _median_us(lambda: None, calls)))
     names = ("dispatch", "combine", "combine(out=)", "combine(topk_weights=, out=)", "dispatch, T = 1..128",
              "+ combine(out=), T = 1..128", "dispatch with a hook, + hook()", "combine(w=, out=, hook), + hook()",
              "rows: combine(w=, out=f32)", "deep_ep: low_latency_dispatch + hook",
              "deep_ep: low_latency_combine + hook",
              "one native launch", "empty_like [T, H]", "timer alone")
-    print("host time per call, us (median of 3000; 3 rounds; the timer's own cost included in each):")
+    print(f"host time per call, us (median of {calls}; 3 rounds; the timer's own cost included in each):")
     for i, name in enumerate(names):
         print(f"  {name:36s} " + "  ".join(f"{r[i]:6.2f}" for r in rows))
-    across = _internode_rows()
+    across = _internode_rows(calls)
     print("across nodes (2 nodes of 1; two launches a call), us per call:")
     for i, name in enumerate(("dispatch", "dispatch + combine", "dispatch + combine(out=)",
                               "both with a hook, + hooks")):
@@ -250,4 +251,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import argparse
+
+    ap = argparse.ArgumentParser(description="moe_ep's host time per eager call, on a CPU")
+    ap.add_argument("--calls", type=int, default=3000, help="calls per median (3 rounds each)")
+    main(ap.parse_args().calls)
