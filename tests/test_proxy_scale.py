@@ -17,6 +17,16 @@ def test_scale_run_r64_exact_counts():
         assert r["dispatch"]["posts_per_op"] >= 63, r  # a header to every other rank, rows to remote ones
 
 
+def test_posts_go_to_the_transport_in_batches():
+    """The proxy hands its writes to the transport a batch at a time (Transport::post_writes): with
+    every immediate in before the bells, a dispatch posts its 63 headers in one call and its rows
+    in another, a combine its rows in one, so an epoch's 119 + 56 writes take a few calls."""
+    r = ps.run_point(ps.Point(64, ps.SHAPES["decode"], "early", epochs=8, warmup=2, draws=2))
+    posts = r["dispatch"]["posts_per_op"] + r["combine"]["posts_per_op"]
+    assert posts >= 63 + 56, r
+    assert 2 <= r["post_calls_per_epoch"] <= 6, r
+
+
 def test_count_matrix_and_expected():
     rng = np.random.default_rng(0)
     C = ps.count_matrix(16, ps.Shape("t", 32, topk=4, num_experts=32), rng)

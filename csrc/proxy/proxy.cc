@@ -106,6 +106,7 @@ Proxy* Proxy::create(Transport* t, const ProxyConfig& cfg, void* const regions[k
   p->todo_.reserve(R);
   p->off_.assign(R, 0);
   p->arrived_.reserve(4 * R);
+  p->batch_.reserve(2 * R + 8);
   t->imm_counter().enable_log();
   p->trace_.resize(kMaxTrace);
   p->ns0_ = mono_ns();
@@ -264,9 +265,9 @@ int64_t Proxy::comb_bell_seen() {
   return -1;
 }
 
-bool Proxy::raise_ready(int w, int64_t epoch, int phase) {
+bool Proxy::raise_ready_gdr(int w, int64_t epoch, int phase) {
   std::string why;
-  if (gdr_region_ >= 0 && !gdr_.flush(&why)) return fail(kProxyTransport, -1, phase, epoch, "GPU memory regions: " + why);
+  if (!gdr_.flush(&why)) return fail(kProxyTransport, -1, phase, epoch, "GPU memory regions: " + why);
   store(w, epoch);
   return true;
 }
@@ -329,16 +330,21 @@ void Proxy::loop() {
   }
 }
 
-bool Proxy::post(int phase, int64_t epoch, int peer, int lreg, uint64_t loff, int rreg, uint64_t roff, uint64_t len) {
-  uint64_t wr = 0;
-  const WriteOp w{peer, keys_[lreg], loff, keys_[rreg], roff, len, true, make_imm(phase, int(cfg_.rank), epoch)};
-  const int rc = t_->post_write(w, &wr);
+bool Proxy::flush_batch(int64_t epoch) {
+  const int n = int(batch_.size());
+  int posted = 0;
+  const int rc = t_->post_writes(batch_.data(), n, nullptr, &posted);
+  posted = rc == kOk ? n : std::min(std::max(posted, 0), n);
+  for (int i = 0; i < posted; ++i) ++posted_to_[size_t(batch_[size_t(i)].peer)];
+  n_posted_ += posted;
+  phase_posts_ += posted;
   if (rc == kOk) {
-    ++n_posted_;
-    ++phase_posts_;
-    ++posted_to_[size_t(peer)];
+    batch_.clear();
     return true;
   }
+  const int peer = posted < n ? batch_[size_t(posted)].peer : -1;
+  const int phase = posted < n ? imm_phase(batch_[size_t(posted)].imm) : kPhaseD1;
+  batch_.clear();
   if (rc == kErrPeer) return fail_lost(peer, phase, epoch, "post_write: " + thread_error());
   return fail(kProxyTransport, peer, phase, epoch, "post_write: " + thread_error());
 }
@@ -393,6 +399,7 @@ bool Proxy::await_all(int phase, int64_t epoch, const std::vector<int>& srcs, in
 }
 
 bool Proxy::reap(int phase, int64_t epoch, int64_t wait_ns) {
+  if (!flush(epoch)) return false;  // (every group of posts is flushed already)
   Completion cq[64];
   while (n_posted_ > 0) {
     const int n = t_->poll(cq, 64, wait_ns);
@@ -495,6 +502,7 @@ bool Proxy::run_dispatch(int64_t epoch) {
   const uint64_t ov_base = uint64_t((epoch & 1) * cfg_.overflow_capacity * RB);
   trace_phase(kTrHdrBell, epoch);
   n_posted_ = 0;
+  batch_.clear();
   phase_posts_ = 0;
   phase_bells_ = 1;  // the header bell
   std::fill(posted_to_.begin(), posted_to_.end(), 0);
@@ -521,9 +529,10 @@ bool Proxy::run_dispatch(int64_t epoch) {
   const uint64_t my_slot = r1_base + uint64_t(me * slot), my_hdr = h_base + uint64_t(me * hdr_);
   // Headers first: they are ready before any row is packed, and the receivers place rows with them.
   for (int p : others_) {
-    if (!post(kPhaseD0, epoch, p, kRegHdrSend, uint64_t(p * hdr_), kRegHdrRecv, my_hdr, uint64_t(hdr_))) return false;
+    post(kPhaseD0, epoch, p, kRegHdrSend, uint64_t(p * hdr_), kRegHdrRecv, my_hdr, uint64_t(hdr_));
     trace_peer(kTrPostD0, p, epoch);
   }
+  if (!flush(epoch)) return false;
   auto c_to = [&](int s, int p) -> int64_t { return C[size_t(s) * R + p]; };
   auto ov = [&](int s, int p) -> int64_t { return std::max<int64_t>(0, c_to(s, p) - cap); };
   // Where remote source s's overflow starts in this rank's stream (every header in).
@@ -638,13 +647,13 @@ bool Proxy::run_dispatch(int64_t epoch) {
     const int rung = serve_bells(mb_disp_bell, epoch, kTrRowsBell, [&](int p) {
       const int64_t n1 = std::min(c_to(me, p), cap);
       if (n1 > 0) {
-        if (!post(kPhaseD1, epoch, p, kRegDispSend, off_[p], kRegRound1, my_slot, uint64_t(n1 * RB))) return false;
+        post(kPhaseD1, epoch, p, kRegDispSend, off_[p], kRegRound1, my_slot, uint64_t(n1 * RB));
         trace_peer(kTrPostD1, p, epoch);
       }
       rows_sent_[p] = 1;
       return true;
     });
-    if (rung < 0) return false;
+    if (rung < 0 || !flush(epoch)) return false;
     work |= rung > 0;
     // Arrivals (only when the counter moved since the last look).
     const uint64_t gen = t_->imm_counter().generation();
@@ -718,12 +727,12 @@ bool Proxy::run_dispatch(int64_t epoch) {
         ov_left -= ov_next_[p] > ov_last_[p];
         const int64_t lo = std::max(st, w * B), hi = std::min(st + n2, (w + 1) * B);
         const uint64_t loff = off_[p] + uint64_t((cap + lo - st) * RB);
-        if (!post(kPhaseD2, epoch, p, kRegDispSend, loff, kRegOverflow, ov_base + uint64_t((lo - w * B) * RB),
-                  uint64_t((hi - lo) * RB)))
-          return false;
+        post(kPhaseD2, epoch, p, kRegDispSend, loff, kRegOverflow, ov_base + uint64_t((lo - w * B) * RB),
+             uint64_t((hi - lo) * RB));
         trace_peer(kTrPostD2, p, epoch);
         work = true;
       }
+      if (!flush(epoch)) return false;
     }
     // This rank's own stream beyond window 0: once its kernels unpacked window w - 1 (ov_done),
     // a zero-byte credit to each source with rows in window w; its ready word once they landed.
@@ -734,11 +743,12 @@ bool Proxy::run_dispatch(int64_t epoch) {
         if (!remote(s) || ov(s, me) == 0) continue;
         const int64_t st = ov_start_of(s);
         if (st >= (cur_win + 1) * B || st + ov(s, me) <= cur_win * B) continue;
-        if (!post(kPhaseCredit, epoch, s, kRegHdrSend, 0, kRegHdrRecv, 0, 0)) return false;
+        post(kPhaseCredit, epoch, s, kRegHdrSend, 0, kRegHdrRecv, 0, 0);
         trace_peer(kTrPostCredit, s, epoch);
         win_wait_[s] = 1;
         ++win_left;
       }
+      if (!flush(epoch)) return false;
       deadline = std::max(deadline, mono_ns() + cfg_.timeout_ns);
       seen_gen = ~uint64_t(0);  // rows of this window that came with the credits' completions: look
       work = true;
@@ -811,6 +821,7 @@ bool Proxy::run_combine(int64_t epoch) {
   const uint64_t cr_base = uint64_t((epoch & 1) * cfg_.max_send_rows * CRB);  // parity copy of s's region
   const int32_t* const C = counts_.data();
   n_posted_ = 0;
+  batch_.clear();
   phase_posts_ = phase_bells_ = 0;
   std::fill(posted_to_.begin(), posted_to_.end(), 0);
   auto ov = [&](int s, int p) -> int64_t { return std::max<int64_t>(0, int64_t(C[size_t(s) * R + p]) - cap); };
@@ -880,14 +891,12 @@ bool Proxy::run_combine(int64_t epoch) {
       const int64_t roff = sum_range(row, 0, me) - sum_range(row, slo, std::min(slo + G, me));
       const int64_t c0 = std::min<int64_t>(row[me], cap) +
                          (B > 0 ? std::min(ov(s, me), std::max<int64_t>(0, B - ov_start_[s])) : ov(s, me));
-      if (!post(kPhaseC, epoch, s, kRegCombSend, off_[s], kRegCombRecv, cr_base + uint64_t(roff * CRB),
-                uint64_t(c0 * CRB)))
-        return false;
+      post(kPhaseC, epoch, s, kRegCombSend, off_[s], kRegCombRecv, cr_base + uint64_t(roff * CRB), uint64_t(c0 * CRB));
       trace_peer(kTrPostC, s, epoch);
       sent[s] = 1;
       return true;
     });
-    if (rung < 0) return false;
+    if (rung < 0 || !flush(epoch)) return false;
     work |= rung > 0;
     // Later windows: once the writes of the one before completed, the kernels may pack the next
     // (comb_win_done); once they did (comb_win_bell), each source's part of it.
@@ -904,11 +913,11 @@ bool Proxy::run_combine(int64_t epoch) {
         const int slo = s / G * G;
         const int64_t roff = sum_range(row, 0, me) - sum_range(row, slo, std::min(slo + G, me)) + cap +
                              (lo - ov_start_[s]);
-        if (!post(kPhaseC, epoch, s, kRegCombSend, uint64_t((lo - w * B) * CRB), kRegCombRecv,
-                  cr_base + uint64_t(roff * CRB), uint64_t((hi - lo) * CRB)))
-          return false;
+        post(kPhaseC, epoch, s, kRegCombSend, uint64_t((lo - w * B) * CRB), kRegCombRecv,
+             cr_base + uint64_t(roff * CRB), uint64_t((hi - lo) * CRB));
         trace_peer(kTrPostC, s, epoch);
       }
+      if (!flush(epoch)) return false;
       posted_win = next_win++;
       deadline = std::max(deadline, mono_ns() + cfg_.timeout_ns);
       work = true;

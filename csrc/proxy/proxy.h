@@ -266,7 +266,15 @@ class Proxy {
                     const std::string& what);
   // The timeout of own writes: names the first peer with a write outstanding.
   bool fail_writes(int phase, int64_t epoch);
-  bool post(int phase, int64_t epoch, int peer, int lreg, uint64_t loff, int rreg, uint64_t roff, uint64_t len);
+  // Queues one write with the immediate (phase, this rank, epoch); flush() posts the queue in one
+  // post_writes call. Every group of posts is flushed before anything reads n_posted_.
+  void post(int phase, int64_t epoch, int peer, int lreg, uint64_t loff, int rreg, uint64_t roff, uint64_t len) {
+    batch_.push_back(WriteOp{peer, keys_[lreg], loff, keys_[rreg], roff, len, true, make_imm(phase, int(cfg_.rank), epoch)});
+  }
+  // Posts the queued writes; false (error recorded, naming the first write not posted) on failure.
+  bool flush(int64_t epoch) { return batch_.empty() || flush_batch(epoch); }
+  bool flush_batch(int64_t epoch);
+  std::vector<WriteOp> batch_;  // writes queued by post(), not posted yet
   bool remote(int p) const { return p / cfg_.node_size != cfg_.rank / cfg_.node_size; }
   int lost_peer();  // the first peer lost (the root cause), else -1
   // The peer to name for lost peer `lost`: the cause its goodbye gave, if it closed after an error
@@ -278,7 +286,14 @@ class Proxy {
   void store(int w, int64_t v) { __atomic_store_n(&mb_[w], v, __ATOMIC_RELEASE); }
   // Raises ready word w to `epoch` for rows that landed in a region the kernels read: after the
   // GPUDirect RDMA flush where those regions are GPU memory. False (error recorded) if it failed.
-  bool raise_ready(int w, int64_t epoch, int phase);
+  bool raise_ready(int w, int64_t epoch, int phase) {
+    if (gdr_region_ < 0) {  // host memory: nothing to flush
+      store(w, epoch);
+      return true;
+    }
+    return raise_ready_gdr(w, epoch, phase);
+  }
+  bool raise_ready_gdr(int w, int64_t epoch, int phase);
 
   Transport* t_ = nullptr;
   ProxyConfig cfg_{};

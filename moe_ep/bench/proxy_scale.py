@@ -134,6 +134,7 @@ def run_point(pt: Point) -> dict:
         sim_drive(eng, px, cfg, counts, 1, n)
         recs = [r for r in px.phase_records() if r[1] > pt.warmup]
         stats = eng.stats()
+        stats["post_calls"] = eng.post_calls()
     finally:
         px.close()
         eng.close()
@@ -156,7 +157,8 @@ def _row(pt: Point, mats, cap: int, recs, stats: dict, n: int, me: int) -> dict:
             raise AssertionError(f"R={pt.R} {op} epoch {e}: {posts} posts and {bells} bells, the count matrix "
                                  f"says {wp} and {w[op + '_bells']}")
     row = dict(ranks=pt.R, peers=pt.R - 1, shape=pt.shape.name, arrival=pt.arrival, routing=pt.routing,
-               private_capacity=cap, epochs=pt.epochs, gap_ns=pt.gap_ns, rank=me, trace=pt.trace)
+               private_capacity=cap, epochs=pt.epochs, gap_ns=pt.gap_ns, rank=me, trace=pt.trace,
+               post_calls_per_epoch=stats.get("post_calls", 0) / n)  # transport calls: a batch of writes is one
     for op, ph in (("dispatch", ("D0", "D1", "D2")), ("combine", ("C",))):
         cpu = [r[5] for r in recs if r[0] == op]
         wall = [r[4] - r[2] for r in recs if r[0] == op]
