@@ -99,6 +99,9 @@ Proxy* Proxy::create(Transport* t, const ProxyConfig& cfg, void* const regions[k
   p->mb_ = mailbox;
   const size_t R = size_t(cfg.world_size);
   p->posted_to_.assign(R, 0);
+  p->node_g_ = int(cfg.node_size);
+  p->my_lo_ = int(cfg.rank / cfg.node_size * cfg.node_size);
+  for (int r = 0; r < int(R); ++r) p->node_lo_.push_back(int(r / cfg.node_size * cfg.node_size));
   p->counts_.assign(R * R, 0);
   p->next_counts_.assign(R * R, 0);
   for (int r = 0; r < int(R); ++r)
@@ -472,7 +475,7 @@ bool Proxy::fail_writes(int phase, int64_t epoch) {
 
 bool Proxy::add_overflow(const int32_t* row, int s) {
   const int R = int(cfg_.world_size);
-  const int64_t cap = cfg_.private_capacity, G = cfg_.node_size, lo = s / G * G, hi = lo + G;
+  const int64_t cap = cfg_.private_capacity, lo = node_lo_[size_t(s)], hi = lo + node_g_;
   if (!row_exceeds(row, R, uint32_t(std::min<int64_t>(cap, INT32_MAX)))) return true;  // no overflow (the common case)
   if (*std::min_element(row, row + R) < 0) return false;
   for (int64_t p = 0; p < R; ++p)
@@ -699,7 +702,7 @@ bool Proxy::run_dispatch(int64_t epoch) {
       for (int p : others_) {
         if (!remote(p)) continue;
         const int64_t n2 = ov(me, p);
-        const int plo = p / G * G, phi = plo + G;  // p's node: its sources send no overflow to p
+        const int plo = node_lo_[size_t(p)], phi = plo + G;  // p's node: its sources send no overflow to p
         int64_t st = 0;
         for (int s = 0; s < me; ++s)
           if (s < plo || s >= phi) st += ov(s, p);
@@ -829,7 +832,7 @@ bool Proxy::run_combine(int64_t epoch) {
   auto start_in = [&](int s, int p) {
     int64_t st = 0;
     for (int q = 0; q < s; ++q)
-      if (q / G != p / G) st += ov(q, p);
+      if (node_lo_[size_t(q)] != node_lo_[size_t(p)]) st += ov(q, p);
     return st;
   };
   auto part = [&](int64_t st, int64_t o, int64_t w, int64_t* lo, int64_t* hi) {
@@ -887,7 +890,7 @@ bool Proxy::run_combine(int64_t epoch) {
     const int rung = serve_bells(mb_comb_bell, epoch, kTrCombBell, [&](int s) {
       // In s's combine receive region: sum of c_{s,p'} over p' < me outside s's node.
       const int32_t* row = &C[size_t(s) * R];
-      const int slo = s / G * G;
+      const int slo = node_lo_[size_t(s)];
       const int64_t roff = sum_range(row, 0, me) - sum_range(row, slo, std::min(slo + G, me));
       const int64_t c0 = std::min<int64_t>(row[me], cap) +
                          (B > 0 ? std::min(ov(s, me), std::max<int64_t>(0, B - ov_start_[s])) : ov(s, me));
@@ -910,7 +913,7 @@ bool Proxy::run_combine(int64_t epoch) {
         int64_t lo, hi;
         if (!remote(s) || !part(ov_start_[s], ov(s, me), w, &lo, &hi)) continue;
         const int32_t* row = &C[size_t(s) * R];
-        const int slo = s / G * G;
+        const int slo = node_lo_[size_t(s)];
         const int64_t roff = sum_range(row, 0, me) - sum_range(row, slo, std::min(slo + G, me)) + cap +
                              (lo - ov_start_[s]);
         post(kPhaseC, epoch, s, kRegCombSend, uint64_t((lo - w * B) * CRB), kRegCombRecv,

@@ -275,7 +275,10 @@ class Proxy {
   bool flush(int64_t epoch) { return batch_.empty() || flush_batch(epoch); }
   bool flush_batch(int64_t epoch);
   std::vector<WriteOp> batch_;  // writes queued by post(), not posted yet
-  bool remote(int p) const { return p / cfg_.node_size != cfg_.rank / cfg_.node_size; }
+  // Whether rank p is on another node than this rank (no division: the proxy asks per peer and event).
+  bool remote(int p) const { return unsigned(p - my_lo_) >= unsigned(node_g_); }
+  int my_lo_ = 0, node_g_ = 1;  // this rank's node: ranks [my_lo_, my_lo_ + node_g_)
+  std::vector<int> node_lo_;    // per rank r: the first rank of r's node (r / node_size * node_size)
   int lost_peer();  // the first peer lost (the root cause), else -1
   // The peer to name for lost peer `lost`: the cause its goodbye gave, if it closed after an error
   // of its own naming another peer; else `lost`.
