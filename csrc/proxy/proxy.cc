@@ -479,7 +479,11 @@ bool Proxy::add_overflow(const int32_t* row, int s) {
   if (!row_exceeds(row, R, uint32_t(std::min<int64_t>(cap, INT32_MAX)))) return true;  // no overflow (the common case)
   if (*std::min_element(row, row + R) < 0) return false;
   for (int64_t p = 0; p < R; ++p)
-    if (p < lo || p >= hi) ov_total_[size_t(p)] += std::max<int64_t>(0, row[p] - cap);
+    if (p < lo || p >= hi) {
+      const int64_t o = std::max<int64_t>(0, row[p] - cap);
+      ov_total_[size_t(p)] += o;
+      ov_sum_ += o;
+    }
   return true;
 }
 
@@ -512,23 +516,34 @@ bool Proxy::run_dispatch(int64_t epoch) {
   // Own count vector: the start of this rank's own header slot.
   int32_t* const C = next_counts_.data();
   std::memcpy(&C[size_t(me) * R], reg_[kRegHdrSend] + uint64_t(me * hdr_), 4 * size_t(R));
+  // Per rank: 0 pending, 1 done (or nothing to do). Rows that land before their source's header
+  // (writes are unordered) stay counted until the header says they are expected.
+  for (auto* v : {&rows_sent_, &got_hdr_, &got1_, &got2_, &win_wait_}) v->assign(size_t(R), 0);
+  got_hdr_[me] = 1;
+  // One pass over this rank's counts: checked, and for each remote peer p (in rank order) where
+  // rows_p starts in the send buffer; p waits for its rows bell (todo_).
+  todo_.clear();
+  int n_remote = 0;
   int64_t rows = 0;
+  uint64_t o = 0;
+  const int32_t* const mine = &C[size_t(me) * R];
   for (int p = 0; p < R; ++p) {
-    const int32_t c = C[size_t(me) * R + p];
+    const int32_t c = mine[p];
     if (c < 0) return fail(kProxyInvalid, p, kPhaseD1, epoch, "negative count for peer " + std::to_string(p));
-    if (p != me && remote(p)) rows += c;
+    if (!remote(p)) {  // this rank and its node: no rows through the proxy
+      rows_sent_[p] = got1_[p] = got2_[p] = 1;
+      continue;
+    }
+    rows += c;
+    off_[p] = o;
+    o += uint64_t(c * RB);
+    todo_.push_back(p);
+    ++n_remote;
   }
   if (rows > cfg_.max_send_rows)
     return fail(kProxyInvalid, -1, kPhaseD1, epoch,
                 std::to_string(rows) + " rows to remote peers exceed the send buffer's " +
                     std::to_string(cfg_.max_send_rows));
-  // rows_p of every remote peer p, in rank order.
-  uint64_t o = 0;
-  for (int p = 0; p < R; ++p) {
-    if (p == me || !remote(p)) continue;
-    off_[p] = o;
-    o += uint64_t(C[size_t(me) * R + p] * RB);
-  }
   const uint64_t my_slot = r1_base + uint64_t(me * slot), my_hdr = h_base + uint64_t(me * hdr_);
   // Headers first: they are ready before any row is packed, and the receivers place rows with them.
   for (int p : others_) {
@@ -545,33 +560,22 @@ bool Proxy::run_dispatch(int64_t epoch) {
       if (remote(q)) st += ov(q, me);
     return st;
   };
-  // Per rank: 0 pending, 1 done (or nothing to do). Rows that land before their source's header
-  // (writes are unordered) stay counted until the header says they are expected.
-  for (auto* v : {&rows_sent_, &got_hdr_, &got1_, &got2_, &win_wait_}) v->assign(size_t(R), 0);
   // Windows of B rows (§10 "Round 2 in windows"). As a source, per receiver p: this rank's
   // overflow to p starts at ov_start_[p] in p's stream; window ov_next_[p] is the next to post,
   // ov_last_[p] the last (none left when next > last), credits_[p] the credits not yet served
-  // (window 0 needs none: a credit of its own). Set once every header is in.
+  // (window 0 needs none: a credit of its own). Set once every header is in, and only when some
+  // source has overflow (ov_any): without, nothing reads them.
   const int64_t B = cfg_.overflow_capacity;
-  for (auto* v : {&ov_start_, &ov_next_, &ov_last_, &credits_}) v->assign(size_t(R), 0);
   // As a receiver: windows of this rank's stream, the next to credit, the one whose rows are
   // awaited (-1: none) and how many of its writes are still to come.
   int64_t n_win = 0, next_win = 1, cur_win = -1, win_left = 0;
-  todo_.clear();
-  int n_remote = 0;
-  for (int p = 0; p < R; ++p) {
-    if (p == me || !remote(p))
-      rows_sent_[p] = got1_[p] = got2_[p] = 1;
-    else
-      todo_.push_back(p), ++n_remote;
-  }
-  got_hdr_[me] = 1;
   // What is left, counted down: headers, round-1 rows, overflow rows to receive; overflow to post.
   int hdr_left = R - 1, got1_left = n_remote, got2_left = n_remote, ov_left = 0;
-  bool all_hdr = false;
+  bool all_hdr = false, ov_any = false;  // ov_any: some source has overflow for a remote rank (set at all_hdr)
   // Every p's total overflow from remote sources, summed row by row as headers land (the
   // capacity check below needs the whole matrix; one pass per row, no division).
   ov_total_.assign(size_t(R), 0);
+  ov_sum_ = 0;
   add_overflow(&C[size_t(me) * R], me);
   auto land1 = [&](int s) {  // s's round-1 rows are in (or it has none)
     got1_[s] = 1;
@@ -604,7 +608,7 @@ bool Proxy::run_dispatch(int64_t epoch) {
   auto want = [&](int ph, int s) {
     if (ph == kPhaseD0) return !got_hdr_[s];
     if (!got_hdr_[s] || !remote(s)) return false;
-    if (ph == kPhaseCredit) return all_hdr && ov_next_[s] + credits_[s] <= ov_last_[s];
+    if (ph == kPhaseCredit) return all_hdr && ov_any && ov_next_[s] + credits_[s] <= ov_last_[s];
     return ph == kPhaseD1 ? !got1_[s] : ph == kPhaseD2 && (!got2_[s] || win_wait_[s]);
   };
   // Source s's rows of the current window (beyond the first) landed: the window's ready word
@@ -685,9 +689,16 @@ bool Proxy::run_dispatch(int64_t epoch) {
       if (headers) seen_gen = ~uint64_t(0);  // rows that came before these headers are wanted now: look again
       if (failing_counter && !scan_all(&lost)) return false;
     }
-    if (!all_hdr && hdr_left == 0) {
+    if (!all_hdr && hdr_left == 0 && ov_sum_ == 0) {
+      // No overflow anywhere (the common case): no round 2, no windows, no credits.
       all_hdr = work = true;
       mid_ns_ = mono_ns();
+      trace_phase(kTrHdrReady, epoch);
+      store(kMbHdrReady, epoch);
+    } else if (!all_hdr && hdr_left == 0) {
+      all_hdr = work = ov_any = true;
+      mid_ns_ = mono_ns();
+      for (auto* v : {&ov_start_, &ov_next_, &ov_last_, &credits_}) v->assign(size_t(R), 0);
       // Capacity: overflow goes through the region in as many windows as it needs, so only a
       // region of no rows refuses it (every rank checks every p: same data, same decision).
       for (int p = 0; p < R && B == 0; ++p) {

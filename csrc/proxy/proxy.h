@@ -312,6 +312,7 @@ class Proxy {
   // ranks into ov_total_.
   bool add_overflow(const int32_t* row, int s);
   std::vector<int64_t> ov_total_;  // per rank p: overflow rows from remote sources (this dispatch's headers so far)
+  int64_t ov_sum_ = 0;             // their sum: 0 while no source has overflow for a remote rank
   std::vector<int32_t> counts_;  // [R][R] count matrix of the last dispatch
   // Per-phase scratch, sized once at create (a phase allocates nothing).
   std::vector<int32_t> next_counts_;  // [R][R] the count matrix being filled by a dispatch
