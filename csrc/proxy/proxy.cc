@@ -102,14 +102,21 @@ Proxy* Proxy::create(Transport* t, const ProxyConfig& cfg, void* const regions[k
   p->node_g_ = int(cfg.node_size);
   p->my_lo_ = int(cfg.rank / cfg.node_size * cfg.node_size);
   for (int r = 0; r < int(R); ++r) p->node_lo_.push_back(int(r / cfg.node_size * cfg.node_size));
-  p->counts_.assign(R * R, 0);
-  p->next_counts_.assign(R * R, 0);
+  const int64_t hdr = p->hdr_;
+  for (int par = 0; par < 2; ++par) {
+    p->own_[par].assign(R, 0);
+    for (int s = 0; s < int(R); ++s)
+      p->rows_[par].push_back(s == cfg.rank ? p->own_[par].data()
+                                            : reinterpret_cast<const int32_t*>(static_cast<const char*>(regions[kRegHdrRecv]) +
+                                                                               (par * int64_t(R) + s) * hdr));
+  }
   for (int r = 0; r < int(R); ++r)
     if (r != cfg.rank) p->others_.push_back(r);
   p->todo_.reserve(R);
   p->off_.assign(R, 0);
   p->arrived_.reserve(4 * R);
   p->batch_.reserve(2 * R + 8);
+  p->scratch_.assign(R, 0);
   t->imm_counter().enable_log();
   p->trace_.resize(kMaxTrace);
   p->ns0_ = mono_ns();
@@ -514,8 +521,9 @@ bool Proxy::run_dispatch(int64_t epoch) {
   phase_bells_ = 1;  // the header bell
   std::fill(posted_to_.begin(), posted_to_.end(), 0);
   // Own count vector: the start of this rank's own header slot.
-  int32_t* const C = next_counts_.data();
-  std::memcpy(&C[size_t(me) * R], reg_[kRegHdrSend] + uint64_t(me * hdr_), 4 * size_t(R));
+  const int32_t* const* const rows_of = rows_[epoch & 1].data();  // the count matrix, row by row (in place)
+  int32_t* const own = own_[epoch & 1].data();
+  std::memcpy(own, reg_[kRegHdrSend] + uint64_t(me * hdr_), 4 * size_t(R));
   // Per rank: 0 pending, 1 done (or nothing to do). Rows that land before their source's header
   // (writes are unordered) stay counted until the header says they are expected.
   for (auto* v : {&rows_sent_, &got_hdr_, &got1_, &got2_, &win_wait_}) v->assign(size_t(R), 0);
@@ -526,7 +534,7 @@ bool Proxy::run_dispatch(int64_t epoch) {
   int n_remote = 0;
   int64_t rows = 0;
   uint64_t o = 0;
-  const int32_t* const mine = &C[size_t(me) * R];
+  const int32_t* const mine = own;
   for (int p = 0; p < R; ++p) {
     const int32_t c = mine[p];
     if (c < 0) return fail(kProxyInvalid, p, kPhaseD1, epoch, "negative count for peer " + std::to_string(p));
@@ -551,7 +559,7 @@ bool Proxy::run_dispatch(int64_t epoch) {
     trace_peer(kTrPostD0, p, epoch);
   }
   if (!flush(epoch)) return false;
-  auto c_to = [&](int s, int p) -> int64_t { return C[size_t(s) * R + p]; };
+  auto c_to = [&](int s, int p) -> int64_t { return rows_of[s][p]; };
   auto ov = [&](int s, int p) -> int64_t { return std::max<int64_t>(0, c_to(s, p) - cap); };
   // Where remote source s's overflow starts in this rank's stream (every header in).
   auto ov_start_of = [&](int s) {
@@ -576,7 +584,7 @@ bool Proxy::run_dispatch(int64_t epoch) {
   // capacity check below needs the whole matrix; one pass per row, no division).
   ov_total_.assign(size_t(R), 0);
   ov_sum_ = 0;
-  add_overflow(&C[size_t(me) * R], me);
+  add_overflow(own, me);
   auto land1 = [&](int s) {  // s's round-1 rows are in (or it has none)
     got1_[s] = 1;
     --got1_left;
@@ -594,8 +602,10 @@ bool Proxy::run_dispatch(int64_t epoch) {
     got_hdr_[s] = 1;
     --hdr_left;
     trace_peer(kTrGotD0, s, epoch);
-    std::memcpy(&C[size_t(s) * R], reg_[kRegHdrRecv] + h_base + uint64_t(s * hdr_), 4 * size_t(R));
-    if (!add_overflow(&C[size_t(s) * R], s))
+    // Scanned through a copy into one small buffer: the bulk copy brings the row's lines (which
+    // another core or the NIC wrote) in faster than the scan's own loads do (EP128: 17.4 vs 20 µs).
+    std::memcpy(scratch_.data(), rows_of[s], 4 * size_t(R));
+    if (!add_overflow(scratch_.data(), s))
       return fail(kProxyInvalid, s, kPhaseD1, epoch, "peer " + std::to_string(s) + " sent a negative count");
     if (remote(s)) {
       if (ov(s, me) == 0 && !land2(s, false)) return false;
@@ -815,8 +825,7 @@ bool Proxy::run_dispatch(int64_t epoch) {
     reap_wait = idle(last_work, seen_gen, !todo_.empty() || ov_done_bell,
                      !all_hdr || got1_left > 0 || got2_left > 0 || win_left > 0 || ov_left > 0);
   }
-  counts_.swap(next_counts_);
-  counts_epoch_ = epoch;
+  counts_epoch_ = epoch;  // (its count matrix: rows_[epoch & 1])
   return true;
 }
 
@@ -833,12 +842,12 @@ bool Proxy::run_combine(int64_t epoch) {
   const int R = int(cfg_.world_size), me = int(cfg_.rank), G = int(cfg_.node_size);
   const int64_t CRB = cfg_.comb_row_bytes, cap = cfg_.private_capacity, B = cfg_.overflow_capacity;
   const uint64_t cr_base = uint64_t((epoch & 1) * cfg_.max_send_rows * CRB);  // parity copy of s's region
-  const int32_t* const C = counts_.data();
+  const int32_t* const* const rows_of = rows_[epoch & 1].data();  // the dispatch's count matrix (epoch == counts_epoch_)
   n_posted_ = 0;
   batch_.clear();
   phase_posts_ = phase_bells_ = 0;
   std::fill(posted_to_.begin(), posted_to_.end(), 0);
-  auto ov = [&](int s, int p) -> int64_t { return std::max<int64_t>(0, int64_t(C[size_t(s) * R + p]) - cap); };
+  auto ov = [&](int s, int p) -> int64_t { return std::max<int64_t>(0, int64_t(rows_of[s][p]) - cap); };
   // Where remote source s's overflow starts in owner p's stream; s's rows of window w there.
   auto start_in = [&](int s, int p) {
     int64_t st = 0;
@@ -861,7 +870,7 @@ bool Proxy::run_combine(int64_t epoch) {
   int64_t got_left = 0, o = 0, O = 0;
   for (int s = 0; s < R; ++s) {
     if (s == me || !remote(s)) continue;
-    const int64_t c = C[size_t(s) * R + me], n1 = std::min(c, cap), os = ov(s, me);
+    const int64_t c = rows_of[s][me], n1 = std::min(c, cap), os = ov(s, me);
     ov_start_[s] = O;
     const int64_t c0 = n1 + (B > 0 ? std::min(os, std::max<int64_t>(0, B - O)) : os);
     O += os;
@@ -869,7 +878,7 @@ bool Proxy::run_combine(int64_t epoch) {
     o += c0;
     if (c0 > 0) sent[s] = 0, todo_.push_back(s);
     // from owner s (as a source of its stream): window 0 (round 1 and its part there) and each later window
-    const int64_t st = start_in(me, s), om = ov(me, s), cm = C[size_t(me) * R + s];
+    const int64_t st = start_in(me, s), om = ov(me, s), cm = rows_of[me][s];
     int64_t n = std::min<int64_t>(cm, cap) + (B > 0 ? std::min(om, std::max<int64_t>(0, B - st)) : om) > 0;
     for (int64_t w = 1, lo, hi; B > 0 && w * B < st + om; ++w) n += part(st, om, w, &lo, &hi);
     credits_[s] = n;
@@ -900,7 +909,7 @@ bool Proxy::run_combine(int64_t epoch) {
     Lost lost;
     const int rung = serve_bells(mb_comb_bell, epoch, kTrCombBell, [&](int s) {
       // In s's combine receive region: sum of c_{s,p'} over p' < me outside s's node.
-      const int32_t* row = &C[size_t(s) * R];
+      const int32_t* row = rows_of[s];
       const int slo = node_lo_[size_t(s)];
       const int64_t roff = sum_range(row, 0, me) - sum_range(row, slo, std::min(slo + G, me));
       const int64_t c0 = std::min<int64_t>(row[me], cap) +
@@ -923,7 +932,7 @@ bool Proxy::run_combine(int64_t epoch) {
       for (int s : others_) {
         int64_t lo, hi;
         if (!remote(s) || !part(ov_start_[s], ov(s, me), w, &lo, &hi)) continue;
-        const int32_t* row = &C[size_t(s) * R];
+        const int32_t* row = rows_of[s];
         const int slo = node_lo_[size_t(s)];
         const int64_t roff = sum_range(row, 0, me) - sum_range(row, slo, std::min(slo + G, me)) + cap +
                              (lo - ov_start_[s]);
@@ -962,7 +971,7 @@ bool Proxy::run_combine(int64_t epoch) {
       if (!todo_.empty()) {
         std::vector<int> sources;
         for (int s : others_)
-          if (remote(s) && C[size_t(s) * R + me] > 0) sources.push_back(s);
+          if (remote(s) && rows_of[s][me] > 0) sources.push_back(s);
         return fail_missing(kPhaseC, -1, epoch, sources, [&](int s) { return !sent[s]; },
                             "this rank's kernels never rang the combine bell");
       }

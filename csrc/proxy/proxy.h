@@ -313,9 +313,16 @@ class Proxy {
   bool add_overflow(const int32_t* row, int s);
   std::vector<int64_t> ov_total_;  // per rank p: overflow rows from remote sources (this dispatch's headers so far)
   int64_t ov_sum_ = 0;             // their sum: 0 while no source has overflow for a remote rank
-  std::vector<int32_t> counts_;  // [R][R] count matrix of the last dispatch
+  // The count matrix of dispatch e, row s = source s's count vector, read where it landed (no
+  // copy): rows_[e & 1][s] points at s's header in copy e & 1 of the header receive region, which
+  // no peer writes again before this rank's dispatch e + 1 has begun (a peer's header of e + 2
+  // follows its dispatch e + 1, which needs this rank's header of e + 1), so the combine of e
+  // reads it there too. This rank's own row: own_[e & 1], copied from its header slot when the
+  // dispatch begins (its kernels write the next one there).
+  std::vector<const int32_t*> rows_[2];
+  std::vector<int32_t> own_[2];
+  std::vector<int32_t> scratch_;  // [R]: a header's counts, copied to be checked (run_dispatch's on_header)
   // Per-phase scratch, sized once at create (a phase allocates nothing).
-  std::vector<int32_t> next_counts_;  // [R][R] the count matrix being filled by a dispatch
   std::vector<int> others_;           // every rank but this one, ascending
   std::vector<int> todo_;             // peers whose bell has not rung yet
   std::vector<uint64_t> off_;         // per peer: byte offset of its rows (send / combine receive)
