@@ -27,6 +27,17 @@ def test_posts_go_to_the_transport_in_batches():
     assert 2 <= r["post_calls_per_epoch"] <= 6, r
 
 
+def test_pinned_run_gives_the_cpus_back():
+    """--cpus: the simulator and the proxy thread run where asked (here one CPU for both), and the
+    calling thread gets its CPUs back afterwards."""
+    import os
+    mask = os.sched_getaffinity(0)
+    cpu = min(mask)
+    r = ps.run_point(ps.Point(16, ps.SHAPES["decode"], "early", epochs=4, warmup=1, draws=2, cpus=(cpu, cpu)))
+    assert r["cpus"] == [cpu, cpu] and r["dispatch"]["cpu_p50_us"] > 0, r
+    assert os.sched_getaffinity(0) == mask
+
+
 def test_count_matrix_and_expected():
     rng = np.random.default_rng(0)
     C = ps.count_matrix(16, ps.Shape("t", 32, topk=4, num_experts=32), rng)
