@@ -289,8 +289,8 @@ int moe_ep_sim_drive(void* engine, int64_t* mailbox, const moe_ep::SimConfig* cf
 // The floor of one proxy dispatch at R ranks (node size G), its parts timed alone on this thread,
 // with nothing to wait for and no other thread touching the memory (the proxy's own bookkeeping,
 // the bells and the ready words left out), ns per dispatch, best of `reps` runs of `iters`:
-// out[0] the posts (a header to each of the R-1 others, rows to each remote peer) and reaping
-// their completions over a null transport; out[1] taking as many immediates through the
+// out[0] the posts (a header to each of the R-1 others, rows to each remote peer, handed over in
+// one post_writes call as the proxy does) and reaping their completions over a null transport; out[1] taking as many immediates through the
 // counter's arrival log (their adds, the transport's receive thread's work, not timed); out[2]
 // copying and checking R-1 headers of R counts (the count matrix and its capacity scan).
 int moe_ep_sim_floor(int64_t R, int64_t G, int64_t iters, int64_t reps, int64_t* out) {
@@ -315,12 +315,14 @@ int moe_ep_sim_floor(int64_t R, int64_t G, int64_t iters, int64_t reps, int64_t*
     }
     return b;
   };
+  std::vector<WriteOp> ops(size_t(n_posts), WriteOp{});
   out[0] = best([&](int64_t e) {
     const int64_t t0 = now_ns();
     Completion cq[64];
-    uint64_t wr = 0;
-    for (int i = 0; i < n_posts; ++i)
-      t.post_write({1 + i % int(R - 1), key, 0, key, 0, 64, true, make_imm(kPhaseD0, 0, e)}, &wr);
+    // As the proxy posts: the writes of a pass in one post_writes call.
+    for (int i = 0; i < n_posts; ++i) ops[size_t(i)] = WriteOp{1 + i % int(R - 1), key, 0, key, 0, 64, true, make_imm(kPhaseD0, 0, e)};
+    int posted = 0;
+    t.post_writes(ops.data(), n_posts, nullptr, &posted);
     for (int left = n_posts; left > 0;) left -= t.poll(cq, 64, 0);
     return now_ns() - t0;
   });
