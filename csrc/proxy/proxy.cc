@@ -117,6 +117,7 @@ Proxy* Proxy::create(Transport* t, const ProxyConfig& cfg, void* const regions[k
   p->arrived_.reserve(4 * R);
   p->batch_.reserve(2 * R + 8);
   p->scratch_.assign(R, 0);
+  p->ov_total_.assign(R, 0);
   t->imm_counter().enable_log();
   p->trace_.resize(kMaxTrace);
   p->ns0_ = mono_ns();
@@ -526,7 +527,7 @@ bool Proxy::run_dispatch(int64_t epoch) {
   std::memcpy(own, reg_[kRegHdrSend] + uint64_t(me * hdr_), 4 * size_t(R));
   // Per rank: 0 pending, 1 done (or nothing to do). Rows that land before their source's header
   // (writes are unordered) stay counted until the header says they are expected.
-  for (auto* v : {&rows_sent_, &got_hdr_, &got1_, &got2_, &win_wait_}) v->assign(size_t(R), 0);
+  for (auto* v : {&rows_sent_, &got_hdr_, &got1_, &got2_, &win_wait_, &hdr_taken_}) v->assign(size_t(R), 0);
   got_hdr_[me] = 1;
   // One pass over this rank's counts: checked, and for each remote peer p (in rank order) where
   // rows_p starts in the send buffer; p waits for its rows bell (todo_).
@@ -582,7 +583,7 @@ bool Proxy::run_dispatch(int64_t epoch) {
   bool all_hdr = false, ov_any = false;  // ov_any: some source has overflow for a remote rank (set at all_hdr)
   // Every p's total overflow from remote sources, summed row by row as headers land (the
   // capacity check below needs the whole matrix; one pass per row, no division).
-  ov_total_.assign(size_t(R), 0);
+  std::memset(ov_total_.data(), 0, sizeof(int64_t) * size_t(R));
   ov_sum_ = 0;
   add_overflow(own, me);
   auto land1 = [&](int s) {  // s's round-1 rows are in (or it has none)
@@ -615,8 +616,12 @@ bool Proxy::run_dispatch(int64_t epoch) {
   };
   // What a pass takes from the arrival log: headers not yet in; a remote source's rows once its
   // header expects them.
+  // A remote source's round-1 rows logged after its header in the same look are taken with it
+  // (hdr_taken_: its header was taken in this look), not left for the next look; should the header
+  // say no rows come, that immediate is a stray and goes back to the counter.
   auto want = [&](int ph, int s) {
-    if (ph == kPhaseD0) return !got_hdr_[s];
+    if (ph == kPhaseD0) return !got_hdr_[s] && (hdr_taken_[s] = 1);
+    if (ph == kPhaseD1 && !got_hdr_[s] && hdr_taken_[s]) return remote(s);
     if (!got_hdr_[s] || !remote(s)) return false;
     if (ph == kPhaseCredit) return all_hdr && ov_any && ov_next_[s] + credits_[s] <= ov_last_[s];
     return ph == kPhaseD1 ? !got1_[s] : ph == kPhaseD2 && (!got2_[s] || win_wait_[s]);
@@ -685,6 +690,10 @@ bool Proxy::run_dispatch(int64_t epoch) {
           headers = true;
           if (!on_header(s)) return false;
         } else if (ph == kPhaseD1) {
+          if (got1_[s]) {  // taken with its header, which says no rows come: a stray, counted again
+            t_->imm_counter().add(imm, t_->imm_per_write());
+            continue;
+          }
           trace_peer(kTrGotD1, s, epoch);
           if (!land1(s)) return false;
         } else if (ph == kPhaseCredit) {

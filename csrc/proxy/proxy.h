@@ -327,6 +327,7 @@ class Proxy {
   std::vector<int> todo_;             // peers whose bell has not rung yet
   std::vector<uint64_t> off_;         // per peer: byte offset of its rows (send / combine receive)
   std::vector<char> rows_sent_, got_hdr_, got1_, got2_;  // per rank
+  std::vector<char> hdr_taken_;       // per rank: its header was taken by a look of the arrival log (run_dispatch's want)
   // Overflow windows (§10 "Round 2 in windows"). As a source, per receiver p: the next window of
   // this rank's overflow to p to post, its last window, and credits taken from p not yet served.
   std::vector<int64_t> ov_start_, ov_next_, ov_last_, credits_;
