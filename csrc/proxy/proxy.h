@@ -321,7 +321,8 @@ class Proxy {
   // dispatch begins (its kernels write the next one there).
   std::vector<const int32_t*> rows_[2];
   std::vector<int32_t> own_[2];
-  std::vector<int32_t> scratch_;  // [R]: a header's counts, copied to be checked (run_dispatch's on_header)
+  static constexpr size_t kHdrChunk = 64;  // headers copied at a time to be checked (run_dispatch)
+  std::vector<int32_t> scratch_;  // [kHdrChunk][R]: their counts
   // Per-phase scratch, sized once at create (a phase allocates nothing).
   std::vector<int> others_;           // every rank but this one, ascending
   std::vector<int> todo_;             // peers whose bell has not rung yet
