@@ -395,6 +395,38 @@ def test_imm_names_source_and_epoch():
         b.close()
 
 
+def test_rows_immediate_after_a_header_of_no_rows_stays_a_stray():
+    """A source's round-1 immediate logged right after its header is taken in the same look of the
+    arrival log; when that header says no rows come, the immediate is a stray: it goes back to
+    the counter (still counted, never consumed) and the dispatch completes."""
+    a, b = TcpTransport(0, 2, streams=1), TcpTransport(1, 2, streams=1)
+    try:
+        pb = Proxy(b, node_size=1, num_local_experts=1, row_bytes=RB, comb_row_bytes=CRB, private_capacity=1,
+                   overflow_capacity=2, max_send_rows=4, timeout_s=2.0)
+        regs = {n: np.zeros(max(int(nb), 16), np.uint8) for n, nb in pb.region_bytes.items()}
+        keys = [a.register(regs[n]) for n in protocol.REGION_NAMES]
+        a.connect([a.endpoint, b.endpoint], 10)
+        b.connect([a.endpoint, b.endpoint], 10)
+        pb.start()
+        hs, hr = (keys[protocol.REGION_NAMES.index(n)] for n in protocol.HEADER_REGIONS)
+        hdr, d1 = make_imm(protocol.PHASE_D0, 1, src=0), make_imm(protocol.PHASE_D1, 1, src=0)
+        a.post_write(1, hs, 0, hr, 0, pb.hdr_bytes, imm=hdr)  # rank 0's all-zero header of epoch 1
+        deadline = time.monotonic() + 5
+        while b.imm.value(hdr) < 1 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        a.post_write(1, hs, 0, hr, 0, 0, imm=d1)  # then a round-1 immediate, logged after it
+        while b.imm.value(d1) < 1 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        pb.ring("dispatch", 1)
+        pb.wait_ready("dispatch", 1, 5)
+        assert pb.mailbox[MAILBOX["hdr_ready"]] == 1 and pb.error_record()[0] == 0
+        assert b.imm.value(hdr) == 0 and b.imm.value(d1) == 1  # the header taken, the stray counted again
+        pb.close()
+    finally:
+        a.close()
+        b.close()
+
+
 @pytest.mark.parametrize("spin_us", [10.0, 1e6], ids=["asleep", "spinning"])
 def test_rows_before_their_header(spin_us):
     """Writes are unordered: a source's round-1 rows may land before its header. Here they land,

@@ -17,6 +17,27 @@ def test_scale_run_r64_exact_counts():
         assert r["dispatch"]["posts_per_op"] >= 63, r  # a header to every other rank, rows to remote ones
 
 
+def test_posts_go_to_the_transport_in_batches():
+    """The proxy hands its writes to the transport a batch at a time (Transport::post_writes): with
+    every immediate in before the bells, a dispatch posts its 63 headers in one call and its rows
+    in another, a combine its rows in one, so an epoch's 119 + 56 writes take a few calls."""
+    r = ps.run_point(ps.Point(64, ps.SHAPES["decode"], "early", epochs=8, warmup=2, draws=2))
+    posts = r["dispatch"]["posts_per_op"] + r["combine"]["posts_per_op"]
+    assert posts >= 63 + 56, r
+    assert 2 <= r["post_calls_per_epoch"] <= 6, r
+
+
+def test_pinned_run_gives_the_cpus_back():
+    """--cpus: the simulator and the proxy thread run where asked (here one CPU for both), and the
+    calling thread gets its CPUs back afterwards."""
+    import os
+    mask = os.sched_getaffinity(0)
+    cpu = min(mask)
+    r = ps.run_point(ps.Point(16, ps.SHAPES["decode"], "early", epochs=4, warmup=1, draws=2, cpus=(cpu, cpu)))
+    assert r["cpus"] == [cpu, cpu] and r["dispatch"]["cpu_p50_us"] > 0, r
+    assert os.sched_getaffinity(0) == mask
+
+
 def test_count_matrix_and_expected():
     rng = np.random.default_rng(0)
     C = ps.count_matrix(16, ps.Shape("t", 32, topk=4, num_experts=32), rng)

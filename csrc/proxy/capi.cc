@@ -40,7 +40,7 @@ int copy_str(const std::string& s, char* buf, size_t len) {
 #pragma GCC visibility push(default)
 extern "C" {
 
-int moe_ep_abi_version() { return 16; }  // 16: the test hooks (moe_ep_set_fault, moe_ep_verbs_destroy_qp, moe_ep_test_memory_type, moe_ep_imm_stress) only in the tests' build (csrc/testing/hooks.cc); 15: the goodbye's error kind (moe_ep_engine_goodbye's code, WireGoodbye.cause_code); 14: immediates with 3 phase bits (the credit phase), 13 source bits; mailbox words ov_ready / ov_done / comb_win_done / comb_win_bell (12 fixed words); 13: ProxyConfig.trace_level, PhaseRecord.posts / bells, moe_ep_sim_floor; 12: the null transport and peer simulator (null_transport.cc); 11: moe_ep_engine_try_register (GPU memory regions); 10: the efadv engine retired (EFA through libfabric); per-endpoint domains
+int moe_ep_abi_version() { return 17; }  // 17: moe_ep_null_post_calls (the proxy posts through Transport::post_writes); 16: the test hooks (moe_ep_set_fault, moe_ep_verbs_destroy_qp, moe_ep_test_memory_type, moe_ep_imm_stress) only in the tests' build (csrc/testing/hooks.cc); 15: the goodbye's error kind (moe_ep_engine_goodbye's code, WireGoodbye.cause_code); 14: immediates with 3 phase bits (the credit phase), 13 source bits; mailbox words ov_ready / ov_done / comb_win_done / comb_win_bell (12 fixed words); 13: ProxyConfig.trace_level, PhaseRecord.posts / bells, moe_ep_sim_floor; 12: the null transport and peer simulator (null_transport.cc); 11: moe_ep_engine_try_register (GPU memory regions); 10: the efadv engine retired (EFA through libfabric); per-endpoint domains
 
 // How this library was built, for bug reports (python -m moe_ep.doctor): the compiler, the C++
 // standard and the builder's flags, which setup.py and the in-tree build of

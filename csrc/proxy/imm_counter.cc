@@ -5,15 +5,6 @@
 
 namespace moe_ep {
 
-size_t CountTable::find(uint32_t key) const {
-  if (n_ == 0) return kNone;
-  const size_t mask = slots_.size() - 1;
-  for (size_t i = home(key);; i = (i + 1) & mask) {
-    if (!slots_[i].used) return kNone;
-    if (slots_[i].key == key) return i;
-  }
-}
-
 void CountTable::grow() {
   std::vector<Slot> old;
   old.swap(slots_);

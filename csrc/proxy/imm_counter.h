@@ -50,6 +50,29 @@ class CountTable {
     for (const Slot& s : slots_)
       if (s.used) f(s.key, s.val);
   }
+  // One look-up, then the count read or changed in place (a take is one probe, not two).
+  static constexpr size_t kNone = ~size_t(0);
+  // The slot of `key`, or kNone when its count is 0 (absent).
+  size_t find(uint32_t key) const {
+    if (n_ == 0) return kNone;
+    const size_t mask = slots_.size() - 1;
+    for (size_t i = home(key);; i = (i + 1) & mask) {
+      if (!slots_[i].used) return kNone;
+      if (slots_[i].key == key) return i;
+    }
+  }
+  int64_t val_at(size_t i) const { return slots_[i].val; }
+  // Subtracts n from the count in slot i (from find), removing it at 0; returns the new count.
+  // Other keys' slots may move (backward shift): find them again.
+  int64_t sub_at(size_t i, int64_t n) {
+    const int64_t c = (slots_[i].val -= n);
+    if (c == 0) erase_at(i);
+    return c;
+  }
+  // Starts loading the line `key`'s probe begins at (another thread may have written it last).
+  void prefetch(uint32_t key) const {
+    if (!slots_.empty()) __builtin_prefetch(&slots_[home(key)]);
+  }
 
  private:
   struct Slot {
@@ -57,9 +80,7 @@ class CountTable {
     uint32_t used = 0;
     int64_t val = 0;
   };
-  static constexpr size_t kNone = ~size_t(0);
   size_t home(uint32_t key) const { return size_t((uint64_t(key) * 0x9E3779B97F4A7C15ull) >> shift_); }
-  size_t find(uint32_t key) const;
   void erase_at(size_t i);
   void grow();
   std::vector<Slot> slots_;
@@ -128,16 +149,21 @@ template <class F>
 int ImmCounter::take_arrived(F want, int64_t per, std::vector<uint32_t>* out) {
   std::lock_guard<std::mutex> lk(mu_);
   size_t keep = 0;
-  for (size_t i = 0; i < log_.size(); ++i) {
+  const size_t n = log_.size();
+  // The producers wrote these slots last: their lines are loaded a few entries ahead of their use.
+  constexpr size_t kAhead = 8;
+  for (size_t i = 0; i < n && i < kAhead; ++i) counts_.prefetch(log_[i]);
+  for (size_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) counts_.prefetch(log_[i + kAhead]);
     const uint32_t imm = log_[i];
-    const int64_t c = counts_.get(imm);
-    if (c == 0) continue;  // spent meanwhile (wait / try_take): no longer logged
-    if (c < per || !want(imm)) {
+    const size_t at = counts_.find(imm);
+    if (at == CountTable::kNone) continue;  // spent meanwhile (wait / try_take): no longer logged
+    if (counts_.val_at(at) < per || !want(imm)) {
       log_[keep++] = imm;
       continue;
     }
     out->push_back(imm);
-    if (counts_.add(imm, -per) != 0) log_[keep++] = imm;
+    if (counts_.sub_at(at, per) != 0) log_[keep++] = imm;
   }
   log_.resize(keep);
   return failed_ ? kErrPeer : kOk;

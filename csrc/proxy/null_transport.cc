@@ -1,8 +1,9 @@
 // Bench tool, not on the proxy's path: a null transport (posts complete at once, nothing moves) and a simulator of R-1 peers that injects the immediates they would send, to measure one proxy's own cost to large R (moe_ep/bench/proxy_scale.py).
 //
 // NullTransport: register_memory hands out keys 1, 2, ... (memory is never read, except through
-// inject()); post_write checks its arguments, counts the write by phase (the immediate's bits
-// 31..30) and queues an ok completion that the next poll returns. inject(src, key, off, bytes,
+// inject()); post_write / post_writes check their arguments, count each write by phase (the
+// immediate's bits 31..29) and queue an ok completion that the next poll returns; the calls are
+// counted (moe_ep_null_post_calls: the proxy posts a batch in one). inject(src, key, off, bytes,
 // imm) is a peer's write landing: its bytes (headers only) copied into the registered region,
 // then its immediate added to the counter, as a real transport does once a write has landed.
 //
@@ -54,14 +55,28 @@ class NullTransport final : public Transport {
   std::string endpoint() const override { return "null"; }
   int connect(const std::vector<std::string>&, int64_t) override { return kOk; }
   int post_write(const WriteOp& w, uint64_t* wr_id) override {
-    if (w.peer < 0 || w.peer >= world_ || w.peer == rank_ || !in_bounds(w.local_key, w.local_off, w.len) ||
-        w.remote_key == 0 || w.remote_key > regions_.size())
-      return set_error(kErrInvalid, "rank " + std::to_string(rank_) + ": null transport: bad post_write");
-    *wr_id = ++next_wr_;
-    cq_.push_back(Completion{*wr_id, w.peer, kCqOk});
-    ++posts_[w.has_imm && imm_phase(w.imm) < 4 ? imm_phase(w.imm) : 4];  // (a credit counts as plain)
-    bytes_ += int64_t(w.len);
-    (void)w.remote_off;
+    int posted = 0;
+    return post_writes(&w, 1, wr_id, &posted);
+  }
+  // One call for the batch (the proxy's one call per pass and phase): each write checked,
+  // counted and its completion queued, as post_write does.
+  int post_writes(const WriteOp* ops, int n, uint64_t* wr_ids, int* posted) override {
+    ++post_calls_;
+    const uint32_t nreg = uint32_t(regions_.size());
+    for (int i = 0; i < n; ++i) {
+      const WriteOp& w = ops[i];
+      if (w.peer < 0 || w.peer >= world_ || w.peer == rank_ || !in_bounds(w.local_key, w.local_off, w.len) ||
+          w.remote_key == 0 || w.remote_key > nreg) {
+        *posted = i;
+        return set_error(kErrInvalid, "rank " + std::to_string(rank_) + ": null transport: bad post_write");
+      }
+      const uint64_t id = ++next_wr_;
+      if (wr_ids) wr_ids[i] = id;
+      cq_.push_back(Completion{id, w.peer, kCqOk});
+      ++posts_[w.has_imm && imm_phase(w.imm) < 4 ? imm_phase(w.imm) : 4];  // (a credit counts as plain)
+      bytes_ += int64_t(w.len);
+    }
+    *posted = n;
     return kOk;
   }
   int poll(Completion* out, int max, int64_t) override {
@@ -96,6 +111,8 @@ class NullTransport final : public Transport {
     for (int i = 0; i < 5; ++i) out[i] = posts_[i];
     out[5] = bytes_;
   }
+  // post_write / post_writes calls so far (a batch is one).
+  int64_t post_calls() const { return post_calls_; }
 
  private:
   struct Region {
@@ -112,6 +129,7 @@ class NullTransport final : public Transport {
   uint64_t next_wr_ = 0;
   int64_t posts_[5] = {};
   int64_t bytes_ = 0;
+  int64_t post_calls_ = 0;
   ImmCounter imm_;
 };
 
@@ -219,6 +237,13 @@ int moe_ep_null_stats(void* engine, int64_t* out) {
   return moe_ep::kOk;
 }
 
+// post_write / post_writes calls the engine served so far (a batch of writes is one call).
+int64_t moe_ep_null_post_calls(void* engine) {
+  auto* t = dynamic_cast<moe_ep::NullTransport*>(static_cast<moe_ep::Transport*>(engine));
+  if (!t) return moe_ep::set_error(moe_ep::kErrInvalid, "not a null transport");
+  return t->post_calls();
+}
+
 // Runs epochs first .. first+n-1 (see the top of the file) on a proxy over a null transport:
 // counts [n_draws][R][R] int32 (row s: source s's count vector). out[2i], out[2i+1]: ns from the
 // bells to the ready word of dispatch and combine of epoch first+i, as the kernels see it.
@@ -264,8 +289,8 @@ int moe_ep_sim_drive(void* engine, int64_t* mailbox, const moe_ep::SimConfig* cf
 // The floor of one proxy dispatch at R ranks (node size G), its parts timed alone on this thread,
 // with nothing to wait for and no other thread touching the memory (the proxy's own bookkeeping,
 // the bells and the ready words left out), ns per dispatch, best of `reps` runs of `iters`:
-// out[0] the posts (a header to each of the R-1 others, rows to each remote peer) and reaping
-// their completions over a null transport; out[1] taking as many immediates through the
+// out[0] the posts (a header to each of the R-1 others, rows to each remote peer, handed over in
+// one post_writes call as the proxy does) and reaping their completions over a null transport; out[1] taking as many immediates through the
 // counter's arrival log (their adds, the transport's receive thread's work, not timed); out[2]
 // copying and checking R-1 headers of R counts (the count matrix and its capacity scan).
 int moe_ep_sim_floor(int64_t R, int64_t G, int64_t iters, int64_t reps, int64_t* out) {
@@ -290,12 +315,14 @@ int moe_ep_sim_floor(int64_t R, int64_t G, int64_t iters, int64_t reps, int64_t*
     }
     return b;
   };
+  std::vector<WriteOp> ops(size_t(n_posts), WriteOp{});
   out[0] = best([&](int64_t e) {
     const int64_t t0 = now_ns();
     Completion cq[64];
-    uint64_t wr = 0;
-    for (int i = 0; i < n_posts; ++i)
-      t.post_write({1 + i % int(R - 1), key, 0, key, 0, 64, true, make_imm(kPhaseD0, 0, e)}, &wr);
+    // As the proxy posts: the writes of a pass in one post_writes call.
+    for (int i = 0; i < n_posts; ++i) ops[size_t(i)] = WriteOp{1 + i % int(R - 1), key, 0, key, 0, 64, true, make_imm(kPhaseD0, 0, e)};
+    int posted = 0;
+    t.post_writes(ops.data(), n_posts, nullptr, &posted);
     for (int left = n_posts; left > 0;) left -= t.poll(cq, 64, 0);
     return now_ns() - t0;
   });

@@ -99,13 +99,25 @@ Proxy* Proxy::create(Transport* t, const ProxyConfig& cfg, void* const regions[k
   p->mb_ = mailbox;
   const size_t R = size_t(cfg.world_size);
   p->posted_to_.assign(R, 0);
-  p->counts_.assign(R * R, 0);
-  p->next_counts_.assign(R * R, 0);
+  p->node_g_ = int(cfg.node_size);
+  p->my_lo_ = int(cfg.rank / cfg.node_size * cfg.node_size);
+  for (int r = 0; r < int(R); ++r) p->node_lo_.push_back(int(r / cfg.node_size * cfg.node_size));
+  const int64_t hdr = p->hdr_;
+  for (int par = 0; par < 2; ++par) {
+    p->own_[par].assign(R, 0);
+    for (int s = 0; s < int(R); ++s)
+      p->rows_[par].push_back(s == cfg.rank ? p->own_[par].data()
+                                            : reinterpret_cast<const int32_t*>(static_cast<const char*>(regions[kRegHdrRecv]) +
+                                                                               (par * int64_t(R) + s) * hdr));
+  }
   for (int r = 0; r < int(R); ++r)
     if (r != cfg.rank) p->others_.push_back(r);
   p->todo_.reserve(R);
   p->off_.assign(R, 0);
   p->arrived_.reserve(4 * R);
+  p->batch_.reserve(2 * R + 8);
+  p->scratch_.assign(kHdrChunk * R, 0);
+  p->ov_total_.assign(R, 0);
   t->imm_counter().enable_log();
   p->trace_.resize(kMaxTrace);
   p->ns0_ = mono_ns();
@@ -264,9 +276,9 @@ int64_t Proxy::comb_bell_seen() {
   return -1;
 }
 
-bool Proxy::raise_ready(int w, int64_t epoch, int phase) {
+bool Proxy::raise_ready_gdr(int w, int64_t epoch, int phase) {
   std::string why;
-  if (gdr_region_ >= 0 && !gdr_.flush(&why)) return fail(kProxyTransport, -1, phase, epoch, "GPU memory regions: " + why);
+  if (!gdr_.flush(&why)) return fail(kProxyTransport, -1, phase, epoch, "GPU memory regions: " + why);
   store(w, epoch);
   return true;
 }
@@ -329,16 +341,21 @@ void Proxy::loop() {
   }
 }
 
-bool Proxy::post(int phase, int64_t epoch, int peer, int lreg, uint64_t loff, int rreg, uint64_t roff, uint64_t len) {
-  uint64_t wr = 0;
-  const WriteOp w{peer, keys_[lreg], loff, keys_[rreg], roff, len, true, make_imm(phase, int(cfg_.rank), epoch)};
-  const int rc = t_->post_write(w, &wr);
+bool Proxy::flush_batch(int64_t epoch) {
+  const int n = int(batch_.size());
+  int posted = 0;
+  const int rc = t_->post_writes(batch_.data(), n, nullptr, &posted);
+  posted = rc == kOk ? n : std::min(std::max(posted, 0), n);
+  for (int i = 0; i < posted; ++i) ++posted_to_[size_t(batch_[size_t(i)].peer)];
+  n_posted_ += posted;
+  phase_posts_ += posted;
   if (rc == kOk) {
-    ++n_posted_;
-    ++phase_posts_;
-    ++posted_to_[size_t(peer)];
+    batch_.clear();
     return true;
   }
+  const int peer = posted < n ? batch_[size_t(posted)].peer : -1;
+  const int phase = posted < n ? imm_phase(batch_[size_t(posted)].imm) : kPhaseD1;
+  batch_.clear();
   if (rc == kErrPeer) return fail_lost(peer, phase, epoch, "post_write: " + thread_error());
   return fail(kProxyTransport, peer, phase, epoch, "post_write: " + thread_error());
 }
@@ -393,6 +410,7 @@ bool Proxy::await_all(int phase, int64_t epoch, const std::vector<int>& srcs, in
 }
 
 bool Proxy::reap(int phase, int64_t epoch, int64_t wait_ns) {
+  if (!flush(epoch)) return false;  // (every group of posts is flushed already)
   Completion cq[64];
   while (n_posted_ > 0) {
     const int n = t_->poll(cq, 64, wait_ns);
@@ -465,11 +483,15 @@ bool Proxy::fail_writes(int phase, int64_t epoch) {
 
 bool Proxy::add_overflow(const int32_t* row, int s) {
   const int R = int(cfg_.world_size);
-  const int64_t cap = cfg_.private_capacity, G = cfg_.node_size, lo = s / G * G, hi = lo + G;
+  const int64_t cap = cfg_.private_capacity, lo = node_lo_[size_t(s)], hi = lo + node_g_;
   if (!row_exceeds(row, R, uint32_t(std::min<int64_t>(cap, INT32_MAX)))) return true;  // no overflow (the common case)
   if (*std::min_element(row, row + R) < 0) return false;
   for (int64_t p = 0; p < R; ++p)
-    if (p < lo || p >= hi) ov_total_[size_t(p)] += std::max<int64_t>(0, row[p] - cap);
+    if (p < lo || p >= hi) {
+      const int64_t o = std::max<int64_t>(0, row[p] - cap);
+      ov_total_[size_t(p)] += o;
+      ov_sum_ += o;
+    }
   return true;
 }
 
@@ -495,36 +517,50 @@ bool Proxy::run_dispatch(int64_t epoch) {
   const uint64_t ov_base = uint64_t((epoch & 1) * cfg_.overflow_capacity * RB);
   trace_phase(kTrHdrBell, epoch);
   n_posted_ = 0;
+  batch_.clear();
   phase_posts_ = 0;
   phase_bells_ = 1;  // the header bell
   std::fill(posted_to_.begin(), posted_to_.end(), 0);
   // Own count vector: the start of this rank's own header slot.
-  int32_t* const C = next_counts_.data();
-  std::memcpy(&C[size_t(me) * R], reg_[kRegHdrSend] + uint64_t(me * hdr_), 4 * size_t(R));
+  const int32_t* const* const rows_of = rows_[epoch & 1].data();  // the count matrix, row by row (in place)
+  int32_t* const own = own_[epoch & 1].data();
+  std::memcpy(own, reg_[kRegHdrSend] + uint64_t(me * hdr_), 4 * size_t(R));
+  // Per rank: 0 pending, 1 done (or nothing to do). Rows that land before their source's header
+  // (writes are unordered) stay counted until the header says they are expected.
+  for (auto* v : {&rows_sent_, &got_hdr_, &got1_, &got2_, &win_wait_, &hdr_taken_}) v->assign(size_t(R), 0);
+  got_hdr_[me] = 1;
+  // One pass over this rank's counts: checked, and for each remote peer p (in rank order) where
+  // rows_p starts in the send buffer; p waits for its rows bell (todo_).
+  todo_.clear();
+  int n_remote = 0;
   int64_t rows = 0;
+  uint64_t o = 0;
+  const int32_t* const mine = own;
   for (int p = 0; p < R; ++p) {
-    const int32_t c = C[size_t(me) * R + p];
+    const int32_t c = mine[p];
     if (c < 0) return fail(kProxyInvalid, p, kPhaseD1, epoch, "negative count for peer " + std::to_string(p));
-    if (p != me && remote(p)) rows += c;
+    if (!remote(p)) {  // this rank and its node: no rows through the proxy
+      rows_sent_[p] = got1_[p] = got2_[p] = 1;
+      continue;
+    }
+    rows += c;
+    off_[p] = o;
+    o += uint64_t(c * RB);
+    todo_.push_back(p);
+    ++n_remote;
   }
   if (rows > cfg_.max_send_rows)
     return fail(kProxyInvalid, -1, kPhaseD1, epoch,
                 std::to_string(rows) + " rows to remote peers exceed the send buffer's " +
                     std::to_string(cfg_.max_send_rows));
-  // rows_p of every remote peer p, in rank order.
-  uint64_t o = 0;
-  for (int p = 0; p < R; ++p) {
-    if (p == me || !remote(p)) continue;
-    off_[p] = o;
-    o += uint64_t(C[size_t(me) * R + p] * RB);
-  }
   const uint64_t my_slot = r1_base + uint64_t(me * slot), my_hdr = h_base + uint64_t(me * hdr_);
   // Headers first: they are ready before any row is packed, and the receivers place rows with them.
   for (int p : others_) {
-    if (!post(kPhaseD0, epoch, p, kRegHdrSend, uint64_t(p * hdr_), kRegHdrRecv, my_hdr, uint64_t(hdr_))) return false;
+    post(kPhaseD0, epoch, p, kRegHdrSend, uint64_t(p * hdr_), kRegHdrRecv, my_hdr, uint64_t(hdr_));
     trace_peer(kTrPostD0, p, epoch);
   }
-  auto c_to = [&](int s, int p) -> int64_t { return C[size_t(s) * R + p]; };
+  if (!flush(epoch)) return false;
+  auto c_to = [&](int s, int p) -> int64_t { return rows_of[s][p]; };
   auto ov = [&](int s, int p) -> int64_t { return std::max<int64_t>(0, c_to(s, p) - cap); };
   // Where remote source s's overflow starts in this rank's stream (every header in).
   auto ov_start_of = [&](int s) {
@@ -533,34 +569,23 @@ bool Proxy::run_dispatch(int64_t epoch) {
       if (remote(q)) st += ov(q, me);
     return st;
   };
-  // Per rank: 0 pending, 1 done (or nothing to do). Rows that land before their source's header
-  // (writes are unordered) stay counted until the header says they are expected.
-  for (auto* v : {&rows_sent_, &got_hdr_, &got1_, &got2_, &win_wait_}) v->assign(size_t(R), 0);
   // Windows of B rows (§10 "Round 2 in windows"). As a source, per receiver p: this rank's
   // overflow to p starts at ov_start_[p] in p's stream; window ov_next_[p] is the next to post,
   // ov_last_[p] the last (none left when next > last), credits_[p] the credits not yet served
-  // (window 0 needs none: a credit of its own). Set once every header is in.
+  // (window 0 needs none: a credit of its own). Set once every header is in, and only when some
+  // source has overflow (ov_any): without, nothing reads them.
   const int64_t B = cfg_.overflow_capacity;
-  for (auto* v : {&ov_start_, &ov_next_, &ov_last_, &credits_}) v->assign(size_t(R), 0);
   // As a receiver: windows of this rank's stream, the next to credit, the one whose rows are
   // awaited (-1: none) and how many of its writes are still to come.
   int64_t n_win = 0, next_win = 1, cur_win = -1, win_left = 0;
-  todo_.clear();
-  int n_remote = 0;
-  for (int p = 0; p < R; ++p) {
-    if (p == me || !remote(p))
-      rows_sent_[p] = got1_[p] = got2_[p] = 1;
-    else
-      todo_.push_back(p), ++n_remote;
-  }
-  got_hdr_[me] = 1;
   // What is left, counted down: headers, round-1 rows, overflow rows to receive; overflow to post.
   int hdr_left = R - 1, got1_left = n_remote, got2_left = n_remote, ov_left = 0;
-  bool all_hdr = false;
+  bool all_hdr = false, ov_any = false;  // ov_any: some source has overflow for a remote rank (set at all_hdr)
   // Every p's total overflow from remote sources, summed row by row as headers land (the
   // capacity check below needs the whole matrix; one pass per row, no division).
-  ov_total_.assign(size_t(R), 0);
-  add_overflow(&C[size_t(me) * R], me);
+  std::memset(ov_total_.data(), 0, sizeof(int64_t) * size_t(R));
+  ov_sum_ = 0;
+  add_overflow(own, me);
   auto land1 = [&](int s) {  // s's round-1 rows are in (or it has none)
     got1_[s] = 1;
     --got1_left;
@@ -574,12 +599,13 @@ bool Proxy::run_dispatch(int64_t epoch) {
   };
   // Source s's header landed: its row of the count matrix, and what else comes from it (nothing,
   // its round-1 rows, its overflow rows). False: bad counts (error recorded).
-  auto on_header = [&](int s) {
+  // `counts`: a copy of its count vector, to check (scratch_): copying a row in bulk brings its
+  // lines, which another core or the NIC wrote, in faster than the check's own loads do.
+  auto on_header = [&](int s, const int32_t* counts) {
     got_hdr_[s] = 1;
     --hdr_left;
     trace_peer(kTrGotD0, s, epoch);
-    std::memcpy(&C[size_t(s) * R], reg_[kRegHdrRecv] + h_base + uint64_t(s * hdr_), 4 * size_t(R));
-    if (!add_overflow(&C[size_t(s) * R], s))
+    if (!add_overflow(counts, s))
       return fail(kProxyInvalid, s, kPhaseD1, epoch, "peer " + std::to_string(s) + " sent a negative count");
     if (remote(s)) {
       if (ov(s, me) == 0 && !land2(s, false)) return false;
@@ -587,12 +613,20 @@ bool Proxy::run_dispatch(int64_t epoch) {
     }
     return true;
   };
+  auto on_header_copy = [&](int s) {
+    std::memcpy(scratch_.data(), rows_of[s], 4 * size_t(R));
+    return on_header(s, scratch_.data());
+  };
   // What a pass takes from the arrival log: headers not yet in; a remote source's rows once its
   // header expects them.
+  // A remote source's round-1 rows logged after its header in the same look are taken with it
+  // (hdr_taken_: its header was taken in this look), not left for the next look; should the header
+  // say no rows come, that immediate is a stray and goes back to the counter.
   auto want = [&](int ph, int s) {
-    if (ph == kPhaseD0) return !got_hdr_[s];
+    if (ph == kPhaseD0) return !got_hdr_[s] && (hdr_taken_[s] = 1);
+    if (ph == kPhaseD1 && !got_hdr_[s] && hdr_taken_[s]) return remote(s);
     if (!got_hdr_[s] || !remote(s)) return false;
-    if (ph == kPhaseCredit) return all_hdr && ov_next_[s] + credits_[s] <= ov_last_[s];
+    if (ph == kPhaseCredit) return all_hdr && ov_any && ov_next_[s] + credits_[s] <= ov_last_[s];
     return ph == kPhaseD1 ? !got1_[s] : ph == kPhaseD2 && (!got2_[s] || win_wait_[s]);
   };
   // Source s's rows of the current window (beyond the first) landed: the window's ready word
@@ -614,7 +648,7 @@ bool Proxy::run_dispatch(int64_t epoch) {
   // source (its own loss, or the job's) in `lost`; what is there is still taken.
   auto scan_all = [&](Lost* lost) {
     for (int s : others_) {
-      if (!got_hdr_[s] && take(kPhaseD0, s, epoch, lost) && !on_header(s)) return false;
+      if (!got_hdr_[s] && take(kPhaseD0, s, epoch, lost) && !on_header_copy(s)) return false;
       if (got_hdr_[s] && !got1_[s] && take(kPhaseD1, s, epoch, lost)) {
         trace_peer(kTrGotD1, s, epoch);
         if (!land1(s)) return false;
@@ -638,13 +672,13 @@ bool Proxy::run_dispatch(int64_t epoch) {
     const int rung = serve_bells(mb_disp_bell, epoch, kTrRowsBell, [&](int p) {
       const int64_t n1 = std::min(c_to(me, p), cap);
       if (n1 > 0) {
-        if (!post(kPhaseD1, epoch, p, kRegDispSend, off_[p], kRegRound1, my_slot, uint64_t(n1 * RB))) return false;
+        post(kPhaseD1, epoch, p, kRegDispSend, off_[p], kRegRound1, my_slot, uint64_t(n1 * RB));
         trace_peer(kTrPostD1, p, epoch);
       }
       rows_sent_[p] = 1;
       return true;
     });
-    if (rung < 0) return false;
+    if (rung < 0 || !flush(epoch)) return false;
     work |= rung > 0;
     // Arrivals (only when the counter moved since the last look).
     const uint64_t gen = t_->imm_counter().generation();
@@ -652,30 +686,51 @@ bool Proxy::run_dispatch(int64_t epoch) {
       seen_gen = gen;
       const bool failing_counter = take_arrived(epoch, want) == kErrPeer;
       bool headers = false;
-      for (const uint32_t imm : arrived_) {
-        const int ph = imm_phase(imm), s = imm_src(imm);
-        work = true;
-        if (ph == kPhaseD0) {
-          headers = true;
-          if (!on_header(s)) return false;
-        } else if (ph == kPhaseD1) {
-          trace_peer(kTrGotD1, s, epoch);
-          if (!land1(s)) return false;
-        } else if (ph == kPhaseCredit) {
-          got_credit(s);
-        } else if (!got2_[s]) {  // window 0 (later windows come only after every window-0 write is in)
-          trace_peer(kTrGotD2, s, epoch);
-          if (!land2(s, true)) return false;
-        } else if (!land_window(s)) {
-          return false;
+      // In chunks of kHdrChunk arrivals: the chunk's headers copied back to back (their lines
+      // come in together), then each arrival handled.
+      const size_t n_arrived = arrived_.size();
+      for (size_t c0 = 0; c0 < n_arrived; c0 += kHdrChunk) {
+        const size_t c1 = std::min(n_arrived, c0 + kHdrChunk);
+        for (size_t k = c0; k < c1; ++k)
+          if (imm_phase(arrived_[k]) == kPhaseD0)
+            std::memcpy(&scratch_[(k - c0) * size_t(R)], rows_of[imm_src(arrived_[k])], 4 * size_t(R));
+        for (size_t i = c0; i < c1; ++i) {
+          const uint32_t imm = arrived_[i];
+          const int ph = imm_phase(imm), s = imm_src(imm);
+          work = true;
+          if (ph == kPhaseD0) {
+            headers = true;
+            if (!on_header(s, &scratch_[(i - c0) * size_t(R)])) return false;
+          } else if (ph == kPhaseD1) {
+            if (got1_[s]) {  // taken with its header, which says no rows come: a stray, counted again
+              t_->imm_counter().add(imm, t_->imm_per_write());
+              continue;
+            }
+            trace_peer(kTrGotD1, s, epoch);
+            if (!land1(s)) return false;
+          } else if (ph == kPhaseCredit) {
+            got_credit(s);
+          } else if (!got2_[s]) {  // window 0 (later windows come only after every window-0 write is in)
+            trace_peer(kTrGotD2, s, epoch);
+            if (!land2(s, true)) return false;
+          } else if (!land_window(s)) {
+            return false;
+          }
         }
       }
       if (headers) seen_gen = ~uint64_t(0);  // rows that came before these headers are wanted now: look again
       if (failing_counter && !scan_all(&lost)) return false;
     }
-    if (!all_hdr && hdr_left == 0) {
+    if (!all_hdr && hdr_left == 0 && ov_sum_ == 0) {
+      // No overflow anywhere (the common case): no round 2, no windows, no credits.
       all_hdr = work = true;
       mid_ns_ = mono_ns();
+      trace_phase(kTrHdrReady, epoch);
+      store(kMbHdrReady, epoch);
+    } else if (!all_hdr && hdr_left == 0) {
+      all_hdr = work = ov_any = true;
+      mid_ns_ = mono_ns();
+      for (auto* v : {&ov_start_, &ov_next_, &ov_last_, &credits_}) v->assign(size_t(R), 0);
       // Capacity: overflow goes through the region in as many windows as it needs, so only a
       // region of no rows refuses it (every rank checks every p: same data, same decision).
       for (int p = 0; p < R && B == 0; ++p) {
@@ -690,7 +745,7 @@ bool Proxy::run_dispatch(int64_t epoch) {
       for (int p : others_) {
         if (!remote(p)) continue;
         const int64_t n2 = ov(me, p);
-        const int plo = p / G * G, phi = plo + G;  // p's node: its sources send no overflow to p
+        const int plo = node_lo_[size_t(p)], phi = plo + G;  // p's node: its sources send no overflow to p
         int64_t st = 0;
         for (int s = 0; s < me; ++s)
           if (s < plo || s >= phi) st += ov(s, p);
@@ -718,12 +773,12 @@ bool Proxy::run_dispatch(int64_t epoch) {
         ov_left -= ov_next_[p] > ov_last_[p];
         const int64_t lo = std::max(st, w * B), hi = std::min(st + n2, (w + 1) * B);
         const uint64_t loff = off_[p] + uint64_t((cap + lo - st) * RB);
-        if (!post(kPhaseD2, epoch, p, kRegDispSend, loff, kRegOverflow, ov_base + uint64_t((lo - w * B) * RB),
-                  uint64_t((hi - lo) * RB)))
-          return false;
+        post(kPhaseD2, epoch, p, kRegDispSend, loff, kRegOverflow, ov_base + uint64_t((lo - w * B) * RB),
+             uint64_t((hi - lo) * RB));
         trace_peer(kTrPostD2, p, epoch);
         work = true;
       }
+      if (!flush(epoch)) return false;
     }
     // This rank's own stream beyond window 0: once its kernels unpacked window w - 1 (ov_done),
     // a zero-byte credit to each source with rows in window w; its ready word once they landed.
@@ -734,11 +789,12 @@ bool Proxy::run_dispatch(int64_t epoch) {
         if (!remote(s) || ov(s, me) == 0) continue;
         const int64_t st = ov_start_of(s);
         if (st >= (cur_win + 1) * B || st + ov(s, me) <= cur_win * B) continue;
-        if (!post(kPhaseCredit, epoch, s, kRegHdrSend, 0, kRegHdrRecv, 0, 0)) return false;
+        post(kPhaseCredit, epoch, s, kRegHdrSend, 0, kRegHdrRecv, 0, 0);
         trace_peer(kTrPostCredit, s, epoch);
         win_wait_[s] = 1;
         ++win_left;
       }
+      if (!flush(epoch)) return false;
       deadline = std::max(deadline, mono_ns() + cfg_.timeout_ns);
       seen_gen = ~uint64_t(0);  // rows of this window that came with the credits' completions: look
       work = true;
@@ -781,7 +837,7 @@ bool Proxy::run_dispatch(int64_t epoch) {
         if (!got_hdr_[s]) rest.push_back(s);
       if (await_all(kPhaseD0, epoch, rest, std::min(kBlockNs, deadline - mono_ns()))) {
         for (int s : rest)
-          if (!on_header(s)) return false;
+          if (!on_header_copy(s)) return false;
         seen_gen = ~uint64_t(0);  // rows that came before these headers are wanted now: look again
         last_work = mono_ns();
         continue;
@@ -791,8 +847,7 @@ bool Proxy::run_dispatch(int64_t epoch) {
     reap_wait = idle(last_work, seen_gen, !todo_.empty() || ov_done_bell,
                      !all_hdr || got1_left > 0 || got2_left > 0 || win_left > 0 || ov_left > 0);
   }
-  counts_.swap(next_counts_);
-  counts_epoch_ = epoch;
+  counts_epoch_ = epoch;  // (its count matrix: rows_[epoch & 1])
   return true;
 }
 
@@ -809,16 +864,17 @@ bool Proxy::run_combine(int64_t epoch) {
   const int R = int(cfg_.world_size), me = int(cfg_.rank), G = int(cfg_.node_size);
   const int64_t CRB = cfg_.comb_row_bytes, cap = cfg_.private_capacity, B = cfg_.overflow_capacity;
   const uint64_t cr_base = uint64_t((epoch & 1) * cfg_.max_send_rows * CRB);  // parity copy of s's region
-  const int32_t* const C = counts_.data();
+  const int32_t* const* const rows_of = rows_[epoch & 1].data();  // the dispatch's count matrix (epoch == counts_epoch_)
   n_posted_ = 0;
+  batch_.clear();
   phase_posts_ = phase_bells_ = 0;
   std::fill(posted_to_.begin(), posted_to_.end(), 0);
-  auto ov = [&](int s, int p) -> int64_t { return std::max<int64_t>(0, int64_t(C[size_t(s) * R + p]) - cap); };
+  auto ov = [&](int s, int p) -> int64_t { return std::max<int64_t>(0, int64_t(rows_of[s][p]) - cap); };
   // Where remote source s's overflow starts in owner p's stream; s's rows of window w there.
   auto start_in = [&](int s, int p) {
     int64_t st = 0;
     for (int q = 0; q < s; ++q)
-      if (q / G != p / G) st += ov(q, p);
+      if (node_lo_[size_t(q)] != node_lo_[size_t(p)]) st += ov(q, p);
     return st;
   };
   auto part = [&](int64_t st, int64_t o, int64_t w, int64_t* lo, int64_t* hi) {
@@ -836,7 +892,7 @@ bool Proxy::run_combine(int64_t epoch) {
   int64_t got_left = 0, o = 0, O = 0;
   for (int s = 0; s < R; ++s) {
     if (s == me || !remote(s)) continue;
-    const int64_t c = C[size_t(s) * R + me], n1 = std::min(c, cap), os = ov(s, me);
+    const int64_t c = rows_of[s][me], n1 = std::min(c, cap), os = ov(s, me);
     ov_start_[s] = O;
     const int64_t c0 = n1 + (B > 0 ? std::min(os, std::max<int64_t>(0, B - O)) : os);
     O += os;
@@ -844,7 +900,7 @@ bool Proxy::run_combine(int64_t epoch) {
     o += c0;
     if (c0 > 0) sent[s] = 0, todo_.push_back(s);
     // from owner s (as a source of its stream): window 0 (round 1 and its part there) and each later window
-    const int64_t st = start_in(me, s), om = ov(me, s), cm = C[size_t(me) * R + s];
+    const int64_t st = start_in(me, s), om = ov(me, s), cm = rows_of[me][s];
     int64_t n = std::min<int64_t>(cm, cap) + (B > 0 ? std::min(om, std::max<int64_t>(0, B - st)) : om) > 0;
     for (int64_t w = 1, lo, hi; B > 0 && w * B < st + om; ++w) n += part(st, om, w, &lo, &hi);
     credits_[s] = n;
@@ -875,19 +931,17 @@ bool Proxy::run_combine(int64_t epoch) {
     Lost lost;
     const int rung = serve_bells(mb_comb_bell, epoch, kTrCombBell, [&](int s) {
       // In s's combine receive region: sum of c_{s,p'} over p' < me outside s's node.
-      const int32_t* row = &C[size_t(s) * R];
-      const int slo = s / G * G;
+      const int32_t* row = rows_of[s];
+      const int slo = node_lo_[size_t(s)];
       const int64_t roff = sum_range(row, 0, me) - sum_range(row, slo, std::min(slo + G, me));
       const int64_t c0 = std::min<int64_t>(row[me], cap) +
                          (B > 0 ? std::min(ov(s, me), std::max<int64_t>(0, B - ov_start_[s])) : ov(s, me));
-      if (!post(kPhaseC, epoch, s, kRegCombSend, off_[s], kRegCombRecv, cr_base + uint64_t(roff * CRB),
-                uint64_t(c0 * CRB)))
-        return false;
+      post(kPhaseC, epoch, s, kRegCombSend, off_[s], kRegCombRecv, cr_base + uint64_t(roff * CRB), uint64_t(c0 * CRB));
       trace_peer(kTrPostC, s, epoch);
       sent[s] = 1;
       return true;
     });
-    if (rung < 0) return false;
+    if (rung < 0 || !flush(epoch)) return false;
     work |= rung > 0;
     // Later windows: once the writes of the one before completed, the kernels may pack the next
     // (comb_win_done); once they did (comb_win_bell), each source's part of it.
@@ -900,15 +954,15 @@ bool Proxy::run_combine(int64_t epoch) {
       for (int s : others_) {
         int64_t lo, hi;
         if (!remote(s) || !part(ov_start_[s], ov(s, me), w, &lo, &hi)) continue;
-        const int32_t* row = &C[size_t(s) * R];
-        const int slo = s / G * G;
+        const int32_t* row = rows_of[s];
+        const int slo = node_lo_[size_t(s)];
         const int64_t roff = sum_range(row, 0, me) - sum_range(row, slo, std::min(slo + G, me)) + cap +
                              (lo - ov_start_[s]);
-        if (!post(kPhaseC, epoch, s, kRegCombSend, uint64_t((lo - w * B) * CRB), kRegCombRecv,
-                  cr_base + uint64_t(roff * CRB), uint64_t((hi - lo) * CRB)))
-          return false;
+        post(kPhaseC, epoch, s, kRegCombSend, uint64_t((lo - w * B) * CRB), kRegCombRecv,
+             cr_base + uint64_t(roff * CRB), uint64_t((hi - lo) * CRB));
         trace_peer(kTrPostC, s, epoch);
       }
+      if (!flush(epoch)) return false;
       posted_win = next_win++;
       deadline = std::max(deadline, mono_ns() + cfg_.timeout_ns);
       work = true;
@@ -939,7 +993,7 @@ bool Proxy::run_combine(int64_t epoch) {
       if (!todo_.empty()) {
         std::vector<int> sources;
         for (int s : others_)
-          if (remote(s) && C[size_t(s) * R + me] > 0) sources.push_back(s);
+          if (remote(s) && rows_of[s][me] > 0) sources.push_back(s);
         return fail_missing(kPhaseC, -1, epoch, sources, [&](int s) { return !sent[s]; },
                             "this rank's kernels never rang the combine bell");
       }

@@ -266,8 +266,19 @@ class Proxy {
                     const std::string& what);
   // The timeout of own writes: names the first peer with a write outstanding.
   bool fail_writes(int phase, int64_t epoch);
-  bool post(int phase, int64_t epoch, int peer, int lreg, uint64_t loff, int rreg, uint64_t roff, uint64_t len);
-  bool remote(int p) const { return p / cfg_.node_size != cfg_.rank / cfg_.node_size; }
+  // Queues one write with the immediate (phase, this rank, epoch); flush() posts the queue in one
+  // post_writes call. Every group of posts is flushed before anything reads n_posted_.
+  void post(int phase, int64_t epoch, int peer, int lreg, uint64_t loff, int rreg, uint64_t roff, uint64_t len) {
+    batch_.push_back(WriteOp{peer, keys_[lreg], loff, keys_[rreg], roff, len, true, make_imm(phase, int(cfg_.rank), epoch)});
+  }
+  // Posts the queued writes; false (error recorded, naming the first write not posted) on failure.
+  bool flush(int64_t epoch) { return batch_.empty() || flush_batch(epoch); }
+  bool flush_batch(int64_t epoch);
+  std::vector<WriteOp> batch_;  // writes queued by post(), not posted yet
+  // Whether rank p is on another node than this rank (no division: the proxy asks per peer and event).
+  bool remote(int p) const { return unsigned(p - my_lo_) >= unsigned(node_g_); }
+  int my_lo_ = 0, node_g_ = 1;  // this rank's node: ranks [my_lo_, my_lo_ + node_g_)
+  std::vector<int> node_lo_;    // per rank r: the first rank of r's node (r / node_size * node_size)
   int lost_peer();  // the first peer lost (the root cause), else -1
   // The peer to name for lost peer `lost`: the cause its goodbye gave, if it closed after an error
   // of its own naming another peer; else `lost`.
@@ -278,7 +289,14 @@ class Proxy {
   void store(int w, int64_t v) { __atomic_store_n(&mb_[w], v, __ATOMIC_RELEASE); }
   // Raises ready word w to `epoch` for rows that landed in a region the kernels read: after the
   // GPUDirect RDMA flush where those regions are GPU memory. False (error recorded) if it failed.
-  bool raise_ready(int w, int64_t epoch, int phase);
+  bool raise_ready(int w, int64_t epoch, int phase) {
+    if (gdr_region_ < 0) {  // host memory: nothing to flush
+      store(w, epoch);
+      return true;
+    }
+    return raise_ready_gdr(w, epoch, phase);
+  }
+  bool raise_ready_gdr(int w, int64_t epoch, int phase);
 
   Transport* t_ = nullptr;
   ProxyConfig cfg_{};
@@ -294,13 +312,23 @@ class Proxy {
   // ranks into ov_total_.
   bool add_overflow(const int32_t* row, int s);
   std::vector<int64_t> ov_total_;  // per rank p: overflow rows from remote sources (this dispatch's headers so far)
-  std::vector<int32_t> counts_;  // [R][R] count matrix of the last dispatch
+  int64_t ov_sum_ = 0;             // their sum: 0 while no source has overflow for a remote rank
+  // The count matrix of dispatch e, row s = source s's count vector, read where it landed (no
+  // copy): rows_[e & 1][s] points at s's header in copy e & 1 of the header receive region, which
+  // no peer writes again before this rank's dispatch e + 1 has begun (a peer's header of e + 2
+  // follows its dispatch e + 1, which needs this rank's header of e + 1), so the combine of e
+  // reads it there too. This rank's own row: own_[e & 1], copied from its header slot when the
+  // dispatch begins (its kernels write the next one there).
+  std::vector<const int32_t*> rows_[2];
+  std::vector<int32_t> own_[2];
+  static constexpr size_t kHdrChunk = 64;  // headers copied at a time to be checked (run_dispatch)
+  std::vector<int32_t> scratch_;  // [kHdrChunk][R]: their counts
   // Per-phase scratch, sized once at create (a phase allocates nothing).
-  std::vector<int32_t> next_counts_;  // [R][R] the count matrix being filled by a dispatch
   std::vector<int> others_;           // every rank but this one, ascending
   std::vector<int> todo_;             // peers whose bell has not rung yet
   std::vector<uint64_t> off_;         // per peer: byte offset of its rows (send / combine receive)
   std::vector<char> rows_sent_, got_hdr_, got1_, got2_;  // per rank
+  std::vector<char> hdr_taken_;       // per rank: its header was taken by a look of the arrival log (run_dispatch's want)
   // Overflow windows (§10 "Round 2 in windows"). As a source, per receiver p: the next window of
   // this rank's overflow to p to post, its last window, and credits taken from p not yet served.
   std::vector<int64_t> ov_start_, ov_next_, ov_last_, credits_;

@@ -14,6 +14,8 @@
 //    bytes must stay unchanged until the write's completion. The write's completion (poll) has
 //    status kCqOk once every byte has landed in the peer's memory; an error status otherwise.
 //    Writes are not ordered with respect to each other, not even to the same peer.
+//  - post_writes(ops, n, ...) posts a batch, as n post_write calls in order would (the proxy posts
+//    through it: one call per pass and phase).
 //  - has_imm: the receiver adds imm_per_write() to imm_counter() at `imm` in all, the whole of it
 //    only once all bytes of the write have landed (tcp: 1, once the write has landed; verbs with
 //    k NICs: k, one per byte shard as it lands, empty shards included). A receiver waiting for n
@@ -110,6 +112,22 @@ class Transport {
   virtual int connect(const std::vector<std::string>& endpoints, int64_t timeout_ns) = 0;
   // Posts one write (WriteOp); *wr_id names its completion.
   virtual int post_write(const WriteOp& w, uint64_t* wr_id) = 0;
+  // Posts n writes in order, as n post_write calls would (wr_ids[i], when wr_ids is not null,
+  // names ops[i]'s completion): one call for a batch, so a transport can hand them over at once
+  // (one doorbell per queue: chained ibv_post_send, FI_MORE; the null transport one call). kOk
+  // with every write posted; else the error of ops[*posted], the first write not posted (the
+  // *posted before it were posted and complete as usual). The default posts them one by one.
+  virtual int post_writes(const WriteOp* ops, int n, uint64_t* wr_ids, int* posted) {
+    for (int i = 0; i < n; ++i) {
+      uint64_t wr = 0;
+      if (const int rc = post_write(ops[i], wr_ids ? &wr_ids[i] : &wr); rc != kOk) {
+        *posted = i;
+        return rc;
+      }
+    }
+    *posted = n;
+    return kOk;
+  }
   // Returns the number of completions written to out (0..max), waiting up to timeout_ns for the
   // first one (0: do not wait); negative on error.
   virtual int poll(Completion* out, int max, int64_t timeout_ns) = 0;

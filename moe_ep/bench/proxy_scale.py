@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import sys
 from dataclasses import asdict, dataclass
 
@@ -98,10 +99,29 @@ class Point:
     routing: str = "uniform"
     rank: str = "first"  # the real proxy's rank: "first" (0) or "last" (R-1, the longest offset sums)
     trace: str = "phases"  # its trace level (Proxy's ``trace``): what EPBuffer runs with by default
+    cpus: tuple[int, ...] = ()  # (simulator's CPU, proxy thread's CPU); () leaves placement to the scheduler
 
 
 def _pct(v, q) -> float:
     return float(np.percentile(np.asarray(v, np.float64), q)) / 1e3 if len(v) else float("nan")
+
+
+def _start_pinned(px, cpus: tuple[int, ...]) -> set[int] | None:
+    """Starts the proxy; with ``cpus`` = (a, b), the calling thread (the simulator: the kernels and
+    the peers) runs on CPU a from now on and the proxy's thread on CPU b. Whether the two share a
+    core changes the proxy's CPU by half on a 2-core host (what the peers write is then in its own
+    cache, not another core's): the scheduler picks either, so pin them to compare runs."""
+    if not cpus:
+        px.start()
+        return None
+    sim_cpu, proxy_cpu = cpus
+    mask = os.sched_getaffinity(0)  # (returned: run_point gives it back to this thread)
+    os.sched_setaffinity(0, {sim_cpu})  # (this thread only)
+    before = set(os.listdir("/proc/self/task"))
+    px.start()
+    for tid in set(os.listdir("/proc/self/task")) - before:
+        os.sched_setaffinity(int(tid), {proxy_cpu})
+    return mask
 
 
 def run_point(pt: Point) -> dict:
@@ -125,18 +145,22 @@ def run_point(pt: Point) -> dict:
     px = Proxy(eng, node_size=G, num_local_experts=spec.num_local_experts, row_bytes=spec.row_bytes,
                comb_row_bytes=spec.comb_row_bytes, private_capacity=cap, overflow_capacity=ovcap,
                max_send_rows=spec.max_send_rows, timeout_s=10, spin_us=50, sleep_us=20, trace=pt.trace)
+    mask = None
     try:
         cfg = SimConfig(me, R, G, cap, px.hdr_bytes, px.keys["hdr_send"], px.keys["hdr_recv"], pt.draws,
                         int(pt.arrival == "spread"), pt.gap_ns, 10_000_000_000, 1_000_000_000, 0)
         counts = np.ascontiguousarray(mats, np.int32)
         n = pt.warmup + pt.epochs
-        px.start()
+        mask = _start_pinned(px, pt.cpus)
         sim_drive(eng, px, cfg, counts, 1, n)
         recs = [r for r in px.phase_records() if r[1] > pt.warmup]
         stats = eng.stats()
+        stats["post_calls"] = eng.post_calls()
     finally:
         px.close()
         eng.close()
+        if pt.cpus and mask is not None:
+            os.sched_setaffinity(0, mask)
     return _row(pt, mats, cap, recs, stats, n, me)
 
 
@@ -156,7 +180,9 @@ def _row(pt: Point, mats, cap: int, recs, stats: dict, n: int, me: int) -> dict:
             raise AssertionError(f"R={pt.R} {op} epoch {e}: {posts} posts and {bells} bells, the count matrix "
                                  f"says {wp} and {w[op + '_bells']}")
     row = dict(ranks=pt.R, peers=pt.R - 1, shape=pt.shape.name, arrival=pt.arrival, routing=pt.routing,
-               private_capacity=cap, epochs=pt.epochs, gap_ns=pt.gap_ns, rank=me, trace=pt.trace)
+               private_capacity=cap, epochs=pt.epochs, gap_ns=pt.gap_ns, rank=me, trace=pt.trace,
+               post_calls_per_epoch=stats.get("post_calls", 0) / n,  # transport calls: a batch of writes is one
+               cpus=list(pt.cpus))
     for op, ph in (("dispatch", ("D0", "D1", "D2")), ("combine", ("C",))):
         cpu = [r[5] for r in recs if r[0] == op]
         wall = [r[4] - r[2] for r in recs if r[0] == op]
@@ -285,13 +311,17 @@ def main(argv=None) -> int:
                     help="the real proxy's rank: 0, or R-1 (the longest offset sums)")
     ap.add_argument("--trace", choices=["off", "phases", "peers"], default="phases",
                     help="the proxy's trace level (EPBuffer's default: phases)")
+    ap.add_argument("--cpus", default="", metavar="SIM,PROXY",
+                    help="pin the simulator and the proxy thread to these CPUs (e.g. 0,1: apart, as a NIC's "
+                         "writes and the proxy are; 0,0: one core); default: the scheduler's choice")
     ap.add_argument("--floor", action="store_true",
                     help="also the floor per R: a dispatch's posts, immediates and headers timed alone")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--plot", metavar="PNG", help="CPU p50 vs R")
     a = ap.parse_args(argv)
     rows = sweep(a.ranks, a.shapes, a.arrivals, a.repeat, epochs=a.epochs, warmup=a.warmup, draws=a.draws,
-                 gap_ns=a.gap_ns, routing=a.routing, rank=a.rank, trace=a.trace)
+                 gap_ns=a.gap_ns, routing=a.routing, rank=a.rank, trace=a.trace,
+                 cpus=tuple(int(c) for c in a.cpus.split(",")) if a.cpus else ())
     fits = fit(rows)
     meta = _meta(argv)
     meta["command"] = "python -m moe_ep.bench.proxy_scale " + " ".join(argv)

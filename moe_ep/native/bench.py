@@ -27,7 +27,7 @@ class SimConfig(ctypes.Structure):
 _native = Functions(
     moe_ep_bench_post=(I32, VP, I32, U32, U64, U32, U64, U64, U32, I64, I64, I64, _I64P),
     moe_ep_bench_drive=(I32, _I64P, I64, I64, I64, I32, I64, I64, I64, _I64P),
-    moe_ep_engine_create_null=(VP, I32, I32), moe_ep_null_stats=(I32, VP, _I64P),
+    moe_ep_engine_create_null=(VP, I32, I32), moe_ep_null_stats=(I32, VP, _I64P), moe_ep_null_post_calls=(I64, VP),
     moe_ep_sim_drive=(I32, VP, _I64P, ctypes.POINTER(SimConfig), ctypes.POINTER(ctypes.c_int32), I64, I64, _I64P),
     moe_ep_sim_floor=(I32, I64, I64, I64, I64, _I64P))
 
@@ -78,6 +78,13 @@ class NullTransport(Engine):
         if _native().moe_ep_null_stats(self.handle, out) != OK:
             fail(ERR_INVALID)
         return dict(zip(("D1", "D2", "C", "D0", "plain", "bytes"), out))
+
+    def post_calls(self) -> int:
+        """Post calls served so far (``post_write``, or ``post_writes`` with a batch of writes: one)."""
+        n = _native().moe_ep_null_post_calls(self.handle)
+        if n < 0:
+            fail(int(n))
+        return int(n)
 
 
 def sim_drive(engine: NullTransport, proxy: Proxy, cfg: SimConfig, counts, first: int, n: int) -> list[int]:
