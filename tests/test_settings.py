@@ -87,13 +87,15 @@ def test_every_variable_named_is_declared():
 
 
 def test_native_reads_are_marked():
-    """The variables csrc/proxy reads itself (``getenv``, ``env_int``, ``env_or``) are exactly those
-    declared ``native=True``."""
+    """The variables csrc/proxy reads itself (``getenv``, ``env_int``, ``env_or``, and the first argument
+    of ``load_table``, shared_lib.h's loader) are exactly those declared ``native=True``."""
     read = set()
     for path in _files(CSRC, (".cc", ".h")):
         with open(path, encoding="utf-8") as f:
             for args in re.findall(r"\b(?:getenv|env_int|env_or)\(([^;{]*?)\)", f.read()):
                 read |= set(re.findall(r'"([A-Z][A-Z0-9_]*)"', args))
+            f.seek(0)
+            read |= set(re.findall(r'\bload_table<\w+>\(\s*"([A-Z][A-Z0-9_]*)"', f.read()))
     assert read == set(settings.NATIVE), (sorted(read), sorted(settings.NATIVE))
 
 
