@@ -122,6 +122,8 @@ def main() -> None:
 
     cuda = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
     init_distributed("auto" if cuda else "cpu")
+    if cuda:  # transformers binds each rank to cuda:<LOCAL_RANK>; where ranks share GPUs, name the one it has
+        os.environ["LOCAL_RANK"] = str(torch.cuda.current_device())
     import moe_ep.integrations.transformers  # noqa: F401  registers ep_implementation="moe_ep"
 
     rank, R = dist.get_rank(), dist.get_world_size()
