@@ -18,6 +18,8 @@ class FakeRuntime:
 
     def __init__(self, fail=None):
         self.fail, self.freed, self.closed, self.mem = fail, [], [], {}
+        self.log = []  # (call, args) of the stream and zeroing calls, in order
+        self.streams = {}  # stream -> memsets queued on it and not yet waited for
 
     def _maybe_fail(self, name):
         if self.fail == name:
@@ -28,15 +30,36 @@ class FakeRuntime:
 
     def malloc(self, n):
         self._maybe_fail("malloc")
-        buf = bytearray(n)
+        buf = bytearray(b"\xff" * n)  # (cudaMalloc's memory holds whatever was there)
         ptr = id(buf)
         self.mem[ptr] = buf
         return ptr
 
-    def memset(self, ptr, value, n):
-        pass
+    def memset(self, ptr, value, n):  # the legacy default stream: queued behind the caller's work
+        self.log.append(("memset", ptr))
+
+    def streamCreateWithFlags(self, flags):
+        stream = 1000 + len(self.streams)
+        self.streams[stream] = []
+        self.log.append(("streamCreateWithFlags", flags))
+        return stream
+
+    def memsetAsync(self, ptr, value, n, stream):
+        self._maybe_fail("memsetAsync")
+        self.streams[stream].append((ptr, value, n))
+        self.log.append(("memsetAsync", ptr))
+
+    def streamSynchronize(self, stream):
+        for ptr, value, n in self.streams[stream]:
+            self.mem[ptr][:n] = bytes([value]) * n
+        self.streams[stream].clear()
+        self.log.append(("streamSynchronize", stream))
+
+    def streamDestroy(self, stream):
+        self.log.append(("streamDestroy", stream))
 
     def ipcGetMemHandle(self, ptr):
+        self.log.append(("ipcGetMemHandle", ptr, bytes(self.mem[ptr]) == bytes(len(self.mem[ptr]))))
         return ptr.to_bytes(64, "little")
 
     def ipcOpenMemHandle(self, handle, flags):
@@ -80,7 +103,8 @@ def _fail_worker(rank, world_size, fail_rank, fail_call):
 
 
 def test_a_failing_call_is_named_on_every_rank():
-    for call, step, name in (("malloc", "export", "cudaMalloc"), ("ipcOpenMemHandle", "open", "cudaIpcOpenMemHandle")):
+    for call, step, name in (("malloc", "export", "cudaMalloc"), ("memsetAsync", "export", "cudaMemsetAsync"),
+                             ("ipcOpenMemHandle", "open", "cudaIpcOpenMemHandle")):
         for r, (msg, took) in enumerate(dist_util.run(3, _fail_worker, 1, call, timeout=120)):
             assert f"({step}) failed on rank(s) [1]: rank 1: {name} failed" in msg, (r, msg)
             assert took < 30, (r, took)
@@ -122,3 +146,27 @@ def test_freed_once_no_peer_maps_it():
     first, second = dist_util.run(2, _close_worker, timeout=120)
     assert first == {"freed_at_close": False, "pending": 1, "pending_after": 0, "freed": True, "unmapped": 1}, first
     assert second == {"freed_at_close": True, "pending": 0, "pending_after": 0, "freed": True, "unmapped": 1}, second
+
+
+def _zeroing_worker(rank, world_size):
+    import moe_ep
+    from moe_ep.core.node_memory import IpcMemory
+
+    with fake_runtime() as fake:
+        m = IpcMemory(moe_ep.EPGroup(), 4096)
+        m.close()
+        return fake.log
+
+
+def test_zeroed_before_the_handle_is_exported():
+    """The allocation is zeroed on a non-blocking stream of its own, and that zeroing is complete
+    when its handle leaves the rank: a peer may write into it from then on. (A plain cudaMemset
+    would queue on the legacy default stream, behind the caller's work there: found on a GPU, where
+    a buffer made while the caller's stream slept had a peer's combine flags wiped.)"""
+    for log in dist_util.run(2, _zeroing_worker, timeout=120):
+        calls = [c[0] for c in log]
+        assert "memset" not in calls, log
+        i = calls.index("ipcGetMemHandle")
+        assert calls[:i] == ["streamCreateWithFlags", "memsetAsync", "streamSynchronize", "streamDestroy"], log
+        assert log[0][1] & 1, log  # cudaStreamNonBlocking
+        assert log[i][2], "exported before its memory read as zeros"

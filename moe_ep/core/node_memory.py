@@ -235,7 +235,15 @@ class IpcMemory:
         try:
             self._call("cudaSetDevice", rt.setDevice, self.dev.index)
             self.ptr = self._call("cudaMalloc", rt.malloc, max(self.nbytes, 1))
-            self._call("cudaMemset", rt.memset, self.ptr, 0, max(self.nbytes, 1))
+            # Zeroed on a stream of its own and waited for before the handle leaves this rank: a
+            # plain cudaMemset goes on the legacy default stream, behind whatever the caller queued
+            # there (a long kernel, say), and could wipe what peers write once they have the handle.
+            stream = self._call("cudaStreamCreateWithFlags", rt.streamCreateWithFlags, 1)  # non-blocking
+            try:
+                self._call("cudaMemsetAsync", rt.memsetAsync, self.ptr, 0, max(self.nbytes, 1), stream)
+                self._call("cudaStreamSynchronize", rt.streamSynchronize, stream)
+            finally:
+                rt.streamDestroy(stream)
             handle = bytes(self._call("cudaIpcGetMemHandle", rt.ipcGetMemHandle, self.ptr))
         except RuntimeError as exc:
             err = str(exc)

@@ -79,6 +79,8 @@ class BufferMemory:
             allocate(allocs[name], dev) if rows else None
             for name in ("recv_topk_idx", "recv_topk_weights", "recv_src", "num_recv"))
         self.remote = self._start_remote(group, shape, timeout_s) if shape.node_size < shape.world_size else None
+        if dev.type == "cuda":  # zeroed before a kernel on another stream than this one reads it
+            torch.cuda.current_stream(dev).synchronize()
 
     @staticmethod
     def _start_remote(group: EPGroup, shape: BufferShape, timeout_s: float) -> RemotePath:
