@@ -147,7 +147,10 @@ class Tuning:
         prefetch: rows layout: sub-blocks of own rows the dispatch asks the L2 for ahead (0: none).
         split: True: every dispatch and combine as two launches (send half, receive half).
         fused_internode: one launch per inter-node op where every program is resident (where
-            the node ops fuse); off until measured on a GPU (the two launches of before).
+            the node ops fuse): about 3 µs less host time per eager call (5.7 against 8.9 µs per
+            decode dispatch on an H100), but on a GPU that ranks time-slice its ops take far longer
+            on the device; off by default (docs/ARCHITECTURE.md §10). For host-bound eager decode
+            with a GPU per rank.
         max_chunks: rows layout: the most chunks a source's tokens are cut into (rounded up to a
             power of two); sizes the workspace (``moe_ep.core.workspace.max_chunks``).
     """
