@@ -46,7 +46,8 @@ def row_region_memory(engine, sizes: dict, device: torch.device, want: str) -> t
     where the engine cannot raises ``NativeError`` saying why."""
     if want != "host":
         rows = {n: torch.zeros(sizes[n], dtype=torch.uint8, device=device) for n in ROW_REGIONS}
-        torch.cuda.current_stream(device).synchronize()  # zeroed before a NIC can write them
+        if torch.device(device).type == "cuda":  # zeroed before a NIC can write them
+            torch.cuda.current_stream(device).synchronize()
         ok, how = engine.try_register(rows["round1"])
         if ok:
             return rows, "gpu", how
