@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["masked", "packed"])
+@pytest.mark.parametrize("layout", ["masked", "packed", "rows"])
 def test_ep32_on_cpu_ranks(tmp_path, layout):
     out = tmp_path / "ep32.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "32", "-m", "moe_ep.bench",
