@@ -3,6 +3,7 @@ keyword arguments of the low-latency pair, against a pure-torch oracle on CPU ra
 from __future__ import annotations
 
 import contextlib
+import time
 
 import pytest
 import torch
@@ -400,15 +401,21 @@ def _streams_worker(rank, R):
     if not torch.equal(out.cpu(), want):
         fails.append(f"[rank {rank}] 2: the dispatch (previous_event, caller busy after it) differs from the oracle")
 
-    # 3. async: the caller does not wait; its inputs, freed and their memory reused, still read right
+    # 3. async: the caller does not wait; its inputs, freed and their memory reused, still read right.
+    # The inputs are copied before the sync, so that the caller's stream holds nothing of the test's
+    # own when it is queried (ranks time-slicing one GPU can leave a just-queued copy unrun).
+    x2, idx2, w2 = x.clone(), idx.clone(), w.clone()
     sync()
     busy(buf.get_comm_stream())
-    x2, idx2, w2 = x.clone(), idx.clone(), w.clone()
     rx, _, rw, h, ev = buf.dispatch(x2, topk_idx=idx2, topk_weights=w2, num_experts=E,
                                     async_with_compute_stream=True, do_cpu_sync=False)
-    if gpu and (ev.event.query() or busy_now(cur)):
-        fails.append(f"[rank {rank}] 3: async_with_compute_stream: the event is complete ({ev.event.query()}) or the "
-                     f"caller's stream waits ({busy_now(cur)}) while the communication stream sleeps")
+    # By order: the caller's stream drains (its queued work may still be waiting for a time slice)
+    # while the communication stream sleeps; a caller's stream that waited would drain only after.
+    while gpu and busy_now(cur) and not ev.event.query():
+        time.sleep(1e-4)
+    if gpu and ev.event.query():
+        fails.append(f"[rank {rank}] 3: async_with_compute_stream: the event completed before the caller's "
+                     f"stream drained (the caller waited for the sleeping communication stream)")
     del x2, idx2, w2
     junk = (torch.full_like(x, 7.0), torch.full_like(idx, -1), torch.full_like(w, 3.0))  # (their freed memory)
     ev.current_stream_wait()

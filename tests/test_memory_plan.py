@@ -197,3 +197,54 @@ def test_cli_prints_and_writes_json(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["memory", "--ep", "3", "--experts", "256"])
     assert e.value.code == 2 and "num_experts: expected a multiple of world_size=3" in capsys.readouterr().err
+
+
+def _device_drop_worker(rank, world_size, node_size, configs):
+    """Per config: the GPU's free memory lost while every rank holds its buffer (read on rank 0,
+    between barriers, with the ranks' caching allocators emptied first), and the plans' device
+    bytes of every rank."""
+    import torch.distributed as dist
+
+    import moe_ep
+
+    group = moe_ep.EPGroup(node_size=node_size)
+    dev = group.device
+    out = []
+    for kw in configs:
+        plan = moe_ep.memory_plan(world_size=world_size, node_size=node_size, device="cuda", **kw)
+        planned = torch.tensor([plan.device_bytes], dtype=torch.float64)
+        dist.all_reduce(planned)  # (gloo: a CPU tensor)
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        dist.barrier()
+        free0 = torch.cuda.mem_get_info(dev)[0]
+        dist.barrier()
+        with moe_ep.EPBuffer(group, timeout_s=60.0, **kw) as buf:
+            torch.cuda.synchronize(dev)
+            dist.barrier()
+            free1 = torch.cuda.mem_get_info(dev)[0]
+            held = buf.memory().device_bytes
+            dist.barrier()
+        out.append((kw["layout"], plan.device_bytes, held, int(planned.item()), free0 - free1))
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R,G", [(2, 2), (2, 1)], ids=["node-2", "2x1"])
+def test_plan_equals_device_memory_gpu(R, G):
+    """On a GPU the plan's device bytes are what the buffers take from the GPU: the free memory the
+    ranks' buffers remove together (node memory, workspace, received tensors and proxy state;
+    ranks sharing the GPU) is their plans' sum, within what allocators round and the kernels'
+    code take (2 MiB a segment, 48 MiB in all). Sizes large enough that a region left out of the
+    plan shows: 4096 tokens of 7168 fp8 bytes, packed for the worst case and rows sized per call."""
+    dist_util.need_gpu()
+    base = dict(num_experts=8 * R, hidden=7168, max_tokens=4096, topk=8, dispatch_dtype=torch.float8_e4m3fn,
+                num_programs=32, proxy_memory="host")
+    configs = [dict(base, layout="packed", max_recv_rows="worst"), dict(base, layout="rows"),
+               dict(base, layout="masked")]
+    results = dist_util.run(R, _device_drop_worker, G, configs, timeout=600, backend=dist_util.gpu_backend(R))
+    for layout, planned, held, planned_all, dropped in results[0]:
+        assert abs(held - planned) <= SLACK, f"{layout}: the live buffer holds {held} device bytes, planned {planned}"
+        assert planned_all > 256 << 20, f"{layout}: too small to tell ({planned_all} bytes)"
+        assert planned_all <= dropped <= planned_all + (48 << 20), \
+            f"{layout} R={R} G={G}: the GPU lost {dropped} bytes for buffers planned at {planned_all}"
