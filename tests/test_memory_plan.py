@@ -209,6 +209,10 @@ def _device_drop_worker(rank, world_size, node_size, configs):
 
     group = moe_ep.EPGroup(node_size=node_size)
     dev = group.device
+    # A small buffer first: what a process pays once, not per buffer (the CUDA runtime that node
+    # memory's IPC binding brings, kernels' modules), is spent before anything is measured.
+    with moe_ep.EPBuffer(group, num_experts=2 * world_size, hidden=128, max_tokens=4, topk=2, timeout_s=60.0):
+        torch.cuda.synchronize(dev)
     out = []
     for kw in configs:
         plan = moe_ep.memory_plan(world_size=world_size, node_size=node_size, device="cuda", **kw)

@@ -45,7 +45,11 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, no
     is_token_in_rank.scatter_(1, torch.where(valid, owner, num_ranks), True)  # column R: the -1 ids
     is_token_in_rank = is_token_in_rank[:, :num_ranks].contiguous()
     num_tokens_per_rank = is_token_in_rank.sum(dim=0, dtype=torch.int32)
-    num_tokens_per_expert = torch.bincount(idx[valid], minlength=num_experts).to(torch.int32)
+    # A scatter-add, not ``bincount(idx[valid])``: the mask and bincount each read a size back to
+    # the host, which would make the call wait for its stream (async_finish would not be async).
+    ones = torch.ones(idx.numel(), dtype=torch.int32, device=dev)
+    num_tokens_per_expert = torch.zeros(num_experts + 1, dtype=torch.int32, device=dev).scatter_add_(
+        0, torch.where(valid, idx, num_experts).flatten(), ones)[:num_experts]
     per_node = None
     if node_size < num_ranks:
         in_node = is_token_in_rank.view(T, num_ranks // node_size, node_size).any(dim=2)
