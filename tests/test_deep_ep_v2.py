@@ -424,7 +424,12 @@ def _streams_worker(rank, R):
     if not torch.equal(out.cpu(), want):
         fails.append(f"[rank {rank}] 3: async dispatch differs after current_stream_wait (inputs freed early)")
     del junk
-    busy(v1.get_comm_stream())  # V1's async_finish on the same path
+    # V1's async_finish on the same path. Called once first: a kernel's first launch in a process
+    # may load its module, which CUDA may do with a context synchronization (lazy loading), and
+    # that would wait for the sleep below whatever the call does.
+    v1.get_dispatch_layout(idx, E)
+    sync()
+    busy(v1.get_comm_stream())
     layout = v1.get_dispatch_layout(idx, E, async_finish=True, allocate_on_comm_stream=True)
     if gpu and layout[-1].event.query():
         fails.append(f"[rank {rank}] 3: V1 async_finish: the event is complete while the communication stream sleeps")

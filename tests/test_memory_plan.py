@@ -199,6 +199,33 @@ def test_cli_prints_and_writes_json(tmp_path, capsys):
     assert e.value.code == 2 and "num_experts: expected a multiple of world_size=3" in capsys.readouterr().err
 
 
+def _settled_free(dev) -> int:
+    """The GPU's free bytes once every rank has closed its buffers, freed its IPC node memory that
+    waited for a peer to unmap it (``release_deferred``: the first rank to close frees its memory
+    at its next sweep), emptied its caching allocator, and the figure has stopped moving."""
+    import gc
+    import time
+
+    import torch.distributed as dist
+
+    from moe_ep.core.node_memory import release_deferred
+
+    gc.collect()
+    torch.cuda.synchronize(dev)
+    dist.barrier()  # every rank has closed the last buffer: IPC memory a peer mapped can go now
+    release_deferred()
+    torch.cuda.empty_cache()
+    dist.barrier()
+    last, free = -1, torch.cuda.mem_get_info(dev)[0]
+    for _ in range(50):
+        if free == last:
+            break
+        time.sleep(0.05)
+        last, free = free, torch.cuda.mem_get_info(dev)[0]
+    dist.barrier()
+    return free
+
+
 def _device_drop_worker(rank, world_size, node_size, configs):
     """Per config: the GPU's free memory lost while every rank holds its buffer (read on rank 0,
     between barriers, with the ranks' caching allocators emptied first), and the plans' device
@@ -218,17 +245,14 @@ def _device_drop_worker(rank, world_size, node_size, configs):
         plan = moe_ep.memory_plan(world_size=world_size, node_size=node_size, device="cuda", **kw)
         planned = torch.tensor([plan.device_bytes], dtype=torch.float64)
         dist.all_reduce(planned)  # (gloo: a CPU tensor)
-        torch.cuda.synchronize(dev)
-        torch.cuda.empty_cache()
-        dist.barrier()
-        free0 = torch.cuda.mem_get_info(dev)[0]
-        dist.barrier()
+        free0 = _settled_free(dev)
         with moe_ep.EPBuffer(group, timeout_s=60.0, **kw) as buf:
             torch.cuda.synchronize(dev)
             dist.barrier()
             free1 = torch.cuda.mem_get_info(dev)[0]
             held = buf.memory().device_bytes
             dist.barrier()
+        del buf  # (the next config's "before" is read once every rank has let go of this one)
         out.append((kw["layout"], plan.device_bytes, held, int(planned.item()), free0 - free1))
     return out
 
