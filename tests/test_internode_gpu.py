@@ -169,7 +169,7 @@ FUSED_CASES = [
     dict(E=4, K=2, dtype="fp8pre", layout="packed", H=384, M=16, data="random", recv_rows="worst"),
     dict(E=8, K=4, dtype="fp8", layout="rows", H=256, M=32, data="random", recv_rows="worst"),
     dict(E=8, K=8, dtype="bf16", layout="rows", H=128, M=48),  # sized per call: two launches
-    dict(E=8, K=4, dtype="fp8", layout="masked", H=256, M=32, hooks=True),  # the hook's receive half
+    dict(E=8, K=4, dtype="fp8", layout="masked", H=256, M=32, data="random", hooks=True),  # the hook's receive half
 ]
 
 
