@@ -11,8 +11,9 @@ over many calls of dispatch, of combine returning a new tensor and of combine wi
 dispatch and ``combine(out=)`` when the token count changes every call; of a dispatch and a
 ``combine(topk_weights=, out=)`` with receive hooks, each with its hook), the
 top host functions of those calls (cProfile), the launch cost of an empty Triton kernel through
-``moe_ep.kernels.launch`` and through ``kernel[grid]``, and the device time of each kernel
-(torch.profiler, mean over calls). ``MOE_EP_LAUNCH=triton`` times Triton's launcher instead of the
+``moe_ep.kernels.launch`` and through ``kernel[grid]``, the device time of each kernel
+(torch.profiler, mean over calls), and across nodes where the proxy's time goes in synchronized
+pairs (its phase records). ``MOE_EP_LAUNCH=triton`` times Triton's launcher instead of the
 native one. Not a benchmark of record: ``moe_ep.bench.intranode`` is.
 """
 from __future__ import annotations
@@ -64,6 +65,35 @@ def _issue_us(fns, n: int) -> list[list[float]]:
             torch.cuda.synchronize()
     torch.cuda.synchronize()
     return times
+
+
+def _proxy_phases(proxy, pair, n: int = 50) -> list[str]:
+    """Across nodes: ``n`` synchronized dispatch + combine pairs, their wall time, and where the
+    proxy's time went in them (its phase records, steady-clock ns; median over the pairs): from
+    the bell it saw to round 1 counted (dispatch) and to its ready words, its own CPU, and the
+    gap from one phase's ready to the next phase's bell (the GPU's side: the receive half, the
+    next op's send half and the bell's way to the host)."""
+    walls = []
+    for _ in range(n):
+        t = time.perf_counter()
+        pair()
+        torch.cuda.synchronize()
+        walls.append((time.perf_counter() - t) * 1e6)
+    recs = proxy.phase_records()[-2 * n:]
+    med = statistics.median
+    out = [f"proxy phases over {n} synchronized pairs (wall per pair p50 {med(walls):.1f} us, "
+           f"min {min(walls):.1f}); median us, bell seen -> round 1 in (dispatch) -> ready, proxy CPU, "
+           f"ready -> next phase's bell seen:"]
+    for kind in ("dispatch", "combine"):
+        mine = [(i, r) for i, r in enumerate(recs) if r[0] == kind]
+        if not mine:
+            continue
+        gaps = [(recs[i + 1][2] - r[4]) / 1e3 for i, r in mine if i + 1 < len(recs)]
+        out.append(f"    {kind:8s} round 1 {med([(r[3] - r[2]) / 1e3 for _, r in mine]):9.1f}  "
+                   f"ready {med([(r[4] - r[2]) / 1e3 for _, r in mine]):9.1f}  "
+                   f"cpu {med([r[5] / 1e3 for _, r in mine]):7.1f}  "
+                   f"then {med(gaps) if gaps else float('nan'):9.1f}")
+    return out
 
 
 def main(argv=None) -> None:
@@ -219,6 +249,8 @@ def main(argv=None) -> None:
             for i in range(n):
                 mine = ts[i::n]
                 lines.append(f"    {name[:50]:50s} #{i} {sum(mine) / len(mine):9.1f} us  x{len(mine)}")
+        if buf.remote is not None:
+            lines += _proxy_phases(buf.remote.proxy, pair)
     dist.barrier()
     if rank == 0:
         nodes = f" nodes of {group.node_size}" if group.node_size < R else ""
