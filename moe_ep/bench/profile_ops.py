@@ -67,6 +67,29 @@ def _issue_us(fns, n: int) -> list[list[float]]:
     return times
 
 
+def _graph_replay_line(disp, comb_out, calls: int) -> str:
+    """The host time of replaying a CUDA graph of one dispatch and ``combine(out=)`` (the same
+    launches an eager pair makes, in one ``cudaGraphLaunch``): what issuing a call's launches as
+    one graph would cost against launching them one by one."""
+    try:
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            disp()
+            comb_out()
+        g.replay()
+        torch.cuda.synchronize()
+        kernels = "?"
+        try:  # (the graph's kernel nodes, where this torch can say)
+            kernels = str(sum(1 for n in g.raw_cuda_graph_nodes() if "kernel" in str(n).lower()))
+        except Exception:  # noqa: BLE001
+            pass
+        return (f"a CUDA graph of dispatch + combine(out=) ({kernels} kernel nodes): replay, host "
+                f"{_host_us(g.replay, calls):.1f} us")
+    except Exception as exc:  # noqa: BLE001 - a diagnostic line, not a failure of the profile
+        return f"a CUDA graph of dispatch + combine(out=): not measured ({type(exc).__name__}: {exc})"
+
+
 def _proxy_phases(proxy, pair, n: int = 50) -> list[str]:
     """Across nodes: ``n`` synchronized dispatch + combine pairs, their wall time, and where the
     proxy's time went in them (its phase records, steady-clock ns; median over the pairs): from
@@ -249,6 +272,7 @@ def main(argv=None) -> None:
             for i in range(n):
                 mine = ts[i::n]
                 lines.append(f"    {name[:50]:50s} #{i} {sum(mine) / len(mine):9.1f} us  x{len(mine)}")
+        lines.append(_graph_replay_line(disp, comb_out, calls=args.calls))
         if buf.remote is not None:
             lines += _proxy_phases(buf.remote.proxy, pair)
     dist.barrier()
