@@ -33,6 +33,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch.multiprocessing as mp
 
+ERROR_GRACE_S = 60.0  # after a rank's error, how long the others may still take
 DEFAULT_TIMEOUT_S = float(os.environ.get("MOE_EP_TEST_RUN_TIMEOUT", "600"))
 _START_TIMEOUT_S = 180.0
 
@@ -147,7 +148,12 @@ class Pool:
     def _collect(self, call_id, timeout_s: float) -> Dict[int, Tuple[bool, Any]]:
         got: Dict[int, Tuple[bool, Any]] = {}
         deadline = time.monotonic() + timeout_s
+        erred = False
         while len(got) < self.world_size:
+            if not erred and any(not ok for ok, _ in got.values()):
+                # A rank raised: the others usually wait for it in a collective, so they get a grace,
+                # not the whole deadline (then the pool goes and the error is reported as the cause).
+                erred, deadline = True, min(deadline, time.monotonic() + ERROR_GRACE_S)
             try:
                 cid, rank, ok, value = self._results.get(timeout=0.2)
             except queue.Empty:
@@ -157,6 +163,9 @@ class Pool:
                     self.kill()
                     raise PoolDied(f"rank process(es) {dead} exited (exit codes {codes}) during the call; "
                                    f"answered: {sorted(got)}")
+                if time.monotonic() > deadline and erred:
+                    self.kill()
+                    return got  # (run raises the error that came; the pool restarts at the next run)
                 if time.monotonic() > deadline:
                     missing = [r for r in range(self.world_size) if r not in got]
                     early = {r: v for r, v in got.items()}
@@ -187,6 +196,9 @@ class Pool:
             errors.sort(key=lambda rv: _consequence(*rv[1][:2]))
             r, (name, msg, tb) = errors[0]
             others = ", ".join(f"rank {q}: {v[0]}: {v[1][:300]}" for q, v in errors[1:])
+            silent = [q for q in range(self.world_size) if q not in got]
+            if silent:
+                others += (", " if others else "") + f"ranks {silent}: no answer {ERROR_GRACE_S:g} s after it (pool killed)"
             raise RankError(r, name, msg + (f" (also {others})" if others else ""), tb)
         return [got[r][1] for r in range(self.world_size)]
 

@@ -75,3 +75,21 @@ def test_dead_rank_is_reported_and_pool_restarts():
     with pytest.raises(dist_util.PoolDied, match=r"\[1\]"):
         dist_util.run(2, _die, timeout=60)
     assert dist_util.run(2, _identity, 3)[1][:3] == (1, 2, 3)
+
+
+def _raise_while_peer_waits(rank, world_size):
+    if rank == 1:
+        raise ValueError("the cause")
+    time.sleep(120)  # (a peer waiting for it in a collective)
+    return rank
+
+
+def test_an_error_cuts_the_others_wait(monkeypatch):
+    """After one rank raises, the others get ``ERROR_GRACE_S``, not the run's whole deadline; the
+    error is reported as the cause, with the ranks that did not answer, and the pool restarts."""
+    monkeypatch.setattr(dist_util, "ERROR_GRACE_S", 1.0)
+    t0 = time.monotonic()
+    with pytest.raises(dist_util.RankError, match=r"the cause.*ranks \[0\]: no answer") as info:
+        dist_util.run(2, _raise_while_peer_waits, timeout=100)
+    assert info.value.rank == 1 and time.monotonic() - t0 < 30
+    assert dist_util.run(2, _identity, 4)[0][:3] == (0, 2, 4)
