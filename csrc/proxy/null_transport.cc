@@ -300,10 +300,17 @@ int moe_ep_sim_drive(void* engine, int64_t* mailbox, const moe_ep::SimConfig* cf
 // R-1 headers (row by row, as the peers' writes land) and adds the immediates, then this thread
 // times out[3] the headers copied and checked and out[4] the immediates taken. The difference
 // to out[2] and out[1] is the price of the lines crossing from the writer's core to this one.
-int moe_ep_sim_floor(int64_t R, int64_t G, int64_t iters, int64_t reps, int writer_cpu, int64_t* out) {
+// shards > 1: each part is one of `shards` proxy threads' share, the peers cut into that many
+// blocks of consecutive ranks (the posts, the immediates and the headers of one block, whose
+// headers lie back to back; a header still holds R counts), each thread with its own counter: the
+// floor per thread of a proxy sharded over that many threads.
+int moe_ep_sim_floor(int64_t R, int64_t G, int64_t iters, int64_t reps, int writer_cpu, int64_t shards, int64_t* out) {
   using namespace moe_ep;
-  if (R < 2 || G < 1 || R % G != 0 || iters < 1 || reps < 1 || !out) return set_error(kErrInvalid, "sim_floor: bad arguments");
-  const int n_remote = int(R - G), n_posts = int(R - 1) + n_remote;
+  if (R < 2 || G < 1 || R % G != 0 || iters < 1 || reps < 1 || shards < 1 || shards >= R || !out)
+    return set_error(kErrInvalid, "sim_floor: bad arguments");
+  const int S = int(shards);
+  const int n_remote = int(R - G), n_posts = (int(R - 1) + n_remote + S - 1) / S;
+  const int n_hdr = int(R - 1 + S - 1) / S;  // this shard's sources: 1 .. n_hdr
   NullTransport t(0, int(R));
   std::vector<char> mem(4096);
   uint32_t key = 0;
@@ -334,7 +341,7 @@ int moe_ep_sim_floor(int64_t R, int64_t G, int64_t iters, int64_t reps, int writ
     return now_ns() - t0;
   });
   out[1] = best([&](int64_t e) {
-    for (int i = 0; i < n_posts; ++i) imm.add(make_imm(i < R - 1 ? kPhaseD0 : kPhaseD1, 1 + i % int(R - 1), e));
+    for (int i = 0; i < n_posts; ++i) imm.add(make_imm(i < n_hdr ? kPhaseD0 : kPhaseD1, 1 + i % int(R - 1), e));
     const int64_t t0 = now_ns();
     got.clear();
     imm.take_arrived([](uint32_t) { return true; }, 1, &got);
@@ -343,7 +350,7 @@ int moe_ep_sim_floor(int64_t R, int64_t G, int64_t iters, int64_t reps, int writ
   out[2] = best([&](int64_t) {
     const int64_t t0 = now_ns();
     bool any = false;
-    for (int s = 1; s < R; ++s) {
+    for (int s = 1; s <= n_hdr; ++s) {
       std::memcpy(&C[size_t(s) * size_t(R)], &hdr[size_t(s) * size_t(R)], 4 * size_t(R));
       any |= row_exceeds(&C[size_t(s) * size_t(R)], int(R), 1000u);  // the proxy's scan (proxy.h)
     }
@@ -371,11 +378,9 @@ int moe_ep_sim_floor(int64_t R, int64_t G, int64_t iters, int64_t reps, int writ
       }
       if (g == INT64_MAX) return;
       row[0] = int32_t(k & 1023);  // (a new value each time: every line is written again)
-      for (int s = 1; s < R; ++s) {
-        std::memcpy(&region[size_t(s) * hw], row.data(), 4 * size_t(R));
-        imm.add(make_imm(kPhaseD0, s, k), 1);
-      }
-      for (int i = 0; i < n_remote; ++i) imm.add(make_imm(kPhaseD1, 1 + i % int(R - 1), k), 1);
+      for (int s = 1; s < R; ++s) std::memcpy(&region[size_t(s) * hw], row.data(), 4 * size_t(R));
+      // (this shard's counter: its sources' immediates; the other shards' go to theirs)
+      for (int i = 0; i < n_posts; ++i) imm.add(make_imm(i < n_hdr ? kPhaseD0 : kPhaseD1, 1 + i % int(R - 1), k), 1);
       done.store(k, std::memory_order_release);
     }
   });
@@ -390,7 +395,7 @@ int moe_ep_sim_floor(int64_t R, int64_t G, int64_t iters, int64_t reps, int writ
     return written([&] {
       const int64_t t0 = now_ns();
       bool any = false;
-      for (int s = 1; s < R; ++s) {
+      for (int s = 1; s <= n_hdr; ++s) {
         std::memcpy(&C[size_t(s) * size_t(R)], &region[size_t(s) * hw], 4 * size_t(R));
         any |= row_exceeds(&C[size_t(s) * size_t(R)], int(R), 1000u);
       }
