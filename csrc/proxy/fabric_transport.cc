@@ -410,6 +410,20 @@ class FabricTransport final : public LaneTransport {
 
   bool peer_goodbye(int peer, Goodbye* out) override { return said_goodbye(peers_, peer, out); }
 
+  // {"provider", "domain" (','-joined), "domains" (endpoint i on domains[i % n]), "mr_mode" (in
+  // use), "provider_mr_mode", "forced_mr_mode", "endpoints", "max_msg_size"} as JSON.
+  std::string describe() const {
+    std::ostringstream s;
+    s << "{\"provider\": \"" << prov_ << "\", \"domain\": \"" << dom_ << "\", \"domains\": [";
+    for (size_t i = 0; i < domains_.size(); ++i) s << (i ? ", " : "") << "\"" << domains_[i] << "\"";
+    s << "], \"mr_mode\": " << mode_
+      << ", \"provider_mr_mode\": " << prov_mode_ << ", \"forced_mr_mode\": " << force_ << ", \"mr_mode_names\": \""
+      << fi::mr_mode_names(mode_) << "\", \"endpoints\": " << lanes_.size() << ", \"max_msg_size\": " << max_msg_ << "}";
+    return s.str();
+  }
+
+ private:
+  std::string prefix() const { return "rank " + std::to_string(rank_) + ": "; }
   // A write checked and entered in the completion queue, its shards not posted yet (stage), or
   // nothing to post (shards 0: it completed already, a bad remote range or a lost peer).
   struct Staged {
@@ -517,21 +531,6 @@ class FabricTransport final : public LaneTransport {
     }
     return kOk;
   }
-
-  // {"provider", "domain" (','-joined), "domains" (endpoint i on domains[i % n]), "mr_mode" (in
-  // use), "provider_mr_mode", "forced_mr_mode", "endpoints", "max_msg_size"} as JSON.
-  std::string describe() const {
-    std::ostringstream s;
-    s << "{\"provider\": \"" << prov_ << "\", \"domain\": \"" << dom_ << "\", \"domains\": [";
-    for (size_t i = 0; i < domains_.size(); ++i) s << (i ? ", " : "") << "\"" << domains_[i] << "\"";
-    s << "], \"mr_mode\": " << mode_
-      << ", \"provider_mr_mode\": " << prov_mode_ << ", \"forced_mr_mode\": " << force_ << ", \"mr_mode_names\": \""
-      << fi::mr_mode_names(mode_) << "\", \"endpoints\": " << lanes_.size() << ", \"max_msg_size\": " << max_msg_ << "}";
-    return s.str();
-  }
-
- private:
-  std::string prefix() const { return "rank " + std::to_string(rank_) + ": "; }
   // The provider name in an endpoint string: ';' (a layering, "tcp;ofi_rxm") written as '+'.
   std::string wire_prov() const {
     std::string s = prov_;
