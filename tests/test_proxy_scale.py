@@ -1,5 +1,6 @@
 """The null-transport scale bench (moe_ep/bench/proxy_scale.py) runs at R=64 with exact counts."""
 import numpy as np
+import pytest
 
 from moe_ep.bench import proxy_scale as ps
 
@@ -49,9 +50,23 @@ def test_count_matrix_and_expected():
 
 def test_floor_parts_at_r64():
     """The floor of a dispatch (moe_ep_sim_floor): each part takes time, and the parts grow with R
-    (twice the peers: more posts, more immediates, more header counts)."""
+    (twice the peers: more posts, more immediates, more header counts), also as another thread wrote them."""
     a, b = ps.floor(32, iters=200, reps=2), ps.floor(64, iters=200, reps=2)
     for f in (a, b):
-        assert all(f[k] > 0 for k in ("posts_us", "immediates_us", "headers_us")), f
+        assert all(f[k] > 0 for k in ("posts_us", "immediates_us", "headers_us", "immediates_written_us",
+                                      "headers_written_us")), f
         assert abs(f["sum_us"] - f["posts_us"] - f["immediates_us"] - f["headers_us"]) < 1e-9
+        assert abs(f["sum_written_us"] - f["posts_us"] - f["immediates_written_us"] - f["headers_written_us"]) < 1e-9
     assert b["posts_us"] > a["posts_us"] and b["headers_us"] > a["headers_us"], (a, b)
+    assert b["headers_written_us"] > a["headers_written_us"], (a, b)
+
+
+def test_floor_of_one_shard():
+    """--floor-shards: one of two proxy threads posts, takes and checks for half the peers (each
+    header still R counts), so its posts and headers take less than one thread's for all; a shard
+    count the ranks cannot deal out is refused."""
+    one, half = ps.floor(64, iters=200, reps=3), ps.floor(64, iters=200, reps=3, shards=2)
+    assert half["shards"] == 2 and one["shards"] == 1
+    assert half["posts_us"] < one["posts_us"] and half["headers_us"] < one["headers_us"], (one, half)
+    with pytest.raises(RuntimeError, match="sim_floor failed"):
+        ps.floor(8, iters=1, reps=1, shards=8)

@@ -27,6 +27,8 @@ constexpr uint32_t version(uint32_t major, uint32_t minor) { return (major << 16
 constexpr uint64_t MSG = 1ull << 1, RMA = 1ull << 2, WRITE = 1ull << 9, RECV = 1ull << 10, SEND = 1ull << 11,
                    TRANSMIT = SEND, REMOTE_WRITE = 1ull << 13, REMOTE_CQ_DATA = 1ull << 17, HMEM = 1ull << 47,
                    LOCAL_COMM = 1ull << 51, REMOTE_COMM = 1ull << 52;
+// Operation flags of fi_writemsg: more posts follow at once (the provider may hold the doorbell).
+constexpr uint64_t MORE = 1ull << 18;
 // fi_info::mode bits the transport supports: a struct fi_context2 (here: the first 64 bytes of
 // every operation's context) per operation.
 constexpr uint64_t CONTEXT = 1ull << 59, CONTEXT2 = 1ull << 52;
@@ -231,6 +233,22 @@ struct ops_msg {
   ssize_t (*send)(fid_ep*, const void* buf, size_t len, void* desc, addr_t dest, void* context);
 };
 
+struct rma_iov {
+  uint64_t addr;
+  size_t len;
+  uint64_t key;
+};
+struct msg_rma {
+  const iovec* msg_iov;
+  void** desc;
+  size_t iov_count;
+  addr_t addr;
+  const rma_iov* rma_iov_;
+  size_t rma_iov_count;
+  void* context;
+  uint64_t data;
+};
+
 struct ops_rma {
   size_t size;
   void* read;
@@ -239,7 +257,7 @@ struct ops_rma {
   ssize_t (*write)(fid_ep*, const void* buf, size_t len, void* desc, addr_t dest, uint64_t addr, uint64_t key,
                    void* context);
   void* writev;
-  void* writemsg;
+  ssize_t (*writemsg)(fid_ep*, const msg_rma* msg, uint64_t flags);
   void* inject;
   ssize_t (*writedata)(fid_ep*, const void* buf, size_t len, void* desc, uint64_t data, addr_t dest, uint64_t addr,
                        uint64_t key, void* context);

@@ -365,65 +365,30 @@ class FabricTransport final : public LaneTransport {
   }
 
   // One logical write cut into contiguous shards, one per endpoint (shard_bounds), each posted
-  // with the write's immediate as remote CQ data (fi_writedata; fi_write without one), as the
+  // with the write's immediate as remote CQ data (fi_writemsg with FI_REMOTE_CQ_DATA), as the
   // verbs transport cuts them over its NICs. -FI_EAGAIN (rxm connects lazily, queues are full)
   // is retried while the completion threads progress, until the op timeout.
   int post_write(const WriteOp& w, uint64_t* wr_id) override {
-    Region r;
-    if (int rc = check_post(rank_, world_, connected_, regions_, w, &r); rc != kOk) return rc;
-    const int k = int(lanes_.size());
-    const WriteShards sh(w.len, k, min_shard_.load(), kShardAlign, w.has_imm);
-    const std::string pre = prefix() + "post_write to peer " + std::to_string(w.peer);
-    if (max_msg_ > 0 && sh.bytes(0) > max_msg_)
-      return set_error(kErrInvalid, pre + ": a shard of " + std::to_string(sh.bytes(0)) + " bytes is more than " + prov_ +
-                                        " carries in one write (" + std::to_string(max_msg_) + ")");
-    Peer& pr = *peers_[size_t(w.peer)];
-    const uint64_t wr = next_wr_++;
-    *wr_id = wr;
-    const int64_t n = pr.writes_posted++;
-    if (std::string why = cut_.cuts(w.peer, n); !why.empty()) lose_peer(w.peer, why);
-    const RemoteRegion* rr = remote_region(pr.mr, w.remote_key, w.remote_off, w.len);
-    if (!rr) {
-      cq_.push(wr, w.peer, pr.lost ? int32_t(kCqPeerLost) : int32_t(kCqRemoteAccess));
-      return kOk;
+    Staged st;
+    if (int rc = stage(w, wr_id, &st); rc != kOk) return rc;
+    return issue(st, 0);
+  }
+
+  // A batch, write by write, each shard with FI_MORE where the next write puts a shard on the
+  // same endpoint (the provider may then ring one doorbell for the run: the proxy's batch of a
+  // phase is a header to every peer, or the rows to each remote peer); the last post on an
+  // endpoint goes without it, which hands over what was held. Should the next write then post
+  // nothing after all (a bad remote range, a peer lost: the proxy fails the phase on either), the
+  // held post goes with the endpoint's next post (at the latest its keepalive).
+  int post_writes(const WriteOp* ops, int n, uint64_t* wr_ids, int* posted) override {
+    for (int i = 0; i < n; ++i) {
+      uint64_t wr = 0;
+      Staged st;
+      int rc = stage(ops[i], wr_ids ? &wr_ids[i] : &wr, &st);
+      if (rc == kOk) rc = issue(st, i + 1 < n ? lanes_of(ops[i + 1]) : 0);
+      if (rc != kOk) return *posted = i, rc;
     }
-    const int64_t deadline = steady_now_ns() + op_timeout_ns_.load();
-    const int added = cq_.add(wr, w.peer, uint32_t(sh.posts()), pr.lost, 1024, deadline);
-    if (added == 0) return kOk;
-    if (added < 0) return set_error(kErrTimeout, pre + ": 1024 writes still pending after the op timeout");
-    static char zero[1];
-    for (int s = 0; s < k; ++s) {
-      if (!sh.posted(s)) continue;
-      const uint64_t off = sh.at(s), bytes = sh.bytes(s);
-      const int i = int((uint64_t(s) + uint64_t(n)) % uint64_t(k));
-      Lane& l = *lanes_[size_t(i)];
-      Op* op = new_op(OpKind::Write, w.peer);
-      op->wr = wr;
-      char* src = r.len ? r.ptr + w.local_off + off : zero;
-      void* desc = (mode_ & fi::MR_LOCAL) && !r.mr.empty() ? r.mr[size_t(i)].desc : nullptr;
-      const uint64_t addr = rr->base + w.remote_off + off;
-      const uint64_t key = rr->key[size_t(i)];
-      ssize_t rc;
-      for (;;) {
-        rc = w.has_imm ? l.ep->rma->writedata(l.ep, src, bytes, desc, w.imm, l.peer_addr[size_t(w.peer)], addr, key, op)
-                     : l.ep->rma->write(l.ep, src, bytes, desc, l.peer_addr[size_t(w.peer)], addr, key, op);
-        if (rc != -fi::EAGAIN_ || pr.lost || steady_now_ns() >= deadline) break;
-        std::this_thread::sleep_for(std::chrono::microseconds(5));
-      }
-      if (rc == 0) l.kicked_ns.store(steady_now_ns(), std::memory_order_relaxed);
-      if (rc != 0 && pr.lost) {  // lost meanwhile: lose_peer completed the write as lost
-        free_op(op);
-        return kOk;
-      }
-      if (rc != 0) {
-        free_op(op);
-        cq_.remove(wr);
-        const std::string why = std::string(w.has_imm ? "fi_writedata" : "fi_write") + " failed: " +
-                                (rc == -fi::EAGAIN_ && !pr.lost ? "still -FI_EAGAIN at the op timeout" : api_.strerror(int(-rc)));
-        lose_peer(w.peer, why, kCqPeerLost, i);
-        return set_error(kErrPeer, pre + " (" + l.where + "): " + why);
-      }
-    }
+    *posted = n;
     return kOk;
   }
 
@@ -459,6 +424,113 @@ class FabricTransport final : public LaneTransport {
 
  private:
   std::string prefix() const { return "rank " + std::to_string(rank_) + ": "; }
+  // A write checked and entered in the completion queue, its shards not posted yet (stage), or
+  // nothing to post (shards 0: it completed already, a bad remote range or a lost peer).
+  struct Staged {
+    uint64_t wr = 0;
+    int peer = -1;
+    bool has_imm = false;
+    uint32_t imm = 0;
+    int shards = 0;
+    uint64_t lanes = 0;  // bit i: a shard goes out on endpoint i
+    struct Shard {
+      int lane;
+      char* src;
+      uint64_t bytes;
+      void* desc;
+      uint64_t addr, key;
+    } shard[kMaxEndpoints];
+  };
+  int stage(const WriteOp& w, uint64_t* wr_id, Staged* st) {
+    st->shards = 0;
+    st->lanes = 0;
+    Region r;
+    if (int rc = check_post(rank_, world_, connected_, regions_, w, &r); rc != kOk) return rc;
+    const int k = int(lanes_.size());
+    const WriteShards sh(w.len, k, min_shard_.load(), kShardAlign, w.has_imm);
+    if (max_msg_ > 0 && sh.bytes(0) > max_msg_)
+      return set_error(kErrInvalid, prefix() + "post_write to peer " + std::to_string(w.peer) + ": a shard of " +
+                                        std::to_string(sh.bytes(0)) + " bytes is more than " + prov_ +
+                                        " carries in one write (" + std::to_string(max_msg_) + ")");
+    Peer& pr = *peers_[size_t(w.peer)];
+    const uint64_t wr = next_wr_++;
+    *wr_id = wr;
+    st->wr = wr, st->peer = w.peer, st->has_imm = w.has_imm, st->imm = w.imm;
+    const int64_t n = pr.writes_posted++;
+    if (std::string why = cut_.cuts(w.peer, n); !why.empty()) lose_peer(w.peer, why);
+    const RemoteRegion* rr = remote_region(pr.mr, w.remote_key, w.remote_off, w.len);
+    if (!rr) {
+      cq_.push(wr, w.peer, pr.lost ? int32_t(kCqPeerLost) : int32_t(kCqRemoteAccess));
+      return kOk;
+    }
+    const int added = cq_.add(wr, w.peer, uint32_t(sh.posts()), pr.lost, 1024, steady_now_ns() + op_timeout_ns_.load());
+    if (added == 0) return kOk;
+    if (added < 0)
+      return set_error(kErrTimeout, prefix() + "post_write to peer " + std::to_string(w.peer) +
+                                        ": 1024 writes still pending after the op timeout");
+    static char zero[1];
+    for (int s = 0; s < k; ++s) {
+      if (!sh.posted(s)) continue;
+      const uint64_t off = sh.at(s);
+      const int i = int((uint64_t(s) + uint64_t(n)) % uint64_t(k));
+      st->shard[st->shards++] = Staged::Shard{i, r.len ? r.ptr + w.local_off + off : zero, sh.bytes(s),
+                                              (mode_ & fi::MR_LOCAL) && !r.mr.empty() ? r.mr[size_t(i)].desc : nullptr,
+                                              rr->base + w.remote_off + off, rr->key[size_t(i)]};
+      st->lanes |= uint64_t(1) << i;
+    }
+    return kOk;
+  }
+  // The endpoints write w's shards will go out on, should it be posted next (bit i: endpoint i).
+  uint64_t lanes_of(const WriteOp& w) const {
+    if (w.peer < 0 || size_t(w.peer) >= peers_.size() || w.peer == rank_) return 0;
+    const int k = int(lanes_.size());
+    const WriteShards sh(w.len, k, min_shard_.load(), kShardAlign, w.has_imm);
+    const int64_t n = peers_[size_t(w.peer)]->writes_posted;
+    uint64_t m = 0;
+    for (int s = 0; s < k; ++s)
+      if (sh.posted(s)) m |= uint64_t(1) << ((uint64_t(s) + uint64_t(n)) % uint64_t(k));
+    return m;
+  }
+  // Posts a staged write's shards; FI_MORE on those whose endpoint is in `more`.
+  int issue(const Staged& st, uint64_t more) {
+    if (st.shards == 0) return kOk;
+    Peer& pr = *peers_[size_t(st.peer)];
+    const int64_t deadline = steady_now_ns() + op_timeout_ns_.load();
+    for (int j = 0; j < st.shards; ++j) {
+      const Staged::Shard& x = st.shard[j];
+      Lane& l = *lanes_[size_t(x.lane)];
+      Op* op = new_op(OpKind::Write, st.peer);
+      op->wr = st.wr;
+      iovec iov{x.src, size_t(x.bytes)};
+      void* desc = x.desc;
+      const fi::rma_iov riov{x.addr, size_t(x.bytes), x.key};
+      const fi::msg_rma msg{&iov, &desc, 1, l.peer_addr[size_t(st.peer)], &riov, 1, op, st.imm};
+      // (fi_writemsg's flags replace the endpoint's default op_flags, which fi_writedata uses: kept)
+      const uint64_t flags = (l.info && l.info->tx ? l.info->tx->op_flags : 0) | (st.has_imm ? fi::REMOTE_CQ_DATA : 0) |
+                             ((more >> x.lane) & 1 ? fi::MORE : 0);
+      ssize_t rc;
+      for (;;) {
+        rc = l.ep->rma->writemsg(l.ep, &msg, flags);
+        if (rc != -fi::EAGAIN_ || pr.lost || steady_now_ns() >= deadline) break;
+        std::this_thread::sleep_for(std::chrono::microseconds(5));
+      }
+      if (rc == 0) l.kicked_ns.store(steady_now_ns(), std::memory_order_relaxed);
+      if (rc != 0 && pr.lost) {  // lost meanwhile: lose_peer completed the write as lost
+        free_op(op);
+        return kOk;
+      }
+      if (rc != 0) {
+        free_op(op);
+        cq_.remove(st.wr);
+        const std::string why = "fi_writemsg failed: " +
+                                (rc == -fi::EAGAIN_ && !pr.lost ? std::string("still -FI_EAGAIN at the op timeout")
+                                                                : api_.strerror(int(-rc)));
+        lose_peer(st.peer, why, kCqPeerLost, x.lane);
+        return set_error(kErrPeer, prefix() + "post_write to peer " + std::to_string(st.peer) + " (" + l.where + "): " + why);
+      }
+    }
+    return kOk;
+  }
   // The provider name in an endpoint string: ';' (a layering, "tcp;ofi_rxm") written as '+'.
   std::string wire_prov() const {
     std::string s = prov_;

@@ -23,7 +23,9 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <climits>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -292,11 +294,23 @@ int moe_ep_sim_drive(void* engine, int64_t* mailbox, const moe_ep::SimConfig* cf
 // out[0] the posts (a header to each of the R-1 others, rows to each remote peer, handed over in
 // one post_writes call as the proxy does) and reaping their completions over a null transport; out[1] taking as many immediates through the
 // counter's arrival log (their adds, the transport's receive thread's work, not timed); out[2]
-// copying and checking R-1 headers of R counts (the count matrix and its capacity scan).
-int moe_ep_sim_floor(int64_t R, int64_t G, int64_t iters, int64_t reps, int64_t* out) {
+// copying and checking R-1 headers of R counts (the count matrix and its capacity scan). Then the
+// same two reads of what another thread wrote, as a real proxy reads what a NIC or a transport
+// thread wrote: a writer thread (on CPU `writer_cpu`, -1: where the scheduler puts it) writes the
+// R-1 headers (row by row, as the peers' writes land) and adds the immediates, then this thread
+// times out[3] the headers copied and checked and out[4] the immediates taken. The difference
+// to out[2] and out[1] is the price of the lines crossing from the writer's core to this one.
+// shards > 1: each part is one of `shards` proxy threads' share, the peers cut into that many
+// blocks of consecutive ranks (the posts, the immediates and the headers of one block, whose
+// headers lie back to back; a header still holds R counts), each thread with its own counter: the
+// floor per thread of a proxy sharded over that many threads.
+int moe_ep_sim_floor(int64_t R, int64_t G, int64_t iters, int64_t reps, int writer_cpu, int64_t shards, int64_t* out) {
   using namespace moe_ep;
-  if (R < 2 || G < 1 || R % G != 0 || iters < 1 || reps < 1 || !out) return set_error(kErrInvalid, "sim_floor: bad arguments");
-  const int n_remote = int(R - G), n_posts = int(R - 1) + n_remote;
+  if (R < 2 || G < 1 || R % G != 0 || iters < 1 || reps < 1 || shards < 1 || shards >= R || !out)
+    return set_error(kErrInvalid, "sim_floor: bad arguments");
+  const int S = int(shards);
+  const int n_remote = int(R - G), n_posts = (int(R - 1) + n_remote + S - 1) / S;
+  const int n_hdr = int(R - 1 + S - 1) / S;  // this shard's sources: 1 .. n_hdr
   NullTransport t(0, int(R));
   std::vector<char> mem(4096);
   uint32_t key = 0;
@@ -327,7 +341,7 @@ int moe_ep_sim_floor(int64_t R, int64_t G, int64_t iters, int64_t reps, int64_t*
     return now_ns() - t0;
   });
   out[1] = best([&](int64_t e) {
-    for (int i = 0; i < n_posts; ++i) imm.add(make_imm(i < R - 1 ? kPhaseD0 : kPhaseD1, 1 + i % int(R - 1), e));
+    for (int i = 0; i < n_posts; ++i) imm.add(make_imm(i < n_hdr ? kPhaseD0 : kPhaseD1, 1 + i % int(R - 1), e));
     const int64_t t0 = now_ns();
     got.clear();
     imm.take_arrived([](uint32_t) { return true; }, 1, &got);
@@ -336,13 +350,71 @@ int moe_ep_sim_floor(int64_t R, int64_t G, int64_t iters, int64_t reps, int64_t*
   out[2] = best([&](int64_t) {
     const int64_t t0 = now_ns();
     bool any = false;
-    for (int s = 1; s < R; ++s) {
+    for (int s = 1; s <= n_hdr; ++s) {
       std::memcpy(&C[size_t(s) * size_t(R)], &hdr[size_t(s) * size_t(R)], 4 * size_t(R));
       any |= row_exceeds(&C[size_t(s) * size_t(R)], int(R), 1000u);  // the proxy's scan (proxy.h)
     }
     const int64_t dt = now_ns() - t0;
     return any ? dt + 1 : dt;  // (the scan's result used)
   });
+  // Written by another thread: per iteration the writer waits for `go`, writes the headers in the
+  // layout of the header receive region (R-1 rows of hdr bytes) and adds the immediates, then
+  // raises `done`; this thread then times its reads (the writer is idle meanwhile).
+  const size_t hw = size_t(proxy_hdr_bytes(R, 0)) / 4;
+  std::vector<int32_t> region(size_t(R) * hw, 1), row(size_t(R), 1);
+  std::atomic<int64_t> go{0}, done{0};
+  std::thread writer([&] {
+#ifdef __linux__
+    if (writer_cpu >= 0) {
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      CPU_SET(writer_cpu, &set);
+      sched_setaffinity(0, sizeof set, &set);  // (this thread only)
+    }
+#endif
+    for (int64_t k = 1;; ++k) {
+      int64_t g;
+      while ((g = go.load(std::memory_order_acquire)) < k) {
+      }
+      if (g == INT64_MAX) return;
+      row[0] = int32_t(k & 1023);  // (a new value each time: every line is written again)
+      for (int s = 1; s < R; ++s) std::memcpy(&region[size_t(s) * hw], row.data(), 4 * size_t(R));
+      // (this shard's counter: its sources' immediates; the other shards' go to theirs)
+      for (int i = 0; i < n_posts; ++i) imm.add(make_imm(i < n_hdr ? kPhaseD0 : kPhaseD1, 1 + i % int(R - 1), k), 1);
+      done.store(k, std::memory_order_release);
+    }
+  });
+  int64_t k = 0;
+  auto written = [&](auto&& part) {  // one iteration: the writer's round, then `part` timed
+    go.store(++k, std::memory_order_release);
+    while (done.load(std::memory_order_acquire) < k) {
+    }
+    return part();
+  };
+  out[3] = best([&](int64_t) {
+    return written([&] {
+      const int64_t t0 = now_ns();
+      bool any = false;
+      for (int s = 1; s <= n_hdr; ++s) {
+        std::memcpy(&C[size_t(s) * size_t(R)], &region[size_t(s) * hw], 4 * size_t(R));
+        any |= row_exceeds(&C[size_t(s) * size_t(R)], int(R), 1000u);
+      }
+      const int64_t dt = now_ns() - t0;
+      got.clear();
+      imm.take_arrived([](uint32_t) { return true; }, 1, &got);  // (not timed here: out[4] is)
+      return any ? dt + 1 : dt;
+    });
+  });
+  out[4] = best([&](int64_t) {
+    return written([&] {
+      const int64_t t0 = now_ns();
+      got.clear();
+      imm.take_arrived([](uint32_t) { return true; }, 1, &got);
+      return now_ns() - t0;
+    });
+  });
+  go.store(INT64_MAX, std::memory_order_release);
+  writer.join();
   return kOk;
 }
 

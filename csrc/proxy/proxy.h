@@ -268,8 +268,18 @@ class Proxy {
   bool fail_writes(int phase, int64_t epoch);
   // Queues one write with the immediate (phase, this rank, epoch); flush() posts the queue in one
   // post_writes call. Every group of posts is flushed before anything reads n_posted_.
+  // (Fields stored in the queue's slot: a WriteOp built on the stack and copied in is read back
+  // with wide loads from narrow stores, a store-forwarding stall per write.)
   void post(int phase, int64_t epoch, int peer, int lreg, uint64_t loff, int rreg, uint64_t roff, uint64_t len) {
-    batch_.push_back(WriteOp{peer, keys_[lreg], loff, keys_[rreg], roff, len, true, make_imm(phase, int(cfg_.rank), epoch)});
+    WriteOp& w = batch_.emplace_back();
+    w.peer = peer;
+    w.local_key = keys_[lreg];
+    w.local_off = loff;
+    w.remote_key = keys_[rreg];
+    w.remote_off = roff;
+    w.len = len;
+    w.has_imm = true;
+    w.imm = make_imm(phase, int(cfg_.rank), epoch);
   }
   // Posts the queued writes; false (error recorded, naming the first write not posted) on failure.
   bool flush(int64_t epoch) { return batch_.empty() || flush_batch(epoch); }

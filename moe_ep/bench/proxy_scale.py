@@ -194,15 +194,31 @@ def _row(pt: Point, mats, cap: int, recs, stats: dict, n: int, me: int) -> dict:
     return row
 
 
-def floor(R: int, node_size: int = 8, iters: int = 2000, reps: int = 5) -> dict:
+def floor(R: int, node_size: int = 8, iters: int = 2000, reps: int = 5, cpus: tuple[int, ...] = (),
+          shards: int = 1) -> dict:
     """The floor of one decode dispatch at R ranks (``moe_ep_sim_floor``): the posts and their
     completions, the immediates taken, the headers copied and scanned, each timed alone on one
-    thread (µs per dispatch, best of ``reps``), and their sum."""
+    thread (µs per dispatch, best of ``reps``), and their sum; then the headers and the immediates
+    again as another thread wrote them (``*_written_us``; with ``cpus`` = (a, b), the writer on CPU
+    a and this thread on CPU b, as ``--cpus SIM,PROXY`` places the simulator and the proxy), and
+    that sum (``sum_written_us``: the floor of a proxy whose peers' writes land from another core).
+    ``shards`` > 1: the same for one of that many proxy threads, each serving a block of consecutive peers."""
     from moe_ep.native.bench import sim_floor
 
-    posts, immediates, headers = sim_floor(R, min(node_size, R), iters, reps)
+    mask = None
+    if cpus:
+        mask = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {cpus[1]})
+    try:
+        posts, immediates, headers, headers_w, immediates_w = sim_floor(R, min(node_size, R), iters, reps,
+                                                                        cpus[0] if cpus else -1, shards)
+    finally:
+        if mask is not None:
+            os.sched_setaffinity(0, mask)
     parts = dict(posts_us=posts / 1e3, immediates_us=immediates / 1e3, headers_us=headers / 1e3)
-    return dict(ranks=R, **parts, sum_us=sum(parts.values()))
+    written = dict(immediates_written_us=immediates_w / 1e3, headers_written_us=headers_w / 1e3)
+    return dict(ranks=R, shards=shards, **parts, sum_us=sum(parts.values()), **written,
+                sum_written_us=parts["posts_us"] + sum(written.values()))
 
 
 def fit(rows: list[dict]) -> list[dict]:
@@ -315,24 +331,31 @@ def main(argv=None) -> int:
                     help="pin the simulator and the proxy thread to these CPUs (e.g. 0,1: apart, as a NIC's "
                          "writes and the proxy are; 0,0: one core); default: the scheduler's choice")
     ap.add_argument("--floor", action="store_true",
-                    help="also the floor per R: a dispatch's posts, immediates and headers timed alone")
+                    help="also the floor per R: a dispatch's posts, immediates and headers timed alone, then "
+                         "the headers and immediates as another thread (on SIM of --cpus) wrote them")
+    ap.add_argument("--floor-shards", type=int, default=1, metavar="S",
+                    help="--floor for one of S proxy threads, each serving a block of R/S peers (default 1)")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--plot", metavar="PNG", help="CPU p50 vs R")
     a = ap.parse_args(argv)
+    cpus = tuple(int(c) for c in a.cpus.split(",")) if a.cpus else ()
     rows = sweep(a.ranks, a.shapes, a.arrivals, a.repeat, epochs=a.epochs, warmup=a.warmup, draws=a.draws,
                  gap_ns=a.gap_ns, routing=a.routing, rank=a.rank, trace=a.trace,
-                 cpus=tuple(int(c) for c in a.cpus.split(",")) if a.cpus else ())
+                 cpus=cpus)
     fits = fit(rows)
     meta = _meta(argv)
     meta["command"] = "python -m moe_ep.bench.proxy_scale " + " ".join(argv)
     doc = dict(meta=meta, shapes={k: asdict(v) for k, v in SHAPES.items()}, rows=rows, fits=fits,
                targets={arr: targets(rows, fits, arr) for arr in a.arrivals})
     if a.floor:
-        doc["floor"] = [floor(R) for R in a.ranks]
+        doc["floor"] = [floor(R, cpus=cpus, shards=a.floor_shards) for R in a.ranks]
     print(table(rows))
     for f in doc.get("floor", []):
-        print(f"floor R={f['ranks']}: posts {f['posts_us']:.2f} + immediates {f['immediates_us']:.2f} + headers "
-              f"{f['headers_us']:.2f} = {f['sum_us']:.2f} us per dispatch")
+        who = "" if f["shards"] == 1 else f", one of {f['shards']} threads"
+        print(f"floor R={f['ranks']}{who}: posts {f['posts_us']:.2f} + immediates {f['immediates_us']:.2f} + headers "
+              f"{f['headers_us']:.2f} = {f['sum_us']:.2f} us per dispatch; written by another thread: immediates "
+              f"{f['immediates_written_us']:.2f}, headers {f['headers_written_us']:.2f}, with the posts "
+              f"{f['sum_written_us']:.2f} us")
     for f in fits:
         print(f"fit {f['shape']} {f['arrival']} {f['op']}: {f['slope_ns_per_peer']:.1f} ns/peer, "
               f"intercept {f['intercept_us']:.2f} us")

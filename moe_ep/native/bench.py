@@ -29,7 +29,7 @@ _native = Functions(
     moe_ep_bench_drive=(I32, _I64P, I64, I64, I64, I32, I64, I64, I64, _I64P),
     moe_ep_engine_create_null=(VP, I32, I32), moe_ep_null_stats=(I32, VP, _I64P), moe_ep_null_post_calls=(I64, VP),
     moe_ep_sim_drive=(I32, VP, _I64P, ctypes.POINTER(SimConfig), ctypes.POINTER(ctypes.c_int32), I64, I64, _I64P),
-    moe_ep_sim_floor=(I32, I64, I64, I64, I64, _I64P))
+    moe_ep_sim_floor=(I32, I64, I64, I64, I64, I32, I64, _I64P))
 
 
 def bench_post(engine: Engine, peer: int, local_key: int, remote_key: int, nbytes: int, *, n: int, n_serial: int,
@@ -101,11 +101,14 @@ def sim_drive(engine: NullTransport, proxy: Proxy, cfg: SimConfig, counts, first
     return list(out)
 
 
-def sim_floor(ranks: int, node_size: int, iters: int, reps: int) -> tuple[int, int, int]:
+def sim_floor(ranks: int, node_size: int, iters: int, reps: int, writer_cpu: int = -1,
+              shards: int = 1) -> tuple[int, ...]:
     """The floor of one decode dispatch at ``ranks`` ranks (``moe_ep_sim_floor``): ns per dispatch
     of the posts and their completions, the immediates taken, the headers copied and scanned, each
-    timed alone on one thread (best of ``reps``)."""
-    out = (ctypes.c_int64 * 3)()
-    if _native().moe_ep_sim_floor(ranks, node_size, iters, reps, out) != OK:
+    timed alone on one thread (best of ``reps``); then the headers and the immediates again, as
+    another thread (on CPU ``writer_cpu``; -1: the scheduler's choice) wrote them. ``shards`` > 1:
+    one thread's share of a proxy whose peers are dealt out over that many threads."""
+    out = (ctypes.c_int64 * 5)()
+    if _native().moe_ep_sim_floor(ranks, node_size, iters, reps, writer_cpu, shards, out) != OK:
         raise RuntimeError(f"R={ranks}: moe_ep_sim_floor failed")
-    return out[0], out[1], out[2]
+    return tuple(out)
