@@ -8,6 +8,9 @@ native library opens from libcuda (csrc/proxy/cuda_mem.cc), by cuda.h's signatur
 - Launches: cuLaunchKernel counts its calls (``fake_cuda_launches``), keeps its arguments and the
   bytes of the first ``fake_cuda_expect_params(n)`` parameters (``fake_cuda_last_launch`` fills a
   ``FakeLaunch``) and returns the code ``fake_cuda_set_launch_result`` set (0 at first).
+- Graphs: chained kernel nodes; a graph launch runs its nodes through that cuLaunchKernel with the
+  parameter bytes its last cuGraphExecKernelNodeSetParams copied (``fake_cuda_graph_launches``,
+  ``fake_cuda_graph_node``).
 """
 from __future__ import annotations
 
@@ -76,6 +79,75 @@ CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned
   (void)extra;
   return g_result;
 }
+/* CUDA graphs of kernel nodes (cuda.h's CUDA_KERNEL_NODE_PARAMS_v2), chained one after another:
+   cuGraphExecKernelNodeSetParams_v2 copies the parameter bytes then, as the driver does;
+   cuGraphLaunch counts a graph launch and "launches" each node through cuLaunchKernel above, so
+   fake_cuda_launches counts its kernels and fake_cuda_last_launch shows its last node;
+   fake_cuda_graph_node(i) what node i launched with last. */
+struct FakeNode {
+  void* func;
+  unsigned gx, gy, gz, bx, by, bz, shared;
+  void** params;
+  void** extra;
+  void* kern;
+  void* ctx;
+};
+struct FakeGraph {
+  int n;
+  FakeNode nodes[8];
+  unsigned char bytes[8][512];
+  void* ptrs[8][64];
+};
+static long g_graph_launches = 0;
+static FakeLaunch g_nodes_launched[8];
+long fake_cuda_graph_launches(void) { return g_graph_launches; }
+void fake_cuda_graph_node(int i, FakeLaunch* out) { *out = g_nodes_launched[i]; }
+CUresult cuGraphCreate(void** graph, unsigned flags) {
+  (void)flags;
+  *graph = calloc(1, sizeof(FakeGraph));
+  return 0;
+}
+CUresult cuGraphAddKernelNode_v2(void** node, void* graph, void* const* deps, size_t ndeps, const FakeNode* p) {
+  FakeGraph* g = (FakeGraph*)graph;
+  if (g->n >= 8 || ndeps != (size_t)(g->n ? 1 : 0) || (g->n && deps[0] != (void*)(long)g->n)) return 1;
+  g->nodes[g->n++] = *p;
+  *node = (void*)(long)g->n;  /* node i + 1 */
+  return 0;
+}
+CUresult cuGraphInstantiateWithFlags(void** exec, void* graph, unsigned long long flags) {
+  (void)flags;
+  FakeGraph* e = (FakeGraph*)malloc(sizeof(FakeGraph));
+  *e = *(FakeGraph*)graph;
+  *exec = e;
+  return 0;
+}
+CUresult cuGraphExecKernelNodeSetParams_v2(void* exec, void* node, const FakeNode* p) {
+  FakeGraph* e = (FakeGraph*)exec;
+  long i = (long)node - 1;
+  if (i < 0 || i >= e->n || p->func != e->nodes[i].func) return 1;
+  e->nodes[i] = *p;
+  if (g_nparams && p->params && g_nparams <= 64) {  /* the values now, pointed at from the copy */
+    size_t n = (size_t)((unsigned char*)p->params[g_nparams - 1] - (unsigned char*)p->params[0]) + 8;
+    memcpy(e->bytes[i], p->params[0], n < 512 ? n : 512);
+    for (unsigned long long k = 0; k < g_nparams; ++k)
+      e->ptrs[i][k] = e->bytes[i] + ((unsigned char*)p->params[k] - (unsigned char*)p->params[0]);
+    e->nodes[i].params = e->ptrs[i];
+  }
+  return 0;
+}
+CUresult cuGraphLaunch(void* exec, void* stream) {
+  FakeGraph* e = (FakeGraph*)exec;
+  ++g_graph_launches;
+  for (int i = 0; i < e->n; ++i) {
+    FakeNode* d = &e->nodes[i];
+    CUresult rc = cuLaunchKernel(d->func, d->gx, d->gy, d->gz, d->bx, d->by, d->bz, d->shared, stream, d->params, d->extra);
+    g_nodes_launched[i] = g_last;
+    if (rc) return rc;
+  }
+  return 0;
+}
+CUresult cuGraphExecDestroy(void* exec) { free(exec); return 0; }
+CUresult cuGraphDestroy(void* graph) { free(graph); return 0; }
 }
 """
 

@@ -183,3 +183,35 @@ def test_fused_internode_gpu(topo):
     cases = [Case(R=R, calls=CALLS, seed=290 + i + 100 * (R > 2), **{**kw, "E": kw["E"] * R // 2})
              for i, kw in enumerate(FUSED_CASES)]
     _run(R, _fused_worker, cases, pc, G)
+
+
+# ---------------------------------------------------------------- replays as one CUDA graph (graph_launch)
+
+def _graph_launch_worker(rank, world_size, cases, node_size):
+    """``run_calls`` of each case against the oracle with ``Tuning(graph_launch=True)``; the replays
+    must have taken a launch graph (an entry of both halves kept as one graph)."""
+    import moe_ep
+
+    group = _group(rank, node_size)
+    fails = []
+    for c in cases:
+        with moe_ep.EPBuffer(group, c.E, c.H, c.M, c.K, dispatch_dtype=DTYPES[c.dtype], layout=c.layout,
+                             expert_alignment=c.align, timeout_s=30.0, tuning=moe_ep.Tuning(graph_launch=True),
+                             **({"max_recv_rows": c.recv_rows} if c.recv_rows is not None else {})) as buf:
+            fails += run_calls(group, buf, c)
+            buf.synchronize()
+            graphs = sum(e.graph is not None for r in buf.calls.replays for e in r._entries.values())
+            if not graphs:
+                fails.append(f"rank {rank}: {c.name}: no replay took a launch graph")
+    return fails
+
+
+@pytest.mark.parametrize("topo", ["2x1-default", "2x2-pc1"])
+def test_graph_launch_gpu(topo):
+    """``Tuning(graph_launch=True)`` across nodes: each replayed dispatch and combine issues its two
+    halves as one CUDA graph launch (pointers and token count written into its nodes per call),
+    against the oracle over calls of changing routing, masked, packed and rows."""
+    R, G, _ = TOPOLOGIES[topo]
+    cases = [Case(R=R, calls=CALLS, seed=390 + i + 100 * (R > 2), **{**kw, "E": kw["E"] * R // 2})
+             for i, kw in enumerate(FUSED_CASES[:5])]
+    _run(R, _graph_launch_worker, cases, G)

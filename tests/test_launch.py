@@ -485,3 +485,48 @@ def test_register_budget():
     for bad in ("8", "256", "many", "-64", " 64"):
         with pytest.raises(ValueError, match=f"^MOE_EP_MAXNREG: expected 'none', 'full' or a register count .*got '{bad}'"):
             L.register_budget(bad, 16, "MOE_EP_MAXNREG")
+
+
+def test_launch_graph_hands_the_driver_each_plans_values(tmp_path, monkeypatch):
+    """A launch graph of two native plans through the stand-in driver: one cuGraphLaunch on the
+    stream given, its nodes in order, each with its plan's function, grid and the parameter bytes
+    ``packed`` gives for that launch's values (written into the nodes at the launch, so a later
+    launch's values are the ones used); wrong values are refused before anything is written; a
+    graph of no plans, or of a plan that cannot launch, is refused."""
+    import ctypes
+    from stand_in_cuda import FakeLaunch, fake_cuda_lib
+
+    from moe_ep.native.launch import LaunchGraph
+    from moe_ep.native.library import NativeError
+
+    lib = fake_cuda_lib(tmp_path)
+    monkeypatch.setenv("MOE_EP_CUDA_LIB", lib)
+    drv = ctypes.CDLL(lib)
+    drv.fake_cuda_launches.restype = drv.fake_cuda_graph_launches.restype = ctypes.c_long
+    drv.fake_cuda_expect_params(3)
+    a = LaunchPlan(0xA1, 4, 128, 0, [8, 4, 8], [11, 12, 13], [0, 1])
+    b = LaunchPlan(0xB2, 6, 256, 512, [8, 4, 8], [21, 22, 23], [2])
+    g = LaunchGraph([a, b])
+    n0, g0 = drv.fake_cuda_launches(), drv.fake_cuda_graph_launches()
+
+    def node(i) -> FakeLaunch:
+        got = FakeLaunch()
+        drv.fake_cuda_graph_node(i, ctypes.byref(got))
+        return got
+
+    for k, (va, vb) in enumerate((((100, 7), (300,)), ((101, 8), (301,)))):
+        g.launch(0x5A, (va, vb))
+        assert drv.fake_cuda_graph_launches() == g0 + 1 + k and drv.fake_cuda_launches() == n0 + 2 * (k + 1)
+        for i, (plan, fn, grid, block, shared, vals) in enumerate(((a, 0xA1, 4, 128, 0, va), (b, 0xB2, 6, 256, 512, vb))):
+            got = node(i)
+            assert (got.function, got.stream, got.grid[0], got.block[0], got.shared) == (fn, 0x5A, grid, block, shared)
+            want = plan.packed(vals)
+            assert bytes(got.params[:len(want)]) == want
+    for bad, err in ((((1, 2),), ValueError), (((1, 2), (3, 4)), ValueError), (((1, "x"), (3,)), TypeError)):
+        with pytest.raises(err):
+            g.launch(0x5A, bad)
+    assert drv.fake_cuda_graph_launches() == g0 + 2
+    with pytest.raises(NativeError, match="launch graph: 0 plans"):
+        LaunchGraph([])
+    with pytest.raises(NativeError, match="not a launchable plan"):
+        LaunchGraph([a, LaunchPlan(0, 1, 32, 0, [8], [0], [0])])

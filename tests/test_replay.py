@@ -633,3 +633,63 @@ def test_deleted_buffer_is_freed_without_the_collector():
                 ", ".join(type(r).__name__ for r in gc.get_referrers(ref()))
     finally:
         gc.enable()
+
+
+class _NativeFakePlan:
+    """A plan of a kernel (x_ptr, idx_ptr, n) bound as a real native plan (through the stand-in
+    driver): slots for the positions a replay patches, 0 elsewhere."""
+    dynamic = (0, 1, 2)
+    arg_names = ("x_ptr", "idx_ptr", "n")
+
+    def __init__(self, function: int, grid: int):
+        self.function, self.grid = function, grid
+
+    def bind(self, args, positions):
+        from moe_ep.native.launch import LaunchPlan
+
+        return LaunchPlan(self.function, self.grid, 64, 0, [8, 8, 4], [0, 0, 0], list(positions))
+
+
+def test_graph_launch_replays_every_launch_in_one_graph(tmp_path, monkeypatch):
+    """``Replay(graph=True)``: an entry of two launches (steps, then ``later``) keeps them as one
+    launch graph; ``run`` launches both with one cuGraphLaunch, each node with this call's
+    pointers and scalar where its plan takes them, and ``run_later`` then launches nothing; an
+    entry of one launch, and a Replay without ``graph``, launch one by one."""
+    import ctypes
+    import struct
+
+    from stand_in_cuda import FakeLaunch, fake_cuda_lib
+
+    from moe_ep.ops.replay import Replay
+
+    lib = fake_cuda_lib(tmp_path)
+    monkeypatch.setenv("MOE_EP_CUDA_LIB", lib)
+    drv = ctypes.CDLL(lib)
+    drv.fake_cuda_launches.restype = drv.fake_cuda_graph_launches.restype = ctypes.c_long
+    drv.fake_cuda_expect_params(3)
+    x, idx = torch.zeros(4, 32, dtype=torch.bfloat16), torch.zeros(4, 2, dtype=torch.float32)
+
+    def node(i):
+        got = FakeLaunch()
+        drv.fake_cuda_graph_node(i, ctypes.byref(got))
+        return got
+
+    for graph, launches in ((True, 2), (False, 2), (True, 1)):
+        rep = Replay((0, 0), graph=graph)
+        _, sig, ptrs = rep.find((x, idx), "s")
+        send, recv = _NativeFakePlan(0xA1, 3), _NativeFakePlan(0xB2, 5)
+        later = [(recv, (x, idx, 4))] if launches == 2 else []
+        rep.record(sig, (x, idx), [(send, (x, idx, 4))], tuple(ptrs), "v", {"n": 0}, (4,), later=later)
+        entry = rep.find((x, idx), "s")[0]
+        assert (entry.graph is not None) == (graph and launches == 2)
+        n0, g0 = drv.fake_cuda_launches(), drv.fake_cuda_graph_launches()
+        x2, idx2 = torch.zeros(7, 32, dtype=torch.bfloat16), torch.zeros(7, 2, dtype=torch.float32)
+        assert entry.run(0x77, (x2.data_ptr(), idx2.data_ptr(), 7)) == "v"
+        entry.run_later(0x77, (x2.data_ptr(), idx2.data_ptr(), 7))
+        assert drv.fake_cuda_launches() == n0 + launches
+        assert drv.fake_cuda_graph_launches() == g0 + (1 if entry.graph is not None else 0)
+        if entry.graph is not None:
+            for i, fn in enumerate((0xA1, 0xB2)):
+                got = node(i)
+                assert (got.function, got.stream, got.grid[0]) == (fn, 0x77, (3, 5)[i])
+                assert bytes(got.params[:20]) == struct.pack("<QQi", x2.data_ptr(), idx2.data_ptr(), 7)

@@ -31,8 +31,8 @@ BAD = [("MOE_EP_NUM_WARPS", "3"), ("MOE_EP_NUM_WARPS", "64"), ("MOE_EP_COMBINE_W
 def test_every_variable_has_a_field():
     from moe_ep.core.tuning import ENV, Tuning
 
-    # (fields added since the variables were kept for one release take none: fused_internode)
-    assert set(ENV) == {f.name for f in dataclasses.fields(Tuning)} - {"fused_internode"}
+    # (fields added since the variables were kept for one release take none: fused_internode, graph_launch)
+    assert set(ENV) == {f.name for f in dataclasses.fields(Tuning)} - {"fused_internode", "graph_launch"}
     assert {var for var, _, _ in GOOD} == {var for var, _ in ENV.values()}
 
 
@@ -110,6 +110,8 @@ def test_rules_give_a_gpu_buffers_numbers(monkeypatch):
                                                                 sms=132).fused_internode
     with pytest.raises(ValueError, match="fused_internode: expected a bool"):
         Tuning(fused_internode=1)
+    with pytest.raises(ValueError, match="graph_launch: expected a bool"):
+        Tuning(graph_launch="yes")
     forced = Tuning(num_warps=8, maxnreg="none", tile=1, combine_tokens=2, hist_warps=2, stages=2)
     t = forced.resolve(_gpu_shape(4096, "fp8", "packed", 32), sms=132)
     assert (t.num_warps, t.combine_warps, t.dispatch_maxnreg, t.combine_maxnreg, t.tile, t.combine_tile,

@@ -69,6 +69,45 @@ Plan* plan_of(long id) {
   return id_of(slot) == id ? g_plans[slot] : nullptr;
 }
 
+// A launch graph: plans launched as the kernel nodes of one CUDA graph, each node after the one
+// before it, in one cuGraphLaunch. Each launch writes every plan's slot values into its node
+// (cuGraphExecKernelNodeSetParams copies them) before it launches: a call's launches issue as one
+// graph where the driver charges less for a graph launch than for one launch per kernel
+// (Tuning.graph_launch; docs/ARCHITECTURE.md §4).
+constexpr int kMaxGraphs = 1 << 12;
+constexpr int kMaxGraphPlans = 8;
+
+struct Graph {
+  const moe_ep::CuGraphApi* api = nullptr;
+  std::vector<int> plans;  // ids, in launch order (the caller keeps the plans alive)
+  std::vector<void*> nodes;
+  void* graph = nullptr;
+  void* exec = nullptr;
+
+  ~Graph() {
+    if (exec) api->exec_destroy(exec);
+    if (graph) api->destroy(graph);
+  }
+};
+
+Graph* g_graphs[kMaxGraphs] = {};
+uint16_t g_graph_generation[kMaxGraphs] = {};
+std::vector<int> g_graph_free;
+int g_graph_next = 0;
+
+int graph_id_of(int slot) { return (g_graph_generation[slot] & 0x7FFF) << 16 | slot; }
+
+Graph* graph_of(long id) {
+  if (id < 0 || id > 0x7FFFFFFF || (id & 0xFFFF) >= kMaxGraphs) return nullptr;
+  const int slot = int(id & 0xFFFF);
+  return graph_id_of(slot) == id ? g_graphs[slot] : nullptr;
+}
+
+moe_ep::CuKernelNodeParams node_params(Plan* p) {
+  return moe_ep::CuKernelNodeParams{p->function, p->grid, 1, 1, p->block, 1, 1, p->shared, p->params.data(),
+                                    nullptr, nullptr, nullptr};
+}
+
 }  // namespace
 
 #pragma GCC visibility push(default)
@@ -170,6 +209,80 @@ int moe_ep_launch(int id) {
   return 0;
 }
 
+// Creates a launch graph of the `n` plans `ids` (launchable, a non-empty grid each), in the current
+// CUDA context. Returns its id (>= 0), or a negative code or CUresult (message in moe_ep_last_error).
+int moe_ep_launch_graph_create(int n, const int* ids) {
+  if (n < 1 || n > kMaxGraphPlans)
+    return moe_ep::set_error(moe_ep::kErrInvalid, "launch graph: " + std::to_string(n) + " plans (1 to " +
+                                                      std::to_string(kMaxGraphPlans) + ")");
+  auto g = std::make_unique<Graph>();
+  std::string why;
+  g->api = moe_ep::cuda_graph_api(&why);
+  if (!g->api) return moe_ep::set_error(moe_ep::kErrSystem, "launch graph: " + why);
+  for (int i = 0; i < n; ++i) {
+    Plan* p = plan_of(ids[i]);
+    if (!p || !p->launch || p->grid == 0)
+      return moe_ep::set_error(moe_ep::kErrInvalid, "launch graph: plan " + std::to_string(ids[i]) +
+                                                        " is not a launchable plan with a non-empty grid");
+    g->plans.push_back(ids[i]);
+  }
+  int rc = g->api->create(&g->graph, 0);
+  for (int i = 0; rc == 0 && i < n; ++i) {
+    Plan* p = plan_of(ids[i]);
+    p->apply();
+    const moe_ep::CuKernelNodeParams np = node_params(p);
+    void* node = nullptr;
+    rc = g->api->add_kernel_node(&node, g->graph, i ? &g->nodes.back() : nullptr, i ? 1 : 0, &np);
+    g->nodes.push_back(node);
+  }
+  if (rc == 0) rc = g->api->instantiate(&g->exec, g->graph, 0);
+  if (rc != 0) return moe_ep::set_error(rc, "launch graph: building the graph failed: " + moe_ep::cuda_error_string(rc));
+  std::lock_guard<std::mutex> lk(g_mu);
+  int slot;
+  if (!g_graph_free.empty()) {
+    slot = g_graph_free.back();
+    g_graph_free.pop_back();
+  } else if (g_graph_next < kMaxGraphs) {
+    slot = g_graph_next++;
+  } else {
+    return moe_ep::set_error(moe_ep::kErrInvalid, "launch graph: " + std::to_string(kMaxGraphs) + " graphs alive");
+  }
+  g_graphs[slot] = g.release();
+  return graph_id_of(slot);
+}
+
+void moe_ep_launch_graph_destroy(int id) {
+  std::lock_guard<std::mutex> lk(g_mu);
+  if (Graph* g = graph_of(id)) {
+    const int slot = id & 0xFFFF;
+    g_graphs[slot] = nullptr;
+    ++g_graph_generation[slot];
+    delete g;
+    g_graph_free.push_back(slot);
+  }
+}
+
+// Launches graph `id`: each plan's stage applied and written into its node, then one cuGraphLaunch
+// on the stream in the first plan's stage. 0, or the CUresult (> 0), or a negative code.
+int moe_ep_launch_graph(int id) {
+  Graph* g = graph_of(id);
+  if (!g) return moe_ep::set_error(moe_ep::kErrInvalid, "launch graph: no graph " + std::to_string(id));
+  Plan* first = nullptr;
+  for (size_t i = 0; i < g->plans.size(); ++i) {
+    Plan* p = plan_of(g->plans[i]);
+    if (!p) return moe_ep::set_error(moe_ep::kErrInvalid, "launch graph: its plan " + std::to_string(g->plans[i]) + " is gone");
+    if (!first) first = p;
+    p->apply();
+    const moe_ep::CuKernelNodeParams np = node_params(p);
+    const int rc = g->api->set_params(g->exec, g->nodes[i], &np);
+    if (rc != 0)
+      return moe_ep::set_error(rc, "cuGraphExecKernelNodeSetParams failed: " + moe_ep::cuda_error_string(rc));
+  }
+  const int rc = g->api->launch(g->exec, reinterpret_cast<void*>(first->stage[0]));
+  if (rc != 0) return moe_ep::set_error(rc, "cuGraphLaunch failed: " + moe_ep::cuda_error_string(rc));
+  return 0;
+}
+
 }  // extern "C"
 #pragma GCC visibility pop
 
@@ -218,6 +331,72 @@ PyObject* py_launch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_NONE;
 }
 
+// The stage of plan `p` from `values` (a tuple or list of ints, one per slot), the stream first;
+// false with a Python exception set on a wrong argument (the stage untouched).
+bool stage_from(Plan* p, long id, uint64_t stream, PyObject* values) {
+  uint64_t stage[1 + kMaxSlots];
+  stage[0] = stream;
+  const bool tuple = PyTuple_Check(values);
+  if (!tuple && !PyList_Check(values)) {
+    PyErr_SetString(PyExc_TypeError, "launch: values must be a tuple or a list of ints");
+    return false;
+  }
+  const Py_ssize_t n = tuple ? PyTuple_Size(values) : PyList_Size(values);
+  if (n != p->nslots) {
+    PyErr_Format(PyExc_ValueError, "launch: plan %ld has %d slots, got %zd values", id, p->nslots, n);
+    return false;
+  }
+  for (Py_ssize_t k = 0; k < n; ++k) {  // borrowed references
+    PyObject* v = tuple ? PyTuple_GetItem(values, k) : PyList_GetItem(values, k);
+    stage[1 + k] = PyLong_AsUnsignedLongLongMask(v);
+    if (stage[1 + k] == ~uint64_t(0) && PyErr_Occurred()) return false;
+  }
+  std::memcpy(p->stage, stage, sizeof(uint64_t) * (1 + n));
+  return true;
+}
+
+// launch_graph(graph_id, stream, values): graph `graph_id` launched on `stream` with `values` (a
+// tuple or list holding, per plan in launch order, its slot values as `launch` takes them). Every
+// argument is checked before the graph's nodes are written. Errors as `launch`'s.
+PyObject* py_launch_graph(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3) {
+    PyErr_Format(PyExc_TypeError, "launch_graph(graph_id, stream, values): takes 3 arguments, got %zd", nargs);
+    return nullptr;
+  }
+  const long id = PyLong_AsLong(args[0]);
+  if (id == -1 && PyErr_Occurred()) return nullptr;
+  Graph* g = graph_of(id);
+  if (!g) {
+    PyErr_Format(PyExc_ValueError, "launch_graph: graph_id %ld names no graph", id);
+    return nullptr;
+  }
+  const uint64_t stream = PyLong_AsUnsignedLongLongMask(args[1]);
+  if (stream == ~uint64_t(0) && PyErr_Occurred()) return nullptr;
+  PyObject* per = args[2];
+  const bool tuple = PyTuple_Check(per);
+  if ((!tuple && !PyList_Check(per)) || (tuple ? PyTuple_Size(per) : PyList_Size(per)) != Py_ssize_t(g->plans.size())) {
+    PyErr_Format(PyExc_ValueError, "launch_graph: values must hold one sequence per plan (%zd)", g->plans.size());
+    return nullptr;
+  }
+  for (size_t i = 0; i < g->plans.size(); ++i) {
+    Plan* p = plan_of(g->plans[i]);
+    if (!p) {
+      PyErr_Format(PyExc_ValueError, "launch_graph: plan %d of graph %ld is gone", g->plans[i], id);
+      return nullptr;
+    }
+    if (!stage_from(p, g->plans[i], stream, tuple ? PyTuple_GetItem(per, i) : PyList_GetItem(per, i))) return nullptr;
+  }
+  if (moe_ep_launch_graph(int(id)) != 0) {
+    PyErr_Format(PyExc_RuntimeError, "moe_ep native launch: %s", moe_ep::thread_error().c_str());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+PyMethodDef g_launch_graph_def = {
+    "launch_graph", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_launch_graph)), METH_FASTCALL,
+    "launch_graph(graph_id, stream, values): a launch graph launched with each plan's slot values"};
+
 PyMethodDef g_launch_def = {"launch", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_launch)),
                             METH_FASTCALL,
                             "launch(plan_id, stream, values): a native plan launched with its slot values"};
@@ -231,6 +410,12 @@ extern "C" {
 // process (ctypes' py_object result takes its own reference). Call with the GIL held (ctypes.PyDLL).
 PyObject* moe_ep_launch_function() {
   static PyObject* fn = PyCFunction_New(&g_launch_def, nullptr);
+  return fn;
+}
+
+// The Python function `launch_graph` above, as moe_ep_launch_function.
+PyObject* moe_ep_launch_graph_function() {
+  static PyObject* fn = PyCFunction_New(&g_launch_graph_def, nullptr);
   return fn;
 }
 

@@ -34,6 +34,7 @@ struct Cuda {
   CUresult (*primary_ctx_retain)(void** ctx, int dev) = nullptr;
   CUresult (*ctx_set_current)(void* ctx) = nullptr;
   CUresult (*flush_gdr_writes)(int target, int scope) = nullptr;  // CUDA 11.3+
+  CuGraphApi graph;  // CUDA 12.0+ (the _v2 kernel-node entry points)
 };
 
 std::atomic<int> g_override{-1};
@@ -74,6 +75,14 @@ const Cuda* cuda(bool load, std::string* why) {
       api.primary_ctx_retain = reinterpret_cast<decltype(api.primary_ctx_retain)>(dlsym(h, "cuDevicePrimaryCtxRetain"));
       api.ctx_set_current = reinterpret_cast<decltype(api.ctx_set_current)>(dlsym(h, "cuCtxSetCurrent"));
       api.flush_gdr_writes = reinterpret_cast<decltype(api.flush_gdr_writes)>(dlsym(h, "cuFlushGPUDirectRDMAWrites"));
+      CuGraphApi& g = api.graph;
+      g.create = reinterpret_cast<decltype(g.create)>(dlsym(h, "cuGraphCreate"));
+      g.add_kernel_node = reinterpret_cast<decltype(g.add_kernel_node)>(dlsym(h, "cuGraphAddKernelNode_v2"));
+      g.instantiate = reinterpret_cast<decltype(g.instantiate)>(dlsym(h, "cuGraphInstantiateWithFlags"));
+      g.set_params = reinterpret_cast<decltype(g.set_params)>(dlsym(h, "cuGraphExecKernelNodeSetParams_v2"));
+      g.launch = reinterpret_cast<decltype(g.launch)>(dlsym(h, "cuGraphLaunch"));
+      g.exec_destroy = reinterpret_cast<decltype(g.exec_destroy)>(dlsym(h, "cuGraphExecDestroy"));
+      g.destroy = reinterpret_cast<decltype(g.destroy)>(dlsym(h, "cuGraphDestroy"));
       if (!api.pointer_get_attribute) err = name + " has no symbol cuPointerGetAttribute";
     }
     loaded = true;  // one attempt per process (after the driver was seen or asked for)
@@ -142,6 +151,19 @@ CuLaunchKernel cuda_launch_kernel(std::string* why) {
   if (!c) return nullptr;
   if (!c->launch_kernel) *why = lib_name() + " has no symbol cuLaunchKernel";
   return c->launch_kernel;
+}
+
+const CuGraphApi* cuda_graph_api(std::string* why) {
+  const Cuda* c = cuda(true, why);
+  if (!c) return nullptr;
+  const CuGraphApi& g = c->graph;
+  if (!g.create || !g.add_kernel_node || !g.instantiate || !g.set_params || !g.launch || !g.exec_destroy ||
+      !g.destroy) {
+    *why = lib_name() + " lacks a CUDA-graph entry point (cuGraphCreate, cuGraphAddKernelNode_v2, "
+                        "cuGraphInstantiateWithFlags, cuGraphExecKernelNodeSetParams_v2, cuGraphLaunch, ...)";
+    return nullptr;
+  }
+  return &g;
 }
 
 bool GdrFlush::bind(const void* dev_ptr, std::string* why) {

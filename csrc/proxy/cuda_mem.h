@@ -40,6 +40,33 @@ using CuLaunchKernel = int (*)(void* f, unsigned gx, unsigned gy, unsigned gz, u
 // The driver's cuLaunchKernel (loads the driver if needed); null with *why when unavailable.
 CuLaunchKernel cuda_launch_kernel(std::string* why);
 
+// A kernel node of a CUDA graph as cuda.h's CUDA_KERNEL_NODE_PARAMS_v2 lays it out (the v2 entry
+// points take it; kern and ctx left null: the function, in the current context).
+struct CuKernelNodeParams {
+  void* func;
+  unsigned gx, gy, gz, bx, by, bz, shared;
+  void** params;
+  void** extra;
+  void* kern;
+  void* ctx;
+};
+
+// The driver's CUDA-graph entry points a launch graph needs (cuGraphCreate, cuGraphAddKernelNode_v2,
+// cuGraphInstantiateWithFlags, cuGraphExecKernelNodeSetParams_v2, cuGraphLaunch, cuGraphExecDestroy,
+// cuGraphDestroy), by cuda.h's signatures with handles as void*.
+struct CuGraphApi {
+  int (*create)(void** graph, unsigned flags) = nullptr;
+  int (*add_kernel_node)(void** node, void* graph, void* const* deps, size_t ndeps, const CuKernelNodeParams* p) = nullptr;
+  int (*instantiate)(void** exec, void* graph, unsigned long long flags) = nullptr;
+  int (*set_params)(void* exec, void* node, const CuKernelNodeParams* p) = nullptr;
+  int (*launch)(void* exec, void* stream) = nullptr;
+  int (*exec_destroy)(void* exec) = nullptr;
+  int (*destroy)(void* graph) = nullptr;
+};
+
+// The driver's graph entry points (loads the driver if needed); null with *why when one is missing.
+const CuGraphApi* cuda_graph_api(std::string* why);
+
 // The driver's name and text for a CUresult, e.g. "invalid argument (CUresult 1)".
 std::string cuda_error_string(int rc);
 

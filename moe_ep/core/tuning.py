@@ -25,7 +25,7 @@ WARPS = (1, 2, 4, 8, 16, 32)  # the warps a Triton program may have
 SMEM_BUDGET = 160 * 1024  # bytes of shared memory the pipelined loops' stages may take (H100/H200: 227 KB)
 
 # field -> (its variable, what the field accepts: "warps", "positive", "count", "maxnreg" or "flag");
-# fields added since (``fused_internode``) have no variable: they are passed as ``Tuning`` fields only
+# fields added since (``fused_internode``, ``graph_launch``) have no variable: they are passed as ``Tuning`` fields only
 ENV = {"num_warps": ("MOE_EP_NUM_WARPS", "warps"),
        "combine_warps": ("MOE_EP_COMBINE_WARPS", "warps"),
        "maxnreg": ("MOE_EP_MAXNREG", "maxnreg"),
@@ -153,6 +153,11 @@ class Tuning:
             with a GPU per rank.
         max_chunks: rows layout: the most chunks a source's tokens are cut into (rounded up to a
             power of two); sizes the workspace (``moe_ep.core.workspace.max_chunks``).
+        graph_launch: a replayed eager call of two launches or more (across nodes: its send and
+            receive halves) issued as one CUDA graph launch, its pointers and token count written
+            into the graph's nodes per call; GPUs only, not for calls with a receive hook, not
+            inside CUDA graph capture. Off by default: whether the driver's graph launch costs the
+            host less than the launches it replaces is measured per host (``profile_ops``).
     """
 
     num_warps: Optional[int] = None
@@ -167,14 +172,16 @@ class Tuning:
     split: bool = False
     max_chunks: Optional[int] = None
     fused_internode: bool = False
+    graph_launch: bool = False
 
     def __post_init__(self):
         for name, (_, kind) in ENV.items():
             v = getattr(self, name)
             if v is not None and not _valid(kind, v):
                 raise ValueError(f"{name}: expected {_EXPECTED[kind]}, got {v!r}")
-        if not isinstance(self.fused_internode, bool):
-            raise ValueError(f"fused_internode: expected a bool, got {self.fused_internode!r}")
+        for name in ("fused_internode", "graph_launch"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if isinstance(self.maxnreg, int):
             object.__setattr__(self, "maxnreg", str(self.maxnreg))  # one spelling: Tuning(maxnreg=64) == "64"
 

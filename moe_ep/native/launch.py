@@ -1,6 +1,7 @@
 """The kernel launcher's bindings (csrc/launch/launch.cc): a launch plan (a compiled kernel's
 prepacked parameters, ``cuLaunchKernel`` with a few slots patched per launch) and the library's
-``launch`` function, which launches a plan in one C call. ``moe_ep.kernels.launch`` builds its
+``launch`` function, which launches a plan in one C call; a launch graph (plans as the nodes of
+one CUDA graph, one ``cuGraphLaunch`` for all, ``launch_graph``). ``moe_ep.kernels.launch`` builds its
 ``NativePlan``s on them.
 """
 from __future__ import annotations
@@ -15,9 +16,11 @@ _native = Functions(
     moe_ep_launch_plan_create=(I32, U64, U32, U32, U32, I32, ctypes.POINTER(U32), ctypes.POINTER(U64), I32,
                                ctypes.POINTER(I32)),
     moe_ep_launch_plan_destroy=(None, I32), moe_ep_launch_plan_stage=(U64, I32),
-    moe_ep_launch_plan_params=(I64, I32, ctypes.c_char_p, SZ))
+    moe_ep_launch_plan_params=(I64, I32, ctypes.c_char_p, SZ),
+    moe_ep_launch_graph_create=(I32, I32, ctypes.POINTER(I32)), moe_ep_launch_graph_destroy=(None, I32))
 _HOT = None
 _LAUNCH = None
+_LAUNCH_GRAPH = None
 
 
 def hot_library() -> ctypes.PyDLL:
@@ -38,6 +41,17 @@ def launch_function():
         f.restype = ctypes.py_object
         _LAUNCH = f()
     return _LAUNCH
+
+
+def launch_graph_function():
+    """The library's ``launch_graph(graph_id, stream, values)``: a launch graph launched with each
+    plan's slot values in one C call."""
+    global _LAUNCH_GRAPH
+    if _LAUNCH_GRAPH is None:
+        f = hot_library().moe_ep_launch_graph_function
+        f.restype = ctypes.py_object
+        _LAUNCH_GRAPH = f()
+    return _LAUNCH_GRAPH
 
 
 class LaunchPlan:
@@ -71,6 +85,30 @@ class LaunchPlan:
         buf = ctypes.create_string_buffer(4096)
         n = self.params(self.id, buf, len(buf))
         return buf.raw[:n]
+
+    def __del__(self):
+        if getattr(self, "id", -1) >= 0:
+            self._destroy(self.id)
+
+
+class LaunchGraph:
+    """``plans`` (``LaunchPlan``s, launchable, in order) as the kernel nodes of one CUDA graph, each
+    after the one before, built in the current CUDA context.
+
+    ``launch(stream, values)`` launches them with one ``cuGraphLaunch`` on ``stream``; ``values``
+    holds each plan's slot values (a sequence per plan, as ``LaunchPlan.launch`` takes them),
+    written into its node first. Keeps the plans alive. Creating one the library or the driver
+    refuses raises ``NativeError`` with its reason."""
+
+    def __init__(self, plans: Sequence[LaunchPlan]):
+        L = _native()
+        n = len(plans)
+        self.plans = tuple(plans)
+        self._destroy = L.moe_ep_launch_graph_destroy
+        self.id = L.moe_ep_launch_graph_create(n, (ctypes.c_int * max(1, n))(*(p.id for p in plans)))
+        if self.id < 0:
+            raise NativeError(last_error())
+        self.launch = functools.partial(launch_graph_function(), self.id)
 
     def __del__(self):
         if getattr(self, "id", -1) >= 0:

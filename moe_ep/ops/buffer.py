@@ -193,7 +193,8 @@ class EPBuffer:
         # DispatchResult of this buffer shares are its memory's (DispatchResult.issued; not the
         # buffer itself: no reference cycle, so a deleted buffer frees its memory at once).
         calls = CallState(group.device, memory.err, memory.workspace.local, timeout_s, memory.result_fields(),
-                          memory.remote.proxy_error_address() if memory.remote is not None else None)
+                          memory.remote.proxy_error_address() if memory.remote is not None else None,
+                          graph_launch=tuning.graph_launch and group.device.type == "cuda" and not interp)
         self.parts = Parts(shape=shape, tuning=launch_shape, memory=memory, calls=calls,
                            rank=group.rank, timeout_s=timeout_s, interp=interp)
         self._agreement.done(timeout_s)

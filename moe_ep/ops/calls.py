@@ -39,15 +39,17 @@ class Replays:
     __slots__ = ("dispatch", "dispatch_scales", "combine", "combine_out", "pushed", "pushed_out", "rows_weights",
                  "rows_weights_out")
 
-    def __init__(self):
-        self.dispatch = Replay((0, 0, 0))             # x [T, H], topk_idx [T, K], topk_weights [T, K]
-        self.dispatch_scales = Replay((0, 0, 0, 0))   # the same and x_scales [T, NB]
-        self.combine = Replay((None,))                # expert_y (the buffer's shape)
-        self.combine_out = Replay((None, 0))          # expert_y, out [T, H]
-        self.pushed = Replay((None, 0))               # expert_y, pushed weights [T, K]
-        self.pushed_out = Replay((None, 0, 0))        # expert_y, pushed weights, out
-        self.rows_weights = Replay((None, None))      # expert_y, the rows layout's weights [rows, K]
-        self.rows_weights_out = Replay((None, None, 0))  # expert_y, the rows layout's weights, out
+    def __init__(self, graph: bool = False):
+        """``graph``: entries of several launches launch them as one CUDA graph (``Replay(graph=)``)."""
+        g = graph
+        self.dispatch = Replay((0, 0, 0), g)             # x [T, H], topk_idx [T, K], topk_weights [T, K]
+        self.dispatch_scales = Replay((0, 0, 0, 0), g)   # the same and x_scales [T, NB]
+        self.combine = Replay((None,), g)                # expert_y (the buffer's shape)
+        self.combine_out = Replay((None, 0), g)          # expert_y, out [T, H]
+        self.pushed = Replay((None, 0), g)               # expert_y, pushed weights [T, K]
+        self.pushed_out = Replay((None, 0, 0), g)        # expert_y, pushed weights, out
+        self.rows_weights = Replay((None, None), g)      # expert_y, the rows layout's weights [rows, K]
+        self.rows_weights_out = Replay((None, None, 0), g)  # expert_y, the rows layout's weights, out
 
     def of_dispatch(self, scales: bool) -> Replay:
         """The dispatch's, without or with ``x_scales``."""
@@ -93,13 +95,15 @@ class CallState:
     """
 
     def __init__(self, device: torch.device, err: torch.Tensor, workspace: torch.Tensor, timeout_s: float,
-                 result_fields: dict, proxy_err: Optional[int] = None):
+                 result_fields: dict, proxy_err: Optional[int] = None, graph_launch: bool = False):
         """``err``: the buffer's int64 error record (host memory: its word 0 is read per call);
         ``workspace``: this rank's workspace bytes; ``proxy_err``: with peers on other nodes, the
-        address of the proxy's error code (its mailbox word, host memory), else None."""
+        address of the proxy's error code (its mailbox word, host memory), else None;
+        ``graph_launch``: replayed calls without a receive hook launch as one CUDA graph
+        (``Tuning.graph_launch``, on a GPU)."""
         self.launch = Launcher(device)
-        self.replays = Replays()
-        self.hooked = Replays()
+        self.replays = Replays(graph_launch)
+        self.hooked = Replays()  # (a hook's receive half is launched by the hook: never in a graph)
         self.token_shapes: dict = {}
         self.out_one = torch.empty(1, 1, dtype=torch.bfloat16, device=device)
         self.out_like: dict = {}

@@ -37,6 +37,9 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..native.launch import LaunchGraph, LaunchPlan
+from ..native.library import NativeError
+
 MAX_SIGNATURES = 16  # per buffer and op; beyond, the oldest is forgotten (a workload of many signatures)
 
 
@@ -95,21 +98,32 @@ class _Entry:
     ``scalars``: a call it passes needs no token-count checks (the common case of an eager loop
     at one batch size)."""
 
-    __slots__ = ("steps", "later", "value", "extra", "guard", "exact", "scalars")
+    __slots__ = ("steps", "later", "value", "extra", "guard", "exact", "scalars", "graph", "picks")
 
-    def __init__(self, steps: tuple, later: tuple, value, extra, guard, exact, scalars: tuple):
+    def __init__(self, steps: tuple, later: tuple, value, extra, guard, exact, scalars: tuple, graph=None):
         self.steps, self.later, self.value, self.extra, self.guard = steps, later, value, extra, guard
         self.exact, self.scalars = exact, scalars
+        # Every launch, steps then later, as one launch graph (``Replay(graph=True)``), else None.
+        self.graph = graph
+        self.picks = tuple(pick for _, pick in (*steps, *later))
 
     def run(self, stream: int, inputs: tuple):
         """Launches every step on ``stream`` with this call's ``inputs`` (pointers, then scalars);
-        returns the recorded value."""
+        returns the recorded value. With a launch graph, the ``later`` steps too, in the same
+        graph launch (such an entry's caller launches its later steps at once, never from a hook)."""
+        if self.graph is not None:
+            self.graph.launch(stream, tuple(inputs if pick is None else [inputs[k] for k in pick]
+                                            for pick in self.picks))
+            return self.value
         for bound, pick in self.steps:
             bound.launch(stream, inputs if pick is None else [inputs[k] for k in pick])
         return self.value
 
     def run_later(self, stream: int, inputs: tuple) -> None:
-        """Launches the ``later`` steps (a receive hook's) on ``stream`` with the call's ``inputs``."""
+        """Launches the ``later`` steps (a receive hook's) on ``stream`` with the call's ``inputs``
+        (nothing with a launch graph: ``run`` launched them)."""
+        if self.graph is not None:
+            return
         for bound, pick in self.later:
             bound.launch(stream, inputs if pick is None else [inputs[k] for k in pick])
 
@@ -118,8 +132,11 @@ class Replay:
     """The replayable calls of one op on one buffer with one set of inputs, by signature.
     ``token_dims``: per input tensor, the dimension holding the token count (None: none)."""
 
-    def __init__(self, token_dims: Sequence[Optional[int]]):
+    def __init__(self, token_dims: Sequence[Optional[int]], graph: bool = False):
         self.token_dims = tuple(token_dims)
+        # Entries of two launches or more keep them as one launch graph (``Tuning.graph_launch``:
+        # eager calls without a receive hook, on a GPU, not under the interpreter's host waits).
+        self.graph = graph
         self._entries: dict = {}
         # The latest hit whose guard can be tried first (None: none yet). Read by the ops' eager
         # fast paths (``dispatch.replayed``, ``combine.replayed``), which inline ``latest``.
@@ -183,9 +200,19 @@ class Replay:
         guarded = guard(tensors, self.token_dims) if aligned else None
         exact = guard(tensors, (None,) * len(tensors)) if guarded is not None else None
         self._entries[sig] = entry = _Entry(steps, after, value, sig[1], guarded if exact is not None else None,
-                                            exact, tuple(scalars))
+                                            exact, tuple(scalars), self._graph_of(steps + after))
         if entry.guard is not None:
             self.last = entry
+
+    def _graph_of(self, steps: tuple):
+        """A launch graph of ``steps`` (bound native plans) where this Replay keeps them and there
+        are two or more, else None (also where the driver refuses one: the launches go one by one)."""
+        if not self.graph or len(steps) < 2 or not all(isinstance(b, LaunchPlan) for b, _ in steps):
+            return None
+        try:
+            return LaunchGraph([b for b, _ in steps])
+        except NativeError:
+            return None
 
     @staticmethod
     def _bind(launches, pointers: tuple, scalar_names: dict) -> Optional[tuple]:
