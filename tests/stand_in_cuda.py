@@ -19,6 +19,7 @@ import os
 import subprocess
 
 _SOURCE = r"""
+#include "cuda_mem.h"
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -84,14 +85,7 @@ CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned
    cuGraphLaunch counts a graph launch and "launches" each node through cuLaunchKernel above, so
    fake_cuda_launches counts its kernels and fake_cuda_last_launch shows its last node;
    fake_cuda_graph_node(i) what node i launched with last. */
-struct FakeNode {
-  void* func;
-  unsigned gx, gy, gz, bx, by, bz, shared;
-  void** params;
-  void** extra;
-  void* kern;
-  void* ctx;
-};
+typedef moe_ep::CuKernelNodeParams FakeNode;  /* the layout the library hands the driver */
 struct FakeGraph {
   int n;
   FakeNode nodes[8];
@@ -163,7 +157,8 @@ def fake_cuda_lib(tmp_dir) -> str:
     src, out = os.path.join(str(tmp_dir), "fake_cuda.cc"), os.path.join(str(tmp_dir), "libfakecuda.so.1")
     with open(src, "w") as f:
         f.write(_SOURCE)
-    r = subprocess.run([os.environ.get("CXX", "c++"), "-shared", "-fPIC", "-O1", src, "-o", out], capture_output=True,
-                       text=True)
+    include = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc", "proxy")
+    r = subprocess.run([os.environ.get("CXX", "c++"), "-shared", "-fPIC", "-O1", "-I", include, src, "-o", out],
+                       capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     return out

@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -52,22 +53,54 @@ struct Plan {
   }
 };
 
-std::mutex g_mu;                    // guards creation and destruction (launches read without it)
-Plan* g_plans[kMaxPlans] = {};
-uint16_t g_generation[kMaxPlans] = {};  // per slot of g_plans: bumped each time the slot is freed
-std::vector<int> g_free;
-int g_next = 0;
+std::mutex g_mu;  // guards creation and destruction (launches read without it)
 
-// A plan's id is its slot in g_plans and that slot's generation (id = generation << 16 | slot,
-// generation 15 bits: ids stay positive ints), so an id kept past its plan's destruction names
-// no plan, never the next plan in its slot.
-int id_of(int slot) { return (g_generation[slot] & 0x7FFF) << 16 | slot; }
+// Objects alive by id: an id is its slot and that slot's generation (id = generation << 16 |
+// slot, generation 15 bits: ids stay positive ints), so an id kept past its object's destruction
+// names nothing, never the next object in its slot. keep and remove take g_mu.
+template <class T, int N>
+struct Table {
+  T* items[N] = {};
+  uint16_t generation[N] = {};  // per slot: bumped each time the slot is freed
+  std::vector<int> free;
+  int next = 0;
 
-Plan* plan_of(long id) {
-  if (id < 0 || id > 0x7FFFFFFF) return nullptr;
-  const int slot = int(id & 0xFFFF);
-  return id_of(slot) == id ? g_plans[slot] : nullptr;
-}
+  int id_of(int slot) const { return (generation[slot] & 0x7FFF) << 16 | slot; }
+  T* of(long id) const {
+    if (id < 0 || id > 0x7FFFFFFF || (id & 0xFFFF) >= N) return nullptr;
+    const int slot = int(id & 0xFFFF);
+    return id_of(slot) == id ? items[slot] : nullptr;
+  }
+  // Takes `t` and returns its id, or an error naming `what` when N are alive (`t` dropped).
+  int keep(std::unique_ptr<T> t, const char* what) {
+    std::lock_guard<std::mutex> lk(g_mu);
+    int slot;
+    if (!free.empty()) {
+      slot = free.back();
+      free.pop_back();
+    } else if (next < N) {
+      slot = next++;
+    } else {
+      return moe_ep::set_error(moe_ep::kErrInvalid, std::string(what) + ": " + std::to_string(N) + " alive");
+    }
+    items[slot] = t.release();
+    return id_of(slot);
+  }
+  void remove(long id) {
+    std::lock_guard<std::mutex> lk(g_mu);
+    if (T* t = of(id)) {
+      const int slot = int(id & 0xFFFF);
+      items[slot] = nullptr;
+      ++generation[slot];
+      delete t;
+      free.push_back(slot);
+    }
+  }
+};
+
+Table<Plan, kMaxPlans> g_plans;
+
+Plan* plan_of(long id) { return g_plans.of(id); }
 
 // A launch graph: plans launched as the kernel nodes of one CUDA graph, each node after the one
 // before it, in one cuGraphLaunch. Each launch writes every plan's slot values into its node
@@ -90,18 +123,9 @@ struct Graph {
   }
 };
 
-Graph* g_graphs[kMaxGraphs] = {};
-uint16_t g_graph_generation[kMaxGraphs] = {};
-std::vector<int> g_graph_free;
-int g_graph_next = 0;
+Table<Graph, kMaxGraphs> g_graphs;
 
-int graph_id_of(int slot) { return (g_graph_generation[slot] & 0x7FFF) << 16 | slot; }
-
-Graph* graph_of(long id) {
-  if (id < 0 || id > 0x7FFFFFFF || (id & 0xFFFF) >= kMaxGraphs) return nullptr;
-  const int slot = int(id & 0xFFFF);
-  return graph_id_of(slot) == id ? g_graphs[slot] : nullptr;
-}
+Graph* graph_of(long id) { return g_graphs.of(id); }
 
 moe_ep::CuKernelNodeParams node_params(Plan* p) {
   return moe_ep::CuKernelNodeParams{p->function, p->grid, 1, 1, p->block, 1, 1, p->shared, p->params.data(),
@@ -154,30 +178,10 @@ int moe_ep_launch_plan_create(uint64_t function, uint32_t grid, uint32_t block, 
     plan->slot_param[k] = slots[k];
   }
   plan->nslots = nslots;
-  std::lock_guard<std::mutex> lk(g_mu);
-  int slot;
-  if (!g_free.empty()) {
-    slot = g_free.back();
-    g_free.pop_back();
-  } else if (g_next < kMaxPlans) {
-    slot = g_next++;
-  } else {
-    return moe_ep::set_error(moe_ep::kErrInvalid, "launch plan: " + std::to_string(kMaxPlans) + " plans alive");
-  }
-  g_plans[slot] = plan.release();
-  return id_of(slot);
+  return g_plans.keep(std::move(plan), "launch plan: plans");
 }
 
-void moe_ep_launch_plan_destroy(int id) {
-  std::lock_guard<std::mutex> lk(g_mu);
-  if (Plan* p = plan_of(id)) {
-    const int slot = id & 0xFFFF;
-    g_plans[slot] = nullptr;
-    ++g_generation[slot];
-    delete p;
-    g_free.push_back(slot);
-  }
-}
+void moe_ep_launch_plan_destroy(int id) { g_plans.remove(id); }
 
 // The address of plan `id`'s stage (uint64 [1 + slots]: the stream, then the slot values), or 0.
 uint64_t moe_ep_launch_plan_stage(int id) {
@@ -237,30 +241,10 @@ int moe_ep_launch_graph_create(int n, const int* ids) {
   }
   if (rc == 0) rc = g->api->instantiate(&g->exec, g->graph, 0);
   if (rc != 0) return moe_ep::set_error(rc, "launch graph: building the graph failed: " + moe_ep::cuda_error_string(rc));
-  std::lock_guard<std::mutex> lk(g_mu);
-  int slot;
-  if (!g_graph_free.empty()) {
-    slot = g_graph_free.back();
-    g_graph_free.pop_back();
-  } else if (g_graph_next < kMaxGraphs) {
-    slot = g_graph_next++;
-  } else {
-    return moe_ep::set_error(moe_ep::kErrInvalid, "launch graph: " + std::to_string(kMaxGraphs) + " graphs alive");
-  }
-  g_graphs[slot] = g.release();
-  return graph_id_of(slot);
+  return g_graphs.keep(std::move(g), "launch graph: graphs");
 }
 
-void moe_ep_launch_graph_destroy(int id) {
-  std::lock_guard<std::mutex> lk(g_mu);
-  if (Graph* g = graph_of(id)) {
-    const int slot = id & 0xFFFF;
-    g_graphs[slot] = nullptr;
-    ++g_graph_generation[slot];
-    delete g;
-    g_graph_free.push_back(slot);
-  }
-}
+void moe_ep_launch_graph_destroy(int id) { g_graphs.remove(id); }
 
 // Launches graph `id`: each plan's stage applied and written into its node, then one cuGraphLaunch
 // on the stream in the first plan's stage. 0, or the CUresult (> 0), or a negative code.
@@ -288,47 +272,17 @@ int moe_ep_launch_graph(int id) {
 
 namespace {
 
-// launch(plan_id, stream, values): plan `plan_id` launched on `stream` (an int, the CUstream) with
-// `values` (a tuple or list of ints, one per slot; their low 64 bits). All arguments are read
-// before the plan's stage is touched. Raises TypeError / ValueError for wrong arguments and
-// RuntimeError("moe_ep native launch: ...") when the launch fails.
-PyObject* py_launch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+// The first two of a launch function's three arguments, an id and a stream (ints); false with a
+// Python exception set (TypeError naming `call` for a wrong count).
+bool id_and_stream(const char* call, PyObject* const* args, Py_ssize_t nargs, long* id, uint64_t* stream) {
   if (nargs != 3) {
-    PyErr_Format(PyExc_TypeError, "launch(plan_id, stream, values): takes 3 arguments, got %zd", nargs);
-    return nullptr;
+    PyErr_Format(PyExc_TypeError, "%s: takes 3 arguments, got %zd", call, nargs);
+    return false;
   }
-  const long id = PyLong_AsLong(args[0]);
-  if (id == -1 && PyErr_Occurred()) return nullptr;
-  Plan* p = plan_of(id);
-  if (!p) {
-    PyErr_Format(PyExc_ValueError, "launch: plan_id %ld names no plan", id);
-    return nullptr;
-  }
-  uint64_t stage[1 + kMaxSlots];
-  stage[0] = PyLong_AsUnsignedLongLongMask(args[1]);
-  if (stage[0] == ~uint64_t(0) && PyErr_Occurred()) return nullptr;
-  PyObject* values = args[2];
-  const bool tuple = PyTuple_Check(values);
-  if (!tuple && !PyList_Check(values)) {
-    PyErr_SetString(PyExc_TypeError, "launch: values must be a tuple or a list of ints");
-    return nullptr;
-  }
-  const Py_ssize_t n = tuple ? PyTuple_Size(values) : PyList_Size(values);
-  if (n != p->nslots) {
-    PyErr_Format(PyExc_ValueError, "launch: plan %ld has %d slots, got %zd values", id, p->nslots, n);
-    return nullptr;
-  }
-  for (Py_ssize_t k = 0; k < n; ++k) {  // borrowed references
-    PyObject* v = tuple ? PyTuple_GetItem(values, k) : PyList_GetItem(values, k);
-    stage[1 + k] = PyLong_AsUnsignedLongLongMask(v);
-    if (stage[1 + k] == ~uint64_t(0) && PyErr_Occurred()) return nullptr;
-  }
-  std::memcpy(p->stage, stage, sizeof(uint64_t) * (1 + n));
-  if (moe_ep_launch(int(id)) != 0) {
-    PyErr_Format(PyExc_RuntimeError, "moe_ep native launch: %s", moe_ep::thread_error().c_str());
-    return nullptr;
-  }
-  Py_RETURN_NONE;
+  *id = PyLong_AsLong(args[0]);
+  if (*id == -1 && PyErr_Occurred()) return false;
+  *stream = PyLong_AsUnsignedLongLongMask(args[1]);
+  return !(*stream == ~uint64_t(0) && PyErr_Occurred());
 }
 
 // The stage of plan `p` from `values` (a tuple or list of ints, one per slot), the stream first;
@@ -355,23 +309,39 @@ bool stage_from(Plan* p, long id, uint64_t stream, PyObject* values) {
   return true;
 }
 
+// launch(plan_id, stream, values): plan `plan_id` launched on `stream` (an int, the CUstream) with
+// `values` (a tuple or list of ints, one per slot; their low 64 bits). All arguments are read
+// before the plan's stage is touched. Raises TypeError / ValueError for wrong arguments and
+// RuntimeError("moe_ep native launch: ...") when the launch fails.
+PyObject* py_launch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  long id;
+  uint64_t stream;
+  if (!id_and_stream("launch(plan_id, stream, values)", args, nargs, &id, &stream)) return nullptr;
+  Plan* p = plan_of(id);
+  if (!p) {
+    PyErr_Format(PyExc_ValueError, "launch: plan_id %ld names no plan", id);
+    return nullptr;
+  }
+  if (!stage_from(p, id, stream, args[2])) return nullptr;
+  if (moe_ep_launch(int(id)) != 0) {
+    PyErr_Format(PyExc_RuntimeError, "moe_ep native launch: %s", moe_ep::thread_error().c_str());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
 // launch_graph(graph_id, stream, values): graph `graph_id` launched on `stream` with `values` (a
 // tuple or list holding, per plan in launch order, its slot values as `launch` takes them). Every
 // argument is checked before the graph's nodes are written. Errors as `launch`'s.
 PyObject* py_launch_graph(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 3) {
-    PyErr_Format(PyExc_TypeError, "launch_graph(graph_id, stream, values): takes 3 arguments, got %zd", nargs);
-    return nullptr;
-  }
-  const long id = PyLong_AsLong(args[0]);
-  if (id == -1 && PyErr_Occurred()) return nullptr;
+  long id;
+  uint64_t stream;
+  if (!id_and_stream("launch_graph(graph_id, stream, values)", args, nargs, &id, &stream)) return nullptr;
   Graph* g = graph_of(id);
   if (!g) {
     PyErr_Format(PyExc_ValueError, "launch_graph: graph_id %ld names no graph", id);
     return nullptr;
   }
-  const uint64_t stream = PyLong_AsUnsignedLongLongMask(args[1]);
-  if (stream == ~uint64_t(0) && PyErr_Occurred()) return nullptr;
   PyObject* per = args[2];
   const bool tuple = PyTuple_Check(per);
   if ((!tuple && !PyList_Check(per)) || (tuple ? PyTuple_Size(per) : PyList_Size(per)) != Py_ssize_t(g->plans.size())) {

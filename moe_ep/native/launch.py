@@ -19,8 +19,6 @@ _native = Functions(
     moe_ep_launch_plan_params=(I64, I32, ctypes.c_char_p, SZ),
     moe_ep_launch_graph_create=(I32, I32, ctypes.POINTER(I32)), moe_ep_launch_graph_destroy=(None, I32))
 _HOT = None
-_LAUNCH = None
-_LAUNCH_GRAPH = None
 
 
 def hot_library() -> ctypes.PyDLL:
@@ -32,26 +30,24 @@ def hot_library() -> ctypes.PyDLL:
     return _HOT
 
 
+@functools.lru_cache(maxsize=None)
+def _python_function(getter: str):
+    """The Python function the library's ``getter`` returns (a ``py_object``, kept for the process)."""
+    f = getattr(hot_library(), getter)
+    f.restype = ctypes.py_object
+    return f()
+
+
 def launch_function():
     """The library's ``launch(plan_id, stream, values)`` (csrc/launch/launch.cc): a native plan
     launched with its slot values in one C call."""
-    global _LAUNCH
-    if _LAUNCH is None:
-        f = hot_library().moe_ep_launch_function
-        f.restype = ctypes.py_object
-        _LAUNCH = f()
-    return _LAUNCH
+    return _python_function("moe_ep_launch_function")
 
 
 def launch_graph_function():
     """The library's ``launch_graph(graph_id, stream, values)``: a launch graph launched with each
     plan's slot values in one C call."""
-    global _LAUNCH_GRAPH
-    if _LAUNCH_GRAPH is None:
-        f = hot_library().moe_ep_launch_graph_function
-        f.restype = ctypes.py_object
-        _LAUNCH_GRAPH = f()
-    return _LAUNCH_GRAPH
+    return _python_function("moe_ep_launch_graph_function")
 
 
 class LaunchPlan:
