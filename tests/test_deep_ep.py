@@ -747,3 +747,23 @@ def test_combine_time_weights_compile_for_sm90(monkeypatch, tmp_path):
         # half pre-reduces from expert_y: it stores no rows.
         assert byte_stores == 0 and timers > 0 and (vec_stores > 0 or i in (1, 2)), (i, vec_stores, byte_stores,
                                                                                     timers)
+
+
+def test_dispatch_layout_counts_only_ids_in_range():
+    """``dispatch_layout`` (V1's ``get_dispatch_layout``, counted on the device without a host
+    read): -1 and ids at or past ``num_experts`` count for no expert and no rank; every other id
+    once per selection for its expert, once per token for its rank."""
+    from moe_ep.deep_ep.routing import dispatch_layout
+
+    E, R = 8, 4
+    idx = torch.tensor([[0, 1, -1], [7, 8, 3], [-1, -1, -1], [2, 2, 15], [6, 5, 4]])
+    per_rank, per_node, per_expert, in_rank = dispatch_layout(idx, E, R, 2)
+    valid = idx[(idx >= 0) & (idx < E)]
+    assert torch.equal(per_expert, torch.bincount(valid, minlength=E).to(torch.int32))
+    want = torch.zeros(idx.shape[0], R, dtype=torch.bool)
+    for t, row in enumerate(idx.tolist()):
+        for e in row:
+            if 0 <= e < E:
+                want[t, e // (E // R)] = True
+    assert torch.equal(in_rank, want) and torch.equal(per_rank, want.sum(0, dtype=torch.int32))
+    assert torch.equal(per_node, want.view(-1, 2, 2).any(2).sum(0, dtype=torch.int32))

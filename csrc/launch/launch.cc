@@ -232,9 +232,8 @@ int moe_ep_launch_graph_create(int n, const int* ids) {
   }
   int rc = g->api->create(&g->graph, 0);
   for (int i = 0; rc == 0 && i < n; ++i) {
-    Plan* p = plan_of(ids[i]);
-    p->apply();
-    const moe_ep::CuKernelNodeParams np = node_params(p);
+    // (the parameters as they stand: every launch writes its own into the node first)
+    const moe_ep::CuKernelNodeParams np = node_params(plan_of(ids[i]));
     void* node = nullptr;
     rc = g->api->add_kernel_node(&node, g->graph, i ? &g->nodes.back() : nullptr, i ? 1 : 0, &np);
     g->nodes.push_back(node);

@@ -41,7 +41,7 @@ class Replays:
 
     def __init__(self, graph: bool = False):
         """``graph``: entries of several launches launch them as one CUDA graph (``Replay(graph=)``)."""
-        g = graph
+        g = graph  # (short: it closes every line below)
         self.dispatch = Replay((0, 0, 0), g)             # x [T, H], topk_idx [T, K], topk_weights [T, K]
         self.dispatch_scales = Replay((0, 0, 0, 0), g)   # the same and x_scales [T, NB]
         self.combine = Replay((None,), g)                # expert_y (the buffer's shape)
