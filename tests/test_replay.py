@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import dist_util
-from ep_cases import Case, make_buffer, make_inputs, run_calls
+from ep_cases import DTYPES, Case, make_buffer, make_inputs, run_calls
 
 
 class _InterpBound:
@@ -693,3 +693,43 @@ def test_graph_launch_replays_every_launch_in_one_graph(tmp_path, monkeypatch):
                 got = node(i)
                 assert (got.function, got.stream, got.grid[0]) == (fn, 0x77, (3, 5)[i])
                 assert bytes(got.params[:20]) == struct.pack("<QQi", x2.data_ptr(), idx2.data_ptr(), 7)
+
+
+def _graph_launch_gpu_worker(rank, world_size, cases):
+    """The cases at prefill's launch structure (the routing histogram, then the dispatch: two
+    launches) with ``Tuning(graph_launch=True)``, against the oracle; some replay must have kept
+    its launches as one graph."""
+    import moe_ep
+    import moe_ep.ops.dispatch
+
+    kept = moe_ep.ops.dispatch.DIRECT_MAX
+    moe_ep.ops.dispatch.DIRECT_MAX = 4  # (prefill's structure at small T)
+    group = moe_ep.EPGroup()
+    fails = []
+    try:
+        for case in cases:
+            with moe_ep.EPBuffer(group, case.E, case.H, case.M, case.K, dispatch_dtype=DTYPES[case.dtype],
+                                 layout=case.layout, expert_alignment=case.align, timeout_s=20.0,
+                                 tuning=moe_ep.Tuning(graph_launch=True),
+                                 **({"max_recv_rows": case.recv_rows} if case.recv_rows is not None else {})) as buf:
+                fails += run_calls(group, buf, case)
+                if not any(e.graph is not None for r in buf.calls.replays for e in r._entries.values()):
+                    fails.append(f"[{case.name}] no replay took a launch graph")
+    finally:
+        moe_ep.ops.dispatch.DIRECT_MAX = kept
+    return fails
+
+
+@pytest.mark.gpu
+def test_graph_launch_matches_the_oracle_gpu():
+    """``Tuning(graph_launch=True)`` at R = 1 and with 2 ranks sharing the GPU: replayed calls of
+    two launches issued as one CUDA graph, new tensors and token counts every call."""
+    dist_util.need_gpu()
+    fails = []
+    for R in (1, 2):
+        cases = [Case(R=R, E=4 * R, K=2, dtype=d, layout=lay, align=16 if lay == "packed" else 1,
+                      recv_rows=_WORST.get(lay), M=6, calls=_CALLS, seed=11)
+                 for d, lay in (("bf16", "masked"), ("fp8", "packed"))]
+        results = dist_util.run(R, _graph_launch_gpu_worker, cases, timeout=600, backend=dist_util.gpu_backend(R))
+        fails += [f for r in results for f in r]
+    assert not fails, "\n".join(fails[:20])
