@@ -108,7 +108,10 @@ def goodbye_names_the_cause(timeout_error: type, es, where: str) -> None:
         assert f"rank {r}: connection with peer 1 lost ({where}" in es[r].peer_error(1)
     es[2].close()
     time.sleep(0.5)
-    assert es[0].peer_error(2) == ""  # a clean goodbye alone loses no peer
+    # A clean goodbye alone loses no peer; the loss that follows (a keepalive, or the link's own
+    # close, which can come within this half second on a loaded machine) names it.
+    lost = es[0].peer_error(2)
+    assert lost == "" or lost.endswith(CLEAN_GOODBYE), lost
 
 
 def proxy_two_nodes(proxy_class: type, engines, cap: int, rb: int = 32, crb: int = 16, el: int = 2) -> None:

@@ -56,7 +56,8 @@ if not os.environ.get("MOE_EP_NATIVE_LIB"):
 _I32, _I64, _U32, _VP = ctypes.c_int, ctypes.c_int64, ctypes.c_uint32, ctypes.c_void_p
 _hooks = library.Functions(moe_ep_set_fault=(_I32, _VP, _I64, _I32, _I32, _I64),
                            moe_ep_verbs_destroy_qp=(_I32, _VP, _I32), moe_ep_test_memory_type=(_I32, _I32),
-                           moe_ep_imm_stress=(_I32, _VP, _U32, _I32, _I64))
+                           moe_ep_imm_stress=(_I32, _VP, _U32, _I32, _I64),
+                           moe_ep_test_late_goodbye=(_I32, _I32, ctypes.c_char_p, _I64))
 
 
 def set_fault(engine, delay_us: int = 0, reorder: bool = False, cut_peer: int = -1, cut_after: int = 0) -> None:
@@ -81,3 +82,12 @@ def imm_stress(counter, imm: int, threads: int, adds_per_thread: int) -> None:
     """``threads`` native threads each add 1 to ``imm`` of ``counter`` (an ``ImmCounter``),
     ``adds_per_thread`` times, all at once."""
     library.check(_hooks().moe_ep_imm_stress(counter.handle, imm, threads, adds_per_thread))
+
+
+def late_goodbye(error: bool) -> tuple[str, int]:
+    """A peer (rank 1 of 3, seen from rank 0) lost by its link first, then its goodbye landing
+    (``error``: one after an error naming peer 2 in combine epoch 6, else a clean one), taken as
+    every transport takes it: ``(its loss text, 1 + the goodbye's peer where the goodbye counts, else 0)``."""
+    out = ctypes.create_string_buffer(1024)
+    counted = _hooks().moe_ep_test_late_goodbye(int(error), out, len(out))
+    return out.value.decode(), counted

@@ -523,6 +523,19 @@ def test_goodbye_after_a_capacity_error(over):
             e.close()
 
 
+@pytest.mark.parametrize("error", [False, True], ids=["clean", "after an error"])
+def test_goodbye_heard_after_the_loss(error):
+    """A goodbye read after its link's loss was noticed (a keepalive that failed first; providers
+    order the two as they like) still counts: the loss's text ends with what it said, and an
+    error goodbye gives its cause (peer 2), which the proxy then names (Proxy::cause_of)."""
+    text, counted = hooks.late_goodbye(error)
+    assert text.startswith("rank 0: connection with peer 1 lost (test): a keepalive failed"), text
+    said = ("rank 1 closed after its own error naming peer 2 (combine epoch 6)" if error
+            else "rank 1 closed without an error of its own (a clean close)")
+    assert text.endswith("; its goodbye said: " + said), text
+    assert counted == (1 + 2 if error else 1 + -1), counted
+
+
 def test_goodbye_cause_of_an_error():
     assert transports.goodbye_cause(None) == (0, -1, -1, 0, 0)
     assert transports.goodbye_cause(CommTimeoutError(0, 3, "dispatch", 4, 1.0)) == (1, 3, protocol.PHASE_D1, 4, 0)

@@ -177,7 +177,7 @@ int Proxy::lost_peer() {
   int clean = -1;
   if (t_->imm_counter().failed(&first))
     for (int p = 0; p < cfg_.world_size; ++p)
-      if (p != cfg_.rank && t_->peer_error(p) == first) {
+      if (p != cfg_.rank && t_->peer_error(p).rfind(first, 0) == 0) {  // (a late goodbye appends)
         if (!left_cleanly(p)) return p;
         clean = p;
       }
@@ -203,6 +203,12 @@ int Proxy::cause_of(int lost) {
 bool Proxy::fail_lost(int peer, int phase, int64_t epoch, const std::string& msg) {
   const int first = lost_peer();
   if (first < 0) return fail(kProxyPeerLost, peer, phase, epoch, msg);
+  // A link whose loss was noticed before its goodbye was read (the goodbye goes out before the
+  // close, but a failed keepalive or write may be seen first): the goodbye is given a moment to
+  // land, since it may name the cause. Only a failure waits, and at most kLateGoodbyeNs.
+  Goodbye said;
+  for (const int64_t until = mono_ns() + kLateGoodbyeNs; !t_->peer_goodbye(first, &said) && mono_ns() < until;)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
   const int cause = cause_of(first);
   // A peer that closed after a CapacityError: this rank fails with a capacity error too, naming
   // the rank over its cap (the goodbye's peer where trusted, else the closer), not a lost peer.

@@ -222,6 +222,7 @@ class Proxy {
   // still to come): spin until spin_ns since `last_work`, then sleep until something can have
   // changed (see proxy.cc). Returns how long the next pass's reap may wait.
   int64_t idle(int64_t last_work, uint64_t seen_gen, bool bells, bool imms);
+  static constexpr int64_t kLateGoodbyeNs = 100'000'000;  // how long a failure waits for a lost link's goodbye
   static constexpr int64_t kBlockNs = 1'000'000;  // the longest sleep in a phase (stop() and the deadline are checked after)
   void trace_event(int32_t kind, int peer, int64_t epoch);
   // trace_event at kTracePhases (phase events) / kTracePeers (one per peer).

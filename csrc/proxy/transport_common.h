@@ -253,6 +253,20 @@ void remember_goodbye(PeerT& pr, const Goodbye& bye, const std::string& text) {
   pr.said_bye = true;
 }
 
+// A goodbye that lands after its peer was lost without one: the loss was noticed first (a
+// keepalive or a write to the closed link failed before the goodbye queued ahead of the close was
+// read; providers order the two as they like). It still counts, and the loss's text names it, so
+// the cause is named all the same. True where it was taken so; under pr.mu.
+template <class PeerT>
+bool late_goodbye(PeerT& pr, const Goodbye& bye, const std::string& text) {
+  if (!pr.lost || pr.said_bye) return false;
+  pr.bye = bye;
+  pr.bye_text = text;
+  pr.said_bye = true;
+  pr.err += "; its goodbye said: " + text;
+  return true;
+}
+
 // Whether the peer is gone: lost, or it said goodbye (nothing is sent to it any more, a goodbye
 // included: it may never take one).
 template <class PeerT>
@@ -302,11 +316,15 @@ inline Goodbye trusted_goodbye(const WireGoodbye& g, int world, std::string* tex
 
 // A checked goodbye (goodbye_mismatch passed) from the peer `pr`: a clean one is remembered for
 // the loss that follows (true); after an error, lose(text, bye) loses the peer at once, by what
-// it said (false).
+// it said (false). One from a peer lost already is taken as late_goodbye says.
 template <class PeerT, class Lose>
 bool take_goodbye(const WireGoodbye& g, int world, PeerT& pr, Lose&& lose) {
   std::string text;
   const Goodbye bye = trusted_goodbye(g, world, &text);
+  {
+    std::lock_guard<std::mutex> lk(pr.mu);
+    if (late_goodbye(pr, bye, text)) return !bye.error;
+  }
   if (!bye.error) return remember_goodbye(pr, bye, text), true;
   lose(text, bye);
   return false;

@@ -13,6 +13,7 @@
 #include "../proxy/cuda_mem.h"
 #include "../proxy/imm_counter.h"
 #include "../proxy/transport.h"
+#include "../proxy/transport_common.h"
 
 #pragma GCC visibility push(default)
 extern "C" {
@@ -53,6 +54,34 @@ int moe_ep_imm_stress(void* c, uint32_t imm, int threads, int64_t adds_per_threa
     for (auto& t : ts) t.join();
     return 0;
   });
+}
+
+// A peer of 3 lost by its link first ("a keepalive failed"), then its goodbye landing (error:
+// 0 clean, 1 after an error naming peer 2 in combine epoch 6), as every transport takes it
+// (take_goodbye): out gets the peer's loss text (cut at cap bytes, NUL-terminated); returns
+// 1 + the goodbye's peer where it counts (peer_goodbye would give it), 0 where it does not.
+int moe_ep_test_late_goodbye(int error, char* out, int64_t cap) {
+  struct {
+    std::mutex mu;
+    bool lost = false, said_bye = false;
+    std::string err, bye_text;
+    moe_ep::Goodbye bye;
+  } pr;
+  std::string msg = moe_ep::loss_text(0, 1, "test", "a keepalive failed");
+  {
+    std::lock_guard<std::mutex> lk(pr.mu);
+    moe_ep::mark_lost(pr, &msg, nullptr);
+  }
+  moe_ep::Goodbye g;
+  if (error) g.error = 1, g.peer = 2, g.phase = 2 /* combine */, g.epoch = 6;
+  moe_ep::take_goodbye(moe_ep::make_goodbye(moe_ep::JobIdentity{}, 1, 0, 3, g), 3, pr,
+                       [&](const std::string& text, const moe_ep::Goodbye& bye) {  // as lose_peer does
+                         std::string m = moe_ep::loss_text(0, 1, "test", text);
+                         std::lock_guard<std::mutex> lk(pr.mu);
+                         moe_ep::mark_lost(pr, &m, &bye);
+                       });
+  std::snprintf(out, size_t(cap), "%s", pr.err.c_str());
+  return pr.said_bye ? 1 + pr.bye.peer : 0;
 }
 
 }  // extern "C"
