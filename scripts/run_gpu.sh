@@ -18,6 +18,7 @@
 #   PROFILE_NODES="2x1 2x2" bash scripts/run_gpu.sh   # the same across nodes: 2 nodes of 1 and of 2 ranks
 #                                    # (MOE_EP_NODE_SIZE; the proxy over TCP loopback; ranks share the GPUs)
 #   PROFILE_NODES="2x1 2x2" PROFILE_NODES_ARGS=--fused-internode bash scripts/run_gpu.sh   # one launch an op
+#   PROFILE_NODES="2x1 2x1:--graph-launch 2x1:--fused-internode" bash scripts/run_gpu.sh   # arguments per entry
 #   NODES_BENCH="2x1" bash scripts/run_gpu.sh   # the decode pair (graph and eager) across 2 nodes of 1
 #   VARIANTS="prefill 32 | fp8 rows | fp8 rows MOE_EP_MAX_CHUNKS=128
 #             decode 132 | fp8 masked" bash scripts/run_gpu.sh   # tuning points, one process per line
@@ -156,15 +157,19 @@ for r in $PROFILE; do
         tail -n 20 "$RESULTS/profile_r$r.log"; profile_rc=1; profiles+=("R=$r$pmps: FAILED")
     fi
 done
-for nn in $PROFILE_NODES; do
+for entry in $PROFILE_NODES; do   # NODESxSIZE, or NODESxSIZE:ARG,ARG (this entry's own profile_ops arguments)
+    nn=${entry%%:*}; eargs=""
+    [ "$entry" = "$nn" ] || eargs=$(echo "${entry#*:}" | tr , ' ')
     nodes=${nn%x*}; size=${nn#*x}; r=$(( nodes * size ))
-    step "MOE_EP_NODE_SIZE=$size torchrun --nproc-per-node=$r -m moe_ep.bench.profile_ops --preset decode"
+    plog="$RESULTS/profile_nodes_$(echo "$entry" | tr -c 'A-Za-z0-9x\n' _).log"
+    step "MOE_EP_NODE_SIZE=$size torchrun --nproc-per-node=$r -m moe_ep.bench.profile_ops --preset decode $PROFILE_NODES_ARGS $eargs"
+    # shellcheck disable=SC2086
     if MOE_EP_NODE_SIZE=$size "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node="$r" \
-            -m moe_ep.bench.profile_ops --preset decode $PROFILE_NODES_ARGS >"$RESULTS/profile_nodes_$nn.log" 2>&1; then
-        grep -E "^== profile_ops|host to issue|host per|device time|    " "$RESULTS/profile_nodes_$nn.log" | head -30 || true
-        profiles+=("$nn across nodes$pmps: $(grep -m1 'host to issue' "$RESULTS/profile_nodes_$nn.log")")
+            -m moe_ep.bench.profile_ops --preset decode $PROFILE_NODES_ARGS $eargs >"$plog" 2>&1; then
+        grep -E "^== profile_ops|host to issue|host per|device time|graph replay|proxy|    " "$plog" | head -40 || true
+        profiles+=("$entry across nodes$pmps: $(grep -m1 'host to issue' "$plog")")
     else
-        tail -n 20 "$RESULTS/profile_nodes_$nn.log"; profile_rc=1; profiles+=("$nn across nodes$pmps: FAILED")
+        tail -n 20 "$plog"; profile_rc=1; profiles+=("$entry across nodes$pmps: FAILED")
     fi
 done
 if [ -n "$pmps" ]; then mps_stop; fi

@@ -1,6 +1,7 @@
 """The tests' build of the native library and its test hooks, which only tests call: fault
 injection on an engine, a verbs engine's queue pairs destroyed as a crashed process would, the
-memory type registration assumes, and native threads adding to an ``ImmCounter`` at once.
+memory type registration assumes, native threads adding to an ``ImmCounter`` at once, and a
+goodbye taken after its peer was lost.
 
 The hooks (csrc/testing/hooks.cc) are not in the library users install: importing this module
 builds csrc/proxy, csrc/launch and csrc/testing with ``MOE_EP_TEST_HOOKS`` into

@@ -2,8 +2,8 @@
 // (tests/native_hooks.py builds csrc/proxy, csrc/launch and this folder with MOE_EP_TEST_HOOKS
 // defined; setup.py never does, so the library users install has none of them): fault injection
 // on an engine, a verbs engine's queue pairs destroyed as a crashed process would, the memory type
-// registration assumes, and native threads adding to an ImmCounter at once. Return codes and the
-// thread's error as in csrc/proxy/capi.cc.
+// registration assumes, native threads adding to an ImmCounter at once, and a goodbye taken after
+// its peer was lost. Return codes and the thread's error as in csrc/proxy/capi.cc.
 #ifndef MOE_EP_TEST_HOOKS
 #error "csrc/testing is the tests' build only: compile it with -DMOE_EP_TEST_HOOKS"
 #endif

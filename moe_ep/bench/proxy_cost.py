@@ -122,16 +122,16 @@ def post_cost(streams: int, sizes=SIZES, scale: float = 1.0, transport: str = "t
 
 # ----------------------------------------------------------------------------- phase time
 
-def _rank_main(rank, R, transport, streams, warmup, epochs, poll, cap, conn, rows=1, ovcap=None):
+def _rank_main(rank, R, transport, streams, warmup, epochs, poll, cap, conn, rows=1, ovcap=None, rb=RB, crb=CRB):
     try:
         from moe_ep.native.bench import bench_drive
         from moe_ep.native.proxy import Proxy
 
         eng = make_engine(rank, R, streams, transport)
         ovcap = R * rows if ovcap is None else ovcap
-        px = Proxy(eng, node_size=1, num_local_experts=1, row_bytes=RB, comb_row_bytes=CRB, private_capacity=cap,
+        px = Proxy(eng, node_size=1, num_local_experts=1, row_bytes=rb, comb_row_bytes=crb, private_capacity=cap,
                    overflow_capacity=ovcap, max_send_rows=R * rows, timeout_s=30, spin_us=poll["proxy_spin_us"],
-                   sleep_us=poll["proxy_sleep_us"], regions={"comb_send": np.zeros((R * rows + ovcap) * CRB, np.uint8)})
+                   sleep_us=poll["proxy_sleep_us"], regions={"comb_send": np.zeros((R * rows + ovcap) * crb, np.uint8)})
         conn.send(eng.endpoint)
         eng.connect(conn.recv(), timeout_s=30)
         counts = np.full(R, rows, np.int32)
@@ -140,9 +140,9 @@ def _rank_main(rank, R, transport, streams, warmup, epochs, poll, cap, conn, row
             hdr = px.header(p)
             hdr[:R] = counts
             hdr[R] = 1
-        for p, off in px.disp_offsets(counts).items():  # one 16-byte row to every peer, every epoch
-            px.disp_send[off:off + rows * RB] = p
-        px.comb_send[:(R - 1) * rows * CRB] = rank
+        for p, off in px.disp_offsets(counts).items():  # `rows` rows of rb bytes to every peer, every epoch
+            px.disp_send[off:off + rows * rb] = p
+        px.comb_send[:(R - 1) * rows * crb] = rank
         px.start()
         conn.send("ready")
         assert conn.recv() == "go"
@@ -164,9 +164,9 @@ def _rank_main(rank, R, transport, streams, warmup, epochs, poll, cap, conn, row
         for s in range(R):
             if s != rank and (cap or (R - 1) * rows <= ovcap):  # (several windows: the region holds the last)
                 if cap:
-                    got = px.round1[px.round1_offset(e, s):][:RB]
+                    got = px.round1[px.round1_offset(e, s):][:rows * rb if rows <= cap else rb]
                 else:
-                    got = px.overflow[px.overflow_offset(e) + RB * rows * (s - (s > rank)):][:RB]
+                    got = px.overflow[px.overflow_offset(e) + rb * rows * (s - (s > rank)):][:rb]
                 assert (got == rank).all(), s
         conn.send(("done", disp, comb, prox, io_cpu))
         conn.recv()
@@ -187,14 +187,14 @@ POLL = dict(proxy_spin_us=0.0, proxy_sleep_us=50.0, drive_spin_us=0.0, drive_sle
 
 def phase_time(R: int, streams: int, epochs: int, warmup: int = 20, poll: dict = POLL, wall_s: float = 300.0,
                transport: str = "tcp", private_capacity: int = 2, rows: int = 1,
-               overflow_capacity: int | None = None) -> dict:
+               overflow_capacity: int | None = None, row_bytes: tuple[int, int] = (RB, CRB)) -> dict:
     ctx = mp.get_context("fork")
     procs = []
     for r in range(R):
         parent, child = ctx.Pipe()
         p = ctx.Process(target=_rank_main, daemon=True,
                         args=(r, R, transport, streams, warmup, epochs, poll, private_capacity, child, rows,
-                              overflow_capacity))
+                              overflow_capacity, *row_bytes))
         p.start()
         procs.append((p, parent))
     try:
@@ -227,6 +227,7 @@ def phase_time(R: int, streams: int, epochs: int, warmup: int = 20, poll: dict =
     prox = {k: [x for r in res for x in r[3][k]] for k in res[0][3]}
     out = dict(transport=transport, ranks=R, peers=R - 1, streams=streams, epochs=epochs,
                private_capacity=private_capacity, rows=rows, overflow_capacity=overflow_capacity,
+               row_bytes=row_bytes[0], comb_row_bytes=row_bytes[1],
                windows=-(-(R - 1) * rows // overflow_capacity) if overflow_capacity and not private_capacity else 1,
                threads_per_rank=3 * streams * (R - 1) + 3, **poll)
     for name, v in (("proxy_dispatch", prox["dispatch"]), ("proxy_d1", prox["d1"]),
@@ -292,6 +293,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=1, help="rows from every rank to every peer")
     ap.add_argument("--overflow-capacity", type=int, default=None,
                     help="rows of the overflow region (default: every row, one window)")
+    ap.add_argument("--row-bytes", default=f"{RB},{CRB}", metavar="DISPATCH,COMBINE",
+                    help="bytes of a dispatch row and of a combine row (default 16,16; H 7168, K 8, fp8 dispatch "
+                         "and bf16 combine as RemoteSpec sizes them: 7504,14336)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
     res = dict(meta=_meta(argv), post=[], phase=[])
@@ -302,12 +306,16 @@ def main(argv=None) -> int:
         print(post_table(res["post"]), flush=True)
     if args.part in ("phase", "all"):
         poll = {k: getattr(args, k) for k in POLL}
+        row_bytes = tuple(int(x) for x in args.row_bytes.split(","))
+        if len(row_bytes) != 2 or min(row_bytes) < 16 or any(b % 16 for b in row_bytes):
+            ap.error(f"--row-bytes: expected DISPATCH,COMBINE, multiples of 16 bytes, got {args.row_bytes!r}")
         for t in args.transports:
             for s in args.streams:
                 for R in args.ranks:
                     runs = [phase_time(R, s, args.epochs, args.warmup, poll, transport=t,
                                        private_capacity=args.private_capacity, rows=args.rows,
-                                       overflow_capacity=args.overflow_capacity) for _ in range(args.repeat)]
+                                       overflow_capacity=args.overflow_capacity, row_bytes=row_bytes)
+                            for _ in range(args.repeat)]
                     best = min(runs, key=lambda r: r["proxy_dispatch_p50_us"] + r["proxy_combine_p50_us"])
                     best["repeats"] = args.repeat
                     res["phase"].append(best)
