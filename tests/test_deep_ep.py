@@ -552,6 +552,26 @@ def _options_worker(rank, R):
     c, _, _ = b.low_latency_combine(y * 2, idx, w, handle)
     if not torch.equal(a, c):
         fails.append("zero_copy combine differs from the same input passed as x")
+    # The checks still hold after calls that passed them (a signature is checked in full once, then
+    # by a tensor guard over the same tensors, which these fail)
+    _expect(fails, "ll x dtype, later", lambda: b.low_latency_dispatch(x.float(), idx, M, E, use_fp8=False),
+            ValueError, ["x"])
+    _expect(fails, "ll topk_idx dtype, later", lambda: b.low_latency_dispatch(x, idx.short(), M, E, use_fp8=False),
+            TypeError, ["topk_idx"])
+    _expect(fails, "ll topk_idx rows, later", lambda: b.low_latency_dispatch(x, idx[:2], M, E, use_fp8=False),
+            ValueError, ["topk_idx"])
+    _expect(fails, "ll too many tokens, later",
+            lambda: b.low_latency_dispatch(torch.zeros(M + 1, H, dtype=torch.bfloat16),
+                                           torch.zeros(M + 1, K, dtype=torch.int64), M, E, use_fp8=False),
+            ValueError, ["x", str(M)])
+    _expect(fails, "ll experts as a float, later", lambda: b.low_latency_dispatch(x, idx, M, float(E), use_fp8=False),
+            ValueError, ["num_experts"])
+    _expect(fails, "ll combine x dtype, later", lambda: b.low_latency_combine((y * 2).float(), idx, w, handle),
+            ValueError, ["x"])
+    _expect(fails, "ll combine topk_idx, later", lambda: b.low_latency_combine(y * 2, idx[:, :1], w, handle),
+            ValueError, ["topk_idx"])
+    _expect(fails, "ll combine out, later", lambda: b.low_latency_combine(y * 2, idx, w, handle, out=torch.empty(3, 7)),
+            ValueError, ["out"])
     for name, call in (("get_local_buffer_tensor", lambda: b.get_local_buffer_tensor(torch.bfloat16)),
                        ("low_latency_update_mask_buffer", lambda: b.low_latency_update_mask_buffer(0, True)),
                        ("low_latency_query_mask_buffer", lambda: b.low_latency_query_mask_buffer(torch.zeros(R))),

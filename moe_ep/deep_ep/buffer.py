@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..ops.buffer import EPBuffer
+from ..ops.replay import guard
 from ..core.interpret import interpreting
 from ..core.group import EPGroup
 from ..core.workspace import WorkspaceLayout, pow2
@@ -111,6 +112,10 @@ class Buffer:
         self._rows: Dict[tuple, List[_normal.RowsSlot]] = {}
         self._ll: Dict[tuple, List[_ll.LowLatencySlot]] = {}
         self._ll_turn: Dict[tuple, int] = {}
+        # low_latency_dispatch's arguments checked in full once per (scalars, x and topk_idx as
+        # tensors): a later call that torch's tensor guard passes with the same scalars skips the
+        # checks (an eager decode loop repeats one signature; ~2 us of Python a call).
+        self._ll_checked: Dict[tuple, object] = {}
         self._comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._destroyed = False
 
@@ -270,14 +275,37 @@ class Buffer:
         ``branch_options``: DeepEP hybrid-ep's ``use_nvfp4`` / ``x_global_scale``, accepted at their
         defaults (``moe_ep/deep_ep/forks.py``).
         """
-        _forks.check_dispatch(branch_options)
+        if branch_options:
+            _forks.check_dispatch(branch_options)
         self._check_alive()
+        if dispatch_wait_recv_cost_stats is not None:
+            _refuse("dispatch_wait_recv_cost_stats", "<tensor>", "no per-peer wait timing")
+        scalars = (type(num_max_dispatch_tokens_per_rank), num_max_dispatch_tokens_per_rank, type(num_experts),
+                   num_experts, bool(use_fp8), bool(round_scale), bool(use_ue8m0))
+        checked = self._ll_checked.get(scalars)
+        if checked is None or not checked.check(x, topk_idx):
+            self._check_ll_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale,
+                                    use_ue8m0)
+            if len(self._ll_checked) >= 64:
+                self._ll_checked.clear()
+            g = guard((x, topk_idx), (None, None))
+            if g is not None:
+                self._ll_checked[scalars] = g
+        scales = None if not use_fp8 else "ue8m0" if use_ue8m0 else "pow2" if round_scale else "float"
+        slot = self._ll_slot(num_experts, x.shape[1], num_max_dispatch_tokens_per_rank, topk_idx.shape[1], scales)
+        (recv_x, count, handle, hook), ev = self._issue(
+            lambda: _ll.dispatch(slot, x, topk_idx, cumulative_local_expert_recv_stats, return_recv_hook),
+            None, async_finish, on_current=return_recv_hook, reads=(x, topk_idx, cumulative_local_expert_recv_stats))
+        return recv_x, count, handle, ev, hook
+
+    def _check_ll_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale,
+                           use_ue8m0) -> None:
+        """``low_latency_dispatch``'s argument checks (what they depend on: the scalars, and the
+        dtype, device and shape of ``x`` and ``topk_idx``)."""
         if use_ue8m0 and not round_scale:
             raise ValueError("use_ue8m0: needs round_scale=True (as in DeepEP)")
         if round_scale and not use_fp8:
             raise ValueError("round_scale: needs use_fp8=True")
-        if dispatch_wait_recv_cost_stats is not None:
-            _refuse("dispatch_wait_recv_cost_stats", "<tensor>", "no per-peer wait timing")
         self._check_experts(num_experts)
         if not isinstance(num_max_dispatch_tokens_per_rank, int) or num_max_dispatch_tokens_per_rank < 1:
             raise ValueError(f"num_max_dispatch_tokens_per_rank: expected a positive int, got "
@@ -292,12 +320,6 @@ class Buffer:
             raise ValueError(f"x: fp8 dispatch needs hidden divisible by {512 if use_ue8m0 else 128} (DeepEP's scale "
                              f"layout{', four UE8M0 scales per int32' if use_ue8m0 else ''}), got {x.shape[1]}")
         check_topk_idx("topk_idx", topk_idx, num_experts, self.device, num_tokens=x.shape[0])
-        scales = None if not use_fp8 else "ue8m0" if use_ue8m0 else "pow2" if round_scale else "float"
-        slot = self._ll_slot(num_experts, x.shape[1], num_max_dispatch_tokens_per_rank, topk_idx.shape[1], scales)
-        (recv_x, count, handle, hook), ev = self._issue(
-            lambda: _ll.dispatch(slot, x, topk_idx, cumulative_local_expert_recv_stats, return_recv_hook),
-            None, async_finish, on_current=return_recv_hook, reads=(x, topk_idx, cumulative_local_expert_recv_stats))
-        return recv_x, count, handle, ev, hook
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
@@ -313,7 +335,8 @@ class Buffer:
         DeepEP's forks SGLang calls (``overlap``, ``src_signals``, ``comp_signal``, ...), accepted
         where they ask for nothing (``moe_ep/deep_ep/forks.py``).
         """
-        _forks.check_combine(fork_options)
+        if fork_options:
+            _forks.check_combine(fork_options)
         self._check_alive()
         if use_logfmt:
             _refuse("use_logfmt", use_logfmt, "combine sends bfloat16")

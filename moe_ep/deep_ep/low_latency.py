@@ -24,6 +24,7 @@ import torch
 
 from ..ops.buffer import EPBuffer
 from ..ops.calls import on_device
+from ..ops.replay import guard
 from ..ops.result import DispatchResult
 
 
@@ -64,6 +65,9 @@ class LowLatencySlot:
                               else torch.empty(EL, H // 128, rows, dtype=torch.float32, device=dev))
         self.combine_in: Optional[torch.Tensor] = None
         self._weights_of: dict = {}  # weights_for's views, per token count (at most M*K + 1)
+        # combine's checks passed once per (token count, zero_copy, out given): a torch tensor
+        # guard over the tensors they looked at, which later calls pass instead (~1.5 us a call).
+        self.combine_checked: dict = {}
 
     def weights_for(self, tokens: int) -> torch.Tensor:
         """The weights a dispatch of ``tokens`` buffer tokens sends (a view kept per count:
@@ -138,20 +142,19 @@ def dispatch(slot: LowLatencySlot, x: torch.Tensor, topk_idx: torch.Tensor,
         ids.copy_(topk_idx.reshape(T * K, 1))
         got = buf.dispatch(xs, ids, slot.weights_for(T * K), return_recv_hook=return_recv_hook)
     d, recv_hook = got if return_recv_hook else (got, None)
-
-    def finish() -> None:  # on the received layout, after the receive half
-        if slot.q is not None:
-            pow2_quantize(d.expert_x, slot.q, slot.scales_cm, slot.scales == "ue8m0")
-        if stats is not None:
-            stats.add_(d.expert_counts)
-
-    hook = None
     if slot.q is None and stats is None:
         hook = recv_hook  # nothing to do on arrival: the caller's hook is the buffer's
-    elif recv_hook is not None:
-        hook = _chain(recv_hook, finish)
     else:
-        finish()
+        def finish() -> None:  # on the received layout, after the receive half
+            if slot.q is not None:
+                pow2_quantize(d.expert_x, slot.q, slot.scales_cm, slot.scales == "ue8m0")
+            if stats is not None:
+                stats.add_(d.expert_counts)
+        hook = None
+        if recv_hook is not None:
+            hook = _chain(recv_hook, finish)
+        else:
+            finish()
     if slot.scales is None:
         recv_x = d.expert_x
     elif slot.q is None:  # fp8 from the buffer, its scales already DeepEP's column-major layout
@@ -162,31 +165,41 @@ def dispatch(slot: LowLatencySlot, x: torch.Tensor, topk_idx: torch.Tensor,
     return recv_x, d.expert_counts, handle, hook
 
 
+def _check_combine(slot: LowLatencySlot, d: DispatchResult, T: int, x, topk_idx, zero_copy: bool, out) -> None:
+    """``combine``'s checks of ``x`` (unless ``zero_copy``), ``topk_idx`` and ``out``: what they
+    depend on is the slot, the token count ``T`` and those tensors' dtype, device and shape."""
+    buf = slot.epbuf
+    shape = tuple(d.expert_x.shape)  # (the buffer's expert layout, which the dispatch's result views)
+    if not zero_copy and (not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or tuple(x.shape) != shape):
+        raise ValueError(f"x: expected a bfloat16 tensor of shape {list(shape)} (num_local_experts, "
+                         f"num_ranks * num_max_dispatch_tokens_per_rank, hidden), got "
+                         f"{getattr(x, 'dtype', type(x).__name__)} {list(getattr(x, 'shape', []))}")
+    if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2 or tuple(topk_idx.shape) != (T, slot.K):
+        raise ValueError(f"topk_idx: expected the dispatch's [{T}, {slot.K}] expert ids, got "
+                         f"{list(getattr(topk_idx, 'shape', []))}")
+    if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16
+                            or tuple(out.shape) != (T, buf.hidden) or not on_device(out, buf.device)):
+        raise ValueError(f"out: expected a bfloat16 [{T}, {buf.hidden}] tensor on {buf.device}, got "
+                         f"{getattr(out, 'dtype', type(out).__name__)} {list(getattr(out, 'shape', []))}")
+
+
 def combine(handle: LowLatencyHandle, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
             zero_copy: bool, return_recv_hook: bool, out: Optional[torch.Tensor]):
     """``(combined_x, hook)`` of DeepEP's ``low_latency_combine``."""
     slot, d = handle.slot, handle.result
     buf = slot.epbuf
     T, K = handle.num_tokens, slot.K
-    shape = tuple(d.expert_x.shape)  # (the buffer's expert layout, which the dispatch's result views)
-    if zero_copy:
-        if slot.combine_in is None:
-            raise ValueError("zero_copy: no combine buffer was taken; fill get_next_low_latency_combine_buffer(handle) "
-                             "first")
-        y = slot.combine_in
-    else:
-        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or tuple(x.shape) != shape:
-            raise ValueError(f"x: expected a bfloat16 tensor of shape {list(shape)} (num_local_experts, "
-                             f"num_ranks * num_max_dispatch_tokens_per_rank, hidden), got "
-                             f"{getattr(x, 'dtype', type(x).__name__)} {list(getattr(x, 'shape', []))}")
-        y = x
-    if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2 or tuple(topk_idx.shape) != (T, K):
-        raise ValueError(f"topk_idx: expected the dispatch's [{T}, {K}] expert ids, got "
-                         f"{list(getattr(topk_idx, 'shape', []))}")
-    if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16
-                            or tuple(out.shape) != (T, buf.hidden) or not on_device(out, buf.device)):
-        raise ValueError(f"out: expected a bfloat16 [{T}, {buf.hidden}] tensor on {buf.device}, got "
-                         f"{getattr(out, 'dtype', type(out).__name__)} {list(getattr(out, 'shape', []))}")
+    looked = ((topk_idx,) if zero_copy else (x, topk_idx)) + (() if out is None else (out,))
+    checked = slot.combine_checked.get((T, zero_copy, out is None))
+    if checked is None or not checked.check(*looked):  # (a guard passes no non-tensor)
+        _check_combine(slot, d, T, x, topk_idx, zero_copy, out)
+        g = guard(looked, (None,) * len(looked))
+        if g is not None:
+            slot.combine_checked[(T, zero_copy, out is None)] = g
+    if zero_copy and slot.combine_in is None:
+        raise ValueError("zero_copy: no combine buffer was taken; fill get_next_low_latency_combine_buffer(handle) "
+                         "first")
+    y = slot.combine_in if zero_copy else x
     if slot.expand == 1:  # (into the caller's out where given: no copy)
         got = buf.combine(y, d, return_recv_hook=return_recv_hook, topk_weights=topk_weights, out=out)
     else:
