@@ -16,6 +16,14 @@ def test_phase_time_moves_rows_of_the_size_asked():
         assert math.isfinite(r[k]) and r[k] > 0, (k, r)
 
 
+def test_phase_time_at_four_ranks_with_round_one_slots():
+    """Four ranks, one 16-byte row to every peer, 2 round-1 rows a peer (the defaults): the
+    combine send region is as large as the proxy needs (round-1 slots of 3 peers, then the
+    overflow), and the last epoch's rows landed."""
+    r = pc.phase_time(4, 1, epochs=3, warmup=1)
+    assert r["ranks"] == 4 and math.isfinite(r["proxy_combine_p50_us"]), r
+
+
 def test_row_bytes_option_checked():
     with pytest.raises(SystemExit):
         pc.main(["--part", "phase", "--ranks", "2", "--row-bytes", "7500,14336"])

@@ -1,7 +1,8 @@
 // TCP transport: several streams (sockets) per peer and direction; writes are spread (and large
-// ones sharded) across the streams, so delivery is really unordered. One epoll I/O thread per
-// engine serves every socket (sends, receives, acks). Wire format and threading:
-// docs/ARCHITECTURE.md, "Proxy engine (native)".
+// ones sharded) across the streams, so delivery is really unordered. Two epoll threads per
+// engine: a sender thread puts this rank's shards and goodbyes on its sockets, an I/O thread
+// does everything else (receives, acks both ways, hellos, failures), so sends and receives run at
+// once. Wire format and threading: docs/ARCHITECTURE.md, "Proxy engine (native)".
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netdb.h>
@@ -126,14 +127,15 @@ struct Shard {
   const char* src;
 };
 
-// One socket. Outgoing (this rank connected): shards out, acks in. Incoming (the peer connected):
-// hello and shards in, acks out. Everything but `q` belongs to the I/O thread; posters push
-// shards into `q` under `mu`.
+// One socket. Outgoing (this rank connected): shards out (the sender thread), acks in (the I/O
+// thread). Incoming (the peer connected): hello and shards in, acks out (the I/O thread). The
+// receiving fields belong to the I/O thread; an outgoing connection's sending fields to the sender
+// thread; posters push shards into `q` under `mu`.
 struct Conn {
   int fd = -1;
   int peer = -1;  // incoming: known after the hello
   bool outgoing = false;
-  bool dead = false;  // removed from the epoll set and closed
+  std::atomic<bool> dead{false};  // out of the I/O epoll set; closed (outgoing: shut down, closed at the end)
   std::string addr;   // incoming: the connector's address, "ip:port"
   // receiving
   enum State { kHello, kHeader, kPayload } st = kHeader;
@@ -155,6 +157,11 @@ struct Conn {
   size_t opos = 0;
   bool want_out = false;    // EPOLLOUT armed
   bool bye = false;         // the goodbye is in obuf: nothing is queued after it
+  // outgoing: a send that failed (the sender thread stops using the socket and hands the failure
+  // to the I/O thread, which reads what the peer sent before, its goodbye above all; under mu)
+  std::string send_failed;
+  bool send_broken = false;  // sender thread: the socket failed, nothing more is sent on it
+  bool in_send_set = false;  // sender thread: registered in its epoll set
 };
 
 struct Partial {
@@ -219,28 +226,40 @@ class TcpTransport final : public Transport {
     }
     endpoint_ = host + ":" + std::to_string(ntohs(a.sin_port));
     ep_ = epoll_create1(EPOLL_CLOEXEC);
+    sep_ = epoll_create1(EPOLL_CLOEXEC);
     wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    swake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     timer_fd_ = timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
-    if (ep_ < 0 || wake_fd_ < 0 || timer_fd_ < 0)
+    if (ep_ < 0 || sep_ < 0 || wake_fd_ < 0 || swake_fd_ < 0 || timer_fd_ < 0)
       return set_error(kErrSystem, prefix() + "epoll/eventfd/timerfd failed: " + errno_str(errno));
     listen_tag_.fd = listen_fd_;
     wake_tag_.fd = wake_fd_;
+    swake_tag_.fd = swake_fd_;
     timer_tag_.fd = timer_fd_;
-    for (Conn* c : {&listen_tag_, &wake_tag_, &timer_tag_}) ep_add(c);
-    return start_thread(&io_thread_, [this] { io_loop(); }, prefix() + "I/O thread");
+    for (Conn* c : {&listen_tag_, &wake_tag_}) ep_add(c);
+    for (Conn* c : {&swake_tag_, &timer_tag_}) {
+      epoll_event ev{};
+      ev.events = EPOLLIN;
+      ev.data.ptr = c;
+      epoll_ctl(sep_, EPOLL_CTL_ADD, c->fd, &ev);
+    }
+    if (int rc = start_thread(&io_thread_, [this] { io_loop(); }, prefix() + "I/O thread"); rc != kOk) return rc;
+    return start_thread(&send_thread_, [this] { send_loop(); }, prefix() + "sender thread");
   }
 
   ~TcpTransport() override {
     say_goodbye(Goodbye{});  // a clean close, unless the owner said otherwise
     stop_ = true;
-    wake();
+    wake_io();
+    wake_sender();
+    if (send_thread_.joinable()) send_thread_.join();
     if (io_thread_.joinable()) io_thread_.join();
     for (auto& c : in_)
       if (c->fd >= 0) shutdown(c->fd, SHUT_RDWR), close(c->fd);
     for (auto& pr : peers_)
       for (auto& c : pr->out)
         if (c->fd >= 0) shutdown(c->fd, SHUT_RDWR), close(c->fd);
-    for (int fd : {listen_fd_, ep_, wake_fd_, timer_fd_})
+    for (int fd : {listen_fd_, ep_, sep_, wake_fd_, swake_fd_, timer_fd_})
       if (fd >= 0) close(fd);
   }
 
@@ -330,7 +349,7 @@ class TcpTransport final : public Transport {
       if (pr.lost) break;  // pending already failed by lose_peer
       s.q.push_back(sh);
     }
-    wake();
+    wake_sender();
     return kOk;
   }
 
@@ -350,19 +369,21 @@ class TcpTransport final : public Transport {
   void set_max_pending(int n) override { max_pending_ = std::max(n, 1); }
   std::vector<std::string> refused(int64_t* total) const override { return refusals_.lines(total); }
 
-  int64_t cpu_ns() override { return thread_cpu_ns(io_thread_); }
+  int64_t cpu_ns() override { return thread_cpu_ns(io_thread_) + thread_cpu_ns(send_thread_); }
 
   std::string peer_error(int peer) override { return loss_of(peers_, peer); }
 
-  // The I/O thread queues the goodbye on every connection of every peer not lost and reports when
-  // the kernel has sent all of it (queue_goodbyes, goodbyes_gone); this waits for that.
+  // The goodbye goes on every connection of every peer not lost: the sender thread queues it on
+  // this rank's connections, the I/O thread on the peers'; each reports when the kernel has sent
+  // all of its part (queue_*_goodbyes, *_goodbyes_gone); this waits for both.
   void say_goodbye(const Goodbye& g) override {
     std::unique_lock<std::mutex> lk(bye_mu_);
     if (bye_asked_) return;
     bye_ = g;
     bye_asked_ = true;
-    if (!connected_ || !io_thread_.joinable()) return;
-    wake();
+    if (!connected_ || !io_thread_.joinable() || !send_thread_.joinable()) return;
+    wake_io();
+    wake_sender();
     bye_cv_.wait_for(lk, std::chrono::nanoseconds(kGoodbyeTimeoutNs), [this] { return bye_gone_; });
   }
 
@@ -417,10 +438,17 @@ class TcpTransport final : public Transport {
                                       " did not succeed before the deadline (" + last + ")");
   }
 
-  void wake() {
+  // Wakes the I/O thread (a goodbye to queue, a send failure to take, stop).
+  void wake_io() {
+    const uint64_t one = 1;
+    (void)!write(wake_fd_, &one, sizeof(one));
+  }
+
+  // Wakes the sender thread: shards were queued (once until it has drained the signal).
+  void wake_sender() {
     if (!wake_pending_.exchange(true)) {
       const uint64_t one = 1;
-      (void)!write(wake_fd_, &one, sizeof(one));
+      (void)!write(swake_fd_, &one, sizeof(one));
     }
   }
 
@@ -431,13 +459,30 @@ class TcpTransport final : public Transport {
     epoll_ctl(ep_, EPOLL_CTL_ADD, c->fd, &ev);
   }
 
+  // EPOLLOUT on or off for c: an incoming connection's in the I/O thread's set (acks to send), an
+  // outgoing one's in the sender thread's (shards and its goodbye to send; added on first use).
   void arm_out(Conn* c, bool on) {
     if (c->want_out == on || c->dead) return;
     c->want_out = on;
     epoll_event ev{};
-    ev.events = EPOLLIN | (on ? EPOLLOUT : 0u);
     ev.data.ptr = c;
-    epoll_ctl(ep_, EPOLL_CTL_MOD, c->fd, &ev);
+    if (c->outgoing) {
+      ev.events = on ? EPOLLOUT : 0u;
+      epoll_ctl(sep_, c->in_send_set ? EPOLL_CTL_MOD : EPOLL_CTL_ADD, c->fd, &ev);
+      c->in_send_set = true;
+    } else {
+      ev.events = EPOLLIN | (on ? EPOLLOUT : 0u);
+      epoll_ctl(ep_, EPOLL_CTL_MOD, c->fd, &ev);
+    }
+  }
+
+  // Takes outgoing c out of the sender thread's set (its socket failed or its peer is gone: a hung
+  // up socket would be reported there again and again).
+  void unwatch_send(Conn* c) {
+    if (!c->in_send_set) return;
+    epoll_ctl(sep_, EPOLL_CTL_DEL, c->fd, nullptr);
+    c->in_send_set = false;
+    c->want_out = false;
   }
 
   // Takes the socket out of the epoll set and closes it. A peer's socket (outgoing, or incoming
@@ -454,7 +499,12 @@ class TcpTransport final : public Transport {
       Peer& pr = *peers_[c->peer];
       std::lock_guard<std::mutex> lk(pr.mu);
       pr.in_fds.erase(std::remove(pr.in_fds.begin(), pr.in_fds.end(), c->fd), pr.in_fds.end());
-      close_fd(c);
+      // An outgoing socket is only shut down: the sender thread may still be using it (a send then
+      // fails); it is closed with the engine.
+      if (c->outgoing)
+        shutdown(c->fd, SHUT_RDWR);
+      else
+        close_fd(c);
     }
     if (!c->outgoing) reap_ = true;
   }
@@ -477,11 +527,11 @@ class TcpTransport final : public Transport {
   void reap() {
     if (!reap_) return;
     reap_ = false;
-    in_.erase(std::remove_if(in_.begin(), in_.end(), [](const std::unique_ptr<Conn>& c) { return c->dead; }), in_.end());
+    in_.erase(std::remove_if(in_.begin(), in_.end(), [](const std::unique_ptr<Conn>& c) { return c->dead.load(); }), in_.end());
   }
 
-  // A send failed: the peer ended the connection (reset it), but what it sent before is still to be
-  // read (its goodbye above all, which says why it left), so that is read first.
+  // A send failed (I/O thread): the peer ended the connection (reset it), but what it sent before
+  // is still to be read (its goodbye above all, which says why it left), so that is read first.
   void fail_send(Conn* c, const std::string& why) {
     on_readable(c, false);
     if (!c->dead) fail(c, why);
@@ -535,45 +585,103 @@ class TcpTransport final : public Transport {
         if (c == &wake_tag_) {
           uint64_t v;
           (void)!read(wake_fd_, &v, sizeof(v));
+        } else if (c == &listen_tag_) {
+          accept_all();
+        } else if (!c->dead) {
+          if (ev[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR)) on_readable(c);
+          if (!c->dead && !c->outgoing && (ev[i].events & EPOLLOUT)) flush_out(c);
+        }
+      }
+      if (send_failures_.exchange(false)) take_send_failures();
+      if (bye_asked_ && !in_bye_queued_) queue_in_goodbyes();
+      if (in_bye_queued_) in_goodbyes_gone();
+      expire_hellos();
+      reap();
+    }
+  }
+
+  // The failures the sender thread handed over (send_failed), each taken as any failed send is.
+  void take_send_failures() {
+    for (auto& pr : peers_)
+      for (auto& c : pr->out) {
+        std::string why;
+        {
+          std::lock_guard<std::mutex> lk(c->mu);
+          why.swap(c->send_failed);
+        }
+        if (!why.empty() && !c->dead) fail_send(c.get(), why);
+      }
+  }
+
+  // ---- the sender thread: this rank's shards and goodbyes out, on every outgoing socket, so that
+  // sending and receiving (the I/O thread) run at once ----
+
+  void send_loop() {
+    epoll_event ev[64];
+    while (!stop_) {
+      const int n = epoll_wait(sep_, ev, 64, 10);  // the timeout is only a safety net
+      if (stop_) break;
+      if (n < 0 && errno != EINTR) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        continue;
+      }
+      for (int i = 0; i < n; ++i) {
+        Conn* c = static_cast<Conn*>(ev[i].data.ptr);
+        if (c == &swake_tag_) {
+          uint64_t v;
+          (void)!read(swake_fd_, &v, sizeof(v));
           // After draining, before pump(): a post that saw the flag set queued its shards before
           // this store, so pump() sends them; a later post finds it clear and signals again.
           wake_pending_ = false;
         } else if (c == &timer_tag_) {
           uint64_t v;
           (void)!read(timer_fd_, &v, sizeof(v));
-        } else if (c == &listen_tag_) {
-          accept_all();
-        } else if (!c->dead) {
-          if (ev[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR)) on_readable(c);
-          if (!c->dead && (ev[i].events & EPOLLOUT)) c->outgoing ? send_some(c) : flush_out(c);
+        } else if (c->dead || c->send_broken || peers_[c->peer]->lost || (ev[i].events & (EPOLLHUP | EPOLLERR))) {
+          unwatch_send(c);  // (the I/O thread reads the end and fails the peer)
+        } else {
+          send_some(c);
         }
       }
       pump();
-      if (bye_asked_ && !bye_queued_) queue_goodbyes();
-      if (bye_queued_) goodbyes_gone();
-      expire_hellos();
-      reap();
+      if (bye_asked_ && !out_bye_queued_) queue_out_goodbyes();
+      if (out_bye_queued_) out_goodbyes_gone();
     }
+  }
+
+  // A send on outgoing c failed (sender thread): nothing more is sent on it, and the I/O thread
+  // takes the failure (fail_send reads what the peer sent before first).
+  void send_failed(Conn* c, const std::string& why) {
+    c->send_broken = true;
+    unwatch_send(c);
+    {
+      std::lock_guard<std::mutex> lk(c->mu);
+      if (c->send_failed.empty()) c->send_failed = why;
+    }
+    send_failures_ = true;
+    wake_io();
   }
 
   // The goodbye on every connection of every peer not gone (the peer may notice any of them close
   // first): on this rank's own connections after the shard being sent (the queued ones are
-  // dropped: the engine is closing), on the peer's after the acks queued, behind an ack marker.
-  void queue_goodbyes() {
-    Goodbye g;
-    {
-      std::lock_guard<std::mutex> lk(bye_mu_);
-      g = bye_;
-    }
-    bye_queued_ = true;
-    auto put = [](Conn* c, const void* p, size_t n) {
-      c->obuf.insert(c->obuf.end(), static_cast<const char*>(p), static_cast<const char*>(p) + n);
-    };
+  // dropped: the engine is closing; the sender thread), on the peer's after the acks queued, behind
+  // an ack marker (the I/O thread).
+  Goodbye goodbye_said() {
+    std::lock_guard<std::mutex> lk(bye_mu_);
+    return bye_;
+  }
+
+  static void put(Conn* c, const void* p, size_t n) {
+    c->obuf.insert(c->obuf.end(), static_cast<const char*>(p), static_cast<const char*>(p) + n);
+  }
+
+  void queue_out_goodbyes() {
+    const Goodbye g = goodbye_said();
+    out_bye_queued_ = true;
     for (int p = 0; p < world_; ++p) {
       if (p == rank_ || peer_gone(*peers_[p])) continue;
       const WireGoodbye w = make_goodbye(id_, rank_, p, world_, g);
       for (auto& c : peers_[p]->out) {
-        if (c->fd < 0 || c->dead) continue;
+        if (c->fd < 0 || c->dead || c->send_broken) continue;
         {
           std::lock_guard<std::mutex> lk(c->mu);
           c->q.clear();
@@ -583,6 +691,11 @@ class TcpTransport final : public Transport {
         send_some(c.get());
       }
     }
+  }
+
+  void queue_in_goodbyes() {
+    const Goodbye g = goodbye_said();
+    in_bye_queued_ = true;
     const WireAck marker{0, kAckGoodbye, 0};
     for (auto& c : in_) {
       if (c->dead || c->st == Conn::kHello || peer_gone(*peers_[c->peer])) continue;
@@ -596,19 +709,30 @@ class TcpTransport final : public Transport {
 
   // Tells say_goodbye once every goodbye is out: handed to the kernel and acknowledged by the peer's
   // (SIOCOUTQ 0), since closing a socket with unread bytes resets it and drops what it still holds.
-  void goodbyes_gone() {
-    auto gone = [](const Conn& c) {
-      int unsent = 0;
-      return c.dead || !c.bye || (c.obuf.empty() && ioctl(c.fd, SIOCOUTQ, &unsent) == 0 && unsent == 0);
-    };
+  // Each thread its part: this rank's connections (sender thread), the peers' (I/O thread).
+  static bool bye_sent(const Conn& c) {
+    int unsent = 0;
+    return c.dead || !c.bye || (c.obuf.empty() && ioctl(c.fd, SIOCOUTQ, &unsent) == 0 && unsent == 0);
+  }
+
+  void out_goodbyes_gone() {
     for (int p = 0; p < world_; ++p)
       if (p != rank_ && !peers_[p]->lost)
         for (auto& c : peers_[p]->out)
-          if (c->fd >= 0 && !gone(*c)) return;
+          if (c->fd >= 0 && !c->send_broken && !bye_sent(*c)) return;
+    part_gone(&out_bye_gone_);
+  }
+
+  void in_goodbyes_gone() {
     for (auto& c : in_)
-      if (c->st != Conn::kHello && !peers_[c->peer]->lost && !gone(*c)) return;
+      if (c->st != Conn::kHello && !peers_[c->peer]->lost && !bye_sent(*c)) return;
+    part_gone(&in_bye_gone_);
+  }
+
+  void part_gone(bool* part) {
     std::lock_guard<std::mutex> lk(bye_mu_);
-    if (!bye_gone_) {
+    *part = true;
+    if (out_bye_gone_ && in_bye_gone_ && !bye_gone_) {
       bye_gone_ = true;
       bye_cv_.notify_all();
     }
@@ -884,6 +1008,7 @@ class TcpTransport final : public Transport {
       if (r < 0) {
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) return arm_out(c, true);
+        if (c->outgoing) return send_failed(c, "sending the goodbye failed: " + errno_str(errno));
         return fail_send(c, "sending ack failed: " + errno_str(errno));
       }
       c->opos += size_t(r);
@@ -900,7 +1025,7 @@ class TcpTransport final : public Transport {
     for (int p = 0; p < world_; ++p)
       if (p != rank_)
         for (auto& c : peers_[p]->out)
-          if (c->fd >= 0 && !c->dead) send_some(c.get());
+          if (c->fd >= 0 && !c->dead && !c->send_broken) send_some(c.get());
     if (next_hold_) {  // delay injection: wake up when the earliest held message may leave
       itimerspec ts{};
       ts.it_value.tv_sec = time_t(next_hold_ / 1'000'000'000);
@@ -947,7 +1072,7 @@ class TcpTransport final : public Transport {
       if (r < 0) {
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) return arm_out(c, true);
-        return fail_send(c, "send failed: " + errno_str(errno));
+        return send_failed(c, "send failed: " + errno_str(errno));
       }
       c->cur_off += uint64_t(r);
       if (c->cur_off == total) c->busy = false;
@@ -957,8 +1082,9 @@ class TcpTransport final : public Transport {
 
   const int rank_, world_, nstreams_;
   const JobIdentity id_;
-  int listen_fd_ = -1, ep_ = -1, wake_fd_ = -1, timer_fd_ = -1;
-  Conn listen_tag_, wake_tag_, timer_tag_;  // epoll tags of the listening socket, eventfd, timerfd
+  int listen_fd_ = -1, ep_ = -1, wake_fd_ = -1;  // the I/O thread's epoll set and eventfd
+  int sep_ = -1, swake_fd_ = -1, timer_fd_ = -1;  // the sender thread's, and its delay-injection timer
+  Conn listen_tag_, wake_tag_, swake_tag_, timer_tag_;  // epoll tags of the listening socket, eventfds, timerfd
   std::string endpoint_;
   std::vector<std::unique_ptr<Peer>> peers_;
   std::vector<std::unique_ptr<Conn>> in_;  // I/O thread: accepted connections, oldest first
@@ -978,17 +1104,20 @@ class TcpTransport final : public Transport {
   std::atomic<int> max_pending_{256};
   std::atomic<bool> stop_{false};
   std::atomic<bool> connected_{false};
-  std::atomic<bool> wake_pending_{false};
-  std::mutex bye_mu_;                  // guards bye_, bye_gone_
+  std::atomic<bool> wake_pending_{false};  // the sender thread's eventfd is signalled
+  std::atomic<bool> send_failures_{false};  // a send_failed for the I/O thread to take
+  std::mutex bye_mu_;                  // guards bye_, bye_gone_ and its two parts
   std::condition_variable bye_cv_;
   Goodbye bye_;                        // what the goodbye says (say_goodbye)
   std::atomic<bool> bye_asked_{false};
-  bool bye_gone_ = false;              // every goodbye is out (goodbyes_gone)
-  bool bye_queued_ = false;            // I/O thread: queue_goodbyes ran
-  std::minstd_rand rng_{std::random_device{}()};  // I/O thread
-  int64_t next_hold_ = 0;                          // I/O thread
+  bool bye_gone_ = false;              // every goodbye is out (both parts below)
+  bool out_bye_gone_ = false, in_bye_gone_ = false;  // this rank's connections' part, the peers'
+  bool out_bye_queued_ = false;        // sender thread: queue_out_goodbyes ran
+  bool in_bye_queued_ = false;         // I/O thread: queue_in_goodbyes ran
+  std::minstd_rand rng_{std::random_device{}()};  // sender thread
+  int64_t next_hold_ = 0;                          // sender thread
   int64_t last_hello_check_ = 0;                   // I/O thread
-  std::thread io_thread_;
+  std::thread io_thread_, send_thread_;
 };
 
 }  // namespace

@@ -125,13 +125,16 @@ def post_cost(streams: int, sizes=SIZES, scale: float = 1.0, transport: str = "t
 def _rank_main(rank, R, transport, streams, warmup, epochs, poll, cap, conn, rows=1, ovcap=None, rb=RB, crb=CRB):
     try:
         from moe_ep.native.bench import bench_drive
-        from moe_ep.native.proxy import Proxy
+        from moe_ep.native.proxy import Proxy, proxy_region_bytes
 
         eng = make_engine(rank, R, streams, transport)
         ovcap = R * rows if ovcap is None else ovcap
-        px = Proxy(eng, node_size=1, num_local_experts=1, row_bytes=rb, comb_row_bytes=crb, private_capacity=cap,
-                   overflow_capacity=ovcap, max_send_rows=R * rows, timeout_s=30, spin_us=poll["proxy_spin_us"],
-                   sleep_us=poll["proxy_sleep_us"], regions={"comb_send": np.zeros((R * rows + ovcap) * crb, np.uint8)})
+        kw = dict(node_size=1, num_local_experts=1, row_bytes=rb, comb_row_bytes=crb, private_capacity=cap,
+                  overflow_capacity=ovcap, max_send_rows=R * rows)
+        # (the combine send region at least as the proxy sizes it: round-1 slots of every peer, then the windows)
+        comb_send = max(proxy_region_bytes(R, **kw)["comb_send"], (R * rows + ovcap) * crb)
+        px = Proxy(eng, **kw, timeout_s=30, spin_us=poll["proxy_spin_us"], sleep_us=poll["proxy_sleep_us"],
+                   regions={"comb_send": np.zeros(comb_send, np.uint8)})
         conn.send(eng.endpoint)
         eng.connect(conn.recv(), timeout_s=30)
         counts = np.full(R, rows, np.int32)
