@@ -571,20 +571,29 @@ class TcpTransport final : public Transport {
 
   // ---- the I/O thread: every socket of the engine, one epoll loop ----
 
+  // One wait of a thread's epoll set `ep`: the events (at most 64) in ev, their count (0 after an
+  // error, which backs off 1 ms rather than spin). The 10 ms timeout is only a safety net.
+  static int wait_events(int ep, epoll_event* ev) {
+    const int n = epoll_wait(ep, ev, 64, 10);
+    if (n < 0 && errno != EINTR) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    return std::max(n, 0);
+  }
+
+  // An eventfd's signal, drained.
+  static void drain(int fd) {
+    uint64_t v;
+    (void)!read(fd, &v, sizeof(v));
+  }
+
   void io_loop() {
     epoll_event ev[64];
     while (!stop_) {
-      const int n = epoll_wait(ep_, ev, 64, 10);  // the timeout is only a safety net
+      const int n = wait_events(ep_, ev);
       if (stop_) break;
-      if (n < 0 && errno != EINTR) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
-        continue;
-      }
       for (int i = 0; i < n; ++i) {
         Conn* c = static_cast<Conn*>(ev[i].data.ptr);
         if (c == &wake_tag_) {
-          uint64_t v;
-          (void)!read(wake_fd_, &v, sizeof(v));
+          drain(wake_fd_);
         } else if (c == &listen_tag_) {
           accept_all();
         } else if (!c->dead) {
@@ -619,23 +628,17 @@ class TcpTransport final : public Transport {
   void send_loop() {
     epoll_event ev[64];
     while (!stop_) {
-      const int n = epoll_wait(sep_, ev, 64, 10);  // the timeout is only a safety net
+      const int n = wait_events(sep_, ev);
       if (stop_) break;
-      if (n < 0 && errno != EINTR) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
-        continue;
-      }
       for (int i = 0; i < n; ++i) {
         Conn* c = static_cast<Conn*>(ev[i].data.ptr);
         if (c == &swake_tag_) {
-          uint64_t v;
-          (void)!read(swake_fd_, &v, sizeof(v));
+          drain(swake_fd_);
           // After draining, before pump(): a post that saw the flag set queued its shards before
           // this store, so pump() sends them; a later post finds it clear and signals again.
           wake_pending_ = false;
         } else if (c == &timer_tag_) {
-          uint64_t v;
-          (void)!read(timer_fd_, &v, sizeof(v));
+          drain(timer_fd_);
         } else if (c->dead || c->send_broken || peers_[c->peer]->lost || (ev[i].events & (EPOLLHUP | EPOLLERR))) {
           unwatch_send(c);  // (the I/O thread reads the end and fails the peer)
         } else {
