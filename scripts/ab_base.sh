@@ -11,5 +11,5 @@ PYTHON=${PYTHON:-$PWD/.venv/bin/python}
 rm -rf "$dir"
 mkdir -p "$dir"
 git archive "$rev" | tar -x -C "$dir"
-(cd "$dir" && "$PYTHON" setup.py build_ext --inplace -q >/dev/null)
+(cd "$dir" && "$PYTHON" setup.py build_ext --inplace -q >/dev/null && rm -rf build)  # (carried: keep it small)
 echo "$dir: tree $(git rev-parse --short "$rev"), library $(ls "$dir"/moe_ep/native/_native*.so)"
