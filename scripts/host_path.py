@@ -6,7 +6,8 @@ launches go through real native plans (csrc/launch/launch.cc) into a stand-in CU
 cuLaunchKernel only records its arguments (tests/stand_in_cuda.py), so a call costs what it costs
 on a GPU host minus the driver's launch and torch's allocator. Prints the median host time of each
 call (3 rounds of 3000 calls; T = 128, and T changing every call through 1..128; calls with a
-receive hook, the hook included; DeepEP's low-latency pair through ``moe_ep.deep_ep``) and, for
+receive hook, the hook included; DeepEP's low-latency pair through ``moe_ep.deep_ep``, its dispatch
+also with T changing every call) and, for
 scale, a launch alone and an allocation; then the same calls across nodes (2 rank processes, 2
 nodes of 1, their proxies over TCP loopback; nothing runs, so nothing waits).
 
@@ -216,6 +217,12 @@ def main(calls: int = 3000) -> None:
     def ll_combine():
         _, _, hook = ll.low_latency_combine(ll_state["y"], idx, w, ll_state["h"], return_recv_hook=True, out=out)
         hook()
+    ll_varying = [(x[:t], idx[:t]) for t in range(T - 31, T + 1)]  # a batch that changes every call
+
+    def ll_dispatch_varying():
+        xv, iv = ll_varying[ll_state.setdefault("i", 0) % len(ll_varying)]
+        ll_state["i"] += 1
+        ll.low_latency_dispatch(xv, iv, T, 256, use_fp8=True, return_recv_hook=True)[4]()
     ll_dispatch()
     ll_state["y"] = torch.zeros(ll_state["h"].result.expert_x.shape, dtype=torch.bfloat16)
     for _ in range(3):  # both buffers of the pair record (the third call of each replays)
@@ -232,13 +239,13 @@ def main(calls: int = 3000) -> None:
                      _median_us(cycle(False), calls), _median_us(cycle(True), calls),
                      _median_us(hooked_dispatch, calls), _median_us(hooked_combine, calls),
                      _median_us(lambda: rbuf.combine(ry, rh, topk_weights=rw, out=out32), calls),
-                     _median_us(ll_dispatch, calls), _median_us(ll_combine, calls),
+                     _median_us(ll_dispatch, calls), _median_us(ll_combine, calls), _median_us(ll_dispatch_varying, calls),
                      _median_us(lambda: bound.launch(0, ptrs), calls), _median_us(lambda: torch.empty_like(out), calls),
                      _median_us(lambda: None, calls)))
     names = ("dispatch", "combine", "combine(out=)", "combine(topk_weights=, out=)", "dispatch, T = 1..128",
              "+ combine(out=), T = 1..128", "dispatch with a hook, + hook()", "combine(w=, out=, hook), + hook()",
              "rows: combine(w=, out=f32)", "deep_ep: low_latency_dispatch + hook",
-             "deep_ep: low_latency_combine + hook",
+             "deep_ep: low_latency_combine + hook", "deep_ep: the dispatch, T = 97..128",
              "one native launch", "empty_like [T, H]", "timer alone")
     print(f"host time per call, us (median of {calls}; 3 rounds; the timer's own cost included in each):")
     for i, name in enumerate(names):

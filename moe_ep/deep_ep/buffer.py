@@ -112,9 +112,10 @@ class Buffer:
         self._rows: Dict[tuple, List[_normal.RowsSlot]] = {}
         self._ll: Dict[tuple, List[_ll.LowLatencySlot]] = {}
         self._ll_turn: Dict[tuple, int] = {}
-        # low_latency_dispatch's arguments checked in full once per (scalars, x and topk_idx as
-        # tensors): a later call that torch's tensor guard passes with the same scalars skips the
-        # checks (an eager decode loop repeats one signature; ~2 us of Python a call).
+        # low_latency_dispatch's arguments checked in full once per signature (the scalars and
+        # the token count; x and topk_idx as tensors): a later call that torch's tensor guard passes
+        # with the same scalars and count skips the checks (~2 us of Python a call). Keyed by count,
+        # so an eager loop whose batch changes builds each count's guard once (~3 us each).
         self._ll_checked: Dict[tuple, object] = {}
         self._comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._destroyed = False
@@ -280,13 +281,16 @@ class Buffer:
         self._check_alive()
         if dispatch_wait_recv_cost_stats is not None:
             _refuse("dispatch_wait_recv_cost_stats", "<tensor>", "no per-peer wait timing")
-        scalars = (type(num_max_dispatch_tokens_per_rank), num_max_dispatch_tokens_per_rank, type(num_experts),
-                   num_experts, bool(use_fp8), bool(round_scale), bool(use_ue8m0))
+        try:
+            scalars = (type(num_max_dispatch_tokens_per_rank), num_max_dispatch_tokens_per_rank, type(num_experts),
+                       num_experts, bool(use_fp8), bool(round_scale), bool(use_ue8m0), x.shape[0])
+        except (AttributeError, IndexError):  # (not a tensor of tokens: the checks say what is wrong)
+            scalars = None
         checked = self._ll_checked.get(scalars)
         if checked is None or not checked.check(x, topk_idx):
             self._check_ll_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale,
                                     use_ue8m0)
-            if len(self._ll_checked) >= 64:
+            if len(self._ll_checked) >= 1024:
                 self._ll_checked.clear()
             g = guard((x, topk_idx), (None, None))
             if g is not None:

@@ -142,19 +142,20 @@ def dispatch(slot: LowLatencySlot, x: torch.Tensor, topk_idx: torch.Tensor,
         ids.copy_(topk_idx.reshape(T * K, 1))
         got = buf.dispatch(xs, ids, slot.weights_for(T * K), return_recv_hook=return_recv_hook)
     d, recv_hook = got if return_recv_hook else (got, None)
+
+    def finish() -> None:  # on the received layout, after the receive half
+        if slot.q is not None:
+            pow2_quantize(d.expert_x, slot.q, slot.scales_cm, slot.scales == "ue8m0")
+        if stats is not None:
+            stats.add_(d.expert_counts)
+
+    hook = None
     if slot.q is None and stats is None:
         hook = recv_hook  # nothing to do on arrival: the caller's hook is the buffer's
+    elif recv_hook is not None:
+        hook = _chain(recv_hook, finish)
     else:
-        def finish() -> None:  # on the received layout, after the receive half
-            if slot.q is not None:
-                pow2_quantize(d.expert_x, slot.q, slot.scales_cm, slot.scales == "ue8m0")
-            if stats is not None:
-                stats.add_(d.expert_counts)
-        hook = None
-        if recv_hook is not None:
-            hook = _chain(recv_hook, finish)
-        else:
-            finish()
+        finish()
     if slot.scales is None:
         recv_x = d.expert_x
     elif slot.q is None:  # fp8 from the buffer, its scales already DeepEP's column-major layout
