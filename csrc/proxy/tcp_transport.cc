@@ -159,7 +159,7 @@ struct Conn {
   bool bye = false;         // the goodbye is in obuf: nothing is queued after it
   // outgoing: a send that failed (the sender thread stops using the socket and hands the failure
   // to the I/O thread, which reads what the peer sent before, its goodbye above all; under mu)
-  std::string send_failed;
+  std::string send_error;
   bool send_broken = false;  // sender thread: the socket failed, nothing more is sent on it
   bool in_send_set = false;  // sender thread: registered in its epoll set
 };
@@ -616,7 +616,7 @@ class TcpTransport final : public Transport {
         std::string why;
         {
           std::lock_guard<std::mutex> lk(c->mu);
-          why.swap(c->send_failed);
+          why.swap(c->send_error);
         }
         if (!why.empty() && !c->dead) fail_send(c.get(), why);
       }
@@ -658,7 +658,7 @@ class TcpTransport final : public Transport {
     unwatch_send(c);
     {
       std::lock_guard<std::mutex> lk(c->mu);
-      if (c->send_failed.empty()) c->send_failed = why;
+      if (c->send_error.empty()) c->send_error = why;
     }
     send_failures_ = true;
     wake_io();
