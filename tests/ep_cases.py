@@ -45,6 +45,7 @@ class Case:
     ``cm_scales``: the buffer's fp8 scales column-major in each expert's block (masked fp8).
     ``fused_internode``: ``Tuning(fused_internode=True)`` (across nodes, one launch per op where
     every program is resident).
+    ``graph_launch``: ``Tuning(graph_launch=True)`` (replayed calls of two launches as one graph launch).
     """
 
     R: int
@@ -64,6 +65,7 @@ class Case:
     cm_scales: bool = False  # EPBuffer(column_major_scales=True): masked fp8 only
     recv_rows: object = None  # EPBuffer(max_recv_rows=): packed and rows; None: sized per call
     fused_internode: bool = False
+    graph_launch: bool = False
 
     @property
     def name(self) -> str:
@@ -71,7 +73,7 @@ class Case:
                 f"{self.data}-s{self.seed}" + ("-late" if self.late_weights else "")
                 + (f"-p{self.programs}" if self.programs else "") + ("-hooks" if self.hooks else "") + ("-cm" if self.cm_scales else "")
                 + (f"-rows{self.recv_rows}" if self.recv_rows is not None else "")
-                + ("-fused" if self.fused_internode else ""))
+                + ("-fused" if self.fused_internode else "") + ("-graph-launch" if self.graph_launch else ""))
 
     def token_counts(self, call: int) -> List[int]:
         """Ragged T per rank: each call mixes max_tokens, 0 and an in-between count."""
@@ -544,8 +546,9 @@ def make_buffer(group, case: Case, timeout_s: float = 60.0):
                            timeout_s=timeout_s, **({"num_programs": case.programs} if case.programs else {}),
                            **({"column_major_scales": True} if case.cm_scales else {}),
                            **({"max_recv_rows": case.recv_rows} if case.recv_rows is not None else {}),
-                           **({"tuning": moe_ep.Tuning.from_env().replace(fused_internode=True)}
-                              if case.fused_internode else {}))
+                           **({"tuning": moe_ep.Tuning.from_env().replace(fused_internode=case.fused_internode,
+                                                                          graph_launch=case.graph_launch)}
+                              if case.fused_internode or case.graph_launch else {}))
 
 
 def _hooked(op, *args, **kwargs):

@@ -10,7 +10,8 @@ native library opens from libcuda (csrc/proxy/cuda_mem.cc), by cuda.h's signatur
   ``FakeLaunch``) and returns the code ``fake_cuda_set_launch_result`` set (0 at first).
 - Graphs: chained kernel nodes; a graph launch runs its nodes through that cuLaunchKernel with the
   parameter bytes its last cuGraphExecKernelNodeSetParams copied (``fake_cuda_graph_launches``,
-  ``fake_cuda_graph_node``).
+  ``fake_cuda_graph_node``); cuStreamIsCapturing answers what ``fake_cuda_set_capturing`` set
+  (0, no capture, at first) for every stream.
 """
 from __future__ import annotations
 
@@ -138,6 +139,14 @@ CUresult cuGraphLaunch(void* exec, void* stream) {
     g_nodes_launched[i] = g_last;
     if (rc) return rc;
   }
+  return 0;
+}
+/* Stream capture as fake_cuda_set_capturing set it (0: none; 1: active), for every stream. */
+static int g_capturing = 0;
+void fake_cuda_set_capturing(int status) { g_capturing = status; }
+CUresult cuStreamIsCapturing(void* stream, int* status) {
+  (void)stream;
+  *status = g_capturing;
   return 0;
 }
 CUresult cuGraphExecDestroy(void* exec) { free(exec); return 0; }

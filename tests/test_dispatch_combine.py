@@ -392,6 +392,10 @@ def _graph_worker(rank, world_size, case_kw, node_size=None):
             return h, buf.combine(y, h)
 
         step()  # warm-up (compiles the kernels) outside the graph
+        if case.graph_launch:  # a second call replays; the capture then meets the launch graph
+            step()
+            if not any(e.graph is not None for r in buf.calls.replays for e in r._entries.values()):
+                fails.append(f"[graph {case.name} rank {rank}] no replay took a launch graph")
         from ep_cases import _table
         for e in range(case.E // case.R):  # expert constants on the device before capture (no host copies)
             for kind in ("offsets", "bias"):

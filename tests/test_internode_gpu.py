@@ -85,13 +85,16 @@ def test_matrix_gpu_internode(topo, layouts):
                                 dict(dtype="bf16", layout="packed", align=16, K=2, data="tagged"),
                                 dict(dtype="fp8", layout="rows", K=8, data="tagged")],
                          ids=["fp8-masked", "bf16-packed", "fp8-rows"])
-@pytest.mark.parametrize("fused", [False, True], ids=["two-launches", "fused"])
-def test_cuda_graph_replay_internode(kw, R, G, fused):
+@pytest.mark.parametrize("mode", ["two-launches", "fused", "graph-launch"])
+def test_cuda_graph_replay_internode(kw, R, G, mode):
     """CUDA-graph capture of dispatch -> experts -> combine across nodes, replayed with new routing
-    against the oracle; ``fused``: each op in one launch (``Tuning.fused_internode``)."""
+    against the oracle; ``fused``: each op in one launch (``Tuning.fused_internode``);
+    ``graph-launch``: replayed eager calls as one graph launch (``Tuning.graph_launch``), the
+    capture made after such a replay (the launch graph's kernels go into the caller's graph)."""
     from test_dispatch_combine import _graph_worker
 
-    _run(R, _graph_worker, dict(R=R, E=8, H=256, M=16, seed=78 + R, fused_internode=fused, **kw), G)
+    _run(R, _graph_worker, dict(R=R, E=8, H=256, M=16, seed=78 + R, fused_internode=mode == "fused",
+                                graph_launch=mode == "graph-launch", **kw), G)
 
 
 def _silent_worker(rank, world_size, timeout_s):
@@ -154,11 +157,15 @@ def _fused_worker(rank, world_size, cases, private_capacity, node_size):
             buf.calls.launch = la = _CountingLauncher(buf.calls.launch)
             fails += run_calls(group, buf, c)
             buf.synchronize()
-            halves = [n for n in la.names if n[0].startswith("internode_")]  # (kernel, SEND, RECV)
-            split = c.hooks or (c.layout != "masked" and c.recv_rows is None)
-            one = [h for h in halves if h[1] and h[2]]
-            if split and one or not split and (not one or len(one) != len(halves)):
-                fails.append(f"rank {rank}: {c.name}: launches {halves}")
+            # (kernel, SEND, RECV) per launch; a hook's receive half is its own launch, and a
+            # dispatch sized per call reads its counts on the host between its two halves.
+            split = {"internode_dispatch_kernel": c.hooks or (c.layout != "masked" and c.recv_rows is None),
+                     "internode_combine_kernel": c.hooks}
+            for kernel, two in split.items():
+                halves = [n for n in la.names if n[0] == kernel]
+                one = [h for h in halves if h[1] and h[2]]
+                if not halves or (one if two else len(one) != len(halves)):
+                    fails.append(f"rank {rank}: {c.name}: {kernel} launches {halves}")
     return fails
 
 

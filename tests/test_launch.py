@@ -492,7 +492,8 @@ def test_launch_graph_hands_the_driver_each_plans_values(tmp_path, monkeypatch):
     stream given, its nodes in order, each with its plan's function, grid and the parameter bytes
     ``packed`` gives for that launch's values (written into the nodes at the launch, so a later
     launch's values are the ones used); wrong values are refused before anything is written; a
-    graph of no plans, or of a plan that cannot launch, is refused."""
+    graph of no plans, or of a plan that cannot launch, is refused. Into a stream being captured
+    (a caller's CUDA graph) the plans launch one by one, with this launch's values."""
     import ctypes
     from stand_in_cuda import FakeLaunch, fake_cuda_lib
 
@@ -526,6 +527,17 @@ def test_launch_graph_hands_the_driver_each_plans_values(tmp_path, monkeypatch):
         with pytest.raises(err):
             g.launch(0x5A, bad)
     assert drv.fake_cuda_graph_launches() == g0 + 2
+    drv.fake_cuda_set_capturing(1)
+    try:
+        n1 = drv.fake_cuda_launches()
+        g.launch(0x6B, ((102, 9), (302,)))
+        last = FakeLaunch()
+        drv.fake_cuda_last_launch(ctypes.byref(last))
+    finally:
+        drv.fake_cuda_set_capturing(0)
+    assert drv.fake_cuda_graph_launches() == g0 + 2 and drv.fake_cuda_launches() == n1 + 2
+    assert (last.function, last.stream, last.grid[0]) == (0xB2, 0x6B, 6)
+    assert bytes(last.params[:len(b.packed((302,)))]) == b.packed((302,))
     with pytest.raises(NativeError, match="launch graph: 0 plans"):
         LaunchGraph([])
     with pytest.raises(NativeError, match="not a launchable plan"):

@@ -246,7 +246,10 @@ int moe_ep_launch_graph_create(int n, const int* ids) {
 void moe_ep_launch_graph_destroy(int id) { g_graphs.remove(id); }
 
 // Launches graph `id`: each plan's stage applied and written into its node, then one cuGraphLaunch
-// on the stream in the first plan's stage. 0, or the CUresult (> 0), or a negative code.
+// on the stream in the first plan's stage. Into a stream that is being captured (a caller's CUDA
+// graph) the plans launch one by one instead: the captured graph then holds the kernels with this
+// call's values, where a graph launch would hold a node of an executable graph the next call
+// rewrites (and the driver invalidates the capture). 0, or the CUresult (> 0), or a negative code.
 int moe_ep_launch_graph(int id) {
   Graph* g = graph_of(id);
   if (!g) return moe_ep::set_error(moe_ep::kErrInvalid, "launch graph: no graph " + std::to_string(id));
@@ -254,7 +257,19 @@ int moe_ep_launch_graph(int id) {
   for (size_t i = 0; i < g->plans.size(); ++i) {
     Plan* p = plan_of(g->plans[i]);
     if (!p) return moe_ep::set_error(moe_ep::kErrInvalid, "launch graph: its plan " + std::to_string(g->plans[i]) + " is gone");
-    if (!first) first = p;
+    if (!first) {
+      first = p;
+      int capture = 0;
+      const int rc = g->api->is_capturing(reinterpret_cast<void*>(p->stage[0]), &capture);
+      if (rc != 0) return moe_ep::set_error(rc, "cuStreamIsCapturing failed: " + moe_ep::cuda_error_string(rc));
+      if (capture != 0) {
+        for (const int plan : g->plans) {
+          const int lrc = moe_ep_launch(plan);
+          if (lrc != 0) return lrc;
+        }
+        return 0;
+      }
+    }
     p->apply();
     const moe_ep::CuKernelNodeParams np = node_params(p);
     const int rc = g->api->set_params(g->exec, g->nodes[i], &np);

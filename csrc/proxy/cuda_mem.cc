@@ -83,6 +83,7 @@ const Cuda* cuda(bool load, std::string* why) {
       g.launch = reinterpret_cast<decltype(g.launch)>(dlsym(h, "cuGraphLaunch"));
       g.exec_destroy = reinterpret_cast<decltype(g.exec_destroy)>(dlsym(h, "cuGraphExecDestroy"));
       g.destroy = reinterpret_cast<decltype(g.destroy)>(dlsym(h, "cuGraphDestroy"));
+      g.is_capturing = reinterpret_cast<decltype(g.is_capturing)>(dlsym(h, "cuStreamIsCapturing"));
       if (!api.pointer_get_attribute) err = name + " has no symbol cuPointerGetAttribute";
     }
     loaded = true;  // one attempt per process (after the driver was seen or asked for)
@@ -158,9 +159,9 @@ const CuGraphApi* cuda_graph_api(std::string* why) {
   if (!c) return nullptr;
   const CuGraphApi& g = c->graph;
   if (!g.create || !g.add_kernel_node || !g.instantiate || !g.set_params || !g.launch || !g.exec_destroy ||
-      !g.destroy) {
+      !g.destroy || !g.is_capturing) {
     *why = lib_name() + " lacks a CUDA-graph entry point (cuGraphCreate, cuGraphAddKernelNode_v2, "
-                        "cuGraphInstantiateWithFlags, cuGraphExecKernelNodeSetParams_v2, cuGraphLaunch, ...)";
+                        "cuGraphInstantiateWithFlags, cuGraphExecKernelNodeSetParams_v2, cuGraphLaunch, cuStreamIsCapturing, ...)";
     return nullptr;
   }
   return &g;

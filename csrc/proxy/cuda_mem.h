@@ -53,7 +53,7 @@ struct CuKernelNodeParams {
 
 // The driver's CUDA-graph entry points a launch graph needs (cuGraphCreate, cuGraphAddKernelNode_v2,
 // cuGraphInstantiateWithFlags, cuGraphExecKernelNodeSetParams_v2, cuGraphLaunch, cuGraphExecDestroy,
-// cuGraphDestroy), by cuda.h's signatures with handles as void*.
+// cuGraphDestroy, cuStreamIsCapturing), by cuda.h's signatures with handles as void*.
 struct CuGraphApi {
   int (*create)(void** graph, unsigned flags) = nullptr;
   int (*add_kernel_node)(void** node, void* graph, void* const* deps, size_t ndeps, const CuKernelNodeParams* p) = nullptr;
@@ -62,6 +62,7 @@ struct CuGraphApi {
   int (*launch)(void* exec, void* stream) = nullptr;
   int (*exec_destroy)(void* exec) = nullptr;
   int (*destroy)(void* graph) = nullptr;
+  int (*is_capturing)(void* stream, int* status) = nullptr;  // status 0: CU_STREAM_CAPTURE_STATUS_NONE
 };
 
 // The driver's graph entry points (loads the driver if needed); null with *why when one is missing.

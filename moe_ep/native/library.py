@@ -40,7 +40,7 @@ class PeerLostError(NativeError):
     """A peer's connection was lost (cut, closed, dead); ``peer`` names it (-1 if unknown)."""
 
 
-ABI_VERSION = 19  # moe_ep_abi_version() of the library this package drives (csrc/proxy/capi.cc)
+ABI_VERSION = 20  # moe_ep_abi_version() of the library this package drives (csrc/proxy/capi.cc)
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.normpath(os.path.join(_PKG_DIR, "..", "..", "csrc"))  # in a source checkout
 SRC_DIRS = (os.path.join(CSRC, "proxy"), os.path.join(CSRC, "launch"))  # the proxy engine; the kernel launcher
