@@ -18,7 +18,7 @@
 #   PROFILE_NODES="2x1 2x2" bash scripts/run_gpu.sh   # the same across nodes: 2 nodes of 1 and of 2 ranks
 #                                    # (MOE_EP_NODE_SIZE; the proxy over TCP loopback; ranks share the GPUs)
 #   PROFILE_NODES="2x1 2x2" PROFILE_NODES_ARGS=--fused-internode bash scripts/run_gpu.sh   # one launch an op
-#   PROFILE_NODES="2x1 2x1:--graph-launch 2x1:--fused-internode" bash scripts/run_gpu.sh   # arguments per entry
+#   PROFILE_NODES="2x1 2x1:--graph-launch=off 2x1:--fused-internode" bash scripts/run_gpu.sh   # arguments per entry
 #   NODES_BENCH="2x1" bash scripts/run_gpu.sh   # the decode pair (graph and eager) across 2 nodes of 1
 #   VARIANTS="prefill 32 | fp8 rows | fp8 rows MOE_EP_MAX_CHUNKS=128
 #             decode 132 | fp8 masked" bash scripts/run_gpu.sh   # tuning points, one process per line

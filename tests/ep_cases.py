@@ -45,7 +45,8 @@ class Case:
     ``cm_scales``: the buffer's fp8 scales column-major in each expert's block (masked fp8).
     ``fused_internode``: ``Tuning(fused_internode=True)`` (across nodes, one launch per op where
     every program is resident).
-    ``graph_launch``: ``Tuning(graph_launch=True)`` (replayed calls of two launches as one graph launch).
+    ``graph_launch``: ``Tuning(graph_launch=...)`` (replayed calls of two launches as one graph
+    launch); None: the buffer's default (on across nodes, on a GPU).
     """
 
     R: int
@@ -65,7 +66,7 @@ class Case:
     cm_scales: bool = False  # EPBuffer(column_major_scales=True): masked fp8 only
     recv_rows: object = None  # EPBuffer(max_recv_rows=): packed and rows; None: sized per call
     fused_internode: bool = False
-    graph_launch: bool = False
+    graph_launch: Optional[bool] = None
 
     @property
     def name(self) -> str:
@@ -73,7 +74,7 @@ class Case:
                 f"{self.data}-s{self.seed}" + ("-late" if self.late_weights else "")
                 + (f"-p{self.programs}" if self.programs else "") + ("-hooks" if self.hooks else "") + ("-cm" if self.cm_scales else "")
                 + (f"-rows{self.recv_rows}" if self.recv_rows is not None else "")
-                + ("-fused" if self.fused_internode else "") + ("-graph-launch" if self.graph_launch else ""))
+                + ("-fused" if self.fused_internode else "") + ({True: "-graph-launch", False: "-no-graph-launch"}.get(self.graph_launch, "")))
 
     def token_counts(self, call: int) -> List[int]:
         """Ragged T per rank: each call mixes max_tokens, 0 and an in-between count."""
@@ -548,7 +549,7 @@ def make_buffer(group, case: Case, timeout_s: float = 60.0):
                            **({"max_recv_rows": case.recv_rows} if case.recv_rows is not None else {}),
                            **({"tuning": moe_ep.Tuning.from_env().replace(fused_internode=case.fused_internode,
                                                                           graph_launch=case.graph_launch)}
-                              if case.fused_internode or case.graph_launch else {}))
+                              if case.fused_internode or case.graph_launch is not None else {}))
 
 
 def _hooked(op, *args, **kwargs):

@@ -88,13 +88,14 @@ def test_matrix_gpu_internode(topo, layouts):
 @pytest.mark.parametrize("mode", ["two-launches", "fused", "graph-launch"])
 def test_cuda_graph_replay_internode(kw, R, G, mode):
     """CUDA-graph capture of dispatch -> experts -> combine across nodes, replayed with new routing
-    against the oracle; ``fused``: each op in one launch (``Tuning.fused_internode``);
-    ``graph-launch``: replayed eager calls as one graph launch (``Tuning.graph_launch``), the
-    capture made after such a replay (the launch graph's kernels go into the caller's graph)."""
+    against the oracle; ``two-launches``: launched one by one (``Tuning(graph_launch=False)``);
+    ``fused``: each op in one launch (``Tuning.fused_internode``); ``graph-launch``: replayed
+    eager calls as one graph launch (the default across nodes), the capture made after such a
+    replay (the launch graph's kernels go into the caller's graph one by one)."""
     from test_dispatch_combine import _graph_worker
 
     _run(R, _graph_worker, dict(R=R, E=8, H=256, M=16, seed=78 + R, fused_internode=mode == "fused",
-                                graph_launch=mode == "graph-launch", **kw), G)
+                                graph_launch={"two-launches": False, "graph-launch": True}.get(mode), **kw), G)
 
 
 def _silent_worker(rank, world_size, timeout_s):

@@ -110,8 +110,9 @@ def test_rules_give_a_gpu_buffers_numbers(monkeypatch):
                                                                 sms=132).fused_internode
     with pytest.raises(ValueError, match="fused_internode: expected a bool"):
         Tuning(fused_internode=1)
-    with pytest.raises(ValueError, match="graph_launch: expected a bool"):
+    with pytest.raises(ValueError, match="graph_launch: expected None or a bool"):
         Tuning(graph_launch="yes")
+    assert Tuning().graph_launch is None and Tuning(graph_launch=False).graph_launch is False
     forced = Tuning(num_warps=8, maxnreg="none", tile=1, combine_tokens=2, hist_warps=2, stages=2)
     t = forced.resolve(_gpu_shape(4096, "fp8", "packed", 32), sms=132)
     assert (t.num_warps, t.combine_warps, t.dispatch_maxnreg, t.combine_maxnreg, t.tile, t.combine_tile,

@@ -5,7 +5,7 @@
     torchrun --nproc-per-node=4 -m moe_ep.bench.profile_ops   # 4 ranks on 1 GPU: gloo, CUDA IPC
     MOE_EP_NODE_SIZE=1 torchrun --nproc-per-node=2 -m moe_ep.bench.profile_ops   # 2 nodes of 1: the proxy (TCP)
     MOE_EP_NODE_SIZE=1 torchrun --nproc-per-node=2 -m moe_ep.bench.profile_ops --fused-internode   # one launch an op
-    MOE_EP_NODE_SIZE=1 torchrun --nproc-per-node=2 -m moe_ep.bench.profile_ops --graph-launch   # both halves, one graph
+    MOE_EP_NODE_SIZE=1 torchrun --nproc-per-node=2 -m moe_ep.bench.profile_ops --graph-launch off   # two launches, not one graph
 
 Prints, for rank 0: the host time to issue a call (Python and launch, no device sync; the median
 over many calls of dispatch, of combine returning a new tensor and of combine with ``out=``; of
@@ -129,8 +129,9 @@ def main(argv=None) -> None:
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--fused-internode", action="store_true",
                    help="across nodes, each op's two halves in one launch (Tuning.fused_internode)")
-    p.add_argument("--graph-launch", action="store_true",
-                   help="replayed calls of several launches as one CUDA graph launch (Tuning.graph_launch)")
+    p.add_argument("--graph-launch", choices=["auto", "on", "off"], default="auto",
+                   help="replayed calls of several launches as one CUDA graph launch (Tuning.graph_launch: "
+                        "auto, the default, is on across nodes)")
     args = p.parse_args(argv)
     import moe_ep
     from moe_ep.ops.combine import new_output
@@ -153,9 +154,9 @@ def main(argv=None) -> None:
         kw["num_programs"] = args.num_programs
     if layout != "masked":  # the kernels as before (sized per call, a dispatch adds a host sync)
         kw["max_recv_rows"] = "worst"
-    if args.fused_internode or args.graph_launch:
-        kw["tuning"] = moe_ep.Tuning.from_env().replace(fused_internode=args.fused_internode,
-                                                        graph_launch=args.graph_launch)
+    if args.fused_internode or args.graph_launch != "auto":
+        kw["tuning"] = moe_ep.Tuning.from_env().replace(
+            fused_internode=args.fused_internode, graph_launch={"auto": None, "on": True, "off": False}[args.graph_launch])
     lines = []
     with moe_ep.EPBuffer(group, E, H, T, K, **kw) as buf:
         d = buf.dispatch(x, idx, w)

@@ -194,7 +194,7 @@ class EPBuffer:
         # buffer itself: no reference cycle, so a deleted buffer frees its memory at once).
         calls = CallState(group.device, memory.err, memory.workspace.local, timeout_s, memory.result_fields(),
                           memory.remote.proxy_error_address() if memory.remote is not None else None,
-                          graph_launch=tuning.graph_launch and group.device.type == "cuda" and not interp)
+                          graph_launch=self._graph_launch(tuning, memory, interp))
         self.parts = Parts(shape=shape, tuning=launch_shape, memory=memory, calls=calls,
                            rank=group.rank, timeout_s=timeout_s, interp=interp)
         self._agreement.done(timeout_s)
@@ -312,6 +312,14 @@ class EPBuffer:
         return self.parts.launch_options(kernel)
 
     # ------------------------------------------------------------------ internals
+    @staticmethod
+    def _graph_launch(tuning: Tuning, memory: BufferMemory, interp: bool) -> bool:
+        """Whether replays of two launches or more go as one CUDA graph launch: ``tuning.graph_launch``,
+        where None means across nodes (docs/ARCHITECTURE.md, *Launch graphs*); GPUs only, never
+        under the interpreter (its host waits sit between the halves)."""
+        on = tuning.graph_launch if tuning.graph_launch is not None else memory.remote is not None
+        return on and memory.device.type == "cuda" and not interp
+
     @staticmethod
     def _signature(shape: BufferShape, tuning: Tuning) -> dict:
         """What every rank must agree on, by argument name (``moe_ep.core.agreement``): the arguments as
