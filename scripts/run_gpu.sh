@@ -79,7 +79,8 @@ if [ "$TESTS" != none ]; then
     step "GPU tests: python -m pytest -q $TESTS"
     set +e
     # shellcheck disable=SC2086
-    "$PYTHON" -m pytest -q -rs --junitxml="$RESULTS/pytest_gpu.xml" $TESTS 2>&1 | tee "$RESULTS/pytest_gpu.log"
+    # -v: a line per test as it ends, so a run cut short by a time limit still says what passed
+    "$PYTHON" -m pytest -v -rfEs --durations=10 --junitxml="$RESULTS/pytest_gpu.xml" $TESTS 2>&1 | tee "$RESULTS/pytest_gpu.log"
     test_rc=${PIPESTATUS[0]}
     set -e
     step "GPU tests exit status $test_rc"
