@@ -35,6 +35,7 @@ namespace {
 
 constexpr int kMaxEndpoints = kMaxLanes;
 constexpr uint64_t kShardAlign = 64;
+constexpr int kAvInsertTries = 20;  // fi_av_insert calls for one address that insert nothing, 1 ms apart
 constexpr size_t kSlot = 128;  // a receive's buffer (a hello, a goodbye or a keepalive lands there)
 constexpr uint32_t kMagicPing = 0x4950454d;  // "MEPI": a keepalive message (its receiver ignores it)
 // Keepalive (§9): a message to every peer from each endpoint's completion thread once per
@@ -316,8 +317,19 @@ class FabricTransport final : public LaneTransport {
       Lane& l = *lanes_[size_t(i)];
       for (int p = 0; p < world_; ++p) {
         if (p == rank_) continue;
-        const int n = l.av->ops->insert(l.av, addrs[size_t(p)][size_t(i)].data(), 1, &l.peer_addr[size_t(p)], 0, nullptr);
-        if (n != 1) return fi_error(n < 0 ? n : -fi::EACCES_, l.where + ": fi_av_insert of peer " + std::to_string(p));
+        // An insert that inserts nothing is tried again: rxd (libfabric 1.17) inserts a peer's
+        // address itself when its first packet arrives, and an insert racing with that fails
+        // once (measured: 1 pair in 150 with the peer's hello landing during the insert); the
+        // next finds the address in place.
+        int n = 0;
+        for (int attempt = 0; attempt < kAvInsertTries && n == 0; ++attempt) {
+          if (attempt) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+          n = l.av->ops->insert(l.av, addrs[size_t(p)][size_t(i)].data(), 1, &l.peer_addr[size_t(p)], 0, nullptr);
+        }
+        if (n < 0) return fi_error(n, l.where + ": fi_av_insert of peer " + std::to_string(p));
+        if (n != 1)
+          return set_error(kErrSystem, prefix() + l.where + ": fi_av_insert of peer " + std::to_string(p) +
+                                           " inserted no address in " + std::to_string(kAvInsertTries) + " tries");
       }
     }
     for (int p = 0; p < world_; ++p)
