@@ -206,9 +206,12 @@ class Replay:
 
     def _graph_of(self, steps: tuple):
         """A launch graph of ``steps`` (bound native plans) where this Replay keeps them and there
-        are two or more, else None (also where the driver refuses one: the launches go one by one)."""
+        are two or more, else None (also where the driver refuses one, or the call is recorded
+        inside a caller's CUDA graph capture: the launches go one by one)."""
         if not self.graph or len(steps) < 2 or not all(isinstance(b, LaunchPlan) for b, _ in steps):
             return None
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return None  # recorded inside a caller's capture: no graph built there; launched one by one
         try:
             return LaunchGraph([b for b, _ in steps])
         except NativeError:
