@@ -654,7 +654,8 @@ def test_graph_launch_replays_every_launch_in_one_graph(tmp_path, monkeypatch):
     """``Replay(graph=True)``: an entry of two launches (steps, then ``later``) keeps them as one
     launch graph; ``run`` launches both with one cuGraphLaunch, each node with this call's
     pointers and scalar where its plan takes them, and ``run_later`` then launches nothing; an
-    entry of one launch, and a Replay without ``graph``, launch one by one."""
+    entry of one launch, a Replay without ``graph``, and an entry recorded inside a caller's CUDA
+    graph capture launch one by one."""
     import ctypes
     import struct
 
@@ -674,14 +675,20 @@ def test_graph_launch_replays_every_launch_in_one_graph(tmp_path, monkeypatch):
         drv.fake_cuda_graph_node(i, ctypes.byref(got))
         return got
 
-    for graph, launches in ((True, 2), (False, 2), (True, 1)):
+    def capturing(on: bool):  # (what torch.cuda says of the current stream: a stand-in)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: on)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: on)
+
+    for graph, launches, captured in ((True, 2, False), (False, 2, False), (True, 1, False), (True, 2, True)):
+        capturing(captured)
         rep = Replay((0, 0), graph=graph)
         _, sig, ptrs = rep.find((x, idx), "s")
         send, recv = _NativeFakePlan(0xA1, 3), _NativeFakePlan(0xB2, 5)
         later = [(recv, (x, idx, 4))] if launches == 2 else []
         rep.record(sig, (x, idx), [(send, (x, idx, 4))], tuple(ptrs), "v", {"n": 0}, (4,), later=later)
+        capturing(False)
         entry = rep.find((x, idx), "s")[0]
-        assert (entry.graph is not None) == (graph and launches == 2)
+        assert (entry.graph is not None) == (graph and launches == 2 and not captured)
         n0, g0 = drv.fake_cuda_launches(), drv.fake_cuda_graph_launches()
         x2, idx2 = torch.zeros(7, 32, dtype=torch.bfloat16), torch.zeros(7, 2, dtype=torch.float32)
         assert entry.run(0x77, (x2.data_ptr(), idx2.data_ptr(), 7)) == "v"
