@@ -1,0 +1,170 @@
+"""Whether programs spinning on a word in pinned host memory slow the GPU's other traffic to host memory.
+
+    python -m moe_ep.bench.host_poll
+    python -m moe_ep.bench.host_poll --pollers 0,1,66 --warps 1,16 --bytes 1835008 --iters 20
+
+Across nodes a receive half's programs wait for the proxy's ready word, which lives in pinned host
+memory: every program of the launch loads it in a loop (``moe_ep.internode.mailbox.wait_value``),
+so each look is a read across PCIe. Meanwhile the GPU moves rows to and from pinned host memory
+(over TCP, the send halves write their rows there and the receive halves read the rows the
+transport landed). Under MPS the send halves across nodes took milliseconds where the node path
+took tens of microseconds (docs/performance-log/gpu.md, "Twenty-second pass"); this bench asks
+whether the pollers are why.
+
+Two streams of one process run at once (no time slicing between them): on one, P programs of W
+warps load a pinned host word until the host sets it (every warp loading it, as the kernels'
+waits do now, or one thread of each program, handing it to the others through a reduction);
+on the other, a copy of BYTES between
+device memory and pinned host memory, timed with CUDA events, in both directions (device to host:
+a send half's rows; host to device: a receive half reading landed rows). Prints the copy's GB/s
+for each (P, W) and the pollers' looks per microsecond. One GPU; the numbers are this GPU's PCIe.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+PROG = "python -m moe_ep.bench.host_poll"
+POLL_TIMEOUT_NS = 20_000_000_000  # a poller gives up after 20 s (a host that never sets the word)
+
+
+@triton.jit
+def _poll_kernel(flag_ptr, looks_ptr, timeout_ns):
+    """Loads ``flag_ptr`` (pinned host memory) until it is non-zero or ``timeout_ns`` passed, as
+    ``wait_value`` loads the proxy's ready word; stores the looks it made at ``looks_ptr[pid]``."""
+    t0 = tl.extra.cuda.globaltimer()
+    n = 0
+    v = tl.load(flag_ptr, volatile=True)
+    late = 0
+    while (v == 0) & (late == 0):
+        v = tl.load(flag_ptr, volatile=True)
+        n += 1
+        late = ((tl.extra.cuda.globaltimer() - t0) > timeout_ns).to(tl.int32)
+    tl.store(looks_ptr + tl.program_id(0), n)
+
+
+@triton.jit
+def _poll_one_kernel(flag_ptr, looks_ptr, timeout_ns, NT: tl.constexpr):
+    """``_poll_kernel`` with one thread of the program loading the word (the element of a
+    one-per-thread tensor that the mask keeps) and a reduction handing it to the others: one
+    read per look for the program instead of one per warp. ``NT``: the program's threads."""
+    t0 = tl.extra.cuda.globaltimer()
+    i = tl.arange(0, NT)
+    n = 0
+    v = tl.max(tl.load(flag_ptr + i * 0, mask=i == 0, other=0, volatile=True), axis=0)
+    late = 0
+    while (v == 0) & (late == 0):
+        v = tl.max(tl.load(flag_ptr + i * 0, mask=i == 0, other=0, volatile=True), axis=0)
+        n += 1
+        late = ((tl.extra.cuda.globaltimer() - t0) > timeout_ns).to(tl.int32)
+    tl.store(looks_ptr + tl.program_id(0), n)
+
+
+@triton.jit
+def _copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    """``dst[:n] = src[:n]`` (int64 words), the programs striding over BLOCK-word tiles."""
+    pid = tl.program_id(0)
+    step = tl.num_programs(0) * BLOCK
+    for start in range(pid * BLOCK, n, step):
+        offs = start + tl.arange(0, BLOCK)
+        m = offs < n
+        tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=m), mask=m)
+
+
+def _int_list(flag: str):
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            values = []
+        if not values or min(values) < 0:
+            raise argparse.ArgumentTypeError(f"{flag}: expected a comma-separated list of integers >= 0, got {text!r}")
+        return values
+    return parse
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
+    p.add_argument("--pollers", type=_int_list("--pollers"), default=[0, 1, 66],
+                   help="programs polling the host word (default 0,1,66: none, one, a decode launch's)")
+    p.add_argument("--warps", type=_int_list("--warps"), default=[1, 16],
+                   help="warps per polling program (default 1,16; the kernels' is 16)")
+    p.add_argument("--bytes", type=int, default=128 * 14336,
+                   help="bytes a copy moves (default 1835008: 128 combine rows of 7168 bf16)")
+    p.add_argument("--copy-programs", type=int, default=32, help="programs of the copy (default 32)")
+    p.add_argument("--iters", type=int, default=20, help="timed copies per point (default 20)")
+    args = p.parse_args(argv)
+    if args.bytes < 8 or args.bytes % 8:
+        p.error(f"--bytes: a positive multiple of 8, got {args.bytes}")
+    if min(args.copy_programs, args.iters) < 1 or 0 in args.warps or any(w & (w - 1) for w in args.warps):
+        p.error("--copy-programs and --iters must be positive, --warps powers of two")
+    if not torch.cuda.is_available():
+        p.error("no CUDA GPU: this benchmark times a GPU's traffic to pinned host memory")
+    return args
+
+
+def measure(pollers: int, warps: int, one_thread: bool, direction: str, dev_buf: torch.Tensor,
+            host_buf: torch.Tensor, copy_programs: int, iters: int) -> dict:
+    """One point: the copy's time per iteration (µs) and GB/s with ``pollers`` programs of
+    ``warps`` warps spinning on a host word meanwhile (every warp loading it, or ``one_thread``
+    of each program), and the looks they made per µs."""
+    flag = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+    looks = torch.zeros(max(pollers, 1), dtype=torch.int64, device=dev_buf.device)
+    src, dst = (dev_buf, host_buf) if direction == "to host" else (host_buf, dev_buf)
+    n = src.numel()
+    s_poll, s_copy = torch.cuda.Stream(), torch.cuda.Stream()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    if pollers:
+        with torch.cuda.stream(s_poll):
+            if one_thread:
+                _poll_one_kernel[(pollers,)](flag, looks, POLL_TIMEOUT_NS, NT=32 * warps, num_warps=warps)
+            else:
+                _poll_kernel[(pollers,)](flag, looks, POLL_TIMEOUT_NS, num_warps=warps)
+    with torch.cuda.stream(s_copy):
+        for i in range(iters + 2):  # two untimed first: the pollers are spinning by then
+            if i == 2:
+                e0.record()
+            _copy_kernel[(copy_programs,)](src, dst, n, BLOCK=2048, num_warps=8)
+        e1.record()
+    e1.synchronize()
+    flag[0] = 1  # the pollers stop (the GPU reads the pinned word)
+    torch.cuda.synchronize()
+    us = e0.elapsed_time(e1) * 1000.0 / iters
+    total_us = max(e0.elapsed_time(e1) * 1000.0, 1e-3)
+    return dict(pollers=pollers, warps=warps if pollers else 0, who="-" if not pollers else
+                "one thread" if one_thread else "every warp", direction=direction, us=us,
+                gbs=src.numel() * 8 / (us * 1e3), looks_per_us=float(looks.sum()) / total_us if pollers else 0.0)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    words = args.bytes // 8
+    dev_buf = torch.arange(words, dtype=torch.int64, device=dev)
+    host_buf = torch.zeros(words, dtype=torch.int64, pin_memory=True)
+    rows = []
+    for direction in ("to host", "from host"):
+        for p in args.pollers:
+            for w in (args.warps if p else [0]):
+                for one in ((False, True) if p else (False,)):
+                    rows.append(measure(p, w, one, direction, dev_buf, host_buf, args.copy_programs, args.iters))
+    if not torch.equal(host_buf.to(dev), dev_buf):
+        print("the copies moved wrong bytes")
+        return 1
+    print(f"{torch.cuda.get_device_name(dev)}; torch {torch.__version__}, triton {triton.__version__}; "
+          f"{args.bytes} bytes a copy, {args.copy_programs} programs, {args.iters} copies a point")
+    print(f"{'direction':<10} {'pollers':>7} {'warps':>5} {'who loads':<11} {'us/copy':>9} {'GB/s':>7} {'looks/us':>9}")
+    for r in rows:
+        print(f"{r['direction']:<10} {r['pollers']:>7} {r['warps']:>5} {r['who']:<11} {r['us']:>9.1f} "
+              f"{r['gbs']:>7.2f} {r['looks_per_us']:>9.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
