@@ -19,7 +19,8 @@ def test_copy_kernel_moves_every_word(n, programs):
 
 @pytest.mark.parametrize("argv, says", [
     (["--bytes", "12"], "--bytes: a positive multiple of 8"),
-    (["--warps", "3"], "--warps powers of two"),
+    (["--warps", "3"], "--warps: expected a comma-separated list of powers of two"),
+    (["--iters", "0"], "--iters must be positive"),
     (["--pollers", "x"], "--pollers: expected a comma-separated list"),
     ([], "no CUDA GPU"),
 ])

@@ -30,6 +30,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from .args import int_list
 from .workloads import MODELS, PRESETS, ROUTINGS, Routing, Workload
 
 BACKEND_NAMES = ("moe_ep", "nccl", "symm_mem", "deepep")
@@ -37,19 +38,6 @@ PROG = "moe-ep-bench"
 
 
 # ----------------------------------------------------------------------------- arguments
-
-def _int_list(flag: str):
-    def parse(text: str) -> list[int]:
-        try:
-            values = [int(v) for v in text.split(",") if v.strip()]
-        except ValueError:
-            values = []
-        if not values or any(v < 0 for v in values):
-            raise argparse.ArgumentTypeError(f"{flag}: expected a comma-separated list of non-negative integers "
-                                             f"(e.g. 128 or 64,128,256), got {text!r}")
-        return values
-    return parse
-
 
 def _backend_list(text: str) -> list[str]:
     names = [v.strip() for v in text.split(",") if v.strip()]
@@ -75,7 +63,7 @@ def run_parser() -> argparse.ArgumentParser:
     w.add_argument("--model", choices=sorted(MODELS), default=None,
                    help="model shape (hidden, top-k, routed experts): " +
                         "; ".join(f"{m}: H={s['hidden']} K={s['topk']} E={s['num_experts']}" for m, s in MODELS.items()))
-    w.add_argument("--tokens", type=_int_list("--tokens"), default=None,
+    w.add_argument("--tokens", type=int_list("--tokens", zero_ok=True), default=None,
                    help="tokens per rank; a comma-separated list sweeps (e.g. 1,16,128,512). Default: the preset's")
     w.add_argument("--hidden", type=int, default=None, help="hidden size H (a multiple of 16 for moe_ep)")
     w.add_argument("--topk", type=int, default=None, help="experts per token K")
@@ -104,7 +92,7 @@ def run_parser() -> argparse.ArgumentParser:
     r.add_argument("--warmup", type=int, default=20, help="untimed dispatch+combine pairs first (default 20)")
     r.add_argument("--graph", action=argparse.BooleanOptionalAction, default=True,
                    help="also time moe_ep as CUDA-graph replays (GPU; default on)")
-    r.add_argument("--num-sms", type=_int_list("--num-sms"), default=None,
+    r.add_argument("--num-sms", type=int_list("--num-sms", zero_ok=True), default=None,
                    help="SMs per launch: moe_ep's Triton programs, DeepEP normal mode's SMs (even); a list sweeps. "
                         "Default: each backend's own (moe_ep: all SMs; DeepEP: its default)")
     r.add_argument("--node-size", type=int, default=None,

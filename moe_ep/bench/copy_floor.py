@@ -74,6 +74,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_ep.bench.args import int_list
 from moe_ep.kernels.common import pre_reduce_tile, prefetch_l2
 from moe_ep.core.interpret import interpreting, speed_up
 from moe_ep.kernels.launch import compile_options, register_budget
@@ -645,25 +646,11 @@ def format_table(rows: list[dict], meaningful: bool = True) -> str:
 
 # ----------------------------------------------------------------------------- command line
 
-def _int_list(flag: str, pow2_only: bool = False, zero_ok: bool = False):
-    def parse(text: str) -> list[int]:
-        try:
-            values = [int(v) for v in text.split(",") if v.strip()]
-        except ValueError:
-            values = []
-        if not values or any(v < (0 if zero_ok else 1) for v in values) or \
-                (pow2_only and any(v & (v - 1) for v in values)):
-            kind = "powers of two" if pow2_only else "integers >= 0" if zero_ok else "positive integers"
-            raise argparse.ArgumentTypeError(f"{flag}: expected a comma-separated list of {kind}, got {text!r}")
-        return values
-    return parse
-
-
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: Triton's interpreter (TRITON_INTERPRET=1), tiny sizes, correctness only")
-    p.add_argument("--programs", type=_int_list("--programs"), default=None,
+    p.add_argument("--programs", type=int_list("--programs"), default=None,
                    help=f"program counts (default {','.join(map(str, GPU_DEFAULTS['programs']))}; "
                         f"cpu {','.join(map(str, CPU_DEFAULTS['programs']))})")
     p.add_argument("--rows", type=int, default=None, help=f"rows copied (default {GPU_DEFAULTS['rows']}; "
@@ -671,19 +658,19 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--row-bytes", type=int, default=None,
                    help=f"bytes per row, a multiple of 16 (default {GPU_DEFAULTS['row_bytes']}; "
                         f"cpu {CPU_DEFAULTS['row_bytes']})")
-    p.add_argument("--inflight", type=_int_list("--inflight", pow2_only=True), default=[2, 4, 8],
+    p.add_argument("--inflight", type=int_list("--inflight", pow2_only=True), default=[2, 4, 8],
                    help="rows in flight per program for the inflight-N variants (default 2,4,8)")
-    p.add_argument("--prefetch", type=_int_list("--prefetch"), default=[1, 2, 4],
+    p.add_argument("--prefetch", type=int_list("--prefetch"), default=[1, 2, 4],
                    help="steps ahead of the prefetch-N-aD variants (L2 prefetch, N of the first two "
                         "--inflight values; default 1,2,4)")
     p.add_argument("--stages", type=int, default=3,
                    help="software-pipelining depth of the pipelined-S and tma variants (default 3)")
     p.add_argument("--expand", type=int, default=8, help="K of expand-K: stores per source row (default 8)")
-    p.add_argument("--tma-box-rows", type=_int_list("--tma-box-rows", pow2_only=True), default=[4, 8],
+    p.add_argument("--tma-box-rows", type=int_list("--tma-box-rows", pow2_only=True), default=[4, 8],
                    help="box rows of the tma variants, 256-word chunks of a row per box (default 4,8)")
-    p.add_argument("--ring-stages", type=_int_list("--ring-stages", zero_ok=True), default=[4, 8, 0],
+    p.add_argument("--ring-stages", type=int_list("--ring-stages", zero_ok=True), default=[4, 8, 0],
                    help="ring slots of the ring variants, 0 = as many as fit (default 4,8,0)")
-    p.add_argument("--ring-behind", type=_int_list("--ring-behind"), default=[1, 2, 4],
+    p.add_argument("--ring-behind", type=int_list("--ring-behind"), default=[1, 2, 4],
                    help="ring slots held by rows being stored, of the ring variants (default 1,2,4)")
     p.add_argument("--num-warps", type=int, default=16, help="warps per program of the gather kernels (default 16)")
     p.add_argument("--maxnreg", default="", help="registers a thread of the read and reduce kernels may use: 'full' "

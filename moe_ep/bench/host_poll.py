@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .args import int_list
+
 PROG = "python -m moe_ep.bench.host_poll"
 POLL_TIMEOUT_NS = 20_000_000_000  # a poller gives up after 20 s (a host that never sets the word)
 
@@ -76,23 +78,11 @@ def _copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
         tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=m), mask=m)
 
 
-def _int_list(flag: str):
-    def parse(text: str) -> list[int]:
-        try:
-            values = [int(v) for v in text.split(",") if v.strip()]
-        except ValueError:
-            values = []
-        if not values or min(values) < 0:
-            raise argparse.ArgumentTypeError(f"{flag}: expected a comma-separated list of integers >= 0, got {text!r}")
-        return values
-    return parse
-
-
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
-    p.add_argument("--pollers", type=_int_list("--pollers"), default=[0, 1, 66],
+    p.add_argument("--pollers", type=int_list("--pollers", zero_ok=True), default=[0, 1, 66],
                    help="programs polling the host word (default 0,1,66: none, one, a decode launch's)")
-    p.add_argument("--warps", type=_int_list("--warps"), default=[1, 16],
+    p.add_argument("--warps", type=int_list("--warps", pow2_only=True), default=[1, 16],
                    help="warps per polling program (default 1,16; the kernels' is 16)")
     p.add_argument("--bytes", type=int, default=128 * 14336,
                    help="bytes a copy moves (default 1835008: 128 combine rows of 7168 bf16)")
@@ -101,8 +91,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.bytes < 8 or args.bytes % 8:
         p.error(f"--bytes: a positive multiple of 8, got {args.bytes}")
-    if min(args.copy_programs, args.iters) < 1 or 0 in args.warps or any(w & (w - 1) for w in args.warps):
-        p.error("--copy-programs and --iters must be positive, --warps powers of two")
+    if min(args.copy_programs, args.iters) < 1:
+        p.error("--copy-programs and --iters must be positive")
     if not torch.cuda.is_available():
         p.error("no CUDA GPU: this benchmark times a GPU's traffic to pinned host memory")
     return args

@@ -44,6 +44,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from .args import int_list
+
 PROG = "moe-ep-bench model"
 DATE = "2026-12-05"
 
@@ -482,21 +484,11 @@ def format_table(points: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        v = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        v = []
-    if not v or min(v) < 1:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of positive integers, got {text!r}")
-    return v
-
-
 def parser() -> argparse.ArgumentParser:
     """The ``moe-ep-bench model`` arguments."""
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ep", type=_int_list, default=[8, 16, 32, 64, 128, 256], help="EP sizes (default 8,...,256)")
+    ap.add_argument("--ep", type=int_list("--ep"), default=[8, 16, 32, 64, 128, 256], help="EP sizes (default 8,...,256)")
     ap.add_argument("--gpus-per-node", type=int, default=8, help="ranks per NVLink node (default 8)")
     ap.add_argument("--nic", choices=sorted(NICS), default="cx7",
                     help="cx7: ConnectX-7 400 Gb/s per GPU; efa: AWS p5, 4 x 100 Gb/s per GPU; efa-p5en: 2 x 200 Gb/s")
