@@ -12,6 +12,7 @@
 #                                    # moe_ep/native/_native*.so (a CPU build of the same platform)
 #   CONFIGS="prefill fp8 rows,prefill bf16 rows" TESTS="tests/test_rows.py" bash scripts/run_gpu.sh
 #   TESTS=none COPY_FLOOR=1 CONFIGS="prefill fp8 packed 132" bash scripts/run_gpu.sh   # benchmarks only
+#   TESTS=none BENCH=0 HOST_POLL=1 bash scripts/run_gpu.sh   # programs polling host memory vs the GPU's host copies
 #   PROFILE="1 2 4" bash scripts/run_gpu.sh   # also: host time per call (moe_ep.bench.profile_ops, decode) at R=1, 2, 4
 #   PROFILE="2 4" PROFILE_MPS=1 bash scripts/run_gpu.sh   # the same with the ranks' processes under MPS
 #                                    # (PROFILE_NODES runs too, when given with PROFILE_MPS=1)
@@ -52,6 +53,7 @@ PROFILE_NODES_ARGS=${PROFILE_NODES_ARGS:-}  # more profile_ops arguments for tho
 NODES_BENCH=${NODES_BENCH:-}  # "NODESxSIZE" entries: moe_ep.bench.intranode --preset decode across nodes
 COPY_FLOOR=${COPY_FLOOR:-0}   # 1: the copy-floor micro-benchmark (moe_ep.bench.copy_floor) at 7168- and 14336-byte rows
 COPY_FLOOR_ARGS=${COPY_FLOOR_ARGS:-}   # more copy_floor arguments, e.g. "--programs 32,132 --ring-stages 2,4"
+HOST_POLL=${HOST_POLL:-0}     # 1: moe_ep.bench.host_poll (pollers of a pinned host word against copies to / from host memory)
 NCU=${NCU:-}                  # "programs dtype layout" configs, comma-separated: scripts/ncu_kernels.py under ncu
 VARIANTS=${VARIANTS:-}        # lines "PRESET PROGRAMS | point | point ..." for moe_ep.bench.variants (kernel p50 per point)
 mkdir -p "$RESULTS"
@@ -94,6 +96,10 @@ if [ "$COPY_FLOOR" = 1 ]; then
         "$PYTHON" -m moe_ep.bench.copy_floor --row-bytes "$rb" $COPY_FLOOR_ARGS --json "$RESULTS/copy_floor_$rb.json" \
             2>&1 | tee "$RESULTS/copy_floor_$rb.log" || floor_rc=1
     done
+fi
+if [ "$HOST_POLL" = 1 ]; then
+    step "python -m moe_ep.bench.host_poll"
+    "$PYTHON" -m moe_ep.bench.host_poll 2>&1 | tee "$RESULTS/host_poll.log" || floor_rc=1
 fi
 
 variants_rc=0
