@@ -9,6 +9,7 @@ from torch import nn
 
 from .runner import ExpertParallelRunner
 from .experts import LocalExperts, SharedExperts, check_activation
+from ..core.capture import capturing
 from ..core.group import EPGroup
 from .router import Router
 from ..core.tuning import Tuning
@@ -159,14 +160,14 @@ class MoELayer(nn.Module):
         n = max(1, -(-T // self.max_tokens))
         if self.group.world_size == 1:
             return n
-        capturing = self.group.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if self.sync_chunks and not capturing:
+        in_capture = capturing(self.group.device)
+        if self.sync_chunks and not in_capture:
             t = torch.tensor([n], dtype=torch.int64, device=self.group.collective_device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group.pg)
             return int(t.item())
         if n > 1:
             raise ValueError(f"x: {T} tokens exceed max_tokens={self.max_tokens}, and the ranks cannot agree on "
-                             f"chunks ({'graph capture' if capturing else 'sync_chunks=False'})")
+                             f"chunks ({'graph capture' if in_capture else 'sync_chunks=False'})")
         return 1
 
     def _routed(self, xt: torch.Tensor, topk_weights: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..ops.buffer import BufferSet, EPBuffer
+from ..core.capture import capturing
 from ..core.group import EPGroup
 from .rows import delivered
 from ..core.tuning import Tuning
@@ -31,10 +32,6 @@ FP8 = torch.float8_e4m3fn
 
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 class RowsExchange:
@@ -83,7 +80,7 @@ class RowsExchange:
         leading rows of a dispatch can be defined (an upper bound of ``num_recv`` known on the host:
         the sum of every rank's T, or ``R * max_tokens`` where that sum is not gathered)."""
         R = self.group.world_size
-        if self.fixed or _capturing(self.group.device):
+        if self.fixed or capturing(self.group.device):
             if num_tokens > self.max_tokens:
                 why = ("fixed max_tokens" if self.fixed else
                        "under CUDA graph capture the ranks cannot agree on a larger one: run a batch this size "

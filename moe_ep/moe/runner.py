@@ -19,15 +19,12 @@ from ..ops.buffer import BufferSet, EPBuffer
 from .experts import RowGroups, gated_mlp_rows, use_grouped_mm
 from .rows import (SENTINEL, bits_float, decode_digits, delivered, encode_digits, float_bits, flat_rows,
                    num_digits, row_groups, to_layout)
+from ..core.capture import capturing
 from ..core.tuning import Tuning
 
 FP8 = torch.float8_e4m3fn
 TAG_COLS = 16          # forward side channel: [SENTINEL, tag digits (base 16)], one partial fp8 block
 TAG_BASE, META_BASE = 16, 256
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 class ExpertParallelRunner:
@@ -82,7 +79,7 @@ class ExpertParallelRunner:
         gmm = self._use_gmm(w)
         host = dev.type == "cpu" or not gmm
         num_rows = None
-        if self.layout == "packed" and not _capturing(dev):
+        if self.layout == "packed" and not capturing(dev):
             # sized per call, the layout holds exactly offsets[-1] rows (no second host read)
             per_call = d.buffer.sizes.recv_rows_mode == "per_call"
             num_rows = d.expert_x.shape[0] if per_call else int(d.expert_offsets[-1])

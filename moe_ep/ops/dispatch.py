@@ -13,6 +13,7 @@ from .calls import (Parts, aligned, check_tensor, finish, internode_consts, laun
 from ..kernels.args import DispatchModes, DispatchTiles, Dims, Offsets, constexprs
 from ..kernels.dispatch import node_dispatch_kernel
 from .result import DispatchResult
+from ..core.capture import capturing
 from ..core.workspace import chunking, pow2
 from .sizing import RECV_ROW_ALLOCS
 from ..core.tuning import pipelined_width
@@ -153,7 +154,7 @@ def dispatch(parts: Parts, buffer, x, topk_idx, topk_weights, x_scales: Optional
         # Sized per call: no replays (each call reads its rows on the host); under CUDA graph
         # capture (no host read there) the worst case, allocated once, as with max_recv_rows="worst".
         replay = NO_REPLAY
-        if mem.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if capturing(mem.device):
             _fit(parts, shape.worst_rows)
             sized = False
     tensors = (x, topk_idx, topk_weights) if x_scales is None else (x, topk_idx, topk_weights, x_scales)

@@ -37,6 +37,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..core.capture import capturing
 from ..native.launch import LaunchGraph, LaunchPlan
 from ..native.library import NativeError
 
@@ -210,7 +211,7 @@ class Replay:
         inside a caller's CUDA graph capture: the launches go one by one)."""
         if not self.graph or len(steps) < 2 or not all(isinstance(b, LaunchPlan) for b, _ in steps):
             return None
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if capturing():
             return None  # recorded inside a caller's capture: no graph built there; launched one by one
         try:
             return LaunchGraph([b for b, _ in steps])
