@@ -5,7 +5,8 @@
 
 Across nodes a receive half's programs wait for the proxy's ready word, which lives in pinned host
 memory: every program of the launch loads it in a loop (``moe_ep.internode.mailbox.wait_value``),
-so each look is a read across PCIe. Meanwhile the GPU moves rows to and from pinned host memory
+so each look is a read across PCIe (one per warp until this bench's first run; since then one
+per program, ``mailbox.look_word``). Meanwhile the GPU moves rows to and from pinned host memory
 (over TCP, the send halves write their rows there and the receive halves read the rows the
 transport landed). Under MPS the send halves across nodes took milliseconds where the node path
 took tens of microseconds (docs/performance-log/gpu.md, "Twenty-second pass"); this bench asks
@@ -13,11 +14,11 @@ whether the pollers are why.
 
 Two streams of one process run at once (no time slicing between them): on one, P programs of W
 warps load a pinned host word until the host sets it (every warp loading it, as the kernels'
-waits do now, or one thread of each program, handing it to the others through a reduction);
-on the other, a copy of BYTES between
-device memory and pinned host memory, timed with CUDA events, in both directions (device to host:
-a send half's rows; host to device: a receive half reading landed rows). Prints the copy's GB/s
-for each (P, W) and the pollers' looks per microsecond. One GPU; the numbers are this GPU's PCIe.
+waits did, or one thread of each program handing it to the others, as they do now); on the
+other, a copy of BYTES between device memory and pinned host memory, timed with CUDA events, in
+both directions (device to host: a send half's rows; host to device: a receive half reading
+landed rows). Prints the copy's GB/s for each (P, W) and the pollers' looks per microsecond. One
+GPU; the numbers are this GPU's PCIe.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..internode.mailbox import look_word
 from .args import int_list
 
 PROG = "python -m moe_ep.bench.host_poll"
@@ -37,8 +39,8 @@ POLL_TIMEOUT_NS = 20_000_000_000  # a poller gives up after 20 s (a host that ne
 
 @triton.jit
 def _poll_kernel(flag_ptr, looks_ptr, timeout_ns):
-    """Loads ``flag_ptr`` (pinned host memory) until it is non-zero or ``timeout_ns`` passed, as
-    ``wait_value`` loads the proxy's ready word; stores the looks it made at ``looks_ptr[pid]``."""
+    """Loads ``flag_ptr`` (pinned host memory) until it is non-zero or ``timeout_ns`` passed, every
+    warp loading it (as the kernels' waits did before ``look_word``); stores the looks it made at ``looks_ptr[pid]``."""
     t0 = tl.extra.cuda.globaltimer()
     n = 0
     v = tl.load(flag_ptr, volatile=True)
@@ -51,17 +53,16 @@ def _poll_kernel(flag_ptr, looks_ptr, timeout_ns):
 
 
 @triton.jit
-def _poll_one_kernel(flag_ptr, looks_ptr, timeout_ns, NT: tl.constexpr):
-    """``_poll_kernel`` with one thread of the program loading the word (the element of a
-    one-per-thread tensor that the mask keeps) and a reduction handing it to the others: one
-    read per look for the program instead of one per warp. ``NT``: the program's threads."""
+def _poll_one_kernel(flag_ptr, looks_ptr, timeout_ns):
+    """``_poll_kernel`` looking as the kernels' waits do (``moe_ep.internode.mailbox.look_word``):
+    one thread of the program loads the word and a reduction hands it to the others, one read
+    per look for the program instead of one per warp."""
     t0 = tl.extra.cuda.globaltimer()
-    i = tl.arange(0, NT)
     n = 0
-    v = tl.max(tl.load(flag_ptr + i * 0, mask=i == 0, other=0, volatile=True), axis=0)
+    v = look_word(flag_ptr)
     late = 0
     while (v == 0) & (late == 0):
-        v = tl.max(tl.load(flag_ptr + i * 0, mask=i == 0, other=0, volatile=True), axis=0)
+        v = look_word(flag_ptr)
         n += 1
         late = ((tl.extra.cuda.globaltimer() - t0) > timeout_ns).to(tl.int32)
     tl.store(looks_ptr + tl.program_id(0), n)
@@ -113,7 +114,7 @@ def measure(pollers: int, warps: int, one_thread: bool, direction: str, dev_buf:
     if pollers:
         with torch.cuda.stream(s_poll):
             if one_thread:
-                _poll_one_kernel[(pollers,)](flag, looks, POLL_TIMEOUT_NS, NT=32 * warps, num_warps=warps)
+                _poll_one_kernel[(pollers,)](flag, looks, POLL_TIMEOUT_NS, num_warps=warps)
             else:
                 _poll_kernel[(pollers,)](flag, looks, POLL_TIMEOUT_NS, num_warps=warps)
     with torch.cuda.stream(s_copy):

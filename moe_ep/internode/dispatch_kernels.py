@@ -26,8 +26,8 @@ from ..kernels.dispatch import local_counts, node_dispatch_kernel, selections_be
 from ..kernels.rows import copy_rows, tokens_before
 from ..kernels.tiles import chunk_sum, col, excl, first_on_rank, gather, load_routing, pick
 from .mailbox import (MB_DISP_READY, MB_ERR_CODE, MB_ERR_PEER, MB_HDR_BELL, MB_HDR_READY, MB_OV_DONE, MB_OV_READY,
-                      arrive_and_ring, ov_window, proxy_deadline, ready1, rows_bell, wait_window, wait_word,
-                      window_count)
+                      arrive_and_ring, look_word, look_words, ov_window, proxy_deadline, ready1, rows_bell,
+                      wait_window, wait_word, window_count)
 
 
 @triton.jit
@@ -372,12 +372,12 @@ def internode_dispatch_kernel(
         nb1 = tl.cdiv(n1s, REM.BLOCK_RW)
         nb2 = tl.cdiv(ov0, REM.BLOCK_RW)
         todo = tl.where(remote & (pid < nb1), 1, 0) + tl.where(remote & (pid < nb2), 2, 0)
-        bad = tl.load(mb_ptr + MB_ERR_CODE, volatile=True)
+        bad = look_word(mb_ptr + MB_ERR_CODE)
         late = tl.full([], 0, tl.int32)
         looks = 0
         while (tl.max(todo, axis=0) > 0) & (bad == 0) & (late == 0):
-            up1 = tl.load(mb_ptr + ready1(DIM.R, rr), mask=rr < DIM.R, other=0, volatile=True) >= epoch
-            up2 = tl.load(mb_ptr + ready1(DIM.R, rr) + DIM.R, mask=rr < DIM.R, other=0, volatile=True) >= epoch
+            up1 = look_words(mb_ptr + ready1(DIM.R, 0), DIM.R, REM.BLOCK_R) >= epoch
+            up2 = look_words(mb_ptr + ready1(DIM.R, 0) + DIM.R, DIM.R, REM.BLOCK_R) >= epoch
             go = tl.where(up1, todo & 1, 0) + tl.where(up2, todo & 2, 0)
             if tl.max(go, axis=0) > 0:
                 # one system-scope acquire of each word seen up: what the proxy had received before it
@@ -408,7 +408,7 @@ def internode_dispatch_kernel(
                                     unpack_any(src, im, pick(goff, rr, s) + i, pick(first, rr, s) + i, s, below, eoff,
                                                ee, io, rio, DIM, MODE, TILE, REM)
                 todo = todo - go
-            bad = tl.load(mb_ptr + MB_ERR_CODE, volatile=True)
+            bad = look_word(mb_ptr + MB_ERR_CODE)
             if MODE.INTERP:  # no clock: the proxy's own deadline ends the wait first; `spins` looks bound it
                 looks += 1
                 late = (looks >= spins).to(tl.int32)

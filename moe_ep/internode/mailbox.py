@@ -31,6 +31,28 @@ MB_FIXED = tl.constexpr(12)  # the fixed words; the per-rank arrays follow
 # wait instead, one per LOOK_NS of that (each costs far more there).
 PROXY_GRACE_NS = tl.constexpr(5_000_000_000)
 LOOK_NS = tl.constexpr(1000)
+# Lanes of a look at the mailbox: at least the threads of a program (1024 at most), so each word is
+# one lane held by one thread. A scalar or small-vector load is replicated on every warp, and each
+# copy is a read across PCIe: 66 programs of 16 warps spinning so cut the GPU's copies to and from
+# pinned host memory from 47 to 0.34 GB/s on an H100, one thread per program kept 7 GB/s
+# (moe_ep.bench.host_poll; docs/performance-log/gpu.md, "Twenty-fifth pass").
+LOOK_LANES = tl.constexpr(1024)
+
+
+@triton.jit
+def look_words(ptr, n, BLOCK: tl.constexpr):
+    """``ptr[0:n]`` (host words, ``n <= BLOCK``; 0 beyond), each loaded by one thread of the
+    program, as a ``[BLOCK]`` vector every thread holds (a reduction hands the lanes round)."""
+    lanes = tl.arange(0, LOOK_LANES)
+    v = tl.load(ptr + lanes, mask=lanes < n, other=0, volatile=True)
+    return tl.sum(tl.reshape(v, [LOOK_LANES // BLOCK, BLOCK]), axis=0)  # lanes >= n are 0
+
+
+@triton.jit
+def look_word(ptr):
+    """``ptr[0]`` (a host word), loaded by one thread of the program, as a scalar every thread holds."""
+    lanes = tl.arange(0, LOOK_LANES)
+    return tl.sum(tl.load(ptr + lanes, mask=lanes == 0, other=0, volatile=True), axis=0)
 
 
 @triton.jit
@@ -118,19 +140,19 @@ def wait_value(mb_ptr, word, value, epoch, err_ptr, peer, phase, t0_ns, timeout_
     On a GPU the deadline is ``timeout_ns`` after ``t0_ns`` (``globaltimer``). The interpreter has
     no clock: there the proxy's own deadline (shorter) always ends the wait with its error, and
     ``spins`` looks bound it besides (each look costs far more than a microsecond there)."""
-    v = tl.load(mb_ptr + word, volatile=True)
-    bad = tl.load(mb_ptr + MB_ERR_CODE, volatile=True)
+    v = look_word(mb_ptr + word)
+    bad = look_word(mb_ptr + MB_ERR_CODE)
     if INTERP:
         n = 0
         while (v < value) & (bad == 0) & (n < spins):
-            v = tl.load(mb_ptr + word, volatile=True)
-            bad = tl.load(mb_ptr + MB_ERR_CODE, volatile=True)
+            v = look_word(mb_ptr + word)
+            bad = look_word(mb_ptr + MB_ERR_CODE)
             n += 1
     else:
         late = tl.full([], 0, tl.int32)
         while (v < value) & (bad == 0) & (late == 0):
-            v = tl.load(mb_ptr + word, volatile=True)
-            bad = tl.load(mb_ptr + MB_ERR_CODE, volatile=True)
+            v = look_word(mb_ptr + word)
+            bad = look_word(mb_ptr + MB_ERR_CODE)
             late = ((tl.extra.cuda.globaltimer() - t0_ns) > timeout_ns).to(tl.int32)
     v = tl.atomic_add(mb_ptr + word, 0, sem="acquire", scope="sys")
     ok = (v >= value).to(tl.int32)
