@@ -144,9 +144,13 @@ profiles=()
 mps_start() {  # an MPS daemon of our own (its pipe in /tmp), for the runs until mps_stop
     export CUDA_MPS_PIPE_DIRECTORY=/tmp/moe_ep_mps CUDA_MPS_LOG_DIRECTORY=/tmp/moe_ep_mps_log
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    # a daemon left by a run cut short (a timeout) would refuse this one's start: stop it first
+    echo quit | nvidia-cuda-mps-control >/dev/null 2>&1 && sleep 1 || true
     nvidia-cuda-mps-control -d && sleep 1
+    trap mps_stop EXIT   # a failing step (set -e) stops it too
 }
 mps_stop() {
+    trap - EXIT
     echo quit | nvidia-cuda-mps-control || true
     unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 }
