@@ -1,6 +1,12 @@
 """moe_ep.bench.host_poll on a CPU: its copy kernel moves exactly the words it is given (the
-interpreter), and its arguments are checked, a machine without a GPU refused with a clear line."""
+interpreter), its pollers (GPU only: they read the GPU's clock) compile for sm_90, and its
+arguments are checked, a machine without a GPU refused with a clear line."""
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -22,6 +28,8 @@ def test_copy_kernel_moves_every_word(n, programs):
     (["--warps", "3"], "--warps: expected a comma-separated list of powers of two"),
     (["--iters", "0"], "--iters must be positive"),
     (["--pollers", "x"], "--pollers: expected a comma-separated list"),
+    (["--who", "one thread,sometimes"], "--who: expected a comma-separated list of every warp"),
+    (["--space-ns", "-1"], "--space-ns: expected >= 0"),
     ([], "no CUDA GPU"),
 ])
 def test_arguments_checked(argv, says, capsys):
@@ -31,3 +39,58 @@ def test_arguments_checked(argv, says, capsys):
         host_poll.parse_args(argv)
     assert e.value.code == 2
     assert says in capsys.readouterr().err
+
+
+# Compiles each poller for sm_90 (no GPU needed) and prints, per way of looking, whether each
+# volatile global load of its PTX is predicated. In its own process: this one interprets kernels.
+_COMPILE = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moe_ep.bench import host_poll as h
+ptrs = dict(flag_ptr="*i64", looks_ptr="*i64", timeout_ns="i64")
+kernels = {"every warp": (h._poll_kernel, ptrs), "one thread": (h._poll_one_kernel, ptrs),
+           "one program": (h._poll_leader_kernel, {**ptrs, "mirror_ptr": "*i64"}),
+           "spaced": (h._poll_spaced_kernel, {**ptrs, "space_ns": "i64"})}
+out = {}
+for who, (fn, sig) in kernels.items():
+    sig = {a: sig[a] for a in fn.arg_names}
+    try:
+        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs={}), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": 16})
+    except RuntimeError as e:
+        if "ptxas" in str(e):
+            print(json.dumps({"skip": str(e)}))
+            sys.exit(0)
+        raise
+    assert k.asm["cubin"]
+    out[who] = [ln.strip().startswith("@") for ln in k.asm["ptx"].splitlines() if "ld.volatile.global" in ln]
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled_pollers():
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    if "skip" in got:
+        pytest.skip(got["skip"])
+    return got
+
+
+@pytest.mark.parametrize("who", host_poll.WHO)
+def test_pollers_compile_for_sm90(who, compiled_pollers):
+    """Each way of looking compiles to sm_90 machine code here (the GPU run finds no compile
+    error), and the host word is read by one thread of a program (its loads predicated on the
+    lane) where ``who`` says so, by every thread where it says every warp."""
+    predicated = compiled_pollers[who]
+    if who == "every warp":
+        assert predicated and not any(predicated)  # every thread loads
+    elif who == "one program":  # the host look predicated; the others spin on the device word
+        assert any(predicated) and not all(predicated)
+    else:
+        assert predicated and all(predicated)  # each look one lane's
