@@ -20,6 +20,8 @@
 #                                    # (MOE_EP_NODE_SIZE; the proxy over TCP loopback; ranks share the GPUs)
 #   PROFILE_NODES="2x1 2x2" PROFILE_NODES_ARGS=--fused-internode bash scripts/run_gpu.sh   # one launch an op
 #   PROFILE_NODES="2x1 2x1:--graph-launch=off 2x1:--fused-internode" bash scripts/run_gpu.sh   # arguments per entry
+#   PROFILE_NODES="2x1" PROFILE_TREES=".whl/base" PROFILE_MPS=1 bash scripts/run_gpu.sh   # before / after in one run
+#                                    # (bash scripts/ab_base.sh REV .whl/base makes the other tree; carry it)
 #   NODES_BENCH="2x1" bash scripts/run_gpu.sh   # the decode pair (graph and eager) across 2 nodes of 1
 #   VARIANTS="prefill 32 | fp8 rows | fp8 rows MOE_EP_MAX_CHUNKS=128
 #             decode 132 | fp8 masked" bash scripts/run_gpu.sh   # tuning points, one process per line
@@ -50,6 +52,7 @@ PROFILE=${PROFILE:-}          # rank counts for moe_ep.bench.profile_ops --prese
 PROFILE_MPS=${PROFILE_MPS:-0} # 1: those runs under an MPS daemon started for them (one GPU context for every rank)
 PROFILE_NODES=${PROFILE_NODES:-}  # "NODESxSIZE" entries: profile_ops --preset decode across nodes
 PROFILE_NODES_ARGS=${PROFILE_NODES_ARGS:-}  # more profile_ops arguments for those, e.g. "--fused-internode"
+PROFILE_TREES=${PROFILE_TREES:-}  # other trees (scripts/ab_base.sh) whose PROFILE_NODES runs follow this tree's, entry by entry
 NODES_BENCH=${NODES_BENCH:-}  # "NODESxSIZE" entries: moe_ep.bench.intranode --preset decode across nodes
 COPY_FLOOR=${COPY_FLOOR:-0}   # 1: the copy-floor micro-benchmark (moe_ep.bench.copy_floor) at 7168- and 14336-byte rows
 COPY_FLOOR_ARGS=${COPY_FLOOR_ARGS:-}   # more copy_floor arguments, e.g. "--programs 32,132 --ring-stages 2,4"
@@ -172,16 +175,21 @@ for entry in $PROFILE_NODES; do   # NODESxSIZE, or NODESxSIZE:ARG,ARG (this entr
     nn=${entry%%:*}; eargs=""
     [ "$entry" = "$nn" ] || eargs=$(echo "${entry#*:}" | tr , ' ')
     nodes=${nn%x*}; size=${nn#*x}; r=$(( nodes * size ))
-    plog="$RESULTS/profile_nodes_$(echo "$entry" | tr -c 'A-Za-z0-9x\n' _).log"
-    step "MOE_EP_NODE_SIZE=$size torchrun --nproc-per-node=$r -m moe_ep.bench.profile_ops --preset decode $PROFILE_NODES_ARGS $eargs"
-    # shellcheck disable=SC2086
-    if MOE_EP_NODE_SIZE=$size "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node="$r" \
-            -m moe_ep.bench.profile_ops --preset decode $PROFILE_NODES_ARGS $eargs >"$plog" 2>&1; then
-        grep -E "^== profile_ops|host to issue|host per|device time|graph replay|proxy|    " "$plog" | head -40 || true
-        profiles+=("$entry across nodes$pmps: $(grep -m1 'host to issue' "$plog")")
-    else
-        tail -n 20 "$plog"; profile_rc=1; profiles+=("$entry across nodes$pmps: FAILED")
-    fi
+    for tree in . $PROFILE_TREES; do   # this tree, then each other one in turn (a before / after in one run)
+        tdir=$(cd "$tree" && pwd); tname=""; [ "$tree" = . ] || tname=" [$(basename "$tdir")]"
+        plog="$RESULTS/profile_nodes_$(echo "$entry" | tr -c 'A-Za-z0-9x\n' _)${tname:+_$(basename "$tdir")}.log"
+        step "MOE_EP_NODE_SIZE=$size torchrun --nproc-per-node=$r -m moe_ep.bench.profile_ops --preset decode $PROFILE_NODES_ARGS $eargs$tname"
+        # torchrun -m puts the working directory first on the module path: each run imports its tree's moe_ep
+        # shellcheck disable=SC2086
+        if (cd "$tdir" && MOE_EP_NODE_SIZE=$size PYTHONPATH="$tdir" "$PYTHON" -m torch.distributed.run --standalone \
+                --nproc-per-node="$r" -m moe_ep.bench.profile_ops --preset decode $PROFILE_NODES_ARGS $eargs) >"$plog" 2>&1; then
+            grep -E "^== profile_ops|host to issue|host per|device time|graph replay|proxy|    " "$plog" | head -40 || true
+            profiles+=("$entry across nodes$pmps$tname: $(grep -m1 'host to issue' "$plog")")
+            profiles+=("   $(grep -m1 'wall per pair' "$plog" | sed 's/;.*//' || true)")
+        else
+            tail -n 20 "$plog"; profile_rc=1; profiles+=("$entry across nodes$pmps$tname: FAILED")
+        fi
+    done
 done
 if [ -n "$pmps" ]; then mps_stop; fi
 
