@@ -433,6 +433,17 @@ def _fast_path_checks_worker(rank, world_size):
     buf.close()
     refused("dispatch of a closed buffer", lambda: buf.dispatch(x, idx, w), RuntimeError, "closed")
     refused("check_usable of a closed buffer", buf.check_usable, RuntimeError, "closed")
+    # A proxy error word with no proxy record behind it (none here: one node) is raised with the
+    # whole record, so that whoever reads it can tell what the kernel saw.
+    with make_buffer(group, case, 20.0) as other:
+        other.parts.memory.err[:5] = torch.tensor([4, 1, 1, 9, 5])  # code PROXY, peer 1, combine, epoch 9, detail 5
+        try:
+            other.check_usable()
+            log.append("a proxy error word without its record: did not raise")
+        except RuntimeError as exc:
+            missing = [w for w in ("rank 0", "error code 4", "peer 1", "combine epoch 9", "detail 5") if w not in str(exc)]
+            if missing:
+                log.append(f"a proxy error word without its record: {exc!r} does not name {missing}")
     return log
 
 

@@ -256,7 +256,10 @@ class Parts:
                 self.memory.remote.check()
             except Exception as exc:  # noqa: BLE001
                 return exc
-        return RuntimeError(f"moe_ep kernel error code {code}")
+        # (ERR_PROXY with no proxy record: the kernel saw an error word the proxy had not raised)
+        return RuntimeError(f"rank {self.rank}: a kernel recorded error code {code} "
+                            f"naming peer {peer} in {phase_name} epoch {epoch}, detail {detail}, with no matching "
+                            f"record of its own on the host")
 
 
 # ----------------------------------------------------------------------------- input checks
